@@ -1,0 +1,93 @@
+"""Attention: RMSNorm, RoPE, grouped-query attention with per-head q/k RMSNorm, KV cache.
+
+Letters: B batch, T new tokens, S key slots (T without a cache, the cache length with
+one), D model, H query heads, G = H / kv heads, Dh head width.
+
+Slots and positions are different things. A slot is an index into the sequence buffer
+(left padding occupies the first slots); a position is the RoPE position, counted over
+real tokens only (position = number of real tokens before this one). So a prompt gives
+the same activations whatever its left padding, and padding never shifts RoPE.
+
+Masking: query slot i attends to key slot j iff j ≤ i and key j is a real token. Masked
+scores get the most negative float32 rather than −inf, so a query with no real key
+(a padding slot) yields a finite, unused output instead of NaN.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from stablerl_jax.model import numerics as nx
+
+_NEG = jnp.finfo(jnp.float32).min
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x²) + eps) · scale, computed in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split convention (HF Qwen3 `rotate_half`), in float32."""
+    half = x_BxTxHxDh.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BxTx1xF = (positions_BxT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+    cos, sin = jnp.cos(angle_BxTx1xF), jnp.sin(angle_BxTx1xF)
+    x = x_BxTxHxDh.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxHxDh.dtype)
+
+
+def positions_from_mask(mask_BxT: jax.Array, offset_B: jax.Array | None = None) -> jax.Array:
+    """RoPE positions: real tokens counted from 0 (plus `offset_B`, the real tokens
+    already in a KV cache). Padding slots get a harmless neighbouring position."""
+    pos = jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
+    return pos if offset_B is None else pos + offset_B[:, None]
+
+
+def _proj(eq, x, w, numerics, dtype):
+    x = nx.act_quant(x, numerics).astype(dtype)
+    return jnp.einsum(eq, x, w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
+              query_slots_T: jax.Array, cfg, numerics: nx.Numerics, dtype,
+              cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None):
+    """One attention block (no residual). Returns (out_BxTxD, (k, v) to store).
+
+    Without a cache, keys are this call's tokens (S = T). With `cache_kv` =
+    (k_BxSxKVxDh, v_BxSxKVxDh), this call's keys/values are written at slots
+    [cache_index, cache_index + T) and attention runs over all S slots.
+    """
+    b, t, _ = x_BxTxD.shape
+    kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    q = _proj("btd,dhk->bthk", x_BxTxD, p["wq"], numerics, dtype)
+    k = _proj("btd,dhk->bthk", x_BxTxD, p["wk"], numerics, dtype)
+    v = _proj("btd,dhk->bthk", x_BxTxD, p["wv"], numerics, dtype)
+    q = rope(rms_norm(q, p["q_norm"], cfg.norm_eps), positions_BxT, cfg.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], cfg.norm_eps), positions_BxT, cfg.rope_theta)
+    if cache_kv is not None:
+        k_all = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype),
+                                                    cache_index, 1)
+        v_all = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype),
+                                                    cache_index, 1)
+        stored = (k_all, v_all)
+    else:
+        k_all, v_all = k, v
+        stored = (k, v)
+    s = k_all.shape[1]
+    q = q.reshape(b, t, kv_heads, group, cfg.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_all.astype(dtype),
+                        preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+    allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
+        key_mask_BxS[:, None, :].astype(bool))
+    scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs, v_all.astype(dtype),
+                   preferred_element_type=jnp.float32).astype(dtype)
+    o = o.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    out = _proj("bthk,hkd->btd", o, p["wo"], numerics, dtype)
+    return out, stored

@@ -1,0 +1,165 @@
+"""Mixture-of-Experts: routing with optional replay, and the SwiGLU expert FFN.
+
+Letters: T tokens, D model, E experts, K top-k, F expert FFN width,
+P rows of the sorted-and-padded buffer (a multiple of the tile size).
+
+Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32, top-k,
+weights renormalized over the k chosen (`norm_topk_prob`). Routing Replay passes the
+expert *indices* to use instead of the top-k; the weights are still gathered from the
+live full softmax, so the router receives gradient for replayed experts even when they
+are not in its current top-k.
+
+Two dispatch paths compute the same function, chosen by argument:
+- `experts_dense`: every expert on every token, combined with one-hot weights. The
+  reference: obviously right, E/K times the FLOPs.
+- `experts_grouped`: dropless. Token–expert pairs are sorted by expert, each expert's
+  group is padded to a multiple of the tile, and a grouped matmul (`gmm`) runs the tiles
+  of each expert against that expert's weights. No token is ever dropped: a capacity
+  limit would make the trainer's function differ from the sampler's, which is exactly the
+  mismatch this project studies.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablerl_jax.model.gmm import gmm as _gmm_loop
+
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
+"""gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile) -> PxF, rows sorted by group, each group
+a multiple of `tile` rows. A Pallas grouped matmul (megablox / tokamax gmm) has this shape
+and plugs in through the `gmm` argument of `experts_grouped`."""
+
+
+def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
+                    num_experts: int) -> None:
+    """Raise ValueError for a replay tensor that cannot be a recorded route.
+
+    Shape and dtype are always checked. Values are checked when the array is concrete
+    (outside jit); under jit, `route` turns invalid rows into NaN weights instead, so a
+    bad replay is never silently used (the trainer skips non-finite updates).
+    """
+    want = tuple(num_tokens_shape) + (k,)
+    if tuple(replay_TxK.shape) != want:
+        raise ValueError(f"replay: shape {tuple(replay_TxK.shape)} must be {want} "
+                         "(tokens..., top_k); pass the routes recorded for this batch")
+    if not jnp.issubdtype(replay_TxK.dtype, jnp.integer):
+        raise ValueError(f"replay: dtype {replay_TxK.dtype} must be an integer type "
+                         "(int32 expert indices, -1 for 'route normally')")
+    if isinstance(replay_TxK, jax.core.Tracer):
+        return
+    r = np.asarray(replay_TxK).reshape(-1, k)
+    if r.size and (r.min() < -1 or r.max() >= num_experts):
+        raise ValueError(f"replay: values must be in [-1, {num_experts - 1}] "
+                         f"(num_experts={num_experts}), got min={r.min()} max={r.max()}")
+    recorded = r >= 0
+    mixed = recorded.any(-1) & ~recorded.all(-1)
+    if mixed.any():
+        raise ValueError("replay: a token's K entries must be all -1 (route normally) or all "
+                         f"recorded experts; {int(mixed.sum())} token(s) mix both")
+    srt = np.sort(r, axis=-1)
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if dup.any():
+        raise ValueError(f"replay: {int(dup.any(-1).sum())} token(s) repeat an expert; "
+                         "recorded routes hold K distinct experts")
+
+
+def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = None):
+    """Choose K experts per token and their mixing weights.
+
+    probs = softmax(logits) over all E (float32);
+    idx   = top_k(probs) if replay is None, else replay (rows of -1: top_k for that token);
+    w     = probs[idx] / Σ_k probs[idx].
+
+    Leading dims before E are arbitrary (T or B×T). Returns (idx int32 [...,K],
+    weights float32 [...,K], probs float32 [...,E]).
+    """
+    num_experts = router_logits_TxE.shape[-1]
+    if not 0 < k <= num_experts:
+        raise ValueError(f"route: k={k} must be in [1, num_experts={num_experts}]")
+    probs_TxE = jax.nn.softmax(router_logits_TxE.astype(jnp.float32), axis=-1)
+    _, idx_TxK = jax.lax.top_k(probs_TxE, k)
+    bad_T = None
+    if replay_TxK is not None:
+        validate_replay(replay_TxK, router_logits_TxE.shape[:-1], k, num_experts)
+        replay_TxK = replay_TxK.astype(jnp.int32)
+        use_T = jnp.all(replay_TxK >= 0, axis=-1, keepdims=True)
+        idx_TxK = jnp.where(use_T, replay_TxK, idx_TxK)
+        bad_T = jnp.any((replay_TxK < -1) | (replay_TxK >= num_experts), axis=-1,
+                        keepdims=True)
+    w_TxK = jnp.take_along_axis(probs_TxE, idx_TxK, axis=-1)
+    w_TxK = w_TxK / jnp.sum(w_TxK, axis=-1, keepdims=True)
+    if bad_T is not None:
+        w_TxK = jnp.where(bad_T, jnp.nan, w_TxK)
+    return idx_TxK.astype(jnp.int32), w_TxK, probs_TxE
+
+
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def experts_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    """Reference: y = Σ_e c_te · FFN_e(x_t), c = one-hot(idx)·w summed over k."""
+    dt = x_TxD.dtype
+    num_experts = w_gate_ExDxF.shape[0]
+    combine_TxE = jnp.einsum("tke,tk->te", jax.nn.one_hot(idx_TxK, num_experts), w_TxK)
+    gate = jnp.einsum("td,edf->tef", x_TxD, w_gate_ExDxF, preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,edf->tef", x_TxD, w_up_ExDxF, preferred_element_type=jnp.float32)
+    h_TxExF = (_swiglu(gate, up) * combine_TxE[..., None]).astype(dt)
+    y = jnp.einsum("tef,efd->td", h_TxExF, w_down_ExFxD, preferred_element_type=jnp.float32)
+    return y.astype(dt)
+
+
+def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
+    """Static size P of the sorted buffer: Σ_e ceil(n_e/tile)·tile ≤ TK + E·(tile−1)."""
+    worst = num_assignments + num_experts * (tile - 1)
+    return -(-worst // tile) * tile
+
+
+def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+                    tile: int = 64, gmm: GroupedMatmul = _gmm_loop):
+    """Dropless grouped dispatch; equal to `experts_dense` up to float reassociation."""
+    num_tokens, k = idx_TxK.shape
+    num_experts = w_gate_ExDxF.shape[0]
+    dt = x_TxD.dtype
+    expert_A = idx_TxK.reshape(-1)                       # A = T·K assignments
+    order_A = jnp.argsort(expert_A, stable=True)         # sorted slot -> assignment
+    sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+    padded_E = (sizes_E + tile - 1) // tile * tile
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    padded_start_E = jnp.cumsum(padded_E) - padded_E
+    sorted_expert_A = expert_A[order_A]
+    rank_A = jnp.arange(expert_A.shape[0]) - start_E[sorted_expert_A]
+    dest_A = padded_start_E[sorted_expert_A] + rank_A    # row of each sorted slot
+    rows = padded_rows(expert_A.shape[0], num_experts, tile)
+    x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[dest_A].set(
+        x_TxD[order_A // k], unique_indices=True)
+    gate = gmm(x_PxD, w_gate_ExDxF, padded_E, tile)
+    up = gmm(x_PxD, w_up_ExDxF, padded_E, tile)
+    h_PxF = _swiglu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dt)
+    y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile)
+    row_of_assignment_A = jnp.zeros_like(dest_A).at[order_A].set(dest_A, unique_indices=True)
+    y_TxKxD = y_PxD[row_of_assignment_A].reshape(num_tokens, k, -1)
+    y = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), w_TxK)
+    return y.astype(dt)
+
+
+def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):
+    """Load fraction per expert, router z-loss and Switch load-balancing loss (masked).
+
+    load_E = fraction of the K·T routed slots that went to e; importance_E = mean prob;
+    balance = E · Σ_e load_E · importance_E (= 1 when uniform); z = mean logsumexp(logits)².
+    """
+    num_experts = probs_TxE.shape[-1]
+    m_T = mask_T.astype(jnp.float32)
+    n = jnp.maximum(m_T.sum(), 1.0)
+    counts_E = jnp.einsum("tke,t->e", jax.nn.one_hot(idx_TxK, num_experts), m_T)
+    load_E = counts_E / (n * idx_TxK.shape[-1])
+    importance_E = jnp.einsum("te,t->e", probs_TxE, m_T) / n
+    balance = num_experts * jnp.sum(load_E * importance_E)
+    lse_T = jax.nn.logsumexp(router_logits_TxE.astype(jnp.float32), axis=-1)
+    z = jnp.sum(m_T * lse_T**2) / n
+    return load_E, z, balance

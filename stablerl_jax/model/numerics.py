@@ -1,0 +1,152 @@
+"""Numerics policies: how a forward pass computes, so one engine can differ from another.
+
+The training path runs the "train" policy. The sampling path (the inference engine) runs
+one of the inference presets, which reproduce the kinds of numerical differences a real
+inference engine has from the trainer for the *same* weights:
+
+| preset | weights                              | activations | router logits |
+|--------|--------------------------------------|-------------|---------------|
+| train  | model param dtype                    | cfg dtype   | float32       |
+| exact  | same as train (sanity baseline)      | cfg dtype   | float32       |
+| bf16   | bfloat16                             | bfloat16    | bfloat16      |
+| fp8    | e4m3, per-output-channel scales      | bfloat16    | bfloat16      |
+
+Knobs on top of any preset: `act_fp8` (per-token e4m3 quantization of every matmul input)
+and `router_noise_std` (seeded Gaussian noise on router logits) sweep the mismatch.
+
+FP8 is simulated by quantize→dequantize: the stored value is exactly an e4m3 number times
+its channel scale, so the rounding error is the real one; the matmul then runs in
+bfloat16 with float32 accumulation, as FP8 GEMMs on accelerators accumulate in wider
+precision. Embedding, unembedding, router and norms stay in bfloat16/float32, as FP8
+inference engines keep them.
+
+Letters: B batch, T tokens, D model, E experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from stablerl_jax.config import check, dtype_of
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+# Contraction (input) axes of each stacked layer weight; scales are per output channel,
+# i.e. one scale for every index of the remaining axes.
+_QUANT_AXES = {
+    "wq": (1,), "wk": (1,), "wv": (1,), "wo": (1, 2),
+    "w_gate": (2,), "w_up": (2,), "w_down": (2,),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """How a forward pass computes.
+
+    Attributes:
+      name: preset name (for logs).
+      weights: 'native' (params as stored), 'bf16', or 'fp8' (e4m3, per-channel scale).
+      compute_dtype: activation dtype; None means the model config's compute_dtype.
+      router_dtype: dtype of the router matmul; None means compute dtype.
+        The softmax over experts is always float32.
+      act_fp8: quantize each matmul input per token to e4m3 (plus scale).
+      router_noise_std: std of Gaussian noise added to router logits (0 = off).
+      noise_seed: seed of that noise. The noise of a token depends only on
+        (seed, layer, position, token id), so it is identical in prefill and decode and
+        independent of the other rows of the batch.
+    """
+
+    name: str = "train"
+    weights: str = "native"
+    compute_dtype: str | None = None
+    router_dtype: str | None = "float32"
+    act_fp8: bool = False
+    router_noise_std: float = 0.0
+    noise_seed: int = 0
+
+    def __post_init__(self):
+        check(self.weights in ("native", "bf16", "fp8"), "weights",
+              f"must be 'native', 'bf16' or 'fp8', got {self.weights!r}")
+        for f in ("compute_dtype", "router_dtype"):
+            v = getattr(self, f)
+            check(v is None or v in ("float32", "bfloat16", "float16"), f,
+                  f"must be None or a float dtype name, got {v!r}")
+        check(self.router_noise_std >= 0, "router_noise_std",
+              f"must be >= 0, got {self.router_noise_std}")
+
+    def replace(self, **kw) -> "Numerics":
+        return dataclasses.replace(self, **kw)
+
+
+PRESETS = {
+    "train": Numerics("train"),
+    "exact": Numerics("exact"),
+    "bf16": Numerics("bf16", weights="bf16", compute_dtype="bfloat16", router_dtype="bfloat16"),
+    "fp8": Numerics("fp8", weights="fp8", compute_dtype="bfloat16", router_dtype="bfloat16"),
+}
+TRAIN = PRESETS["train"]
+
+
+def preset(name: str, **overrides) -> Numerics:
+    """A named preset, optionally with knobs overridden (e.g. router_noise_std=0.01)."""
+    if name not in PRESETS:
+        raise ValueError(f"numerics preset: unknown {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):
+    return dtype_of(numerics.compute_dtype or cfg_compute_dtype)
+
+
+def fake_quant_e4m3(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """Round x to e4m3 with one float32 scale per slice over `axes`; returns float32.
+
+    Scale = amax / 448 so the largest element maps to e4m3's largest finite value.
+    """
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (x32 / scale).astype(jnp.float8_e4m3fn)
+    return q.astype(jnp.float32) * scale
+
+
+def prepare_params(params: dict, numerics: Numerics) -> dict:
+    """The weights as this engine holds them. Identity for 'native'.
+
+    Called once per rollout (outside the decode loop), as an inference engine converts
+    its weights once at load time.
+    """
+    if numerics.weights == "native":
+        return params
+    bf16 = lambda a: a.astype(jnp.bfloat16)
+    out = jax.tree.map(bf16, params)
+    if numerics.weights == "fp8":
+        layers = dict(out["layers"])
+        for name, axes in _QUANT_AXES.items():
+            layers[name] = bf16(fake_quant_e4m3(params["layers"][name], axes))
+        out["layers"] = layers
+    return out
+
+
+def act_quant(x_TxD: jax.Array, numerics: Numerics) -> jax.Array:
+    """Per-token e4m3 quantization of a matmul input when `act_fp8` is on."""
+    if not numerics.act_fp8:
+        return x_TxD
+    return fake_quant_e4m3(x_TxD, (-1,)).astype(x_TxD.dtype)
+
+
+def router_noise(numerics: Numerics, layer: jax.Array, positions_BxT: jax.Array,
+                 tokens_BxT: jax.Array, num_experts: int) -> jax.Array:
+    """Seeded N(0, std²) noise on router logits, [B, T, E] float32, or 0.0 when off."""
+    if numerics.router_noise_std == 0.0:
+        return jnp.zeros((), jnp.float32)
+    base = jax.random.fold_in(jax.random.key(numerics.noise_seed), layer)
+
+    def one(pos, tok):
+        k = jax.random.fold_in(jax.random.fold_in(base, pos), tok)
+        return jax.random.normal(k, (num_experts,), jnp.float32)
+
+    noise = jax.vmap(jax.vmap(one))(positions_BxT, tokens_BxT)
+    return numerics.router_noise_std * noise

@@ -1,0 +1,208 @@
+"""The Qwen3-MoE style decoder as pure functions over a params pytree.
+
+Letters: B batch, T tokens, S cache slots, D model, H heads, Dh head width, E experts,
+K top-k, F expert FFN width, V vocab, L layers.
+
+    tokens ─ embed ─▶ L × [ RMSNorm → GQA attention (RoPE, q/k RMSNorm) → +residual
+                            RMSNorm → router softmax → top-k (or replay) → SwiGLU experts
+                            → +residual ] ─▶ RMSNorm ─▶ hidden_BxTxD
+
+Per-layer weights are stacked on a leading L axis and the decoder is one `lax.scan` over
+layers; the replay tensor `replay_LxBxTxK` and the KV cache are scanned alongside, so
+Routing Replay works with scanned and rematerialized layers alike.
+
+`forward` returns hidden states, not logits: log-probs are computed from them by a fused
+op that never builds [B, T, V] logits (stablerl_jax/logprobs.py). `logits` exists for
+sampling and tests.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablerl_jax.config import ModelConfig, dtype_of
+from stablerl_jax.model import moe
+from stablerl_jax.model import numerics as nx
+from stablerl_jax.model.attention import attention, positions_from_mask, rms_norm
+
+
+def _shapes(cfg: ModelConfig) -> dict:
+    L, D, H, KV, Dh = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E, F = cfg.num_experts, cfg.expert_ffn_dim
+    return {
+        "attn_norm": ((L, D), ("layers", "norm")),
+        "wq": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "wk": ((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+        "q_norm": ((L, Dh), ("layers", "norm")),
+        "k_norm": ((L, Dh), ("layers", "norm")),
+        "mlp_norm": ((L, D), ("layers", "norm")),
+        "router": ((L, D, E), ("layers", "embed", "router_experts")),
+        "w_gate": ((L, E, D, F), ("layers", "experts", "embed", "mlp")),
+        "w_up": ((L, E, D, F), ("layers", "experts", "embed", "mlp")),
+        "w_down": ((L, E, F, D), ("layers", "experts", "mlp", "embed")),
+    }
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """The params tree with a tuple of logical axis names in place of each array."""
+    axes = {"embed": ("vocab", "embed"), "final_norm": ("norm",),
+            "layers": {k: a for k, (_, a) in _shapes(cfg).items()}}
+    if not cfg.tie_embeddings:
+        axes["unembed"] = ("embed", "vocab")
+    return axes
+
+
+def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
+    """Normal(0, init_std) matrices (output projections scaled by 1/√(2L)), unit norms."""
+    dtype = dtype_of(cfg.param_dtype)
+    shapes = _shapes(cfg)
+    keys = dict(zip(list(shapes) + ["embed", "unembed"], jax.random.split(key, len(shapes) + 2)))
+    out_scale = (2 * cfg.num_layers) ** -0.5
+
+    def init(name, shape):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        std = cfg.init_std * (out_scale if name in ("wo", "w_down") else 1.0)
+        return (std * jax.random.normal(keys[name], shape, jnp.float32)).astype(dtype)
+
+    params = {
+        "embed": init("embed", (cfg.vocab_size, cfg.d_model)),
+        "final_norm": jnp.ones((cfg.d_model,), dtype),
+        "layers": {name: init(name, shape) for name, (shape, _) in shapes.items()},
+    }
+    if not cfg.tie_embeddings:
+        params["unembed"] = init("unembed", (cfg.d_model, cfg.vocab_size))
+    return params
+
+
+def unembed_matrix(params: dict, cfg: ModelConfig) -> jax.Array:
+    """The D×V output projection (the transposed embedding when tied)."""
+    return params["embed"].T if cfg.tie_embeddings else params["unembed"]
+
+
+def logits(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Float32 logits (accumulated in float32 from hidden's dtype)."""
+    w = unembed_matrix(params, cfg).astype(hidden_BxTxD.dtype)
+    return jnp.einsum("btd,dv->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """An empty KV cache of `length` slots: k/v [L, B, S, KV, Dh], slot mask, write index."""
+    if length > cfg.max_seq_len:
+        raise ValueError(f"cache length {length} exceeds max_seq_len={cfg.max_seq_len}; "
+                         "raise ModelConfig.max_seq_len or shorten prompt + max_new_tokens")
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+            "mask": jnp.zeros((batch, length), bool), "index": jnp.zeros((), jnp.int32)}
+
+
+def _check_inputs(tokens_BxT, cfg, replay, mask):
+    if tokens_BxT.ndim != 2 or not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
+        raise ValueError(f"tokens: must be an integer [B, T] array, got shape "
+                         f"{tokens_BxT.shape} dtype {tokens_BxT.dtype}")
+    if not isinstance(tokens_BxT, jax.core.Tracer):
+        t = np.asarray(tokens_BxT)
+        if t.size and (t.min() < 0 or t.max() >= cfg.vocab_size):
+            raise ValueError(f"tokens: ids must be in [0, vocab_size={cfg.vocab_size}), got "
+                             f"min={t.min()} max={t.max()}")
+    if mask is not None and mask.shape != tokens_BxT.shape:
+        raise ValueError(f"attention_mask: shape {mask.shape} must equal tokens shape "
+                         f"{tokens_BxT.shape}")
+    if replay is not None:
+        moe.validate_replay(replay, (cfg.num_layers,) + tokens_BxT.shape, cfg.top_k,
+                            cfg.num_experts)
+
+
+def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
+            attention_mask_BxT: jax.Array | None = None,
+            positions_BxT: jax.Array | None = None,
+            replay_LxBxTxK: jax.Array | None = None,
+            numerics: nx.Numerics = nx.TRAIN,
+            cache: dict | None = None,
+            gmm: moe.GroupedMatmul | None = None):
+    """Run the decoder. Returns (hidden_BxTxD, aux).
+
+    Args:
+      attention_mask_BxT: True for real tokens (default: all real). Padding never
+        influences real positions.
+      positions_BxT: RoPE positions (default: counted over real tokens).
+      replay_LxBxTxK: expert indices to use instead of the router's top-k; a token whose
+        K entries are -1 is routed normally.
+      numerics: how to compute (the training path uses the default "train").
+      cache: KV cache from `init_cache`; this call's tokens are written at its index.
+      gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"`.
+
+    aux: routes [L,B,T,K] int32 (the experts used), expert_load [L,E], router_z_loss [L],
+    load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
+    """
+    _check_inputs(tokens_BxT, cfg, replay_LxBxTxK, attention_mask_BxT)
+    b, t = tokens_BxT.shape
+    dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
+    router_dtype = dtype_of(numerics.router_dtype) if numerics.router_dtype else dtype
+    mask_BxT = (jnp.ones((b, t), bool) if attention_mask_BxT is None
+                else attention_mask_BxT.astype(bool))
+    if cache is None:
+        key_mask_BxS, slots_T, index = mask_BxT, jnp.arange(t), None
+        offset_B = None
+    else:
+        index = cache["index"]
+        key_mask_BxS = jax.lax.dynamic_update_slice_in_dim(cache["mask"], mask_BxT, index, 1)
+        slots_T = index + jnp.arange(t)
+        offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
+    if positions_BxT is None:
+        positions_BxT = positions_from_mask(mask_BxT, offset_B)
+    experts = _experts_fn(cfg, gmm)
+
+    def layer(x_BxTxD, xs):
+        p, layer_idx, replay_BxTxK, kv = xs
+        h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
+        a, stored = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics,
+                              dtype, kv, index)
+        x_BxTxD = x_BxTxD + a
+        h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
+        router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),
+                                   p["router"].astype(router_dtype),
+                                   preferred_element_type=jnp.float32)
+        router_logits = router_logits + nx.router_noise(numerics, layer_idx, positions_BxT,
+                                                        tokens_BxT, cfg.num_experts)
+        replay_TxK = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
+        idx_TxK, w_TxK, probs_TxE = moe.route(router_logits.reshape(b * t, -1), cfg.top_k,
+                                              replay_TxK)
+        h_TxD = nx.act_quant(h.reshape(b * t, -1), numerics)
+        y = experts(h_TxD, idx_TxK, w_TxK, p["w_gate"].astype(dtype),
+                    p["w_up"].astype(dtype), p["w_down"].astype(dtype))
+        x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
+        load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, router_logits.reshape(b * t, -1),
+                                              mask_BxT.reshape(-1))
+        ys = (idx_TxK.reshape(b, t, -1), load_E, z, balance, stored if kv is not None else None)
+        return x_BxTxD, ys
+
+    if cfg.remat:
+        layer = jax.checkpoint(layer, prevent_cse=False)
+    kv = None if cache is None else (cache["k"], cache["v"])
+    xs = (params["layers"], jnp.arange(cfg.num_layers), replay_LxBxTxK, kv)
+    x = params["embed"][tokens_BxT].astype(dtype)
+    x, (routes, load, z, balance, stored) = jax.lax.scan(layer, x, xs)
+    hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    aux = {
+        "routes": routes,
+        "expert_load": load,
+        "router_z_loss": z,
+        "load_balance_loss": balance,
+        "router_loss": (cfg.router_z_loss_weight * jnp.mean(z)
+                        + cfg.router_aux_loss_weight * jnp.mean(balance)),
+    }
+    if cache is not None:
+        aux["cache"] = {"k": stored[0], "v": stored[1], "mask": key_mask_BxS,
+                        "index": index + t}
+    return hidden_BxTxD, aux
+
+
+def _experts_fn(cfg: ModelConfig, gmm):
+    if cfg.dispatch == "dense":
+        return moe.experts_dense
+    kw = {"tile": cfg.moe_tile} | ({"gmm": gmm} if gmm is not None else {})
+    return lambda *a: moe.experts_grouped(*a, **kw)

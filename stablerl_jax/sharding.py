@@ -1,0 +1,86 @@
+"""Device mesh and the one table that maps logical axis names to mesh axes.
+
+Mesh axes: `data` (pure data parallel), `fsdp` (data parallel + parameter sharding),
+`expert` (expert parallel). Model code names only logical axes (see
+`transformer.param_logical_axes`); this module alone knows the mesh.
+
+Letters: B batch, T tokens, L layers.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+# Batch is split over every data-parallel axis; parameters are split over fsdp along
+# their model dimension and over expert along the expert dimension.
+RULES = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "experts": "expert",
+    "vocab": None,
+    "layers": None,
+    "heads": None,
+    "kv_heads": None,
+    "head_dim": None,
+    "mlp": None,
+    "norm": None,
+    "router_experts": None,
+    "seq": None,
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, expert) mesh with Auto axes (the compiler propagates shardings)."""
+    devices = jax.devices() if devices is None else devices
+    want = data * fsdp * expert
+    if want != len(devices):
+        raise ValueError(f"mesh: data*fsdp*expert = {data}*{fsdp}*{expert} = {want} must equal "
+                         f"the number of devices ({len(devices)}); change the mesh shape")
+    return jax.make_mesh((data, fsdp, expert), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def spec(logical: tuple, shape: tuple, mesh: Mesh, rules: dict = RULES) -> P:
+    """PartitionSpec for one array; a dim whose size the mesh axes don't divide is replicated."""
+    parts = []
+    for name, size in zip(logical, shape):
+        if name not in rules:
+            raise KeyError(f"sharding rules: no entry for logical axis {name!r}; add it to RULES")
+        axes = rules[name]
+        if axes is not None:
+            axes_t = axes if isinstance(axes, tuple) else (axes,)
+            if size % math.prod(mesh.shape[a] for a in axes_t):
+                axes = None
+        parts.append(axes)
+    return P(*parts)
+
+
+def tree_shardings(logical_tree, arrays, mesh: Mesh, rules: dict = RULES):
+    """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given its logical axes."""
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+    return jax.tree.map(lambda axes, a: NamedSharding(mesh, spec(axes, a.shape, mesh, rules)),
+                        logical_tree, arrays, is_leaf=is_axes)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules: dict = RULES) -> NamedSharding:
+    """Leading (batch) axis split over the data-parallel axes; the rest replicated."""
+    return NamedSharding(mesh, P(rules["batch"], *([None] * (ndim - 1))))
+
+
+def routes_sharding(mesh: Mesh, rules: dict = RULES) -> NamedSharding:
+    """[L, B, T, K] route tensors: batch is their second axis."""
+    return NamedSharding(mesh, P(None, rules["batch"], None, None))
+
+
+def shard_params(params, logical_tree, mesh: Mesh, rules: dict = RULES):
+    return jax.device_put(params, tree_shardings(logical_tree, params, mesh, rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
