@@ -1,0 +1,115 @@
+"""Routing with replay, and the two dispatch paths, on hand-worked and random inputs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stablerl_jax.model import moe
+
+# probs [.1 .2 .3 .4] and [.5 .125 .125 .25]: top-2 and its renormalized weights by hand.
+LOGITS = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0], [4.0, 1.0, 1.0, 2.0]]))
+
+
+def test_route_top_k_by_hand():
+    idx, w, probs = moe.route(LOGITS, 2)
+    np.testing.assert_array_equal(idx, [[3, 2], [0, 3]])
+    np.testing.assert_allclose(w, [[4 / 7, 3 / 7], [2 / 3, 1 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(probs[1], [0.5, 0.125, 0.125, 0.25], rtol=1e-6)
+    assert idx.dtype == jnp.int32
+
+
+def test_route_replay_by_hand_with_minus_one_rows():
+    replay = jnp.array([[0, 1], [-1, -1]], jnp.int32)
+    idx, w, _ = moe.route(LOGITS, 2, replay)
+    np.testing.assert_array_equal(idx, [[0, 1], [0, 3]])  # token 1 routed normally
+    np.testing.assert_allclose(w, [[1 / 3, 2 / 3], [2 / 3, 1 / 3]], rtol=1e-6)
+
+
+def test_router_gradient_reaches_replayed_expert_outside_top_k():
+    # Experts 0 and 1 are not in token 0's top-2; replaying them, w_1 = σ(l1 − l0),
+    # so ∂w_1/∂l1 = w_1 (1 − w_1) = 2/9 and ∂w_1/∂l0 = −2/9, others 0.
+    replay = jnp.array([[0, 1], [-1, -1]], jnp.int32)
+    g = jax.grad(lambda l: moe.route(l, 2, replay)[1][0, 1])(LOGITS)
+    np.testing.assert_allclose(g[0], [-2 / 9, 2 / 9, 0.0, 0.0], atol=1e-6)
+    assert float(jnp.abs(g[1]).max()) == 0.0
+
+
+@pytest.mark.parametrize("replay,match", [
+    (jnp.zeros((2, 3), jnp.int32), "shape"),
+    (jnp.zeros((2, 2), jnp.float32), "dtype"),
+    (jnp.array([[0, 4], [1, 2]], jnp.int32), "values must be in"),
+    (jnp.array([[0, -2], [1, 2]], jnp.int32), "values must be in"),
+    (jnp.array([[0, -1], [1, 2]], jnp.int32), "mix both"),
+    (jnp.array([[1, 1], [1, 2]], jnp.int32), "repeat an expert"),
+])
+def test_invalid_replay_is_a_clear_error(replay, match):
+    with pytest.raises(ValueError, match=match):
+        moe.route(LOGITS, 2, replay)
+
+
+def test_invalid_replay_under_jit_poisons_weights():
+    # Values cannot be checked while tracing; a bad row must not pass silently.
+    bad = jnp.array([[0, 7], [-1, -1]], jnp.int32)
+    _, w, _ = jax.jit(lambda r: moe.route(LOGITS, 2, r))(bad)
+    assert np.isnan(w[0]).all() and np.isfinite(w[1]).all()
+
+
+def test_route_k_error():
+    with pytest.raises(ValueError, match="k=5"):
+        moe.route(LOGITS, 5)
+
+
+def _random_moe(t=37, d=16, f=24, e=8, k=2, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (t, d))
+    ws = (jax.random.normal(ks[1], (e, d, f)) * 0.3, jax.random.normal(ks[2], (e, d, f)) * 0.3,
+          jax.random.normal(ks[3], (e, f, d)) * 0.3)
+    logits = jax.random.normal(ks[4], (t, e))
+    return x, ws, logits, k
+
+
+@pytest.mark.parametrize("tile", [1, 8, 64])
+def test_dense_and_grouped_agree_in_value_and_gradient(tile):
+    x, ws, logits, k = _random_moe()
+    cot = jax.random.normal(jax.random.key(9), x.shape)
+
+    def loss(path, x, ws, logits):
+        idx, w, _ = moe.route(logits, k)
+        if path == "dense":
+            y = moe.experts_dense(x, idx, w, *ws)
+        else:
+            y = moe.experts_grouped(x, idx, w, *ws, tile=tile)
+        return jnp.sum(y * cot)
+
+    vd, gd = jax.value_and_grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2))(x, ws, logits)
+    vg, gg = jax.jit(jax.value_and_grad(lambda *a: loss("grouped", *a), argnums=(0, 1, 2)))(
+        x, ws, logits)
+    np.testing.assert_allclose(vg, vd, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gd)):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_grouped_is_dropless_when_all_tokens_pick_one_expert():
+    # Every token routes to experts {0, 1}: a capacity-limited dispatch would drop most.
+    x, ws, _, k = _random_moe(t=50)
+    idx = jnp.tile(jnp.array([[0, 1]], jnp.int32), (50, 1))
+    w = jnp.full((50, 2), 0.5)
+    np.testing.assert_allclose(moe.experts_grouped(x, idx, w, *ws, tile=8),
+                               moe.experts_dense(x, idx, w, *ws), rtol=1e-5, atol=1e-6)
+
+
+def test_padded_rows_bound():
+    assert moe.padded_rows(10, 4, 8) == 40  # 10 + 4·7 = 38 → 40
+    assert moe.padded_rows(16, 2, 1) == 16
+
+
+def test_router_stats_by_hand():
+    # 4 tokens (last masked), K=1, E=2: tokens 0,1 → expert 0, token 2 → expert 1.
+    idx = jnp.array([[0], [0], [1], [1]])
+    logits = jnp.zeros((4, 2))
+    probs = jax.nn.softmax(logits)
+    load, z, balance = moe.router_stats(probs, idx, logits, jnp.array([1, 1, 1, 0]))
+    np.testing.assert_allclose(load, [2 / 3, 1 / 3], rtol=1e-6)
+    np.testing.assert_allclose(balance, 2 * (2 / 3 * 0.5 + 1 / 3 * 0.5), rtol=1e-6)
+    np.testing.assert_allclose(z, np.log(2.0) ** 2, rtol=1e-6)
