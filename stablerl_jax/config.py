@@ -107,3 +107,71 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
+
+
+LOSS_NAMES = ("minirl", "grpo", "cispo", "gspo", "gspo_token", "dapo")
+IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
+AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Surrogate loss settings. Defaults are MiniRL exactly (PAPER.md §4, Eq. 7).
+
+    Attributes:
+      name: one of LOSS_NAMES (keys of `losses.LOSSES`).
+      eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
+      clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
+      use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
+      is_correction: how the IS weight is formed: 'tis' truncates at tis_cap, 'mis'
+        drops tokens with ratio > is_high, 'icepop' drops outside [is_low, is_high],
+        'seq_product' / 'seq_geomean' use one sequence-level weight (truncated at tis_cap).
+      tis_cap: C, the truncation of the token IS weight.
+      cap_target: 'full' caps π_θ/μ_old (MiniRL decision); 'engine' caps only π_old/μ_old
+        and multiplies by the uncapped staleness ratio.
+      aggregation: None = the loss's own (MiniRL: response_sum; GRPO, GSPO:
+        seq_mean_token_mean; CISPO, DAPO: token_mean); or one of AGGREGATIONS.
+        MiniRL "+ length normalization" is aggregation='seq_mean_token_mean'.
+      advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
+      max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
+      gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
+    """
+
+    name: str = "minirl"
+    eps_low: float = 0.2
+    eps_high: float = 0.27
+    clip: bool = True
+    use_is: bool = True
+    is_correction: str = "tis"
+    tis_cap: float = 5.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    cap_target: str = "full"
+    aggregation: str | None = None
+    advantage: str = "group_mean"
+    max_log_ratio: float = 20.0
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+
+    def __post_init__(self):
+        check(self.name in LOSS_NAMES, "name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
+        check(self.is_correction in IS_CORRECTIONS, "is_correction",
+              f"must be one of {IS_CORRECTIONS}, got {self.is_correction!r}")
+        check(self.aggregation is None or self.aggregation in AGGREGATIONS, "aggregation",
+              f"must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
+        check(self.advantage in ADVANTAGE_NAMES, "advantage",
+              f"must be one of {ADVANTAGE_NAMES}, got {self.advantage!r}")
+        check(self.cap_target in ("full", "engine"), "cap_target",
+              f"must be 'full' or 'engine', got {self.cap_target!r}")
+        for f in ("eps_low", "gspo_eps_low"):
+            check(0 <= getattr(self, f) < 1, f, f"must be in [0, 1), got {getattr(self, f)}")
+        for f in ("eps_high", "gspo_eps_high"):
+            check(getattr(self, f) >= 0, f, f"must be >= 0, got {getattr(self, f)}")
+        check(self.tis_cap >= 1, "tis_cap", f"must be >= 1, got {self.tis_cap}")
+        check(0 <= self.is_low < 1 < self.is_high, "is_low",
+              f"need 0 <= is_low < 1 < is_high, got is_low={self.is_low}, is_high={self.is_high}")
+        check(self.max_log_ratio > 0, "max_log_ratio", f"must be > 0, got {self.max_log_ratio}")
+
+    def replace(self, **kw) -> "LossConfig":
+        return dataclasses.replace(self, **kw)
