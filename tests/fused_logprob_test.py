@@ -1,0 +1,118 @@
+"""The fused log-prob / entropy op against a float64 reference, in value and VJP.
+
+On CPU the Pallas implementation runs in interpret mode; on a GPU/TPU backend the same
+tests run it compiled.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from kernels.fused_logprob import BlockSizes, fused_logprob, reference
+
+BLOCK = BlockSizes(tokens=16, vocab=32)
+SHAPES = [(16, 16, 64), (37, 16, 101), (5, 32, 33), (64, 8, 200)]  # (T, D, V), incl. ragged
+
+
+def tolerance(dtype):
+    """One rule for every comparison. f32: the op reassociates sums over V (chunked
+    log-sum-exp), so errors are a few ulps × log V: 2e-5 relative. bf16 inputs: values are
+    rounded to 8 mantissa bits before the float32 matmul, on both sides identically, so
+    the gap is again f32 reassociation, but gradients are cast back to bf16: 1e-2."""
+    return {"rtol": 2e-5, "atol": 2e-5} if dtype == jnp.float32 else {"rtol": 1e-2, "atol": 1e-2}
+
+
+def _inputs(t, d, v, dtype, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    h = jax.random.normal(k[0], (t, d)).astype(dtype)
+    w = (jax.random.normal(k[1], (d, v)) / np.sqrt(d) * 3).astype(dtype)
+    y = jax.random.randint(k[2], (t,), 0, v)
+    g_logp = jax.random.normal(k[3], (t,))
+    g_ent = jax.random.normal(k[4], (t,))
+    return h, w, y, g_logp, g_ent
+
+
+def _ref64(h, w, y):
+    h64 = np.asarray(h, np.float64)
+    w64 = np.asarray(w, np.float64)
+    z = h64 @ w64
+    z = z - z.max(-1, keepdims=True)
+    logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    p = np.exp(logp_all)
+    return logp_all[np.arange(len(y)), np.asarray(y)], -(p * logp_all).sum(-1), p, z
+
+
+def _ref64_vjp(h, w, y, g_logp, g_ent):
+    logp, ent, p, z = _ref64(h, w, y)
+    onehot = np.eye(w.shape[1])[np.asarray(y)]
+    ez = (p * z).sum(-1, keepdims=True)
+    dz = np.asarray(g_logp, np.float64)[:, None] * (onehot - p) + \
+        np.asarray(g_ent, np.float64)[:, None] * p * (ez - z)
+    return dz @ np.asarray(w, np.float64).T, np.asarray(h, np.float64).T @ dz
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
+    h, w, y, g_logp, g_ent = _inputs(*shape, dtype)
+    op = jax.jit(functools.partial(fused_logprob, block=BLOCK, impl=impl))
+    (logp, ent), vjp = jax.vjp(lambda h, w: op(h, w, y), h, w)
+    want_logp, want_ent, _, _ = _ref64(h, w, y)
+    tol = tolerance(dtype)
+    np.testing.assert_allclose(logp, want_logp, **tol)
+    np.testing.assert_allclose(ent, want_ent, **tol)
+    dh, dw = vjp((g_logp, g_ent))
+    want_dh, want_dw = _ref64_vjp(h, w, y, g_logp, g_ent)
+    for got, want in ((dh, want_dh), (dw, want_dw)):
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(got, np.float64) / scale, want / scale, **tol)
+
+
+def test_chunked_check_grads_x64():
+    with jax.enable_x64(True):
+        h, w, y, _, _ = _inputs(9, 8, 37, jnp.float64)
+        f = lambda h, w: fused_logprob(h, w, y, block=BlockSizes(8, 16), impl="chunked")
+        check_grads(f, (h, w), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def _temp_bytes(fn, *shapes):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_temp_memory_grows_with_tokens_not_vocab():
+    c = 512
+    fwd = lambda h, w, y: fused_logprob(h, w, y, block=BlockSizes(vocab=c), impl="chunked")
+    tmp = lambda t, v: _temp_bytes(fwd, ((t, 64), jnp.float32), ((64, v), jnp.float32),
+                                   ((t,), jnp.int32))
+    t = 256
+    small_v, big_v = tmp(t, 8 * c), tmp(t, 64 * c)
+    # 8× the vocabulary adds at most one chunk's worth of logits (plus the padded copy of
+    # W the scan reads), never a [T, V] tensor.
+    assert big_v - small_v < 4 * t * c + 4 * 64 * 64 * c
+    assert big_v < 4 * t * 64 * c / 8  # far below the naive [T, V] float32 logits
+    assert tmp(4 * t, 8 * c) > small_v  # and it does grow with T
+
+
+def test_shape_errors_name_values():
+    h, w, y, _, _ = _inputs(8, 16, 40, jnp.float32)
+    with pytest.raises(ValueError, match="unembed D=8"):
+        fused_logprob(h, w[:8], y)
+    with pytest.raises(ValueError, match="targets T=7"):
+        fused_logprob(h, w, y[:7])
+    with pytest.raises(ValueError, match="impl='fast'"):
+        fused_logprob(h, w, y, impl="fast")
+    with pytest.raises(ValueError, match="BlockSizes.vocab=0"):
+        BlockSizes(vocab=0)
+
+
+def test_naive_reference_is_the_float32_formula():
+    h, w, y, _, _ = _inputs(4, 8, 10, jnp.float32)
+    logp, ent = reference(h, w, y)
+    want_logp, want_ent, _, _ = _ref64(h, w, y)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, rtol=1e-5)
