@@ -1,0 +1,73 @@
+"""Numerics presets: exact == train, FP8 rounding is real e4m3, knobs add mismatch."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stablerl_jax.config import ConfigError, ModelConfig
+from stablerl_jax.model import numerics as nx
+from stablerl_jax.model import transformer as tf
+
+CFG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=32, max_seq_len=32,
+                  moe_tile=8)
+
+
+def test_fake_quant_values_are_e4m3_times_channel_scale():
+    w = jax.random.normal(jax.random.key(0), (16, 8))
+    q = nx.fake_quant_e4m3(w, (0,))
+    scale = jnp.max(jnp.abs(w), axis=0, keepdims=True) / nx.E4M3_MAX
+    units = q / scale
+    # q / scale recovers e4m3 values up to the f32 rounding of the division itself.
+    np.testing.assert_allclose(units.astype(jnp.float8_e4m3fn).astype(jnp.float32), units,
+                               rtol=1e-6)
+    np.testing.assert_allclose(jnp.max(jnp.abs(units), axis=0), nx.E4M3_MAX, rtol=1e-6)
+    rel = jnp.abs(q - w) / jnp.abs(w).max(0)
+    assert 0 < float(rel.max()) < 2**-3  # e4m3: 3 mantissa bits
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(numerics, params, tokens):
+    return tf.forward(nx.prepare_params(params, numerics), tokens, CFG, numerics=numerics)
+
+
+def test_exact_is_train_and_presets_order_the_error():
+    params = tf.init_params(jax.random.key(0), CFG)
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+    ref, aux = _forward(nx.preset("train"), params, tokens)
+    out = {p: _forward(nx.preset(p), params, tokens) for p in ("exact", "bf16", "fp8")}
+    np.testing.assert_array_equal(out["exact"][0], ref)
+    err = {p: float(jnp.abs(h.astype(jnp.float32) - ref).mean()) for p, (h, _) in out.items()}
+    assert err["exact"] == 0.0 < err["bf16"] < err["fp8"]
+    flips = {p: float((a["routes"] != aux["routes"]).mean()) for p, (_, a) in out.items()}
+    assert flips["exact"] == 0.0 and flips["fp8"] > 0.0
+
+
+def test_knobs_increase_mismatch():
+    params = tf.init_params(jax.random.key(0), CFG)
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+    ref, aux = _forward(nx.preset("train"), params, tokens)
+    base, _ = _forward(nx.preset("fp8"), params, tokens)
+    act, _ = _forward(nx.preset("fp8", act_fp8=True), params, tokens)
+    err = lambda h: float(jnp.abs(h.astype(jnp.float32) - ref).mean())
+    assert err(act) > err(base)
+    _, noisy = _forward(nx.preset("exact", router_noise_std=0.05), params, tokens)
+    _, noisier = _forward(nx.preset("exact", router_noise_std=0.5), params, tokens)
+    flip = lambda a: float((a["routes"] != aux["routes"]).mean())
+    assert 0 < flip(noisy) < flip(noisier)
+    # Same seed, same noise: deterministic.
+    _, again = _forward(nx.preset("exact", router_noise_std=0.05), params, tokens)
+    np.testing.assert_array_equal(again["routes"], noisy["routes"])
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="unknown 'int4'"):
+        nx.preset("int4")
+    with pytest.raises(ConfigError, match="^weights:"):
+        nx.Numerics(weights="int4")
+    with pytest.raises(ConfigError, match="^router_noise_std:"):
+        nx.Numerics(router_noise_std=-1.0)
+    with pytest.raises(ConfigError, match="^compute_dtype:"):
+        nx.Numerics(compute_dtype="int8")
