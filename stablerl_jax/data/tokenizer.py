@@ -1,0 +1,77 @@
+"""Tokenizers: a small protocol, and SentencePiece trained in-process on the task corpus.
+
+Special ids are fixed: pad = 0, unk = 1, bos = 2, eos = 3. Digits are split into single
+pieces so that arithmetic is learnable token by token.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Iterable, Protocol
+
+import sentencepiece as spm
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class Tokenizer(Protocol):
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model with this project's fixed special ids."""
+
+    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
+    def __init__(self, model_proto: bytes):
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self.model_proto = model_proto
+        self.vocab_size = self.sp.get_piece_size()
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> "SentencePieceTokenizer":
+        """Train on an iterator of sentences, in memory. `vocab_size` is an upper bound
+        (hard_vocab_limit off): a tiny corpus may not support that many pieces."""
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size,
+            model_type="bpe", split_digits=True, character_coverage=1.0,
+            hard_vocab_limit=False, pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID,
+            eos_id=EOS_ID, add_dummy_prefix=False, remove_extra_whitespaces=False,
+            minloglevel=2)
+        return cls(buf.getvalue())
+
+    @classmethod
+    def load_or_train(cls, path: str, texts: Iterable[str], vocab_size: int):
+        """Reuse the model saved at `path`; train and save it there if absent."""
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                tok = cls(f.read())
+            if tok.vocab_size > vocab_size:
+                raise ValueError(f"tokenizer at {path} has {tok.vocab_size} pieces > "
+                                 f"vocab_size={vocab_size}; delete it or raise vocab_size")
+            return tok
+        tok = cls.train(texts, vocab_size)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(tok.model_proto)
+        os.replace(tmp, path)  # never leave a half-written model behind
+        return tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.sp.encode(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids, skipping pad/bos/eos. Ids past the tokenizer's pieces (a model
+        may have a larger vocab_size) decode as unk, so model output never raises."""
+        ids = [int(i) if 0 <= int(i) < self.vocab_size else UNK_ID for i in ids
+               if int(i) not in (PAD_ID, BOS_ID, EOS_ID)]
+        return self.sp.decode(ids)

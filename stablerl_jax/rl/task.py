@@ -1,0 +1,72 @@
+"""The task as the trainer sees it: splits, tokenizer, prompt batches, rewards, eval.
+
+Letters: B prompts, G responses per prompt, P prompt slots, S rollout slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from stablerl_jax.data import batching, rewards
+from stablerl_jax.data.evaluation import avg_at_k
+from stablerl_jax.data.synthetic import TaskConfig, load_split
+from stablerl_jax.data.tokenizer import SentencePieceTokenizer
+
+
+@dataclasses.dataclass
+class TaskData:
+    cfg: TaskConfig
+    train: list
+    test: list
+    tokenizer: SentencePieceTokenizer
+
+    @classmethod
+    def create(cls, cfg: TaskConfig, data_dir: str) -> "TaskData":
+        """Build the splits (once) and train the tokenizer (once) under data_dir."""
+        train = sorted(load_split(cfg, "train", data_dir), key=lambda r: r["id"])
+        test = sorted(load_split(cfg, "test", data_dir), key=lambda r: r["id"])
+        corpus = [r["prompt"] + " " + r["solution"] for r in train]
+        name = f"spm_{cfg.kind}_{cfg.vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
+        tok = SentencePieceTokenizer.load_or_train(os.path.join(data_dir, name), corpus,
+                                                   cfg.vocab_size)
+        return cls(cfg, train, test, tok)
+
+    @property
+    def reward_kind(self) -> str:
+        return "exact" if self.cfg.kind == "arithmetic" else "math_verify"
+
+    def train_prompts(self, step: int, batch: int, seed: int) -> list:
+        return [self.train[i] for i in batching.batch_indices(len(self.train), batch, step, seed)]
+
+    def prompt_batch(self, records, group_size: int):
+        return batching.prompt_batch(records, self.tokenizer, group_size, self.cfg.max_prompt_len)
+
+    def completions(self, rollout) -> list[str]:
+        toks = np.asarray(rollout.tokens_BxS)
+        comp = np.asarray(rollout.completion_mask_BxS)
+        return [self.tokenizer.decode(t[c]) for t, c in zip(toks, comp)]
+
+    def reward(self, rollout, answers) -> np.ndarray:
+        return rewards.rewards(self.completions(rollout), answers, self.reward_kind)
+
+    def sft_batches(self, batch_size: int, seed: int):
+        for recs in batching.epochs(self.train, batch_size, seed):
+            yield batching.sft_batch(recs, self.tokenizer, self.cfg.max_prompt_len,
+                                     self.cfg.max_solution_len)
+
+    def evaluate(self, sample_tokens, key, num_problems: int, k: int) -> dict:
+        """avg@k / pass@k on the first `num_problems` test problems."""
+        problems = self.test[:num_problems]
+        by_prompt = {r["prompt"]: r for r in problems}
+
+        def sample_fn(prompts: list[str]) -> list[str]:
+            recs = [by_prompt[p] for p in prompts]
+            tokens, mask, _ = batching.prompt_batch(recs, self.tokenizer, 1,
+                                                    self.cfg.max_prompt_len)
+            return self.completions(sample_tokens(tokens, mask, key))
+
+        return avg_at_k(sample_fn, [r["prompt"] for r in problems],
+                        [r["answer"] for r in problems], k,
+                        rewards.REWARDS[self.reward_kind])
