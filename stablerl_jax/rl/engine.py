@@ -63,9 +63,12 @@ class _ShardedJit:
         key = jax.tree.structure(args)
         if key not in self.compiled:
             in_sh, out_sh = self.shardings_for(*args)
-            self.compiled[key] = jax.jit(self.fn, in_shardings=in_sh, out_shardings=out_sh,
-                                         donate_argnums=self.donate)
-        return self.compiled[key](*args)
+            self.compiled[key] = (in_sh, jax.jit(self.fn, in_shardings=in_sh,
+                                                 out_shardings=out_sh,
+                                                 donate_argnums=self.donate))
+        in_sh, fn = self.compiled[key]
+        # Place arguments on the mesh (a no-op for ones already sharded this way).
+        return fn(*jax.device_put(args, in_sh))
 
 
 @dataclasses.dataclass

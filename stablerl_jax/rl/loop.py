@@ -115,9 +115,10 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     start = 0
     latest = ckpt.latest_step()
     if latest is not None:
+        # Checkpoints are numbered by completed global steps, like metrics rows.
         restored, _ = ckpt.restore(latest, state._asdict())
         state = steps.TrainState(**restored)
-        start = latest + 1
+        start = latest
         writer.truncate_after(latest)
     else:
         writer.write(0, evaluate(engine, state.params, data, 0))
@@ -132,7 +133,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
                         kl=f"{metrics['kl/train_infer_k1']:.1e}",
                         acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
-            ckpt.save(step, state._asdict(), {"step": step})
+            ckpt.save(step + 1, state._asdict(), {"step": step + 1})
     ckpt.wait()
     writer.close()
     records = read_metrics(workdir)

@@ -109,7 +109,7 @@ def update(state: TrainState, batch: dict, *, cfg: ModelConfig, loss_cfg, replay
         return loss + aux["router_loss"], metrics
 
     (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
