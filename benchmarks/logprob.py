@@ -1,0 +1,84 @@
+"""Fused log-prob / entropy: naive vs chunked vs Pallas, time and compiled temp memory.
+
+    python -m benchmarks.logprob [--reps 3] [--shapes 4096,512,32768 8192,512,65536]
+                                 [--pallas-shape 1024,512,32768] [--dtype float32]
+
+For each (T, D, V): forward and forward+backward median wall time (after a warm-up) and
+the compiled executable's temp memory, with ratios to naive; plus a bare `hidden @
+unembed` as the floor of the forward. On CPU the Pallas kernel runs in the interpreter,
+which is orders of magnitude slower than compiled code, so it is timed at the smaller
+`--pallas-shape` only (its memory is still reported at every shape).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.fused_logprob import BlockSizes, fused_logprob
+
+
+def _time(fn, args, reps):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _temp_mb(fn, args):
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
+def bench(t, d, v, dtype, reps, impls, block):
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (t, d), dtype)
+    w = (jax.random.normal(k[1], (d, v)) / np.sqrt(d)).astype(dtype)
+    y = jax.random.randint(k[2], (t,), 0, v)
+    args = (h, w, y)
+    rows = {}
+    for impl in impls:
+        fwd = jax.jit(lambda h, w, y, i=impl: fused_logprob(h, w, y, impl=i, block=block))
+        loss = lambda h, w, y, i=impl: sum(jnp.sum(o) for o in
+                                           fused_logprob(h, w, y, impl=i, block=block))
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        rows[impl] = (_time(fwd, args, reps), _time(bwd, args, reps),
+                      _temp_mb(fwd, args), _temp_mb(bwd, args))
+    mm = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
+    return rows, _time(mm, (h, w), reps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shapes", nargs="+", default=["4096,512,32768", "8192,512,65536"])
+    ap.add_argument("--pallas-shape", default="1024,512,32768")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-vocab", type=int, default=2048)
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    block = BlockSizes(vocab=args.block_vocab)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {dtype.name}, "
+          f"vocab chunk {block.vocab}, median of {args.reps}")
+    print("| T | D | V | impl | fwd s | fwd+bwd s | fwd temp MiB | fwd+bwd temp MiB | "
+          "fwd / naive | fwd+bwd / naive | temp fwd+bwd / naive | fwd / matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    on_cpu = jax.default_backend() == "cpu"
+    for shape in args.shapes + ([args.pallas_shape] if on_cpu else []):
+        t, d, v = map(int, shape.split(","))
+        impls = ["naive", "chunked"] + (["pallas"] if (not on_cpu or shape == args.pallas_shape)
+                                        else [])
+        rows, mm = bench(t, d, v, dtype, args.reps, impls, block)
+        nf, nb, _, nmb = rows["naive"]
+        for impl, (f, b, mf, mb) in rows.items():
+            print(f"| {t} | {d} | {v} | {impl} | {f:.3f} | {b:.3f} | {mf:.1f} | {mb:.1f} | "
+                  f"{f / nf:.2f} | {b / nb:.2f} | {mb / nmb:.3f} | {f / mm:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
