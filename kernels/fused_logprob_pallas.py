@@ -1,16 +1,22 @@
-"""Pallas forward of the fused log-prob op: per token block, stream vocab blocks.
+"""Pallas forward of the fused log-prob op, split over the vocabulary.
 
-Letters: T tokens, D model, V vocab, Bt token block, Bv vocab block.
+Letters: T tokens, D model, V vocab, Bt token block, Bv vocab block, Nv = V / Bv.
 
-Grid: one program per token block. Each program holds its [Bt, D] hidden block and loops
-over vocab blocks of the unembedding, keeping the online log-sum-exp statistics (running
-max, Σ exp, Σ exp·z) and the target logit in float32 registers; it writes lse, E_p[z] and
-z_y for its tokens. Logits never leave the program. The backward pass is the chunked
-custom VJP of `kernels.fused_logprob` (it recomputes the same tiles).
+Grid (T/Bt, Nv): program (i, j) multiplies its [Bt, D] hidden block by the [D, Bv]
+unembedding block and reduces the [Bt, Bv] logit tile on the spot to four numbers per
+token: the tile max m_j, Σ exp(z − m_j), Σ exp(z − m_j)·z, and the target logit if the
+target falls in the tile. Logits never leave the program. A small combine in JAX merges
+the Nv partial statistics (an [Nv, T] array, not [T, V]):
 
-T and V are padded up to the block sizes; padded vocab columns are masked to −1e30
-(exp → 0) and padded tokens are sliced off. `interpret=None` runs the kernel in the
-Pallas interpreter on CPU and compiled elsewhere (GPU via Triton, TPU via Mosaic).
+    M = max_j m_j,  S = Σ_j s_j e^{m_j − M},  lse = M + log S,  E_p[z] = Σ_j sz_j e^{m_j − M} / S
+
+Every program is independent, so the same kernel lowers to GPU (Triton), TPU (Mosaic) and
+the CPU interpreter. The backward pass is the chunked custom VJP of
+`kernels.fused_logprob` (it recomputes the same tiles).
+
+T and V are padded up to the block sizes (padded vocab columns are masked to −1e30, so
+exp → 0; padded tokens are sliced off). `interpret=None` runs the interpreter on CPU and
+compiles elsewhere.
 """
 from __future__ import annotations
 
@@ -21,30 +27,25 @@ from jax.experimental import pallas as pl
 _NEG = -1e30
 
 
-def _kernel(h_ref, w_ref, y_ref, lse_ref, ez_ref, zy_ref, *, bv: int, nv: int, v: int):
+def _kernel(h_ref, w_ref, y_ref, m_ref, s_ref, sz_ref, zy_ref, *, v: int):
+    j = pl.program_id(1)
     h = h_ref[...]
-    y = y_ref[...]                                   # [Bt, 1] int32
-    bt = h.shape[0]
+    w = w_ref[...]
+    bt, bv = h.shape[0], w.shape[1]
+    z = jnp.dot(h, w, preferred_element_type=jnp.float32,
+                precision=jax.lax.Precision.HIGHEST)                  # [Bt, Bv]
+    col = j * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
+    z = jnp.where(col < v, z, _NEG)
+    m = jnp.max(z, axis=1, keepdims=True)
+    e = jnp.exp(z - m)
+    m_ref[...] = m
+    s_ref[...] = jnp.sum(e, axis=1, keepdims=True)
+    sz_ref[...] = jnp.sum(e * z, axis=1, keepdims=True)
+    zy_ref[...] = jnp.sum(jnp.where(col == y_ref[...], z, 0.0), axis=1, keepdims=True)
 
-    def body(j, carry):
-        m, s, sz, zy = carry
-        w = w_ref[:, pl.ds(j * bv, bv)]
-        z = jnp.dot(h, w, preferred_element_type=jnp.float32)      # [Bt, Bv]
-        col = j * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
-        z = jnp.where(col < v, z, _NEG)
-        m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
-        scale = jnp.exp(m - m_new)
-        e = jnp.exp(z - m_new)
-        s = s * scale + jnp.sum(e, axis=1, keepdims=True)
-        sz = sz * scale + jnp.sum(e * z, axis=1, keepdims=True)
-        zy = zy + jnp.sum(jnp.where(col == y, z, 0.0), axis=1, keepdims=True)
-        return m_new, s, sz, zy
 
-    zeros = jnp.zeros((bt, 1), jnp.float32)
-    m, s, sz, zy = jax.lax.fori_loop(0, nv, body, (zeros + _NEG, zeros, zeros, zeros))
-    lse_ref[...] = m + jnp.log(s)
-    ez_ref[...] = sz / s
-    zy_ref[...] = zy
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, interpret: bool | None = None):
@@ -54,20 +55,30 @@ def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, interpret: bool | No
     t, d = hidden_TxD.shape
     v = unembed_DxV.shape[1]
     bt, bv = block.tokens, block.vocab
-    tp, vp = -(-t // bt) * bt, -(-v // bv) * bv
-    h = jnp.pad(hidden_TxD, ((0, tp - t), (0, 0)))
-    w = jnp.pad(unembed_DxV, ((0, 0), (0, vp - v)))
+    tp, vp, dp = -(-t // bt) * bt, -(-v // bv) * bv, d
+    if not interpret:
+        # Triton blocks must be powers of two and dots at least 16 wide: zero-pad D
+        # (zero columns change no dot product).
+        dp = max(16, _pow2(d))
+    h = jnp.pad(hidden_TxD, ((0, tp - t), (0, dp - d)))
+    w = jnp.pad(unembed_DxV, ((0, dp - d), (0, vp - v)))
     y = jnp.pad(targets_T.astype(jnp.int32), (0, tp - t))[:, None]
-    out = jax.ShapeDtypeStruct((tp, 1), jnp.float32)
-    tok_block = pl.BlockSpec((bt, 1), lambda i: (i, 0))
-    lse, ez, zy = pl.pallas_call(
-        lambda *refs: _kernel(*refs, bv=bv, nv=vp // bv, v=v),
-        grid=(tp // bt,),
-        in_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
-                  pl.BlockSpec((d, vp), lambda i: (0, 0)),
-                  tok_block],
-        out_specs=[tok_block, tok_block, tok_block],
-        out_shape=[out, out, out],
+    nv = vp // bv
+    part = jax.ShapeDtypeStruct((nv * tp, 1), jnp.float32)
+    # Partial statistics of (i, j) land in rows [j·Tp + i·Bt, +Bt) of an [Nv·Tp, 1] array.
+    out_block = pl.BlockSpec((bt, 1), lambda i, j: (j * (tp // bt) + i, 0))
+    m, s, sz, zy = pl.pallas_call(
+        lambda *refs: _kernel(*refs, v=v),
+        grid=(tp // bt, nv),
+        in_specs=[pl.BlockSpec((bt, dp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((dp, bv), lambda i, j: (0, j)),
+                  pl.BlockSpec((bt, 1), lambda i, j: (i, 0))],
+        out_specs=[out_block] * 4,
+        out_shape=[part] * 4,
         interpret=interpret,
     )(h, w, y)
-    return lse[:t, 0], ez[:t, 0], zy[:t, 0]
+    m, s, sz, zy = (x.reshape(nv, tp)[:, :t] for x in (m, s, sz, zy))
+    big = jnp.max(m, axis=0)
+    scale = jnp.exp(m - big)
+    total = jnp.sum(s * scale, axis=0)
+    return big + jnp.log(total), jnp.sum(sz * scale, axis=0) / total, jnp.sum(zy, axis=0)

@@ -26,7 +26,7 @@ def test_row_does_not_depend_on_other_rows_bitwise():
 def test_temperature_scales_logits():
     h, w, y = _inputs()
     logp, ent = token_logprobs(h, w, y, temperature=0.7, impl="chunked")
-    z = jnp.einsum("btd,dv->btv", h, w) / 0.7
+    z = jnp.einsum("btd,dv->btv", h, w, precision="highest") / 0.7
     ls = jax.nn.log_softmax(z)
     np.testing.assert_allclose(logp, jnp.take_along_axis(ls, y[..., None], -1)[..., 0],
                                rtol=1e-5, atol=1e-5)
