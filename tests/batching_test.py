@@ -1,5 +1,6 @@
 """Prompt and SFT batches: shapes, padding side, groups, seeded epochs."""
 import numpy as np
+import pytest
 
 from stablerl_jax.data import batching, synthetic
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
@@ -18,6 +19,19 @@ def test_prompt_batch_left_padded_groups():
         assert tokens[row, 16 - n] == TOK.bos_id
     np.testing.assert_array_equal(tokens[0], tokens[3])  # one group = 4 consecutive copies
     assert answers[:4] == [RECS[0]["answer"]] * 4 and answers[4] == RECS[1]["answer"]
+    assert TOK.decode(tokens[4][mask[4]]) == RECS[1]["prompt"]
+    b = batching.prompt_batch(RECS[:3], TOK, 4, 16)
+    assert b.prompt_tokens_BxP.dtype == np.int32 and b.prompt_mask_BxP.dtype == bool
+    assert batching.group_ids(RECS[:3], 4)[3:5] == [RECS[0]["id"], RECS[1]["id"]]
+
+
+def test_too_long_prompt_or_solution_is_a_clear_error():
+    with pytest.raises(ValueError, match="raise task.max_prompt_len"):
+        batching.prompt_batch(RECS[:1], TOK, 1, 3)
+    with pytest.raises(ValueError, match="raise task.max_solution_len"):
+        batching.sft_batch(RECS[:1], TOK, 16, 2)
+    with pytest.raises(ValueError, match="group_size=0"):
+        batching.prompt_batch(RECS[:1], TOK, 0, 16)
 
 
 def test_sft_batch_masks_solution_only():
@@ -27,6 +41,13 @@ def test_sft_batch_masks_solution_only():
     assert not loss[:, :16].any() and (loss <= attn).all()
     sol = t[0][loss[0]]
     assert sol[-1] == TOK.eos_id and TOK.decode(sol) == RECS[0]["solution"]
+    # Prompt slots are laid out exactly as in a prompt batch; right padding after EOS.
+    tokens, mask, _ = batching.prompt_batch(RECS[:2], TOK, 1, 16)
+    np.testing.assert_array_equal(t[:, :16], tokens)
+    np.testing.assert_array_equal(attn[:, :16], mask)
+    n = loss[0].sum()
+    assert attn[0, 16:16 + n].all() and not attn[0, 16 + n:].any()
+    assert (t[0, 16 + n:] == TOK.pad_id).all()
 
 
 def test_batch_indices_are_seeded_epochs():
@@ -38,3 +59,13 @@ def test_batch_indices_are_seeded_epochs():
     it = batching.epochs(RECS, 7, seed=0)
     assert [r["id"] for r in next(it)] == [RECS[i]["id"] for i in
                                           batching.batch_indices(50, 7, 0, 0)]
+    # Every epoch is a permutation, reshuffled: 10 records, batches of 5 -> 2 per epoch.
+    epochs = [np.concatenate([batching.batch_indices(10, 5, 2 * e + j, seed=3)
+                              for j in range(2)]) for e in range(3)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert not np.array_equal(epochs[0], epochs[1])
+    resumed = batching.epochs(RECS, 7, seed=0, start_step=5)
+    assert [r["id"] for r in next(resumed)] == [RECS[i]["id"] for i in
+                                               batching.batch_indices(50, 7, 5, 0)]
+    with pytest.raises(ValueError, match="batch_size"):
+        batching.batch_indices(0, 4, 0, 0)

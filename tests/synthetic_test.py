@@ -1,13 +1,21 @@
 """The synthetic task and its TFDS builder."""
 import sys
 
+import numpy as np
 import pytest
 
 from stablerl_jax.config import ConfigError
 from stablerl_jax.data import synthetic
 from stablerl_jax.data.rewards import exact_match_reward
+from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
 SMALL = synthetic.TaskConfig(num_train=200, num_test=40)
+
+
+def _value(prompt: str, modulus: int) -> int:
+    expr = prompt.split(" ")[0].rstrip("=")
+    v = eval(expr)  # left-to-right +/-: Python agrees
+    return v % modulus if modulus else v
 
 
 def test_generation_is_deterministic_and_splits_disjoint():
@@ -17,38 +25,104 @@ def test_generation_is_deterministic_and_splits_disjoint():
     assert len(train) == 200 and len(test) == 40
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert synthetic.generate(SMALL.replace(seed=1), "train") != train
+    ids = [r["id"] for r in train]
+    assert ids == sorted(ids) and len(set(ids)) == 200 and ids[0] == "train-000"
 
 
-def test_worked_solutions_are_correct():
-    for rec in synthetic.generate(SMALL, "train")[:50]:
-        assert rec["answer"] == str(eval(rec["prompt"][:-1]))  # left-to-right +/-: Python agrees
+@pytest.mark.parametrize("name", sorted(synthetic.PRESETS))
+def test_presets_disjoint_and_correct(name):
+    task = synthetic.preset(name, num_train=300, num_test=60)
+    train, test = synthetic.generate(task, "train"), synthetic.generate(task, "test")
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    for rec in train + test:
+        assert rec["answer"] == str(_value(rec["prompt"], task.modulus))
         assert exact_match_reward(rec["solution"], rec["answer"]) == 1.0
-        assert rec["solution"].count("=") == SMALL.num_operands - 1
-    terse = synthetic.generate(SMALL.replace(style="terse"), "train")[0]
-    assert terse["solution"].startswith("####")
+        assert rec["solution"].count("=") == task.num_operands - 1
+        if task.modulus:
+            assert 0 <= int(rec["answer"]) < task.modulus
+            assert rec["prompt"].endswith(f" (mod {task.modulus})=")
+
+
+def test_the_split_of_a_prompt_does_not_depend_on_sizes_or_style():
+    a = synthetic.generate(SMALL, "test")
+    b = synthetic.generate(SMALL.replace(num_train=20, num_test=80, style="terse"), "test")
+    bigger = {r["prompt"] for r in synthetic.generate(SMALL.replace(num_train=2000), "train")}
+    assert not bigger & {r["prompt"] for r in a + b}
+    # Styles change only the solution: same problems, same order.
+    assert [r["prompt"] for r in a] == [r["prompt"] for r in b[:40]]
+
+
+def test_solution_styles_by_hand():
+    nums, ops, partials = [7, 5, 9, 2], ["+", "-", "+"], [12, 3, 5]
+    assert synthetic.solution_text(nums, ops, partials, "steps") == \
+        "7+5=12 12-9=3 3+2=5 #### 5"
+    assert synthetic.solution_text(nums, ops, partials, "rewrite") == "12-9+2=3+2=5 #### 5"
+    assert synthetic.solution_text(nums, ops, partials, "terse") == "#### 5"
+    # mod 100: 37+85 = 122 -> 22; 22-30 = -8 -> 92.
+    assert synthetic.solution_text([37, 85, 30], ["+", "-"], [22, 92], "steps") == \
+        "37+85=22 22-30=92 #### 92"
+
+
+def test_plus_only_operators():
+    recs = synthetic.generate(SMALL.replace(operators="+"), "train")
+    assert all("-" not in r["prompt"] and int(r["answer"]) >= 0 for r in recs)
+
+
+@pytest.mark.parametrize("name", sorted(synthetic.PRESETS))
+def test_presets_fit_their_token_budgets(name):
+    task = synthetic.PRESETS[name]
+    recs = synthetic.generate(task.replace(num_train=1000), "train")
+    for style in synthetic.STYLES:
+        recs += synthetic.generate(task.replace(num_train=200, style=style), "train")
+    tok = SentencePieceTokenizer.train([r["prompt"] + " " + r["solution"] for r in recs],
+                                       task.vocab_size)
+    # +1: prompt batches prepend BOS.
+    assert max(len(tok.encode(r["prompt"])) + 1 for r in recs) <= task.max_prompt_len
+    assert max(len(tok.encode(r["solution"])) for r in recs) <= task.max_solution_len
 
 
 def test_tfds_builder_reads_through_data_source_without_tensorflow(tmp_path):
     a = synthetic.load_split(SMALL, "train", str(tmp_path))
     b = synthetic.load_split(SMALL, "train", str(tmp_path))  # reuses the built files
-    assert sorted(a, key=lambda r: r["id"]) == sorted(b, key=lambda r: r["id"])
-    assert sorted(r["prompt"] for r in a) == sorted(r["prompt"] for r in
-                                                    synthetic.generate(SMALL, "train"))
+    assert a == b == synthetic.generate(SMALL, "train")  # sorted by id = generation order
+    assert synthetic.load_split(SMALL, "test", str(tmp_path)) == synthetic.generate(SMALL,
+                                                                                    "test")
     assert set(a[0]) == {"id", "prompt", "solution", "answer"}
     assert list(tmp_path.glob("arithmetic/*/1.0.0/*.array_record*"))
     assert "tensorflow" not in sys.modules
+
+
+def test_named_builder_configs_and_preset_names(tmp_path):
+    assert [c.name for c in synthetic.Arithmetic.BUILDER_CONFIGS] == list(synthetic.PRESETS)
+    easy = synthetic.load_split("easy", "test", str(tmp_path))
+    assert easy == synthetic.generate(synthetic.PRESETS["easy"], "test")
+    with pytest.raises(ConfigError, match="^task preset:"):
+        synthetic.preset("impossible")
 
 
 @pytest.mark.parametrize("kw,field", [({"num_operands": 1}, "num_operands"),
                                       ({"style": "verbose"}, "style"),
                                       ({"test_fraction": 1.0}, "test_fraction"),
                                       ({"kind": "gsm8k"}, "jsonl_dir"),
-                                      ({"kind": "mmlu"}, "kind")])
+                                      ({"kind": "mmlu"}, "kind"),
+                                      ({"operators": "*"}, "operators"),
+                                      ({"modulus": 1}, "modulus"),
+                                      ({"max_digits": 9}, "max_digits"),
+                                      ({"seed": -1}, "seed")])
 def test_config_errors(kw, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         synthetic.TaskConfig(**kw)
 
 
 def test_too_many_problems_is_a_clear_error():
-    with pytest.raises(ValueError, match="cannot find"):
+    # 2 one-digit operands: only 200 distinct prompts exist (caught before sampling).
+    with pytest.raises(ValueError, match="cannot find 500 distinct train problems: only"):
         synthetic.generate(synthetic.TaskConfig(num_operands=2, num_train=500), "train")
+    with pytest.raises(ConfigError, match="^split:"):
+        synthetic.generate(SMALL, "validation")
+
+
+def test_answers_are_spread_out():
+    # A task whose answers concentrate on a few values would be learnable by guessing.
+    answers = np.array([int(r["answer"]) for r in synthetic.generate(SMALL, "train")])
+    assert np.bincount(answers - answers.min()).max() / len(answers) < 0.15

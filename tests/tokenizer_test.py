@@ -1,4 +1,6 @@
 """SentencePiece trained in-process: round trip, special ids, reuse."""
+import pytest
+
 from stablerl_jax.data import synthetic
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
@@ -23,5 +25,33 @@ def test_round_trip_and_special_ids(tmp_path):
 def test_saved_model_is_reused(tmp_path):
     path = str(tmp_path / "t.model")
     a = SentencePieceTokenizer.load_or_train(path, CORPUS, 64)
-    b = SentencePieceTokenizer.load_or_train(path, ["completely different text"], 64)
+    # A few lines would train a different (smaller) model; the saved one must win.
+    assert SentencePieceTokenizer.train(CORPUS[:3], 64).model_proto != a.model_proto
+    b = SentencePieceTokenizer.load_or_train(path, CORPUS[:3], 64)
     assert a.model_proto == b.model_proto
+
+
+def test_round_trip_on_every_preset_and_style():
+    for name, task in synthetic.PRESETS.items():
+        recs = [r for style in synthetic.STYLES
+                for r in synthetic.generate(task.replace(num_train=100, style=style), "train")]
+        texts = [r["prompt"] + " " + r["solution"] for r in recs]
+        tok = SentencePieceTokenizer.train(texts, task.vocab_size)
+        for r in recs:
+            for text in (r["prompt"], r["solution"]):
+                assert tok.decode(tok.encode(text)) == text, (name, text)
+        assert all(len(tok.encode(d)) == 1 for d in "0123456789")
+
+
+def test_a_saved_model_that_does_not_cover_the_corpus_is_refused(tmp_path):
+    path = str(tmp_path / "t.model")
+    SentencePieceTokenizer.load_or_train(path, CORPUS, 64)
+    with pytest.raises(ValueError, match="does not cover the corpus"):
+        SentencePieceTokenizer.load_or_train(path, ["1+2 (mod 100)="], 64)
+
+
+def test_a_saved_model_larger_than_vocab_size_is_refused(tmp_path):
+    path = str(tmp_path / "t.model")
+    tok = SentencePieceTokenizer.load_or_train(path, CORPUS, 64)
+    with pytest.raises(ValueError, match="raise vocab_size"):
+        SentencePieceTokenizer.load_or_train(path, CORPUS, tok.vocab_size - 1)

@@ -1,14 +1,26 @@
 """Prompt batches for RL (left-padded, G copies per prompt) and SFT batches.
 
 Letters: B rows, P prompt slots, T sequence slots, G group size.
+
+Layout shared by both: row = [pad … pad, BOS, prompt tokens | …]. Prompts are left-padded
+to P slots so that every prompt ends at slot P − 1 and generation starts at slot P for
+the whole batch; SFT rows put the solution + EOS right after, right-padded.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from stablerl_jax.data.tokenizer import Tokenizer
+
+
+class PromptBatch(NamedTuple):
+    """A left-padded prompt batch; unpacks as (tokens, mask, answers)."""
+
+    prompt_tokens_BxP: np.ndarray  # int32, pad_id where the mask is False
+    prompt_mask_BxP: np.ndarray  # bool, True on BOS and prompt tokens
+    answers: list  # reference answer of each row (G equal entries per group)
 
 
 def _encode(tok: Tokenizer, text: str, limit: int, field: str, rec) -> list[int]:
@@ -20,9 +32,11 @@ def _encode(tok: Tokenizer, text: str, limit: int, field: str, rec) -> list[int]
 
 
 def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
-                 max_prompt_len: int):
+                 max_prompt_len: int) -> PromptBatch:
     """Left-padded prompt tokens [B·G, P] (BOS first), mask, and answers, each prompt
-    repeated G consecutive times (one group)."""
+    repeated G consecutive times: rows g·G … g·G + G − 1 are one group."""
+    if group_size <= 0:
+        raise ValueError(f"group_size={group_size} must be > 0")
     rows = [[tok.bos_id] + _encode(tok, r["prompt"], max_prompt_len - 1, "prompt", r)
             for r in records]
     tokens = np.full((len(rows), max_prompt_len), tok.pad_id, np.int32)
@@ -30,9 +44,14 @@ def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
     for i, ids in enumerate(rows):
         tokens[i, max_prompt_len - len(ids):] = ids
         mask[i, max_prompt_len - len(ids):] = True
-    rep = lambda x: np.repeat(x, group_size, axis=0)
     answers = [r["answer"] for r in records for _ in range(group_size)]
-    return rep(tokens), rep(mask), answers
+    return PromptBatch(np.repeat(tokens, group_size, axis=0),
+                       np.repeat(mask, group_size, axis=0), answers)
+
+
+def group_ids(records: Sequence[dict], group_size: int) -> list[str]:
+    """The record id of each row of `prompt_batch(records, …, group_size, …)`."""
+    return [r["id"] for r in records for _ in range(group_size)]
 
 
 def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
@@ -40,7 +59,9 @@ def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
     """Left-padded prompt, then solution + EOS, right-padded to P + solution budget.
 
     The prompt occupies the same slots as in RL prompt batches, so SFT and RL see the same
-    layout. loss_mask is 1 on solution tokens and EOS only.
+    layout. loss_mask_BxT is True where tokens_BxT holds a solution token or the EOS, i.e.
+    on the targets; a next-token loss reads it at the predicted position. attn_BxT is True
+    on BOS, prompt, solution and EOS.
     """
     p, n = max_prompt_len, max_solution_len + 1
     tokens = np.full((len(records), p + n), tok.pad_id, np.int32)
@@ -57,12 +78,15 @@ def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
 
 
 def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:
+    """The permutation of records used in `epoch`: a pure function of (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(num_records)
 
 
 def batch_indices(num_records: int, batch_size: int, step: int, seed: int) -> np.ndarray:
     """Record indices of batch `step` in a stream of seeded epoch permutations: a pure
     function of (step, seed), so a resumed run draws exactly the batches it would have."""
+    if num_records <= 0 or batch_size <= 0:
+        raise ValueError(f"batch_indices: need {num_records=} > 0 and {batch_size=} > 0")
     start = step * batch_size
     out = []
     while len(out) < batch_size:
@@ -72,9 +96,14 @@ def batch_indices(num_records: int, batch_size: int, step: int, seed: int) -> np
     return np.asarray(out)
 
 
-def epochs(records: Sequence[dict], batch_size: int, seed: int) -> Iterator[list[dict]]:
-    """Endless iterator of batches; reshuffled every epoch, deterministic from seed."""
-    step = 0
+def epochs(records: Sequence[dict], batch_size: int, seed: int,
+           start_step: int = 0) -> Iterator[list[dict]]:
+    """Endless iterator of batches (from batch `start_step`, for resuming); reshuffled
+    every epoch, deterministic from seed. A batch may straddle two epochs."""
+    if not 0 < batch_size or not len(records):
+        raise ValueError(f"epochs: need batch_size > 0 and records, got {batch_size=} "
+                         f"and {len(records)} records")
+    step = start_step
     while True:
         yield [records[i] for i in batch_indices(len(records), batch_size, step, seed)]
         step += 1

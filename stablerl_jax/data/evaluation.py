@@ -1,4 +1,13 @@
-"""avg@k accuracy on held-out problems, given any sampler."""
+"""avg@k accuracy on held-out problems, given any sampler.
+
+Letters: n problems, k samples per problem.
+
+    r_ij   = reward_fn(completion j of problem i, answer_i) ∈ {0, 1}
+    avg@k  = mean_ij r_ij                       (the paper's metric, §5: avg@32)
+    pass@k = mean_i max_j r_ij                  (the empirical pass@k of these k samples,
+                                                 not the unbiased estimator from n > k)
+    stderr = std_i(mean_j r_ij) / sqrt(n)       (sampling noise of avg@k across problems)
+"""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -7,16 +16,28 @@ import numpy as np
 
 
 def avg_at_k(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str],
-             answers: Sequence[str], k: int, reward_fn) -> dict:
-    """Sample k completions per prompt (one call with every prompt repeated k times).
-
-    avg@k = mean reward over all k·n samples (the paper's metric); pass@k = fraction of
-    problems with at least one correct sample.
-    """
+             answers: Sequence[str], k: int, reward_fn: Callable[[str, str], float]) -> dict:
+    """Sample k completions per prompt (one call with every prompt repeated k times,
+    consecutively) and score them; returns {'avg@k', 'pass@k', 'stderr'} as floats."""
     if k <= 0:
         raise ValueError(f"k={k} must be > 0")
-    completions = sample_fn([p for p in prompts for _ in range(k)])
-    r = np.asarray([reward_fn(c, a) for c, a in
-                    zip(completions, [a for a in answers for _ in range(k)])],
-                   np.float32).reshape(len(prompts), k)
-    return {"avg@k": float(r.mean()), "pass@k": float((r.max(axis=1) > 0).mean())}
+    if len(prompts) != len(answers) or not len(prompts):
+        raise ValueError(f"avg_at_k: need as many answers as prompts (> 0), got "
+                         f"{len(prompts)} prompts and {len(answers)} answers")
+    completions = list(sample_fn([p for p in prompts for _ in range(k)]))
+    if len(completions) != len(prompts) * k:
+        raise ValueError(f"sample_fn returned {len(completions)} completions for "
+                         f"{len(prompts)} prompts × k={k}")
+    r_nxk = np.asarray([reward_fn(c, a) for c, a in
+                        zip(completions, [a for a in answers for _ in range(k)])],
+                       np.float64).reshape(len(prompts), k)
+    per_problem_n = r_nxk.mean(axis=1)
+    return {"avg@k": float(r_nxk.mean()), "pass@k": float((r_nxk.max(axis=1) > 0).mean()),
+            "stderr": float(per_problem_n.std() / np.sqrt(len(prompts)))}
+
+
+def evaluate_records(sample_fn: Callable[[list[str]], list[str]], records: Sequence[dict],
+                     k: int, reward_fn: Callable[[str, str], float]) -> dict:
+    """`avg_at_k` over records carrying 'prompt' and 'answer' (e.g. a `load_split`)."""
+    return avg_at_k(sample_fn, [r["prompt"] for r in records],
+                    [r["answer"] for r in records], k, reward_fn)

@@ -1,29 +1,47 @@
 """GSM8K-style JSONL data from a local directory (never downloaded).
 
 Expected files in `jsonl_dir` (the TFDS manual directory): `train.jsonl` and `test.jsonl`,
-one JSON object per line with "question" and "answer", the answer ending in "#### N"
-(GSM8K's format; MATH-style data can be converted to it). Records get the same fields as
-the synthetic task: id, prompt (the question), solution (the answer text), answer (N).
+one JSON object per line with string fields "question" and "answer", the answer ending in
+a line "#### N" (GSM8K's format; MATH-style data converts to it by appending
+"#### <final answer>" to the solution). Records get the synthetic task's fields:
 
-A malformed line is an error naming the file and line number, unless `skip_malformed`
-is set, in which case such lines are skipped and counted.
+    id        "<split>-<line number, zero-padded>"  (sorting ids restores file order)
+    prompt    the question
+    solution  the answer text with GSM8K's "<<48/2=24>>" calculator annotations removed
+    answer    N, the text after the last "####" (thousands commas removed)
+
+A malformed line (bad JSON, missing/non-string field, no "#### N") is an error naming the
+file and line number, unless `skip_malformed` is set: then such lines are skipped and
+their number is stored in the dataset's metadata (`skipped_counts`). The builder config
+name carries a fingerprint of both files, so editing them triggers a rebuild.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 
 import tensorflow_datasets as tfds
 
 from stablerl_jax.data.rewards import parse_final_answer
 
+SPLITS = ("train", "test")
+_CALCULATOR = re.compile(r"<<[^<>\n]*>>")
+
 
 class MalformedLineError(ValueError):
-    pass
+    """A JSONL line is not a {"question": str, "answer": "... #### N"} object."""
 
 
-def parse_jsonl(path: str, skip_malformed: bool = False) -> tuple[list[dict], int]:
-    """(records, number of skipped malformed lines)."""
+def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = None
+                ) -> tuple[list[dict], int]:
+    """(records of one JSONL file, number of skipped malformed lines)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file; put train.jsonl and test.jsonl "
+                                "(fields 'question', 'answer' ending in '#### N') in "
+                                "task.jsonl_dir")
+    split = split or os.path.splitext(os.path.basename(path))[0]
     records, skipped = [], 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -31,26 +49,42 @@ def parse_jsonl(path: str, skip_malformed: bool = False) -> tuple[list[dict], in
                 continue
             try:
                 obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
                 question, solution = obj["question"], obj["answer"]
                 if not isinstance(question, str) or not isinstance(solution, str):
-                    raise TypeError("question and answer must be strings")
+                    raise TypeError("'question' and 'answer' must be strings")
                 answer = parse_final_answer(solution)
                 if answer is None:
-                    raise ValueError("answer has no final '#### N' line")
+                    raise ValueError("'answer' has no final '#### N' line")
             except (ValueError, KeyError, TypeError) as e:
                 if skip_malformed:
                     skipped += 1
                     continue
-                raise MalformedLineError(f"{path}:{lineno}: malformed record ({e}); fix the "
-                                         "line or pass skip_malformed=True") from None
-            records.append({"id": f"{os.path.basename(path)}:{lineno}", "prompt": question,
-                            "solution": solution, "answer": answer})
+                why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                raise MalformedLineError(f"{path}:{lineno}: malformed record ({why}); fix "
+                                         "the line or pass skip_malformed=True") from None
+            records.append({"id": f"{split}-{lineno:07d}", "prompt": question,
+                            "solution": _CALCULATOR.sub("", solution), "answer": answer})
     return records, skipped
 
 
+def fingerprint(jsonl_dir: str) -> str:
+    """Short sha256 of train.jsonl and test.jsonl (missing files hash as absent)."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        path = os.path.join(jsonl_dir, f"{split}.jsonl")
+        h.update(split.encode())
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:12]
+
+
 class JsonlMathConfig(tfds.core.BuilderConfig):
-    def __init__(self, name: str = "default", skip_malformed: bool = False):
-        super().__init__(name=name + ("_skip" if skip_malformed else ""), version="1.0.0")
+    def __init__(self, jsonl_dir: str, skip_malformed: bool = False):
+        name = f"{fingerprint(jsonl_dir)}{'_skip' if skip_malformed else ''}"
+        super().__init__(name=name, version="1.0.0", description=f"JSONL from {jsonl_dir}")
         self.skip_malformed = skip_malformed
 
 
@@ -63,25 +97,41 @@ class JsonlMath(tfds.core.GeneratorBasedBuilder):
 
     def _info(self):
         text = tfds.features.Text()
-        return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(
-            {"id": text, "prompt": text, "solution": text, "answer": text}))
+        return self.dataset_info_from_configs(
+            features=tfds.features.FeaturesDict(
+                {"id": text, "prompt": text, "solution": text, "answer": text}),
+            metadata=tfds.core.MetadataDict())
 
     def _split_generators(self, dl_manager):
-        return {s: self._generate_examples(os.path.join(dl_manager.manual_dir, f"{s}.jsonl"))
-                for s in ("train", "test")}
+        return {s: self._generate_examples(os.path.join(dl_manager.manual_dir, f"{s}.jsonl"),
+                                           s) for s in SPLITS}
 
-    def _generate_examples(self, path):
-        records, self.skipped = parse_jsonl(path, self.builder_config.skip_malformed)
+    def _generate_examples(self, path, split):
+        records, skipped = parse_jsonl(path, self.builder_config.skip_malformed, split)
+        counts = dict(self.info.metadata.get("skipped_counts", {}))
+        self.info.metadata["skipped_counts"] = {**counts, split: skipped}
         for rec in records:
             yield rec["id"], rec
 
 
-def load_jsonl_split(task, split: str, data_dir: str, skip_malformed: bool = False):
-    """Build (once) from task.jsonl_dir and read a split through the data source."""
-    builder = JsonlMath(config=JsonlMathConfig(skip_malformed=skip_malformed),
-                        data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        manual_dir=task.jsonl_dir))
-    source = builder.as_data_source()[split]
-    return [{k: v.decode() if isinstance(v, bytes) else v for k, v in source[i].items()}
-            for i in range(len(source))]
+def builder(jsonl_dir: str, data_dir: str, skip_malformed: bool = False) -> JsonlMath:
+    """The prepared builder (built on first use) for the JSONL files in `jsonl_dir`."""
+    b = JsonlMath(config=JsonlMathConfig(jsonl_dir, skip_malformed), data_dir=data_dir,
+                  file_format="array_record")
+    tfds.disable_progress_bar()
+    b.download_and_prepare(download_config=tfds.download.DownloadConfig(
+        manual_dir=os.path.abspath(jsonl_dir)))
+    return b
+
+
+def skipped_counts(jsonl_dir: str, data_dir: str, skip_malformed: bool = True) -> dict:
+    """{split: malformed lines skipped when the dataset was built}."""
+    return dict(builder(jsonl_dir, data_dir, skip_malformed).info.metadata["skipped_counts"])
+
+
+def load_jsonl_split(task, split: str, data_dir: str) -> list[dict]:
+    """Build (once) from task.jsonl_dir and read a split through the data source, sorted
+    by id."""
+    from stablerl_jax.data.synthetic import read_source
+    b = builder(task.jsonl_dir, data_dir, getattr(task, "skip_malformed", False))
+    return read_source(b.as_data_source()[split])

@@ -1,11 +1,15 @@
 """Tokenizers: a small protocol, and SentencePiece trained in-process on the task corpus.
 
 Special ids are fixed: pad = 0, unk = 1, bos = 2, eos = 3. Digits are split into single
-pieces so that arithmetic is learnable token by token.
+pieces so that arithmetic is learnable token by token. Whitespace is kept verbatim (no
+dummy prefix, no collapsing), so decode(encode(s)) == s for any text whose characters the
+training corpus contained. `vocab_size` of a trained model is at most the requested size
+(a small corpus may support fewer pieces); the model's embedding may be larger.
 """
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from typing import Iterable, Protocol
 
@@ -57,6 +61,12 @@ class SentencePieceTokenizer:
             if tok.vocab_size > vocab_size:
                 raise ValueError(f"tokenizer at {path} has {tok.vocab_size} pieces > "
                                  f"vocab_size={vocab_size}; delete it or raise vocab_size")
+            # A model trained on another corpus would silently map unseen characters to
+            # unk; a sample of this corpus must encode without any.
+            for text in itertools.islice(texts, 256):
+                if UNK_ID in tok.encode(text):
+                    raise ValueError(f"tokenizer at {path} does not cover the corpus (unk in "
+                                     f"{text!r}); delete it to retrain, or use another path")
             return tok
         tok = cls.train(texts, vocab_size)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
