@@ -3,6 +3,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 from stablerl_jax.config import ConfigError
 from stablerl_jax.data import synthetic
@@ -94,8 +95,12 @@ def test_tfds_builder_reads_through_data_source_without_tensorflow(tmp_path):
 
 def test_named_builder_configs_and_preset_names(tmp_path):
     assert [c.name for c in synthetic.Arithmetic.BUILDER_CONFIGS] == list(synthetic.PRESETS)
-    easy = synthetic.load_split("easy", "test", str(tmp_path))
-    assert easy == synthetic.generate(synthetic.PRESETS["easy"], "test")
+    want = synthetic.generate(synthetic.PRESETS["easy"], "test")
+    # The registered builder, by name, defaults to array_record: no TensorFlow needed.
+    source = tfds.data_source("arithmetic/easy", split="test", data_dir=str(tmp_path / "a"))
+    assert synthetic.read_source(source) == want
+    assert synthetic.load_split("easy", "test", str(tmp_path / "b")) == want
+    assert "tensorflow" not in sys.modules
     with pytest.raises(ConfigError, match="^task preset:"):
         synthetic.preset("impossible")
 

@@ -92,6 +92,11 @@ class JsonlMath(tfds.core.GeneratorBasedBuilder):
     """GSM8K-style JSONL files from the manual dir, written as array_record."""
 
     VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, file_format: str = "array_record", **kwargs):
+        # tfds defaults to tfrecord, whose writer needs TensorFlow; array_record does not,
+        # so `tfds.data_source(...)` and `tfds.builder(...)` also work without it.
+        super().__init__(file_format=file_format, **kwargs)
     MANUAL_DOWNLOAD_INSTRUCTIONS = ("Place train.jsonl and test.jsonl (fields 'question' and "
                                     "'answer' ending in '#### N') in the manual directory.")
 

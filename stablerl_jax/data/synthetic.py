@@ -201,6 +201,11 @@ class Arithmetic(tfds.core.GeneratorBasedBuilder):
     """
 
     VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, file_format: str = "array_record", **kwargs):
+        # tfds defaults to tfrecord, whose writer needs TensorFlow; array_record does not,
+        # so `tfds.data_source(...)` and `tfds.builder(...)` also work without it.
+        super().__init__(file_format=file_format, **kwargs)
     BUILDER_CONFIGS = [ArithmeticConfig(t, name=n) for n, t in PRESETS.items()]
 
     def _info(self):
