@@ -13,6 +13,8 @@ import json
 import os
 import time
 
+from flax import traverse_util
+
 from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import config as rl_config
 from stablerl_jax.rl import loop, sft
@@ -33,6 +35,8 @@ def main(argv=None) -> dict:
     t0 = time.time()
     data = TaskData.create(cfg.task, os.path.join(args.workdir, "data"))
     params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)
+    flat = traverse_util.flatten_dict(params, sep="/")
+    print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} arrays")
     if sft_losses:
         print(f"SFT: loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} in {len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
