@@ -12,23 +12,13 @@ which is orders of magnitude slower than compiled code, so it is timed at the sm
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import median_seconds
 from kernels.fused_logprob import BlockSizes, fused_logprob
-
-
-def _time(fn, args, reps):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def _temp_mb(fn, args):
@@ -48,17 +38,18 @@ def bench(t, d, v, dtype, reps, impls, block, pallas_block):
         loss = lambda h, w, y, i=impl, b=blk: sum(jnp.sum(o) for o in
                                                   fused_logprob(h, w, y, impl=i, block=b))
         bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        rows[impl] = (_time(fwd, args, reps), _time(bwd, args, reps),
+        rows[impl] = (median_seconds(fwd, *args, reps=reps),
+                      median_seconds(bwd, *args, reps=reps),
                       _temp_mb(fwd, args), _temp_mb(bwd, args))
     mm = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
-    return rows, _time(mm, (h, w), reps)
+    return rows, median_seconds(mm, h, w, reps=reps)
 
 
 def matmul_peak_tflops(dtype, n=8192, reps=5) -> float:
     """Measured dense matmul rate at this dtype (random data), TFLOP/s."""
     a = jax.random.normal(jax.random.key(1), (n, n), dtype)
     b = jax.random.normal(jax.random.key(2), (n, n), dtype)
-    return 2 * n**3 / _time(jax.jit(jnp.dot), (a, b), reps) / 1e12
+    return 2 * n**3 / median_seconds(jax.jit(jnp.dot), a, b, reps=reps) / 1e12
 
 
 def main():
@@ -93,8 +84,10 @@ def main():
             print(f"| {t} | {d} | {v} | {impl} | {f:.4f} | {b:.4f} | {mf:.1f} | {mb:.1f} | "
                   f"{f / nf:.2f} | {b / nb:.2f} | {mb / nmb:.3f} | {f / mm:.2f} |", flush=True)
             if not on_cpu:  # fwd: 2TDV flops; fwd+bwd: fwd + recompute + dh + dW = 8TDV
-                print(f"|   |   |   | {impl} % of peak | {100 * 2 * t * d * v / f / 1e12 / peak:.0f}% "
-                      f"| {100 * 8 * t * d * v / b / 1e12 / peak:.0f}% | | | | | | |")
+                fwd_pct = 100 * 2 * t * d * v / f / 1e12 / peak
+                bwd_pct = 100 * 8 * t * d * v / b / 1e12 / peak
+                print(f"|   |   |   | {impl} % of peak | {fwd_pct:.0f}% | {bwd_pct:.0f}% "
+                      "| | | | | | |")
 
 
 if __name__ == "__main__":

@@ -9,23 +9,12 @@ Routing is drawn from a random router, so expert loads are uneven as in a real m
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.timing import median_seconds
 from stablerl_jax.model import moe
-
-
-def _median_time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def bench(tokens: int, d: int, f: int, e: int, k: int, tile: int, reps: int) -> dict:
@@ -45,8 +34,8 @@ def bench(tokens: int, d: int, f: int, e: int, k: int, tile: int, reps: int) -> 
     for path in ("dense", "grouped"):
         fwd = jax.jit(lambda *a, p=path: run(p, *a))
         bwd = jax.jit(jax.grad(lambda *a, p=path: jnp.sum(run(p, *a) ** 2), argnums=(0, 1, 2)))
-        out[path] = (_median_time(fwd, x, ws, logits, reps=reps),
-                     _median_time(bwd, x, ws, logits, reps=reps))
+        out[path] = (median_seconds(fwd, x, ws, logits, reps=reps),
+                     median_seconds(bwd, x, ws, logits, reps=reps))
     return out
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.timing import median_seconds
 from stablerl_jax import rollout as ro
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import numerics as nx
@@ -30,22 +29,13 @@ def sample_without_cache(params, prompts, key, cfg, new):
 
     def body(i, tokens):
         mask = jnp.arange(p + new)[None, :] < p + i
-        h, _ = tf.forward(params, tokens, cfg, attention_mask_BxT=jnp.broadcast_to(mask, tokens.shape))
+        h, _ = tf.forward(params, tokens, cfg,
+                          attention_mask_BxT=jnp.broadcast_to(mask, tokens.shape))
         z = tf.logits(params, jax.lax.dynamic_slice_in_dim(h, p + i - 1, 1, axis=1), cfg)[:, 0]
         tok = jax.random.categorical(jax.random.fold_in(key, i), z)
         return tokens.at[:, p + i].set(tok)
 
     return jax.lax.fori_loop(0, new, body, tokens)
-
-
-def _time(fn, reps):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def main():
@@ -63,10 +53,11 @@ def main():
     mask = jnp.ones_like(prompts, bool)
     # eos_id outside the vocabulary: every row decodes all `new` tokens, like the baseline.
     sampling = ro.SamplingConfig(max_new_tokens=args.new, eos_id=cfg.vocab_size)
-    cached = _time(lambda: ro.sample(params, prompts, mask, jax.random.key(2), cfg, sampling,
-                                     nx.preset("exact")).tokens_BxS, args.reps)
-    full = _time(lambda: sample_without_cache(params, prompts, jax.random.key(2), cfg,
-                                              args.new), args.reps)
+    key = jax.random.key(2)
+    cached = median_seconds(lambda: ro.sample(params, prompts, mask, key, cfg, sampling,
+                                              nx.preset("exact")).tokens_BxS, reps=args.reps)
+    full = median_seconds(lambda: sample_without_cache(params, prompts, key, cfg, args.new),
+                          reps=args.reps)
     n = args.batch * args.new
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, batch {args.batch}, "
           f"prompt {args.prompt}, new tokens {args.new}, median of {args.reps}")

@@ -1,60 +1,156 @@
-"""Checkpoints with orbax: atomic, optionally async, keep-N, resume from the latest
-*complete* step only.
+"""Checkpoints with orbax: atomic, optionally async, keep-N, resume from complete steps only.
 
-Orbax writes each step into a temporary directory and renames it into place when the
-write has finished, so a run killed mid-save leaves a temporary directory that is never
-listed as a step: resume can only ever see complete checkpoints.
+Layout of a run's checkpoint directory (one subdirectory per saved global step):
+
+    <dir>/<step>/state/   the train state: a pytree of arrays (params, optimizer state, counters)
+    <dir>/<step>/meta/    a small JSON dict (config, data position, ...)
+
+What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-tmp`, writes
+`commit_success.txt` into it when every item is on disk, then renames it to `<step>`. So:
+- a save killed midway leaves a `*.orbax-checkpoint-tmp*` directory, never listed as a step
+  (and removed when the next `Checkpointer` opens the directory);
+- a directory named like a step but without `commit_success.txt` (a half-copied step, or a
+  filesystem without atomic rename) is incomplete too. Orbax itself would list it on a local
+  disk, and then both resume from it and skip every later save whose step is not above it,
+  so it is renamed aside to `<step>.incomplete` (kept, never deleted) before orbax looks.
+- any other name in the directory is ignored.
+
+Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
+Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
+which breaks bit-exact resume, so a mismatch is an error that names the leaf.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+_COMMIT_FILE = "commit_success.txt"
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _leaves(tree) -> dict[str, Any]:
+    """{'a/b/0/mu': leaf}. NamedTuple fields and dict keys map to the same names, because
+    orbax's metadata records an optax NamedTuple state as a dict of its fields."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
 
 
 def _abstract(tree):
-    """Shape/dtype/sharding targets, so a restore lands on the live state's devices."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                       sharding=getattr(x, "sharding", None)),
-                        tree)
+    """ShapeDtypeStruct targets carrying each leaf's sharding (None for host arrays)."""
+    def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            raise ValueError("checkpointed state holds a typed PRNG key; store "
+                             "jax.random.key_data(key) instead and rewrap it after restore")
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(one, tree)
+
+
+def _check_matches(saved_meta, target, where: str) -> None:
+    """Raise a ValueError listing leaves whose path, shape or dtype differ."""
+    saved, want = _leaves(saved_meta), _leaves(target)
+    problems = [f"{p}: in checkpoint, not in target" for p in sorted(saved.keys() - want.keys())]
+    problems += [f"{p}: in target, not in checkpoint" for p in sorted(want.keys() - saved.keys())]
+    for p in sorted(saved.keys() & want.keys()):
+        a, b = saved[p], want[p]
+        if tuple(a.shape) != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(b.dtype):
+            problems.append(f"{p}: checkpoint {a.dtype}{list(a.shape)} vs target "
+                            f"{b.dtype}{list(b.shape)}")
+    if problems:
+        more = f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise ValueError(
+            f"checkpoint {where} does not match the target state: " + "; ".join(problems[:8])
+            + more + ". Restore with the model/optimizer config the checkpoint was written "
+            "with, or start a fresh run in a new directory.")
+
+
+def _set_aside_incomplete(directory: str) -> None:
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.isdigit() and os.path.isdir(path) and not os.path.exists(
+                os.path.join(path, _COMMIT_FILE)):
+            dest, n = path + ".incomplete", 1
+            while os.path.exists(dest):
+                dest, n = f"{path}.incomplete{n}", n + 1
+            logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE, dest)
+            os.rename(path, dest)
 
 
 class Checkpointer:
-    """Per-step {'state': pytree of arrays, 'meta': small JSON dict}."""
+    """Per-step {'state': pytree of arrays, 'meta': JSON dict}, keeping the newest `keep`."""
 
     def __init__(self, directory: str, keep: int = 2, async_: bool = True):
         directory = os.path.abspath(directory)
         if os.path.exists(directory) and not os.path.isdir(directory):
-            raise ValueError(f"checkpoint directory {directory!r} is a file; pass a directory")
-        self.manager = ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=async_, create=True))
+            raise ValueError(f"checkpoint directory {directory!r} is a file; pass a directory "
+                             "path (or move the file away)")
+        if keep < 1:
+            raise ValueError(f"keep={keep} must be >= 1 (number of checkpoints kept)")
+        os.makedirs(directory, exist_ok=True)
+        if jax.process_index() == 0:
+            _set_aside_incomplete(directory)
         self.directory = directory
+        self.manager = ocp.CheckpointManager(
+            directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=async_, create=True,
+                cleanup_tmp_directories=True),  # leftovers of killed saves
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (an async save still in flight is not listed)."""
+        return sorted(s for s in self.manager.all_steps() if os.path.exists(
+            os.path.join(self.directory, str(s), _COMMIT_FILE)))
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
-    def save(self, step: int, state, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-
-    def restore(self, step: int | None, target_state):
-        """(state, meta) of `step` (default: latest), restored onto target's shardings."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise ValueError(f"no complete checkpoint in {self.directory!r}; start a fresh run "
-                             "or point to another workdir")
+    def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
+        """Start saving `step`; returns False if orbax skipped it (a step not above the
+        latest saved one, unless force). With async, arrays are copied off the devices
+        before this returns, so the caller may donate `state` right away."""
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target_state)),
-                meta=ocp.args.JsonRestore()))
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {self.directory}/{step} does not match this run's "
-                             f"state (different model or optimizer config?): {e}") from None
+            json.dumps(meta)
+        except TypeError as e:
+            raise ValueError(f"checkpoint meta must be JSON-serializable: {e}") from None
+        _abstract(state)  # rejects typed PRNG keys before anything is written
+        return self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+
+    def restore(self, step: int | None, target_state) -> tuple[Any, dict]:
+        """(state, meta) of `step` (None: the latest complete one). `target_state` (arrays or
+        ShapeDtypeStructs) gives the tree structure, shapes, dtypes and shardings."""
+        self.wait()
+        steps = self.all_steps()
+        if not steps:
+            raise ValueError(f"no complete checkpoint in {self.directory!r}; start a fresh run "
+                             "or point to the workdir of the run to resume")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ValueError(f"no complete checkpoint for step {step} in {self.directory!r}; "
+                             f"available steps: {steps}")
+        target = _abstract(target_state)
+        where = os.path.join(self.directory, str(step))
+        _check_matches(self.manager.item_metadata(step)["state"], target, where)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         return out.state, out.meta
 
     def wait(self) -> None:
+        """Block until pending async saves (and keep-N deletions) are on disk."""
         self.manager.wait_until_finished()
 
     def close(self) -> None:
@@ -62,15 +158,27 @@ class Checkpointer:
 
 
 def save_params(path: str, params) -> None:
-    """Save one params pytree to `path` (atomically; the directory must not exist)."""
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.abspath(path), params)
-    ckpt.wait_until_finished()
-
-
-def load_params(path: str, target):
-    """Load params saved by `save_params`; `target` gives structure, shapes and dtypes."""
+    """Save one params pytree to `path` (atomically: temporary directory, then rename)."""
     path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"no params checkpoint at {path!r}")
-    return ocp.StandardCheckpointer().restore(path, _abstract(target))
+    if os.path.exists(path):
+        raise ValueError(f"params checkpoint {path!r} already exists; pass a new path or "
+                         "delete the old one")
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, params)
+        ckpt.wait_until_finished()
+
+
+def load_params(path: str, target=None):
+    """Load params saved by `save_params`. With `target` (arrays or ShapeDtypeStructs, e.g.
+    from jax.eval_shape(init_params)), structure/shapes/dtypes are checked and the result
+    lands on the target's shardings; without it, arrays come back as saved on one device."""
+    path = os.path.abspath(path)
+    if not os.path.exists(os.path.join(path, _COMMIT_FILE)):
+        raise ValueError(f"no complete params checkpoint at {path!r}; run the SFT cold start "
+                         "first (it writes one there) or pass the right path")
+    with ocp.StandardCheckpointer() as ckpt:
+        if target is None:
+            return ckpt.restore(path)
+        target = _abstract(target)
+        _check_matches(ckpt.metadata(path).item_metadata, target, path)
+        return ckpt.restore(path, target)

@@ -4,8 +4,8 @@ import json
 import jax
 import numpy as np
 import pytest
-
 from rl_helpers import tiny_cfg
+
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.rl import loop

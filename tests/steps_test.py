@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from rl_helpers import tiny_cfg
+
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
 from stablerl_jax.rl.engine import Engine

@@ -124,8 +124,8 @@ def test_dense_and_grouped_models_agree():
         return _probe(h, mask)
 
     v0, g0 = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=CFG)))(params)
-    v1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=CFG.replace(dispatch="dense"))))(
-        params)
+    dense = CFG.replace(dispatch="dense")
+    v1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=dense)))(params)
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from stablerl_jax.config import ConfigError, ModelConfig, check, check_positive_int
-from stablerl_jax.config import LossConfig
+from stablerl_jax.config import ConfigError, LossConfig, ModelConfig, check, check_positive_int
 from stablerl_jax.data.synthetic import TaskConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.rl.steps import REPLAY_MODES

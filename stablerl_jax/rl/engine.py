@@ -18,7 +18,6 @@ import optax
 
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import sharding
-from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
 
