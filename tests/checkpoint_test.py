@@ -1,4 +1,4 @@
-"""Orbax checkpoints: bitwise round trip, keep-N, partial checkpoints never resumed."""
+"""Orbax checkpoints: bitwise round trip, shardings, keep-N, async, complete steps only, errors."""
 import os
 
 import jax
@@ -6,55 +6,113 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stablerl_jax.checkpoint import Checkpointer, load_params, save_params
 
-
-def _state(seed=0):
-    params = {"w": jax.random.normal(jax.random.key(seed), (4, 3)), "b": {"c": jnp.arange(3.0)}}
-    opt = optax.adamw(1e-3)
-    return {"params": params, "opt_state": opt.init(params), "step": jnp.array(7, jnp.int32)}
+# clip + adamw: a NamedTuple chain that includes an EmptyState, as the trainer's optimizer does.
+_OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 
 
-def _equal(a, b):
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+def _state(seed=0, d=3):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w": jax.random.normal(k1, (8, d)), "b": {"c": jnp.arange(d, dtype=jnp.float32) + seed}}
+    clip_state, (adam, *rest) = _OPT.init(params)
+    # Non-trivial moments, as after some updates (optax's own update is slow to run eagerly).
+    adam = adam._replace(count=jnp.array(3, jnp.int32), mu=jax.tree.map(jnp.sin, params),
+                         nu=jax.tree.map(jnp.square, params))
+    return {"params": params, "opt_state": (clip_state, (adam, *rest)),
+            "step": jnp.array(7 + seed, jnp.int32), "rng": jax.random.key_data(k2)}
+
+
+def _assert_bitwise(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x).reshape(-1).view(np.uint8),
+                                      np.asarray(y).reshape(-1).view(np.uint8))
 
 
 def test_round_trip_bitwise_with_optax_state(tmp_path):
     ck = Checkpointer(str(tmp_path / "ck"), keep=3, async_=True)
     state = _state()
-    ck.save(3, state, {"step": 3, "note": "x"})
+    meta = {"config": {"lr": 1e-3, "name": "x"}, "data_position": 12, "metrics_rows": 4}
+    assert ck.save(3, state, meta)
     ck.wait()
-    restored, meta = ck.restore(None, _state(seed=1))
-    _equal(restored, state)
-    assert meta == {"step": 3, "note": "x"}
-    assert isinstance(restored["opt_state"][0], optax.ScaleByAdamState)
+    restored, got_meta = ck.restore(None, _state(seed=1))  # target values are irrelevant
+    _assert_bitwise(restored, state)
+    assert got_meta == meta
+    assert isinstance(restored["opt_state"][1][0], optax.ScaleByAdamState)
+    # A fresh Checkpointer over the same directory (a resumed process) sees the same.
+    ck.close()
+    restored2, _ = Checkpointer(str(tmp_path / "ck")).restore(3, jax.eval_shape(_state))
+    _assert_bitwise(restored2, state)
+
+
+def test_restore_lands_on_target_shardings(tmp_path):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "fsdp"))
+    state = _state(d=4)
+    saved = jax.device_put(state, NamedSharding(mesh, P()))
+    saved["params"]["w"] = jax.device_put(state["params"]["w"], NamedSharding(mesh, P("data")))
+    ck = Checkpointer(str(tmp_path / "ck"), async_=False)
+    ck.save(1, saved, {})
+    target = jax.device_put(_state(seed=2, d=4), NamedSharding(mesh, P()))
+    target["params"]["w"] = jax.device_put(target["params"]["w"],
+                                           NamedSharding(mesh, P(None, "fsdp")))
+    restored, _ = ck.restore(1, target)
+    _assert_bitwise(restored, state)
+    assert restored["params"]["w"].sharding == target["params"]["w"].sharding
+    assert restored["step"].sharding == target["step"].sharding
 
 
 def test_keep_n_and_latest(tmp_path):
-    ck = Checkpointer(str(tmp_path / "ck"), keep=2, async_=False)
+    ck = Checkpointer(str(tmp_path / "ck"), keep=2, async_=True)
     assert ck.latest_step() is None
-    for s in range(4):
-        ck.save(s, _state(s), {"step": s})
+    for s in range(1, 5):
+        assert ck.save(s, _state(s), {"step": s})
     ck.wait()
-    assert ck.latest_step() == 3
-    assert sorted(ck.manager.all_steps()) == [2, 3]
+    assert ck.all_steps() == [3, 4] and ck.latest_step() == 4
+    assert sorted(os.listdir(tmp_path / "ck")) == ["3", "4"]
+    assert not ck.save(4, _state(), {})  # not above the latest: skipped, and says so
+    _, meta = ck.restore(None, _state())
+    assert meta == {"step": 4}
 
 
-def test_partial_checkpoint_is_never_resumed(tmp_path):
-    ck = Checkpointer(str(tmp_path / "ck"), keep=5, async_=False)
+def test_saved_step_is_committed_the_way_resume_expects(tmp_path):
+    """The completeness rule relies on orbax writing commit_success.txt; pin that here."""
+    ck = Checkpointer(str(tmp_path / "ck"), async_=False)
+    ck.save(5, _state(), {})
+    assert (tmp_path / "ck" / "5" / "commit_success.txt").exists()
+
+
+def test_partial_checkpoints_are_never_resumed(tmp_path):
+    d = tmp_path / "ck"
+    ck = Checkpointer(str(d), keep=5, async_=False)
     ck.save(2, _state(), {"step": 2})
-    ck.wait()
     ck.close()
-    # A save killed midway leaves orbax's temporary directory (and maybe junk) behind.
-    partial = tmp_path / "ck" / "9.orbax-checkpoint-tmp-1234"
-    partial.mkdir()
-    (partial / "state").mkdir()
-    (tmp_path / "ck" / "not_a_step").mkdir()
-    ck2 = Checkpointer(str(tmp_path / "ck"), keep=5, async_=False)
-    assert ck2.latest_step() == 2
+    # A save killed midway leaves orbax's temporary directory, with some items in it.
+    tmp = d / "9.orbax-checkpoint-tmp"
+    (tmp / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+    (tmp / "_CHECKPOINT_METADATA").write_text("{}")
+    (d / "11.orbax-checkpoint-tmp-1712345678").mkdir()
+    # A step-named directory without the commit file (half-copied / non-atomic filesystem).
+    (d / "7" / "state").mkdir(parents=True)
+    # Unknown names must not crash anything.
+    for name in ("not_a_step", "3.backup", "-1", "step_x"):
+        (d / name).mkdir()
+    (d / "notes.txt").write_text("x")
+
+    ck2 = Checkpointer(str(d), keep=5, async_=False)
+    assert ck2.all_steps() == [2] and ck2.latest_step() == 2
     _, meta = ck2.restore(None, _state())
-    assert meta["step"] == 2
+    assert meta == {"step": 2}
+    assert not tmp.exists()  # leftovers of killed saves are cleaned up
+    assert (d / "7.incomplete" / "state").is_dir()  # set aside, not deleted
+    with pytest.raises(ValueError, match=r"no complete checkpoint for step 7.*\[2\]"):
+        ck2.restore(7, _state())
+    # Later saves are not blocked by the incomplete step 7.
+    assert ck2.save(3, _state(), {"step": 3})
+    assert ck2.latest_step() == 3
 
 
 def test_errors(tmp_path):
@@ -62,19 +120,35 @@ def test_errors(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         Checkpointer(str(f))
-    with pytest.raises(ValueError, match="no complete checkpoint"):
+    with pytest.raises(ValueError, match="no complete checkpoint in .*empty"):
         Checkpointer(str(tmp_path / "empty")).restore(None, _state())
     ck = Checkpointer(str(tmp_path / "ck"), async_=False)
+    with pytest.raises(ValueError, match="JSON-serializable"):
+        ck.save(0, _state(), {"x": object()})
+    with pytest.raises(ValueError, match="key_data"):
+        ck.save(0, {"rng": jax.random.key(0)}, {})
     ck.save(0, _state(), {})
-    ck.wait()
-    with pytest.raises(ValueError, match="does not match"):
-        ck.restore(0, {"params": {"w": jnp.zeros((9, 9))}})
+    bigger = _state(d=5)  # a different model config: every param and moment changes shape
+    with pytest.raises(ValueError, match=r"does not match.*params/w: checkpoint float32\[8, 3\] "
+                                         r"vs target float32\[8, 5\]"):
+        ck.restore(0, bigger)
+    with pytest.raises(ValueError, match="rng: in checkpoint, not in target"):
+        ck.restore(0, {k: v for k, v in _state().items() if k != "rng"})
+    bf16 = {**_state(), "params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), _state()["params"])}
+    with pytest.raises(ValueError, match="params/b/c: checkpoint float32\\[3\\] vs target bfloat16"):
+        ck.restore(0, bf16)  # orbax alone would cast silently
 
 
 def test_params_round_trip(tmp_path):
     params = _state()["params"]
-    save_params(str(tmp_path / "p"), params)
-    _equal(load_params(str(tmp_path / "p"), params), params)
-    with pytest.raises(ValueError, match="no params checkpoint"):
+    path = str(tmp_path / "sft")
+    save_params(path, params)
+    _assert_bitwise(load_params(path, params), params)
+    _assert_bitwise(load_params(path, jax.eval_shape(lambda: params)), params)
+    _assert_bitwise(load_params(path), params)
+    with pytest.raises(ValueError, match="already exists"):
+        save_params(path, params)
+    with pytest.raises(ValueError, match="no complete params checkpoint"):
         load_params(str(tmp_path / "missing"), params)
-    assert os.path.isdir(tmp_path / "p")
+    with pytest.raises(ValueError, match="params/w|w: checkpoint"):
+        load_params(path, _state(d=5)["params"])
