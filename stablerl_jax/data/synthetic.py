@@ -19,8 +19,9 @@ the test split iff a stable hash of its prompt falls below `test_fraction`, so t
 test never share a prompt, whatever the sizes or seed. Record ids are "<split>-<index>",
 the index zero-padded so that sorting ids restores generation order.
 
-The TFDS builder writes array_record files and is read with `as_data_source()`, which
-needs no TensorFlow (tfds' array_record writer and reader are TF-free in 4.9.x).
+The TFDS builder defaults to file_format='array_record' (tfds' own default, tfrecord,
+needs TensorFlow to write) and is read with `as_data_source()` / `tfds.data_source`, whose
+array_record reader needs no TensorFlow either.
 """
 from __future__ import annotations
 
@@ -95,7 +96,9 @@ class TaskConfig:
 
 
 # Difficulty presets. The problem space must hold num_test / test_fraction problems or more
-# (easy: 10^3 · 2^2 = 4,000 prompts, of which ~400 hash to test).
+# (easy: 10^3 · 2^2 = 4,000 prompts, of which ~400 hash to test). Held-out accuracy after
+# the `tiny` experiment's cold start (2-layer MoE, d_model 64, 300 SFT steps, sampling at
+# temperature 1): easy ≈ 0.30, medium ≈ 0.11, hard ≈ 0.01 (see docs/benchmarks.md).
 PRESETS = {
     "easy": TaskConfig(num_operands=3, max_digits=1, num_train=3000, num_test=300),
     "medium": TaskConfig(num_operands=4, max_digits=1),
