@@ -1,118 +1,192 @@
 """Run metrics: JSONL (the source of truth), TensorBoard events, PNG plots.
 
-metrics.jsonl holds one object per logged step, {"step": s, name: value, ...}; a
-non-finite value is written as null. On resume, lines after the restored step are
-dropped so the file equals the one an uninterrupted run writes.
+`<workdir>/metrics.jsonl` holds one JSON object per logged global step,
+`{"step": s, name: value, ...}`, every value a float. A non-finite value (NaN, ±inf) is
+written as `null` (JSON has no NaN), and TensorBoard skips it; `read_metrics` returns it
+as None. On resume, `truncate_after(step)` drops the rows a killed run wrote after its last
+checkpoint, so the file equals the one an uninterrupted run writes, and TensorBoard is told
+to discard those steps too (tensorboardX `purge_step`).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
+import time
 
 import matplotlib
 
-matplotlib.use("Agg")
+matplotlib.use("Agg")  # headless: files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
 
-# (title, keys, log-scale y)
+# (title, keys, log-scale y). A panel is drawn when any of its keys has a value.
 PANELS = [
     ("reward", ["reward"], False),
-    ("held-out accuracy (avg@k)", ["eval/accuracy"], False),
-    ("entropy (full vocabulary)", ["entropy"], False),
+    ("held-out accuracy", ["eval/accuracy", "eval/pass_at_k"], False),
+    ("entropy", ["entropy", "update/entropy"], False),
     ("training-inference KL", ["kl/train_infer_k1", "kl/train_infer_k3"], True),
-    ("clip fraction", ["clip/frac_high", "clip/frac_low"], False),
+    ("clip / mask fraction", ["clip/frac_high", "clip/frac_low", "is/frac_truncated"], False),
     ("routing mismatch", ["routing/mismatch_rate", "routing/any_flip"], False),
-    ("Eq. 5 factors: std of log ratio", ["eq5/engine_log_std", "eq5/staleness_log_std"], True),
+    ("Eq. 5 factors: mean log ratio", ["eq5/engine_log_mean", "eq5/staleness_log_mean"], False),
+    ("Eq. 5 factors: spread of log ratio",
+     ["eq5/engine_log_std", "eq5/staleness_log_std",
+      "eq5/engine_log_sqmean", "eq5/staleness_log_sqmean"], True),
+    ("loss", ["loss"], False),
+    ("skipped updates", ["skipped_updates"], False),
+    ("gradient norm", ["grad_norm"], True),
     ("response length", ["response_length"], False),
 ]
 
 
-def _clean(v):
-    v = float(v)
-    return v if math.isfinite(v) else None
+def _to_float(key: str, v) -> float | None:
+    if v is None:  # a metric with no value this step
+        return None
+    try:
+        f = float(np.asarray(v).item())  # numpy / jax 0-d arrays and Python numbers
+    except (TypeError, ValueError):
+        raise ValueError(f"metric {key!r} = {v!r} is not a scalar number; log a float "
+                         "(reduce arrays before writing)") from None
+    return f if math.isfinite(f) else None
 
 
 class MetricsWriter:
+    """Appends metric rows to `<workdir>/metrics.jsonl` and `<workdir>/tb/`."""
+
     def __init__(self, workdir: str):
+        if os.path.exists(workdir) and not os.path.isdir(workdir):
+            raise ValueError(f"metrics workdir {workdir!r} is a file; pass a directory path")
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tb")
-        self.tb = SummaryWriter(self.tb_dir)
+        self.tb = self._tb_writer()
 
-    def write(self, step: int, metrics: dict) -> None:
-        row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+    def _tb_writer(self, purge_step: int | None = None) -> SummaryWriter:
+        # tensorboardX names event files by the second they were opened in, so a second
+        # writer in the same second would overwrite the first; a nanosecond suffix keeps
+        # them apart and sorted in opening order (the order TensorBoard reads them in).
+        return SummaryWriter(self.tb_dir, purge_step=purge_step,
+                             filename_suffix=f".{time.time_ns():020d}")
+
+    def write(self, step: int, metrics: dict) -> dict:
+        """Append one row (flushed to disk before returning); returns the row written."""
+        if "step" in metrics:
+            raise ValueError("metrics must not contain a 'step' key; pass the step separately")
+        row = {"step": int(step), **{k: _to_float(k, v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         for k, v in row.items():
             if k != "step" and v is not None:
-                self.tb.add_scalar(k, v, step)
+                self.tb.add_scalar(k, v, row["step"])
         self.tb.flush()
+        return row
 
     def truncate_after(self, step: int) -> None:
+        """Keep only rows with row["step"] <= step (step=-1 empties the file). Atomic: the
+        new file replaces the old one by rename, so a crash here loses nothing."""
         rows = [r for r in read_metrics(self.path) if r["step"] <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(tmp, self.path)
+        # TensorBoard hides events with step >= purge_step from earlier event files.
+        self.tb.close()
+        self.tb = self._tb_writer(purge_step=step + 1)
 
     def close(self) -> None:
         self.tb.close()
 
 
 def read_metrics(path: str) -> list[dict]:
-    """Rows of a metrics.jsonl (or of <workdir>/metrics.jsonl)."""
+    """Rows of a metrics.jsonl, or of `<path>/metrics.jsonl` for a workdir ([] if absent).
+    A torn last line (the process died mid-write) is dropped; a bad line elsewhere is an
+    error."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # no trailing newline: an interrupted write
+                break
+            raise ValueError(f"{path}:{i + 1} is not a JSON object: {line[:80]!r}") from None
+    return rows
 
 
-def _series(records, key):
-    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+def _series(records: list[dict], key: str, log: bool):
+    pts = [(r["step"], r[key]) for r in records
+           if r.get(key) is not None and (not log or r[key] > 0)]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _draw(ax, runs: dict, title, keys, log):
-    for name, records in runs.items():
-        for key in keys:
-            x, y = _series(records, key)
-            if x:
-                label = key if len(runs) == 1 else (name if len(keys) == 1 else f"{name}: {key}")
-                ax.plot(x, [abs(v) for v in y] if log else y, label=label)
+def _draw(ax, runs: dict, title: str, keys: list, log: bool) -> None:
+    dropped = False
+    for i, (name, records) in enumerate(runs.items()):
+        for j, key in enumerate(keys):
+            x, y = _series(records, key, log)
+            dropped |= log and len(x) < len(_series(records, key, False)[0])
+            if not x:
+                continue
+            label = key if len(runs) == 1 else name if len(keys) == 1 else f"{name}: {key}"
+            # Colour tells runs apart, line style tells keys apart.
+            ax.plot(x, y, label=label, color=f"C{(i if len(runs) > 1 else j) % 10}",
+                    linestyle=["-", "--", ":", "-."][j % 4] if len(runs) > 1 else "-",
+                    marker="." if len(x) < 30 else None)
     if log:
         ax.set_yscale("log")
-    ax.set_title(title + (" (abs, log)" if log else ""), fontsize=9)
+    ax.set_title(title + (" (values <= 0 not shown)" if dropped else ""), fontsize=9)
     ax.set_xlabel("step")
     if ax.lines:
         ax.legend(fontsize=6)
 
 
-def plot_metrics(records: list[dict], out_dir: str, panels=PANELS) -> list[str]:
-    """One PNG per panel whose keys appear in the records."""
+def _present(runs: dict, keys: list) -> bool:
+    return any(_series(r, k, False)[0] for r in runs.values() for k in keys)
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9@-]+", "_", title.lower()).strip("_")
+
+
+def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = None, *,
+                 panels: list | None = None) -> list[str]:
+    """One PNG per panel with data; returns their paths. Default panels: PANELS. `keys`
+    instead draws one panel per key (log scale where PANELS puts that key on one)."""
+    if keys is not None:
+        log_keys = {k for _, ks, log in PANELS if log for k in ks}
+        panels = [(k, [k], k in log_keys) for k in keys]
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for title, keys, log in panels:
-        if not any(_series(records, k)[0] for k in keys):
+    for title, panel_keys, log in panels or PANELS:
+        if not _present({"run": records}, panel_keys):
             continue
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        _draw(ax, {"run": records}, title, keys, log)
+        _draw(ax, {"run": records}, title, panel_keys, log)
         fig.tight_layout()
-        path = os.path.join(out_dir, keys[0].replace("/", "_") + ".png")
+        path = os.path.join(out_dir, _slug(title) + ".png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
 
 
-def plot_comparison(runs: dict, out_path: str, panels=PANELS) -> str:
-    """One figure, a panel per metric, a line per run."""
-    panels = [p for p in panels if any(_series(r, k)[0] for r in runs.values() for k in p[1])]
-    cols = 3
-    rows = max(1, -(-len(panels) // cols))
+def plot_comparison(runs: dict[str, list[dict]], out_path: str, panels: list | None = None,
+                    *, cols: int = 3) -> str:
+    """One figure: a grid of panels (those with data in some run), one line per run."""
+    panels = [p for p in panels or PANELS if _present(runs, p[1])]
+    if not panels:
+        raise ValueError(f"none of the panel keys appear in runs {list(runs)}; check the "
+                         "metric names (see metrics_io.PANELS)")
+    rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
     for ax, (title, keys, log) in zip(axes.flat, panels):
         _draw(ax, runs, title, keys, log)
