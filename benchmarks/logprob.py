@@ -1,13 +1,19 @@
 """Fused log-prob / entropy: naive vs chunked vs Pallas, time and compiled temp memory.
 
     python -m benchmarks.logprob [--reps 3] [--shapes 4096,512,32768 8192,512,65536]
-                                 [--pallas-shape 1024,512,32768] [--dtype float32]
+        [--impls naive chunked pallas] [--pallas-shape 256,512,4096] [--dtype float32]
+        [--chunk 2048] [--pallas-blocks tokens=64,vocab=128 tokens=128,vocab=64 ...]
+
+Letters: T tokens, D model, V vocab.
 
 For each (T, D, V): forward and forward+backward median wall time (after a warm-up) and
 the compiled executable's temp memory, with ratios to naive; plus a bare `hidden @
-unembed` as the floor of the forward. On CPU the Pallas kernel runs in the interpreter,
-which is orders of magnitude slower than compiled code, so it is timed at the smaller
-`--pallas-shape` only (its memory is still reported at every shape).
+unembed` as the floor of the forward. Each `--pallas-blocks` entry (BlockSizes fields as
+key=value) is one Pallas row. On CPU the Pallas kernels run in the interpreter, orders
+of magnitude slower than compiled code, so there they are timed at `--pallas-shape`
+only. On an accelerator the table adds % of the measured matmul peak of the dtype,
+counting 2·T·D·V FLOPs forward and 8·T·D·V forward+backward (logits, recomputed logits,
+d hidden, d unembed).
 """
 from __future__ import annotations
 
@@ -25,69 +31,80 @@ def _temp_mb(fn, args):
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
-def bench(t, d, v, dtype, reps, impls, block, pallas_block):
-    k = jax.random.split(jax.random.key(0), 3)
-    h = jax.random.normal(k[0], (t, d), dtype)
-    w = (jax.random.normal(k[1], (d, v)) / np.sqrt(d)).astype(dtype)
-    y = jax.random.randint(k[2], (t,), 0, v)
-    args = (h, w, y)
-    rows = {}
-    for impl in impls:
-        blk = pallas_block if impl == "pallas" else block
-        fwd = jax.jit(lambda h, w, y, i=impl, b=blk: fused_logprob(h, w, y, impl=i, block=b))
-        loss = lambda h, w, y, i=impl, b=blk: sum(jnp.sum(o) for o in
-                                                  fused_logprob(h, w, y, impl=i, block=b))
-        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        rows[impl] = (median_seconds(fwd, *args, reps=reps),
-                      median_seconds(bwd, *args, reps=reps),
-                      _temp_mb(fwd, args), _temp_mb(bwd, args))
-    mm = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
-    return rows, median_seconds(mm, h, w, reps=reps)
+def _row(impl, block, args, reps):
+    fwd = jax.jit(lambda h, w, y: fused_logprob(h, w, y, impl=impl, block=block))
+    loss = lambda h, w, y: sum(jnp.sum(o) for o in fused_logprob(h, w, y, impl=impl,
+                                                                    block=block))
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return (median_seconds(fwd, *args, reps=reps), median_seconds(bwd, *args, reps=reps),
+            _temp_mb(fwd, args), _temp_mb(bwd, args))
 
 
-def matmul_peak_tflops(dtype, n=8192, reps=5) -> float:
+def matmul_peak_tflops(dtype, n=8192, reps=10) -> float:
     """Measured dense matmul rate at this dtype (random data), TFLOP/s."""
     a = jax.random.normal(jax.random.key(1), (n, n), dtype)
     b = jax.random.normal(jax.random.key(2), (n, n), dtype)
     return 2 * n**3 / median_seconds(jax.jit(jnp.dot), a, b, reps=reps) / 1e12
 
 
+def _block(spec: str, chunk: int) -> BlockSizes:
+    kw = dict(kv.split("=") for kv in spec.split(",") if kv)
+    return BlockSizes(chunk=chunk, **{k: int(v) for k, v in kw.items()})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shapes", nargs="+", default=["4096,512,32768", "8192,512,65536"])
-    ap.add_argument("--pallas-shape", default="1024,512,32768")
+    ap.add_argument("--impls", nargs="+", default=["naive", "chunked", "pallas"])
+    ap.add_argument("--pallas-shape", default="256,512,4096")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--block-vocab", type=int, default=2048, help="chunked: vocab chunk")
-    ap.add_argument("--pallas-block", default="128,512", help="pallas: tokens,vocab block")
+    ap.add_argument("--chunk", type=int, default=2048, help="chunked: vocab chunk")
+    ap.add_argument("--pallas-blocks", nargs="+", default=[""],
+                    help="one Pallas row per entry: BlockSizes fields as key=value,...")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
-    block = BlockSizes(vocab=args.block_vocab)
-    pallas_block = BlockSizes(*map(int, args.pallas_block.split(",")))
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {dtype.name}, "
-          f"chunked vocab chunk {block.vocab}, pallas block {pallas_block}, "
-          f"median of {args.reps}")
-    print("| T | D | V | impl | fwd s | fwd+bwd s | fwd temp MiB | fwd+bwd temp MiB | "
-          "fwd / naive | fwd+bwd / naive | temp fwd+bwd / naive | fwd / matmul |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     on_cpu = jax.default_backend() == "cpu"
-    if not on_cpu:
-        peak = matmul_peak_tflops(dtype)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()} "
+          f"({jax.devices()[0].device_kind}), {dtype.name}, chunk {args.chunk}, "
+          f"median of {args.reps}")
+    peak = None if on_cpu else matmul_peak_tflops(dtype)
+    if peak:
         print(f"measured {dtype.name} matmul peak: {peak:.0f} TFLOP/s (8192^3)")
-    for shape in args.shapes + ([args.pallas_shape] if on_cpu else []):
+    print("| T | D | V | impl | fwd s | fwd+bwd s | fwd temp MiB | fwd+bwd temp MiB | "
+          "fwd / naive | fwd+bwd / naive | temp fwd+bwd / naive | fwd / matmul |"
+          + (" fwd % peak | fwd+bwd % peak |" if peak else ""))
+    print("|---" * (12 + 2 * bool(peak)) + "|")
+    shapes = args.shapes + ([args.pallas_shape] if on_cpu and "pallas" in args.impls else [])
+    for shape in shapes:
         t, d, v = map(int, shape.split(","))
-        impls = ["naive", "chunked"] + (["pallas"] if (not on_cpu or shape == args.pallas_shape)
-                                        else [])
-        rows, mm = bench(t, d, v, dtype, args.reps, impls, block, pallas_block)
-        nf, nb, _, nmb = rows["naive"]
-        for impl, (f, b, mf, mb) in rows.items():
-            print(f"| {t} | {d} | {v} | {impl} | {f:.4f} | {b:.4f} | {mf:.1f} | {mb:.1f} | "
-                  f"{f / nf:.2f} | {b / nb:.2f} | {mb / nmb:.3f} | {f / mm:.2f} |", flush=True)
-            if not on_cpu:  # fwd: 2TDV flops; fwd+bwd: fwd + recompute + dh + dW = 8TDV
-                fwd_pct = 100 * 2 * t * d * v / f / 1e12 / peak
-                bwd_pct = 100 * 8 * t * d * v / b / 1e12 / peak
-                print(f"|   |   |   | {impl} % of peak | {fwd_pct:.0f}% | {bwd_pct:.0f}% "
-                      "| | | | | | |")
+        k = jax.random.split(jax.random.key(0), 3)
+        h = jax.random.normal(k[0], (t, d), dtype)
+        w = (jax.random.normal(k[1], (d, v)) / np.sqrt(d)).astype(dtype)
+        y = jax.random.randint(k[2], (t,), 0, v)
+        rows = []
+        for impl in args.impls:
+            if impl == "pallas" and on_cpu and shape != args.pallas_shape:
+                continue
+            specs = args.pallas_blocks if impl == "pallas" else [""]
+            for spec in specs:
+                name = f"pallas {spec}".strip() if impl == "pallas" else impl
+                try:
+                    rows.append((name, _row(impl, _block(spec, args.chunk), (h, w, y),
+                                            args.reps)))
+                except Exception as e:  # a block choice the compiler rejects: say so, go on
+                    print(f"| {t} | {d} | {v} | {name} | failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]} |", flush=True)
+        mm = median_seconds(jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)),
+                            h, w, reps=args.reps)
+        nf, nb, _, nmb = dict(rows).get("naive", rows[0][1])
+        for name, (f, b, mf, mb) in rows:
+            line = (f"| {t} | {d} | {v} | {name} | {f:.4f} | {b:.4f} | {mf:.1f} | {mb:.1f} | "
+                    f"{f / nf:.2f} | {b / nb:.2f} | {mb / nmb:.3f} | {f / mm:.2f} |")
+            if peak:
+                line += (f" {100 * 2 * t * d * v / f / 1e12 / peak:.0f}% |"
+                         f" {100 * 8 * t * d * v / b / 1e12 / peak:.0f}% |")
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

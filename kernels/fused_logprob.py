@@ -1,14 +1,15 @@
 """Fused token log-prob + full-vocabulary entropy that never materializes [T, V] logits.
 
-Letters: T tokens, D model, V vocab, C vocab chunk (block), Bt token block.
+Letters: T tokens, D model, V vocab, C vocab chunk.
 
     z = h W  (per token, over the vocabulary; float32 accumulation)
     lse = log Σ_v exp z_v,   E_p[z] = Σ_v p_v z_v,   p = softmax(z)
     logp = z_y − lse,        entropy = lse − E_p[z]
 
-Forward streams vocab chunks with an online log-sum-exp (running max m, Σ exp(z − m),
-Σ exp(z − m)·z) and saves only lse and E_p[z] per token. The backward (custom VJP)
-recomputes each chunk's logits:
+The forward streams vocab chunks with an online log-sum-exp (running max m, Σ e^{z−m},
+Σ e^{z−m}·z) and saves only lse and E_p[z] per token. The target logit z_y = h · W[:, y]
+is a [T, D] gather and a row-wise dot, not a compare over every logit. The backward
+(custom VJP) recomputes each chunk's logits:
 
     dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
     dh += dz Wᵀ,   dW[:, chunk] = hᵀ dz
@@ -17,10 +18,12 @@ No gradient is filtered or approximated: IS ratios amplify tiny log-prob errors.
 
 Implementations, chosen by `impl`:
 - "naive": the reference. Full float32 logits, log_softmax, gather. O(T·V) memory.
-- "chunked": pure JAX, `lax.scan` over vocab chunks, with the custom VJP above. Memory
-  O(T·C). The default on CPU and the fallback everywhere.
-- "pallas": the forward as a Pallas kernel (grid over token blocks, a loop over vocab
-  blocks inside), sharing the chunked custom VJP for the backward. `interpret=True` on CPU.
+- "chunked": pure JAX, `lax.scan` over vocab chunks with the custom VJP above. Memory
+  O(T·C) forward. The default on CPU and the fallback everywhere.
+- "pallas": the same custom VJP with the forward statistics and both gradients computed by
+  Pallas kernels (kernels/fused_logprob_pallas.py). `interpret=None` resolves here, in the
+  wrapper, to the interpreter on a CPU backend and compiled code elsewhere; pass a bool to
+  force either.
 """
 from __future__ import annotations
 
@@ -30,28 +33,45 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padded columns
+from kernels import fused_logprob_pallas as _pallas
+
+_NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in masked columns
 # Full float32 matmuls for float32 inputs: GPUs otherwise default to TF32 (~1e-3 relative
 # error in the logits), which IS ratios would amplify. A no-op on CPU and for bf16 inputs.
 _HI = jax.lax.Precision.HIGHEST
+IMPLS = ("naive", "chunked", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes. `vocab` is the chunk streamed at a time (C); `tokens` is the Pallas
-    token block. Powers of two keep GPU (Triton) lowering happy."""
+    """Tile sizes. `chunk`: the vocab chunk C of "chunked". The rest are "pallas" blocks:
+    forward token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles streamed per
+    program; d hidden kernel `dh_tokens` × `dh_vocab`; d unembed kernel `dw_tokens` ×
+    `dw_vocab`; Triton launch knobs `num_warps` (forward), `bwd_num_warps` (both backward
+    kernels, whose [Bt, D] / [D, Bv] float32 accumulators need the registers), `num_stages`
+    (GPU only). Powers of two
+    keep the GPU (Triton) lowering happy; TPU wants multiples of 8 (tokens) and 128."""
 
-    tokens: int = 128
-    vocab: int = 2048
+    chunk: int = 2048
+    tokens: int = 64
+    vocab: int = 64
+    vocab_tiles: int = 32
+    dh_tokens: int = 32
+    dh_vocab: int = 64
+    dw_tokens: int = 64
+    dw_vocab: int = 32
+    num_warps: int = 4
+    bwd_num_warps: int = 8
+    num_stages: int = 2
 
     def __post_init__(self):
-        for f in ("tokens", "vocab"):
-            v = getattr(self, f)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
             if not (isinstance(v, int) and v > 0):
-                raise ValueError(f"BlockSizes.{f}={v!r} must be a positive int")
+                raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
 
 
-def _check(hidden_TxD, unembed_DxV, targets_T):
+def _check(hidden_TxD, unembed_DxV, targets_T, impl):
     if hidden_TxD.ndim != 2 or unembed_DxV.ndim != 2 or targets_T.ndim != 1:
         raise ValueError(f"fused_logprob: need hidden [T, D], unembed [D, V], targets [T]; got "
                          f"{hidden_TxD.shape=}, {unembed_DxV.shape=}, {targets_T.shape=}")
@@ -62,10 +82,12 @@ def _check(hidden_TxD, unembed_DxV, targets_T):
         raise ValueError(f"fused_logprob: targets T={targets_T.shape[0]} != hidden T={t}")
     if not jnp.issubdtype(targets_T.dtype, jnp.integer):
         raise ValueError(f"fused_logprob: targets dtype {targets_T.dtype} must be integer")
+    if impl not in IMPLS:
+        raise ValueError(f"fused_logprob: impl={impl!r} must be one of {IMPLS}")
 
 
 def reference(hidden_TxD, unembed_DxV, targets_T):
-    """The naive reference: full float32 logits."""
+    """The naive reference: full float32 logits, log_softmax, gather."""
     z = jnp.dot(hidden_TxD, unembed_DxV, preferred_element_type=jnp.float32, precision=_HI)
     logp_all = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(logp_all, targets_T[:, None], axis=-1)[:, 0]
@@ -73,102 +95,102 @@ def reference(hidden_TxD, unembed_DxV, targets_T):
     return logp, entropy
 
 
-def _chunk(unembed_DxV, j, c):
-    """Chunk j: columns [start, start + C) with start = min(j·C, V − C), so the last chunk
-    overlaps its predecessor instead of padding W (a padded copy of W would cost O(D·V)
-    memory). `new` marks the columns this chunk is the first to cover."""
-    v = unembed_DxV.shape[1]
-    start = jnp.minimum(j * c, v - c)
-    w_c = jax.lax.dynamic_slice_in_dim(unembed_DxV, start, c, axis=1)
-    col = start + jnp.arange(c)
-    return w_c, col, col >= j * c, start
-
-
 def _acc_dtype(x):
-    """float32 accumulation for f32/bf16 inputs; float64 when the inputs are float64 (x64
-    gradient checks)."""
+    """float32 accumulation for f32/bf16 inputs; float64 for float64 inputs (x64 checks)."""
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _stats_chunked(hidden_TxD, unembed_DxV, targets_T, c):
-    """Online log-sum-exp over vocab chunks: (lse, E_p[z], z_y), each [T] float32."""
-    t = hidden_TxD.shape[0]
+def _target_logit(hidden_TxD, unembed_DxV, targets_T):
+    """z_y = h · W[:, y] per token: O(T·D), row-wise, so batch invariant."""
     acc = _acc_dtype(hidden_TxD)
-    c = min(c, unembed_DxV.shape[1])
-    n = -(-unembed_DxV.shape[1] // c)
+    w_y = jnp.take(unembed_DxV, targets_T, axis=1).T.astype(acc)     # [T, D]
+    return jnp.sum(hidden_TxD.astype(acc) * w_y, axis=1)
+
+
+def _chunk(unembed_DxV, j, c):
+    """Chunk j: columns [start, start + C) with start = min(j·C, V − C), so a ragged last
+    chunk overlaps its predecessor instead of padding W (a padded copy of W would cost
+    O(D·V) memory). `new` marks the columns this chunk is the first to cover."""
+    v = unembed_DxV.shape[1]
+    start = jnp.minimum(j * c, v - c)
+    col = start + jnp.arange(c)
+    return jax.lax.dynamic_slice_in_dim(unembed_DxV, start, c, axis=1), col, col >= j * c
+
+
+def _stats_chunked(hidden_TxD, unembed_DxV, c):
+    """Online log-sum-exp over vocab chunks: (lse, E_p[z]), each [T]."""
+    t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
+    acc = _acc_dtype(hidden_TxD)
+    ragged = v % c != 0
 
     def body(carry, j):
-        m, s, sz, zy = carry
-        w_c, col, new, _ = _chunk(unembed_DxV, j, c)
+        m, s, sz = carry
+        w_c, _, new = _chunk(unembed_DxV, j, c)
         z = jnp.dot(hidden_TxD, w_c, preferred_element_type=acc, precision=_HI)
-        z = jnp.where(new[None, :], z, _NEG)
+        if ragged:
+            z = jnp.where(new[None, :], z, _NEG)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         scale = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new[:, None])
-        s = s * scale + jnp.sum(e, axis=1)
-        sz = sz * scale + jnp.sum(e * z, axis=1)
-        hit = (col[None, :] == targets_T[:, None]) & new[None, :]
-        zy = zy + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
-        return (m_new, s, sz, zy), None
+        return (m_new, s * scale + jnp.sum(e, axis=1), sz * scale + jnp.sum(e * z, axis=1)), None
 
-    init = (jnp.full((t,), _NEG, acc), jnp.zeros((t,), acc),
-            jnp.zeros((t,), acc), jnp.zeros((t,), acc))
-    (m, s, sz, zy), _ = jax.lax.scan(body, init, jnp.arange(n))
-    return m + jnp.log(s), sz / s, zy
+    init = (jnp.full((t,), _NEG, acc), jnp.zeros((t,), acc), jnp.zeros((t,), acc))
+    (m, s, sz), _ = jax.lax.scan(body, init, jnp.arange(-(-v // c)))
+    return m + jnp.log(s), sz / s
 
 
 def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent, c):
+    """(dh [T, D], dW [D, V]) in the accumulation dtype. dW comes out of the scan as
+    stacked [C, D] chunks (dzᵀ h), so it is assembled by a reshape rather than by
+    updating a [D, V] carry every step."""
+    v = unembed_DxV.shape[1]
+    n, r = -(-v // c), v - (-(-v // c) - 1) * c  # chunks; new columns in the last one
     acc = _acc_dtype(hidden_TxD)
-    c = min(c, unembed_DxV.shape[1])
-    n = -(-unembed_DxV.shape[1] // c)
-    h32 = hidden_TxD.astype(acc)
+    h = hidden_TxD.astype(acc)
 
-    def body(carry, j):
-        dh, dw = carry
-        w_c, col, new, start = _chunk(unembed_DxV, j, c)
-        z = jnp.dot(hidden_TxD, w_c, preferred_element_type=acc, precision=_HI)
+    def body(dh, j):
+        w_c, col, new = _chunk(unembed_DxV, j, c)
+        w_c = w_c.astype(acc)
+        z = jnp.dot(h, w_c, precision=_HI)
         p = jnp.exp(z - lse[:, None])
         onehot = (col[None, :] == targets_T[:, None]).astype(acc)
         dz = g_logp[:, None] * (onehot - p) + g_ent[:, None] * p * (ez[:, None] - z)
-        dz = jnp.where(new[None, :], dz, 0.0)
-        dh = dh + jnp.dot(dz, w_c.T.astype(acc), preferred_element_type=acc, precision=_HI)
-        dw_c = jnp.dot(h32.T, dz, preferred_element_type=acc, precision=_HI)
-        old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=1)
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, jnp.where(new[None, :], dw_c, old),
-                                                 start, axis=1)
-        return (dh, dw), None
+        if r != c:
+            dz = jnp.where(new[None, :], dz, 0.0)
+        dh = dh + jax.lax.dot_general(dz, w_c, (((1,), (1,)), ((), ())), precision=_HI)
+        return dh, jax.lax.dot_general(dz, h, (((0,), (0,)), ((), ())), precision=_HI)
 
-    init = (jnp.zeros(hidden_TxD.shape, acc),
-            jnp.zeros(unembed_DxV.shape, acc))
-    (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(n))
-    return dh, dw
+    dh, dwt_NxCxD = jax.lax.scan(body, jnp.zeros(h.shape, acc), jnp.arange(n))
+    dwt_VxD = dwt_NxCxD.reshape(n * c, -1)
+    if r != c:  # the last chunk started at V − C: keep only its r new columns
+        dwt_VxD = jnp.concatenate([dwt_VxD[:(n - 1) * c], dwt_VxD[n * c - r:]])
+    return dh, dwt_VxD.T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(hidden_TxD, unembed_DxV, targets_T, block: BlockSizes, impl: str):
-    lse, ez, zy = _forward_stats(hidden_TxD, unembed_DxV, targets_T, block, impl)
-    return zy - lse, lse - ez
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(hidden_TxD, unembed_DxV, targets_T, block, impl, interpret):
+    return _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, interpret)[0]
 
 
-def _forward_stats(hidden_TxD, unembed_DxV, targets_T, block, impl):
+def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, interpret):
     if impl == "pallas":
-        from kernels.fused_logprob_pallas import stats_pallas
-        return stats_pallas(hidden_TxD, unembed_DxV, targets_T, block)
-    return _stats_chunked(hidden_TxD, unembed_DxV, targets_T, block.vocab)
-
-
-def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl):
-    lse, ez, zy = _forward_stats(hidden_TxD, unembed_DxV, targets_T, block, impl)
+        lse, ez = _pallas.stats_pallas(hidden_TxD, unembed_DxV, block, interpret)
+    else:
+        lse, ez = _stats_chunked(hidden_TxD, unembed_DxV, min(block.chunk, unembed_DxV.shape[1]))
+    zy = _target_logit(hidden_TxD, unembed_DxV, targets_T)
     return (zy - lse, lse - ez), (hidden_TxD, unembed_DxV, targets_T, lse, ez)
 
 
-def _fused_bwd(block, impl, res, cot):
+def _fused_bwd(block, impl, interpret, res, cot):
     hidden_TxD, unembed_DxV, targets_T, lse, ez = res
-    g_logp, g_ent = cot
-    dh, dw = _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez,
-                               g_logp.astype(_acc_dtype(hidden_TxD)),
-                               g_ent.astype(_acc_dtype(hidden_TxD)),
-                               block.vocab)
+    acc = _acc_dtype(hidden_TxD)
+    g_logp, g_ent = (g.astype(acc) for g in cot)
+    if impl == "pallas":
+        dh, dw = _pallas.backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse, ez,
+                                         g_logp, g_ent, block, interpret)
+    else:
+        dh, dw = _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp,
+                                   g_ent, min(block.chunk, unembed_DxV.shape[1]))
     return dh.astype(hidden_TxD.dtype), dw.astype(unembed_DxV.dtype), None
 
 
@@ -176,12 +198,16 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_logprob(hidden_TxD, unembed_DxV, targets_T, *, block: BlockSizes | None = None,
-                  impl: str = "chunked"):
-    """(logp_T, entropy_T), float32. See the module docstring for the three impls."""
-    _check(hidden_TxD, unembed_DxV, targets_T)
+                  impl: str = "chunked", interpret: bool | None = None):
+    """(logp_T, entropy_T), float32 (float64 for float64 inputs). See the module docstring.
+
+    `interpret` only matters for impl="pallas": None runs the Pallas interpreter on a CPU
+    backend and compiles elsewhere; the kernels themselves never look at the platform.
+    """
+    _check(hidden_TxD, unembed_DxV, targets_T, impl)
     if impl == "naive":
         return reference(hidden_TxD, unembed_DxV, targets_T)
-    if impl not in ("chunked", "pallas"):
-        raise ValueError(f"fused_logprob: impl={impl!r} must be 'naive', 'chunked' or 'pallas'")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
     return _fused(hidden_TxD, unembed_DxV, targets_T.astype(jnp.int32), block or BlockSizes(),
-                  impl)
+                  impl, bool(interpret))

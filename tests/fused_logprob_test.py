@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from kernels.fused_logprob import BlockSizes, fused_logprob, reference
+from kernels.fused_logprob import IMPLS, BlockSizes, fused_logprob, reference
 
-BLOCK = BlockSizes(tokens=16, vocab=32)
+# Small blocks so every test shape spans several tiles, splits and ragged edges; each is
+# at least 16 because Triton dots need 16-wide operands when the suite runs on a GPU.
+BLOCK = BlockSizes(chunk=32, tokens=16, vocab=16, vocab_tiles=2, dh_tokens=16, dh_vocab=32,
+                   dw_tokens=32, dw_vocab=16)
 SHAPES = [(16, 16, 64), (37, 16, 101), (5, 32, 33), (64, 8, 200)]  # (T, D, V), incl. ragged
 
 
@@ -54,7 +57,7 @@ def _ref64_vjp(h, w, y, g_logp, g_ent):
     return dz @ np.asarray(w, np.float64).T, np.asarray(h, np.float64).T @ dz
 
 
-@pytest.mark.parametrize("impl", ["naive", "chunked", "pallas"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
@@ -75,7 +78,7 @@ def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
 def test_chunked_check_grads_x64():
     with jax.enable_x64(True):
         h, w, y, _, _ = _inputs(9, 8, 37, jnp.float64)
-        f = lambda h, w: fused_logprob(h, w, y, block=BlockSizes(8, 16), impl="chunked")
+        f = lambda h, w: fused_logprob(h, w, y, block=BlockSizes(chunk=16), impl="chunked")
         check_grads(f, (h, w), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
@@ -86,7 +89,7 @@ def _temp_bytes(fn, *shapes):
 
 def test_chunked_temp_memory_grows_with_tokens_not_vocab():
     c = 512
-    fwd = lambda h, w, y: fused_logprob(h, w, y, block=BlockSizes(vocab=c), impl="chunked")
+    fwd = lambda h, w, y: fused_logprob(h, w, y, block=BlockSizes(chunk=c), impl="chunked")
     tmp = lambda t, v: _temp_bytes(fwd, ((t, 64), jnp.float32), ((64, v), jnp.float32),
                                    ((t,), jnp.int32))
     t = 256
@@ -106,8 +109,8 @@ def test_shape_errors_name_values():
         fused_logprob(h, w, y[:7])
     with pytest.raises(ValueError, match="impl='fast'"):
         fused_logprob(h, w, y, impl="fast")
-    with pytest.raises(ValueError, match="BlockSizes.vocab=0"):
-        BlockSizes(vocab=0)
+    with pytest.raises(ValueError, match="BlockSizes.chunk=0"):
+        BlockSizes(chunk=0)
 
 
 def test_naive_reference_is_the_float32_formula():
