@@ -75,7 +75,9 @@ def main():
           "fwd / naive | fwd+bwd / naive | temp fwd+bwd / naive | fwd / matmul |"
           + (" fwd % peak | fwd+bwd % peak |" if peak else ""))
     print("|---" * (12 + 2 * bool(peak)) + "|")
-    shapes = args.shapes + ([args.pallas_shape] if on_cpu and "pallas" in args.impls else [])
+    shapes = list(args.shapes)
+    if on_cpu and "pallas" in args.impls and args.pallas_shape not in shapes:
+        shapes.append(args.pallas_shape)
     for shape in shapes:
         t, d, v = map(int, shape.split(","))
         k = jax.random.split(jax.random.key(0), 3)

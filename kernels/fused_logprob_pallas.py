@@ -115,10 +115,13 @@ def _pow2(n: int) -> int:
 
 
 def _padded(hidden_TxD, unembed_DxV, tp, vp, gpu):
+    """Zero-padded h [Tp, Dp], W [Dp, Vp] in one dtype (Triton dots need equal operand
+    types)."""
     t, d = hidden_TxD.shape
+    dtype = jnp.promote_types(hidden_TxD.dtype, unembed_DxV.dtype)
     dp = max(16, _pow2(d)) if gpu else d
-    h = jnp.pad(hidden_TxD, ((0, tp - t), (0, dp - d)))
-    w = jnp.pad(unembed_DxV, ((0, dp - d), (0, vp - unembed_DxV.shape[1])))
+    h = jnp.pad(hidden_TxD.astype(dtype), ((0, tp - t), (0, dp - d)))
+    w = jnp.pad(unembed_DxV.astype(dtype), ((0, dp - d), (0, vp - unembed_DxV.shape[1])))
     return h, w, dp
 
 
