@@ -121,6 +121,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         start = latest
         writer.truncate_after(latest)
     else:
+        writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         writer.write(0, evaluate(engine, state.params, data, 0))
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not progress, desc=cfg.name)
@@ -135,6 +136,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
             ckpt.save(step + 1, state._asdict(), {"step": step + 1})
     ckpt.wait()
+    ckpt.close()
     writer.close()
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
