@@ -94,7 +94,8 @@ def main():
                 try:
                     rows.append((name, _row(impl, _block(spec, args.chunk), (h, w, y),
                                             args.reps)))
-                except Exception as e:  # a block choice the compiler rejects: say so, go on
+                # A block choice the compiler rejects (any error type): say so, go on.
+                except Exception as e:  # noqa: BLE001
                     print(f"| {t} | {d} | {v} | {name} | failed: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]} |", flush=True)
         mm = median_seconds(jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)),

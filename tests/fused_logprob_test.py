@@ -59,7 +59,7 @@ def _ref64(h, w, y):
 
 
 def _ref64_vjp(h, w, y, g_logp, g_ent):
-    logp, ent, p, z = _ref64(h, w, y)
+    _, _, p, z = _ref64(h, w, y)
     onehot = np.eye(w.shape[1])[np.asarray(y)]
     ez = (p * z).sum(-1, keepdims=True)
     dz = np.asarray(g_logp, np.float64)[:, None] * (onehot - p) + \
