@@ -2,16 +2,25 @@
 
 Letters: B responses (a multiple of G), G group size.
 
-    group_mean     Â_i = R_i − mean_g R                     (MiniRL, PAPER.md §4)
-    group_norm     Â_i = (R_i − mean_g R) / (std_g R + eps)  (GRPO; 0 for a zero-variance group)
+    group_mean     Â_i = R_i − mean_g R                          (MiniRL, PAPER.md §4)
+    group_norm     Â_i = (R_i − mean_g R) / (std_g R + eps)       (GRPO, App. A)
     leave_one_out  Â_i = R_i − mean_{j≠i} R_j = G/(G−1) · (R_i − mean_g R)   (RLOO)
+
+A group whose rewards are all equal gets Â = 0 exactly under every baseline (no learning
+signal, and no 0/eps noise from rounding in the mean). Each function takes rewards [B]
+(numpy or jax, any real dtype) and returns float32 [B]; all are jittable with group_size
+static.
 """
 from __future__ import annotations
+
+import numbers
 
 import jax.numpy as jnp
 
 
 def _groups(rewards_B, group_size: int):
+    if not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
     rewards_B = jnp.asarray(rewards_B, jnp.float32)
     if rewards_B.ndim != 1 or rewards_B.shape[0] % group_size:
         raise ValueError(f"rewards: shape {rewards_B.shape} must be [B] with B a multiple of "
@@ -19,21 +28,31 @@ def _groups(rewards_B, group_size: int):
     return rewards_B.reshape(-1, group_size)
 
 
+def _centered(r_NxG):
+    """R − group mean, forced to exactly 0 in groups of equal rewards."""
+    flat = jnp.max(r_NxG, axis=1, keepdims=True) == jnp.min(r_NxG, axis=1, keepdims=True)
+    return jnp.where(flat, 0.0, r_NxG - r_NxG.mean(axis=1, keepdims=True)), flat
+
+
 def group_mean(rewards_B, group_size: int):
-    r = _groups(rewards_B, group_size)
-    return (r - r.mean(axis=1, keepdims=True)).reshape(-1)
+    """Â_i = R_i − mean of R over the G responses of the same prompt (no std)."""
+    centered, _ = _centered(_groups(rewards_B, group_size))
+    return centered.reshape(-1)
 
 
-def group_norm(rewards_B, group_size: int, eps: float = 1e-6):
-    """Population std (ddof=0). A group whose rewards are all equal gets Â = 0 exactly,
-    not 0/eps noise."""
+def group_norm(rewards_B, group_size: int, eps: float = 1e-6, ddof: int = 0):
+    """Â_i = (R_i − mean) / (std + eps). std is the population std (ddof=0) by default;
+    ddof=1 gives the sample std some GRPO implementations use. Zero-variance groups get 0."""
+    if group_size - ddof < 1:
+        raise ValueError(f"group_norm: ddof={ddof} needs group_size > ddof, got {group_size}")
     r = _groups(rewards_B, group_size)
-    centered = r - r.mean(axis=1, keepdims=True)
-    std = r.std(axis=1, keepdims=True)
-    return jnp.where(std > 0, centered / (std + eps), 0.0).reshape(-1)
+    centered, flat = _centered(r)
+    std = jnp.sqrt(jnp.sum(centered**2, axis=1, keepdims=True) / (group_size - ddof))
+    return jnp.where(flat, 0.0, centered / (std + eps)).reshape(-1)
 
 
 def leave_one_out(rewards_B, group_size: int):
+    """Â_i = R_i − mean of the other G − 1 rewards of the group (RLOO baseline)."""
     if group_size < 2:
         raise ValueError(f"leave_one_out: group_size={group_size} must be >= 2")
     return group_mean(rewards_B, group_size) * (group_size / (group_size - 1))

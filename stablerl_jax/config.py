@@ -124,8 +124,8 @@ class LossConfig:
       eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
       clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
       use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
-      is_correction: how the IS weight is formed: 'tis' truncates at tis_cap, 'mis'
-        drops tokens with ratio > is_high, 'icepop' drops outside [is_low, is_high],
+      is_correction: how the IS weight is formed: 'none' (weight 1), 'tis' truncates at
+        tis_cap, 'mis' drops tokens with ratio > is_high, 'icepop' drops outside [is_low, is_high],
         'seq_product' / 'seq_geomean' use one sequence-level weight (truncated at tis_cap).
       tis_cap: C, the truncation of the token IS weight.
       cap_target: 'full' caps π_θ/μ_old (MiniRL decision); 'engine' caps only π_old/μ_old
@@ -136,6 +136,8 @@ class LossConfig:
       advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
       max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
       gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
+      norm_length: the constant T_norm of aggregation 'seq_mean_token_sum_norm' (Dr. GRPO
+        divides by the generation budget); 0 = the padded width T of the batch.
     """
 
     name: str = "minirl"
@@ -153,6 +155,7 @@ class LossConfig:
     max_log_ratio: float = 20.0
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
+    norm_length: int = 0
 
     def __post_init__(self):
         check(self.name in LOSS_NAMES, "name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
@@ -171,7 +174,15 @@ class LossConfig:
         check(self.tis_cap >= 1, "tis_cap", f"must be >= 1, got {self.tis_cap}")
         check(0 <= self.is_low < 1 < self.is_high, "is_low",
               f"need 0 <= is_low < 1 < is_high, got is_low={self.is_low}, is_high={self.is_high}")
-        check(self.max_log_ratio > 0, "max_log_ratio", f"must be > 0, got {self.max_log_ratio}")
+        # exp(±max) and the squared weights of the metrics must stay finite in float32.
+        check(0 < self.max_log_ratio <= 40, "max_log_ratio",
+              f"must be in (0, 40] so exp(2·max_log_ratio) fits float32, got {self.max_log_ratio}")
+        check(isinstance(self.norm_length, int) and not isinstance(self.norm_length, bool)
+              and self.norm_length >= 0, "norm_length",
+              f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
+        for f in ("clip", "use_is"):
+            check(isinstance(getattr(self, f), bool), f,
+                  f"must be True or False, got {getattr(self, f)!r}")
 
     def replace(self, **kw) -> "LossConfig":
         return dataclasses.replace(self, **kw)

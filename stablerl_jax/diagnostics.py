@@ -2,130 +2,228 @@
 
 Letters: B responses, T tokens, V vocab, L layers, K top-k.
 
-Token-averaged diagnostics return (numerator, denominator) pairs, so they add up exactly
-over mini-batches and devices (`losses.reduce_metrics`). Inputs are log-probs of the
-*sampled* tokens (y ~ μ), so every expectation below is over μ's samples:
+Every function takes a mask (1 on tokens that count, float or bool) and returns either a
+scalar or a (numerator, denominator) pair; each docstring says which. Pairs add up exactly
+over mini-batches and devices: sum numerators, sum denominators, divide at the end
+(`losses.reduce_metrics`). Pairs whose key ends in `_max` / `_min` hold (value, 1 if any
+token counted else 0) and reduce by max / min over the entries with a nonzero denominator.
 
-    k1 KL(μ‖π)   E_μ[log μ − log π]
-    k3 KL(μ‖π)   E_μ[ρ − 1 − log ρ],  ρ = π/μ        (unbiased, always ≥ 0)
-    χ²(π‖μ)      E_μ[ρ²] − 1
-    PPL ratio    PPL_π / PPL_μ = exp(E_μ[log μ − log π])
-    ESS          (Σ ρ)² / (n Σ ρ²) ∈ (0, 1]           (normalized effective sample size)
+Inputs are log-probs of the *sampled* tokens (y ~ μ), so every expectation is over μ's
+samples; ρ = π/μ and x = log ρ, clipped to ±max_log_ratio before any exp:
+
+    k1 KL(μ‖π)   E_μ[log μ − log π] = E_μ[−x]
+    k3 KL(μ‖π)   E_μ[ρ − 1 − log ρ] = E_μ[expm1(x) − x]     (unbiased, every term ≥ 0)
+    χ²(π‖μ)      E_μ[ρ²] − 1 = E_μ[expm1(2x)]
+    PPL ratio    PPL_π / PPL_μ = exp(k1)
+    ESS          (Σ w)² / (n Σ w²) ∈ (0, 1]                  (normalized effective sample size)
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+MAX_LOG_RATIO = 20.0  # exp(±20) and its square stay far inside float32 range
+
 
 def _m(mask_BxT):
-    return mask_BxT.astype(jnp.float32)
+    return jnp.asarray(mask_BxT).astype(jnp.float32)
 
 
-def entropy_from_logits(logits_BxTxV):
-    """Full-vocabulary entropy H = −Σ_v p_v log p_v, float32 [B, T]."""
-    logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+def _log_ratio(logp_num_BxT, logp_den_BxT, m_BxT, max_log_ratio):
+    """Clipped log(num/den), 0 on masked tokens (whatever padding holds there)."""
+    x = jnp.asarray(logp_num_BxT, jnp.float32) - jnp.asarray(logp_den_BxT, jnp.float32)
+    return jnp.where(m_BxT > 0, jnp.clip(x, -max_log_ratio, max_log_ratio), 0.0)
+
+
+def _mean_pair(values_BxT, m_BxT):
+    return jnp.sum(jnp.where(m_BxT > 0, values_BxT, 0.0)), jnp.sum(m_BxT)
+
+
+def _extreme_pair(values_BxT, m_BxT, op):
+    """(max or min over counted tokens, 1.0 if any counted else 0.0); value 0 if none."""
+    real = m_BxT > 0
+    fill = -jnp.inf if op is jnp.max else jnp.inf
+    any_real = jnp.any(real)
+    v = op(jnp.where(real, values_BxT, fill))
+    return jnp.where(any_real, v, 0.0), any_real.astype(jnp.float32)
+
+
+def expm1_minus_x(x):
+    """e^x − 1 − x (≥ 0), accurate near 0 where the direct form cancels in float32: a
+    Taylor series up to x⁵ for |x| < 0.1 (relative truncation error < 3e-7), else direct."""
+    small = jnp.abs(x) < 0.1
+    xs = jnp.where(small, x, 0.0)
+    series = xs * xs * (0.5 + xs * (1 / 6 + xs * (1 / 24 + xs / 120)))
+    return jnp.where(small, series, jnp.expm1(x) - x)
+
+
+def entropy_from_logits(logits_BxTxV, mask_BxT):
+    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v, averaged over masked tokens.
+
+    Returns a (num, den) pair. Computed in float32; vocabulary entries with logit −inf
+    (p = 0) contribute 0, not NaN.
+    """
+    logp = jax.nn.log_softmax(jnp.asarray(logits_BxTxV).astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    h_BxT = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    return _mean_pair(h_BxT, _m(mask_BxT))
 
 
 def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
+    """k1 estimate of KL(μ‖π): E_μ[log μ − log π] (the paper's training–inference KL with
+    π = π_old). (num, den) pair. Not clipped: it is a plain difference of log-probs."""
     m = _m(mask_BxT)
-    return jnp.sum((logp_mu_BxT - logp_pi_BxT) * m), jnp.sum(m)
+    d = jnp.asarray(logp_mu_BxT, jnp.float32) - jnp.asarray(logp_pi_BxT, jnp.float32)
+    return _mean_pair(d, m)
 
 
-def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = 20.0):
+def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+    """k3 estimate of KL(μ‖π): E_μ[ρ − 1 − log ρ], ρ = π/μ. (num, den) pair.
+
+    The per-token term stays accurate when ρ ≈ 1, where it is ≈ x²/2 (`expm1_minus_x`)."""
     m = _m(mask_BxT)
-    x = jnp.clip(logp_pi_BxT - logp_mu_BxT, -max_log_ratio, max_log_ratio) * m
-    return jnp.sum((jnp.expm1(x) - x) * m), jnp.sum(m)
+    x = _log_ratio(logp_pi_BxT, logp_mu_BxT, m, max_log_ratio)
+    return _mean_pair(expm1_minus_x(x), m)
+
+
+def chi2(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+    """χ²(π‖μ) = E_μ[ρ²] − 1, estimated as the mean of expm1(2 log ρ). (num, den) pair."""
+    m = _m(mask_BxT)
+    x = _log_ratio(logp_pi_BxT, logp_mu_BxT, m, max_log_ratio)
+    return _mean_pair(jnp.expm1(2.0 * x), m)
 
 
 def ppl_ratio(logp_mu_BxT, logp_pi_BxT, mask_BxT):
-    """Scalar exp(k1): how much more perplexed π is than μ on μ's samples."""
+    """Scalar PPL_π / PPL_μ = exp(k1) on μ's samples (1 when no token counts)."""
     num, den = kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT)
     return jnp.exp(num / jnp.maximum(den, 1.0))
 
 
-def chi2(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = 20.0):
-    m = _m(mask_BxT)
-    x = jnp.clip(logp_pi_BxT - logp_mu_BxT, -max_log_ratio, max_log_ratio) * m
-    return jnp.sum(jnp.expm1(2 * x) * m), jnp.sum(m)
-
-
 def is_ess(weights_BxT, mask_BxT):
-    """Normalized ESS of token IS weights (scalar; 1 = all weights equal)."""
+    """Scalar normalized effective sample size (Σ w)² / (n Σ w²) of token IS weights over
+    the n masked tokens: 1 when all weights are equal, 1/n when one token has all the mass.
+    Over several mini-batches, the exact value is mean(w)² / mean(w²) of the reduced
+    `is/weight_mean` and `is/weight_sqmean` pairs (`losses.reduce_metrics` adds it)."""
     m = _m(mask_BxT)
-    w = weights_BxT * m
+    w = jnp.where(m > 0, jnp.asarray(weights_BxT, jnp.float32), 0.0)
     n = jnp.maximum(jnp.sum(m), 1.0)
     return jnp.sum(w) ** 2 / jnp.maximum(n * jnp.sum(w * w), 1e-30)
 
 
-def is_weight_stats(log_ratio_BxT, mask_BxT, cap: float, max_log_ratio: float = 20.0):
-    """Min / mean / max of ρ over real tokens and the fraction above the cap C."""
+def is_weight_stats(log_ratio_BxT, mask_BxT, cap: float, max_log_ratio: float = MAX_LOG_RATIO):
+    """Statistics of the raw token IS ratio ρ = exp(log_ratio) over masked tokens.
+
+    Returns a dict of pairs: `is/weight_min` and `is/weight_max` as (value, any) pairs,
+    `is/weight_mean` and the fraction `is/frac_truncated` with ρ > cap as (num, den).
+    """
     m = _m(mask_BxT)
-    w = jnp.exp(jnp.clip(log_ratio_BxT, -max_log_ratio, max_log_ratio))
-    real = m > 0
-    n = jnp.sum(m)
+    w = jnp.exp(_log_ratio(log_ratio_BxT, jnp.zeros_like(m), m, max_log_ratio))
     return {
-        "is/weight_min": jnp.min(jnp.where(real, w, jnp.inf)),
-        "is/weight_max": jnp.max(jnp.where(real, w, -jnp.inf)),
-        "is/weight_mean": (jnp.sum(w * m), n),
-        "is/frac_truncated": (jnp.sum((w > cap) * m), n),
+        "is/weight_min": _extreme_pair(w, m, jnp.min),
+        "is/weight_max": _extreme_pair(w, m, jnp.max),
+        "is/weight_mean": _mean_pair(w, m),
+        "is/frac_truncated": _mean_pair((w > cap).astype(jnp.float32), m),
     }
 
 
-def clip_fractions(logp_BxT, old_logp_BxT, advantages_BxT, mask_BxT, eps_low, eps_high):
-    """Fractions of tokens the decoupled-PPO mask drops, by side (PAPER.md §4)."""
-    m = _m(mask_BxT)
-    r = jnp.exp(logp_BxT - old_logp_BxT)
-    hi = (advantages_BxT > 0) & (r > 1 + eps_high)
-    lo = (advantages_BxT < 0) & (r < 1 - eps_low)
-    n = jnp.sum(m)
-    return {"clip/frac_high": (jnp.sum(hi * m), n), "clip/frac_low": (jnp.sum(lo * m), n)}
+def clip_fractions(logp_BxT, old_logp_BxT, advantages, mask_BxT, eps_low: float,
+                   eps_high: float):
+    """Fractions of tokens the decoupled-PPO mask drops (PAPER.md §4), by side, on
+    r = π_θ/π_old: high = [Â > 0 and r > 1+ε_high], low = [Â < 0 and r < 1−ε_low].
 
-
-def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT):
-    """Eq. 5: log(π_θ/μ_old) = log(π_old/μ_old) [engine] + log(π_θ/π_old) [staleness].
-
-    Returns (num, den) pairs of the mean and mean-square of each log factor; the spread is
-    sqrt(sqmean − mean²) after reduction.
+    `advantages` is [B] (per response) or [B, T]. Returns a dict of two (num, den) pairs.
     """
     m = _m(mask_BxT)
-    n = jnp.sum(m)
-    engine = (old_logp_BxT - rollout_logp_BxT) * m
-    stale = (logp_BxT - old_logp_BxT) * m
+    adv = jnp.asarray(advantages, jnp.float32)
+    adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, m.shape)
+    log_r = _log_ratio(logp_BxT, old_logp_BxT, m, MAX_LOG_RATIO)
+    hi = (adv > 0) & (log_r > jnp.log1p(eps_high))
+    lo = (adv < 0) & (log_r < jnp.log1p(-eps_low))
+    return {"clip/frac_high": _mean_pair(hi.astype(jnp.float32), m),
+            "clip/frac_low": _mean_pair(lo.astype(jnp.float32), m)}
+
+
+def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
+                max_log_ratio: float = MAX_LOG_RATIO):
+    """Eq. 5 in logs: log(π_θ/μ_old) = log(π_old/μ_old) [engine] + log(π_θ/π_old) [staleness].
+
+    Returns (num, den) pairs of the mean and mean square of each log factor; after
+    reduction the spread is sqrt(sqmean − mean²) (`reduce_metrics` adds `*_std`).
+    """
+    m = _m(mask_BxT)
+    engine = _log_ratio(old_logp_BxT, rollout_logp_BxT, m, max_log_ratio)
+    stale = _log_ratio(logp_BxT, old_logp_BxT, m, max_log_ratio)
     return {
-        "eq5/engine_log_mean": (jnp.sum(engine), n),
-        "eq5/engine_log_sqmean": (jnp.sum(engine**2), n),
-        "eq5/staleness_log_mean": (jnp.sum(stale), n),
-        "eq5/staleness_log_sqmean": (jnp.sum(stale**2), n),
+        "eq5/engine_log_mean": _mean_pair(engine, m),
+        "eq5/engine_log_sqmean": _mean_pair(engine**2, m),
+        "eq5/staleness_log_mean": _mean_pair(stale, m),
+        "eq5/staleness_log_sqmean": _mean_pair(stale**2, m),
     }
 
 
-def first_order_residual(log_rho_BxT, mask_BxT, max_log: float = 20.0):
-    """Per response: Π_t ρ_t − (1 + Σ_t (ρ_t − 1)), the error of the first-order
-    approximation of PAPER.md §2. With x_t = log ρ_t it is expm1(Σ x) − Σ expm1(x),
-    which keeps full precision when every δ_t = ρ_t − 1 is tiny; Σ x is clipped to
-    ±max_log so a long response cannot overflow. Returns [B]."""
-    m = _m(mask_BxT)
-    x = jnp.clip(log_rho_BxT, -max_log, max_log) * m
-    return jnp.expm1(jnp.clip(jnp.sum(x, axis=1), -max_log, max_log)) - jnp.sum(
-        jnp.expm1(x) * m, axis=1)
+def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+    """Per response (a [B] vector): Π_t ρ_t − (1 + Σ_t (ρ_t − 1)), the error of the
+    first-order approximation of PAPER.md §2 (ρ_t = 1 + δ_t).
 
-
-def routing_mismatch(routes_a_LxBxTxK, routes_b_LxBxTxK, mask_BxT):
-    """Per-layer routing mismatch between two route tensors.
-
-    rate_L = mean over tokens of 1 − |topk_a ∩ topk_b| / K; any_flip = fraction of tokens
-    with at least one layer that differs. Tokens where either tensor holds -1 (no route
-    recorded) or mask is 0 are excluded.
+    Stable form, free of cancellation: with P_t = Π_{s≤t} ρ_s − 1 the residual obeys
+    R_t = R_{t−1} + P_{t−1} δ_t, so R = Σ_t expm1(Σ_{s<t} x_s) · expm1(x_t) with
+    x = log ρ. Each factor is accurate to float32 precision even when every δ is tiny
+    (R ≈ Σ_{s<t} δ_s δ_t). Prefix sums are clipped to ±max_log_ratio, so for huge ratios
+    the value saturates instead of overflowing. Masked tokens have x = 0 (ρ = 1).
     """
-    a, b = routes_a_LxBxTxK, routes_b_LxBxTxK
+    m = _m(mask_BxT)
+    x = _log_ratio(log_rho_BxT, jnp.zeros_like(m), m, max_log_ratio)
+    prefix = jnp.cumsum(x, axis=1) - x  # Σ_{s<t} x_s
+    prefix = jnp.clip(prefix, -max_log_ratio, max_log_ratio)
+    return jnp.sum(jnp.expm1(prefix) * jnp.expm1(x), axis=1)
+
+
+def first_order_residual(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+    """Mean |first_order_residual_B| over responses with at least one token: (num, den)."""
+    m = _m(mask_BxT)
+    r_B = first_order_residual_B(log_rho_BxT, m, max_log_ratio)
+    has_B = (jnp.sum(m, axis=1) > 0).astype(jnp.float32)
+    return jnp.sum(jnp.abs(r_B) * has_B), jnp.sum(has_B)
+
+
+def routing_mismatch(routes_a_LxBxTxK, routes_b_LxBxTxK, mask_BxT) -> dict:
+    """Per-layer routing mismatch between two route tensors (e.g. inference vs training).
+
+    For layer l and token (b, t): mismatch = 1 − |topk_a ∩ topk_b| / K (order inside the
+    top-k does not matter). An entry is excluded where mask is 0 or either tensor holds a
+    -1 ("no route recorded") in that layer's K slots. Returns
+      mismatch_rate:      [L] mean mismatch per layer over its counted tokens (0 if none);
+      any_flip:           scalar fraction of tokens (with ≥1 counted layer) whose top-k set
+                          differs in at least one counted layer;
+      mismatch_pair:      ([L] numerator, [L] denominator) of mismatch_rate;
+      any_flip_pair:      (numerator, denominator) of any_flip.
+    The pairs let callers accumulate exactly over mini-batches.
+    """
+    a = jnp.asarray(routes_a_LxBxTxK)
+    b = jnp.asarray(routes_b_LxBxTxK)
+    if a.shape != b.shape or a.ndim != 4:
+        raise ValueError(f"routing_mismatch: route tensors must both be [L, B, T, K], got "
+                         f"{a.shape} and {b.shape}")
+    if tuple(mask_BxT.shape) != a.shape[1:3]:
+        raise ValueError(f"routing_mismatch: mask shape {tuple(mask_BxT.shape)} must be "
+                         f"[B, T] = {a.shape[1:3]}")
     k = a.shape[-1]
-    same = jnp.sum(jnp.any(a[..., :, None] == b[..., None, :], axis=-1), axis=-1)  # [L,B,T]
-    valid_LxBxT = (jnp.all(a >= 0, -1) & jnp.all(b >= 0, -1)) & mask_BxT.astype(bool)[None]
-    valid_BxT = jnp.all(valid_LxBxT, axis=0)
-    v = valid_BxT.astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(v), 1.0)
-    rate_L = jnp.sum((1.0 - same / k) * v[None], axis=(1, 2)) / n
-    flipped = jnp.any(same < k, axis=0)
-    return {"mismatch_rate": rate_L, "any_flip": jnp.sum(flipped * v) / n}
+    # One slot of b at a time keeps memory at [L, B, T, K] instead of [L, B, T, K, K].
+    hit = jnp.zeros(a.shape, bool)
+    for j in range(k):
+        hit = hit | (a == b[..., j:j + 1])
+    same_LxBxT = jnp.sum(hit, axis=-1).astype(jnp.float32)
+    valid_LxBxT = (jnp.all(a >= 0, -1) & jnp.all(b >= 0, -1)
+                   & (jnp.asarray(mask_BxT) > 0)[None])
+    v = valid_LxBxT.astype(jnp.float32)
+    num_L = jnp.sum((1.0 - same_LxBxT / k) * v, axis=(1, 2))
+    den_L = jnp.sum(v, axis=(1, 2))
+    counted_BxT = jnp.any(valid_LxBxT, axis=0).astype(jnp.float32)
+    flipped_BxT = jnp.any(valid_LxBxT & (same_LxBxT < k), axis=0).astype(jnp.float32)
+    flip_num, flip_den = jnp.sum(flipped_BxT), jnp.sum(counted_BxT)
+    return {
+        "mismatch_rate": num_L / jnp.maximum(den_L, 1.0),
+        "any_flip": flip_num / jnp.maximum(flip_den, 1.0),
+        "mismatch_pair": (num_L, den_L),
+        "any_flip_pair": (flip_num, flip_den),
+    }

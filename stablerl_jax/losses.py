@@ -1,51 +1,90 @@
 """First-order surrogate losses (PAPER.md §2, §4). Each returns the quantity to MINIMIZE.
 
-Letters: B responses in the batch, T token positions.
+Letters: B responses in the (mini-)batch, T token positions.
 
-Signature of every loss: `loss_fn(logp_BxT, batch, cfg) -> (loss, metrics)`, where
-batch holds `old_logp_BxT` (log π_old, training engine), `rollout_logp_BxT` (log μ_old,
-sampling engine), `advantages_B` (or `advantages_BxT`) and `mask_BxT` (1 on response
-tokens that count). `metrics` maps names to (numerator, denominator) pairs so that
-averages over mini-batches and devices stay exact (`reduce_metrics`).
+Signature of every loss: `loss_fn(logp_BxT, batch, cfg) -> (loss, metrics)`:
+  logp_BxT                log π_θ of the sampled tokens (differentiable)
+  batch["old_logp_BxT"]   log π_old (training engine, θ_old)
+  batch["rollout_logp_BxT"] log μ_old (sampling engine)
+  batch["advantages_B"]   Â per response, or batch["advantages_BxT"] per token (preferred
+                          when both are present)
+  batch["mask_BxT"]       1 on completion tokens that count (float or bool)
+  cfg                     a `LossConfig`
+`metrics` maps names to (numerator, denominator) pairs so averages over mini-batches and
+devices stay exact (`reduce_metrics`).
 
-Ratios (all log-ratios are clipped to ±max_log_ratio before exp):
-    ρ_t = π_θ/μ_old     (full token IS ratio, Eq. 3)
-    r_t = π_θ/π_old     (staleness, clipped in PPO-style losses)
-    π_old/μ_old         (training–inference discrepancy, Eq. 5 first factor)
+Ratios, all formed from log-ratios clipped to ±max_log_ratio before exp (no overflow):
+    ρ_t = π_θ/μ_old   full token IS ratio (Eq. 3)  = (π_old/μ_old) · (π_θ/π_old)  (Eq. 5)
+    r_t = π_θ/π_old   staleness ratio, the one PPO-style clipping looks at
+    e_t = π_old/μ_old training–inference (engine) factor
 
-Aggregations of a per-token term ℓ_bt over the mask m:
-    response_sum             Σ_b Σ_t m ℓ / B                (MiniRL: no 1/|y|)
-    seq_mean_token_mean      Σ_b (Σ_t m ℓ / |y_b|) / B      (GRPO; MiniRL + length norm)
-    token_mean               Σ m ℓ / Σ m                    (CISPO, DAPO)
-    seq_mean_token_sum_norm  Σ m ℓ / (B · T)                (Dr. GRPO: a constant)
+Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
+    response_sum             (1/B) Σ_b Σ_t m ℓ          (MiniRL: no 1/|y|)
+    seq_mean_token_mean      (1/B) Σ_b (1/|y_b|) Σ_t m ℓ (GRPO, GSPO; MiniRL + length norm)
+    token_mean               Σ m ℓ / Σ m                 (CISPO, DAPO)
+    seq_mean_token_sum_norm  Σ m ℓ / (B · T_norm)        (Dr. GRPO; T_norm = cfg.norm_length,
+                                                          or the padded T when it is 0)
+Empty responses count in B and contribute 0; a fully masked batch gives loss 0.
 """
 from __future__ import annotations
+
+import math
+import typing
 
 import jax
 import jax.numpy as jnp
 
+from stablerl_jax import diagnostics as dg
 from stablerl_jax.config import LossConfig
 
 sg = jax.lax.stop_gradient
 
 
-def _parts(logp_BxT, batch, cfg: LossConfig):
-    m = batch["mask_BxT"].astype(jnp.float32)
-    adv = batch.get("advantages_BxT")
-    if adv is None:
-        adv = jnp.broadcast_to(batch["advantages_B"][:, None], m.shape)
+class _Parts(typing.NamedTuple):
+    m: jax.Array           # float mask
+    adv: jax.Array         # Â per token
+    logp: jax.Array        # log π_θ, 0 on masked tokens (gradient only where m = 1)
+    log_r: jax.Array       # clipped log π_θ/π_old (has gradient)
+    log_engine: jax.Array  # clipped log π_old/μ_old (constant)
+    log_rho: jax.Array     # clipped log π_θ/μ_old (has gradient)
+
+
+def _parts(logp_BxT, batch, cfg: LossConfig) -> _Parts:
+    for key in ("old_logp_BxT", "rollout_logp_BxT", "mask_BxT"):
+        if key not in batch:
+            raise KeyError(f"batch: missing {key!r}; the loss needs old_logp_BxT, "
+                           "rollout_logp_BxT, mask_BxT and advantages_B (or advantages_BxT)")
+    shape = jnp.shape(logp_BxT)
+    for key in ("old_logp_BxT", "rollout_logp_BxT", "mask_BxT"):
+        if jnp.shape(batch[key]) != shape:
+            raise ValueError(f"batch[{key!r}]: shape {jnp.shape(batch[key])} must equal "
+                             f"logp_BxT's {shape}")
+    if "advantages_BxT" in batch:
+        adv = jnp.asarray(batch["advantages_BxT"], jnp.float32)
+        if adv.shape != shape:
+            raise ValueError(f"batch['advantages_BxT']: shape {adv.shape} must be {shape}")
+    elif "advantages_B" in batch:
+        adv = jnp.asarray(batch["advantages_B"], jnp.float32)
+        if adv.shape != shape[:1]:
+            raise ValueError(f"batch['advantages_B']: shape {adv.shape} must be {shape[:1]}")
+        adv = jnp.broadcast_to(adv[:, None], shape)
+    else:
+        raise KeyError("batch: missing 'advantages_B' (or per-token 'advantages_BxT')")
+    m = jnp.asarray(batch["mask_BxT"]).astype(jnp.float32)
+    real = m > 0
+    # Padding may hold anything (-inf, garbage); `where` keeps it out of values and grads.
+    f32 = lambda x: jnp.where(real, jnp.asarray(x).astype(jnp.float32), 0.0)
+    logp, old, mu = f32(logp_BxT), sg(f32(batch["old_logp_BxT"])), sg(f32(batch["rollout_logp_BxT"]))
     lim = cfg.max_log_ratio
-    clip = lambda x: jnp.clip(x, -lim, lim) * m  # masked positions contribute log-ratio 0
-    log_r = clip(logp_BxT - batch["old_logp_BxT"])              # staleness (has gradient)
-    log_engine = clip(batch["old_logp_BxT"] - batch["rollout_logp_BxT"])
-    log_rho = clip(logp_BxT - batch["rollout_logp_BxT"])        # full ratio (has gradient)
-    return m, adv.astype(jnp.float32), log_r, log_engine, log_rho
+    clip = lambda x: jnp.clip(x, -lim, lim)
+    return _Parts(m, jnp.where(real, adv, 0.0), logp, clip(logp - old), clip(old - mu),
+                  clip(logp - mu))
 
 
-def aggregate(term_BxT, m_BxT, mode: str):
-    """Reduce a per-token term to a scalar objective (see module docstring)."""
+def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0):
+    """Reduce a per-token term to a scalar objective (formulas in the module docstring)."""
     b, t = m_BxT.shape
-    s = jnp.sum(term_BxT * m_BxT, axis=1)
+    s = jnp.sum(jnp.where(m_BxT > 0, term_BxT, 0.0), axis=1)
     if mode == "response_sum":
         return jnp.sum(s) / b
     if mode == "seq_mean_token_mean":
@@ -53,178 +92,213 @@ def aggregate(term_BxT, m_BxT, mode: str):
     if mode == "token_mean":
         return jnp.sum(s) / jnp.maximum(jnp.sum(m_BxT), 1.0)
     if mode == "seq_mean_token_sum_norm":
-        return jnp.sum(s) / (b * t)
+        return jnp.sum(s) / (b * (norm_length or t))
     raise ValueError(f"aggregation: unknown mode {mode!r}")
 
 
 def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
-    """Stop-gradient IS weight of a (clipped, masked) log-ratio under cfg.is_correction.
+    """Stop-gradient IS weight from a clipped, masked log-ratio x = log ρ under
+    cfg.is_correction. Returns (weight_BxT, altered_BxT): `altered` is 1 where the
+    correction changed the weight (truncated or dropped).
 
-    tis:          min(ρ, C)
-    mis:          ρ · [ρ ≤ is_high]              (token masked IS, upper side)
-    icepop:       ρ · [is_low ≤ ρ ≤ is_high]     (two-sided masking)
-    seq_product:  min(exp(Σ_t log ρ_t), C) on every token of the response
-    seq_geomean:  min(exp(mean_t log ρ_t), C)  on every token of the response
     none:         1
+    tis:          min(ρ, C)                                   (token truncated IS)
+    mis:          ρ · [ρ ≤ is_high]                           (token masked IS, upper side)
+    icepop:       ρ · [is_low ≤ ρ ≤ is_high]                  (two-sided masking)
+    seq_product:  min(exp(Σ_t x_t), C) on every token         (sequence IS, log space)
+    seq_geomean:  min(exp((1/|y|) Σ_t x_t), C) on every token (geometric mean)
     """
     x = sg(log_ratio_BxT)
     mode = cfg.is_correction
+    log_cap = math.log(cfg.tis_cap)
     if mode == "none":
-        return jnp.ones_like(x)
-    rho = jnp.exp(x)
+        return jnp.ones_like(x), jnp.zeros_like(x)
     if mode == "tis":
-        return jnp.minimum(rho, cfg.tis_cap)
-    if mode == "mis":
-        return jnp.where(rho <= cfg.is_high, rho, 0.0)
-    if mode == "icepop":
-        return jnp.where((rho >= cfg.is_low) & (rho <= cfg.is_high), rho, 0.0)
+        return jnp.exp(jnp.minimum(x, log_cap)), (x > log_cap).astype(jnp.float32)
+    if mode in ("mis", "icepop"):
+        lo = math.log(cfg.is_low) if (mode == "icepop" and cfg.is_low > 0) else -jnp.inf
+        keep = (x <= math.log(cfg.is_high)) & (x >= lo)
+        return jnp.where(keep, jnp.exp(x), 0.0), (~keep).astype(jnp.float32)
     s = jnp.sum(x * m_BxT, axis=1, keepdims=True)
     if mode == "seq_geomean":
         s = s / jnp.maximum(jnp.sum(m_BxT, axis=1, keepdims=True), 1.0)
-    s = jnp.clip(s, -cfg.max_log_ratio, jnp.log(cfg.tis_cap))
-    return jnp.broadcast_to(jnp.exp(s), x.shape)
+    altered = jnp.broadcast_to((s > log_cap).astype(jnp.float32), x.shape)
+    s = jnp.clip(s, -cfg.max_log_ratio, log_cap)
+    return jnp.broadcast_to(jnp.exp(s), x.shape), altered
 
 
-def _common_metrics(m, adv, log_r, log_engine, weight, cfg, clipped_hi, clipped_lo,
-                    log_weighted=None):
-    """(num, den) monitors; `log_weighted` is the log-ratio the IS weight was formed from
-    (default: the engine factor)."""
-    log_weighted = log_engine if log_weighted is None else log_weighted
-    n = jnp.sum(m)
-    ratio = lambda x: (jnp.sum(x * m), n)
-    w_real = jnp.where(m > 0, weight, jnp.nan)
-    return {
-        "clip/frac_high": ratio(clipped_hi.astype(jnp.float32)),
-        "clip/frac_low": ratio(clipped_lo.astype(jnp.float32)),
-        "is/weight_mean": ratio(weight),
-        "is/weight_max": (jnp.nan_to_num(jnp.nanmax(w_real), nan=0.0), jnp.ones(())),
-        "is/weight_min": (jnp.nan_to_num(jnp.nanmin(w_real), nan=0.0), jnp.ones(())),
-        "is/frac_truncated": ratio((sg(log_weighted) > jnp.log(cfg.tis_cap)).astype(jnp.float32)),
-        "kl/engine_k1": ratio(-log_engine),
-        "eq5/engine_log_mean": ratio(log_engine),
-        "eq5/engine_log_sqmean": ratio(log_engine**2),
-        "eq5/staleness_log_mean": ratio(sg(log_r)),
-        "eq5/staleness_log_sqmean": ratio(sg(log_r) ** 2),
-    }
+def _engine_weight(p: _Parts, cfg: LossConfig):
+    """sg[w(π_old/μ_old)] for the PPO-family losses, or 1 when use_is is off."""
+    if not cfg.use_is:
+        return jnp.ones_like(p.m), jnp.zeros_like(p.m)
+    return is_weight(p.log_engine, p.m, cfg)
 
 
-def _clip_masks(adv, log_r, cfg, eps_low, eps_high):
-    r = jnp.exp(sg(log_r))
-    hi = (adv > 0) & (r > 1 + eps_high)
-    lo = (adv < 0) & (r < 1 - eps_low)
+def _clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
+    """Tokens where the PPO clip binds: Â > 0 with ratio > hi, Â < 0 with ratio < lo."""
+    x = sg(log_ratio)
+    hi = (adv > 0) & (x > math.log(hi_bound)) & enabled
+    lo = (adv < 0) & (x < math.log(lo_bound)) & enabled
     return hi, lo
 
 
+def _metrics(p: _Parts, loss, weight, altered, hi, lo) -> dict:
+    """The per-mini-batch monitors the trainer logs, all (num, den) pairs."""
+    m = p.m
+    w = sg(weight)
+    eng = p.log_engine
+    stale = sg(p.log_r)
+    token_means = {
+        "clip/frac_high": hi,
+        "clip/frac_low": lo,
+        "is/weight_mean": w,
+        "is/weight_sqmean": w * w,
+        "is/frac_truncated": altered,
+        "kl/engine_k1": -eng,                      # E_μ[log μ_old − log π_old]
+        "kl/engine_k3": dg.expm1_minus_x(eng),
+        "eq5/engine_log_mean": eng,
+        "eq5/engine_log_sqmean": eng * eng,
+        "eq5/staleness_log_mean": stale,
+        "eq5/staleness_log_sqmean": stale * stale,
+    }
+    # One stacked reduction instead of a dozen keeps the compiled program small.
+    stacked = jnp.stack([jnp.asarray(v, jnp.float32) for v in token_means.values()])
+    sums = jnp.sum(jnp.where(m > 0, stacked, 0.0), axis=(1, 2))
+    n = jnp.sum(m)
+    out = {k: (sums[i], n) for i, k in enumerate(token_means)}
+    out["loss"] = (sg(loss), jnp.ones(()))
+    out["is/weight_max"] = dg._extreme_pair(w, m, jnp.max)
+    out["is/weight_min"] = dg._extreme_pair(w, m, jnp.min)
+    # |Π_t ρ_t − (1 + Σ_t (ρ_t − 1))| per response: how far from first order the batch is.
+    out["eq5/first_order_residual_abs"] = dg.first_order_residual(sg(p.log_rho), m)
+    return out
+
+
 def minirl(logp_BxT, batch, cfg: LossConfig):
-    """MiniRL, Eq. 7:  J = (1/B) Σ_b Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â_b · log π_θ(y_t).
+    """MiniRL, Eq. 7 (PAPER.md §4); loss = −J with
 
-    M_t = 0 when Â > 0 and r_t > 1+ε_high, or Â < 0 and r_t < 1−ε_low (r = π_θ/π_old);
-    the gradient flows only through log π_θ, so ∇J equals the Eq. 4 REINFORCE gradient
-    with token weight π_θ/μ_old (capped) and the mask. Options: aggregation
-    'seq_mean_token_mean' (+ length normalization), use_is=False (w/o train–infer IS:
-    weight 1), clip=False (M ≡ 1), cap_target='engine' (weight = min(π_old/μ_old, C) ·
-    π_θ/π_old), is_correction (how the weight is formed; 'tis' is Eq. 7's).
+        J = (1/B) Σ_b Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â_b · log π_θ(y_t)
+
+    M_t = 0 when Â > 0 and r_t > 1+ε_high, or Â < 0 and r_t < 1−ε_low (r = π_θ/π_old),
+    else 1. The gradient flows only through log π_θ, so ∇J equals the Eq. 4 REINFORCE
+    gradient with token weight π_θ/μ_old (capped at C) and the mask. The paper averages
+    over responses; 1/B (responses in the mini-batch) is this project's constant.
+    Ablations are options: aggregation='seq_mean_token_mean' (+ length normalization),
+    use_is=False (w/o train–infer IS: weight 1), clip=False (M ≡ 1). Beyond the paper:
+    cap_target='engine' uses weight min(π_old/μ_old, C) · π_θ/π_old (only the engine
+    factor capped), and is_correction picks how the weight is formed ('tis' is Eq. 7's).
     """
-    m, adv, log_r, log_engine, log_rho = _parts(logp_BxT, batch, cfg)
+    p = _parts(logp_BxT, batch, cfg)
     if not cfg.use_is:
-        w = jnp.ones_like(m)
+        w, altered = jnp.ones_like(p.m), jnp.zeros_like(p.m)
     elif cfg.cap_target == "full":
-        w = is_weight(log_rho, m, cfg)
+        w, altered = is_weight(p.log_rho, p.m, cfg)
     else:
-        w = is_weight(log_engine, m, cfg) * jnp.exp(sg(log_r))
-    hi, lo = _clip_masks(adv, log_r, cfg, cfg.eps_low, cfg.eps_high)
-    keep = jnp.where(hi | lo, 0.0, 1.0) if cfg.clip else jnp.ones_like(m)
-    term = keep * sg(w) * adv * logp_BxT
-    obj = aggregate(term, m, cfg.aggregation or "response_sum")
-    metrics = _common_metrics(m, adv, log_r, log_engine, w, cfg, hi & cfg.clip, lo & cfg.clip,
-                              log_rho if cfg.cap_target == "full" else log_engine)
-    return -obj, {**metrics, "loss": (-obj, jnp.ones(()))}
+        w, altered = is_weight(p.log_engine, p.m, cfg)
+        w = w * jnp.exp(sg(p.log_r))
+    hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
+    keep = jnp.where(hi | lo, 0.0, 1.0)
+    term = keep * sg(w) * p.adv * p.logp
+    loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length)
+    return loss, _metrics(p, loss, w, altered, hi, lo)
 
 
-def _engine_weight(log_engine, m, cfg):
-    return is_weight(log_engine, m, cfg) if cfg.use_is else jnp.ones_like(m)
-
-
-def _ppo(logp_BxT, batch, cfg, default_agg):
-    m, adv, log_r, log_engine, _ = _parts(logp_BxT, batch, cfg)
-    r = jnp.exp(log_r)
-    w = _engine_weight(log_engine, m, cfg)
+def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
+    p = _parts(logp_BxT, batch, cfg)
+    r = jnp.exp(p.log_r)
+    w, altered = _engine_weight(p, cfg)
     if cfg.clip:
-        term = jnp.minimum(r * adv, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+        term = jnp.minimum(r * p.adv, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * p.adv)
     else:
-        term = r * adv
-    obj = aggregate(sg(w) * term, m, cfg.aggregation or default_agg)
-    hi, lo = _clip_masks(adv, log_r, cfg, cfg.eps_low, cfg.eps_high)
-    metrics = _common_metrics(m, adv, log_r, log_engine, w, cfg, hi & cfg.clip, lo & cfg.clip)
-    return -obj, {**metrics, "loss": (-obj, jnp.ones(()))}
+        term = r * p.adv
+    loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length)
+    hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
+    return loss, _metrics(p, loss, w, altered, hi, lo)
 
 
 def grpo(logp_BxT, batch, cfg: LossConfig):
-    """GRPO (App. A): (1/G) Σ_i (1/|y_i|) Σ_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â).
+    """GRPO (PAPER.md App. A form); loss = −J with
 
-    Use with advantage='group_norm' for GRPO's (R − mean)/std. The paper's GRPO has no
-    π_old/μ_old factor; set use_is=False for that exact form. With use_is (default) each
-    token is multiplied by sg[w(π_old/μ_old)] from is_correction (the decoupled TIS
-    correction).
+        J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(r_t Â_i, clip(r_t, 1−ε_low, 1+ε_high) Â_i)
+
+    Pair it with advantage='group_norm' for GRPO's Â = (R − mean)/std. App. A's GRPO has no
+    engine factor (w ≡ 1): that is use_is=False. With use_is=True (the LossConfig default)
+    w = is_weight(π_old/μ_old) under is_correction, e.g. the decoupled token TIS
+    sg[min(π_old/μ_old, C)]. No KL penalty term (App. A drops it, as does this code).
     """
     return _ppo(logp_BxT, batch, cfg, "seq_mean_token_mean")
 
 
 def dapo(logp_BxT, batch, cfg: LossConfig):
-    """DAPO: the PPO-clip term with clip-higher (ε_high > ε_low; DAPO uses 0.28) and
-    token-mean aggregation (1/Σ|y_i|) Σ_i Σ_t. Dynamic sampling is not part of the loss."""
+    """DAPO's loss; loss = −J with
+
+        J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t] · min(r_t Â, clip(r_t, 1−ε_low, 1+ε_high) Â)
+
+    i.e. clip-higher (DAPO uses ε_low = 0.2, ε_high = 0.28; set eps_high) with token-mean
+    aggregation; w as in `grpo` (use_is=False for DAPO's own form). DAPO's dynamic sampling
+    and overlong shaping act on the data, not the loss, and are not here.
+    """
     return _ppo(logp_BxT, batch, cfg, "token_mean")
 
 
 def cispo(logp_BxT, batch, cfg: LossConfig):
-    """CISPO (App. A): (1/Σ|y_i|) Σ_i Σ_t sg[clip(r, 1−ε_low, 1+ε_high)] Â log π_θ.
+    """CISPO (PAPER.md App. A form); loss = −J with
 
-    Every token keeps its gradient (the ratio is clipped, never the token); optionally
-    times sg[w(π_old/μ_old)]. CISPO's paper clips only from above; ε_low = 1 recovers it.
+        J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t · clip(r_t, 1−ε_low, 1+ε_high)] · Â · log π_θ(y_t)
+
+    Every token keeps its gradient (the weight is clipped, never the token). w as in
+    `grpo` (w ≡ 1 with use_is=False, the App. A form). MiniMax's CISPO clips only from
+    above; eps_low close to 1 (e.g. 0.999) approximates that. clip=False uses r unclipped.
+    clip/frac_* count tokens whose weight was clipped, regardless of the sign of Â.
     """
-    m, adv, log_r, log_engine, _ = _parts(logp_BxT, batch, cfg)
-    r = jnp.exp(sg(log_r))
+    p = _parts(logp_BxT, batch, cfg)
+    r = jnp.exp(sg(p.log_r))
     rc = jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) if cfg.clip else r
-    w = _engine_weight(log_engine, m, cfg)
-    obj = aggregate(sg(w * rc) * adv * logp_BxT, m, cfg.aggregation or "token_mean")
+    w, altered = _engine_weight(p, cfg)
+    term = sg(w * rc) * p.adv * p.logp
+    loss = -aggregate(term, p.m, cfg.aggregation or "token_mean", cfg.norm_length)
     hi = (r > 1 + cfg.eps_high) & cfg.clip
     lo = (r < 1 - cfg.eps_low) & cfg.clip
-    metrics = _common_metrics(m, adv, log_r, log_engine, w, cfg, hi, lo)
-    return -obj, {**metrics, "loss": (-obj, jnp.ones(()))}
+    return loss, _metrics(p, loss, w, altered, hi, lo)
 
 
-def _gspo(logp_BxT, batch, cfg, token_level: bool):
-    m, adv, log_r, log_engine, _ = _parts(logp_BxT, batch, cfg)
-    length = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
-    log_s = jnp.sum(log_r, axis=1, keepdims=True) / length        # (1/|y|) Σ log r
-    if token_level:  # s_it = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)]: same value, per-token grad
-        log_s = sg(log_s) + logp_BxT - sg(logp_BxT)
-    s = jnp.exp(jnp.broadcast_to(log_s, m.shape))
+def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
+    p = _parts(logp_BxT, batch, cfg)
+    length = jnp.maximum(jnp.sum(p.m, axis=1, keepdims=True), 1.0)
+    log_s = jnp.sum(p.log_r * p.m, axis=1, keepdims=True) / length  # (1/|y|) Σ_t log r_t
+    log_s = jnp.broadcast_to(log_s, p.m.shape)
+    if token_level:  # value sg[s_i], gradient s_i ∇log π_θ(y_t)
+        log_s = sg(log_s) + p.logp - sg(p.logp)
+    s = jnp.exp(log_s)
     lo_b, hi_b = 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high
-    term = jnp.minimum(s * adv, jnp.clip(s, lo_b, hi_b) * adv) if cfg.clip else s * adv
-    w = _engine_weight(log_engine, m, cfg)
-    if cfg.use_is and cfg.is_correction not in ("seq_product", "seq_geomean"):
-        # GSPO is sequence-level: use the geometric-mean engine weight of the response.
-        w = is_weight(log_engine, m, cfg.replace(is_correction="seq_geomean"))
-    obj = aggregate(sg(w) * term, m, cfg.aggregation or "seq_mean_token_mean")
-    sv = jnp.exp(sg(log_s))
-    hi = (adv > 0) & (sv > hi_b) & cfg.clip
-    lo = (adv < 0) & (sv < lo_b) & cfg.clip
-    metrics = _common_metrics(m, adv, log_r, log_engine, w, cfg, hi, lo)
-    return -obj, {**metrics, "loss": (-obj, jnp.ones(()))}
+    term = jnp.minimum(s * p.adv, jnp.clip(s, lo_b, hi_b) * p.adv) if cfg.clip else s * p.adv
+    w, altered = _engine_weight(p, cfg)
+    loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or "seq_mean_token_mean",
+                      cfg.norm_length)
+    hi, lo = _clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
+    return loss, _metrics(p, loss, w, altered, hi, lo)
 
 
 def gspo(logp_BxT, batch, cfg: LossConfig):
-    """GSPO: s_i = exp((1/|y_i|) Σ_t log r_t); J = (1/G) Σ_i min(s_i Â_i, clip(s_i) Â_i),
-    with the tiny range [1 − gspo_eps_low, 1 + gspo_eps_high]. Written as a per-token term
-    with seq_mean_token_mean so every token carries its response's value; the engine
-    factor, if used, is the geometric-mean sequence weight."""
+    """GSPO; loss = −J with s_i = exp((1/|y_i|) Σ_t log r_t) and
+
+        J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(s_i Â_i, clip(s_i, 1−ε'_low, 1+ε'_high) Â_i)
+
+    with the tiny range ε' = gspo_eps_low / gspo_eps_high (GSPO: 3e-4 / 4e-4). With w ≡ 1
+    (use_is=False, GSPO's own form) the inner mean is just GSPO's per-response term; with
+    use_is the engine weight is averaged over the response's tokens, and
+    is_correction='seq_geomean' gives one sequence-level weight per response.
+    With advantages_BxT each token's min uses its own Â_t.
+    """
     return _gspo(logp_BxT, batch, cfg, token_level=False)
 
 
 def gspo_token(logp_BxT, batch, cfg: LossConfig):
-    """GSPO-token: s_it = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)]; equals GSPO in value and, for
-    per-response advantages, in gradient; allows per-token advantages."""
+    """GSPO-token: s_it = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)], then `gspo`'s J with s_it, Â_it.
+
+    Equal to GSPO in value and, for a per-response Â, in gradient; unlike `gspo` it lets
+    per-token advantages (advantages_BxT) weight each token's gradient.
+    """
     return _gspo(logp_BxT, batch, cfg, token_level=True)
 
 
@@ -237,25 +311,67 @@ LOSSES = {
     "dapo": dapo,
 }
 
+# Named settings of the paper's runs and of the namesake methods (PAPER.md §4, App. A).
+PRESETS = {
+    "minirl": LossConfig(),
+    "minirl_length_norm": LossConfig(aggregation="seq_mean_token_mean"),
+    "minirl_no_is": LossConfig(use_is=False),
+    "minirl_no_clip": LossConfig(clip=False),
+    "grpo": LossConfig(name="grpo", use_is=False, advantage="group_norm"),
+    "grpo_tis": LossConfig(name="grpo", advantage="group_norm"),
+    "cispo": LossConfig(name="cispo", use_is=False, advantage="group_norm"),
+    "gspo": LossConfig(name="gspo", use_is=False, advantage="group_norm"),
+    "gspo_token": LossConfig(name="gspo_token", use_is=False, advantage="group_norm"),
+    "dapo": LossConfig(name="dapo", use_is=False, eps_high=0.28, advantage="group_norm"),
+    "minirl_icepop": LossConfig(is_correction="icepop"),
+    "minirl_seq_geomean": LossConfig(is_correction="seq_geomean"),
+}
+
+
+def accumulate_metrics(a: dict, b: dict) -> dict:
+    """Combine two (num, den) metric dicts with jnp ops (jittable, e.g. in a scan over
+    micro-batches): sums, except `*_max` / `*_min` keys (max / min over entries with a
+    nonzero denominator; the denominators are then ORed)."""
+    out = {}
+    for key, (n1, d1) in a.items():
+        n2, d2 = b[key]
+        if key.endswith("_max") or key.endswith("_min"):
+            op = jnp.maximum if key.endswith("_max") else jnp.minimum
+            n = jnp.where(d1 > 0, jnp.where(d2 > 0, op(n1, n2), n1), n2)
+            out[key] = (n, jnp.maximum(d1, d2))
+        else:
+            out[key] = (n1 + n2, d1 + d2)
+    return out
+
 
 def reduce_metrics(metric_dicts) -> dict:
-    """Combine (num, den) metrics of several mini-batches / devices into floats.
+    """Combine (num, den) metrics of several mini-batches / devices into Python floats.
 
-    Sums numerators and denominators, then divides. Keys ending in `_max` / `_min` take the
-    max / min of numerators. `*_sqmean` keys also yield the matching `*_std`.
+    Sums numerators and denominators, then divides (NaN when every denominator is 0: there
+    was nothing to average). `*_max` / `*_min` keys take the max / min of the numerators
+    whose denominator is nonzero. Derived keys: `*_std` = sqrt(sqmean − mean²) for every
+    `*_sqmean`/`*_mean` pair, and `is/ess` = mean(w)² / mean(w²), the normalized effective
+    sample size of the applied IS weights.
     """
+    metric_dicts = list(metric_dicts)
+    if not metric_dicts:
+        raise ValueError("reduce_metrics: got no metric dicts")
     out = {}
     for key in metric_dicts[0]:
-        nums = [float(d[key][0]) for d in metric_dicts]
-        dens = [float(d[key][1]) for d in metric_dicts]
-        if key.endswith("_max"):
-            out[key] = max(nums)
-        elif key.endswith("_min"):
-            out[key] = min(nums)
+        pairs = [(float(d[key][0]), float(d[key][1])) for d in metric_dicts]
+        if key.endswith("_max") or key.endswith("_min"):
+            vals = [n for n, d in pairs if d > 0]
+            pick = max if key.endswith("_max") else min
+            out[key] = pick(vals) if vals else float("nan")
         else:
-            out[key] = sum(nums) / sum(dens) if sum(dens) > 0 else 0.0
+            den = sum(d for _, d in pairs)
+            out[key] = sum(n for n, _ in pairs) / den if den > 0 else float("nan")
     for key in list(out):
-        if key.endswith("_sqmean"):
-            mean = out.get(key.replace("_sqmean", "_mean"), 0.0)
-            out[key.replace("_sqmean", "_std")] = max(out[key] - mean**2, 0.0) ** 0.5
+        if key.endswith("_sqmean") and key[:-len("_sqmean")] + "_mean" in out:
+            base = key[:-len("_sqmean")]
+            out[base + "_std"] = max(out[key] - out[base + "_mean"] ** 2, 0.0) ** 0.5
+    if "is/weight_mean" in out and "is/weight_sqmean" in out:
+        sq = out["is/weight_sqmean"]
+        # Every weight 0 (all tokens dropped by a masked IS) means no effective sample.
+        out["is/ess"] = out["is/weight_mean"] ** 2 / sq if sq > 0 else sq
     return out

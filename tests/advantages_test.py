@@ -1,4 +1,5 @@
 """Group baselines by hand."""
+import jax
 import numpy as np
 import pytest
 
@@ -13,7 +14,17 @@ def test_group_mean_by_hand():
 def test_group_norm_by_hand_and_zero_variance_group():
     a = adv.group_norm([1, 0, 1, 1], 2)  # group 0: mean .5, std .5; group 1: std 0
     np.testing.assert_allclose(a, [1, -1, 0, 0], rtol=1e-5)
-    assert np.isfinite(a).all()
+    # Sample std (ddof=1) of [1, 0] is 1/√2.
+    np.testing.assert_allclose(adv.group_norm([1, 0], 2, ddof=1), [0.5**0.5, -0.5**0.5],
+                               rtol=1e-5)
+
+
+def test_equal_rewards_give_exactly_zero():
+    # 0.1 is not exact in binary: R − mean would be ±1 ulp, and /(std + eps) would blow it up.
+    r = np.full(6, 0.1, np.float32)
+    for fn in adv.ADVANTAGES.values():
+        out = fn(r, 3)
+        assert np.all(np.asarray(out) == 0.0), fn.__name__
 
 
 def test_leave_one_out_by_hand():
@@ -21,8 +32,19 @@ def test_leave_one_out_by_hand():
     np.testing.assert_allclose(adv.leave_one_out([1, 0, 0], 3), [1, -0.5, -0.5], rtol=1e-6)
 
 
+def test_groups_are_consecutive_and_jit():
+    r = np.array([1.0, 0.0, 3.0, 1.0])
+    f = jax.jit(adv.group_mean, static_argnums=1)
+    np.testing.assert_allclose(f(r, 2), [0.5, -0.5, 1.0, -1.0], rtol=1e-6)
+    np.testing.assert_allclose(adv.group_mean(r, np.int64(4)), r - 1.25, rtol=1e-6)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="group_size=3"):
         adv.group_mean([1, 0], 3)
     with pytest.raises(ValueError, match="group_size=1"):
         adv.leave_one_out([1, 0], 1)
+    with pytest.raises(ValueError, match="group_size"):
+        adv.group_mean([1, 0], 0)
+    with pytest.raises(ValueError, match="ddof"):
+        adv.group_norm([1], 1, ddof=1)
