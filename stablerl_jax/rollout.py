@@ -4,29 +4,38 @@ Letters: B rows, P prompt slots, N = max_new_tokens, S = P + N slots, V vocab, L
 K top-k.
 
 It differs from the training path on purpose, in two ways: its `Numerics` (e.g. FP8
-weights, bf16 activations) and its algorithm (one prefill, then one token at a time
-against a KV cache, versus the trainer's single full-sequence pass).
+weights, bf16 activations; weights converted once per call by `prepare_params`) and its
+algorithm (one prefill over the prompt, then one token at a time against a KV cache of S
+slots, in a `lax.while_loop` that stops once every row has emitted EOS), versus the
+trainer's single full-sequence pass.
 
-Alignment (the trainer relies on it):
-- tokens_BxS: left-padded prompt in slots [0, P), completion in [P, S), pad after EOS.
-- logp_mu_BxS[b, s]: log μ of tokens[b, s] (s ≥ P), under exactly the distribution it was
-  drawn from: logits / temperature, then top-k / top-p truncation if on. 0 elsewhere.
+Alignment (the trainer relies on it). The model's hidden state at slot s predicts the
+token at slot s + 1, so:
+- tokens_BxS: left-padded prompt in slots [0, P), completion in [P, S), pad_id after EOS.
+- logp_mu_BxS[b, s]: log μ of tokens[b, s] for completion slots (drawn from the hidden
+  state at slot s − 1), under exactly the distribution it was drawn from: float32
+  logits / temperature, then top-k / top-p truncation if on. 0 elsewhere.
 - routes_mu_LxBxSxK[:, b, s]: the experts the engine used when it *processed* tokens[b, s]
   (prompt slots in the prefill, each fed-back token in its decode step). -1 where it
   processed nothing: padding, slots after EOS, the EOS token itself and the last sampled
-  token (neither is fed back). Rows are all -1 or all recorded, so it is a valid replay
-  tensor for the training forward over the same slots.
-- completion_mask_BxS: 1 on sampled tokens up to and including EOS.
+  token (neither is ever fed back). A token's K entries are all -1 or all recorded, so the
+  tensor is a valid `replay_LxBxTxK` for the training forward over tokens_BxS with
+  attention mask prompt_mask | completion_mask (rows of -1 route live).
+- completion_mask_BxS / lengths_B: sampled tokens up to and *including* EOS. The EOS
+  token is part of the completion (it is an action the policy took, and its log-prob
+  gets the gradient that teaches the policy to stop); nothing after it is.
 
 Truncation and IS weights: with top-k / top-p on, logp_mu is the log-prob under the
-*truncated* distribution, while the trainer scores the full softmax. Tokens outside the
-truncated support are never sampled, so E_μ[π/μ] = π(support) < 1 and the token ratio
-π/μ is biased low on every token (π/μ = π(support) · π_full/μ_full on average). Leave
-truncation off for RL unless that bias is what is being studied.
+*truncated*, renormalized distribution μ_trunc, while the trainer scores the full softmax
+π. Tokens outside the truncated support are never sampled, so E_{μ_trunc}[π/μ_trunc] =
+π(support) < 1: every token ratio is biased low by the mass π puts outside the support
+(on a token inside it, π/μ_trunc = π(support) · π/μ_full), and the estimator never sees
+the excluded tokens at all. Leave truncation off for RL unless that bias is studied.
 
-Randomness: row b draws from its own key (given as [B] keys, or split from one key), and
-its draws depend only on that key and the step, so a row's sample does not depend on the
-other rows in the batch.
+Randomness: row b draws its token at decode step i from fold_in(key_b, i), where key_b is
+row b's own key (pass [B] keys, or one key that is split into B). With per-row keys a
+row's sample depends only on its key, its prompt and the weights, not on the other rows
+or on its left padding (batch invariance, up to float reassociation in batched matmuls).
 """
 from __future__ import annotations
 
@@ -45,7 +54,18 @@ from stablerl_jax.model import transformer as tf
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature > 0; top_k = 0 and top_p = 1.0 mean no truncation."""
+    """How the sampling engine draws tokens.
+
+    Attributes:
+      max_new_tokens: N, completion slots per row.
+      temperature: logits are divided by it (> 0).
+      top_k: keep the k most likely tokens (0 = off).
+      top_p: keep the smallest set of most likely tokens whose mass reaches top_p
+        (1.0 = off).
+      eos_id: a row stops after emitting it (an id outside the vocabulary never occurs,
+        so every row then decodes all N tokens).
+      pad_id: token written after EOS (masked out everywhere).
+    """
 
     max_new_tokens: int = 48
     temperature: float = 1.0
@@ -60,65 +80,95 @@ class SamplingConfig:
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
               f"must be an int >= 0 (0 = off), got {self.top_k!r}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
+        for f in ("eos_id", "pad_id"):
+            v = getattr(self, f)
+            check(isinstance(v, int) and v >= 0, f, f"must be a token id >= 0, got {v!r}")
 
 
 class Rollout(NamedTuple):
-    tokens_BxS: jax.Array
-    prompt_mask_BxS: jax.Array
-    completion_mask_BxS: jax.Array
-    lengths_B: jax.Array
-    logp_mu_BxS: jax.Array
-    routes_mu_LxBxSxK: jax.Array
+    """What the sampling engine returns; slot alignment in the module docstring."""
+
+    tokens_BxS: jax.Array           # int32
+    prompt_mask_BxS: jax.Array      # bool, real prompt tokens
+    completion_mask_BxS: jax.Array  # bool, sampled tokens up to and including EOS
+    lengths_B: jax.Array            # int32, completion lengths
+    logp_mu_BxS: jax.Array          # float32, 0 outside the completion
+    routes_mu_LxBxSxK: jax.Array    # int32, -1 where nothing was processed
 
 
 def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
-    """log of the distribution actually sampled: temperature, then top-k / top-p."""
+    """log of the distribution actually sampled: float32 logits / temperature, then
+    top-k, then top-p on what is left, renormalized. Excluded tokens get −inf."""
     z = logits_BxV.astype(jnp.float32) / sampling.temperature
-    if sampling.top_k:
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
         kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
         z = jnp.where(z >= kth, z, -jnp.inf)
     if sampling.top_p < 1.0:
         srt = jnp.sort(z, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(srt, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        # Keep a token while the mass above it is still short of top_p (the first always).
         cutoff = jnp.min(jnp.where(before < sampling.top_p, srt, jnp.inf), axis=-1,
                          keepdims=True)
         z = jnp.where(z >= cutoff, z, -jnp.inf)
     return jax.nn.log_softmax(z, axis=-1)
 
 
-def _validate(prompts, mask, key, cfg, sampling):
-    if prompts.ndim != 2 or mask.shape != prompts.shape:
-        raise ValueError(f"prompts: tokens {prompts.shape} and mask {mask.shape} must both "
-                         "be [B, P]")
+def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig):
+    if prompts.ndim != 2 or tuple(mask.shape) != tuple(prompts.shape):
+        raise ValueError(f"prompt_tokens / prompt_mask: must both be [B, P], got "
+                         f"{tuple(prompts.shape)} and {tuple(mask.shape)}")
+    if not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise ValueError(f"prompt_tokens: must be integer token ids, got {prompts.dtype}")
     need = prompts.shape[1] + sampling.max_new_tokens
     if need > cfg.max_seq_len:
         raise ValueError(f"prompt length {prompts.shape[1]} + max_new_tokens "
                          f"{sampling.max_new_tokens} = {need} exceeds the cache "
                          f"(ModelConfig.max_seq_len={cfg.max_seq_len}); shorten the prompt, "
-                         "lower max_new_tokens or raise max_seq_len")
-    if not isinstance(mask, jax.core.Tracer) and not np.asarray(mask).any(axis=1).all():
-        raise ValueError("prompts: every row needs at least one real (mask=1) token")
-    if not isinstance(mask, jax.core.Tracer) and not np.asarray(mask)[:, -1].all():
-        raise ValueError("prompts: must be left-padded (last slot of every row real)")
-    if jnp.ndim(key) not in (0, 1) or (jnp.ndim(key) == 1 and key.shape[0] != prompts.shape[0]):
-        raise ValueError(f"key: one key or one per row ([B]={prompts.shape[0]}), got shape "
-                         f"{jnp.shape(key)}")
+                         "lower SamplingConfig.max_new_tokens or raise max_seq_len")
+    if sampling.pad_id >= cfg.vocab_size:
+        raise ValueError(f"SamplingConfig.pad_id={sampling.pad_id} must be a token of the "
+                         f"vocabulary (< vocab_size={cfg.vocab_size})")
+    if isinstance(mask, jax.core.Tracer):
+        return
+    m = np.asarray(mask).astype(bool)
+    if not m.any(axis=1).all():
+        raise ValueError("prompt_mask: every row needs at least one real (True) token")
+    if not m[:, -1].all() or (np.diff(m.astype(np.int8), axis=1) < 0).any():
+        raise ValueError("prompt_mask: prompts must be left-padded (padding first, then "
+                         "the real tokens up to the last slot)")
+
+
+def _row_keys(key, b: int):
+    """[B] typed keys: one key is split into B, [B] keys are used as given. Raw uint32
+    keys (jax.random.PRNGKey) are accepted and wrapped."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.random.split(key, b)
+    if key.shape != (b,):
+        raise ValueError(f"key: one key or one per row ([B]=[{b}]), got key shape "
+                         f"{tuple(key.shape)}")
+    return key
 
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics) -> Rollout:
-    """Sample completions with the inference engine. Jitted; see the module docstring."""
-    _validate(prompt_tokens_BxP, prompt_mask_BxP, key, cfg, sampling)
-    return _sample(params, prompt_tokens_BxP, prompt_mask_BxP.astype(bool), key, cfg,
-                   sampling, numerics)
+    """Sample completions of left-padded prompts with the inference engine.
+
+    Validates the inputs, then runs a jitted prefill + decode (cfg, sampling and numerics
+    are static). See the module docstring for the alignment of the result.
+    """
+    _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling)
+    return _sample(params, prompt_tokens_BxP.astype(jnp.int32),
+                   prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics"))
 def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
     b, p = prompts.shape
     n, s = sampling.max_new_tokens, p + sampling.max_new_tokens
-    row_keys = jax.random.split(key, b) if jnp.ndim(key) == 0 else key
+    row_keys = _row_keys(key, b)
     params = nx.prepare_params(params, numerics)
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
     cache = tf.init_cache(cfg, b, s, dtype)
@@ -129,6 +179,7 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
     state = {
         "i": jnp.zeros((), jnp.int32),
         "cache": aux["cache"],
+        # Left padding puts every row's last prompt token in slot P − 1.
         "logits": tf.logits(params, hidden[:, -1:], cfg)[:, 0],
         "tokens": jnp.full((b, s), sampling.pad_id, jnp.int32).at[:, :p].set(prompts),
         "logp": jnp.zeros((b, s), jnp.float32),
@@ -142,26 +193,25 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
 
     def body(st):
         i = st["i"]
-        logp_all = sampling_logprobs(st["logits"], sampling)
-        tok = jax.vmap(draw, in_axes=(0, None, 0))(row_keys, i, logp_all)
+        slot = p + i
+        logp_BxV = sampling_logprobs(st["logits"], sampling)
+        tok = jax.vmap(draw, in_axes=(0, None, 0))(row_keys, i, logp_BxV)
         live = ~st["done"]
         tok = jnp.where(live, tok, sampling.pad_id).astype(jnp.int32)
-        lp = jnp.take_along_axis(logp_all, tok[:, None], axis=1)[:, 0]
-        slot = p + i
-        st = dict(st, i=i + 1,
-                  tokens=st["tokens"].at[:, slot].set(tok),
-                  logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
-                  completion=st["completion"].at[:, slot].set(live))
-        done = st["done"] | (tok == sampling.eos_id)
-        # Feed the token back unless it is EOS, padding or the last one (never needed).
+        lp = jnp.take_along_axis(logp_BxV, tok[:, None], axis=1)[:, 0]
+        # Feed the token back unless it is EOS or padding; the last one is never needed
+        # either, and its routes are dropped below.
         fed = live & (tok != sampling.eos_id)
         h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=st["cache"])
-        step_routes = jnp.where(fed[None, :, None], a["routes"][:, :, 0], -1)
-        last = i + 1 == n
-        step_routes = jnp.where(last, -1, step_routes)
-        return dict(st, cache=a["cache"], logits=tf.logits(params, h, cfg)[:, 0], done=done,
-                    routes=st["routes"].at[:, :, slot].set(step_routes))
+        step_routes = jnp.where(fed[None, :, None] & (i + 1 < n), a["routes"][:, :, 0], -1)
+        return dict(st, i=i + 1, cache=a["cache"],
+                    logits=tf.logits(params, h, cfg)[:, 0],
+                    tokens=st["tokens"].at[:, slot].set(tok),
+                    logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
+                    completion=st["completion"].at[:, slot].set(live),
+                    routes=st["routes"].at[:, :, slot].set(step_routes),
+                    done=st["done"] | (tok == sampling.eos_id))
 
     st = jax.lax.while_loop(lambda st: (st["i"] < n) & ~jnp.all(st["done"]), body, state)
     completion = st["completion"]
