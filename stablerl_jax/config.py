@@ -184,5 +184,5 @@ class LossConfig:
             check(isinstance(getattr(self, f), bool), f,
                   f"must be True or False, got {getattr(self, f)!r}")
 
-    def replace(self, **kw) -> "LossConfig":
+    def replace(self, **kw) -> LossConfig:
         return dataclasses.replace(self, **kw)

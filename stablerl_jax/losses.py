@@ -74,7 +74,8 @@ def _parts(logp_BxT, batch, cfg: LossConfig) -> _Parts:
     real = m > 0
     # Padding may hold anything (-inf, garbage); `where` keeps it out of values and grads.
     f32 = lambda x: jnp.where(real, jnp.asarray(x).astype(jnp.float32), 0.0)
-    logp, old, mu = f32(logp_BxT), sg(f32(batch["old_logp_BxT"])), sg(f32(batch["rollout_logp_BxT"]))
+    logp = f32(logp_BxT)
+    old, mu = sg(f32(batch["old_logp_BxT"])), sg(f32(batch["rollout_logp_BxT"]))
     lim = cfg.max_log_ratio
     clip = lambda x: jnp.clip(x, -lim, lim)
     return _Parts(m, jnp.where(real, adv, 0.0), logp, clip(logp - old), clip(old - mu),
@@ -119,7 +120,7 @@ def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
         lo = math.log(cfg.is_low) if (mode == "icepop" and cfg.is_low > 0) else -jnp.inf
         keep = (x <= math.log(cfg.is_high)) & (x >= lo)
         return jnp.where(keep, jnp.exp(x), 0.0), (~keep).astype(jnp.float32)
-    s = jnp.sum(x * m_BxT, axis=1, keepdims=True)
+    s = jnp.sum(jnp.where(m_BxT > 0, x, 0.0), axis=1, keepdims=True)
     if mode == "seq_geomean":
         s = s / jnp.maximum(jnp.sum(m_BxT, axis=1, keepdims=True), 1.0)
     altered = jnp.broadcast_to((s > log_cap).astype(jnp.float32), x.shape)
@@ -161,11 +162,9 @@ def _metrics(p: _Parts, loss, weight, altered, hi, lo) -> dict:
         "eq5/staleness_log_mean": stale,
         "eq5/staleness_log_sqmean": stale * stale,
     }
-    # One stacked reduction instead of a dozen keeps the compiled program small.
-    stacked = jnp.stack([jnp.asarray(v, jnp.float32) for v in token_means.values()])
-    sums = jnp.sum(jnp.where(m > 0, stacked, 0.0), axis=(1, 2))
     n = jnp.sum(m)
-    out = {k: (sums[i], n) for i, k in enumerate(token_means)}
+    out = {k: (jnp.sum(jnp.where(m > 0, jnp.asarray(v, jnp.float32), 0.0)), n)
+           for k, v in token_means.items()}
     out["loss"] = (sg(loss), jnp.ones(()))
     out["is/weight_max"] = dg._extreme_pair(w, m, jnp.max)
     out["is/weight_min"] = dg._extreme_pair(w, m, jnp.min)
@@ -335,7 +334,7 @@ def accumulate_metrics(a: dict, b: dict) -> dict:
     out = {}
     for key, (n1, d1) in a.items():
         n2, d2 = b[key]
-        if key.endswith("_max") or key.endswith("_min"):
+        if key.endswith(("_max", "_min")):
             op = jnp.maximum if key.endswith("_max") else jnp.minimum
             n = jnp.where(d1 > 0, jnp.where(d2 > 0, op(n1, n2), n1), n2)
             out[key] = (n, jnp.maximum(d1, d2))
@@ -359,7 +358,7 @@ def reduce_metrics(metric_dicts) -> dict:
     out = {}
     for key in metric_dicts[0]:
         pairs = [(float(d[key][0]), float(d[key][1])) for d in metric_dicts]
-        if key.endswith("_max") or key.endswith("_min"):
+        if key.endswith(("_max", "_min")):
             vals = [n for n, d in pairs if d > 0]
             pick = max if key.endswith("_max") else min
             out[key] = pick(vals) if vals else float("nan")
