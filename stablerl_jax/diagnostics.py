@@ -35,13 +35,17 @@ def _log_ratio(logp_num_BxT, logp_den_BxT, m_BxT, max_log_ratio):
     return jnp.where(m_BxT > 0, jnp.clip(x, -max_log_ratio, max_log_ratio), 0.0)
 
 
-def _mean_pair(values_BxT, m_BxT):
-    return jnp.sum(jnp.where(m_BxT > 0, values_BxT, 0.0)), jnp.sum(m_BxT)
+def masked_mean_pair(values_BxT, mask_BxT):
+    """(Σ_t m_t v_t, Σ_t m_t): a masked mean as a (num, den) pair. Values at masked tokens
+    are ignored even when they are inf or NaN."""
+    m = _m(mask_BxT)
+    return jnp.sum(jnp.where(m > 0, values_BxT, 0.0)), jnp.sum(m)
 
 
-def _extreme_pair(values_BxT, m_BxT, op):
-    """(max or min over counted tokens, 1.0 if any counted else 0.0); value 0 if none."""
-    real = m_BxT > 0
+def masked_extreme_pair(values_BxT, mask_BxT, op):
+    """(op over counted tokens, 1.0 if any token counts else 0.0), op = jnp.max or jnp.min;
+    the value is 0 when nothing counts, so numerators stay finite."""
+    real = _m(mask_BxT) > 0
     fill = -jnp.inf if op is jnp.max else jnp.inf
     any_real = jnp.any(real)
     v = op(jnp.where(real, values_BxT, fill))
@@ -66,7 +70,7 @@ def entropy_from_logits(logits_BxTxV, mask_BxT):
     logp = jax.nn.log_softmax(jnp.asarray(logits_BxTxV).astype(jnp.float32), axis=-1)
     p = jnp.exp(logp)
     h_BxT = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    return _mean_pair(h_BxT, _m(mask_BxT))
+    return masked_mean_pair(h_BxT, _m(mask_BxT))
 
 
 def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
@@ -74,7 +78,7 @@ def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
     π = π_old). (num, den) pair. Not clipped: it is a plain difference of log-probs."""
     m = _m(mask_BxT)
     d = jnp.asarray(logp_mu_BxT, jnp.float32) - jnp.asarray(logp_pi_BxT, jnp.float32)
-    return _mean_pair(d, m)
+    return masked_mean_pair(d, m)
 
 
 def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
@@ -83,14 +87,14 @@ def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RAT
     The per-token term stays accurate when ρ ≈ 1, where it is ≈ x²/2 (`expm1_minus_x`)."""
     m = _m(mask_BxT)
     x = _log_ratio(logp_pi_BxT, logp_mu_BxT, m, max_log_ratio)
-    return _mean_pair(expm1_minus_x(x), m)
+    return masked_mean_pair(expm1_minus_x(x), m)
 
 
 def chi2(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
     """χ²(π‖μ) = E_μ[ρ²] − 1, estimated as the mean of expm1(2 log ρ). (num, den) pair."""
     m = _m(mask_BxT)
     x = _log_ratio(logp_pi_BxT, logp_mu_BxT, m, max_log_ratio)
-    return _mean_pair(jnp.expm1(2.0 * x), m)
+    return masked_mean_pair(jnp.expm1(2.0 * x), m)
 
 
 def ppl_ratio(logp_mu_BxT, logp_pi_BxT, mask_BxT):
@@ -119,10 +123,10 @@ def is_weight_stats(log_ratio_BxT, mask_BxT, cap: float, max_log_ratio: float = 
     m = _m(mask_BxT)
     w = jnp.exp(_log_ratio(log_ratio_BxT, jnp.zeros_like(m), m, max_log_ratio))
     return {
-        "is/weight_min": _extreme_pair(w, m, jnp.min),
-        "is/weight_max": _extreme_pair(w, m, jnp.max),
-        "is/weight_mean": _mean_pair(w, m),
-        "is/frac_truncated": _mean_pair((w > cap).astype(jnp.float32), m),
+        "is/weight_min": masked_extreme_pair(w, m, jnp.min),
+        "is/weight_max": masked_extreme_pair(w, m, jnp.max),
+        "is/weight_mean": masked_mean_pair(w, m),
+        "is/frac_truncated": masked_mean_pair((w > cap).astype(jnp.float32), m),
     }
 
 
@@ -139,8 +143,8 @@ def clip_fractions(logp_BxT, old_logp_BxT, advantages, mask_BxT, eps_low: float,
     log_r = _log_ratio(logp_BxT, old_logp_BxT, m, MAX_LOG_RATIO)
     hi = (adv > 0) & (log_r > jnp.log1p(eps_high))
     lo = (adv < 0) & (log_r < jnp.log1p(-eps_low))
-    return {"clip/frac_high": _mean_pair(hi.astype(jnp.float32), m),
-            "clip/frac_low": _mean_pair(lo.astype(jnp.float32), m)}
+    return {"clip/frac_high": masked_mean_pair(hi.astype(jnp.float32), m),
+            "clip/frac_low": masked_mean_pair(lo.astype(jnp.float32), m)}
 
 
 def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
@@ -154,10 +158,10 @@ def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
     engine = _log_ratio(old_logp_BxT, rollout_logp_BxT, m, max_log_ratio)
     stale = _log_ratio(logp_BxT, old_logp_BxT, m, max_log_ratio)
     return {
-        "eq5/engine_log_mean": _mean_pair(engine, m),
-        "eq5/engine_log_sqmean": _mean_pair(engine**2, m),
-        "eq5/staleness_log_mean": _mean_pair(stale, m),
-        "eq5/staleness_log_sqmean": _mean_pair(stale**2, m),
+        "eq5/engine_log_mean": masked_mean_pair(engine, m),
+        "eq5/engine_log_sqmean": masked_mean_pair(engine**2, m),
+        "eq5/staleness_log_mean": masked_mean_pair(stale, m),
+        "eq5/staleness_log_sqmean": masked_mean_pair(stale**2, m),
     }
 
 

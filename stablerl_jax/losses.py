@@ -166,8 +166,8 @@ def _metrics(p: _Parts, loss, weight, altered, hi, lo) -> dict:
     out = {k: (jnp.sum(jnp.where(m > 0, jnp.asarray(v, jnp.float32), 0.0)), n)
            for k, v in token_means.items()}
     out["loss"] = (sg(loss), jnp.ones(()))
-    out["is/weight_max"] = dg._extreme_pair(w, m, jnp.max)
-    out["is/weight_min"] = dg._extreme_pair(w, m, jnp.min)
+    out["is/weight_max"] = dg.masked_extreme_pair(w, m, jnp.max)
+    out["is/weight_min"] = dg.masked_extreme_pair(w, m, jnp.min)
     # |Π_t ρ_t − (1 + Σ_t (ρ_t − 1))| per response: how far from first order the batch is.
     out["eq5/first_order_residual_abs"] = dg.first_order_residual(sg(p.log_rho), m)
     return out
