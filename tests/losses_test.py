@@ -270,9 +270,10 @@ def test_token_surrogate_is_first_order_approximation_of_sequence_objective():
     assert gaps[0] < 1e-6  # exact at π_θ = μ_old
     assert all(a < b for a, b in itertools.pairwise(deltas))
     assert all(a < b for a, b in itertools.pairwise(gaps))  # and degrades as the δ_t grow
-    # First order: for small δ the gap is O(max|δ|), i.e. gap/δ stays bounded.
+    # First order: for small δ the gap is linear in max|δ| (the neglected terms of
+    # Π(1 + δ_t) − 1 − Σδ_t are products of δ's, and ∇ lowers their order by one).
     ratios = [g / d for g, d in zip(gaps[1:3], deltas[1:3])]
-    assert 0.2 < ratios[0] / ratios[1] < 5, ratios
+    assert 0.8 < ratios[0] / ratios[1] < 1.25, ratios
 
 
 def test_microbatch_accumulation_equals_full_batch():
