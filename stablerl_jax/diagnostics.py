@@ -15,7 +15,7 @@ samples; ρ = π/μ and x = log ρ, clipped to ±max_log_ratio before any exp:
     k3 KL(μ‖π)   E_μ[ρ − 1 − log ρ] = E_μ[expm1(x) − x]     (unbiased, every term ≥ 0)
     χ²(π‖μ)      E_μ[ρ²] − 1 = E_μ[expm1(2x)]
     PPL ratio    PPL_π / PPL_μ = exp(k1)
-    ESS          (Σ w)² / (n Σ w²) ∈ (0, 1]                  (normalized effective sample size)
+    ESS          (Σ w)² / (n Σ w²) ∈ [0, 1]                  (normalized effective sample size)
 """
 from __future__ import annotations
 
@@ -117,8 +117,9 @@ def is_ess(weights_BxT, mask_BxT):
 def is_weight_stats(log_ratio_BxT, mask_BxT, cap: float, max_log_ratio: float = MAX_LOG_RATIO):
     """Statistics of the raw token IS ratio ρ = exp(log_ratio) over masked tokens.
 
-    Returns a dict of pairs: `is/weight_min` and `is/weight_max` as (value, any) pairs,
-    `is/weight_mean` and the fraction `is/frac_truncated` with ρ > cap as (num, den).
+    Returns a dict of pairs: `is/weight_min` and `is/weight_max` as (value, any) pairs;
+    `is/weight_mean`, `is/weight_sqmean` (so `reduce_metrics` can form the ESS) and the
+    fraction `is/frac_truncated` with ρ > cap as (num, den).
     """
     m = _m(mask_BxT)
     w = jnp.exp(_log_ratio(log_ratio_BxT, jnp.zeros_like(m), m, max_log_ratio))
@@ -126,6 +127,7 @@ def is_weight_stats(log_ratio_BxT, mask_BxT, cap: float, max_log_ratio: float = 
         "is/weight_min": masked_extreme_pair(w, m, jnp.min),
         "is/weight_max": masked_extreme_pair(w, m, jnp.max),
         "is/weight_mean": masked_mean_pair(w, m),
+        "is/weight_sqmean": masked_mean_pair(w * w, m),
         "is/frac_truncated": masked_mean_pair((w > cap).astype(jnp.float32), m),
     }
 

@@ -25,6 +25,15 @@ Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
     seq_mean_token_sum_norm  Σ m ℓ / (B · T_norm)        (Dr. GRPO; T_norm = cfg.norm_length,
                                                           or the padded T when it is 0)
 Empty responses count in B and contribute 0; a fully masked batch gives loss 0.
+
+Metrics of every loss (token means over the mask unless said otherwise): loss;
+clip/frac_high, clip/frac_low (tokens whose clip binds, by side); is/weight_mean,
+is/weight_sqmean, is/weight_max, is/weight_min (the applied, stop-gradient weight);
+is/frac_truncated (tokens whose weight the IS correction capped or dropped);
+kl/engine_k1, kl/engine_k3 (KL(μ_old‖π_old) on μ's samples); eq5/engine_log_{mean,sqmean},
+eq5/staleness_log_{mean,sqmean} (Eq. 5's two factors in logs); eq5/first_order_residual_abs
+(mean over responses of |Π ρ_t − 1 − Σ(ρ_t − 1)|). `reduce_metrics` adds *_std and is/ess.
+`PRESETS` names the paper's runs and the namesake methods as LossConfigs.
 """
 from __future__ import annotations
 

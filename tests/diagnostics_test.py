@@ -62,6 +62,7 @@ def test_is_weight_stats_by_hand():
     np.testing.assert_allclose(r["is/weight_max"], 8.0, rtol=1e-5)
     np.testing.assert_allclose(r["is/weight_mean"], 10.5 / 3, rtol=1e-5)
     np.testing.assert_allclose(r["is/frac_truncated"], 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(r["is/ess"], 10.5**2 / (3 * (0.25 + 4 + 64)), rtol=1e-5)
     # No counted token: min/max carry a zero denominator and are ignored by the reduction.
     empty = dg.is_weight_stats(jnp.zeros((1, 2)), jnp.zeros((1, 2)), cap=5.0)
     assert float(empty["is/weight_max"][1]) == 0.0
