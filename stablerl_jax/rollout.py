@@ -199,8 +199,8 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
         live = ~st["done"]
         tok = jnp.where(live, tok, sampling.pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_BxV, tok[:, None], axis=1)[:, 0]
-        # Feed the token back unless it is EOS or padding; the last one is never needed
-        # either, and its routes are dropped below.
+        # Feed the token back unless it is EOS or padding. The N-th token is fed too (one
+        # shape for every step) but nothing reads its output, so its routes are -1.
         fed = live & (tok != sampling.eos_id)
         h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=st["cache"])

@@ -113,6 +113,7 @@ def test_measured_at_the_sampling_temperature():
         measure_mismatch(params, r, CFG, temperature=0.0)
 
 
+@pytest.mark.slow
 def test_train_numerics_is_the_reference():
     # Scoring the bf16 engine's samples with a bf16 trainer removes the weight and
     # activation rounding gap; only the engines' algorithmic difference is left.
