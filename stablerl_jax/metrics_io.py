@@ -75,8 +75,7 @@ class MetricsWriter:
         if "step" in metrics:
             raise ValueError("metrics must not contain a 'step' key; pass the step separately")
         row = {"step": int(step), **{k: _to_float(k, v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.path, row)
         for k, v in row.items():
             if k != "step" and v is not None:
                 self.tb.add_scalar(k, v, row["step"])
@@ -84,19 +83,29 @@ class MetricsWriter:
         return row
 
     def truncate_after(self, step: int) -> None:
-        """Keep only rows with row["step"] <= step (step=-1 empties the file). Atomic: the
-        new file replaces the old one by rename, so a crash here loses nothing."""
-        rows = [r for r in read_metrics(self.path) if r["step"] <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(tmp, self.path)
+        """Keep only rows with row["step"] <= step (step=-1 empties the file), atomically."""
+        truncate_jsonl(self.path, step)
         # TensorBoard hides events with step >= purge_step from earlier event files.
         self.tb.close()
         self.tb = self._tb_writer(purge_step=step + 1)
 
     def close(self) -> None:
         self.tb.close()
+
+
+def append_jsonl(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_jsonl(path: str, step: int) -> None:
+    """Keep only rows with row["step"] <= step of a step-keyed JSONL file. Atomic: the new
+    file replaces the old one by rename, so a crash here loses nothing."""
+    rows = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str) -> list[dict]:

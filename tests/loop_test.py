@@ -46,6 +46,16 @@ def test_few_steps_end_to_end_and_exact_resume(tmp_path):
         f.write(json.dumps({"step": 3, "reward": 123.0}) + "\n")
     loop.run(cfg, part, progress=False)
     assert read_metrics(part) == rows
+    # Mini-batch composition: one row per step, seeded, identical after the resume.
+    comp = read_metrics(f"{full}/minibatches.jsonl")
+    assert read_metrics(f"{part}/minibatches.jsonl") == comp
+    assert [c["step"] for c in comp] == [1, 2, 3, 4]
+    responses = cfg.rl.prompts_per_step * cfg.rl.group_size
+    for c in comp:
+        assert len(c["prompts"]) == cfg.rl.prompts_per_step
+        assert len(c["minibatches"]) == cfg.rl.num_minibatches
+        assert sorted(sum(c["minibatches"], [])) == list(range(responses))
+    assert comp[0]["minibatches"] != comp[1]["minibatches"]
     resumed, _ = _final_state(cfg, part)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  resumed, state)

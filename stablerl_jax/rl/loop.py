@@ -26,7 +26,8 @@ from stablerl_jax import advantages as adv_lib
 from stablerl_jax import diagnostics
 from stablerl_jax import losses as losses_lib
 from stablerl_jax.checkpoint import Checkpointer
-from stablerl_jax.metrics_io import MetricsWriter, plot_metrics, read_metrics
+from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
+                                     truncate_jsonl)
 from stablerl_jax.rl import steps
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.task import TaskData
@@ -63,10 +64,15 @@ def rollout_metrics(batch: dict, scored: dict, rewards_B: np.ndarray, lengths_B)
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int):
-    """One global step; returns (state, metrics dict of floats)."""
+    """One global step; returns (state, metrics dict of floats, mini-batch composition).
+
+    The composition is {"prompts": train-split indices of the step's prompts,
+    "minibatches": response indices per mini-batch}; response r answers prompt r // G.
+    """
     cfg = engine.cfg
     rl = cfg.rl
-    prompts = data.train_prompts(step, rl.prompts_per_step, rl.seed)
+    prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
+    prompts = [data.train[i] for i in prompt_idx]
     tokens, mask, answers = data.prompt_batch(prompts, rl.group_size)
     key = jax.random.fold_in(jax.random.key(rl.seed), step)
     ro = engine.sample(state.params, tokens, mask, key)
@@ -84,8 +90,9 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         state, m = engine.update(state, _take(batch, order[i * per:(i + 1) * per]))
         totals.append(m)
     metrics.update(losses_lib.reduce_metrics(totals))
-    metrics["minibatch/first_index"] = int(order[0])
-    return state, metrics
+    composition = {"prompts": [int(i) for i in prompt_idx],
+                   "minibatches": order.reshape(rl.num_minibatches, per).tolist()}
+    return state, metrics, composition
 
 
 def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
@@ -108,6 +115,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     writer = MetricsWriter(workdir)
+    minibatch_log = os.path.join(workdir, "minibatches.jsonl")
     if init_params is None:
         from stablerl_jax.model import transformer as tf
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
@@ -120,13 +128,16 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         state = steps.TrainState(**restored)
         start = latest
         writer.truncate_after(latest)
+        truncate_jsonl(minibatch_log, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
+        truncate_jsonl(minibatch_log, -1)
         writer.write(0, evaluate(engine, state.params, data, 0))
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not progress, desc=cfg.name)
     for step in bar:
-        state, metrics = global_step(engine, state, data, step)
+        state, metrics, composition = global_step(engine, state, data, step)
+        append_jsonl(minibatch_log, {"step": step + 1, **composition})
         if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
             metrics.update(evaluate(engine, state.params, data, step + 1))
         writer.write(step + 1, metrics)

@@ -37,8 +37,9 @@ class TaskData:
     def reward_kind(self) -> str:
         return "exact" if self.cfg.kind == "arithmetic" else "math_verify"
 
-    def train_prompts(self, step: int, batch: int, seed: int) -> list:
-        return [self.train[i] for i in batching.batch_indices(len(self.train), batch, step, seed)]
+    def train_indices(self, step: int, batch: int, seed: int) -> np.ndarray:
+        """Train-split indices of the prompts of global step `step` (seeded epochs)."""
+        return batching.batch_indices(len(self.train), batch, step, seed)
 
     def prompt_batch(self, records, group_size: int):
         return batching.prompt_batch(records, self.tokenizer, group_size, self.cfg.max_prompt_len)

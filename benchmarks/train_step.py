@@ -1,0 +1,142 @@
+"""Model FLOP/s of the jitted `update_step` vs this machine's measured matmul peak.
+
+    python -m benchmarks.train_step [--presets tiny,small] [--reps 3]
+
+For each preset: a synthetic mini-batch of full-length sequences (prompt + completion,
+random tokens, R2 replay of routes recorded by the score step), the Engine's jitted,
+sharded, state-donating update step timed over `reps` steps after one compile/warm-up
+step. Model FLOPs per step count the matmuls of one forward and backward (3× forward):
+attention projections, causal attention (half the T×T scores), router, the K active
+SwiGLU experts and the unembedding; element-wise work is not counted. XLA's own FLOP count
+of the compiled step is printed beside it. The peak is the median FLOP/s of a bare
+`jnp.dot` of two 4096×4096 matrices in the preset's compute dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import median_seconds
+from stablerl_jax.config import ModelConfig
+from stablerl_jax.model import transformer as tf
+from stablerl_jax.rl import config as rl_config
+from stablerl_jax.rl.engine import Engine
+
+
+def small() -> rl_config.ExperimentConfig:
+    """A 112M-total / ~24M-active-parameter MoE: the size at which the matmuls of a
+    step are large enough to measure arithmetic efficiency on a CPU."""
+    base = rl_config.tiny()
+    model = ModelConfig(vocab_size=8192, d_model=512, num_layers=4, num_heads=8,
+                        num_kv_heads=4, head_dim=64, num_experts=16, top_k=2,
+                        expert_ffn_dim=1024, max_seq_len=512, moe_tile=128)
+    task = dataclasses.replace(base.task, vocab_size=model.vocab_size)
+    rl = dataclasses.replace(base.rl, prompts_per_step=4, group_size=8, num_minibatches=1)
+    return dataclasses.replace(base, name="small", model=model, task=task, rl=rl)
+
+
+PRESETS = {"tiny": (rl_config.tiny, 64), "small": (small, 256)}  # (config, sequence length)
+
+
+def model_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
+    """Matmul FLOPs of one forward + backward over batch × seq tokens (3× forward)."""
+    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_token_layer = 2 * (d * h * hd * 2 + d * kv * hd * 2)      # q, o and k, v projections
+    per_token_layer += 2 * 2 * h * hd * seq / 2                     # QK^T and PV, causal half
+    per_token_layer += 2 * d * cfg.num_experts                      # router
+    per_token_layer += 2 * cfg.top_k * 3 * d * cfg.expert_ffn_dim   # active SwiGLU experts
+    per_token = cfg.num_layers * per_token_layer + 2 * d * cfg.vocab_size
+    return 3.0 * per_token * batch * seq
+
+
+def matmul_peak(dtype, n: int = 4096, reps: int = 3) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=dtype))
+    return 2 * n ** 3 / median_seconds(f, a, b, reps=reps)
+
+
+def synthetic_batch(cfg, batch: int, seq: int) -> dict:
+    """A full-length mini-batch in the training T-frame: the first quarter is prompt."""
+    rng = np.random.default_rng(0)
+    m = cfg.model
+    t = seq - 1
+    tokens = rng.integers(4, m.vocab_size, (batch, seq), dtype=np.int32)
+    mask = np.zeros((batch, t), np.float32)
+    mask[:, seq // 4:] = 1.0
+    logp = -rng.uniform(0.0, 5.0, (batch, t)).astype(np.float32)
+    routes = np.stack([np.stack([rng.permutation(m.num_experts)[:m.top_k] for _ in range(batch * t)])
+                       for _ in range(m.num_layers)]).reshape(m.num_layers, batch, t, m.top_k)
+    return {
+        "inputs_BxT": jnp.asarray(tokens[:, :-1]),
+        "targets_BxT": jnp.asarray(tokens[:, 1:]),
+        "attn_BxT": jnp.ones((batch, t), bool),
+        "mask_BxT": jnp.asarray(mask),
+        "rollout_logp_BxT": jnp.asarray(logp),
+        "routes_mu_LxBxTxK": jnp.asarray(routes, jnp.int32),
+        "advantages_B": jnp.asarray(rng.standard_normal(batch), jnp.float32),
+    }
+
+
+def bench(name: str, reps: int) -> dict:
+    make, seq = PRESETS[name]
+    cfg = make()
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, replay="r2"),
+                              model=cfg.model.replace(max_seq_len=max(seq, cfg.model.max_seq_len)))
+    batch_size = cfg.rl.prompts_per_step * cfg.rl.group_size // cfg.rl.num_minibatches
+    engine = Engine.create(cfg)
+    state = engine.init_state(tf.init_params(jax.random.key(0), cfg.model))
+    batch = synthetic_batch(cfg, batch_size, seq)
+    batch.update(engine.score(state.params, batch))  # old_logp and the R2 record
+
+    state, m = engine.update(state, batch)  # compile + warm-up
+    jax.block_until_ready((state, m))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        state, m = engine.update(state, batch)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t0)
+    sec = float(np.median(times))
+    flops = model_flops(cfg.model, batch_size, seq - 1)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    return {"name": name, "params": n_params, "batch": batch_size, "seq": seq - 1,
+            "sec": sec, "flops": flops,
+            "dtype": cfg.model.compute_dtype}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="tiny,small")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    names = args.presets.split(",")
+    for n in names:
+        if n not in PRESETS:
+            raise SystemExit(f"--presets: unknown {n!r}; choose from {sorted(PRESETS)}")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"{jax.device_count()} device(s), update step with R2 replay, "
+          f"median of {args.reps} after warm-up")
+    peaks = {}
+    print("| preset | params | batch × T | dtype | step s | model GFLOP | "
+          "model GFLOP/s | matmul peak GFLOP/s | % of peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in names:
+        r = bench(n, args.reps)
+        dt = r["dtype"]
+        if dt not in peaks:
+            peaks[dt] = matmul_peak(jnp.dtype(dt))
+        rate = r["flops"] / r["sec"]
+        print(f"| {n} | {r['params'] / 1e6:.2f}M | {r['batch']} × {r['seq']} | {dt} | "
+              f"{r['sec']:.3f} | {r['flops'] / 1e9:.1f} | "
+              f"{rate / 1e9:.1f} | {peaks[dt] / 1e9:.1f} | {100 * rate / peaks[dt]:.0f}% |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
