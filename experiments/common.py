@@ -1,0 +1,239 @@
+"""Shared machinery of the experiment modules: variants × seeds from one cold start.
+
+An experiment is a base `ExperimentConfig`, a list of named variants (override strings on
+top of the base) and a list of seeds. `run` trains the SFT cold start once (cached in
+`<workdir>/sft`), then every (variant, seed) RL run from it in
+`<workdir>/<variant>/seed<k>` (each resumable, see `rl.loop.run`), and writes
+`<workdir>/comparison.png` (seed-mean curves, one line per variant) and
+`<workdir>/summary.md` (the table of `summary_rows`).
+
+Command line of every module:
+
+    python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
+        [--only VARIANT,...] [--dry-run] [--quiet] [section.field=value ...]
+
+Overrides apply to every run (e.g. `rl.inference=bf16 rl.router_noise_std=0.5`, the
+mismatch knob); `--dry-run` prints each run's resolved settings and exits (the way to
+read the `paper` preset, which is a TPU-pod job).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from stablerl_jax.config import ConfigError
+from stablerl_jax.metrics_io import PANELS, plot_comparison, read_metrics
+from stablerl_jax.rl import config as rl_config
+from stablerl_jax.rl import loop, sft
+from stablerl_jax.rl.task import TaskData
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One preset of an experiment: what to run and how many times."""
+
+    base: rl_config.ExperimentConfig
+    variants: tuple[Variant, ...]
+    seeds: tuple[int, ...] = (0, 1)
+
+    def config(self, variant: Variant, seed: int, overrides=()) -> rl_config.ExperimentConfig:
+        return rl_config.apply_overrides(
+            self.base, (*variant.overrides, *overrides, f"rl.seed={seed}",
+                         f"name={variant.name}/seed{seed}"))
+
+
+# The comparison figure: PANELS plus the importance-weight and staleness monitors.
+COMPARISON_PANELS = [p for p in PANELS if p[0] not in ("loss", "response length")] + [
+    ("training-inference KL on μ's samples (update)", ["kl/engine_k1"], True),
+    ("first-order residual |Σ(ρ-1-log ρ)|", ["eq5/first_order_residual_abs"], True),
+]
+
+
+def seed_mean(runs: list[list[dict]]) -> list[dict]:
+    """Per-step mean over seeds of every metric (None where no seed has a value)."""
+    by_step: dict[int, dict[str, list[float]]] = {}
+    for records in runs:
+        for r in records:
+            row = by_step.setdefault(r["step"], {})
+            for k, v in r.items():
+                if k != "step" and v is not None:
+                    row.setdefault(k, []).append(v)
+    return [{"step": s, **{k: float(np.mean(v)) for k, v in row.items()}}
+            for s, row in sorted(by_step.items())]
+
+
+def _window(records: list[dict], key: str, part: slice) -> float | None:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    vals = vals[part]
+    return float(np.mean(vals)) if vals else None
+
+
+def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
+    """Per variant, seed-averaged: held-out accuracy at start / best / end, training reward,
+    entropy and training–inference KL over the first and last fifth of the steps, routing
+    mismatch, the spread of Eq. 5's two log factors, clip fraction and skipped updates."""
+    out = []
+    for name, seeds in runs.items():
+        per_seed = []
+        for records in seeds:
+            steps_ = [r for r in records if r["step"] > 0]
+            fifth = max(1, len(steps_) // 5)
+            first, last = slice(0, fifth), slice(-fifth, None)
+            evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+            per_seed.append({
+                "acc_start": evals[0] if evals else None,
+                "acc_best": max(evals) if evals else None,
+                "acc_end": evals[-1] if evals else None,
+                "reward_first": _window(steps_, "reward", first),
+                "reward_last": _window(steps_, "reward", last),
+                "entropy_first": _window(steps_, "entropy", first),
+                "entropy_last": _window(steps_, "entropy", last),
+                "kl_first": _window(steps_, "kl/train_infer_k1", first),
+                "kl_last": _window(steps_, "kl/train_infer_k1", last),
+                "routing_mismatch": _window(steps_, "routing/mismatch_rate", slice(None)),
+                "engine_log_sq": _window(steps_, "eq5/engine_log_sqmean", slice(None)),
+                "stale_log_sq": _window(steps_, "eq5/staleness_log_sqmean", slice(None)),
+                "clip_frac": _window(steps_, "clip/frac_high", slice(None)),
+                "skipped": sum(r.get("skipped_updates") or 0.0 for r in steps_),
+            })
+        row = {"variant": name, "seeds": len(per_seed)}
+        for k in per_seed[0]:
+            vals = [s[k] for s in per_seed if s[k] is not None]
+            row[k] = float(np.mean(vals)) if vals else None
+            if k == "acc_end" and len(vals) > 1:
+                row["acc_end_sd"] = float(np.std(vals, ddof=1))
+        out.append(row)
+    return out
+
+
+_COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"),
+            ("acc_start", "acc@0", "{:.3f}"), ("acc_best", "best acc", "{:.3f}"),
+            ("acc_end", "final acc", "{:.3f}"), ("acc_end_sd", "± sd", "{:.3f}"),
+            ("reward_first", "reward first⅕", "{:.3f}"), ("reward_last", "reward last⅕", "{:.3f}"),
+            ("entropy_first", "entropy first⅕", "{:.3f}"),
+            ("entropy_last", "entropy last⅕", "{:.3f}"),
+            ("kl_first", "KL k1 first⅕", "{:.2e}"), ("kl_last", "KL k1 last⅕", "{:.2e}"),
+            ("routing_mismatch", "routing mismatch", "{:.3f}"),
+            ("engine_log_sq", "E[log² engine]", "{:.2e}"),
+            ("stale_log_sq", "E[log² staleness]", "{:.2e}"),
+            ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped", "{:.0f}")]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = [c for c in _COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |",
+             "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [("—" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cold_start(cfg, workdir: str, progress: bool):
+    """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
+    data = TaskData.create(cfg.task, os.path.join(workdir, "data"))
+    params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
+    if losses:
+        print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+              f"in {len(losses)} steps", flush=True)
+    return data, params
+
+
+def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
+                 overrides=(), progress: bool = True, prefix: str = "") -> dict:
+    """Every (variant, seed) RL run from `params`; returns {name: [records per seed]}."""
+    runs = {}
+    for v in variants or exp.variants:
+        runs[prefix + v.name] = []
+        for seed in seeds or exp.seeds:
+            cfg = exp.config(v, seed, overrides)
+            rundir = os.path.join(workdir, prefix + v.name, f"seed{seed}")
+            t0 = time.time()
+            s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress)
+            print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
+                  f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
+                  f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+            runs[prefix + v.name].append(read_metrics(rundir))
+    return runs
+
+
+def report(runs: dict, workdir: str, title: str, command: str, groups=None) -> str:
+    """Write comparison.png (or comparison_<group>.png per group of variant names) and
+    summary.md (+ summary.json); return the markdown table."""
+    for group, names in (groups or {"": list(runs)}).items():
+        plot_comparison({k: seed_mean(runs[k]) for k in names if k in runs},
+                        os.path.join(workdir, f"comparison{'_' + group if group else ''}.png"),
+                        COMPARISON_PANELS)
+    rows = summary_rows(runs)
+    table = markdown_table(rows)
+    with open(os.path.join(workdir, "summary.md"), "w") as f:
+        f.write(f"# {title}\n\n```\n{command}\n```\n\n{table}\n")
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    return table
+
+
+def command(module: str, argv=None) -> str:
+    """The command line that produced a report (for its header)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python -m experiments." + module, *args])
+
+
+def parser(description: str, presets: dict, default_workdir: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--preset", default="tiny", choices=sorted(presets))
+    ap.add_argument("--workdir", default=default_workdir)
+    ap.add_argument("--seeds", default=None, help="comma-separated; default: the preset's")
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs' settings and exit")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
+    return ap
+
+
+def select(exp: Experiment, args, ap) -> tuple[tuple[Variant, ...], tuple[int, ...]]:
+    """The variants and seeds the command line asks for, validated against the preset."""
+    variants = exp.variants
+    if args.only:
+        names = args.only.split(",")
+        known = [v.name for v in exp.variants]
+        bad = [n for n in names if n not in known]
+        if bad:
+            ap.error(f"--only: unknown variant(s) {bad}; choose from {known}")
+        variants = tuple(v for v in exp.variants if v.name in names)
+    try:
+        seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else exp.seeds
+    except ValueError:
+        ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    try:
+        for v in variants:  # validate every run's overrides before any work starts
+            exp.config(v, seeds[0], args.overrides)
+    except ConfigError as e:
+        ap.error(str(e))
+    return variants, seeds
+
+
+def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
+    for v in variants:
+        cfg = exp.config(v, seeds[0], overrides)
+        rl = cfg.rl
+        print(f"{v.name} (seeds {list(seeds)}): overrides {list(v.overrides)}\n"
+              f"  model L={cfg.model.num_layers} D={cfg.model.d_model} "
+              f"E={cfg.model.num_experts} K={cfg.model.top_k} V={cfg.model.vocab_size} "
+              f"compute={cfg.model.compute_dtype}\n"
+              f"  rl steps={rl.steps} prompts={rl.prompts_per_step} G={rl.group_size} "
+              f"N={rl.num_minibatches} replay={rl.replay} inference={rl.inference} "
+              f"router_noise={rl.router_noise_std} lr={rl.learning_rate} mesh={rl.mesh}\n"
+              f"  loss {cfg.loss}")

@@ -1,0 +1,75 @@
+"""Off-policy training: a fixed mini-batch, N ∈ {2, 4, 8} updates per global step
+(paper Figs. 2–4).
+
+    python -m experiments.offpolicy [--preset tiny|paper] [--workdir runs/offpolicy]
+        [--seeds 0,1] [--only N2-minirl-noclip,...] [--dry-run] [key=value ...]
+
+The mini-batch size is fixed and the global batch grows with N (B = N × mini-batch), as
+in the paper; the k-th update of a step is k−1 optimizer steps stale. Variants at each N:
+MiniRL without clipping; + R2 without clipping; + R2 (clipping); + R3 (clipping). The
+tiny preset (2 seeds × 4 variants × N ∈ {2, 4, 8} × 25 steps) takes about 45 minutes on
+2 CPU cores. Figures: comparison_N2.png, comparison_N4.png, comparison_N8.png.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from experiments import common
+from experiments.common import Experiment, Variant
+from stablerl_jax.rl import config as rl_config
+
+NS = (2, 4, 8)
+NO_CLIP = "loss.clip=false"
+BASE_VARIANTS = (
+    Variant("minirl-noclip", (NO_CLIP,)),
+    Variant("minirl+R2-noclip", ("rl.replay=r2", NO_CLIP)),
+    Variant("minirl+R2", ("rl.replay=r2",)),
+    Variant("minirl+R3", ("rl.replay=r3",)),
+)
+
+
+def variants(minibatch_prompts: int) -> tuple[Variant, ...]:
+    return tuple(Variant(f"N{n}-{v.name}", (*v.overrides, f"rl.num_minibatches={n}",
+                                            f"rl.prompts_per_step={minibatch_prompts * n}"))
+                 for n in NS for v in BASE_VARIANTS)
+
+
+def tiny_base() -> rl_config.ExperimentConfig:
+    """The on-policy tiny setting (FP8 + router noise 0.3) with 4 prompts × 8 responses per
+    mini-batch."""
+    from experiments.onpolicy import tiny_base as onpolicy_base
+    base = onpolicy_base()
+    rl = dataclasses.replace(base.rl, steps=25, prompts_per_step=8, num_minibatches=2,
+                             eval_every=5, checkpoint_every=25)
+    return dataclasses.replace(base, name="offpolicy", rl=rl)
+
+
+PRESETS = {
+    "tiny": lambda: Experiment(tiny_base(), variants(4), seeds=(0, 1)),
+    # Paper §5: 1,024 responses (64 prompts × 16) per mini-batch, B = N × 1,024.
+    "paper": lambda: Experiment(rl_config.paper(), variants(64), seeds=(0, 1, 2)),
+}
+
+
+def main(argv=None) -> dict:
+    ap = common.parser(__doc__.split("\n")[0], PRESETS, "runs/offpolicy")
+    args = ap.parse_args(argv)
+    exp = PRESETS[args.preset]()
+    chosen, seeds = common.select(exp, args, ap)
+    if args.dry_run:
+        common.dry_run(exp, chosen, seeds, args.overrides)
+        return {}
+    base = rl_config.apply_overrides(exp.base, args.overrides)
+    data, params = common.cold_start(base, args.workdir, not args.quiet)
+    runs = common.run_variants(exp, args.workdir, data=data, params=params, variants=chosen,
+                               seeds=seeds, overrides=args.overrides, progress=not args.quiet)
+    groups = {f"N{n}": [v.name for v in chosen if v.name.startswith(f"N{n}-")] for n in NS}
+    table = common.report(runs, args.workdir, "Off-policy (fixed mini-batch, N updates)",
+                          common.command("offpolicy", argv),
+                          {g: names for g, names in groups.items() if names})
+    print(table)
+    return runs
+
+
+if __name__ == "__main__":
+    main()

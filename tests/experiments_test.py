@@ -1,0 +1,82 @@
+"""Experiment modules: a couple of real steps of each tiny preset (smoke), the paper
+presets' settings, and the seed-averaging / summary helpers."""
+import json
+
+import numpy as np
+import pytest
+
+from experiments import coldstart, common, offpolicy, onpolicy
+
+# Few steps, few eval problems, short SFT: the modules' code paths, not their results.
+FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=4", "rl.eval_k=1",
+        "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=8"]
+
+
+@pytest.mark.parametrize("module, only", [
+    (onpolicy, "minirl+R3"),
+    (offpolicy, "N2-minirl+R2"),
+    (coldstart, "sft-terse"),
+])
+def test_tiny_preset_smoke(tmp_path, module, only):
+    runs = module.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",
+                        *FAST])
+    assert list(runs) == [only] and len(runs[only]) == 1
+    records = runs[only][0]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(records[-1][k]) for k in ("reward", "entropy", "kl/train_infer_k1"))
+    assert list(tmp_path.glob("comparison*.png"))
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert rows[0]["variant"] == only and rows[0]["seeds"] == 1
+    assert only in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("module", [onpolicy, offpolicy, coldstart])
+def test_paper_preset_states_the_paper_settings(module, capsys):
+    exp = module.PRESETS["paper"]()
+    assert len(exp.seeds) >= 2 and len(exp.variants) == len({v.name for v in exp.variants})
+    module.main(["--preset", "paper", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "E=128 K=8" in out and "inference=fp8" in out and "G=16" in out
+    for v in exp.variants:
+        cfg = exp.config(v, 0)
+        per_minibatch = cfg.rl.prompts_per_step * cfg.rl.group_size // cfg.rl.num_minibatches
+        assert per_minibatch == 1024  # the paper's mini-batch, at every N
+
+
+def test_offpolicy_variants_fix_the_minibatch_and_scale_the_batch():
+    exp = offpolicy.PRESETS["tiny"]()
+    cfgs = {v.name: exp.config(v, 0) for v in exp.variants}
+    assert {c.rl.num_minibatches for c in cfgs.values()} == set(offpolicy.NS)
+    for c in cfgs.values():
+        assert c.rl.prompts_per_step // c.rl.num_minibatches == 4
+    assert not cfgs["N4-minirl-noclip"].loss.clip and cfgs["N4-minirl+R2"].loss.clip
+    assert cfgs["N8-minirl+R3"].rl.replay == "r3"
+
+
+def test_bad_arguments_are_clear_errors(capsys):
+    with pytest.raises(SystemExit):
+        onpolicy.main(["--only", "nope", "--dry-run"])
+    assert "--only: unknown variant(s) ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        onpolicy.main(["--dry-run", "rl.replay=r9"])
+    assert "replay: must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        onpolicy.main(["--dry-run", "--seeds", "a,b"])
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_seed_mean_and_summary_rows():
+    a = [{"step": 0, "eval/accuracy": 0.2}, {"step": 1, "reward": 0.1, "entropy": 1.0},
+         {"step": 2, "reward": 0.3, "entropy": 0.5, "eval/accuracy": 0.4}]
+    b = [{"step": 0, "eval/accuracy": 0.4}, {"step": 1, "reward": 0.5, "entropy": 2.0},
+         {"step": 2, "reward": None, "entropy": 1.5, "eval/accuracy": 0.2}]
+    mean = common.seed_mean([a, b])
+    assert mean[1] == {"step": 1, "reward": pytest.approx(0.3), "entropy": pytest.approx(1.5)}
+    assert mean[2]["reward"] == pytest.approx(0.3)  # only one seed has a value
+    (row,) = common.summary_rows({"v": [a, b]})
+    assert row["acc_start"] == pytest.approx(0.3) and row["acc_end"] == pytest.approx(0.3)
+    assert row["acc_best"] == pytest.approx(0.4)  # per-seed best 0.4 and 0.4
+    assert row["acc_end_sd"] == pytest.approx(np.std([0.4, 0.2], ddof=1))
+    assert row["reward_first"] == pytest.approx(0.3) and row["entropy_last"] == pytest.approx(1.0)
+    table = common.markdown_table([row])
+    assert table.splitlines()[2].startswith("| v | 2 | 0.300 | 0.400 | 0.300 |")
