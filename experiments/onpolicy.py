@@ -6,7 +6,7 @@
 Variants: MiniRL (Eq. 7); + length normalization; w/o training–inference IS; + R3;
 + R3 + length normalization; + R3 w/o IS. One global step = one optimizer step, so π_θ =
 π_old at every update and the only gap to the sampler is the engine mismatch. The tiny
-preset (2 seeds × 6 variants × 40 steps) takes about 25 minutes on 2 CPU cores.
+preset (2 seeds × 6 variants × 60 steps) takes about 20 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def tiny_base() -> rl_config.ExperimentConfig:
     """The quickstart model and task; FP8 sampling plus router logit noise (σ = 0.3) puts
     the training–inference k1 KL near 1e-2, inside the paper's range."""
     base = rl_config.tiny()
-    rl = dataclasses.replace(base.rl, steps=40, prompts_per_step=16, group_size=8,
+    rl = dataclasses.replace(base.rl, steps=60, prompts_per_step=16, group_size=8,
                              num_minibatches=1, inference="fp8", router_noise_std=0.3,
-                             learning_rate=2e-4, eval_every=10, eval_k=4, eval_problems=64,
-                             checkpoint_every=20)
+                             learning_rate=1e-4, eval_every=10, eval_k=4, eval_problems=64,
+                             checkpoint_every=30)
     return dataclasses.replace(base, name="onpolicy", rl=rl)
 
 

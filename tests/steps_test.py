@@ -56,6 +56,22 @@ def test_update_takes_one_step_and_skips_non_finite():
     assert float(m["skipped_updates"][0]) == 1.0
 
 
+def test_update_ascends_the_advantage_weighted_log_likelihood():
+    """The whole chain (forward, fused log-prob VJP, loss, optimizer) points uphill: a small
+    step raises Σ_b Â_b Σ_t log π(y_bt) on the batch it was computed from, and lowers it
+    when the advantages are negated."""
+    cfg, params, batch = _batch()
+    cfg = tiny_cfg(learning_rate=1e-4)
+    eng = Engine.create(cfg)
+    batch = dict(batch, **eng.score(params, batch))
+    lp = jax.jit(lambda p: steps.policy_logprobs(p, batch, cfg.model)[0])
+    objective = lambda p, adv: float(jnp.sum(adv[:, None] * lp(p) * batch["mask_BxT"]))
+    for sign in (1.0, -1.0):
+        adv = sign * batch["advantages_B"]
+        new, _ = eng.update(eng.init_state(params), dict(batch, advantages_B=adv))
+        assert objective(new.params, adv) > objective(params, adv)
+
+
 def test_sharded_update_equals_unsharded():
     cfg, params, batch = _batch()
     results = []
