@@ -7,19 +7,20 @@ import pytest
 
 from experiments import coldstart, common, offpolicy, onpolicy
 
-# Few steps, few eval problems, short SFT: the modules' code paths, not their results.
-FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=4", "rl.eval_k=1",
-        "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=8"]
+# Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
+# = 64 rows, the size of every variant's rollout batch, so eval reuses the compiled sampler.
+FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
+        "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=16"]
 
 
-@pytest.mark.parametrize("module, only", [
-    (onpolicy, "minirl+R3"),
-    (offpolicy, "N2-minirl+R2"),
-    (coldstart, "sft-terse"),
+@pytest.mark.parametrize("module, only, extra", [
+    (onpolicy, "minirl+R3", ["rl.prompts_per_step=8"]),  # 8 prompts × 8 = 64 rows
+    (offpolicy, "N2-minirl+R2", []),
+    (coldstart, "sft-terse", []),
 ])
-def test_tiny_preset_smoke(tmp_path, module, only):
+def test_tiny_preset_smoke(tmp_path, module, only, extra):
     runs = module.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",
-                        *FAST])
+                        *FAST, *extra])
     assert list(runs) == [only] and len(runs[only]) == 1
     records = runs[only][0]
     assert [r["step"] for r in records] == [0, 1, 2]

@@ -31,6 +31,7 @@ def test_overrides_parse_by_field_type():
     ("rl.steps=abc", "cannot parse"),
     ("loss.clip=maybe", "true/false"),
     ("rl.inference=train", "inference:"),
+    ("rl.adam_eps=0", "adam_eps:"),
     ("model.vocab_size=65", "model.vocab_size"),
     ("sampling.max_new_tokens=100", "model.max_seq_len"),
     ("rl.steps", "expected section.field=value"),

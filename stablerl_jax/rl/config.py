@@ -41,6 +41,7 @@ class RLConfig:
     learning_rate: float = 1e-4
     adam_b1: float = 0.9
     adam_b2: float = 0.999
+    adam_eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     logprob_impl: str = "chunked"
@@ -65,6 +66,7 @@ class RLConfig:
         check(self.router_noise_std >= 0, "router_noise_std", "must be >= 0")
         check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
         check(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip}")
+        check(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
         check(self.logprob_impl in ("naive", "chunked", "pallas"), "logprob_impl",
               f"must be 'naive', 'chunked' or 'pallas', got {self.logprob_impl!r}")
         responses = self.prompts_per_step * self.group_size

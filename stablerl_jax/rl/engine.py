@@ -27,7 +27,7 @@ def make_optimizer(rl_cfg) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(rl_cfg.grad_clip),
         optax.adamw(rl_cfg.learning_rate, b1=rl_cfg.adam_b1, b2=rl_cfg.adam_b2,
-                    weight_decay=rl_cfg.weight_decay))
+                    eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
 
 
 def make_mesh(rl_cfg):
