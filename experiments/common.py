@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from stablerl_jax.config import ConfigError
-from stablerl_jax.metrics_io import PANELS, plot_comparison, read_metrics
+from stablerl_jax.metrics_io import plot_comparison, read_metrics
 from stablerl_jax.rl import config as rl_config
 from stablerl_jax.rl import loop, sft
 from stablerl_jax.rl.task import TaskData
@@ -54,10 +54,20 @@ class Experiment:
                          f"name={variant.name}/seed{seed}"))
 
 
-# The comparison figure: PANELS plus the importance-weight and staleness monitors.
-COMPARISON_PANELS = [p for p in PANELS if p[0] not in ("loss", "response length")] + [
-    ("training-inference KL on μ's samples (update)", ["kl/engine_k1"], True),
-    ("first-order residual |Σ(ρ-1-log ρ)|", ["eq5/first_order_residual_abs"], True),
+# The comparison figure: one metric per panel, so each line is one variant (seed mean).
+COMPARISON_PANELS = [
+    ("training reward", ["reward"], False),
+    ("held-out accuracy (avg@k)", ["eval/accuracy"], False),
+    ("entropy of π_old (full vocabulary)", ["entropy"], False),
+    ("training-inference KL k1 E_μ[log μ_old − log π_old]", ["kl/train_infer_k1"], True),
+    ("clip fraction (Â > 0, r > 1+ε_high)", ["clip/frac_high"], False),
+    ("clip fraction (Â < 0, r < 1−ε_low)", ["clip/frac_low"], False),
+    ("IS weights truncated at C", ["is/frac_truncated"], False),
+    ("routing mismatch (μ vs π_old experts)", ["routing/mismatch_rate"], False),
+    ("Eq. 5 engine factor: std of log π_old/μ_old", ["eq5/engine_log_std"], True),
+    ("Eq. 5 staleness factor: std of log π_θ/π_old", ["eq5/staleness_log_std"], True),
+    ("first-order residual |Σ(ρ−1−log ρ)|", ["eq5/first_order_residual_abs"], True),
+    ("gradient norm", ["grad_norm"], True),
 ]
 
 

@@ -11,6 +11,7 @@ preset (2 seeds × 6 variants × 60 steps) takes about 20 minutes on 2 CPU cores
 from __future__ import annotations
 
 import dataclasses
+
 from experiments import common
 from experiments.common import Experiment, Variant
 from stablerl_jax.rl import config as rl_config
