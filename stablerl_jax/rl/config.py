@@ -136,7 +136,7 @@ def tiny() -> ExperimentConfig:
         task=task,
         sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, eos_id=3, pad_id=0),
         loss=LossConfig(),
-        rl=RLConfig(eval_problems=128),
+        rl=RLConfig(steps=200, eval_every=20, checkpoint_every=20, eval_problems=128),
         sft=SFTConfig())
 
 
