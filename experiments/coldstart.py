@@ -12,7 +12,6 @@ takes about 20 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from experiments import common
 from experiments.common import Experiment, Variant
@@ -41,26 +40,8 @@ PRESETS = {
 
 
 def main(argv=None) -> dict:
-    ap = common.parser(__doc__.split("\n")[0], PRESETS, "runs/coldstart")
-    args = ap.parse_args(argv)
-    exp = PRESETS[args.preset]()
-    chosen, seeds = common.select(exp, args, ap)
-    if args.dry_run:
-        common.dry_run(exp, chosen, seeds, args.overrides)
-        return {}
-    runs = {}
-    for v in chosen:
-        # Each cold start has its own data (the SFT corpus and its tokenizer) and SFT run.
-        start_dir = os.path.join(args.workdir, v.name)
-        data, params = common.cold_start(exp.config(v, seeds[0], args.overrides), start_dir,
-                                         not args.quiet)
-        runs.update(common.run_variants(exp, args.workdir, data=data, params=params,
-                                        variants=(v,), seeds=seeds, overrides=args.overrides,
-                                        progress=not args.quiet))
-    table = common.report(runs, args.workdir, "Cold starts → MiniRL + R2 (N = 2)",
-                          common.command("coldstart", argv))
-    print(table)
-    return runs
+    return common.main("coldstart", __doc__, PRESETS, "Cold starts → MiniRL + R2 (N = 2)", argv,
+                       cold_start_per_variant=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -247,3 +248,38 @@ def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
               f"N={rl.num_minibatches} replay={rl.replay} inference={rl.inference} "
               f"router_noise={rl.router_noise_std} lr={rl.learning_rate} mesh={rl.mesh}\n"
               f"  loss {cfg.loss}")
+
+
+def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=None,
+         cold_start_per_variant: bool = False) -> dict:
+    """The command line of an experiment module: parse, validate, (dry-)run, report.
+
+    groups(variant names) -> {figure suffix: names} splits the comparison figure.
+    cold_start_per_variant: each variant trains its own SFT cold start (its overrides
+    change the SFT data) in `<workdir>/<variant>/`; otherwise one shared cold start.
+    Returns {variant: [metrics records per seed]}.
+    """
+    ap = parser(doc.split("\n")[0], presets, f"runs/{module}")
+    args = ap.parse_args(argv)
+    exp = presets[args.preset]()
+    variants, seeds = select(exp, args, ap)
+    if args.dry_run:
+        dry_run(exp, variants, seeds, args.overrides)
+        return {}
+    progress = not args.quiet
+    run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
+                            overrides=args.overrides, progress=progress)
+    if cold_start_per_variant:
+        runs = {}
+        for v in variants:
+            data, params = cold_start(exp.config(v, seeds[0], args.overrides),
+                                      os.path.join(args.workdir, v.name), progress)
+            runs.update(run(data=data, params=params, variants=(v,)))
+    else:
+        data, params = cold_start(rl_config.apply_overrides(exp.base, args.overrides),
+                                  args.workdir, progress)
+        runs = run(data=data, params=params, variants=variants)
+    table = report(runs, args.workdir, title, command(module, argv),
+                   groups([v.name for v in variants]) if groups else None)
+    print(table)
+    return runs

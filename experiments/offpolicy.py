@@ -51,24 +51,15 @@ PRESETS = {
 }
 
 
+def figure_groups(names: list[str]) -> dict:
+    """One comparison figure per N."""
+    groups = {f"N{n}": [m for m in names if m.startswith(f"N{n}-")] for n in NS}
+    return {g: m for g, m in groups.items() if m}
+
+
 def main(argv=None) -> dict:
-    ap = common.parser(__doc__.split("\n")[0], PRESETS, "runs/offpolicy")
-    args = ap.parse_args(argv)
-    exp = PRESETS[args.preset]()
-    chosen, seeds = common.select(exp, args, ap)
-    if args.dry_run:
-        common.dry_run(exp, chosen, seeds, args.overrides)
-        return {}
-    base = rl_config.apply_overrides(exp.base, args.overrides)
-    data, params = common.cold_start(base, args.workdir, not args.quiet)
-    runs = common.run_variants(exp, args.workdir, data=data, params=params, variants=chosen,
-                               seeds=seeds, overrides=args.overrides, progress=not args.quiet)
-    groups = {f"N{n}": [v.name for v in chosen if v.name.startswith(f"N{n}-")] for n in NS}
-    table = common.report(runs, args.workdir, "Off-policy (fixed mini-batch, N updates)",
-                          common.command("offpolicy", argv),
-                          {g: names for g, names in groups.items() if names})
-    print(table)
-    return runs
+    return common.main("offpolicy", __doc__, PRESETS, "Off-policy (fixed mini-batch, N updates)",
+                       argv, groups=figure_groups)
 
 
 if __name__ == "__main__":

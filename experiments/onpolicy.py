@@ -49,21 +49,7 @@ PRESETS = {
 
 
 def main(argv=None) -> dict:
-    ap = common.parser(__doc__.split("\n")[0], PRESETS, "runs/onpolicy")
-    args = ap.parse_args(argv)
-    exp = PRESETS[args.preset]()
-    variants, seeds = common.select(exp, args, ap)
-    if args.dry_run:
-        common.dry_run(exp, variants, seeds, args.overrides)
-        return {}
-    base = rl_config.apply_overrides(exp.base, args.overrides)
-    data, params = common.cold_start(base, args.workdir, not args.quiet)
-    runs = common.run_variants(exp, args.workdir, data=data, params=params, variants=variants,
-                               seeds=seeds, overrides=args.overrides, progress=not args.quiet)
-    table = common.report(runs, args.workdir, "On-policy (N = 1)",
-                          common.command("onpolicy", argv))
-    print(table)
-    return runs
+    return common.main("onpolicy", __doc__, PRESETS, "On-policy (N = 1)", argv)
 
 
 if __name__ == "__main__":

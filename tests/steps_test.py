@@ -60,7 +60,7 @@ def test_update_ascends_the_advantage_weighted_log_likelihood():
     """The whole chain (forward, fused log-prob VJP, loss, optimizer) points uphill: a small
     step raises Σ_b Â_b Σ_t log π(y_bt) on the batch it was computed from, and lowers it
     when the advantages are negated."""
-    cfg, params, batch = _batch()
+    _, params, batch = _batch()
     cfg = tiny_cfg(learning_rate=1e-4)
     eng = Engine.create(cfg)
     batch = dict(batch, **eng.score(params, batch))
