@@ -7,7 +7,7 @@
 The mini-batch size is fixed and the global batch grows with N (B = N × mini-batch), as
 in the paper; the k-th update of a step is k−1 optimizer steps stale. Variants at each N:
 MiniRL without clipping; + R2 without clipping; + R2 (clipping); + R3 (clipping). The
-tiny preset (2 seeds × 4 variants × N ∈ {2, 4, 8} × 25 steps) takes about 45 minutes on
+tiny preset (2 seeds × 4 variants × N ∈ {2, 4, 8} × 25 steps) takes about 23 minutes on
 2 CPU cores. Figures: comparison_N2.png, comparison_N4.png, comparison_N8.png.
 """
 from __future__ import annotations
