@@ -2,12 +2,19 @@
 # # Routing mismatch between the inference and training engines
 #
 # The sampling path (μ, the "inference engine") runs the same MoE with different numerics
-# than the training path (π): here exact (identical computation), bf16 weights and
-# activations, and FP8 (e4m3) weights. Small logit differences flip top-k expert choices,
-# and a flipped expert changes the token's log-prob far more than the rounding itself.
-# Routing Replay fixes the experts of the training forward: R3 replays the experts the
-# inference engine used (`routes_mu`), R2 those of the training engine at θ_old
-# (`routes_old`). A small random model keeps this under a minute on a CPU.
+# than the training path (π): exact (identical computation), bf16 weights and activations,
+# or FP8 (e4m3) weights. Small logit differences flip top-k expert choices, and a flipped
+# expert changes a token's log-prob far more than the rounding itself. This is the
+# training–inference factor π_old/μ_old of the token IS ratio (Eq. 5).
+#
+# Routing Replay fixes the experts of the training forward: **R3** replays the experts the
+# inference engine used (`routes_mu`), **R2** those the training engine chose at θ_old
+# (`routes_old`, recorded by the π_old scoring pass).
+#
+# A small random model keeps this notebook under a minute on a CPU. It uses the `dense`
+# expert dispatch (every expert on every token, combined with the routing weights): the
+# reference path, equal to the default dropless `grouped` one up to rounding and several
+# times faster to compile at this size. Routing, replay and numerics are the same on both.
 
 # %%
 import jax
@@ -15,7 +22,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from stablerl_jax import mismatch, rollout
+from stablerl_jax import diagnostics, losses, mismatch, rollout
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -23,7 +30,7 @@ from stablerl_jax.rl import steps
 
 cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=32, max_seq_len=40,
-                  moe_tile=8, init_std=0.1)
+                  moe_tile=8, init_std=0.1, dispatch="dense")
 params = tf.init_params(jax.random.key(0), cfg)
 sampling = rollout.SamplingConfig(max_new_tokens=24, eos_id=3, pad_id=0)
 B, P = 32, 8
@@ -32,6 +39,10 @@ prompt_mask = jnp.ones((B, P), bool)
 
 # %% [markdown]
 # ## Sample with each numerics preset, measure against the training path
+# `mismatch.measure_mismatch` re-scores each rollout with the training path (train
+# numerics, live routing) and compares it with the sampler's `logp_mu` and `routes_mu`:
+# k1 / k3 estimates of KL(μ‖π) and the per-layer fraction of top-k expert slots that
+# differ.
 
 # %%
 PRESETS = ("exact", "bf16", "fp8")
@@ -43,7 +54,7 @@ for name in PRESETS:
     s = stats[name]
     print(f"{name:5s} KL k1 {s['kl_k1']:+.2e}  k3 {s['kl_k3']:.2e}  "
           f"mean |Δlogp| {s['abs_logp_gap_mean']:.2e}  routing mismatch "
-          f"{s['routing_mismatch']:.4f}")
+          f"{s['routing_mismatch']:.4f}  tokens with a flipped expert {s['routing_any_flip']:.3f}")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(9, 3))
@@ -53,55 +64,72 @@ for i, name in enumerate(PRESETS):
 axes[0].set_xticks(x + 0.25, [f"layer {i}" for i in x])
 axes[0].set_title("routing mismatch per layer (fraction of expert slots)", fontsize=9)
 axes[0].legend()
-axes[1].bar(PRESETS, [max(stats[n]["kl_k3"], 1e-12) for n in PRESETS])
+axes[1].bar(PRESETS, [max(stats[n]["kl_k3"], 1e-16) for n in PRESETS])
 axes[1].set_yscale("log")
-axes[1].set_title("training–inference KL (k3)", fontsize=9)
+axes[1].set_title("training–inference KL(μ‖π), k3 estimate", fontsize=9)
 fig.tight_layout()
 plt.show()
 
 # The exact preset computes what the training path computes; FP8 is the stress case.
 assert stats["exact"]["abs_logp_gap_max"] < 1e-4 and stats["exact"]["routing_mismatch"] == 0
-assert stats["fp8"]["kl_k3"] > stats["exact"]["kl_k3"]
+assert stats["fp8"]["kl_k3"] > stats["bf16"]["kl_k3"] > stats["exact"]["kl_k3"]
+assert stats["fp8"]["routing_mismatch"] > 0
 
 # %% [markdown]
-# ## What replay does to the training engine's log-prob gap
-# On the FP8 rollout, compute the training path's log-probs three ways and compare them to
-# the inference engine's `logp_mu`: live routing, R3 (replay `routes_mu`) and R2 (replay
-# `routes_old`, recorded by the score step at θ_old). At θ = θ_old R2 is a no-op: it
-# replays the routes the training engine would pick anyway. After an update (θ ≠ θ_old,
-# simulated by a small perturbation) R2 keeps θ_old's experts, R3 keeps μ's.
+# ## Eq. 5 under each replay mode
+# On the FP8 rollout, the training engine's log-probs split the IS ratio π_θ/μ_old into
+# an **engine** factor π_old/μ_old and a **staleness** factor π_θ/π_old. For each replay
+# mode, `steps.score` gives π_old at θ_old (R3 replays `routes_mu` already here; none and
+# R2 route live and record `routes_old`), and `steps.policy_logprobs` with
+# `steps.replay_for(mode, batch)` gives π_θ, as in the update step. θ stands for the
+# parameters after some updates: θ_old plus a small random perturbation.
+#
+# Expected: R3 shrinks the engine factor (the trainer uses the sampler's experts, only the
+# numerics differ); R2 leaves it as it is, since at θ_old the live routes *are* the
+# recorded ones. Both replays keep θ on fixed experts (R2: θ_old's, R3: μ's), so the
+# staleness factor no longer contains expert flips caused by the parameter change.
 
 # %%
-ro = rollouts["fp8"]
-batch = steps.train_batch(ro, jnp.zeros((B,)))
-scored = steps.score(params, batch, cfg=cfg, replay="r2", temperature=1.0, impl="chunked")
-batch.update(scored)
-m = np.asarray(batch["mask_BxT"], bool)
-leaves, tree = jax.tree.flatten(params)
-keys = jax.random.split(jax.random.key(3), len(leaves))
-theta = jax.tree.unflatten(tree, [p + 0.02 * jax.random.normal(k_, p.shape)
-                                  for p, k_ in zip(leaves, keys)])
+batch = steps.train_batch(rollouts["fp8"], jnp.zeros((B,)))
+score = jax.jit(steps.score, static_argnames=("cfg", "replay", "temperature", "impl"))
+logprobs = jax.jit(steps.policy_logprobs, static_argnames=("cfg",))
+eq5_factors = jax.jit(diagnostics.eq5_factors)
+routing_mismatch = jax.jit(diagnostics.routing_mismatch)
+rng = np.random.default_rng(3)
+theta = jax.tree.map(lambda p: p + 0.002 * rng.standard_normal(p.shape, np.float32), params)
 
-
-def gap(p, mode):
-    logp, _, _ = steps.policy_logprobs(p, batch, cfg, replay_LxBxTxK=steps.replay_for(mode, batch))
-    return np.abs(np.asarray(logp - batch["rollout_logp_BxT"]))[m]
-
-
-gaps = {(when, mode): gap(p, mode) for when, p in (("θ_old", params), ("θ", theta))
-        for mode in ("none", "r2", "r3")}
-for (when, mode), g in gaps.items():
-    print(f"{when:5s} replay={mode:4s} mean |logp_train − logp_mu| = {g.mean():.3e}")
-
-# At θ_old, R2 is exactly the live routing; R3 removes the routing part of the gap.
-np.testing.assert_array_equal(gaps[("θ_old", "r2")], gaps[("θ_old", "none")])
-assert gaps[("θ_old", "r3")].mean() <= gaps[("θ_old", "none")].mean()
+scored = {"r2": score(params, batch, cfg=cfg, replay="r2", temperature=1.0, impl="chunked"),
+          "r3": score(params, batch, cfg=cfg, replay="r3", temperature=1.0, impl="chunked")}
+scored["none"] = scored["r2"]  # both route live at θ_old; R2 only keeps the record
+eq5, route_shift = {}, {}
+for mode in ("none", "r2", "r3"):
+    b = dict(batch, **scored[mode])
+    logp_theta, _, aux = logprobs(theta, b, cfg, replay_LxBxTxK=steps.replay_for(mode, b))
+    eq5[mode] = losses.reduce_metrics([eq5_factors(
+        logp_theta, b["old_logp_BxT"], b["rollout_logp_BxT"], b["mask_BxT"])])
+    # Experts θ uses vs those π_old used, on completion tokens.
+    route_shift[mode] = float(routing_mismatch(
+        aux["routes"], b["routes_old_LxBxTxK"], b["mask_BxT"])["any_flip"])
+    print(f"replay={mode:4s} spread of log factor: engine {eq5[mode]['eq5/engine_log_std']:.3e}"
+          f"  staleness {eq5[mode]['eq5/staleness_log_std']:.3e}   tokens whose experts"
+          f" moved θ_old → θ: {route_shift[mode]:.3f}")
 
 # %%
-fig, ax = plt.subplots(figsize=(6, 3))
-labels = [f"{w}\n{mode}" for (w, mode) in gaps]
-ax.bar(labels, [g.mean() for g in gaps.values()])
-ax.set_yscale("log")
-ax.set_title("mean |training log-prob − inference log-prob| on the FP8 rollout", fontsize=9)
+modes = ("none", "r2", "r3")
+fig, axes = plt.subplots(1, 3, figsize=(12, 3))
+for ax, key in zip(axes, ("engine", "staleness")):
+    ax.bar(modes, [eq5[m][f"eq5/{key}_log_std"] for m in modes], color=["C0", "C1", "C2"])
+    ratio = "π_old/μ_old" if key == "engine" else "π_θ/π_old"
+    ax.set_title(f"{key} factor: std of log {ratio}", fontsize=9)
+axes[2].bar(modes, [route_shift[m] for m in modes], color=["C0", "C1", "C2"])
+axes[2].set_title("tokens whose experts moved θ_old → θ", fontsize=9)
+fig.suptitle("FP8 rollout, by replay mode", fontsize=10)
 fig.tight_layout()
 plt.show()
+
+# R2 at θ_old is live routing: same engine factor. R3 replays μ's experts: smaller one.
+assert eq5["r2"]["eq5/engine_log_std"] == eq5["none"]["eq5/engine_log_std"]
+assert eq5["r3"]["eq5/engine_log_std"] < eq5["none"]["eq5/engine_log_std"]
+# Replay pins the experts: under R2 θ routes exactly as θ_old did.
+assert route_shift["r2"] == 0 < route_shift["none"]
+print("replay=r3 shrinks the engine factor; replay=r2 pins θ_old's experts")

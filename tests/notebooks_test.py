@@ -1,5 +1,6 @@
-"""The notebooks run headless, top to bottom, as a researcher would run them; each one
-asserts its own checks (an AssertionError in a cell fails the test)."""
+"""The notebooks run headless, top to bottom, as a researcher would run them. Each one
+asserts its own checks on the library's results (an AssertionError in a cell fails the
+test); here we also check what they print and that their figures were rendered."""
 import os
 import pathlib
 
@@ -29,24 +30,31 @@ def _execute(name: str, cwd, env=None):
     return nb
 
 
-def _outputs(nb) -> str:
-    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.get("outputs", []))
+def _outputs(nb) -> tuple[str, int]:
+    """All printed text, and the number of images the notebook displayed."""
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "".join(o.get("text", "") for o in outs)
+    return text, sum("image/png" in o.get("data", {}) for o in outs)
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("losses", "on-policy MiniRL token weights == Â / B"),
-    ("routing_mismatch", "replay=r3"),
+@pytest.mark.parametrize("name, expected, images", [
+    ("losses", ["on-policy MiniRL token weights == Â / B", "diagnostics.clip_fractions says"], 4),
+    ("routing_mismatch", ["replay=r3 shrinks the engine factor", "fp8   KL k1 +"], 2),
 ])
-def test_notebook_runs(tmp_path, name, expected):
-    nb = _execute(name, tmp_path)
-    assert expected in _outputs(nb)
+def test_notebook_runs(tmp_path, name, expected, images):
+    text, n_images = _outputs(_execute(name, tmp_path))
+    for line in expected:
+        assert line in text
+    assert n_images == images
 
 
+@pytest.mark.slow  # trains a 2-step run first (~2 min on 2 cores)
 def test_run_analysis_on_a_real_run(tmp_path):
     workdir = tmp_path / "run"
     loop.run(tiny_cfg(steps=2, eval_every=2), str(workdir), progress=False)
     nb = _execute("run_analysis", tmp_path, {"STABLERL_WORKDIR": str(workdir)})
-    out = _outputs(nb)
-    assert "3 rows, steps 0..2" in out and "held-out accuracy by step: 0:" in out
+    text, n_images = _outputs(nb)
+    assert "3 rows, steps 0..2" in text
+    assert "run: held-out accuracy by step: 0: " in text and ", 2: " in text
     assert (tmp_path / "run_analysis.png").exists()
+    assert n_images == 2  # the panel grid and the reward curve, both shown inline
