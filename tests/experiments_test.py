@@ -15,8 +15,9 @@ FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
 
 @pytest.mark.parametrize("module, only, extra", [
     (onpolicy, "minirl+R3", ["rl.prompts_per_step=8"]),  # 8 prompts × 8 = 64 rows
-    (offpolicy, "N2-minirl+R2", []),
-    (coldstart, "sft-terse", []),
+    # The other two smoke runs take ~1.5 min each: `pytest -m slow` runs them.
+    pytest.param(offpolicy, "N2-minirl+R2", [], marks=pytest.mark.slow),
+    pytest.param(coldstart, "sft-terse", [], marks=pytest.mark.slow),
 ])
 def test_tiny_preset_smoke(tmp_path, module, only, extra):
     runs = module.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",
