@@ -94,7 +94,8 @@ def _window(records: list[dict], key: str, part: slice) -> float | None:
 def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
     """Per variant, seed-averaged: held-out accuracy at start / best / end, training reward,
     entropy and training–inference KL over the first and last fifth of the steps, routing
-    mismatch, the spread of Eq. 5's two log factors, clip fraction and skipped updates."""
+    mismatch, the mean square of Eq. 5's two log factors, clip fraction and the fraction of
+    updates skipped (non-finite loss or gradient)."""
     out = []
     for name, seeds in runs.items():
         per_seed = []
@@ -117,7 +118,7 @@ def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
                 "engine_log_sq": _window(steps_, "eq5/engine_log_sqmean", slice(None)),
                 "stale_log_sq": _window(steps_, "eq5/staleness_log_sqmean", slice(None)),
                 "clip_frac": _window(steps_, "clip/frac_high", slice(None)),
-                "skipped": sum(r.get("skipped_updates") or 0.0 for r in steps_),
+                "skipped": _window(steps_, "skipped_updates", slice(None)),
             })
         row = {"variant": name, "seeds": len(per_seed)}
         for k in per_seed[0]:
@@ -139,7 +140,7 @@ _COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"),
             ("routing_mismatch", "routing mismatch", "{:.3f}"),
             ("engine_log_sq", "E[log² engine]", "{:.2e}"),
             ("stale_log_sq", "E[log² staleness]", "{:.2e}"),
-            ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped", "{:.0f}")]
+            ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped frac", "{:.3f}")]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -98,9 +98,8 @@ routing_mismatch = jax.jit(diagnostics.routing_mismatch)
 rng = np.random.default_rng(3)
 theta = jax.tree.map(lambda p: p + 0.002 * rng.standard_normal(p.shape, np.float32), params)
 
-scored = {"r2": score(params, batch, cfg=cfg, replay="r2", temperature=1.0, impl="chunked"),
-          "r3": score(params, batch, cfg=cfg, replay="r3", temperature=1.0, impl="chunked")}
-scored["none"] = scored["r2"]  # both route live at θ_old; R2 only keeps the record
+scored = {mode: score(params, batch, cfg=cfg, replay=mode, temperature=1.0, impl="chunked")
+          for mode in ("none", "r2", "r3")}
 eq5, route_shift = {}, {}
 for mode in ("none", "r2", "r3"):
     b = dict(batch, **scored[mode])
@@ -127,7 +126,8 @@ fig.suptitle("FP8 rollout, by replay mode", fontsize=10)
 fig.tight_layout()
 plt.show()
 
-# R2 at θ_old is live routing: same engine factor. R3 replays μ's experts: smaller one.
+# R2 at θ_old is live routing: the same engine factor as no replay, computed by a
+# separate score pass. R3 replays μ's experts: a smaller one.
 assert eq5["r2"]["eq5/engine_log_std"] == eq5["none"]["eq5/engine_log_std"]
 assert eq5["r3"]["eq5/engine_log_std"] < eq5["none"]["eq5/engine_log_std"]
 # Replay pins the experts: under R2 θ routes exactly as θ_old did.

@@ -83,15 +83,13 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     metrics = rollout_metrics(batch, scored, rewards_B, ro.lengths_B)
     batch.update(scored)
     responses = rl.prompts_per_step * rl.group_size
-    order = minibatch_order(rl.seed, step, responses)
-    per = responses // rl.num_minibatches
+    minibatches = minibatch_order(rl.seed, step, responses).reshape(rl.num_minibatches, -1)
     totals = []
-    for i in range(rl.num_minibatches):
-        state, m = engine.update(state, _take(batch, order[i * per:(i + 1) * per]))
+    for idx in minibatches:
+        state, m = engine.update(state, _take(batch, idx))
         totals.append(m)
     metrics.update(losses_lib.reduce_metrics(totals))
-    composition = {"prompts": [int(i) for i in prompt_idx],
-                   "minibatches": order.reshape(rl.num_minibatches, per).tolist()}
+    composition = {"prompts": [int(i) for i in prompt_idx], "minibatches": minibatches.tolist()}
     return state, metrics, composition
 
 
