@@ -46,23 +46,23 @@ IMPLS = ("naive", "chunked", "pallas")
 class BlockSizes:
     """Tile sizes. `chunk`: the vocab chunk C of "chunked". The rest are "pallas" blocks:
     forward token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles streamed per
-    program; d hidden kernel `dh_tokens` × `dh_vocab`; d unembed kernel `dw_tokens` ×
-    `dw_vocab`; Triton launch knobs `num_warps` (forward), `bwd_num_warps` (both backward
-    kernels, whose [Bt, D] / [D, Bv] float32 accumulators need the registers), `num_stages`
-    (GPU only). Powers of two
-    keep the GPU (Triton) lowering happy; TPU wants multiples of 8 (tokens) and 128."""
+    program; backward: `bwd_chunk` vocab columns per step of its scan, dz kernel tile
+    `bwd_tokens` × `bwd_vocab`; `dim`, the D slice both kernels accumulate logits over
+    (the matmul K loop; ≥ D means one dot over all of D); Triton launch knobs `num_warps`,
+    `num_stages` (GPU only). Powers of two keep the GPU (Triton) lowering happy; TPU
+    wants multiples of 8 (tokens) and 128. The "pallas" defaults are the fastest of a
+    sweep on an H100 in bf16 at (T, D, V) = (8192, 512, 65536) (docs/benchmarks.md)."""
 
     chunk: int = 2048
-    tokens: int = 64
-    vocab: int = 64
-    vocab_tiles: int = 32
-    dh_tokens: int = 32
-    dh_vocab: int = 64
-    dw_tokens: int = 64
-    dw_vocab: int = 32
-    num_warps: int = 4
-    bwd_num_warps: int = 8
-    num_stages: int = 2
+    tokens: int = 128
+    vocab: int = 256
+    vocab_tiles: int = 4
+    dim: int = 64
+    bwd_chunk: int = 8192
+    bwd_tokens: int = 128
+    bwd_vocab: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -1,40 +1,46 @@
-"""Pallas kernels of the fused log-prob op: forward statistics, d hidden, d unembed.
+"""Pallas kernels of the fused log-prob op: forward statistics and the logit cotangent.
 
-Letters: T tokens, D model, V vocab, Bt token block, Bv vocab tile, L vocab tiles per
-forward program, S = V / (L·Bv) vocab splits of the forward grid.
+Letters: T tokens, D model, V vocab, C vocab chunk, Bt token block, Bv vocab tile,
+Bd D slice, L vocab tiles per forward program, S = V / (L·Bv) vocab splits of the
+forward grid.
 
-Forward, grid (T/Bt, S): program (i, j) keeps its [Bt, D] hidden block and streams L
-vocab tiles [D, Bv] through an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z).
-Logits never leave the program. With S > 1 (more programs than token blocks alone give)
-a small combine in JAX merges the S partial statistics ([S, T], not [T, V]):
+Every kernel computes a logit tile z = h W[:, tile] as a matmul K loop over D in Bd
+slices (float32 accumulation) and consumes it in registers.
+
+Forward, grid (T/Bt, S): program (i, j) streams L vocab tiles of its token block through
+an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z). Logits never leave the
+program. With S > 1 (more programs than token blocks alone give) a small combine in JAX
+merges the S partial statistics ([S, T], not [T, V]):
 
     M = max_j m_j,  Sum = Σ_j s_j e^{m_j − M},  lse = M + log Sum,
     E_p[z] = Σ_j sz_j e^{m_j − M} / Sum
 
-Backward, from the saved lse and E_p[z], recomputing each logit tile z = h W:
+Backward, from the saved lse and E_p[z], a `lax.scan` over vocab chunks of C columns.
+Per chunk the dz kernel, grid (T/Bt, C/Bv), recomputes each logit tile and writes
 
     p = e^{z − lse},  dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
 
-- d hidden, grid (T/Bt,): loop over vocab tiles, dh += dz Wᵀ.
-- d unembed, grid (V/Bv,): loop over token tiles, dW[:, tile] += hᵀ dz.
-Two kernels instead of one with atomics: every output block has one writer, so the
-result is deterministic and the same code runs in the CPU interpreter and on TPU.
-With bf16 inputs dz is rounded to bf16 for the two gradient matmuls (tensor-core
-rate, as flash attention does with its score gradient); statistics stay float32.
+as a [T, C] array in the input dtype; two XLA matmuls then take dh += dz W_cᵀ and
+dW_c = hᵀ dz. The gradient matmuls are plain GEMMs that the vendor library runs at full
+rate, and each output has one writer, so the result is deterministic and the same code
+runs in the CPU interpreter and on TPU. Memory: O(T·C) for dz, not O(T·V). With bf16
+inputs dz is rounded to bf16 for the two gradient matmuls (tensor-core rate, as flash
+attention does with its score gradient); statistics stay float32.
 
-T and V are padded up to the blocks: padded vocab columns are masked (z → −1e30 forward,
-dz → 0 backward), padded tokens carry zero cotangents and are sliced off. On the GPU
-(Triton) every loaded block must be a power of two and a dot at least 16 wide, so D is
-zero-padded there (zero columns change no dot product).
+T and V are padded up to the blocks: padded vocab columns are masked in the forward
+(z → −1e30); in the backward their W columns are zero, so they add nothing to dh, and
+their dW columns are sliced off. Padded tokens carry zero cotangents and are sliced off.
+On the GPU (Triton) every loaded block must be a power of two and a dot at least 16
+wide, so D is zero-padded there (zero columns change no dot product).
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padded columns
 
@@ -47,14 +53,28 @@ def _dot(a, b, contract=(1, 0)):
                                precision=jax.lax.Precision.HIGHEST)
 
 
-def _fwd_kernel(h_ref, w_ref, m_ref, s_ref, sz_ref, *, v, bv, tiles, ragged):
+def _logits(h_ref, w_ref, cols, bd):
+    """z = h W[:, cols] for the program's token block, float32 [Bt, Bv]: one dot over
+    the whole of D, or (bd < D) a loop over D in bd-wide slices, the usual matmul K
+    loop, which keeps the operand tiles small enough to pipeline."""
+    bt, dp = h_ref.shape
+    if bd >= dp:
+        return _dot(h_ref[...], w_ref[:, cols])
+
+    def body(k, z):
+        ks = pl.ds(pl.multiple_of(k * bd, bd), bd)
+        return z + _dot(h_ref[:, ks], w_ref[ks, cols])
+
+    return jax.lax.fori_loop(0, dp // bd, body, jnp.zeros((bt, cols.size), jnp.float32))
+
+
+def _fwd_kernel(h_ref, w_ref, m_ref, s_ref, sz_ref, *, v, bv, bd, tiles, ragged):
     j = pl.program_id(1)
-    h = h_ref[...]
-    bt = h.shape[0]
+    bt = h_ref.shape[0]
 
     def body(k, carry):
         m, s, sz = carry
-        z = _dot(h, w_ref[:, pl.ds(pl.multiple_of(k * bv, bv), bv)])     # [Bt, Bv]
+        z = _logits(h_ref, w_ref, pl.ds(pl.multiple_of(k * bv, bv), bv), bd)  # [Bt, Bv]
         if ragged:
             col = (j * tiles + k) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
             z = jnp.where(col < v, z, _NEG)
@@ -70,66 +90,54 @@ def _fwd_kernel(h_ref, w_ref, m_ref, s_ref, sz_ref, *, v, bv, tiles, ragged):
     m_ref[...], s_ref[...], sz_ref[...] = m, s, sz
 
 
-def _dz(h, w, col, y, lse, ez, gl, ge, v, ragged):
-    """The logit-tile cotangent (module docstring), in float32, cast to the input dtype."""
-    z = _dot(h, w)
+def _dz(z, col, y, lse, ez, gl, ge):
+    """The logit-tile cotangent (module docstring), float32."""
     p = jnp.exp(z - lse)
-    dz = gl * (jnp.where(col == y, 1.0, 0.0) - p) + ge * p * (ez - z)
-    if ragged:
-        dz = jnp.where(col < v, dz, 0.0)
-    return dz.astype(w.dtype)
+    return gl * (jnp.where(col == y, 1.0, 0.0) - p) + ge * p * (ez - z)
 
 
-def _dh_kernel(h_ref, w_ref, y_ref, lse_ref, ez_ref, gl_ref, ge_ref, dh_ref, *,
-               v, bv, tiles, ragged):
-    h = h_ref[...]
+def _dz_kernel(h_ref, w_ref, y_ref, lse_ref, ez_ref, gl_ref, ge_ref, dz_ref, *, bd):
+    """One [Bt, Bv] tile of dz for the current vocab chunk, in the input dtype. Targets
+    arrive relative to the chunk, so the kernel needs no chunk offset; padded vocab
+    columns need no mask (their W columns are zero: they add nothing to d hidden, and
+    their d unembed columns are sliced off)."""
+    bt, bv = dz_ref.shape
+    z = _logits(h_ref, w_ref, pl.ds(0, bv), bd)  # w_ref is this program's [Dp, Bv] tile
+    col = pl.program_id(1) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
     stats = (y_ref[...], lse_ref[...], ez_ref[...], gl_ref[...], ge_ref[...])
-    bt = h.shape[0]
-
-    def body(k, acc):
-        start = pl.multiple_of(k * bv, bv)
-        w = w_ref[:, pl.ds(start, bv)]                                     # [D, Bv]
-        col = start + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
-        return acc + _dot(_dz(h, w, col, *stats, v, ragged), w, (1, 1))  # [Bt, D]
-
-    dh_ref[...] = jax.lax.fori_loop(0, tiles, body, jnp.zeros(h.shape, jnp.float32))
-
-
-def _dw_kernel(h_ref, w_ref, y_ref, lse_ref, ez_ref, gl_ref, ge_ref, dw_ref, *,
-               v, bt, tiles, ragged):
-    w = w_ref[...]
-    bv = w.shape[1]
-    col = pl.program_id(0) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
-
-    def body(k, acc):
-        rows = pl.ds(pl.multiple_of(k * bt, bt), bt)
-        h = h_ref[rows, :]                                                 # [Bt, D]
-        stats = [r[rows, :] for r in (y_ref, lse_ref, ez_ref, gl_ref, ge_ref)]
-        return acc + _dot(h, _dz(h, w, col, *stats, v, ragged), (0, 0))  # [D, Bv]
-
-    dw_ref[...] = jax.lax.fori_loop(0, tiles, body, jnp.zeros(w.shape, jnp.float32))
+    dz_ref[...] = _dz(z, col, *stats).astype(dz_ref.dtype)
 
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _padded(hidden_TxD, unembed_DxV, tp, vp, gpu):
+def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, gpu):
     """Zero-padded h [Tp, Dp], W [Dp, Vp] in one dtype (Triton dots need equal operand
-    types)."""
+    types), Dp a multiple of the D slice; and that slice, at most Dp."""
     t, d = hidden_TxD.shape
     dtype = jnp.promote_types(hidden_TxD.dtype, unembed_DxV.dtype)
     dp = max(16, _pow2(d)) if gpu else d
+    bd = min(bd, dp)
+    dp = -(-dp // bd) * bd
     h = jnp.pad(hidden_TxD.astype(dtype), ((0, tp - t), (0, dp - d)))
     w = jnp.pad(unembed_DxV.astype(dtype), ((0, dp - d), (0, vp - unembed_DxV.shape[1])))
-    return h, w, dp
+    return h, w, bd
 
 
-def _params(block, interpret, warps):
+def _interp(interpret: bool):
+    """The checking interpreter: a read outside a block raises, and memory no kernel
+    wrote reads as NaN, so the CPU tests catch indexing that compiled code would get
+    wrong silently."""
+    return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan") \
+        if interpret else False
+
+
+def _params(block, interpret):
     if interpret or jax.default_backend() != "gpu":
         return None  # Triton's knobs mean nothing to the interpreter or to Mosaic (TPU)
     from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=warps, num_stages=block.num_stages)
+    return pltriton.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
 
 
 def _col(x_T, tp, dtype=jnp.float32):
@@ -144,11 +152,12 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
     tiles = min(block.vocab_tiles, -(-v // bv))
     splits = -(-v // (bv * tiles))
     tp, vp = -(-t // bt) * bt, splits * tiles * bv
-    h, w, dp = _padded(hidden_TxD, unembed_DxV, tp, vp, not interpret)
+    h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, vp, block.dim, not interpret)
+    dp = h.shape[1]
     part = jax.ShapeDtypeStruct((splits * tp, 1), jnp.float32)
     # Partial statistics of program (i, j) land in rows [j·Tp + i·Bt, +Bt).
     out_block = pl.BlockSpec((bt, 1), lambda i, j: (j * (tp // bt) + i, 0))
-    kernel = functools.partial(_fwd_kernel, v=v, bv=bv, tiles=tiles, ragged=vp != v)
+    kernel = functools.partial(_fwd_kernel, v=v, bv=bv, bd=bd, tiles=tiles, ragged=vp != v)
     m, s, sz = pl.pallas_call(
         kernel,
         grid=(tp // bt, splits),
@@ -156,8 +165,8 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
                   pl.BlockSpec((dp, tiles * bv), lambda i, j: (0, j))],
         out_specs=[out_block] * 3,
         out_shape=[part] * 3,
-        compiler_params=_params(block, interpret, block.num_warps),
-        interpret=interpret,
+        compiler_params=_params(block, interpret),
+        interpret=_interp(interpret),
     )(h, w)
     m, s, sz = (x.reshape(splits, tp)[:, :t] for x in (m, s, sz))
     if splits == 1:
@@ -168,36 +177,41 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
     return big + jnp.log(total), jnp.sum(sz * scale, axis=0) / total
 
 
+def _gdot(a, b, contract):
+    """float32-accumulated XLA matmul (full float32 precision for float32 inputs)."""
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.HIGHEST)
+
+
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,
                     block, interpret: bool):
-    """(d hidden [T, D], d unembed [D, V]) in float32, via the two backward kernels."""
+    """(d hidden [T, D], d unembed [D, V]) in float32: a scan over vocab chunks of C =
+    `block.bwd_chunk` columns; per chunk the dz kernel writes dz [T, C] in the input dtype
+    and two XLA matmuls take dh += dz W_cᵀ and dW_c = hᵀ dz. Memory O(T·C)."""
     t, d = hidden_TxD.shape
     v = unembed_DxV.shape[1]
-    bt_h, bv_h, bt_w, bv_w = block.dh_tokens, block.dh_vocab, block.dw_tokens, block.dw_vocab
-    lt, lv = math.lcm(bt_h, bt_w), math.lcm(bv_h, bv_w)  # padded T, V fit both kernels
-    tp, vp = -(-t // lt) * lt, -(-v // lv) * lv
-    h, w, dp = _padded(hidden_TxD, unembed_DxV, tp, vp, not interpret)
-    cols = (_col(targets_T, tp, jnp.int32), _col(lse_T, tp), _col(ez_T, tp),
-            _col(g_logp_T, tp), _col(g_ent_T, tp))  # zero cotangent on padded tokens
-    whole_h = pl.BlockSpec((tp, dp), lambda i: (0, 0))
-    whole_w = pl.BlockSpec((dp, vp), lambda i: (0, 0))
-    params = _params(block, interpret, block.bwd_num_warps)
-    dh = pl.pallas_call(
-        functools.partial(_dh_kernel, v=v, bv=bv_h, tiles=vp // bv_h, ragged=vp != v),
-        grid=(tp // bt_h,),
-        in_specs=[pl.BlockSpec((bt_h, dp), lambda i: (i, 0)), whole_w]
-        + [pl.BlockSpec((bt_h, 1), lambda i: (i, 0))] * 5,
-        out_specs=pl.BlockSpec((bt_h, dp), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((tp, dp), jnp.float32),
-        compiler_params=params, interpret=interpret,
-    )(h, w, *cols)
-    dw = pl.pallas_call(
-        functools.partial(_dw_kernel, v=v, bt=bt_w, tiles=tp // bt_w, ragged=vp != v),
-        grid=(vp // bv_w,),
-        in_specs=[whole_h, pl.BlockSpec((dp, bv_w), lambda j: (0, j))]
-        + [pl.BlockSpec((tp, 1), lambda j: (0, 0))] * 5,
-        out_specs=pl.BlockSpec((dp, bv_w), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((dp, vp), jnp.float32),
-        compiler_params=params, interpret=interpret,
-    )(h, w, *cols)
-    return dh[:t, :d], dw[:d, :v]
+    bt, bv = block.bwd_tokens, block.bwd_vocab
+    c = -(-min(block.bwd_chunk, v) // bv) * bv
+    n = -(-v // c)
+    tp = -(-t // bt) * bt
+    h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, n * c, block.dim, not interpret)
+    dp = h.shape[1]
+    stats = [_col(x, tp) for x in (lse_T, ez_T, g_logp_T, g_ent_T)]  # zero g on padded rows
+    tok = lambda i, j: (i, 0)
+    dz_call = pl.pallas_call(
+        functools.partial(_dz_kernel, bd=bd),
+        grid=(tp // bt, c // bv),
+        in_specs=[pl.BlockSpec((bt, dp), tok), pl.BlockSpec((dp, bv), lambda i, j: (0, j))]
+        + [pl.BlockSpec((bt, 1), tok)] * 5,
+        out_specs=pl.BlockSpec((bt, bv), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((tp, c), h.dtype),
+        compiler_params=_params(block, interpret), interpret=_interp(interpret),
+    )
+
+    def body(dh, k):
+        w_c = jax.lax.dynamic_slice_in_dim(w, k * c, c, axis=1)              # [Dp, C]
+        dz = dz_call(h, w_c, _col(targets_T - k * c, tp, jnp.int32), *stats)  # [Tp, C]
+        return dh + _gdot(dz, w_c, ((1,), (1,))), _gdot(dz, h, ((0,), (0,)))  # dW_cᵀ [C, Dp]
+
+    dh, dwt = jax.lax.scan(body, jnp.zeros(h.shape, jnp.float32), jnp.arange(n))
+    return dh[:t, :d], dwt.reshape(n * c, dp)[:v, :d].T

@@ -17,16 +17,17 @@ from kernels.fused_logprob import IMPLS, BlockSizes, fused_logprob, reference
 
 # Small blocks so every test shape spans several tiles and ragged edges; each is at least
 # 16 because Triton dots need 16-wide operands when the suite runs compiled on a GPU.
-# float32 runs use several forward vocab splits per token block, bfloat16 runs one split,
-# so both combine paths of the Pallas forward are covered.
+# float32 runs use several forward vocab splits per token block and a D loop of 16-wide
+# slices (D = 40 is padded to the slices); bfloat16 runs one split and one dot over all
+# of D, so both combine paths and both logit paths of the Pallas kernels are covered.
 BLOCKS = {
-    jnp.float32: BlockSizes(chunk=32, tokens=16, vocab=16, vocab_tiles=2, dh_tokens=16,
-                            dh_vocab=32, dw_tokens=32, dw_vocab=16),
-    jnp.bfloat16: BlockSizes(chunk=64, tokens=32, vocab=16, vocab_tiles=64, dh_tokens=32,
-                             dh_vocab=16, dw_tokens=16, dw_vocab=32),
+    jnp.float32: BlockSizes(chunk=32, tokens=16, vocab=16, vocab_tiles=2, dim=16,
+                            bwd_chunk=32, bwd_tokens=16, bwd_vocab=16),
+    jnp.bfloat16: BlockSizes(chunk=64, tokens=32, vocab=16, vocab_tiles=64, dim=64,
+                             bwd_chunk=64, bwd_tokens=32, bwd_vocab=32),
 }
-# (T, D, V): block multiples; T and V ragged; D below Triton's 16 and V ragged.
-SHAPES = [(16, 16, 64), (37, 16, 101), (64, 8, 200)]
+# (T, D, V): block multiples; T, D and V ragged; D below Triton's 16 and V ragged.
+SHAPES = [(16, 16, 64), (37, 40, 101), (64, 8, 200)]
 
 
 def tolerance(dtype):
@@ -115,14 +116,14 @@ def test_chunked_temp_memory_grows_with_tokens_not_vocab():
 
 def test_chunked_backward_holds_no_TxV_buffer():
     t, d, c = 1024, 64, 512
-    v = 64 * c
     loss = lambda h, w, y: sum(jnp.sum(o) for o in
                                fused_logprob(h, w, y, block=BlockSizes(chunk=c)))
-    tmp = _temp_bytes(jax.grad(loss, argnums=(0, 1)), ((t, d), jnp.float32),
-                      ((d, v), jnp.float32), ((t,), jnp.int32))
-    # dW ([D, V], assembled from chunks) and a few [T, C] tiles fit; one float32 [T, V]
-    # array (what the naive backward holds, several times over) would not.
-    assert tmp < 4 * t * v / 4
+    tmp = lambda v: _temp_bytes(jax.grad(loss, argnums=(0, 1)), ((t, d), jnp.float32),
+                                ((d, v), jnp.float32), ((t,), jnp.int32))
+    v = 32 * c
+    # Doubling V adds V more columns of dW-sized buffers ([D, V] float32, a few copies at
+    # most), never another float32 [T, V] of logits (what the naive backward holds).
+    assert tmp(2 * v) - tmp(v) < 4 * t * v / 4
 
 
 def test_shape_errors_name_values():

@@ -10,8 +10,8 @@ import pytest
 from kernels.fused_logprob import BlockSizes
 from stablerl_jax.logprobs import is_quantities, token_logprobs
 
-BLOCK = BlockSizes(chunk=16, tokens=16, vocab=16, vocab_tiles=2, dh_tokens=16, dh_vocab=16,
-                   dw_tokens=16, dw_vocab=16)
+BLOCK = BlockSizes(chunk=16, tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=16,
+                   bwd_tokens=16, bwd_vocab=16)
 
 
 def _inputs(b=4, t=6, d=16, v=50):
