@@ -45,12 +45,11 @@ from jax.experimental.pallas import tpu as pltpu
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padded columns
 
 
-def _dot(a, b, contract=(1, 0)):
-    """float32-accumulated a·b contracting a's dim contract[0] with b's contract[1].
-    HIGHEST: float32 inputs get full-precision (not TF32) products on the GPU."""
-    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                               preferred_element_type=jnp.float32,
-                               precision=jax.lax.Precision.HIGHEST)
+def _dot(a, b):
+    """float32-accumulated a @ b. HIGHEST: float32 inputs get full-precision (not TF32)
+    products on the GPU."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
 
 
 def _logits(h_ref, w_ref, cols, bd):
