@@ -1,9 +1,25 @@
-"""Test setup: every test process sees 8 fake CPU devices (for the sharding tests).
+"""Test setup.
 
-The flag must be set before jax initialises its backends, hence at import time here.
+- Every test process sees 8 fake CPU devices (for the sharding tests). The flag must be
+  set before jax initialises its backends, hence at import time here.
+- A persistent compilation cache, private to the process and removed at exit: many tests
+  build fresh jitted closures around the same model (a new Engine per run, a resumed run
+  after a full one), which the in-memory jit cache cannot match but the persistent cache,
+  keyed by the compiled program, does. It only skips recompiling identical programs.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+
+_CACHE = tempfile.mkdtemp(prefix="stablerl-jax-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
