@@ -18,9 +18,6 @@ from IPython.display import Image, display
 
 from stablerl_jax.metrics_io import PANELS, plot_comparison, read_metrics
 
-# metrics_io selects the non-interactive Agg backend on import; show figures inline again.
-# %matplotlib inline
-
 # Relative to the repository root, or to notebooks/ (where Jupyter starts the kernel).
 default = "runs/quickstart" if os.path.isdir("runs") else "../runs/quickstart"
 workdirs = os.environ.get("STABLERL_WORKDIR", default).split(os.pathsep)

@@ -15,12 +15,9 @@ import os
 import re
 import time
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from tensorboardX import SummaryWriter  # noqa: E402
+import numpy as np
+from matplotlib.figure import Figure  # no pyplot: files only, the caller's backend untouched
+from tensorboardX import SummaryWriter
 
 # (title, keys, log-scale y). A panel is drawn when any of its keys has a value.
 PANELS = [
@@ -178,12 +175,11 @@ def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = Non
     for title, panel_keys, log in panels or PANELS:
         if not _present({"run": records}, panel_keys):
             continue
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        _draw(ax, {"run": records}, title, panel_keys, log)
+        fig = Figure(figsize=(5, 3.2))
+        _draw(fig.subplots(), {"run": records}, title, panel_keys, log)
         fig.tight_layout()
         path = os.path.join(out_dir, _slug(title) + ".png")
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths
 
@@ -196,7 +192,8 @@ def plot_comparison(runs: dict[str, list[dict]], out_path: str, panels: list | N
         raise ValueError(f"none of the panel keys appear in runs {list(runs)}; check the "
                          "metric names (see metrics_io.PANELS)")
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    fig = Figure(figsize=(5 * cols, 3.2 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (title, keys, log) in zip(axes.flat, panels):
         _draw(ax, runs, title, keys, log)
     for ax in list(axes.flat)[len(panels):]:
@@ -204,5 +201,4 @@ def plot_comparison(runs: dict[str, list[dict]], out_path: str, panels: list | N
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)
     return out_path
