@@ -28,6 +28,9 @@ class RLConfig:
     router_noise_std / act_fp8: extra mismatch knobs on top of it.
     replay: 'none' | 'r2' | 'r3'.
     mesh: (data, fsdp, expert) sizes; their product is the number of devices used.
+    logprob_impl: the fused log-prob op ('naive', 'chunked', 'pallas'); 'chunked' runs
+    everywhere, 'pallas' is the fast one on a GPU with bf16 compute (forward + backward
+    0.16× naive there, where 'chunked' is 1.4×; docs/benchmarks.md).
     """
 
     steps: int = 60
