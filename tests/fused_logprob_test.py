@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 from kernels.fused_logprob import IMPLS, BlockSizes, fused_logprob, reference
@@ -83,6 +85,24 @@ def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
     dh, dw = vjp((g_logp, g_ent))
     want_dh, want_dw = _ref64_vjp(h, w, y, g_logp, g_ent)
     for got, want in ((dh, want_dh), (dw, want_dw)):
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(got, np.float64) / scale, want / scale, **tol)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(t=st.integers(1, 40), d=st.integers(1, 40), v=st.integers(2, 150),
+       seed=st.integers(0, 2**16))
+def test_random_shapes_match_float64_reference(impl, t, d, v, seed):
+    """Shapes drawn at random (fixed examples: derandomized), float32, the f32 blocks."""
+    h, w, y, g_logp, g_ent = _inputs(t, d, v, jnp.float32, seed)
+    f = jax.jit(functools.partial(fused_logprob, block=BLOCKS[jnp.float32], impl=impl))
+    (logp, ent), vjp = jax.vjp(lambda h, w: f(h, w, y), h, w)
+    want_logp, want_ent, _, _ = _ref64(h, w, y)
+    tol = tolerance(jnp.float32)
+    np.testing.assert_allclose(logp, want_logp, **tol)
+    np.testing.assert_allclose(ent, want_ent, **tol)
+    for got, want in zip(vjp((g_logp, g_ent)), _ref64_vjp(h, w, y, g_logp, g_ent)):
         scale = np.abs(want).max()
         np.testing.assert_allclose(np.asarray(got, np.float64) / scale, want / scale, **tol)
 
