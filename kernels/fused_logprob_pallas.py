@@ -45,11 +45,12 @@ from jax.experimental.pallas import tpu as pltpu
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padded columns
 
 
-def _dot(a, b):
-    """float32-accumulated a @ b. HIGHEST: float32 inputs get full-precision (not TF32)
-    products on the GPU."""
-    return jnp.dot(a, b, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
+def _dot(a, b, contract=((1,), (0,))):
+    """float32-accumulated a·b over the `contract` dims (default a @ b), in the kernels
+    and in the XLA gradient matmuls alike. HIGHEST: float32 inputs get full-precision
+    (not TF32) products on the GPU."""
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.HIGHEST)
 
 
 def _logits(h_ref, w_ref, cols, bd):
@@ -176,12 +177,6 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
     return big + jnp.log(total), jnp.sum(sz * scale, axis=0) / total
 
 
-def _gdot(a, b, contract):
-    """float32-accumulated XLA matmul (full float32 precision for float32 inputs)."""
-    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
-                               precision=jax.lax.Precision.HIGHEST)
-
-
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,
                     block, interpret: bool):
     """(d hidden [T, D], d unembed [D, V]) in float32: a scan over vocab chunks of C =
@@ -210,7 +205,7 @@ def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g
     def body(dh, k):
         w_c = jax.lax.dynamic_slice_in_dim(w, k * c, c, axis=1)              # [Dp, C]
         dz = dz_call(h, w_c, _col(targets_T - k * c, tp, jnp.int32), *stats)  # [Tp, C]
-        return dh + _gdot(dz, w_c, ((1,), (1,))), _gdot(dz, h, ((0,), (0,)))  # dW_cᵀ [C, Dp]
+        return dh + _dot(dz, w_c, ((1,), (1,))), _dot(dz, h, ((0,), (0,)))  # dW_cᵀ [C, Dp]
 
     dh, dwt = jax.lax.scan(body, jnp.zeros(h.shape, jnp.float32), jnp.arange(n))
     return dh[:t, :d], dwt.reshape(n * c, dp)[:v, :d].T
