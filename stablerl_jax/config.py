@@ -9,7 +9,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# float64 is for numerical reference runs under `jax.enable_x64` (the tests compare
+# algorithms in it); training runs use float32 or bfloat16.
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+           "float64": jnp.float64}
 
 
 class ConfigError(ValueError):
@@ -30,7 +33,7 @@ def check_positive_int(obj, *fields: str) -> None:
 
 
 def dtype_of(name: str):
-    """The jnp dtype for a config dtype name ('float32', 'bfloat16', 'float16')."""
+    """The jnp dtype for a config dtype name ('float32', 'bfloat16', 'float16', 'float64')."""
     return _DTYPES[name]
 
 

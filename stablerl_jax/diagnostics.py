@@ -25,13 +25,19 @@ import jax.numpy as jnp
 MAX_LOG_RATIO = 20.0  # exp(±20) and its square stay far inside float32 range
 
 
+def _acc(*xs):
+    """float32, or float64 when an input is float64 (reference runs under x64)."""
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
 def _m(mask_BxT):
     return jnp.asarray(mask_BxT).astype(jnp.float32)
 
 
 def _log_ratio(logp_num_BxT, logp_den_BxT, m_BxT, max_log_ratio):
     """Clipped log(num/den), 0 on masked tokens (whatever padding holds there)."""
-    x = jnp.asarray(logp_num_BxT, jnp.float32) - jnp.asarray(logp_den_BxT, jnp.float32)
+    acc = _acc(logp_num_BxT, logp_den_BxT)
+    x = jnp.asarray(logp_num_BxT, acc) - jnp.asarray(logp_den_BxT, acc)
     return jnp.where(m_BxT > 0, jnp.clip(x, -max_log_ratio, max_log_ratio), 0.0)
 
 
@@ -77,7 +83,8 @@ def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
     """k1 estimate of KL(μ‖π): E_μ[log μ − log π] (the paper's training–inference KL with
     π = π_old). (num, den) pair. Not clipped: it is a plain difference of log-probs."""
     m = _m(mask_BxT)
-    d = jnp.asarray(logp_mu_BxT, jnp.float32) - jnp.asarray(logp_pi_BxT, jnp.float32)
+    acc = _acc(logp_mu_BxT, logp_pi_BxT)
+    d = jnp.asarray(logp_mu_BxT, acc) - jnp.asarray(logp_pi_BxT, acc)
     return masked_mean_pair(d, m)
 
 

@@ -33,8 +33,9 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
     b, t, d = hidden_BxTxD.shape
     h = hidden_BxTxD.reshape(b * t, d)
     if temperature != 1.0:
-        # Scale in float32, then back to the compute dtype the op streams in.
-        h = (h.astype(jnp.float32) / temperature).astype(hidden_BxTxD.dtype)
+        # Scale in float32 (or wider), then back to the compute dtype the op streams in.
+        acc = jnp.promote_types(h.dtype, jnp.float32)
+        h = (h.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
     logp, ent = fused_logprob(h, unembed_DxV.astype(hidden_BxTxD.dtype),
                               targets_BxT.reshape(-1), block=block, impl=impl,
                               interpret=interpret)

@@ -68,23 +68,25 @@ def _parts(logp_BxT, batch, cfg: LossConfig) -> _Parts:
         if jnp.shape(batch[key]) != shape:
             raise ValueError(f"batch[{key!r}]: shape {jnp.shape(batch[key])} must equal "
                              f"logp_BxT's {shape}")
+    # float32 arithmetic, or float64 for float64 log-probs (reference runs under x64).
+    acc = jnp.promote_types(jnp.result_type(logp_BxT), jnp.float32)
     if "advantages_BxT" in batch:
-        adv = jnp.asarray(batch["advantages_BxT"], jnp.float32)
+        adv = jnp.asarray(batch["advantages_BxT"], acc)
         if adv.shape != shape:
             raise ValueError(f"batch['advantages_BxT']: shape {adv.shape} must be {shape}")
     elif "advantages_B" in batch:
-        adv = jnp.asarray(batch["advantages_B"], jnp.float32)
+        adv = jnp.asarray(batch["advantages_B"], acc)
         if adv.shape != shape[:1]:
             raise ValueError(f"batch['advantages_B']: shape {adv.shape} must be {shape[:1]}")
         adv = jnp.broadcast_to(adv[:, None], shape)
     else:
         raise KeyError("batch: missing 'advantages_B' (or per-token 'advantages_BxT')")
-    m = jnp.asarray(batch["mask_BxT"]).astype(jnp.float32)
+    m = jnp.asarray(batch["mask_BxT"]).astype(acc)
     real = m > 0
     # Padding may hold anything (-inf, garbage); `where` keeps it out of values and grads.
-    f32 = lambda x: jnp.where(real, jnp.asarray(x).astype(jnp.float32), 0.0)
-    logp = f32(logp_BxT)
-    old, mu = sg(f32(batch["old_logp_BxT"])), sg(f32(batch["rollout_logp_BxT"]))
+    real_only = lambda x: jnp.where(real, jnp.asarray(x).astype(acc), 0.0)
+    logp = real_only(logp_BxT)
+    old, mu = sg(real_only(batch["old_logp_BxT"])), sg(real_only(batch["rollout_logp_BxT"]))
     lim = cfg.max_log_ratio
     clip = lambda x: jnp.clip(x, -lim, lim)
     return _Parts(m, jnp.where(real, adv, 0.0), logp, clip(logp - old), clip(old - mu),
@@ -124,15 +126,15 @@ def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
     if mode == "none":
         return jnp.ones_like(x), jnp.zeros_like(x)
     if mode == "tis":
-        return jnp.exp(jnp.minimum(x, log_cap)), (x > log_cap).astype(jnp.float32)
+        return jnp.exp(jnp.minimum(x, log_cap)), (x > log_cap).astype(x.dtype)
     if mode in ("mis", "icepop"):
         lo = math.log(cfg.is_low) if (mode == "icepop" and cfg.is_low > 0) else -jnp.inf
         keep = (x <= math.log(cfg.is_high)) & (x >= lo)
-        return jnp.where(keep, jnp.exp(x), 0.0), (~keep).astype(jnp.float32)
+        return jnp.where(keep, jnp.exp(x), 0.0), (~keep).astype(x.dtype)
     s = jnp.sum(jnp.where(m_BxT > 0, x, 0.0), axis=1, keepdims=True)
     if mode == "seq_geomean":
         s = s / jnp.maximum(jnp.sum(m_BxT, axis=1, keepdims=True), 1.0)
-    altered = jnp.broadcast_to((s > log_cap).astype(jnp.float32), x.shape)
+    altered = jnp.broadcast_to((s > log_cap).astype(x.dtype), x.shape)
     s = jnp.clip(s, -cfg.max_log_ratio, log_cap)
     return jnp.broadcast_to(jnp.exp(s), x.shape), altered
 
@@ -172,7 +174,7 @@ def _metrics(p: _Parts, loss, weight, altered, hi, lo) -> dict:
         "eq5/staleness_log_sqmean": stale * stale,
     }
     n = jnp.sum(m)
-    out = {k: (jnp.sum(jnp.where(m > 0, jnp.asarray(v, jnp.float32), 0.0)), n)
+    out = {k: (jnp.sum(jnp.where(m > 0, jnp.asarray(v, m.dtype), 0.0)), n)
            for k, v in token_means.items()}
     out["loss"] = (sg(loss), jnp.ones(()))
     out["is/weight_max"] = dg.masked_extreme_pair(w, m, jnp.max)

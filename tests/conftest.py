@@ -1,7 +1,11 @@
 """Test setup.
 
-- Every test process sees 8 fake CPU devices (for the sharding tests). The flag must be
-  set before jax initialises its backends, hence at import time here.
+- Every test process has 8 fake CPU devices (for the sharding tests). The flag must be
+  set before jax initialises its backends, hence at import time here. Sharded tests take
+  their devices from `cpu_devices()`, never from the default backend, so they run the
+  same where a GPU is the default backend.
+- `x64`: a fixture that runs a test with float64 enabled (tests that compare algorithms,
+  see tests/tolerance.py).
 - A persistent compilation cache, private to the process and removed at exit: many tests
   build fresh jitted closures around the same model (a new Engine per run, a resumed run
   after a full one), which the in-memory jit cache cannot match but the persistent cache,
@@ -17,9 +21,24 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 _CACHE = tempfile.mkdtemp(prefix="stablerl-jax-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def cpu_devices(n: int = 8) -> list:
+    """The first n CPU devices, whatever the default backend is."""
+    devices = jax.devices("cpu")
+    assert len(devices) >= n, f"need {n} CPU devices; conftest sets {_FLAG}"
+    return devices[:n]
+
+
+@pytest.fixture
+def x64():
+    """Run the test with jax_enable_x64 (float64 arrays and computations)."""
+    with jax.enable_x64(True):
+        yield

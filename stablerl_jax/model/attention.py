@@ -23,19 +23,23 @@ _NEG = jnp.finfo(jnp.float32).min
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x / sqrt(mean(x²) + eps) · scale, computed in float32, returned in x's dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    """x / sqrt(mean(x²) + eps) · scale, computed in float32 (or wider), returned in x's
+    dtype."""
+    acc = nx.accum_dtype(x.dtype)
+    xa = x.astype(acc)
+    y = xa * jax.lax.rsqrt(jnp.mean(xa * xa, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(acc)).astype(x.dtype)
 
 
 def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, half-split convention (HF Qwen3 `rotate_half`), in float32."""
+    """Rotary embedding, half-split convention (HF Qwen3 `rotate_half`), in float32 (or
+    wider)."""
+    acc = nx.accum_dtype(x_BxTxHxDh.dtype)
     half = x_BxTxHxDh.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BxTx1xF = (positions_BxT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+    inv_freq = theta ** (-jnp.arange(half, dtype=acc) / half)
+    angle_BxTx1xF = (positions_BxT.astype(acc)[..., None] * inv_freq)[:, :, None, :]
     cos, sin = jnp.cos(angle_BxTx1xF), jnp.sin(angle_BxTx1xF)
-    x = x_BxTxHxDh.astype(jnp.float32)
+    x = x_BxTxHxDh.astype(acc)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxHxDh.dtype)
@@ -48,9 +52,14 @@ def positions_from_mask(mask_BxT: jax.Array, offset_B: jax.Array | None = None) 
     return pos if offset_B is None else pos + offset_B[:, None]
 
 
+def _dot(eq, a, b, dtype):
+    """einsum of two `dtype` operands, float32 (or wider) accumulation, PRECISION."""
+    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), precision=nx.PRECISION,
+                      preferred_element_type=nx.accum_dtype(dtype))
+
+
 def _proj(eq, x, w, numerics, dtype):
-    x = nx.act_quant(x, numerics).astype(dtype)
-    return jnp.einsum(eq, x, w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    return _dot(eq, nx.act_quant(x, numerics), w, dtype).astype(dtype)
 
 
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
@@ -80,14 +89,12 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
         stored = (k, v)
     s = k_all.shape[1]
     q = q.reshape(b, t, kv_heads, group, cfg.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_all.astype(dtype),
-                        preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+    scores = _dot("btkgd,bskd->bkgts", q, k_all, dtype) * cfg.head_dim**-0.5
     allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
         key_mask_BxS[:, None, :].astype(bool))
     scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", probs, v_all.astype(dtype),
-                   preferred_element_type=jnp.float32).astype(dtype)
+    o = _dot("bkgts,bskd->btkgd", probs, v_all, dtype).astype(dtype)
     o = o.reshape(b, t, cfg.num_heads, cfg.head_dim)
     out = _proj("bthk,hkd->btd", o, p["wo"], numerics, dtype)
     return out, stored

@@ -17,7 +17,10 @@ all groups. On TPU / GPU a Pallas grouped matmul (megablox / tokamax `gmm`) with
 
 Backward (custom VJP):
     d lhs    = grouped matmul of d out with rhsᵀ (same loop, contracting F)
-    d rhs[e] = Σ over e's tiles of lhs_tileᵀ · d out_tile   (float32 accumulation)
+    d rhs[e] = Σ over e's tiles of lhs_tileᵀ · d out_tile
+
+Products run at `precision` (HIGHEST unless told otherwise) and accumulate in float32, or
+float64 for float64 operands.
 """
 from __future__ import annotations
 
@@ -26,13 +29,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _acc(x):
+    return jnp.promote_types(x.dtype, jnp.float32)
+
 
 def _tile_ranges(group_sizes_E: jax.Array, tile: int):
     end_E = jnp.cumsum(group_sizes_E) // tile
     return end_E - group_sizes_E // tile, end_E
 
 
-def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool):
+def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, precision):
     """out = lhs @ rhs[g] (or lhs @ rhs[g]ᵀ when transpose_rhs)."""
     start_E, end_E = _tile_ranges(group_sizes_E, tile)
     out_dim = rhs_ExDxF.shape[1] if transpose_rhs else rhs_ExDxF.shape[2]
@@ -43,8 +52,8 @@ def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool):
 
         def per_tile(i, out):
             x = jax.lax.dynamic_slice_in_dim(lhs_PxD, i * tile, tile, 0)
-            y = jax.lax.dot_general(x, w, (contract, ((), ())),
-                                    preferred_element_type=jnp.float32)
+            y = jax.lax.dot_general(x, w, (contract, ((), ())), precision=precision,
+                                    preferred_element_type=_acc(x))
             return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * tile, 0)
 
         return jax.lax.fori_loop(start_E[e], end_E[e], per_tile, out)
@@ -53,7 +62,7 @@ def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool):
     return jax.lax.fori_loop(0, rhs_ExDxF.shape[0], per_group, out)
 
 
-def _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile: int, rhs_like):
+def _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile: int, rhs_like, precision):
     """d rhs[e] = Σ_{tiles of e} lhsᵀ · dout."""
     start_E, end_E = _tile_ranges(group_sizes_E, tile)
     num_groups, d, f = rhs_like.shape
@@ -63,17 +72,19 @@ def _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile: int, rhs_like):
             x = jax.lax.dynamic_slice_in_dim(lhs_PxD, i * tile, tile, 0)
             g = jax.lax.dynamic_slice_in_dim(dout_PxF, i * tile, tile, 0)
             return acc + jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())),
-                                             preferred_element_type=jnp.float32)
+                                             precision=precision,
+                                             preferred_element_type=_acc(x))
 
-        acc = jax.lax.fori_loop(start_E[e], end_E[e], per_tile, jnp.zeros((d, f), jnp.float32))
+        acc = jax.lax.fori_loop(start_E[e], end_E[e], per_tile,
+                                jnp.zeros((d, f), _acc(lhs_PxD)))
         return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0)
 
     return jax.lax.fori_loop(0, num_groups, per_group, jnp.zeros_like(rhs_like))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def gmm(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
-        tile: int) -> jax.Array:
+        tile: int, precision=HIGHEST) -> jax.Array:
     """Grouped matmul: rows of lhs sorted by group, each group a multiple of `tile`."""
     if lhs_PxD.shape[0] % tile:
         raise ValueError(f"gmm: rows P={lhs_PxD.shape[0]} must be a multiple of {tile=}")
@@ -83,17 +94,18 @@ def gmm(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
     if group_sizes_E.shape != (rhs_ExDxF.shape[0],):
         raise ValueError(f"gmm: group_sizes shape {group_sizes_E.shape} must be "
                          f"({rhs_ExDxF.shape[0]},)")
-    return _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, transpose_rhs=False)
+    return _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, False, precision)
 
 
-def _gmm_fwd(lhs_PxD, rhs_ExDxF, group_sizes_E, tile):
-    return gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile), (lhs_PxD, rhs_ExDxF, group_sizes_E)
+def _gmm_fwd(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision):
+    out = gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision)
+    return out, (lhs_PxD, rhs_ExDxF, group_sizes_E)
 
 
-def _gmm_bwd(tile, res, dout_PxF):
+def _gmm_bwd(tile, precision, res, dout_PxF):
     lhs_PxD, rhs_ExDxF, group_sizes_E = res
-    dlhs = _loop(dout_PxF, rhs_ExDxF, group_sizes_E, tile, transpose_rhs=True)
-    drhs = _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_ExDxF)
+    dlhs = _loop(dout_PxF, rhs_ExDxF, group_sizes_E, tile, True, precision)
+    drhs = _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_ExDxF, precision)
     return dlhs.astype(lhs_PxD.dtype), drhs, None
 
 

@@ -3,7 +3,8 @@
 Letters: T tokens, D model, E experts, K top-k, F expert FFN width,
 P rows of the sorted-and-padded buffer (a multiple of the tile size).
 
-Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32, top-k,
+Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32 (float64 for
+float64 logits), top-k,
 weights renormalized over the k chosen (`norm_topk_prob`). Routing Replay passes the
 expert *indices* to use instead of the top-k; the weights are still gathered from the
 live full softmax, so the router receives gradient for replayed experts even when they
@@ -27,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablerl_jax.model.gmm import gmm as _gmm_loop
+from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
-"""gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile) -> PxF, rows sorted by group, each group
-a multiple of `tile` rows. A Pallas grouped matmul (megablox / tokamax gmm) has this shape
-and plugs in through the `gmm` argument of `experts_grouped`."""
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int, jax.lax.Precision], jax.Array]
+"""gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision) -> PxF, rows sorted by group,
+each group a multiple of `tile` rows. A Pallas grouped matmul (megablox / tokamax gmm) has
+this shape and plugs in through the `gmm` argument of `experts_grouped`."""
 
 
 def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
@@ -75,12 +77,13 @@ def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = N
     w     = probs[idx] / Σ_k probs[idx].
 
     Leading dims before E are arbitrary (T or B×T). Returns (idx int32 [...,K],
-    weights float32 [...,K], probs float32 [...,E]).
+    weights [...,K], probs [...,E]), both float32 (float64 for float64 logits).
     """
     num_experts = router_logits_TxE.shape[-1]
     if not 0 < k <= num_experts:
         raise ValueError(f"route: k={k} must be in [1, num_experts={num_experts}]")
-    probs_TxE = jax.nn.softmax(router_logits_TxE.astype(jnp.float32), axis=-1)
+    probs_TxE = jax.nn.softmax(
+        router_logits_TxE.astype(accum_dtype(router_logits_TxE.dtype)), axis=-1)
     _, idx_TxK = jax.lax.top_k(probs_TxE, k)
     bad_T = None
     if replay_TxK is not None:
@@ -101,16 +104,20 @@ def _swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
+def _dot(eq, a, b):
+    return jnp.einsum(eq, a, b, precision=PRECISION, preferred_element_type=accum_dtype(a.dtype))
+
+
 def experts_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     """Reference: y = Σ_e c_te · FFN_e(x_t), c = one-hot(idx)·w summed over k."""
     dt = x_TxD.dtype
     num_experts = w_gate_ExDxF.shape[0]
-    combine_TxE = jnp.einsum("tke,tk->te", jax.nn.one_hot(idx_TxK, num_experts), w_TxK)
-    gate = jnp.einsum("td,edf->tef", x_TxD, w_gate_ExDxF, preferred_element_type=jnp.float32)
-    up = jnp.einsum("td,edf->tef", x_TxD, w_up_ExDxF, preferred_element_type=jnp.float32)
+    onehot_TxKxE = jax.nn.one_hot(idx_TxK, num_experts, dtype=w_TxK.dtype)
+    combine_TxE = jnp.einsum("tke,tk->te", onehot_TxKxE, w_TxK, precision=PRECISION)
+    gate = _dot("td,edf->tef", x_TxD, w_gate_ExDxF)
+    up = _dot("td,edf->tef", x_TxD, w_up_ExDxF)
     h_TxExF = (_swiglu(gate, up) * combine_TxE[..., None]).astype(dt)
-    y = jnp.einsum("tef,efd->td", h_TxExF, w_down_ExFxD, preferred_element_type=jnp.float32)
-    return y.astype(dt)
+    return _dot("tef,efd->td", h_TxExF, w_down_ExFxD).astype(dt)
 
 
 def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
@@ -137,13 +144,14 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     rows = padded_rows(expert_A.shape[0], num_experts, tile)
     x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[dest_A].set(
         x_TxD[order_A // k], unique_indices=True)
-    gate = gmm(x_PxD, w_gate_ExDxF, padded_E, tile)
-    up = gmm(x_PxD, w_up_ExDxF, padded_E, tile)
-    h_PxF = _swiglu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dt)
-    y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile)
+    gate = gmm(x_PxD, w_gate_ExDxF, padded_E, tile, PRECISION)
+    up = gmm(x_PxD, w_up_ExDxF, padded_E, tile, PRECISION)
+    acc = accum_dtype(dt)
+    h_PxF = _swiglu(gate.astype(acc), up.astype(acc)).astype(dt)
+    y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile, PRECISION)
     row_of_assignment_A = jnp.zeros_like(dest_A).at[order_A].set(dest_A, unique_indices=True)
     y_TxKxD = y_PxD[row_of_assignment_A].reshape(num_tokens, k, -1)
-    y = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), w_TxK)
+    y = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc), precision=PRECISION)
     return y.astype(dt)
 
 
@@ -154,12 +162,12 @@ def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):
     balance = E · Σ_e load_E · importance_E (= 1 when uniform); z = mean logsumexp(logits)².
     """
     num_experts = probs_TxE.shape[-1]
-    m_T = mask_T.astype(jnp.float32)
+    m_T = mask_T.astype(probs_TxE.dtype)
     n = jnp.maximum(m_T.sum(), 1.0)
     counts_E = jnp.einsum("tke,t->e", jax.nn.one_hot(idx_TxK, num_experts), m_T)
     load_E = counts_E / (n * idx_TxK.shape[-1])
     importance_E = jnp.einsum("te,t->e", probs_TxE, m_T) / n
     balance = num_experts * jnp.sum(load_E * importance_E)
-    lse_T = jax.nn.logsumexp(router_logits_TxE.astype(jnp.float32), axis=-1)
+    lse_T = jax.nn.logsumexp(router_logits_TxE.astype(probs_TxE.dtype), axis=-1)
     z = jnp.sum(m_T * lse_T**2) / n
     return load_E, z, balance

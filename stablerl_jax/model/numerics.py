@@ -4,12 +4,21 @@ The training path runs the "train" policy. The sampling path (the inference engi
 one of the inference presets, which reproduce the kinds of numerical differences a real
 inference engine has from the trainer for the *same* weights:
 
-| preset | weights                              | activations | router logits |
-|--------|--------------------------------------|-------------|---------------|
-| train  | model param dtype                    | cfg dtype   | float32       |
-| exact  | same as train (sanity baseline)      | cfg dtype   | float32       |
-| bf16   | bfloat16                             | bfloat16    | bfloat16      |
-| fp8    | e4m3, per-output-channel scales      | bfloat16    | bfloat16      |
+| preset | weights                              | activations | router logits        |
+|--------|--------------------------------------|-------------|----------------------|
+| train  | model param dtype                    | cfg dtype   | cfg dtype, ≥ float32 |
+| exact  | same as train (sanity baseline)      | cfg dtype   | cfg dtype, ≥ float32 |
+| bf16   | bfloat16                             | bfloat16    | bfloat16             |
+| fp8    | e4m3, per-output-channel scales      | bfloat16    | bfloat16             |
+
+Matmul precision is the same on every backend: every model matmul passes
+`precision=PRECISION` (HIGHEST) and accumulates in float32 or wider (`accum_dtype`). A
+float32 matmul is therefore a float32 matmul on a CPU, on an NVIDIA GPU (no TF32) and on
+a TPU (no single bf16 pass), and `exact` computes exactly what `train` computes on each of
+them. bfloat16 operands are exact in every backend's fast path, so the setting costs
+nothing where compute_dtype is bfloat16, which is how a run asks for speed. What still
+differs between backends is the order of float32 sums (vector widths, tilings), i.e.
+rounding, not precision.
 
 Knobs on top of any preset: `act_fp8` (per-token e4m3 quantization of every matmul input)
 and `router_noise_std` (seeded Gaussian noise on router logits) sweep the mismatch.
@@ -32,6 +41,13 @@ import jax.numpy as jnp
 from stablerl_jax.config import check, dtype_of
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+PRECISION = jax.lax.Precision.HIGHEST  # of every model matmul (module docstring)
+
+
+def accum_dtype(dtype):
+    """Accumulation / softmax dtype for operands of `dtype`: float32, or float64 for
+    float64 operands (numerical reference runs under `jax.enable_x64`)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 # Contraction (input) axes of each stacked layer weight; scales are per output channel,
 # i.e. one scale for every index of the remaining axes.
@@ -49,8 +65,9 @@ class Numerics:
       name: preset name (for logs).
       weights: 'native' (params as stored), 'bf16', or 'fp8' (e4m3, per-channel scale).
       compute_dtype: activation dtype; None means the model config's compute_dtype.
-      router_dtype: dtype of the router matmul; None means compute dtype.
-        The softmax over experts is always float32.
+      router_dtype: dtype of the router matmul; None means the compute dtype widened to
+        at least float32 (the training engine's choice). The softmax over experts is in
+        float32 or wider.
       act_fp8: quantize each matmul input per token to e4m3 (plus scale).
       router_noise_std: std of Gaussian noise added to router logits (0 = off).
       noise_seed: seed of that noise. The noise of a token depends only on
@@ -61,7 +78,7 @@ class Numerics:
     name: str = "train"
     weights: str = "native"
     compute_dtype: str | None = None
-    router_dtype: str | None = "float32"
+    router_dtype: str | None = None
     act_fp8: bool = False
     router_noise_std: float = 0.0
     noise_seed: int = 0
@@ -71,7 +88,7 @@ class Numerics:
               f"must be 'native', 'bf16' or 'fp8', got {self.weights!r}")
         for f in ("compute_dtype", "router_dtype"):
             v = getattr(self, f)
-            check(v is None or v in ("float32", "bfloat16", "float16"), f,
+            check(v is None or v in ("float32", "bfloat16", "float16", "float64"), f,
                   f"must be None or a float dtype name, got {v!r}")
         check(self.router_noise_std >= 0, "router_noise_std",
               f"must be >= 0, got {self.router_noise_std}")

@@ -84,9 +84,10 @@ def unembed_matrix(params: dict, cfg: ModelConfig) -> jax.Array:
 
 
 def logits(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Float32 logits (accumulated in float32 from hidden's dtype)."""
+    """Float32 logits (accumulated in float32, or float64 for float64 hidden states)."""
     w = unembed_matrix(params, cfg).astype(hidden_BxTxD.dtype)
-    return jnp.einsum("btd,dv->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", hidden_BxTxD, w, precision=nx.PRECISION,
+                      preferred_element_type=nx.accum_dtype(hidden_BxTxD.dtype))
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
@@ -141,7 +142,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     _check_inputs(tokens_BxT, cfg, replay_LxBxTxK, attention_mask_BxT)
     b, t = tokens_BxT.shape
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
-    router_dtype = dtype_of(numerics.router_dtype) if numerics.router_dtype else dtype
+    router_dtype = (dtype_of(numerics.router_dtype) if numerics.router_dtype
+                    else nx.accum_dtype(dtype))
     mask_BxT = (jnp.ones((b, t), bool) if attention_mask_BxT is None
                 else attention_mask_BxT.astype(bool))
     if cache is None:
@@ -164,8 +166,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         x_BxTxD = x_BxTxD + a
         h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
         router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),
-                                   p["router"].astype(router_dtype),
-                                   preferred_element_type=jnp.float32)
+                                   p["router"].astype(router_dtype), precision=nx.PRECISION,
+                                   preferred_element_type=nx.accum_dtype(router_dtype))
         router_logits = router_logits + nx.router_noise(numerics, layer_idx, positions_BxT,
                                                         tokens_BxT, cfg.num_experts)
         replay_TxK = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
