@@ -70,8 +70,14 @@ axes[1].set_title("training–inference KL(μ‖π), k3 estimate", fontsize=9)
 fig.tight_layout()
 plt.show()
 
-# The exact preset computes what the training path computes; FP8 is the stress case.
-assert stats["exact"]["abs_logp_gap_max"] < 1e-4 and stats["exact"]["routing_mismatch"] == 0
+# The exact preset computes what the training path computes (up to float32 summation
+# order); FP8 is the stress case. n = 796 float32 roundings of a log-prob (the forward over
+# 32 slots, the logit dot and log-sum-exp; tests/tolerance.py `engine_chain`), cond 1, in
+# the probabilistic bound (λ = 6) the tests use for the exact engine; relative to max |logp|.
+rtol = 2 * 6 * 796**0.5 * 2**-24
+logp_scale = np.abs(np.asarray(rollouts["exact"].logp_mu_BxS)).max()
+assert stats["exact"]["abs_logp_gap_max"] <= rtol * logp_scale
+assert stats["exact"]["routing_mismatch"] == 0
 assert stats["fp8"]["kl_k3"] > stats["bf16"]["kl_k3"] > stats["exact"]["kl_k3"]
 assert stats["fp8"]["routing_mismatch"] > 0
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import cpu_devices
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stablerl_jax.checkpoint import Checkpointer, load_params, save_params
@@ -50,7 +51,7 @@ def test_round_trip_bitwise_with_optax_state(tmp_path):
 
 
 def test_restore_lands_on_target_shardings(tmp_path):
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "fsdp"))
+    mesh = Mesh(np.array(cpu_devices()).reshape(4, 2), ("data", "fsdp"))
     state = _state(d=4)
     saved = jax.device_put(state, NamedSharding(mesh, P()))
     saved["params"]["w"] = jax.device_put(state["params"]["w"], NamedSharding(mesh, P("data")))

@@ -21,7 +21,7 @@ from stablerl_jax.config import ConfigError, ModelConfig
     ("rope_theta", 0.0, "> 0"),
     ("norm_eps", 0.0, "(0, 1)"),
     ("init_std", -0.1, "> 0"),
-    ("param_dtype", "float64", "one of"),
+    ("param_dtype", "float8", "one of"),
     ("compute_dtype", "int8", "one of"),
     ("dispatch", "sparse", "'grouped' or 'dense'"),
     ("router_z_loss_weight", -1.0, ">= 0"),

@@ -1,37 +1,41 @@
-"""The pure-JAX grouped matmul equals a per-row reference in value and gradient."""
+"""The pure-JAX grouped matmul equals a per-row reference in value and gradient (float64:
+two algorithms for one function, see tests/tolerance.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from stablerl_jax.model.gmm import gmm
+from tolerance import assert_close
 
 
 def _reference(lhs, rhs, sizes, tile):
     group_of_row = np.repeat(np.arange(len(sizes)), sizes)
     rows = len(group_of_row)
-    out = jnp.einsum("pd,pdf->pf", lhs[:rows], rhs[group_of_row])
-    return jnp.zeros((lhs.shape[0], rhs.shape[2])).at[:rows].set(out)
+    out = jnp.einsum("pd,pdf->pf", lhs[:rows], rhs[group_of_row], precision="highest")
+    return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype).at[:rows].set(out)
 
 
 @pytest.mark.parametrize("sizes", [[8, 0, 16, 8], [0, 0, 0, 32], [0, 0, 0, 0], [8, 8, 8, 8]])
-def test_value_and_grad_match_reference(sizes):
+def test_value_and_grad_match_reference(x64, sizes):
     tile, d, f = 8, 5, 7
     rows = 40  # > Σ sizes: trailing rows must come back zero
     sizes = np.array(sizes, np.int32)
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    lhs = jax.random.normal(k1, (rows, d))
-    rhs = jax.random.normal(k2, (len(sizes), d, f))
-    cot = jax.random.normal(k3, (rows, f))
+    lhs = jax.random.normal(k1, (rows, d), jnp.float64)
+    rhs = jax.random.normal(k2, (len(sizes), d, f), jnp.float64)
+    cot = jax.random.normal(k3, (rows, f), jnp.float64)
     got = jax.jit(gmm, static_argnums=3)(lhs, rhs, jnp.asarray(sizes), tile)
     want = _reference(lhs, rhs, sizes, tile)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # Norm-wise (a dot over d = 5 can cancel): d roundings.
+    assert_close(got, want, n=d, dtype="float64", scale="max")
     g_got = jax.grad(lambda a, b: jnp.sum(gmm(a, b, jnp.asarray(sizes), tile) * cot),
                      argnums=(0, 1))(lhs, rhs)
     g_want = jax.grad(lambda a, b: jnp.sum(_reference(a, b, sizes, tile) * cot),
                       argnums=(0, 1))(lhs, rhs)
+    # d lhs: a dot over f = 7; d rhs: a sum over a group's rows (≤ 32, of 40).
     for a, b in zip(g_got, g_want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert_close(a, b, n=f + rows, dtype="float64", scale="max")
 
 
 def test_shape_errors_name_values():

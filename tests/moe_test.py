@@ -5,16 +5,22 @@ import numpy as np
 import pytest
 
 from stablerl_jax.model import moe
+from tolerance import assert_close
 
 # probs [.1 .2 .3 .4] and [.5 .125 .125 .25]: top-2 and its renormalized weights by hand.
 LOGITS = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0], [4.0, 1.0, 1.0, 2.0]]))
+# float32 roundings of a softmax probability: the logits' log (1 each, relative to
+# |log 4| < 1.4, which exp turns into a relative error: 3 for the two logits in z − max),
+# − max 1, exp 1, Σ over E = 4: 3, ÷ 1. The top-k weights renormalize: Σ over K = 2, ÷.
+N_PROB = 3 + 1 + 1 + 3 + 1
+N_WEIGHT = N_PROB + 2
 
 
 def test_route_top_k_by_hand():
     idx, w, probs = moe.route(LOGITS, 2)
     np.testing.assert_array_equal(idx, [[3, 2], [0, 3]])
-    np.testing.assert_allclose(w, [[4 / 7, 3 / 7], [2 / 3, 1 / 3]], rtol=1e-6)
-    np.testing.assert_allclose(probs[1], [0.5, 0.125, 0.125, 0.25], rtol=1e-6)
+    assert_close(w, [[4 / 7, 3 / 7], [2 / 3, 1 / 3]], n=N_WEIGHT)
+    assert_close(probs[1], [0.5, 0.125, 0.125, 0.25], n=N_PROB)
     assert idx.dtype == jnp.int32
 
 
@@ -22,7 +28,7 @@ def test_route_replay_by_hand_with_minus_one_rows():
     replay = jnp.array([[0, 1], [-1, -1]], jnp.int32)
     idx, w, _ = moe.route(LOGITS, 2, replay)
     np.testing.assert_array_equal(idx, [[0, 1], [0, 3]])  # token 1 routed normally
-    np.testing.assert_allclose(w, [[1 / 3, 2 / 3], [2 / 3, 1 / 3]], rtol=1e-6)
+    assert_close(w, [[1 / 3, 2 / 3], [2 / 3, 1 / 3]], n=N_WEIGHT)
 
 
 def test_router_gradient_reaches_replayed_expert_outside_top_k():
@@ -30,7 +36,9 @@ def test_router_gradient_reaches_replayed_expert_outside_top_k():
     # so ∂w_1/∂l1 = w_1 (1 − w_1) = 2/9 and ∂w_1/∂l0 = −2/9, others 0.
     replay = jnp.array([[0, 1], [-1, -1]], jnp.int32)
     g = jax.grad(lambda l: moe.route(l, 2, replay)[1][0, 1])(LOGITS)
-    np.testing.assert_allclose(g[0], [-2 / 9, 2 / 9, 0.0, 0.0], atol=1e-6)
+    # Norm-wise: the zeros are cancellations. The forward's roundings, the same path
+    # transposed, and the softmax VJP's Σ over E = 4.
+    assert_close(g[0], [-2 / 9, 2 / 9, 0.0, 0.0], n=2 * N_WEIGHT + 3, scale="max")
     assert float(jnp.abs(g[1]).max()) == 0.0
 
 
@@ -60,18 +68,26 @@ def test_route_k_error():
 
 
 def _random_moe(t=37, d=16, f=24, e=8, k=2, seed=0):
+    """float64 (under the `x64` fixture): the dispatch tests compare two algorithms."""
     ks = jax.random.split(jax.random.key(seed), 5)
-    x = jax.random.normal(ks[0], (t, d))
-    ws = (jax.random.normal(ks[1], (e, d, f)) * 0.3, jax.random.normal(ks[2], (e, d, f)) * 0.3,
-          jax.random.normal(ks[3], (e, f, d)) * 0.3)
-    logits = jax.random.normal(ks[4], (t, e))
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float64)
+    x = normal(ks[0], (t, d))
+    ws = (normal(ks[1], (e, d, f)) * 0.3, normal(ks[2], (e, d, f)) * 0.3,
+          normal(ks[3], (e, f, d)) * 0.3)
+    logits = normal(ks[4], (t, e))
     return x, ws, logits, k
 
 
+# Roundings of one expert output y_t: gate/up dot over D = 16, SwiGLU and the combine
+# weight (~5), the down projection (the dense path sums over E·F = 8·24 at once), the
+# combine over K = 2.
+N_FFN = 16 + 5 + 8 * 24 + 2
+
+
 @pytest.mark.parametrize("tile", [1, 8, 64])
-def test_dense_and_grouped_agree_in_value_and_gradient(tile):
+def test_dense_and_grouped_agree_in_value_and_gradient(x64, tile):
     x, ws, logits, k = _random_moe()
-    cot = jax.random.normal(jax.random.key(9), x.shape)
+    cot = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)
 
     def loss(path, x, ws, logits):
         idx, w, _ = moe.route(logits, k)
@@ -84,19 +100,25 @@ def test_dense_and_grouped_agree_in_value_and_gradient(tile):
     vd, gd = jax.value_and_grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2))(x, ws, logits)
     vg, gg = jax.jit(jax.value_and_grad(lambda *a: loss("grouped", *a), argnums=(0, 1, 2)))(
         x, ws, logits)
-    np.testing.assert_allclose(vg, vd, rtol=1e-5)
+    # The value: y then Σ y·cot over T·D = 37·16 terms, whose cancellation is its cond.
+    y = moe.experts_dense(x, *moe.route(logits, k)[:2], *ws)
+    terms = np.asarray(y * cot)
+    assert_close(vg, vd, n=N_FFN + 37 * 16 + 1, dtype="float64",
+                 cond=np.abs(terms).sum() / abs(terms.sum()))
+    # Gradients, norm-wise: the forward path, the same path transposed, and the Σ over the
+    # T·K = 74 routed pairs every weight gradient reduces over.
     for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gd)):
-        scale = float(jnp.abs(b).max())
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+        assert_close(a, b, n=2 * N_FFN + 37 * 2, dtype="float64", scale="max")
 
 
-def test_grouped_is_dropless_when_all_tokens_pick_one_expert():
+def test_grouped_is_dropless_when_all_tokens_pick_one_expert(x64):
     # Every token routes to experts {0, 1}: a capacity-limited dispatch would drop most.
     x, ws, _, k = _random_moe(t=50)
     idx = jnp.tile(jnp.array([[0, 1]], jnp.int32), (50, 1))
-    w = jnp.full((50, 2), 0.5)
-    np.testing.assert_allclose(moe.experts_grouped(x, idx, w, *ws, tile=8),
-                               moe.experts_dense(x, idx, w, *ws), rtol=1e-5, atol=1e-6)
+    w = jnp.full((50, 2), 0.5, jnp.float64)
+    # Norm-wise: entries of y are sums over F that cancel.
+    assert_close(moe.experts_grouped(x, idx, w, *ws, tile=8),
+                 moe.experts_dense(x, idx, w, *ws), n=N_FFN, dtype="float64", scale="max")
 
 
 def test_padded_rows_bound():
@@ -110,6 +132,8 @@ def test_router_stats_by_hand():
     logits = jnp.zeros((4, 2))
     probs = jax.nn.softmax(logits)
     load, z, balance = moe.router_stats(probs, idx, logits, jnp.array([1, 1, 1, 0]))
-    np.testing.assert_allclose(load, [2 / 3, 1 / 3], rtol=1e-6)
-    np.testing.assert_allclose(balance, 2 * (2 / 3 * 0.5 + 1 / 3 * 0.5), rtol=1e-6)
-    np.testing.assert_allclose(z, np.log(2.0) ** 2, rtol=1e-6)
+    # Counts, masks and probs (0.5) are exact. load: n·K, ÷ (2). balance: load (2),
+    # × importance, Σ over E = 2, × E (3). z: log 2 (1), squared (2), Σ over T = 4 (3), ÷ n.
+    assert_close(load, [2 / 3, 1 / 3], n=2)
+    assert_close(balance, 2 * (2 / 3 * 0.5 + 1 / 3 * 0.5), n=5)
+    assert_close(z, np.log(2.0) ** 2, n=7)

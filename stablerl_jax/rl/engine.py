@@ -30,13 +30,16 @@ def make_optimizer(rl_cfg) -> optax.GradientTransformation:
                     eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
 
 
-def make_mesh(rl_cfg):
+def make_mesh(rl_cfg, devices=None):
+    """The (data, fsdp, expert) mesh of rl.mesh over the first devices of `devices`
+    (default: the default backend's)."""
+    devices = jax.devices() if devices is None else list(devices)
     data, fsdp, expert = rl_cfg.mesh
     n = data * fsdp * expert
-    if n > jax.device_count():
-        raise ValueError(f"rl.mesh={rl_cfg.mesh} needs {n} devices, only {jax.device_count()} "
+    if n > len(devices):
+        raise ValueError(f"rl.mesh={rl_cfg.mesh} needs {n} devices, only {len(devices)} "
                          "are visible; shrink rl.mesh")
-    return sharding.make_mesh(data, fsdp, expert, devices=jax.devices()[:n])
+    return sharding.make_mesh(data, fsdp, expert, devices=devices[:n])
 
 
 def batch_tree_shardings(mesh, tree):
@@ -81,8 +84,8 @@ class Engine:
     state_shardings: steps.TrainState
 
     @classmethod
-    def create(cls, cfg, params_like=None) -> "Engine":
-        mesh = make_mesh(cfg.rl)
+    def create(cls, cfg, params_like=None, devices=None) -> "Engine":
+        mesh = make_mesh(cfg.rl, devices)
         optimizer = make_optimizer(cfg.rl)
         shapes = params_like if params_like is not None else jax.eval_shape(
             lambda: tf.init_params(jax.random.key(0), cfg.model))
