@@ -24,7 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import median_seconds
-from kernels.fused_logprob import BlockSizes, fused_logprob
+from stablerl_jax.kernels.fused_logprob import BlockSizes, fused_logprob
+
+# The benchmark chooses how Pallas runs: interpreted on a CPU, compiled for the backend.
+_PALLAS = {"target": "tpu" if jax.default_backend() == "tpu" else "gpu",
+           "interpret": jax.default_backend() == "cpu"}
 
 
 def _temp_mb(fn, args):
@@ -32,9 +36,9 @@ def _temp_mb(fn, args):
 
 
 def _row(impl, block, args, reps):
-    fwd = jax.jit(lambda h, w, y: fused_logprob(h, w, y, impl=impl, block=block))
-    loss = lambda h, w, y: sum(jnp.sum(o) for o in fused_logprob(h, w, y, impl=impl,
-                                                                    block=block))
+    op = lambda h, w, y: fused_logprob(h, w, y, impl=impl, block=block, **_PALLAS)
+    fwd = jax.jit(op)
+    loss = lambda h, w, y: sum(jnp.sum(o) for o in op(h, w, y))
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
     return (median_seconds(fwd, *args, reps=reps), median_seconds(bwd, *args, reps=reps),
             _temp_mb(fwd, args), _temp_mb(bwd, args))

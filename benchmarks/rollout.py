@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import median_seconds
 from stablerl_jax import rollout as ro
-from stablerl_jax.config import ModelConfig
+from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -51,11 +51,12 @@ def main():
     params = tf.init_params(jax.random.key(0), cfg)
     prompts = jax.random.randint(jax.random.key(1), (args.batch, args.prompt), 4, 512)
     mask = jnp.ones_like(prompts, bool)
-    # eos_id outside the vocabulary: every row decodes all `new` tokens, like the baseline.
-    sampling = ro.SamplingConfig(max_new_tokens=args.new, eos_id=cfg.vocab_size)
+    sampling = SamplingConfig(max_new_tokens=args.new)
     key = jax.random.key(2)
+    # eos_id=-1: every row decodes all `new` tokens, like the baseline.
     cached = median_seconds(lambda: ro.sample(params, prompts, mask, key, cfg, sampling,
-                                              nx.preset("exact")).tokens_BxS, reps=args.reps)
+                                              nx.preset("exact"), eos_id=-1,
+                                              pad_id=0).tokens_BxS, reps=args.reps)
     full = median_seconds(lambda: sample_without_cache(params, prompts, key, cfg, args.new),
                           reps=args.reps)
     n = args.batch * args.new

@@ -2,8 +2,9 @@
 
     python -m benchmarks.train_step [--presets tiny,small] [--reps 3]
 
-For each preset: a synthetic mini-batch of full-length sequences (prompt + completion,
-random tokens, R2 replay of routes recorded by the score step), the Engine's jitted,
+For each preset: a synthetic rollout of full-length sequences (prompt + completion,
+random tokens), scored by the Engine's score step (R2: the update replays the routes it
+records), then the Engine's jitted,
 sharded, state-donating update step timed over `reps` steps after one compile/warm-up
 step. Model FLOPs per step count the matmuls of one forward and backward (3× forward):
 attention projections, causal attention (half the T×T scores), router, the K active
@@ -14,7 +15,6 @@ of the compiled step is printed beside it. The peak is the median FLOP/s of a ba
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import jax
@@ -22,25 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import median_seconds
-from stablerl_jax.config import ModelConfig
+from stablerl_jax import presets
+from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import config as rl_config
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.rollout import Rollout
 
 
-def small() -> rl_config.ExperimentConfig:
+def small() -> ExperimentConfig:
     """A 112M-total / ~24M-active-parameter MoE: the size at which the matmuls of a
     step are large enough to measure arithmetic efficiency on a CPU."""
-    base = rl_config.tiny()
+    base = presets.tiny()
     model = ModelConfig(vocab_size=8192, d_model=512, num_layers=4, num_heads=8,
                         num_kv_heads=4, head_dim=64, num_experts=16, top_k=2,
                         expert_ffn_dim=1024, max_seq_len=512, moe_tile=128)
-    task = dataclasses.replace(base.task, vocab_size=model.vocab_size)
-    rl = dataclasses.replace(base.rl, prompts_per_step=4, group_size=8, num_minibatches=1)
-    return dataclasses.replace(base, name="small", model=model, task=task, rl=rl)
+    rl = base.rl.replace(prompts_per_step=4, group_size=8, num_minibatches=1)
+    return base.replace(name="small", model=model, rl=rl)
 
 
-PRESETS = {"tiny": (rl_config.tiny, 64), "small": (small, 256)}  # (config, sequence length)
+PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256)}  # (config, sequence length)
 
 
 def model_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
@@ -61,38 +61,31 @@ def matmul_peak(dtype, n: int = 4096, reps: int = 3) -> float:
     return 2 * n ** 3 / median_seconds(f, a, b, reps=reps)
 
 
-def synthetic_batch(cfg, batch: int, seq: int) -> dict:
-    """A full-length mini-batch in the training T-frame: the first quarter is prompt."""
+def synthetic_rollout(cfg, batch: int, seq: int) -> tuple[Rollout, np.ndarray]:
+    """A full-length rollout (the first quarter prompt) and random 0/1 rewards."""
     rng = np.random.default_rng(0)
     m = cfg.model
-    t = seq - 1
     tokens = rng.integers(4, m.vocab_size, (batch, seq), dtype=np.int32)
-    mask = np.zeros((batch, t), np.float32)
-    mask[:, seq // 4:] = 1.0
-    logp = -rng.uniform(0.0, 5.0, (batch, t)).astype(np.float32)
-    routes = np.stack([np.stack([rng.permutation(m.num_experts)[:m.top_k] for _ in range(batch * t)])
-                       for _ in range(m.num_layers)]).reshape(m.num_layers, batch, t, m.top_k)
-    return {
-        "inputs_BxT": jnp.asarray(tokens[:, :-1]),
-        "targets_BxT": jnp.asarray(tokens[:, 1:]),
-        "attn_BxT": jnp.ones((batch, t), bool),
-        "mask_BxT": jnp.asarray(mask),
-        "rollout_logp_BxT": jnp.asarray(logp),
-        "routes_mu_LxBxTxK": jnp.asarray(routes, jnp.int32),
-        "advantages_B": jnp.asarray(rng.standard_normal(batch), jnp.float32),
-    }
+    prompt = np.zeros((batch, seq), bool)
+    prompt[:, :seq // 4] = True
+    logp = np.where(prompt, 0.0, -rng.uniform(0.0, 5.0, (batch, seq))).astype(np.float32)
+    routes = np.argsort(rng.uniform(size=(batch, seq, m.num_layers, m.num_experts)),
+                        axis=-1)[..., :m.top_k].astype(np.int32)
+    routes[:, -1] = -1  # the last token is never fed back
+    rollout = Rollout(tokens, prompt, ~prompt, np.full((batch,), seq - seq // 4, np.int32),
+                      logp, routes)
+    return rollout, rng.integers(0, 2, batch).astype(np.float32)
 
 
 def bench(name: str, reps: int) -> dict:
     make, seq = PRESETS[name]
     cfg = make()
-    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, replay="r2"),
-                              model=cfg.model.replace(max_seq_len=max(seq, cfg.model.max_seq_len)))
+    cfg = cfg.replace(rl=cfg.rl.replace(replay="r2"),
+                      model=cfg.model.replace(max_seq_len=max(seq, cfg.model.max_seq_len)))
     batch_size = cfg.rl.prompts_per_step * cfg.rl.group_size // cfg.rl.num_minibatches
-    engine = Engine.create(cfg)
+    engine = Engine.create(cfg, eos_id=3, pad_id=0)
     state = engine.init_state(tf.init_params(jax.random.key(0), cfg.model))
-    batch = synthetic_batch(cfg, batch_size, seq)
-    batch.update(engine.score(state.params, batch))  # old_logp and the R2 record
+    batch, _ = engine.score(state.params, *synthetic_rollout(cfg, batch_size, seq))
 
     state, m = engine.update(state, batch)  # compile + warm-up
     jax.block_until_ready((state, m))

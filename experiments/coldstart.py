@@ -11,31 +11,29 @@ takes about 9 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from experiments import common
 from experiments.common import Experiment, Variant
-from stablerl_jax.data.synthetic import STYLES
-from stablerl_jax.rl import config as rl_config
+from stablerl_jax import presets
+from stablerl_jax.config import STYLES, ExperimentConfig, apply_overrides
 
 VARIANTS = tuple(Variant(f"sft-{s}", (f"task.style={s}",)) for s in STYLES)
 RECIPE = ("rl.replay=r2", "rl.num_minibatches=2")
 
 
-def tiny_base() -> rl_config.ExperimentConfig:
+def tiny_base() -> ExperimentConfig:
     """The on-policy tiny setting with MiniRL + R2, N = 2, 4 prompts × 8 per mini-batch."""
     from experiments.onpolicy import tiny_base as onpolicy_base
-    base = rl_config.apply_overrides(onpolicy_base(), RECIPE)
-    rl = dataclasses.replace(base.rl, steps=60, prompts_per_step=8, checkpoint_every=30)
-    return dataclasses.replace(base, name="coldstart", rl=rl)
+    base = apply_overrides(onpolicy_base(), RECIPE)
+    rl = base.rl.replace(steps=60, prompts_per_step=8, checkpoint_every=30)
+    return base.replace(name="coldstart", rl=rl)
 
 
 PRESETS = {
     "tiny": lambda: Experiment(tiny_base(), VARIANTS, seeds=(0, 1)),
     # Paper §5: three cold starts distilled from different teachers; MiniRL + R2 at N = 2
     # with 1,024 responses per mini-batch (B = 2,048).
-    "paper": lambda: Experiment(rl_config.apply_overrides(
-        rl_config.paper(), (*RECIPE, "rl.prompts_per_step=128")), VARIANTS, seeds=(0, 1, 2)),
+    "paper": lambda: Experiment(apply_overrides(
+        presets.paper(), (*RECIPE, "rl.prompts_per_step=128")), VARIANTS, seeds=(0, 1, 2)),
 }
 
 

@@ -12,8 +12,8 @@ Command line of every module:
     python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
         [--only VARIANT,...] [--dry-run] [--quiet] [section.field=value ...]
 
-Overrides apply to every run (e.g. `rl.inference=bf16 rl.router_noise_std=0.5`, the
-mismatch knob); `--dry-run` prints each run's resolved settings and exits (the way to
+Overrides apply to every run (e.g. `sampling.numerics=bf16 sampling.router_noise_std=0.5`,
+the mismatch knobs); `--dry-run` prints each run's resolved settings and exits (the way to
 read the `paper` preset, which is a TPU-pod job).
 """
 from __future__ import annotations
@@ -28,11 +28,10 @@ import time
 
 import numpy as np
 
-from stablerl_jax.config import ConfigError
+from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
+from stablerl_jax.data.task import TaskData
 from stablerl_jax.metrics_io import plot_comparison, read_metrics
-from stablerl_jax.rl import config as rl_config
 from stablerl_jax.rl import loop, sft
-from stablerl_jax.rl.task import TaskData
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +44,12 @@ class Variant:
 class Experiment:
     """One preset of an experiment: what to run and how many times."""
 
-    base: rl_config.ExperimentConfig
+    base: ExperimentConfig
     variants: tuple[Variant, ...]
     seeds: tuple[int, ...] = (0, 1)
 
-    def config(self, variant: Variant, seed: int, overrides=()) -> rl_config.ExperimentConfig:
-        return rl_config.apply_overrides(
+    def config(self, variant: Variant, seed: int, overrides=()) -> ExperimentConfig:
+        return apply_overrides(
             self.base, (*variant.overrides, *overrides, f"rl.seed={seed}",
                          f"name={variant.name}/seed{seed}"))
 
@@ -155,7 +154,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def cold_start(cfg, workdir: str, progress: bool):
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
-    data = TaskData.create(cfg.task, os.path.join(workdir, "data"))
+    data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(workdir, "data"))
     params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
     if losses:
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
@@ -240,14 +239,17 @@ def select(exp: Experiment, args, ap) -> tuple[tuple[Variant, ...], tuple[int, .
 def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
     for v in variants:
         cfg = exp.config(v, seeds[0], overrides)
-        rl = cfg.rl
+        rl, sampling = cfg.rl, cfg.sampling
         print(f"{v.name} (seeds {list(seeds)}): overrides {list(v.overrides)}\n"
               f"  model L={cfg.model.num_layers} D={cfg.model.d_model} "
               f"E={cfg.model.num_experts} K={cfg.model.top_k} V={cfg.model.vocab_size} "
               f"compute={cfg.model.compute_dtype}\n"
               f"  rl steps={rl.steps} prompts={rl.prompts_per_step} G={rl.group_size} "
-              f"N={rl.num_minibatches} replay={rl.replay} inference={rl.inference} "
-              f"router_noise={rl.router_noise_std} lr={rl.learning_rate} mesh={rl.mesh}\n"
+              f"N={rl.num_minibatches} replay={rl.replay} lr={rl.optim.learning_rate} "
+              f"mesh={cfg.mesh}\n"
+              f"  sampling numerics={sampling.numerics} "
+              f"router_noise={sampling.router_noise_std} max_new_tokens="
+              f"{sampling.max_new_tokens}\n"
               f"  loss {cfg.loss}")
 
 
@@ -277,7 +279,7 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
                                       os.path.join(args.workdir, v.name), progress)
             runs.update(run(data=data, params=params, variants=(v,)))
     else:
-        data, params = cold_start(rl_config.apply_overrides(exp.base, args.overrides),
+        data, params = cold_start(apply_overrides(exp.base, args.overrides),
                                   args.workdir, progress)
         runs = run(data=data, params=params, variants=variants)
     table = report(runs, args.workdir, title, command(module, argv),

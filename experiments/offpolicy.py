@@ -12,11 +12,10 @@ tiny preset (2 seeds × 4 variants × N ∈ {2, 4, 8} × 25 steps) takes about 2
 """
 from __future__ import annotations
 
-import dataclasses
-
 from experiments import common
 from experiments.common import Experiment, Variant
-from stablerl_jax.rl import config as rl_config
+from stablerl_jax import presets
+from stablerl_jax.config import ExperimentConfig
 
 NS = (2, 4, 8)
 NO_CLIP = "loss.clip=false"
@@ -34,20 +33,20 @@ def variants(minibatch_prompts: int) -> tuple[Variant, ...]:
                  for n in NS for v in BASE_VARIANTS)
 
 
-def tiny_base() -> rl_config.ExperimentConfig:
+def tiny_base() -> ExperimentConfig:
     """The on-policy tiny setting (FP8 + router noise 0.3) with 4 prompts × 8 responses per
     mini-batch."""
     from experiments.onpolicy import tiny_base as onpolicy_base
     base = onpolicy_base()
-    rl = dataclasses.replace(base.rl, steps=25, prompts_per_step=8, num_minibatches=2,
-                             eval_every=5, checkpoint_every=25)
-    return dataclasses.replace(base, name="offpolicy", rl=rl)
+    rl = base.rl.replace(steps=25, prompts_per_step=8, num_minibatches=2, eval_every=5,
+                         checkpoint_every=25)
+    return base.replace(name="offpolicy", rl=rl)
 
 
 PRESETS = {
     "tiny": lambda: Experiment(tiny_base(), variants(4), seeds=(0, 1)),
     # Paper §5: 1,024 responses (64 prompts × 16) per mini-batch, B = N × 1,024.
-    "paper": lambda: Experiment(rl_config.paper(), variants(64), seeds=(0, 1, 2)),
+    "paper": lambda: Experiment(presets.paper(), variants(64), seeds=(0, 1, 2)),
 }
 
 

@@ -10,11 +10,10 @@ preset (2 seeds × 6 variants × 60 steps) takes about 20 minutes on 2 CPU cores
 """
 from __future__ import annotations
 
-import dataclasses
-
 from experiments import common
 from experiments.common import Experiment, Variant
-from stablerl_jax.rl import config as rl_config
+from stablerl_jax import presets
+from stablerl_jax.config import ExperimentConfig
 
 LEN_NORM = "loss.aggregation=seq_mean_token_mean"
 NO_IS = "loss.use_is=false"
@@ -29,22 +28,22 @@ VARIANTS = (
 )
 
 
-def tiny_base() -> rl_config.ExperimentConfig:
+def tiny_base() -> ExperimentConfig:
     """The quickstart model and task; FP8 sampling plus router logit noise (σ = 0.3) puts
     the training–inference k1 KL near 1e-2, inside the paper's range."""
-    base = rl_config.tiny()
-    rl = dataclasses.replace(base.rl, steps=60, prompts_per_step=16, group_size=8,
-                             num_minibatches=1, inference="fp8", router_noise_std=0.3,
-                             learning_rate=1e-4, eval_every=10, eval_k=4, eval_problems=64,
-                             checkpoint_every=30)
-    return dataclasses.replace(base, name="onpolicy", rl=rl)
+    base = presets.tiny()
+    rl = base.rl.replace(steps=60, prompts_per_step=16, group_size=8, num_minibatches=1,
+                         eval_every=10, eval_k=4, eval_problems=64, checkpoint_every=30,
+                         optim=base.rl.optim.replace(learning_rate=1e-4))
+    sampling = base.sampling.replace(numerics="fp8", router_noise_std=0.3)
+    return base.replace(name="onpolicy", rl=rl, sampling=sampling)
 
 
 PRESETS = {
     "tiny": lambda: Experiment(tiny_base(), VARIANTS, seeds=(0, 1)),
     # Paper §5: Qwen3-30B-A3B-shaped MoE, FP8 inference, 64 prompts × 16 = 1,024
-    # responses per step and per update (N = 1), lr 1e-6 (see rl.config.paper).
-    "paper": lambda: Experiment(rl_config.paper(), VARIANTS, seeds=(0, 1, 2)),
+    # responses per step and per update (N = 1), lr 1e-6 (see presets.paper).
+    "paper": lambda: Experiment(presets.paper(), VARIANTS, seeds=(0, 1, 2)),
 }
 
 

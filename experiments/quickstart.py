@@ -15,10 +15,10 @@ import time
 
 from flax import traverse_util
 
+from stablerl_jax import presets
 from stablerl_jax.config import ConfigError
-from stablerl_jax.rl import config as rl_config
+from stablerl_jax.data.task import TaskData
 from stablerl_jax.rl import loop, sft
-from stablerl_jax.rl.task import TaskData
 
 
 def main(argv=None) -> dict:
@@ -29,11 +29,11 @@ def main(argv=None) -> dict:
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     args = ap.parse_args(argv)
     try:
-        cfg = rl_config.preset(args.preset, args.overrides)
+        cfg = presets.preset(args.preset, args.overrides)
     except ConfigError as e:
         ap.error(str(e))
     t0 = time.time()
-    data = TaskData.create(cfg.task, os.path.join(args.workdir, "data"))
+    data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(args.workdir, "data"))
     params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)
     flat = traverse_util.flatten_dict(params, sep="/")
     print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} arrays")

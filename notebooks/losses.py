@@ -39,8 +39,8 @@ rollout_logp = -jax.random.uniform(k[0], (B, T), minval=0.05, maxval=3.0)
 old_logp = rollout_logp + 0.05 * jax.random.normal(k[1], (B, T))     # engine mismatch
 logp = old_logp + 0.3 * jax.random.normal(k[2], (B, T))              # staleness
 adv = jnp.array([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25])
-batch = {"old_logp_BxT": old_logp, "rollout_logp_BxT": rollout_logp,
-         "advantages_B": adv, "mask_BxT": mask}
+batch = losses.LossBatch(old_logp_BxT=old_logp, rollout_logp_BxT=rollout_logp,
+                         mask_BxT=mask, advantages_B=adv)
 
 CONFIGS = {label: losses.PRESETS[name] for label, name in [
     ("MiniRL", "minirl"), ("MiniRL + length norm", "minirl_length_norm"),
@@ -52,7 +52,7 @@ def loss_and_token_weights(cfg, logp, batch):
     """Loss, reduced metrics and −∂loss/∂logp (the per-token policy-gradient weight)."""
     fn = jax.jit(jax.value_and_grad(losses.LOSSES[cfg.name], has_aux=True), static_argnums=2)
     (loss, metrics), grad = fn(logp, batch, cfg)
-    return float(loss), losses.reduce_metrics([metrics]), -np.asarray(grad)
+    return float(loss), diagnostics.reduce_metrics([metrics]), -np.asarray(grad)
 
 
 results = {name: loss_and_token_weights(cfg, logp, batch) for name, cfg in CONFIGS.items()}
@@ -95,13 +95,13 @@ plt.show()
 
 # %%
 ratios = jnp.linspace(0.5, 1.6, 200)  # no grid point sits on a clip boundary
-one = {"old_logp_BxT": jnp.full((1, 1), -1.0), "rollout_logp_BxT": jnp.full((1, 1), -1.0),
-       "mask_BxT": jnp.ones((1, 1))}
+one = losses.LossBatch(old_logp_BxT=jnp.full((1, 1), -1.0),
+                       rollout_logp_BxT=jnp.full((1, 1), -1.0), mask_BxT=jnp.ones((1, 1)))
 
 
 def weight_vs_ratio(cfg, a):
     """−∂loss/∂log π_θ of a one-token response with Â = a, at each ratio r."""
-    b1 = dict(one, advantages_B=jnp.array([a]))
+    b1 = one._replace(advantages_B=jnp.array([a]))
     grad = jax.vmap(jax.grad(lambda lp: losses.LOSSES[cfg.name](lp, b1, cfg)[0]))
     return -jax.jit(grad)(jnp.log(ratios)[:, None, None] - 1.0)[:, 0, 0]
 
@@ -128,7 +128,7 @@ plt.show()
 # %%
 dropped = (results["MiniRL"][2] == 0) & (results["MiniRL no clip"][2] != 0)
 minirl = CONFIGS["MiniRL"]
-fractions = losses.reduce_metrics([diagnostics.clip_fractions(
+fractions = diagnostics.reduce_metrics([diagnostics.clip_fractions(
     logp, old_logp, adv, mask, minirl.eps_low, minirl.eps_high)])
 frac = fractions["clip/frac_high"] + fractions["clip/frac_low"]
 print(f"dropped tokens: {int(dropped.sum())} of {int(mask.sum())}; "
@@ -150,7 +150,7 @@ plt.show()
 # losses log the same split, so `diagnostics.eq5_factors` and the loss metrics agree.
 
 # %%
-eq5 = losses.reduce_metrics([diagnostics.eq5_factors(logp, old_logp, rollout_logp, mask)])
+eq5 = diagnostics.reduce_metrics([diagnostics.eq5_factors(logp, old_logp, rollout_logp, mask)])
 for key in ("engine", "staleness"):
     print(f"{key:9s} log factor: mean {eq5[f'eq5/{key}_log_mean']:+.4f}, "
           f"std {eq5[f'eq5/{key}_log_std']:.4f}")
@@ -174,7 +174,7 @@ plt.show()
 # token (the first-order surrogate's gradient is exactly the REINFORCE gradient here).
 
 # %%
-on_policy = dict(batch, old_logp_BxT=rollout_logp)
+on_policy = batch._replace(old_logp_BxT=rollout_logp)
 _, _, w = loss_and_token_weights(LossConfig(), rollout_logp, on_policy)
 rtol = 2 * 4 * 2**-24  # n = 4: exp of the log-ratio, × Â, × mask, ÷ B; cond 1
 np.testing.assert_allclose(w, np.asarray(adv[:, None] * mask / B), rtol=rtol)

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from stablerl_jax import diagnostics, losses, mismatch, rollout
-from stablerl_jax.config import ModelConfig
+from stablerl_jax import diagnostics, mismatch, rollout
+from stablerl_jax.config import ExperimentConfig, ModelConfig, RLConfig, SamplingConfig
+from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
@@ -32,7 +33,8 @@ cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_h
                   head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=32, max_seq_len=40,
                   moe_tile=8, init_std=0.1, dispatch="dense")
 params = tf.init_params(jax.random.key(0), cfg)
-sampling = rollout.SamplingConfig(max_new_tokens=24, eos_id=3, pad_id=0)
+sampling = SamplingConfig(max_new_tokens=24)
+EOS, PAD = 3, 0  # a tokenizer's special ids (SentencePiece's here)
 B, P = 32, 8
 prompts = jax.random.randint(jax.random.key(1), (B, P), 4, cfg.vocab_size)
 prompt_mask = jnp.ones((B, P), bool)
@@ -49,7 +51,7 @@ PRESETS = ("exact", "bf16", "fp8")
 rollouts, stats = {}, {}
 for name in PRESETS:
     rollouts[name] = rollout.sample(params, prompts, prompt_mask, jax.random.key(2), cfg,
-                                    sampling, nx.preset(name))
+                                    sampling, nx.preset(name), eos_id=EOS, pad_id=PAD)
     stats[name] = mismatch.measure_mismatch(params, rollouts[name], cfg)
     s = stats[name]
     print(f"{name:5s} KL k1 {s['kl_k1']:+.2e}  k3 {s['kl_k3']:.2e}  "
@@ -85,10 +87,11 @@ assert stats["fp8"]["routing_mismatch"] > 0
 # ## Eq. 5 under each replay mode
 # On the FP8 rollout, the training engine's log-probs split the IS ratio π_θ/μ_old into
 # an **engine** factor π_old/μ_old and a **staleness** factor π_θ/π_old. For each replay
-# mode, `steps.score` gives π_old at θ_old (R3 replays `routes_mu` already here; none and
-# R2 route live and record `routes_old`), and `steps.policy_logprobs` with
-# `steps.replay_for(mode, batch)` gives π_θ, as in the update step. θ stands for the
-# parameters after some updates: θ_old plus a small random perturbation.
+# mode, the trainer's score step (`steps.score`) gives π_old at θ_old (R3 replays
+# `routes_mu` already here; none and R2 route live) and the batch's replay tensor (R2: the
+# routes π_old used), and `policy_logprobs` with that replay gives π_θ, as in the update
+# step. θ stands for the parameters after some updates: θ_old plus a small random
+# perturbation.
 #
 # Expected: R3 shrinks the engine factor (the trainer uses the sampler's experts, only the
 # numerics differ); R2 leaves it as it is, since at θ_old the live routes *are* the
@@ -96,25 +99,29 @@ assert stats["fp8"]["routing_mismatch"] > 0
 # staleness factor no longer contains expert flips caused by the parameter change.
 
 # %%
-batch = steps.train_batch(rollouts["fp8"], jnp.zeros((B,)))
-score = jax.jit(steps.score, static_argnames=("cfg", "replay", "temperature", "impl"))
-logprobs = jax.jit(steps.policy_logprobs, static_argnames=("cfg",))
+rewards = jnp.zeros((B,))  # the advantages play no part here
+logprobs = jax.jit(policy_logprobs, static_argnames=("cfg",))
 eq5_factors = jax.jit(diagnostics.eq5_factors)
 routing_mismatch = jax.jit(diagnostics.routing_mismatch)
 rng = np.random.default_rng(3)
 theta = jax.tree.map(lambda p: p + 0.002 * rng.standard_normal(p.shape, np.float32), params)
 
-scored = {mode: score(params, batch, cfg=cfg, replay=mode, temperature=1.0, impl="chunked")
-          for mode in ("none", "r2", "r3")}
 eq5, route_shift = {}, {}
 for mode in ("none", "r2", "r3"):
-    b = dict(batch, **scored[mode])
-    logp_theta, _, aux = logprobs(theta, b, cfg, replay_LxBxTxK=steps.replay_for(mode, b))
-    eq5[mode] = losses.reduce_metrics([eq5_factors(
-        logp_theta, b["old_logp_BxT"], b["rollout_logp_BxT"], b["mask_BxT"])])
+    run = ExperimentConfig(model=cfg, sampling=sampling,
+                           rl=RLConfig(replay=mode, prompts_per_step=B // 2, group_size=2))
+    b, _ = jax.jit(steps.score, static_argnames="cfg")(params, rollouts["fp8"], rewards,
+                                                       cfg=run)
+    # The experts π_old used (the score step routes live except under R3).
+    _, _, old_aux = logprobs(params, b.tokens_BxS, b.attn_BxS, cfg,
+                             replay_BxTxLxK=b.replay_BxTxLxK if mode == "r3" else None)
+    logp_theta, _, aux = logprobs(theta, b.tokens_BxS, b.attn_BxS, cfg,
+                                  replay_BxTxLxK=b.replay_BxTxLxK)
+    eq5[mode] = diagnostics.reduce_metrics([eq5_factors(
+        logp_theta, b.old_logp_BxT, b.rollout_logp_BxT, b.mask_BxT)])
     # Experts θ uses vs those π_old used, on completion tokens.
     route_shift[mode] = float(routing_mismatch(
-        aux["routes"], b["routes_old_LxBxTxK"], b["mask_BxT"])["any_flip"])
+        aux["routes"], old_aux["routes"], b.mask_BxT)["any_flip"])
     print(f"replay={mode:4s} spread of log factor: engine {eq5[mode]['eq5/engine_log_std']:.3e}"
           f"  staleness {eq5[mode]['eq5/staleness_log_std']:.3e}   tokens whose experts"
           f" moved θ_old → θ: {route_shift[mode]:.3f}")

@@ -1,18 +1,41 @@
-"""Frozen configuration dataclasses, validated on construction.
+"""Every setting of an experiment: frozen dataclasses, validated on construction.
+
+    ExperimentConfig
+      model     ModelConfig     the Qwen3-MoE decoder (vocab_size is stated here only)
+      task      TaskConfig      data and token budgets
+      sampling  SamplingConfig  the inference engine: decoding and its numerics
+      loss      LossConfig      the surrogate loss (MiniRL by default)
+      rl        RLConfig        the global-step loop, its cadence and `rl.optim`
+      sft       SFTConfig       the cold start and `sft.optim`
+      mesh                      (data, fsdp, expert) device mesh of every jitted step
 
 Every check raises `ConfigError` naming the field, the bad value and what to change.
 Nothing is silently fixed: a config either describes exactly what runs or is refused.
+`apply_overrides` applies `section.field=value` strings (nested: `rl.optim.learning_rate`)
+all at once, then validates once, so overrides that only make sense together (e.g.
+`task.kind=gsm8k task.jsonl_dir=…`) are accepted in any order.
+
+This module is a leaf: it imports nothing from the model, data or training code. Special
+token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
+(`model.numerics.dtype_of`).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 
-import jax.numpy as jnp
-
-# float64 is for numerical reference runs under `jax.enable_x64` (the tests compare
-# algorithms in it); training runs use float32 or bfloat16.
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-           "float64": jnp.float64}
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
+INFERENCE_NUMERICS = ("exact", "bf16", "fp8")  # presets of model.numerics for the sampler
+LOSS_NAMES = ("minirl", "grpo", "cispo", "gspo", "gspo_token", "dapo")
+IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
+AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
+REPLAY_MODES = ("none", "r2", "r3")
+LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
+TASK_KINDS = ("arithmetic", "gsm8k")
+STYLES = ("steps", "rewrite", "terse")
+OPERATORS = ("+-", "+")
 
 
 class ConfigError(ValueError):
@@ -25,24 +48,42 @@ def check(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_positive_int(obj, *fields: str) -> None:
     for f in fields:
         v = getattr(obj, f)
-        check(isinstance(v, int) and not isinstance(v, bool) and v > 0, f,
-              f"must be a positive int, got {v!r}")
+        check(_is_int(v) and v > 0, f, f"must be a positive int, got {v!r}")
 
 
-def dtype_of(name: str):
-    """The jnp dtype for a config dtype name ('float32', 'bfloat16', 'float16', 'float64')."""
-    return _DTYPES[name]
+def check_choice(obj, field: str, choices) -> None:
+    v = getattr(obj, field)
+    check(v in choices, field, f"must be one of {tuple(choices)}, got {v!r}")
+
+
+def check_bool(obj, *fields: str) -> None:
+    for f in fields:
+        check(isinstance(getattr(obj, f), bool), f,
+              f"must be true or false, got {getattr(obj, f)!r}")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class _Replace:
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Replace):
     """A Qwen3-MoE style decoder. Letters: V vocab, D model, H heads, E experts, K top-k.
 
     Attributes:
-      vocab_size: V.
+      vocab_size: V, the embedding rows; the tokenizer is trained with at most V pieces.
       d_model: D, the residual stream width.
       num_layers: L, decoder blocks (run as one scan over stacked weights).
       num_heads: query heads H.
@@ -55,7 +96,7 @@ class ModelConfig:
       norm_eps: RMSNorm epsilon.
       tie_embeddings: unembedding is the transposed input embedding.
       max_seq_len: longest sequence (prompt + response) the model is used with.
-      param_dtype: storage dtype of parameters ('float32' | 'bfloat16').
+      param_dtype: storage dtype of parameters (one of DTYPES).
       compute_dtype: activation / matmul dtype of the training path.
       init_std: std of the normal initializer for matrices.
       remat: rematerialize each layer in the backward pass (saves activation memory).
@@ -97,29 +138,114 @@ class ModelConfig:
         check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         check(self.top_k <= self.num_experts, "top_k",
               f"must be <= num_experts={self.num_experts}, got {self.top_k}")
-        check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
-        check(0 < self.norm_eps < 1, "norm_eps", f"must be in (0, 1), got {self.norm_eps}")
-        check(self.init_std > 0, "init_std", f"must be > 0, got {self.init_std}")
+        check(_finite(self.rope_theta) and self.rope_theta > 0, "rope_theta",
+              f"must be > 0, got {self.rope_theta}")
+        check(_finite(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
+              f"must be in (0, 1), got {self.norm_eps}")
+        check(_finite(self.init_std) and self.init_std > 0, "init_std",
+              f"must be > 0, got {self.init_std}")
         for f in ("param_dtype", "compute_dtype"):
-            check(getattr(self, f) in _DTYPES, f,
-                  f"must be one of {sorted(_DTYPES)}, got {getattr(self, f)!r}")
+            check_choice(self, f, DTYPES)
         check(self.dispatch in ("grouped", "dense"), "dispatch",
               f"must be 'grouped' or 'dense', got {self.dispatch!r}")
         for f in ("router_z_loss_weight", "router_aux_loss_weight"):
-            check(getattr(self, f) >= 0, f, f"must be >= 0, got {getattr(self, f)}")
-
-    def replace(self, **kw) -> "ModelConfig":
-        return dataclasses.replace(self, **kw)
-
-
-LOSS_NAMES = ("minirl", "grpo", "cispo", "gspo", "gspo_token", "dapo")
-IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
-AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
-ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
+            v = getattr(self, f)
+            check(_finite(v) and v >= 0, f, f"must be >= 0, got {v}")
+        check_bool(self, "tie_embeddings", "remat")
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class TaskConfig(_Replace):
+    """The RL task: data and prompt/solution token budgets.
+
+    kind: 'arithmetic' (data/synthetic.py) or 'gsm8k' (a local JSONL dir, data/gsm8k.py).
+    num_operands / max_digits / operators / modulus: arithmetic difficulty.
+    style: worked-solution style used for SFT: 'steps', 'rewrite' or 'terse'.
+    num_train / num_test: records per split (arithmetic only; JSONL files set their own).
+    test_fraction: share of the problem space hashed into the test split.
+    seed: the generator's seed.
+    max_prompt_len / max_solution_len: token budgets (longer records are an error).
+    jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
+    skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
+      failing on the first one.
+    """
+
+    kind: str = "arithmetic"
+    num_operands: int = 4
+    max_digits: int = 1
+    operators: str = "+-"
+    modulus: int = 0
+    style: str = "steps"
+    num_train: int = 4000
+    num_test: int = 400
+    test_fraction: float = 0.1
+    seed: int = 0
+    max_prompt_len: int = 16
+    max_solution_len: int = 40
+    jsonl_dir: str = ""
+    skip_malformed: bool = False
+
+    def __post_init__(self):
+        check_choice(self, "kind", TASK_KINDS)
+        check_positive_int(self, "num_operands", "max_digits", "num_train", "num_test",
+                           "max_prompt_len", "max_solution_len")
+        check(self.num_operands >= 2, "num_operands", f"must be >= 2, got {self.num_operands}")
+        check(self.max_digits <= 6, "max_digits", f"must be <= 6, got {self.max_digits}")
+        check_choice(self, "operators", OPERATORS)
+        check(_is_int(self.modulus) and (self.modulus == 0 or self.modulus >= 2),
+              "modulus", f"must be 0 (no modulus) or an int >= 2, got {self.modulus!r}")
+        check_choice(self, "style", STYLES)
+        check(_finite(self.test_fraction) and 0 < self.test_fraction < 1, "test_fraction",
+              f"must be in (0, 1), got {self.test_fraction}")
+        check(_is_int(self.seed) and self.seed >= 0, "seed",
+              f"must be an int >= 0, got {self.seed!r}")
+        check(self.kind != "gsm8k" or bool(self.jsonl_dir), "jsonl_dir",
+              "must name the directory holding train.jsonl / test.jsonl when kind='gsm8k'")
+        check_bool(self, "skip_malformed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig(_Replace):
+    """The sampling engine (inference engine μ): how it decodes and how it computes.
+
+    Attributes:
+      max_new_tokens: N, completion slots per row.
+      temperature: logits are divided by it (> 0).
+      top_k: keep the k most likely tokens (0 = off).
+      top_p: keep the smallest set of most likely tokens whose mass reaches top_p
+        (1.0 = off).
+      numerics: the engine's numerics preset (INFERENCE_NUMERICS, model/numerics.py).
+      router_noise_std / act_fp8: extra mismatch knobs on top of it (seeded router-logit
+        noise; per-token e4m3 activations).
+    EOS and padding ids are the tokenizer's.
+    """
+
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    numerics: str = "fp8"
+    router_noise_std: float = 0.0
+    act_fp8: bool = False
+
+    def __post_init__(self):
+        check_positive_int(self, "max_new_tokens")
+        check(_finite(self.temperature) and self.temperature > 0, "temperature",
+              f"must be > 0, got {self.temperature}")
+        check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+              f"must be an int >= 0 (0 = off), got {self.top_k!r}")
+        check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p",
+              f"must be in (0, 1] (1 = off), got {self.top_p}")
+        check(self.numerics in INFERENCE_NUMERICS, "numerics",
+              f"must be an inference preset {INFERENCE_NUMERICS} ('train' is the trainer's), "
+              f"got {self.numerics!r}")
+        check(_finite(self.router_noise_std) and self.router_noise_std >= 0,
+              "router_noise_std", f"must be a finite number >= 0, got {self.router_noise_std}")
+        check_bool(self, "act_fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig(_Replace):
     """Surrogate loss settings. Defaults are MiniRL exactly (PAPER.md §4, Eq. 7).
 
     Attributes:
@@ -161,31 +287,248 @@ class LossConfig:
     norm_length: int = 0
 
     def __post_init__(self):
-        check(self.name in LOSS_NAMES, "name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
-        check(self.is_correction in IS_CORRECTIONS, "is_correction",
-              f"must be one of {IS_CORRECTIONS}, got {self.is_correction!r}")
+        check_choice(self, "name", LOSS_NAMES)
+        check_choice(self, "is_correction", IS_CORRECTIONS)
         check(self.aggregation is None or self.aggregation in AGGREGATIONS, "aggregation",
               f"must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
-        check(self.advantage in ADVANTAGE_NAMES, "advantage",
-              f"must be one of {ADVANTAGE_NAMES}, got {self.advantage!r}")
+        check_choice(self, "advantage", ADVANTAGE_NAMES)
         check(self.cap_target in ("full", "engine"), "cap_target",
               f"must be 'full' or 'engine', got {self.cap_target!r}")
         for f in ("eps_low", "gspo_eps_low"):
-            check(0 <= getattr(self, f) < 1, f, f"must be in [0, 1), got {getattr(self, f)}")
+            v = getattr(self, f)
+            check(_finite(v) and 0 <= v < 1, f, f"must be in [0, 1), got {v}")
         for f in ("eps_high", "gspo_eps_high"):
-            check(getattr(self, f) >= 0, f, f"must be >= 0, got {getattr(self, f)}")
-        check(self.tis_cap >= 1, "tis_cap", f"must be >= 1, got {self.tis_cap}")
-        check(0 <= self.is_low < 1 < self.is_high, "is_low",
+            v = getattr(self, f)
+            check(_finite(v) and v >= 0, f, f"must be a finite number >= 0, got {v}")
+        check(_finite(self.tis_cap) and self.tis_cap >= 1, "tis_cap",
+              f"must be a finite number >= 1, got {self.tis_cap}")
+        check(_finite(self.is_low) and _finite(self.is_high)
+              and 0 <= self.is_low < 1 < self.is_high, "is_low",
               f"need 0 <= is_low < 1 < is_high, got is_low={self.is_low}, is_high={self.is_high}")
         # exp(±max) and the squared weights of the metrics must stay finite in float32.
-        check(0 < self.max_log_ratio <= 40, "max_log_ratio",
+        check(_finite(self.max_log_ratio) and 0 < self.max_log_ratio <= 40, "max_log_ratio",
               f"must be in (0, 40] so exp(2·max_log_ratio) fits float32, got {self.max_log_ratio}")
-        check(isinstance(self.norm_length, int) and not isinstance(self.norm_length, bool)
-              and self.norm_length >= 0, "norm_length",
+        check(_is_int(self.norm_length) and self.norm_length >= 0, "norm_length",
               f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
-        for f in ("clip", "use_is"):
-            check(isinstance(getattr(self, f), bool), f,
-                  f"must be True or False, got {getattr(self, f)!r}")
+        check_bool(self, "clip", "use_is")
 
-    def replace(self, **kw) -> LossConfig:
-        return dataclasses.replace(self, **kw)
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(_Replace):
+    """Global-norm gradient clipping, then AdamW, with a learning-rate schedule.
+
+    schedule: 'constant' (after `warmup_frac` of the steps of linear warmup from 0) or
+    'cosine' (warmup, then cosine decay to end_lr_frac · learning_rate).
+    """
+
+    learning_rate: float = 1e-4
+    schedule: str = "constant"
+    warmup_frac: float = 0.0
+    end_lr_frac: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        check(_finite(self.learning_rate) and self.learning_rate > 0, "learning_rate",
+              f"must be a finite number > 0, got {self.learning_rate}")
+        check(self.schedule in ("constant", "cosine"), "schedule",
+              f"must be 'constant' or 'cosine', got {self.schedule!r}")
+        for f in ("warmup_frac", "end_lr_frac"):
+            v = getattr(self, f)
+            check(_finite(v) and 0 <= v <= 1, f, f"must be in [0, 1], got {v}")
+        for f in ("b1", "b2"):
+            v = getattr(self, f)
+            check(_finite(v) and 0 <= v < 1, f,
+                  f"must be in [0, 1) (1 never forgets the first gradient), got {v}")
+        # AdamW divides by sqrt(v) + eps: below ~1e-30 a zero second moment overflows.
+        check(_finite(self.eps) and self.eps >= 1e-30, "eps",
+              f"must be a finite number >= 1e-30, got {self.eps}")
+        check(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+              f"must be a finite number >= 0, got {self.weight_decay}")
+        check(_finite(self.grad_clip) and self.grad_clip > 0, "grad_clip",
+              f"must be a finite number > 0, got {self.grad_clip}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(_Replace):
+    """The global-step loop (PAPER.md §1): B/G prompts × G responses = B responses per
+    step, N mini-batches (= optimizer steps) per step, evaluation and checkpoint cadence.
+
+    replay: 'none' | 'r2' | 'r3' (PAPER.md §3).
+    logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
+      Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
+      with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
+      'chunked' 1.4×; docs/benchmarks.md).
+    seed: every random choice of the run derives from (seed, step).
+    """
+
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 8
+    num_minibatches: int = 1
+    replay: str = "none"
+    logprob_impl: str = "chunked"
+    eval_every: int = 10
+    eval_k: int = 4
+    eval_problems: int = 64
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    async_checkpoints: bool = True
+    seed: int = 0
+    optim: OptimConfig = OptimConfig()
+
+    def __post_init__(self):
+        check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
+                           "eval_every", "eval_k", "eval_problems", "checkpoint_every",
+                           "keep_checkpoints")
+        check_choice(self, "replay", REPLAY_MODES)
+        check_choice(self, "logprob_impl", LOGPROB_IMPLS)
+        check(self.group_size >= 2, "group_size",
+              f"must be >= 2, got {self.group_size}: every baseline is a group baseline, and "
+              "the baseline of a one-response group is that response, so every advantage "
+              "would be 0 and nothing would be learned")
+        responses = self.prompts_per_step * self.group_size
+        check(responses % self.num_minibatches == 0, "num_minibatches",
+              f"must divide prompts_per_step*group_size = {responses}")
+        check(_is_int(self.seed) and self.seed >= 0, "seed",
+              f"must be an int >= 0, got {self.seed!r}")
+        check_bool(self, "async_checkpoints")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(_Replace):
+    """Cold-start supervised fine-tuning on the task's worked solutions."""
+
+    steps: int = 300
+    batch_size: int = 32
+    seed: int = 0
+    optim: OptimConfig = OptimConfig(learning_rate=3e-3, schedule="cosine", warmup_frac=0.1,
+                                     weight_decay=0.01)
+
+    def __post_init__(self):
+        check_positive_int(self, "steps", "batch_size")
+        check(_is_int(self.seed) and self.seed >= 0, "seed",
+              f"must be an int >= 0, got {self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig(_Replace):
+    """One run: every section above, plus the name and the device mesh."""
+
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    loss: LossConfig = LossConfig()
+    rl: RLConfig = RLConfig()
+    sft: SFTConfig = SFTConfig()
+    mesh: tuple = (1, 1, 1)
+
+    def __post_init__(self):
+        need = self.task.max_prompt_len + self.sampling.max_new_tokens
+        check(need <= self.model.max_seq_len, "model.max_seq_len",
+              f"must be >= task.max_prompt_len + sampling.max_new_tokens = {need}, "
+              f"got {self.model.max_seq_len}")
+        check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
+              and all(_is_int(m) and m > 0 for m in self.mesh), "mesh",
+              f"must be three positive ints (data, fsdp, expert), got {self.mesh!r}")
+        dp = self.mesh[0] * self.mesh[1]
+        rl = self.rl
+        minibatch = rl.prompts_per_step * rl.group_size // rl.num_minibatches
+        for what, rows in [("the RL mini-batch (rl.prompts_per_step*rl.group_size/"
+                            "rl.num_minibatches)", minibatch),
+                           ("the eval batch (rl.eval_problems*rl.eval_k)",
+                            rl.eval_problems * rl.eval_k),
+                           ("the SFT batch (sft.batch_size)", self.sft.batch_size)]:
+            check(rows % dp == 0, "mesh",
+                  f"data*fsdp = {dp} must divide {what} = {rows}; change the mesh or the "
+                  "batch")
+
+
+def _parse(value: str, current, key: str):
+    """`value` (a command-line string) as the type of the field's current value."""
+    low = value.strip().lower()
+    if isinstance(current, bool):
+        if low not in ("true", "false", "1", "0"):
+            raise ConfigError(f"override {key!r}: expected true/false, got {value!r}")
+        return low in ("true", "1")
+    if isinstance(current, tuple):
+        try:
+            return tuple(int(v) for v in value.strip("()").split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"override {key!r}: expected comma-separated ints like 2,2,2, "
+                              f"got {value!r}") from None
+    if current is None:  # an optional string field (LossConfig.aggregation)
+        return None if low == "none" else value
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"override {key!r}: cannot parse {value!r} as a number") \
+                from None
+    if isinstance(current, int):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"override {key!r}: cannot parse {value!r} as an int") from None
+    return value
+
+
+def _field_names(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: typing.Sequence[str]) -> ExperimentConfig:
+    """Apply `path=value` overrides (`name=x`, `mesh=2,2,2`, `rl.num_minibatches=4`,
+    `rl.optim.learning_rate=3e-4`): every override is parsed first, then each config is
+    rebuilt once with all its changes, so validation sees the final values together."""
+    changes: dict = {}  # nested {field: value or {sub-field: ...}}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected section.field=value")
+        path = key.strip().split(".")
+        node, tree = cfg, changes
+        for i, name in enumerate(path):
+            names = _field_names(node)
+            if name not in names:
+                where = ".".join(path[:i]) or "the experiment config"
+                hint = ("use section.field=value with section in "
+                        f"{[n for n in names if dataclasses.is_dataclass(getattr(node, n))]}"
+                        if i == 0 else f"{where} has {names}")
+                raise ConfigError(f"override {key!r}: unknown field {name!r}; {hint}")
+            child = getattr(node, name)
+            if i == len(path) - 1:
+                if dataclasses.is_dataclass(child):
+                    raise ConfigError(f"override {key!r}: {key} is a section; set one of its "
+                                      f"fields, e.g. {key}.{_field_names(child)[0]}=...")
+                tree[name] = _parse(value, child, key)
+            else:
+                if not dataclasses.is_dataclass(child):
+                    raise ConfigError(f"override {key!r}: {'.'.join(path[:i + 1])} is not a "
+                                      "section")
+                tree = tree.setdefault(name, {})
+                node = child
+    return _rebuild(cfg, changes)
+
+
+def _rebuild(obj, changes: dict):
+    """dataclasses.replace with nested changes, innermost first; a ConfigError from a
+    nested config is prefixed with its section path."""
+    kw = {}
+    for name, change in changes.items():
+        if isinstance(change, dict):
+            try:
+                kw[name] = _rebuild(getattr(obj, name), change)
+            except ConfigError as e:
+                raise ConfigError(f"{name}.{e}" if not str(e).startswith(f"{name}.") else
+                                  str(e)) from None
+        else:
+            kw[name] = change
+    try:
+        return dataclasses.replace(obj, **kw)
+    except TypeError as e:  # a value of the wrong type reached a comparison
+        raise ConfigError(f"{type(obj).__name__}: {e}") from None

@@ -1,26 +1,29 @@
-"""Stability diagnostics: the monitors of PAPER.md §5 and the quantities behind Eq. 5.
+"""Every monitor of the trainer, and the (numerator, denominator) pair arithmetic.
 
-Letters: B responses, T tokens, V vocab, L layers, K top-k.
+Letters: B responses, T tokens, L layers, K top-k.
 
-Every function takes a mask (1 on tokens that count, float or bool) and returns either a
-scalar or a (numerator, denominator) pair; each docstring says which. Pairs add up exactly
-over mini-batches and devices: sum numerators, sum denominators, divide at the end
-(`losses.reduce_metrics`). Pairs whose key ends in `_max` / `_min` hold (value, 1 if any
-token counted else 0) and reduce by max / min over the entries with a nonzero denominator.
+Monitors are (numerator, denominator) pairs, so averages over mini-batches and devices
+stay exact: sum numerators, sum denominators, divide at the end (`reduce_metrics`). Pairs
+whose key ends in `_max` / `_min` hold (value, 1 if any token counted else 0) and reduce
+by max / min over the entries with a nonzero denominator. Every function takes a mask (1
+on tokens that count, float or bool).
 
 Inputs are log-probs of the *sampled* tokens (y ~ μ), so every expectation is over μ's
 samples; ρ = π/μ and x = log ρ, clipped to ±max_log_ratio before any exp:
 
-    k1 KL(μ‖π)   E_μ[log μ − log π] = E_μ[−x]
+    k1 KL(μ‖π)   E_μ[log μ − log π] = E_μ[−x]                (the paper's monitor)
     k3 KL(μ‖π)   E_μ[ρ − 1 − log ρ] = E_μ[expm1(x) − x]     (unbiased, every term ≥ 0)
-    χ²(π‖μ)      E_μ[ρ²] − 1 = E_μ[expm1(2x)]
-    PPL ratio    PPL_π / PPL_μ = exp(k1)
-    ESS          (Σ w)² / (n Σ w²) ∈ [0, 1]                  (normalized effective sample size)
+    ESS          mean(w)² / mean(w²) ∈ [0, 1]                (normalized effective sample size)
+
+Who reports what: the score step reports the training–inference mismatch of the rollout
+(`train_infer_mismatch`: KL, log-prob gaps, routing mismatch); each loss reports its clip
+fractions, the IS weights it applied (`weight_stats`), Eq. 5's two factors
+(`eq5_factors`) and the first-order residual (`first_order_residual`).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_LOG_RATIO = 20.0  # exp(±20) and its square stay far inside float32 range
 
@@ -67,18 +70,6 @@ def expm1_minus_x(x):
     return jnp.where(small, series, jnp.expm1(x) - x)
 
 
-def entropy_from_logits(logits_BxTxV, mask_BxT):
-    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v, averaged over masked tokens.
-
-    Returns a (num, den) pair. Computed in float32; vocabulary entries with logit −inf
-    (p = 0) contribute 0, not NaN.
-    """
-    logp = jax.nn.log_softmax(jnp.asarray(logits_BxTxV).astype(jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    h_BxT = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    return masked_mean_pair(h_BxT, _m(mask_BxT))
-
-
 def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
     """k1 estimate of KL(μ‖π): E_μ[log μ − log π] (the paper's training–inference KL with
     π = π_old). (num, den) pair. Not clipped: it is a plain difference of log-probs."""
@@ -97,45 +88,18 @@ def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RAT
     return masked_mean_pair(expm1_minus_x(x), m)
 
 
-def chi2(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
-    """χ²(π‖μ) = E_μ[ρ²] − 1, estimated as the mean of expm1(2 log ρ). (num, den) pair."""
+def weight_stats(weights_BxT, altered_BxT, mask_BxT) -> dict:
+    """Pairs of the IS weights a loss applied: `is/weight_mean`, `is/weight_sqmean` (the
+    two `reduce_metrics` forms the ESS from), `is/weight_max`, `is/weight_min`, and
+    `is/frac_truncated`, the fraction of tokens whose weight the correction capped or
+    dropped (`altered` = 1)."""
     m = _m(mask_BxT)
-    x = _log_ratio(logp_pi_BxT, logp_mu_BxT, m, max_log_ratio)
-    return masked_mean_pair(jnp.expm1(2.0 * x), m)
-
-
-def ppl_ratio(logp_mu_BxT, logp_pi_BxT, mask_BxT):
-    """Scalar PPL_π / PPL_μ = exp(k1) on μ's samples (1 when no token counts)."""
-    num, den = kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT)
-    return jnp.exp(num / jnp.maximum(den, 1.0))
-
-
-def is_ess(weights_BxT, mask_BxT):
-    """Scalar normalized effective sample size (Σ w)² / (n Σ w²) of token IS weights over
-    the n masked tokens: 1 when all weights are equal, 1/n when one token has all the mass.
-    Over several mini-batches, the exact value is mean(w)² / mean(w²) of the reduced
-    `is/weight_mean` and `is/weight_sqmean` pairs (`losses.reduce_metrics` adds it)."""
-    m = _m(mask_BxT)
-    w = jnp.where(m > 0, jnp.asarray(weights_BxT, jnp.float32), 0.0)
-    n = jnp.maximum(jnp.sum(m), 1.0)
-    return jnp.sum(w) ** 2 / jnp.maximum(n * jnp.sum(w * w), 1e-30)
-
-
-def is_weight_stats(log_ratio_BxT, mask_BxT, cap: float, max_log_ratio: float = MAX_LOG_RATIO):
-    """Statistics of the raw token IS ratio ρ = exp(log_ratio) over masked tokens.
-
-    Returns a dict of pairs: `is/weight_min` and `is/weight_max` as (value, any) pairs;
-    `is/weight_mean`, `is/weight_sqmean` (so `reduce_metrics` can form the ESS) and the
-    fraction `is/frac_truncated` with ρ > cap as (num, den).
-    """
-    m = _m(mask_BxT)
-    w = jnp.exp(_log_ratio(log_ratio_BxT, jnp.zeros_like(m), m, max_log_ratio))
     return {
-        "is/weight_min": masked_extreme_pair(w, m, jnp.min),
-        "is/weight_max": masked_extreme_pair(w, m, jnp.max),
-        "is/weight_mean": masked_mean_pair(w, m),
-        "is/weight_sqmean": masked_mean_pair(w * w, m),
-        "is/frac_truncated": masked_mean_pair((w > cap).astype(jnp.float32), m),
+        "is/weight_mean": masked_mean_pair(weights_BxT, m),
+        "is/weight_sqmean": masked_mean_pair(weights_BxT * weights_BxT, m),
+        "is/weight_max": masked_extreme_pair(weights_BxT, m, jnp.max),
+        "is/weight_min": masked_extreme_pair(weights_BxT, m, jnp.min),
+        "is/frac_truncated": masked_mean_pair(altered_BxT, m),
     }
 
 
@@ -199,10 +163,10 @@ def first_order_residual(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_R
     return jnp.sum(jnp.abs(r_B) * has_B), jnp.sum(has_B)
 
 
-def routing_mismatch(routes_a_LxBxTxK, routes_b_LxBxTxK, mask_BxT) -> dict:
+def routing_mismatch(routes_a_BxTxLxK, routes_b_BxTxLxK, mask_BxT) -> dict:
     """Per-layer routing mismatch between two route tensors (e.g. inference vs training).
 
-    For layer l and token (b, t): mismatch = 1 − |topk_a ∩ topk_b| / K (order inside the
+    For token (b, t) and layer l: mismatch = 1 − |topk_a ∩ topk_b| / K (order inside the
     top-k does not matter). An entry is excluded where mask is 0 or either tensor holds a
     -1 ("no route recorded") in that layer's K slots. Returns
       mismatch_rate:      [L] mean mismatch per layer over its counted tokens (0 if none);
@@ -210,29 +174,28 @@ def routing_mismatch(routes_a_LxBxTxK, routes_b_LxBxTxK, mask_BxT) -> dict:
                           differs in at least one counted layer;
       mismatch_pair:      ([L] numerator, [L] denominator) of mismatch_rate;
       any_flip_pair:      (numerator, denominator) of any_flip.
-    The pairs let callers accumulate exactly over mini-batches.
     """
-    a = jnp.asarray(routes_a_LxBxTxK)
-    b = jnp.asarray(routes_b_LxBxTxK)
+    a = jnp.asarray(routes_a_BxTxLxK)
+    b = jnp.asarray(routes_b_BxTxLxK)
     if a.shape != b.shape or a.ndim != 4:
-        raise ValueError(f"routing_mismatch: route tensors must both be [L, B, T, K], got "
+        raise ValueError(f"routing_mismatch: route tensors must both be [B, T, L, K], got "
                          f"{a.shape} and {b.shape}")
-    if tuple(mask_BxT.shape) != a.shape[1:3]:
+    if tuple(mask_BxT.shape) != a.shape[:2]:
         raise ValueError(f"routing_mismatch: mask shape {tuple(mask_BxT.shape)} must be "
-                         f"[B, T] = {a.shape[1:3]}")
+                         f"[B, T] = {a.shape[:2]}")
     k = a.shape[-1]
-    # One slot of b at a time keeps memory at [L, B, T, K] instead of [L, B, T, K, K].
-    hit = jnp.zeros(a.shape, bool)
+    # One slot of b at a time keeps memory at [B, T, L, K] instead of [B, T, L, K, K].
+    hit_BxTxLxK = jnp.zeros(a.shape, bool)
     for j in range(k):
-        hit = hit | (a == b[..., j:j + 1])
-    same_LxBxT = jnp.sum(hit, axis=-1).astype(jnp.float32)
-    valid_LxBxT = (jnp.all(a >= 0, -1) & jnp.all(b >= 0, -1)
-                   & (jnp.asarray(mask_BxT) > 0)[None])
-    v = valid_LxBxT.astype(jnp.float32)
-    num_L = jnp.sum((1.0 - same_LxBxT / k) * v, axis=(1, 2))
-    den_L = jnp.sum(v, axis=(1, 2))
-    counted_BxT = jnp.any(valid_LxBxT, axis=0).astype(jnp.float32)
-    flipped_BxT = jnp.any(valid_LxBxT & (same_LxBxT < k), axis=0).astype(jnp.float32)
+        hit_BxTxLxK = hit_BxTxLxK | (a == b[..., j:j + 1])
+    same_BxTxL = jnp.sum(hit_BxTxLxK, axis=-1).astype(jnp.float32)
+    valid_BxTxL = (jnp.all(a >= 0, -1) & jnp.all(b >= 0, -1)
+                   & (jnp.asarray(mask_BxT) > 0)[..., None])
+    v_BxTxL = valid_BxTxL.astype(jnp.float32)
+    num_L = jnp.sum((1.0 - same_BxTxL / k) * v_BxTxL, axis=(0, 1))
+    den_L = jnp.sum(v_BxTxL, axis=(0, 1))
+    counted_BxT = jnp.any(valid_BxTxL, axis=-1).astype(jnp.float32)
+    flipped_BxT = jnp.any(valid_BxTxL & (same_BxTxL < k), axis=-1).astype(jnp.float32)
     flip_num, flip_den = jnp.sum(flipped_BxT), jnp.sum(counted_BxT)
     return {
         "mismatch_rate": num_L / jnp.maximum(den_L, 1.0),
@@ -240,3 +203,72 @@ def routing_mismatch(routes_a_LxBxTxK, routes_b_LxBxTxK, mask_BxT) -> dict:
         "mismatch_pair": (num_L, den_L),
         "any_flip_pair": (flip_num, flip_den),
     }
+
+
+def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
+                         routes_pi_BxTxLxK, routed_BxT, *, per_layer: bool = False) -> dict:
+    """The training–inference mismatch of one rollout batch as pairs (PAPER.md §5):
+
+      kl/train_infer_k1, kl/train_infer_k3   KL(μ_old‖π_old) on the sampled tokens
+      mismatch/abs_logp_gap, …_max           |log μ − log π| per completion token
+      routing/mismatch_rate                  1 − |topk_μ ∩ topk_π|/K over (token, layer)
+      routing/any_flip                       tokens with at least one flipped layer
+      routing/mismatch_rate_per_layer        [L] pair (with per_layer=True)
+
+    Log-probs are over the completion tokens (`mask_BxT`); routes over the tokens both
+    engines processed (`routed_BxT`, and where both recorded a route). k1 is not clipped:
+    it is a plain difference of log-probs.
+    """
+    m = _m(mask_BxT)
+    acc = _acc(logp_mu_BxT, logp_pi_BxT)
+    gap_BxT = jnp.abs(jnp.asarray(logp_mu_BxT, acc) - jnp.asarray(logp_pi_BxT, acc))
+    routing = routing_mismatch(routes_mu_BxTxLxK, routes_pi_BxTxLxK, routed_BxT)
+    num_L, den_L = routing["mismatch_pair"]
+    out = {
+        "kl/train_infer_k1": kl_k1(logp_mu_BxT, logp_pi_BxT, m),
+        "kl/train_infer_k3": kl_k3(logp_mu_BxT, logp_pi_BxT, m),
+        "mismatch/abs_logp_gap": masked_mean_pair(gap_BxT, m),
+        "mismatch/abs_logp_gap_max": masked_extreme_pair(gap_BxT, m, jnp.max),
+        "routing/mismatch_rate": (jnp.sum(num_L), jnp.sum(den_L)),
+        "routing/any_flip": routing["any_flip_pair"],
+    }
+    if per_layer:
+        out["routing/mismatch_rate_per_layer"] = (num_L, den_L)
+    return out
+
+
+def reduce_metrics(metric_dicts) -> dict:
+    """Combine (num, den) metrics of several mini-batches / devices into floats.
+
+    Sums numerators and denominators, then divides (NaN when every denominator is 0: there
+    was nothing to average). `*_max` / `*_min` keys take the max / min of the numerators
+    whose denominator is nonzero. Vector pairs (per-layer) reduce elementwise to a numpy
+    array. Derived keys: `*_std` = sqrt(sqmean − mean²) for every `*_sqmean`/`*_mean`
+    pair, and `is/ess` = mean(w)² / mean(w²), the normalized effective sample size of the
+    applied IS weights.
+    """
+    metric_dicts = list(metric_dicts)
+    if not metric_dicts:
+        raise ValueError("reduce_metrics: got no metric dicts")
+    out = {}
+    for key in metric_dicts[0]:
+        pairs = [(np.asarray(d[key][0], np.float64), np.asarray(d[key][1], np.float64))
+                 for d in metric_dicts]
+        if key.endswith(("_max", "_min")):
+            vals = [float(n) for n, d in pairs if d > 0]
+            pick = max if key.endswith("_max") else min
+            out[key] = pick(vals) if vals else float("nan")
+            continue
+        num, den = sum(n for n, _ in pairs), sum(d for _, d in pairs)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            value = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+        out[key] = float(value) if value.ndim == 0 else value
+    for key in list(out):
+        if key.endswith("_sqmean") and key[:-len("_sqmean")] + "_mean" in out:
+            base = key[:-len("_sqmean")]
+            out[base + "_std"] = max(out[key] - out[base + "_mean"] ** 2, 0.0) ** 0.5
+    if "is/weight_mean" in out and "is/weight_sqmean" in out:
+        sq = out["is/weight_sqmean"]
+        # Every weight 0 (all tokens dropped by a masked IS) means no effective sample.
+        out["is/ess"] = out["is/weight_mean"] ** 2 / sq if sq > 0 else sq
+    return out

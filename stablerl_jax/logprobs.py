@@ -1,76 +1,75 @@
-"""Token log-probs, entropy and IS quantities from hidden states, via the fused op.
+"""Token log-probs and entropy: from hidden states (`token_logprobs`) and from tokens
+through the training engine's model (`policy_logprobs`).
 
-Letters: B batch, T tokens, D model, V vocab.
+Letters: B responses, S token slots, T = S − 1 scored positions, D model, V vocab,
+L layers, K top-k.
 
-Targets are already aligned: targets_BxT[b, t] is the token that hidden_BxTxD[b, t]
-predicts (the caller shifts). Temperature τ divides the logits; it is applied to the
-hidden states (z/τ = (h/τ) W) before the op, so the gradient flows through the same
-custom VJP. The op is row-wise over tokens, so a row's log-probs do not depend on what
-else is in the batch (bitwise on CPU: nothing reduces across rows).
+The frame shift lives here and only here: the model runs on inputs = tokens[:, :-1] and
+scores targets = tokens[:, 1:] (the hidden state at slot t predicts the token at t + 1).
+Every per-token tensor of a training batch is in that T-frame. Score, update, SFT and the
+mismatch measurement all call `policy_logprobs`.
 
-impl: "naive" (full float32 logits, the reference), "chunked" (lax.scan over vocab
-chunks, the default), "pallas" (Pallas kernels). `interpret` (pallas only): None runs
-the Pallas interpreter on a CPU backend and compiled kernels elsewhere.
+Temperature τ divides the logits; it is applied to the hidden states (z/τ = (h/τ) W)
+before the fused op, so the gradient flows through the same custom VJP. The op is row-wise
+over tokens, so a row's log-probs do not depend on what else is in the batch.
+
+impl (config.LOGPROB_IMPLS): "naive" (full float32 logits, the reference), "chunked"
+(lax.scan over vocab chunks, the default), "pallas_gpu" / "pallas_tpu" (the Pallas
+kernels compiled for that target). `interpret=True` runs a Pallas impl in the checking
+interpreter instead (CPU tests).
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 
-from kernels.fused_logprob import BlockSizes, fused_logprob
+from stablerl_jax.kernels.fused_logprob import BlockSizes, fused_logprob
+from stablerl_jax.model import numerics as nx
+from stablerl_jax.model import transformer as tf
+
+_IMPLS = {"naive": ("naive", "gpu"), "chunked": ("chunked", "gpu"),
+          "pallas_gpu": ("pallas", "gpu"), "pallas_tpu": ("pallas", "tpu")}
 
 
 def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunked",
                    block: BlockSizes | None = None, temperature: float = 1.0,
-                   interpret: bool | None = None):
-    """(logp_BxT, entropy_BxT), float32, under p = softmax(hidden · unembed / temperature):
-    logp = log p(target), entropy = −Σ_v p_v log p_v over the full vocabulary."""
+                   interpret: bool = False):
+    """(logp_BxT, entropy_BxT), float32 (float64 for float64 hidden states), under
+    p = softmax(hidden · unembed / temperature): logp = log p(target), entropy =
+    −Σ_v p_v log p_v over the full vocabulary."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {tuple(_IMPLS)}")
     if hidden_BxTxD.ndim != 3 or targets_BxT.shape != hidden_BxTxD.shape[:2]:
         raise ValueError(f"token_logprobs: need hidden [B, T, D] and targets [B, T]; got "
                          f"{hidden_BxTxD.shape=}, {targets_BxT.shape=}")
     b, t, d = hidden_BxTxD.shape
-    h = hidden_BxTxD.reshape(b * t, d)
+    h_NxD = hidden_BxTxD.reshape(b * t, d)
     if temperature != 1.0:
         # Scale in float32 (or wider), then back to the compute dtype the op streams in.
-        acc = jnp.promote_types(h.dtype, jnp.float32)
-        h = (h.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
-    logp, ent = fused_logprob(h, unembed_DxV.astype(hidden_BxTxD.dtype),
-                              targets_BxT.reshape(-1), block=block, impl=impl,
-                              interpret=interpret)
-    return logp.reshape(b, t), ent.reshape(b, t)
+        acc = nx.accum_dtype(h_NxD.dtype)
+        h_NxD = (h_NxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
+    op, target = _IMPLS[impl]
+    logp_N, ent_N = fused_logprob(h_NxD, unembed_DxV.astype(hidden_BxTxD.dtype),
+                                  targets_BxT.reshape(-1), block=block, impl=op,
+                                  target=target, interpret=interpret)
+    return logp_N.reshape(b, t), ent_N.reshape(b, t)
 
 
-def is_quantities(hidden_BxTxD, unembed_DxV, targets_BxT, old_logp_BxT, rollout_logp_BxT,
-                  mask_BxT, *, cap: float = 5.0, max_log_ratio: float = 20.0,
-                  impl: str = "chunked", block: BlockSizes | None = None,
-                  temperature: float = 1.0, interpret: bool | None = None) -> dict:
-    """Log-probs plus the importance-sampling quantities the losses need, in one trace
-    (call it under the caller's jit and it is one computation):
+def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=None,
+                    numerics: nx.Numerics = nx.TRAIN, temperature: float = 1.0,
+                    impl: str = "chunked", interpret: bool = False):
+    """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
 
-        log_ratio_mu  = (log π − log μ) · mask        (μ: the rollout engine's policy)
-        log_ratio_old = (log π − log π_old) · mask
-        tis_weight    = sg[min(exp(clip(log_ratio_mu, ±max_log_ratio)), cap)] · mask
-
-    The clip keeps exp finite for tokens the engines disagree on wildly; the log-ratios
-    themselves are not clipped, so their gradients are exact.
+    One full-sequence forward over inputs = tokens[:, :-1] (attention mask attn[:, :-1]),
+    replaying `replay_BxTxLxK` (routes for the input slots; rows of -1 route live), then
+    the fused log-prob of targets = tokens[:, 1:]. `aux` is the forward's (aux["routes"]
+    [B, T, L, K]). Weights are converted for `numerics` (identity for "train").
     """
-    if not cap > 0 or not max_log_ratio > 0:
-        raise ValueError(f"{cap=} and {max_log_ratio=} must be > 0")
-    logp, entropy = token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, impl=impl,
-                                   block=block, temperature=temperature, interpret=interpret)
-    m = mask_BxT.astype(jnp.float32)
-    # where, not a product: a non-finite stored log-prob off the mask must not leak NaN.
-    on = mask_BxT.astype(bool)
-    log_mu = jnp.where(on, logp - rollout_logp_BxT, 0.0)
-    log_old = jnp.where(on, logp - old_logp_BxT, 0.0)
-    weight = jnp.minimum(jnp.exp(jnp.clip(log_mu, -max_log_ratio, max_log_ratio)), cap)
-    return {
-        "logp_BxT": logp,
-        "entropy_BxT": entropy,
-        "log_ratio_mu_BxT": log_mu,
-        "log_ratio_old_BxT": log_old,
-        "tis_weight_BxT": jax.lax.stop_gradient(weight) * m,
-        "mask_BxT": m,
-    }
+    weights = nx.prepare_params(params, numerics)
+    hidden_BxTxD, aux = tf.forward(weights, tokens_BxS[:, :-1], cfg,
+                                   attention_mask_BxT=attn_BxS[:, :-1],
+                                   replay_BxTxLxK=replay_BxTxLxK, numerics=numerics)
+    logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, tf.unembed_matrix(weights, cfg),
+                                           tokens_BxS[:, 1:], impl=impl,
+                                           temperature=temperature, interpret=interpret)
+    return logp_BxT, entropy_BxT, aux

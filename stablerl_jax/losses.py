@@ -2,16 +2,16 @@
 
 Letters: B responses in the (mini-)batch, T token positions.
 
-Signature of every loss: `loss_fn(logp_BxT, batch, cfg) -> (loss, metrics)`:
+Signature of every loss: `loss_fn(logp_BxT, batch: LossBatch, cfg) -> (loss, metrics)`:
   logp_BxT                log π_θ of the sampled tokens (differentiable)
-  batch["old_logp_BxT"]   log π_old (training engine, θ_old)
-  batch["rollout_logp_BxT"] log μ_old (sampling engine)
-  batch["advantages_B"]   Â per response, or batch["advantages_BxT"] per token (preferred
-                          when both are present)
-  batch["mask_BxT"]       1 on completion tokens that count (float or bool)
+  batch.old_logp_BxT      log π_old (training engine, θ_old)
+  batch.rollout_logp_BxT  log μ_old (sampling engine)
+  batch.mask_BxT          1 on completion tokens that count (float or bool)
+  batch.advantages_B      Â per response, or batch.advantages_BxT per token (preferred
+                          when both are given)
   cfg                     a `LossConfig`
 `metrics` maps names to (numerator, denominator) pairs so averages over mini-batches and
-devices stay exact (`reduce_metrics`).
+devices stay exact (`diagnostics.reduce_metrics`).
 
 Ratios, all formed from log-ratios clipped to ±max_log_ratio before exp (no overflow):
     ρ_t = π_θ/μ_old   full token IS ratio (Eq. 3)  = (π_old/μ_old) · (π_θ/π_old)  (Eq. 5)
@@ -26,13 +26,15 @@ Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
                                                           or the padded T when it is 0)
 Empty responses count in B and contribute 0; a fully masked batch gives loss 0.
 
-Metrics of every loss (token means over the mask unless said otherwise): loss;
-clip/frac_high, clip/frac_low (tokens whose clip binds, by side); is/weight_mean,
-is/weight_sqmean, is/weight_max, is/weight_min (the applied, stop-gradient weight);
-is/frac_truncated (tokens whose weight the IS correction capped or dropped);
-kl/engine_k1, kl/engine_k3 (KL(μ_old‖π_old) on μ's samples); eq5/engine_log_{mean,sqmean},
-eq5/staleness_log_{mean,sqmean} (Eq. 5's two factors in logs); eq5/first_order_residual_abs
-(mean over responses of |Π ρ_t − 1 − Σ(ρ_t − 1)|). `reduce_metrics` adds *_std and is/ess.
+Metrics of every loss (token means over the mask unless said otherwise, computed by
+`diagnostics`): loss; clip/frac_high, clip/frac_low (tokens whose clip binds, by side);
+is/weight_mean, is/weight_sqmean, is/weight_max, is/weight_min (the applied,
+stop-gradient weight); is/frac_truncated (tokens whose weight the IS correction capped or
+dropped); eq5/engine_log_{mean,sqmean}, eq5/staleness_log_{mean,sqmean} (Eq. 5's two
+factors in logs); eq5/first_order_residual_abs (mean over responses of
+|Π ρ_t − 1 − Σ(ρ_t − 1)|). `diagnostics.reduce_metrics` adds *_std and is/ess. The
+training–inference KL is the score step's monitor (`diagnostics.train_infer_mismatch`):
+π_old does not change between the updates of a step.
 `PRESETS` names the paper's runs and the namesake methods as LossConfigs.
 """
 from __future__ import annotations
@@ -49,6 +51,16 @@ from stablerl_jax.config import LossConfig
 sg = jax.lax.stop_gradient
 
 
+class LossBatch(typing.NamedTuple):
+    """What a loss reads of a (mini-)batch (module docstring)."""
+
+    old_logp_BxT: jax.Array
+    rollout_logp_BxT: jax.Array
+    mask_BxT: jax.Array
+    advantages_B: jax.Array | None = None
+    advantages_BxT: jax.Array | None = None
+
+
 class _Parts(typing.NamedTuple):
     m: jax.Array           # float mask
     adv: jax.Array         # Â per token
@@ -58,35 +70,31 @@ class _Parts(typing.NamedTuple):
     log_rho: jax.Array     # clipped log π_θ/μ_old (has gradient)
 
 
-def _parts(logp_BxT, batch, cfg: LossConfig) -> _Parts:
-    for key in ("old_logp_BxT", "rollout_logp_BxT", "mask_BxT"):
-        if key not in batch:
-            raise KeyError(f"batch: missing {key!r}; the loss needs old_logp_BxT, "
-                           "rollout_logp_BxT, mask_BxT and advantages_B (or advantages_BxT)")
+def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
     shape = jnp.shape(logp_BxT)
-    for key in ("old_logp_BxT", "rollout_logp_BxT", "mask_BxT"):
-        if jnp.shape(batch[key]) != shape:
-            raise ValueError(f"batch[{key!r}]: shape {jnp.shape(batch[key])} must equal "
-                             f"logp_BxT's {shape}")
+    for name in ("old_logp_BxT", "rollout_logp_BxT", "mask_BxT"):
+        if jnp.shape(getattr(batch, name)) != shape:
+            raise ValueError(f"batch.{name}: shape {jnp.shape(getattr(batch, name))} must "
+                             f"equal logp_BxT's {shape}")
     # float32 arithmetic, or float64 for float64 log-probs (reference runs under x64).
     acc = jnp.promote_types(jnp.result_type(logp_BxT), jnp.float32)
-    if "advantages_BxT" in batch:
-        adv = jnp.asarray(batch["advantages_BxT"], acc)
+    if batch.advantages_BxT is not None:
+        adv = jnp.asarray(batch.advantages_BxT, acc)
         if adv.shape != shape:
-            raise ValueError(f"batch['advantages_BxT']: shape {adv.shape} must be {shape}")
-    elif "advantages_B" in batch:
-        adv = jnp.asarray(batch["advantages_B"], acc)
+            raise ValueError(f"batch.advantages_BxT: shape {adv.shape} must be {shape}")
+    elif batch.advantages_B is not None:
+        adv = jnp.asarray(batch.advantages_B, acc)
         if adv.shape != shape[:1]:
-            raise ValueError(f"batch['advantages_B']: shape {adv.shape} must be {shape[:1]}")
+            raise ValueError(f"batch.advantages_B: shape {adv.shape} must be {shape[:1]}")
         adv = jnp.broadcast_to(adv[:, None], shape)
     else:
-        raise KeyError("batch: missing 'advantages_B' (or per-token 'advantages_BxT')")
-    m = jnp.asarray(batch["mask_BxT"]).astype(acc)
+        raise ValueError("batch: give advantages_B (per response) or advantages_BxT")
+    m = jnp.asarray(batch.mask_BxT).astype(acc)
     real = m > 0
     # Padding may hold anything (-inf, garbage); `where` keeps it out of values and grads.
     real_only = lambda x: jnp.where(real, jnp.asarray(x).astype(acc), 0.0)
     logp = real_only(logp_BxT)
-    old, mu = sg(real_only(batch["old_logp_BxT"])), sg(real_only(batch["rollout_logp_BxT"]))
+    old, mu = sg(real_only(batch.old_logp_BxT)), sg(real_only(batch.rollout_logp_BxT))
     lim = cfg.max_log_ratio
     clip = lambda x: jnp.clip(x, -lim, lim)
     return _Parts(m, jnp.where(real, adv, 0.0), logp, clip(logp - old), clip(old - mu),
@@ -154,33 +162,18 @@ def _clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
     return hi, lo
 
 
-def _metrics(p: _Parts, loss, weight, altered, hi, lo) -> dict:
-    """The per-mini-batch monitors the trainer logs, all (num, den) pairs."""
-    m = p.m
-    w = sg(weight)
-    eng = p.log_engine
-    stale = sg(p.log_r)
-    token_means = {
-        "clip/frac_high": hi,
-        "clip/frac_low": lo,
-        "is/weight_mean": w,
-        "is/weight_sqmean": w * w,
-        "is/frac_truncated": altered,
-        "kl/engine_k1": -eng,                      # E_μ[log μ_old − log π_old]
-        "kl/engine_k3": dg.expm1_minus_x(eng),
-        "eq5/engine_log_mean": eng,
-        "eq5/engine_log_sqmean": eng * eng,
-        "eq5/staleness_log_mean": stale,
-        "eq5/staleness_log_sqmean": stale * stale,
-    }
-    n = jnp.sum(m)
-    out = {k: (jnp.sum(jnp.where(m > 0, jnp.asarray(v, m.dtype), 0.0)), n)
-           for k, v in token_means.items()}
-    out["loss"] = (sg(loss), jnp.ones(()))
-    out["is/weight_max"] = dg.masked_extreme_pair(w, m, jnp.max)
-    out["is/weight_min"] = dg.masked_extreme_pair(w, m, jnp.min)
+def _metrics(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered, hi,
+             lo) -> dict:
+    """The per-mini-batch monitors the trainer logs (module docstring), all pairs."""
+    out = {"loss": (sg(loss), jnp.ones((), p.m.dtype)),
+           "clip/frac_high": dg.masked_mean_pair(hi.astype(p.m.dtype), p.m),
+           "clip/frac_low": dg.masked_mean_pair(lo.astype(p.m.dtype), p.m)}
+    out.update(dg.weight_stats(sg(weight), altered, p.m))
+    out.update(dg.eq5_factors(sg(p.logp), batch.old_logp_BxT, batch.rollout_logp_BxT, p.m,
+                              cfg.max_log_ratio))
     # |Π_t ρ_t − (1 + Σ_t (ρ_t − 1))| per response: how far from first order the batch is.
-    out["eq5/first_order_residual_abs"] = dg.first_order_residual(sg(p.log_rho), m)
+    out["eq5/first_order_residual_abs"] = dg.first_order_residual(sg(p.log_rho), p.m,
+                                                                  cfg.max_log_ratio)
     return out
 
 
@@ -210,7 +203,7 @@ def minirl(logp_BxT, batch, cfg: LossConfig):
     keep = jnp.where(hi | lo, 0.0, 1.0)
     term = keep * sg(w) * p.adv * p.logp
     loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length)
-    return loss, _metrics(p, loss, w, altered, hi, lo)
+    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
@@ -223,7 +216,7 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
         term = r * p.adv
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length)
     hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
-    return loss, _metrics(p, loss, w, altered, hi, lo)
+    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def grpo(logp_BxT, batch, cfg: LossConfig):
@@ -269,7 +262,7 @@ def cispo(logp_BxT, batch, cfg: LossConfig):
     loss = -aggregate(term, p.m, cfg.aggregation or "token_mean", cfg.norm_length)
     hi = (r > 1 + cfg.eps_high) & cfg.clip
     lo = (r < 1 - cfg.eps_low) & cfg.clip
-    return loss, _metrics(p, loss, w, altered, hi, lo)
+    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
@@ -286,7 +279,7 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or "seq_mean_token_mean",
                       cfg.norm_length)
     hi, lo = _clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
-    return loss, _metrics(p, loss, w, altered, hi, lo)
+    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def gspo(logp_BxT, batch, cfg: LossConfig):
@@ -336,52 +329,3 @@ PRESETS = {
     "minirl_icepop": LossConfig(is_correction="icepop"),
     "minirl_seq_geomean": LossConfig(is_correction="seq_geomean"),
 }
-
-
-def accumulate_metrics(a: dict, b: dict) -> dict:
-    """Combine two (num, den) metric dicts with jnp ops (jittable, e.g. in a scan over
-    micro-batches): sums, except `*_max` / `*_min` keys (max / min over entries with a
-    nonzero denominator; the denominators are then ORed)."""
-    out = {}
-    for key, (n1, d1) in a.items():
-        n2, d2 = b[key]
-        if key.endswith(("_max", "_min")):
-            op = jnp.maximum if key.endswith("_max") else jnp.minimum
-            n = jnp.where(d1 > 0, jnp.where(d2 > 0, op(n1, n2), n1), n2)
-            out[key] = (n, jnp.maximum(d1, d2))
-        else:
-            out[key] = (n1 + n2, d1 + d2)
-    return out
-
-
-def reduce_metrics(metric_dicts) -> dict:
-    """Combine (num, den) metrics of several mini-batches / devices into Python floats.
-
-    Sums numerators and denominators, then divides (NaN when every denominator is 0: there
-    was nothing to average). `*_max` / `*_min` keys take the max / min of the numerators
-    whose denominator is nonzero. Derived keys: `*_std` = sqrt(sqmean − mean²) for every
-    `*_sqmean`/`*_mean` pair, and `is/ess` = mean(w)² / mean(w²), the normalized effective
-    sample size of the applied IS weights.
-    """
-    metric_dicts = list(metric_dicts)
-    if not metric_dicts:
-        raise ValueError("reduce_metrics: got no metric dicts")
-    out = {}
-    for key in metric_dicts[0]:
-        pairs = [(float(d[key][0]), float(d[key][1])) for d in metric_dicts]
-        if key.endswith(("_max", "_min")):
-            vals = [n for n, d in pairs if d > 0]
-            pick = max if key.endswith("_max") else min
-            out[key] = pick(vals) if vals else float("nan")
-        else:
-            den = sum(d for _, d in pairs)
-            out[key] = sum(n for n, _ in pairs) / den if den > 0 else float("nan")
-    for key in list(out):
-        if key.endswith("_sqmean") and key[:-len("_sqmean")] + "_mean" in out:
-            base = key[:-len("_sqmean")]
-            out[base + "_std"] = max(out[key] - out[base + "_mean"] ** 2, 0.0) ** 0.5
-    if "is/weight_mean" in out and "is/weight_sqmean" in out:
-        sq = out["is/weight_sqmean"]
-        # Every weight 0 (all tokens dropped by a masked IS) means no effective sample.
-        out["is/ess"] = out["is/weight_mean"] ** 2 / sq if sq > 0 else sq
-    return out

@@ -1,7 +1,7 @@
 """The sampling path (the inference engine μ): prefill + KV-cache decode, own numerics.
 
-Letters: B rows, P prompt slots, N = max_new_tokens, S = P + N slots, V vocab, L layers,
-K top-k.
+Letters: B rows (responses), P prompt slots, N = max_new_tokens, S = P + N slots, V vocab,
+L layers, K top-k.
 
 It differs from the training path on purpose, in two ways: its `Numerics` (e.g. FP8
 weights, bf16 activations; weights converted once per call by `prepare_params`) and its
@@ -15,12 +15,12 @@ token at slot s + 1, so:
 - logp_mu_BxS[b, s]: log μ of tokens[b, s] for completion slots (drawn from the hidden
   state at slot s − 1), under exactly the distribution it was drawn from: float32
   logits / temperature, then top-k / top-p truncation if on. 0 elsewhere.
-- routes_mu_LxBxSxK[:, b, s]: the experts the engine used when it *processed* tokens[b, s]
-  (prompt slots in the prefill, each fed-back token in its decode step). -1 where it
-  processed nothing: padding, slots after EOS, the EOS token itself and the last sampled
-  token (neither is ever fed back). A token's K entries are all -1 or all recorded, so the
-  tensor is a valid `replay_LxBxTxK` for the training forward over tokens_BxS with
-  attention mask prompt_mask | completion_mask (rows of -1 route live).
+- routes_mu_BxSxLxK[b, s]: the experts the engine used in each layer when it *processed*
+  tokens[b, s] (prompt slots in the prefill, each fed-back token in its decode step). -1
+  where it processed nothing: padding, slots after EOS, the EOS token itself and the last
+  sampled token (neither is ever fed back). A token's K entries are all -1 or all
+  recorded, so the tensor is a valid `replay_BxTxLxK` for the training forward over
+  tokens_BxS with attention mask prompt_mask | completion_mask (rows of -1 route live).
 - completion_mask_BxS / lengths_B: sampled tokens up to and *including* EOS. The EOS
   token is part of the completion (it is an action the policy took, and its log-prob
   gets the gradient that teaches the policy to stop); nothing after it is.
@@ -39,7 +39,6 @@ or on its left padding (batch invariance, up to float reassociation in batched m
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -47,42 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax.config import ModelConfig, check, check_positive_int
+from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How the sampling engine draws tokens.
-
-    Attributes:
-      max_new_tokens: N, completion slots per row.
-      temperature: logits are divided by it (> 0).
-      top_k: keep the k most likely tokens (0 = off).
-      top_p: keep the smallest set of most likely tokens whose mass reaches top_p
-        (1.0 = off).
-      eos_id: a row stops after emitting it (an id outside the vocabulary never occurs,
-        so every row then decodes all N tokens).
-      pad_id: token written after EOS (masked out everywhere).
-    """
-
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    eos_id: int = 2
-    pad_id: int = 0
-
-    def __post_init__(self):
-        check_positive_int(self, "max_new_tokens")
-        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-              f"must be an int >= 0 (0 = off), got {self.top_k!r}")
-        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
-        for f in ("eos_id", "pad_id"):
-            v = getattr(self, f)
-            check(isinstance(v, int) and v >= 0, f, f"must be a token id >= 0, got {v!r}")
 
 
 class Rollout(NamedTuple):
@@ -93,7 +59,7 @@ class Rollout(NamedTuple):
     completion_mask_BxS: jax.Array  # bool, sampled tokens up to and including EOS
     lengths_B: jax.Array            # int32, completion lengths
     logp_mu_BxS: jax.Array          # float32, 0 outside the completion
-    routes_mu_LxBxSxK: jax.Array    # int32, -1 where nothing was processed
+    routes_mu_BxSxLxK: jax.Array    # int32, -1 where nothing was processed
 
 
 def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
@@ -114,7 +80,7 @@ def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
     return jax.nn.log_softmax(z, axis=-1)
 
 
-def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig):
+def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id, pad_id):
     if prompts.ndim != 2 or tuple(mask.shape) != tuple(prompts.shape):
         raise ValueError(f"prompt_tokens / prompt_mask: must both be [B, P], got "
                          f"{tuple(prompts.shape)} and {tuple(mask.shape)}")
@@ -126,9 +92,12 @@ def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig):
                          f"{sampling.max_new_tokens} = {need} exceeds the cache "
                          f"(ModelConfig.max_seq_len={cfg.max_seq_len}); shorten the prompt, "
                          "lower SamplingConfig.max_new_tokens or raise max_seq_len")
-    if sampling.pad_id >= cfg.vocab_size:
-        raise ValueError(f"SamplingConfig.pad_id={sampling.pad_id} must be a token of the "
-                         f"vocabulary (< vocab_size={cfg.vocab_size})")
+    for name, v, lowest in (("eos_id", eos_id, -1), ("pad_id", pad_id, 0)):
+        if not (isinstance(v, (int, np.integer)) and lowest <= v < cfg.vocab_size):
+            raise ValueError(f"{name}={v!r} must be a token id of the vocabulary "
+                             f"[0, vocab_size={cfg.vocab_size}) (eos_id may be -1: no EOS, "
+                             "every row decodes all max_new_tokens); take it from the "
+                             "tokenizer")
     if isinstance(mask, jax.core.Tracer):
         return
     m = np.asarray(mask).astype(bool)
@@ -153,19 +122,23 @@ def _row_keys(key, b: int):
 
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
-           sampling: SamplingConfig, numerics: nx.Numerics) -> Rollout:
+           sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int,
+           pad_id: int) -> Rollout:
     """Sample completions of left-padded prompts with the inference engine.
 
-    Validates the inputs, then runs a jitted prefill + decode (cfg, sampling and numerics
-    are static). See the module docstring for the alignment of the result.
+    Validates the inputs, then runs a jitted prefill + decode (cfg, sampling, numerics and
+    the tokenizer's eos / pad ids are static). A row stops after emitting `eos_id` (-1:
+    never, every row decodes max_new_tokens); `pad_id` fills the slots after it. See the
+    module docstring for the alignment of the result.
     """
-    _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling)
+    _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id)
     return _sample(params, prompt_tokens_BxP.astype(jnp.int32),
-                   prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics)
+                   prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics, int(eos_id),
+                   int(pad_id))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics"))
-def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "eos_id", "pad_id"))
+def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id):
     b, p = prompts.shape
     n, s = sampling.max_new_tokens, p + sampling.max_new_tokens
     row_keys = _row_keys(key, b)
@@ -174,17 +147,18 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
     cache = tf.init_cache(cfg, b, s, dtype)
     hidden, aux = tf.forward(params, prompts, cfg, attention_mask_BxT=pmask, numerics=numerics,
                              cache=cache)
-    routes = jnp.full((cfg.num_layers, b, s, cfg.top_k), -1, jnp.int32)
-    routes = routes.at[:, :, :p].set(jnp.where(pmask[None, :, :, None], aux["routes"], -1))
+    routes_BxSxLxK = jnp.full((b, s, cfg.num_layers, cfg.top_k), -1, jnp.int32)
+    routes_BxSxLxK = routes_BxSxLxK.at[:, :p].set(
+        jnp.where(pmask[:, :, None, None], aux["routes"], -1))
     state = {
         "i": jnp.zeros((), jnp.int32),
         "cache": aux["cache"],
         # Left padding puts every row's last prompt token in slot P − 1.
         "logits": tf.logits(params, hidden[:, -1:], cfg)[:, 0],
-        "tokens": jnp.full((b, s), sampling.pad_id, jnp.int32).at[:, :p].set(prompts),
+        "tokens": jnp.full((b, s), pad_id, jnp.int32).at[:, :p].set(prompts),
         "logp": jnp.zeros((b, s), jnp.float32),
         "completion": jnp.zeros((b, s), bool),
-        "routes": routes,
+        "routes": routes_BxSxLxK,
         "done": jnp.zeros((b,), bool),
     }
 
@@ -197,21 +171,21 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
         logp_BxV = sampling_logprobs(st["logits"], sampling)
         tok = jax.vmap(draw, in_axes=(0, None, 0))(row_keys, i, logp_BxV)
         live = ~st["done"]
-        tok = jnp.where(live, tok, sampling.pad_id).astype(jnp.int32)
+        tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_BxV, tok[:, None], axis=1)[:, 0]
         # Feed the token back unless it is EOS or padding. The N-th token is fed too (one
         # shape for every step) but nothing reads its output, so its routes are -1.
-        fed = live & (tok != sampling.eos_id)
+        fed = live & (tok != eos_id)
         h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=st["cache"])
-        step_routes = jnp.where(fed[None, :, None] & (i + 1 < n), a["routes"][:, :, 0], -1)
+        step_routes_BxLxK = jnp.where(fed[:, None, None] & (i + 1 < n), a["routes"][:, 0], -1)
         return dict(st, i=i + 1, cache=a["cache"],
                     logits=tf.logits(params, h, cfg)[:, 0],
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),
-                    routes=st["routes"].at[:, :, slot].set(step_routes),
-                    done=st["done"] | (tok == sampling.eos_id))
+                    routes=st["routes"].at[:, slot].set(step_routes_BxLxK),
+                    done=st["done"] | (tok == eos_id))
 
     st = jax.lax.while_loop(lambda st: (st["i"] < n) & ~jnp.all(st["done"]), body, state)
     completion = st["completion"]
@@ -220,4 +194,4 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics):
                    completion_mask_BxS=completion,
                    lengths_B=jnp.sum(completion, axis=1, dtype=jnp.int32),
                    logp_mu_BxS=st["logp"],
-                   routes_mu_LxBxSxK=st["routes"])
+                   routes_mu_BxSxLxK=st["routes"])

@@ -4,7 +4,7 @@ Mesh axes: `data` (pure data parallel), `fsdp` (data parallel + parameter shardi
 `expert` (expert parallel). Model code names only logical axes (see
 `transformer.param_logical_axes`); this module alone knows the mesh.
 
-Letters: B batch, T tokens, L layers.
+Letters: B batch, T tokens.
 """
 from __future__ import annotations
 
@@ -68,18 +68,11 @@ def tree_shardings(logical_tree, arrays, mesh: Mesh, rules: dict = RULES):
                         logical_tree, arrays, is_leaf=is_axes)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: dict = RULES) -> NamedSharding:
-    """Leading (batch) axis split over the data-parallel axes; the rest replicated."""
-    return NamedSharding(mesh, P(rules["batch"], *([None] * (ndim - 1))))
-
-
-def routes_sharding(mesh: Mesh, rules: dict = RULES) -> NamedSharding:
-    """[L, B, T, K] route tensors: batch is their second axis."""
-    return NamedSharding(mesh, P(None, rules["batch"], None, None))
-
-
-def shard_params(params, logical_tree, mesh: Mesh, rules: dict = RULES):
-    return jax.device_put(params, tree_shardings(logical_tree, params, mesh, rules))
+def batch_sharding(mesh: Mesh, rules: dict = RULES) -> NamedSharding:
+    """Axis 0 (the batch) split over the data-parallel axes, every other axis replicated.
+    Every batch tensor is batch-major, so this one sharding serves a whole batch pytree
+    (as a prefix of its tree in jit's in/out shardings)."""
+    return NamedSharding(mesh, P(rules["batch"]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -2,21 +2,29 @@
 import jax
 import numpy as np
 import pytest
+from tolerance import assert_close
 
 from stablerl_jax import advantages as adv
 
+# Rewards are exact; a group mean over G ≤ 4 values is a sum (G − 1 roundings) and a
+# division (1), the centring a subtraction (1): n = 5. Exact zeros stay exactly zero.
+N = 5
+
 
 def test_group_mean_by_hand():
-    np.testing.assert_allclose(adv.group_mean([1, 0, 0, 1, 1, 1], 3),
-                               [2 / 3, -1 / 3, -1 / 3, 0, 0, 0], rtol=1e-6, atol=1e-7)
+    assert_close(adv.group_mean([1, 0, 0, 1, 1, 1], 3), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0], n=N,
+                 cond=2.0)  # R − mean: terms 1 and 1/3
 
 
 def test_group_norm_by_hand_and_zero_variance_group():
     a = adv.group_norm([1, 0, 1, 1], 2)  # group 0: mean .5, std .5; group 1: std 0
-    np.testing.assert_allclose(a, [1, -1, 0, 0], rtol=1e-5)
+    # The std adds a sum of squares, a division and a sqrt (4), the normalization 2 more
+    # (eps = 1e-6 against std 0.5 moves the result by 2e-6 relative: a 1e-6-sized
+    # modelling term, far above rounding, so it is part of the expected value).
+    assert_close(a, np.array([1, -1, 0, 0]) * 0.5 / (0.5 + 1e-6), n=N + 6, cond=2.0)
     # Sample std (ddof=1) of [1, 0] is 1/√2.
-    np.testing.assert_allclose(adv.group_norm([1, 0], 2, ddof=1), [0.5**0.5, -0.5**0.5],
-                               rtol=1e-5)
+    want = np.array([0.5, -0.5]) / (0.5**0.5 + 1e-6)
+    assert_close(adv.group_norm([1, 0], 2, ddof=1), want, n=N + 6, cond=2.0)
 
 
 def test_equal_rewards_give_exactly_zero():
@@ -29,14 +37,14 @@ def test_equal_rewards_give_exactly_zero():
 
 def test_leave_one_out_by_hand():
     # R = [1, 0, 0]: Â_0 = 1 − 0 = 1, Â_1 = 0 − 1/2 = −1/2.
-    np.testing.assert_allclose(adv.leave_one_out([1, 0, 0], 3), [1, -0.5, -0.5], rtol=1e-6)
+    assert_close(adv.leave_one_out([1, 0, 0], 3), [1, -0.5, -0.5], n=N + 2, cond=2.0)
 
 
 def test_groups_are_consecutive_and_jit():
     r = np.array([1.0, 0.0, 3.0, 1.0])
     f = jax.jit(adv.group_mean, static_argnums=1)
-    np.testing.assert_allclose(f(r, 2), [0.5, -0.5, 1.0, -1.0], rtol=1e-6)
-    np.testing.assert_allclose(adv.group_mean(r, np.int64(4)), r - 1.25, rtol=1e-6)
+    assert_close(f(r, 2), [0.5, -0.5, 1.0, -1.0], n=N, cond=4.0)
+    assert_close(adv.group_mean(r, np.int64(4)), r - 1.25, n=N, cond=4.0)
 
 
 def test_errors():

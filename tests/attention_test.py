@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tolerance import assert_close
 
 from stablerl_jax.model.attention import positions_from_mask, rms_norm, rope
 
@@ -15,17 +16,21 @@ def test_rope_scores_depend_only_on_relative_position():
         rk = rope(k, jnp.array([[pk]]), 10_000.0)
         return float(jnp.sum(rq * rk))
 
-    np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-5)
-    np.testing.assert_allclose(score(0, 0), float(jnp.sum(q * k)), rtol=1e-6)  # angle 0
-    # A rotation preserves the norm.
-    np.testing.assert_allclose(jnp.linalg.norm(rope(q, jnp.array([[7]]), 1e4)),
-                               jnp.linalg.norm(q), rtol=1e-6)
+    # Each score: the angles (position × frequency: 2), cos/sin (1), the rotation (2), a
+    # dot over 8 (8): n = 13 on each side, relative to Σ|q_i k_i| (the dot's terms have
+    # both signs).
+    terms = float(jnp.sum(jnp.abs(q * k)))
+    assert_close(score(3, 1), score(10, 8), n=13, scale=terms)
+    assert_close(score(0, 0), float(jnp.sum(q * k)), n=13, scale=terms)  # angle 0
+    # A rotation preserves the norm: the rotation (5) and a norm over 8 (8 + sqrt).
+    assert_close(jnp.linalg.norm(rope(q, jnp.array([[7]]), 1e4)), jnp.linalg.norm(q), n=14)
 
 
 def test_rms_norm_by_hand():
     x = jnp.array([[3.0, 4.0]])  # mean square 12.5
-    np.testing.assert_allclose(rms_norm(x, jnp.array([1.0, 2.0]), 0.0),
-                               [[3 / 12.5**0.5, 8 / 12.5**0.5]], rtol=1e-6)
+    # Mean square (3), rsqrt (1), two products (2).
+    assert_close(rms_norm(x, jnp.array([1.0, 2.0]), 0.0), [[3 / 12.5**0.5, 8 / 12.5**0.5]],
+                 n=6)
     assert rms_norm(x.astype(jnp.bfloat16), jnp.ones(2), 1e-6).dtype == jnp.bfloat16
 
 

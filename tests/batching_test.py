@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
+from stablerl_jax.config import TaskConfig
 from stablerl_jax.data import batching, synthetic
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
-RECS = synthetic.generate(synthetic.TaskConfig(num_train=50, num_test=5), "train")
+RECS = synthetic.generate(TaskConfig(num_train=50, num_test=5), "train")
 TOK = SentencePieceTokenizer.train([r["prompt"] + " " + r["solution"] for r in RECS], 64)
 
 
@@ -22,7 +23,6 @@ def test_prompt_batch_left_padded_groups():
     assert TOK.decode(tokens[4][mask[4]]) == RECS[1]["prompt"]
     b = batching.prompt_batch(RECS[:3], TOK, 4, 16)
     assert b.prompt_tokens_BxP.dtype == np.int32 and b.prompt_mask_BxP.dtype == bool
-    assert batching.group_ids(RECS[:3], 4)[3:5] == [RECS[0]["id"], RECS[1]["id"]]
 
 
 def test_too_long_prompt_or_solution_is_a_clear_error():
@@ -36,8 +36,11 @@ def test_too_long_prompt_or_solution_is_a_clear_error():
 
 def test_sft_batch_masks_solution_only():
     b = batching.sft_batch(RECS[:2], TOK, 16, 40)
-    t, loss, attn = b["tokens_BxT"], b["loss_mask_BxT"], b["attn_BxT"]
-    assert t.shape == (2, 57)
+    t, attn = b.tokens_BxS, b.attn_BxS
+    assert t.shape == (2, 57) and b.mask_BxT.shape == (2, 56)
+    assert b.mask_BxT.dtype == np.float32
+    # mask_BxT[:, t] marks the target tokens[:, t + 1]: solution + EOS only.
+    loss = np.concatenate([np.zeros((2, 1), bool), b.mask_BxT > 0], axis=1)
     assert not loss[:, :16].any() and (loss <= attn).all()
     sol = t[0][loss[0]]
     assert sol[-1] == TOK.eos_id and TOK.decode(sol) == RECS[0]["solution"]

@@ -1,7 +1,7 @@
 """avg@k with a scripted sampler."""
 import pytest
 
-from stablerl_jax.data.evaluation import avg_at_k, evaluate_records
+from stablerl_jax.data.evaluation import avg_at_k
 from stablerl_jax.data.rewards import exact_match_reward
 
 
@@ -21,8 +21,7 @@ def test_prompts_are_repeated_k_times_consecutively():
         seen.extend(prompts)
         return [f"#### {p}" for p in prompts]  # echoes the prompt as its answer
 
-    recs = [{"prompt": "3", "answer": "3"}, {"prompt": "4", "answer": "5"}]
-    res = evaluate_records(sampler, recs, 3, exact_match_reward)
+    res = avg_at_k(sampler, ["3", "4"], ["3", "5"], 3, exact_match_reward)
     assert seen == ["3"] * 3 + ["4"] * 3
     assert res["avg@k"] == 0.5 and res["pass@k"] == 0.5
     with pytest.raises(ValueError, match="returned 1 completions"):

@@ -39,7 +39,7 @@ def test_paper_preset_states_the_paper_settings(module, capsys):
     assert len(exp.seeds) >= 2 and len(exp.variants) == len({v.name for v in exp.variants})
     module.main(["--preset", "paper", "--dry-run"])
     out = capsys.readouterr().out
-    assert "E=128 K=8" in out and "inference=fp8" in out and "G=16" in out
+    assert "E=128 K=8" in out and "numerics=fp8" in out and "G=16" in out
     for v in exp.variants:
         cfg = exp.config(v, 0)
         per_minibatch = cfg.rl.prompts_per_step * cfg.rl.group_size // cfg.rl.num_minibatches

@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from stablerl_jax.data import gsm8k
-from stablerl_jax.data.synthetic import TaskConfig, load_split
+from stablerl_jax.config import TaskConfig
+from stablerl_jax.data.task import load_split
 
 
 def _write(path, rows):

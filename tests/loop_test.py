@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from rl_helpers import tiny_cfg
+from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.metrics_io import read_metrics
@@ -13,7 +13,7 @@ from stablerl_jax.rl.engine import Engine
 
 
 def _final_state(cfg, workdir):
-    eng = Engine.create(cfg)
+    eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     like = eng.init_state(jax.tree.map(np.zeros_like, _params_like(cfg)))
     state, meta = Checkpointer(f"{workdir}/checkpoints").restore(None, like._asdict())
     return state, meta

@@ -9,7 +9,7 @@ import pytest
 from tolerance import LAMBDA, assert_close, bound, engine_chain
 
 from stablerl_jax import rollout as ro
-from stablerl_jax.config import ModelConfig
+from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.mismatch import measure_mismatch
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -17,7 +17,7 @@ from stablerl_jax.model import transformer as tf
 CFG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64, max_seq_len=40,
                   moe_tile=16)
-SAMPLING = ro.SamplingConfig(max_new_tokens=20, eos_id=2, pad_id=0)
+SAMPLING = SamplingConfig(max_new_tokens=20)
 
 
 def exact_tol(rollout):
@@ -43,7 +43,7 @@ def _setup():
 def _rollout(preset, sampling=SAMPLING):
     params, prompts, mask = _setup()
     return ro.sample(params, prompts, mask, jax.random.key(2), CFG, sampling,
-                     nx.preset(preset))
+                     nx.preset(preset), eos_id=2, pad_id=0)
 
 
 def test_exact_engine_has_no_mismatch():
@@ -95,13 +95,13 @@ def test_flipped_routes_give_hand_derived_rates():
     # router did not choose: half of that token's top-2 set is wrong.
     params, _, _ = _setup()
     r = _rollout("exact")
-    routes = np.array(r.routes_mu_LxBxSxK)
-    rec_BxS = (routes >= 0).all(axis=(0, 3))
+    routes = np.array(r.routes_mu_BxSxLxK)
+    rec_BxS = (routes >= 0).all(axis=(2, 3))
     row0 = np.nonzero(rec_BxS[0])[0]
     for s in row0:
-        chosen = set(routes[1, 0, s])
-        routes[1, 0, s, 1] = min(set(range(CFG.num_experts)) - chosen)
-    m = measure_mismatch(params, r._replace(routes_mu_LxBxSxK=jnp.asarray(routes)), CFG)
+        chosen = set(routes[0, s, 1])
+        routes[0, s, 1, 1] = min(set(range(CFG.num_experts)) - chosen)
+    m = measure_mismatch(params, r._replace(routes_mu_BxSxLxK=jnp.asarray(routes)), CFG)
     n = rec_BxS.sum()
     assert m["routed_tokens"] == n
     # Sums of n float32 halves / ones, then one division: exact up to n + 1 roundings.
@@ -122,7 +122,7 @@ def test_mismatch_is_ordered_exact_bf16_fp8():
 
 def test_measured_at_the_sampling_temperature():
     params, _, _ = _setup()
-    hot = ro.SamplingConfig(max_new_tokens=20, temperature=0.7, eos_id=2, pad_id=0)
+    hot = SamplingConfig(max_new_tokens=20, temperature=0.7)
     r = _rollout("exact", hot)
     # /0.7 adds one rounding to the chain: far inside the bound.
     assert measure_mismatch(params, r, CFG, temperature=0.7)["abs_logp_gap_max"] <= exact_tol(r)

@@ -1,20 +1,23 @@
-"""A tiny experiment config shared by the RL tests."""
-from stablerl_jax.config import LossConfig, ModelConfig
-from stablerl_jax.data.synthetic import TaskConfig
-from stablerl_jax.rl.config import ExperimentConfig, RLConfig, SFTConfig
-from stablerl_jax.rollout import SamplingConfig
+"""A tiny experiment config shared by the RL tests, and the special ids its tests use
+(the SentencePiece tokenizer's: pad 0, eos 3)."""
+from stablerl_jax.config import (ExperimentConfig, LossConfig, ModelConfig, OptimConfig,
+                                 RLConfig, SamplingConfig, SFTConfig, TaskConfig)
+
+EOS_ID, PAD_ID = 3, 0
 
 
-def tiny_cfg(**rl) -> ExperimentConfig:
+def tiny_cfg(mesh=(1, 1, 1), learning_rate=1e-3, **rl) -> ExperimentConfig:
     return ExperimentConfig(
         name="test",
         model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                           head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=32,
                           max_seq_len=40, moe_tile=8),
         task=TaskConfig(num_train=64, num_test=16, max_prompt_len=16, max_solution_len=40),
-        sampling=SamplingConfig(max_new_tokens=16, eos_id=3, pad_id=0),
+        sampling=SamplingConfig(max_new_tokens=16),
         loss=LossConfig(),
         rl=RLConfig(**{"steps": 2, "prompts_per_step": 4, "group_size": 2,
-                       "num_minibatches": 2, "eval_every": 2, "eval_k": 1, "eval_problems": 4,
-                       "checkpoint_every": 1, "learning_rate": 1e-3, **rl}),
-        sft=SFTConfig(steps=2, batch_size=4))
+                       "num_minibatches": 2, "eval_every": 2, "eval_k": 1, "eval_problems": 8,
+                       "checkpoint_every": 1, "optim": OptimConfig(learning_rate=learning_rate),
+                       **rl}),
+        sft=SFTConfig(steps=2, batch_size=8),
+        mesh=mesh)

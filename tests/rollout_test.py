@@ -9,8 +9,8 @@ import pytest
 from tolerance import LAMBDA, assert_close, engine_chain
 
 from stablerl_jax import rollout as ro
-from stablerl_jax.config import ConfigError, ModelConfig
-from stablerl_jax.mismatch import training_view
+from stablerl_jax.config import ConfigError, ModelConfig, SamplingConfig
+from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -20,7 +20,8 @@ from stablerl_jax.model import transformer as tf
 CFG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64, max_seq_len=40,
                   moe_tile=16)
-SAMPLING = ro.SamplingConfig(max_new_tokens=20, eos_id=2, pad_id=0)
+SAMPLING = SamplingConfig(max_new_tokens=20)
+EOS, PAD = 2, 0
 B, P = 16, 12
 S = P + SAMPLING.max_new_tokens
 
@@ -45,27 +46,32 @@ def _setup():
 def _rollout(seed=2, preset="exact"):
     params, prompts, mask = _setup()
     return ro.sample(params, prompts, mask, jax.random.key(seed), CFG, SAMPLING,
-                     nx.preset(preset))
+                     nx.preset(preset), eos_id=EOS, pad_id=PAD)
 
 
 def test_exact_preset_matches_training_path():
     params, _, _ = _setup()
     r = _rollout()
-    logp_pi_BxT, routes_pi = jax.jit(training_view, static_argnames="cfg")(params, r, cfg=CFG)
+    attn = r.prompt_mask_BxS | r.completion_mask_BxS
+    logp_pi_BxT, _, aux = jax.jit(policy_logprobs, static_argnames="cfg")(
+        params, r.tokens_BxS, attn, cfg=CFG)
     comp = np.asarray(r.completion_mask_BxS[:, 1:])
     assert comp.sum() > 0
     # Slot s + 1's token is scored from hidden[s]: logp_mu[:, 1:] against logp_pi.
     assert_same_logp(np.where(comp, logp_pi_BxT, 0), r.logp_mu_BxS[:, 1:])
-    rec = np.asarray(r.routes_mu_LxBxSxK) >= 0
+    # Routes of the input slots (the last slot is never fed back, so never recorded).
+    routes_mu = np.asarray(r.routes_mu_BxSxLxK)
+    assert (routes_mu[:, -1] == -1).all()
+    rec = routes_mu[:, :-1] >= 0
     assert rec.sum() > 0
-    np.testing.assert_array_equal(np.where(rec, routes_pi, -1), r.routes_mu_LxBxSxK)
+    np.testing.assert_array_equal(np.where(rec, aux["routes"], -1), routes_mu[:, :-1])
 
 
 def test_routes_mu_is_aligned_and_a_valid_replay():
     _, prompts, mask = _setup()
     r = _rollout()
-    routes = np.asarray(r.routes_mu_LxBxSxK)
-    rec_BxS = (routes >= 0).all(axis=(0, 3))
+    routes = np.asarray(r.routes_mu_BxSxLxK)
+    rec_BxS = (routes >= 0).all(axis=(2, 3))
     # Recorded exactly on real prompt tokens and fed-back completion tokens: every
     # completion token except the row's last one (EOS or the N-th token).
     comp = np.asarray(r.completion_mask_BxS)
@@ -76,8 +82,8 @@ def test_routes_mu_is_aligned_and_a_valid_replay():
     np.testing.assert_array_equal(r.tokens_BxS[:, :P], prompts)
     assert routes.dtype == np.int32
     # Raises on partial rows, duplicates or out-of-range experts.
-    moe.validate_replay(r.routes_mu_LxBxSxK, (CFG.num_layers, B, P + SAMPLING.max_new_tokens),
-                        CFG.top_k, CFG.num_experts)
+    moe.validate_replay(r.routes_mu_BxSxLxK, (B, S, CFG.num_layers), CFG.top_k,
+                        CFG.num_experts)
 
 
 def test_eos_rows_stop_and_are_masked():
@@ -87,12 +93,12 @@ def test_eos_rows_stop_and_are_masked():
     logp = np.asarray(r.logp_mu_BxS)
     stopped = 0
     for b in range(B):
-        eos = np.nonzero(toks[b, P:] == SAMPLING.eos_id)[0]
+        eos = np.nonzero(toks[b, P:] == EOS)[0]
         n = int(r.lengths_B[b])
         if len(eos):
             stopped += 1
             assert n == eos[0] + 1  # EOS is the last completion token, and counted
-            assert (toks[b, P + n:] == SAMPLING.pad_id).all()
+            assert (toks[b, P + n:] == PAD).all()
         else:
             assert n == SAMPLING.max_new_tokens
         assert comp[b, P:P + n].all() and not comp[b, P + n:].any() and not comp[b, :P].any()
@@ -105,7 +111,7 @@ def test_keys_determine_samples():
     a = _rollout(2)
     params, prompts, mask = _setup()
     again = ro.sample(params, prompts, mask, jax.random.key(2), CFG, SAMPLING,
-                      nx.preset("exact"))
+                      nx.preset("exact"), eos_id=EOS, pad_id=PAD)
     for x, y in zip(a, again):
         np.testing.assert_array_equal(x, y)
     c = _rollout(3)
@@ -126,14 +132,14 @@ def test_rows_are_batch_and_padding_invariant():
     keys = jax.random.split(jax.random.key(2), B)[rows]
     short = prompts[rows, 9:]
     alone = ro.sample(params, short, jnp.ones_like(short, bool), keys, CFG, SAMPLING,
-                      nx.preset("exact"))
+                      nx.preset("exact"), eos_id=EOS, pad_id=PAD)
     np.testing.assert_array_equal(alone.tokens_BxS[:, 3:], r.tokens_BxS[rows, P:])
     np.testing.assert_array_equal(alone.lengths_B, r.lengths_B[rows])
     assert_same_logp(alone.logp_mu_BxS[:, 3:], r.logp_mu_BxS[rows, P:])
-    np.testing.assert_array_equal(alone.routes_mu_LxBxSxK[:, :, 3:],
-                                  r.routes_mu_LxBxSxK[:, rows, P:])
-    np.testing.assert_array_equal(alone.routes_mu_LxBxSxK[:, :, :3],
-                                  r.routes_mu_LxBxSxK[:, rows, 9:P])
+    np.testing.assert_array_equal(alone.routes_mu_BxSxLxK[:, 3:],
+                                  r.routes_mu_BxSxLxK[rows, P:])
+    np.testing.assert_array_equal(alone.routes_mu_BxSxLxK[:, :3],
+                                  r.routes_mu_BxSxLxK[rows, 9:P])
 
 
 def test_truncation_support():
@@ -141,45 +147,46 @@ def test_truncation_support():
     # float32 log of the constants (2 roundings), /temperature, log-softmax over V = 4
     # (4 + 2), exp (1): n = 10; excluded tokens are exactly 0.
     close = lambda lp, want: assert_close(jnp.exp(lp), np.asarray(want, np.float64), n=10)
-    close(ro.sampling_logprobs(logits, ro.SamplingConfig(top_k=2)), [[0.625, 0.375, 0, 0]])
+    close(ro.sampling_logprobs(logits, SamplingConfig(top_k=2)), [[0.625, 0.375, 0, 0]])
     # 0.5 + 0.3 reaches 0.8
-    close(ro.sampling_logprobs(logits, ro.SamplingConfig(top_p=0.8)), [[0.625, 0.375, 0, 0]])
+    close(ro.sampling_logprobs(logits, SamplingConfig(top_p=0.8)), [[0.625, 0.375, 0, 0]])
     # 0.81 needs the third
-    close(ro.sampling_logprobs(logits, ro.SamplingConfig(top_p=0.81)),
+    close(ro.sampling_logprobs(logits, SamplingConfig(top_p=0.81)),
           np.array([[0.5, 0.3, 0.15, 0]]) / 0.95)
-    close(ro.sampling_logprobs(logits, ro.SamplingConfig(top_k=3, top_p=0.5)), [[1, 0, 0, 0]])
-    close(ro.sampling_logprobs(logits, ro.SamplingConfig(temperature=0.5)),
+    close(ro.sampling_logprobs(logits, SamplingConfig(top_k=3, top_p=0.5)), [[1, 0, 0, 0]])
+    close(ro.sampling_logprobs(logits, SamplingConfig(temperature=0.5)),
           np.array([[0.5, 0.3, 0.15, 0.05]]) ** 2 / (0.25 + 0.09 + 0.0225 + 0.0025))
     # k ≥ V: no truncation
-    close(ro.sampling_logprobs(logits, ro.SamplingConfig(top_k=10)), [[0.5, 0.3, 0.15, 0.05]])
+    close(ro.sampling_logprobs(logits, SamplingConfig(top_k=10)), [[0.5, 0.3, 0.15, 0.05]])
 
 
 def test_invalid_inputs_name_the_field():
     params, prompts, mask = _setup()
     exact = nx.preset("exact")
+    sample = lambda p, m, key=jax.random.key(0), sampling=SAMPLING, eos=EOS, pad=PAD: ro.sample(
+        params, p, m, key, CFG, sampling, exact, eos_id=eos, pad_id=pad)
     with pytest.raises(ValueError, match="max_seq_len=40"):
-        ro.sample(params, prompts, mask, jax.random.key(0), CFG,
-                  ro.SamplingConfig(max_new_tokens=29), exact)
+        sample(prompts, mask, sampling=SamplingConfig(max_new_tokens=29))
     for field, kw in [("max_new_tokens", {"max_new_tokens": 0}),
                       ("temperature", {"temperature": 0.0}),
                       ("temperature", {"temperature": -1.0}),
                       ("top_k", {"top_k": -1}), ("top_p", {"top_p": 0.0}),
-                      ("top_p", {"top_p": 1.5}), ("eos_id", {"eos_id": -1}),
-                      ("pad_id", {"pad_id": -2})]:
+                      ("top_p", {"top_p": 1.5}), ("numerics", {"numerics": "train"}),
+                      ("router_noise_std", {"router_noise_std": float("inf")})]:
         with pytest.raises(ConfigError, match=f"^{field}:"):
-            ro.SamplingConfig(**kw)
+            SamplingConfig(**kw)
     with pytest.raises(ValueError, match="unknown 'fp4'"):
         nx.preset("fp4")
     with pytest.raises(ValueError, match="left-padded"):
-        ro.sample(params, prompts, mask[:, ::-1], jax.random.key(0), CFG, SAMPLING, exact)
+        sample(prompts, mask[:, ::-1])
     with pytest.raises(ValueError, match="at least one real"):
-        ro.sample(params, prompts, mask & False, jax.random.key(0), CFG, SAMPLING, exact)
-    with pytest.raises(ValueError, match="pad_id=64"):
-        ro.sample(params, prompts, mask, jax.random.key(0), CFG,
-                  ro.SamplingConfig(max_new_tokens=4, pad_id=64), exact)
+        sample(prompts, mask & False)
+    with pytest.raises(ValueError, match="^pad_id=64"):
+        sample(prompts, mask, pad=64)
+    for eos in (-2, 64):  # -1 is allowed: no EOS, every row decodes max_new_tokens
+        with pytest.raises(ValueError, match=f"^eos_id={eos}"):
+            sample(prompts, mask, eos=eos)
     with pytest.raises(ValueError, match="^key:"):
-        ro.sample(params, prompts, mask, jax.random.split(jax.random.key(0), 3), CFG,
-                  SAMPLING, exact)
+        sample(prompts, mask, key=jax.random.split(jax.random.key(0), 3))
     with pytest.raises(ValueError, match="^prompt_tokens:"):
-        ro.sample(params, prompts.astype(jnp.float32), mask, jax.random.key(0), CFG,
-                  SAMPLING, exact)
+        sample(prompts.astype(jnp.float32), mask)

@@ -45,11 +45,10 @@ def test_sharded_forward_and_grad_equal_unsharded(x64):
 
     mesh = sharding.make_mesh(2, 2, 2, devices=cpu_devices())
     p_sh = sharding.tree_shardings(tf.param_logical_axes(CFG), params, mesh)
-    b_sh = sharding.batch_sharding(mesh, 2)
+    b_sh = sharding.batch_sharding(mesh)  # every batch leaf, routes [B, T, L, K] included
     sharded = jax.jit(step, in_shardings=(p_sh, b_sh, b_sh),
-                      out_shardings=((sharding.replicated(mesh), sharding.routes_sharding(mesh)),
-                                     p_sh))
-    params_s = sharding.shard_params(params, tf.param_logical_axes(CFG), mesh)
+                      out_shardings=((sharding.replicated(mesh), b_sh), p_sh))
+    params_s = jax.device_put(params, p_sh)
     (v1, r1), g1 = sharded(params_s, jax.device_put(tokens, b_sh), jax.device_put(mask, b_sh))
     assert g1["layers"]["w_gate"].sharding.spec == P(None, "expert", "fsdp", None)
     # The value sums B·T·D probe terms of random sign (cond measured below); a weight

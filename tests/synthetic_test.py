@@ -5,12 +5,14 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from stablerl_jax.config import ConfigError
+from stablerl_jax import presets
+from stablerl_jax.config import STYLES, ConfigError, TaskConfig
 from stablerl_jax.data import synthetic
+from stablerl_jax.data.task import read_source
 from stablerl_jax.data.rewards import exact_match_reward
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
-SMALL = synthetic.TaskConfig(num_train=200, num_test=40)
+SMALL = TaskConfig(num_train=200, num_test=40)
 
 
 def _value(prompt: str, modulus: int) -> int:
@@ -30,9 +32,9 @@ def test_generation_is_deterministic_and_splits_disjoint():
     assert ids == sorted(ids) and len(set(ids)) == 200 and ids[0] == "train-000"
 
 
-@pytest.mark.parametrize("name", sorted(synthetic.PRESETS))
+@pytest.mark.parametrize("name", sorted(presets.TASKS))
 def test_presets_disjoint_and_correct(name):
-    task = synthetic.preset(name, num_train=300, num_test=60)
+    task = presets.task(name, num_train=300, num_test=60)
     train, test = synthetic.generate(task, "train"), synthetic.generate(task, "test")
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     for rec in train + test:
@@ -69,40 +71,28 @@ def test_plus_only_operators():
     assert all("-" not in r["prompt"] and int(r["answer"]) >= 0 for r in recs)
 
 
-@pytest.mark.parametrize("name", sorted(synthetic.PRESETS))
+@pytest.mark.parametrize("name", sorted(presets.TASKS))
 def test_presets_fit_their_token_budgets(name):
-    task = synthetic.PRESETS[name]
+    task = presets.TASKS[name]
     recs = synthetic.generate(task.replace(num_train=1000), "train")
-    for style in synthetic.STYLES:
+    for style in STYLES:
         recs += synthetic.generate(task.replace(num_train=200, style=style), "train")
     tok = SentencePieceTokenizer.train([r["prompt"] + " " + r["solution"] for r in recs],
-                                       task.vocab_size)
+                                       presets.tiny().model.vocab_size)
     # +1: prompt batches prepend BOS.
     assert max(len(tok.encode(r["prompt"])) + 1 for r in recs) <= task.max_prompt_len
     assert max(len(tok.encode(r["solution"])) for r in recs) <= task.max_solution_len
 
 
-def test_tfds_builder_reads_through_data_source_without_tensorflow(tmp_path):
-    a = synthetic.load_split(SMALL, "train", str(tmp_path))
-    b = synthetic.load_split(SMALL, "train", str(tmp_path))  # reuses the built files
-    assert a == b == synthetic.generate(SMALL, "train")  # sorted by id = generation order
-    assert synthetic.load_split(SMALL, "test", str(tmp_path)) == synthetic.generate(SMALL,
-                                                                                    "test")
-    assert set(a[0]) == {"id", "prompt", "solution", "answer"}
-    assert list(tmp_path.glob("arithmetic/*/1.0.0/*.array_record*"))
-    assert "tensorflow" not in sys.modules
-
-
-def test_named_builder_configs_and_preset_names(tmp_path):
-    assert [c.name for c in synthetic.Arithmetic.BUILDER_CONFIGS] == list(synthetic.PRESETS)
-    want = synthetic.generate(synthetic.PRESETS["easy"], "test")
+def test_named_builder_configs_are_the_task_presets(tmp_path):
+    assert [c.name for c in synthetic.Arithmetic.BUILDER_CONFIGS] == list(presets.TASKS)
+    want = synthetic.generate(presets.TASKS["easy"], "test")
     # The registered builder, by name, defaults to array_record: no TensorFlow needed.
     source = tfds.data_source("arithmetic/easy", split="test", data_dir=str(tmp_path / "a"))
-    assert synthetic.read_source(source) == want
-    assert synthetic.load_split("easy", "test", str(tmp_path / "b")) == want
+    assert read_source(source) == want
     assert "tensorflow" not in sys.modules
     with pytest.raises(ConfigError, match="^task preset:"):
-        synthetic.preset("impossible")
+        presets.task("impossible")
 
 
 @pytest.mark.parametrize("kw,field", [({"num_operands": 1}, "num_operands"),
@@ -116,13 +106,13 @@ def test_named_builder_configs_and_preset_names(tmp_path):
                                       ({"seed": -1}, "seed")])
 def test_config_errors(kw, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
-        synthetic.TaskConfig(**kw)
+        TaskConfig(**kw)
 
 
 def test_too_many_problems_is_a_clear_error():
     # 2 one-digit operands: only 200 distinct prompts exist (caught before sampling).
     with pytest.raises(ValueError, match="cannot find 500 distinct train problems: only"):
-        synthetic.generate(synthetic.TaskConfig(num_operands=2, num_train=500), "train")
+        synthetic.generate(TaskConfig(num_operands=2, num_train=500), "train")
     with pytest.raises(ConfigError, match="^split:"):
         synthetic.generate(SMALL, "validation")
 

@@ -1,11 +1,13 @@
 """SentencePiece trained in-process: round trip, special ids, reuse."""
 import pytest
 
+from stablerl_jax import presets
+from stablerl_jax.config import STYLES, TaskConfig
 from stablerl_jax.data import synthetic
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
 CORPUS = [r["prompt"] + " " + r["solution"]
-          for r in synthetic.generate(synthetic.TaskConfig(num_train=300, num_test=10), "train")]
+          for r in synthetic.generate(TaskConfig(num_train=300, num_test=10), "train")]
 
 
 def test_round_trip_and_special_ids(tmp_path):
@@ -32,11 +34,11 @@ def test_saved_model_is_reused(tmp_path):
 
 
 def test_round_trip_on_every_preset_and_style():
-    for name, task in synthetic.PRESETS.items():
-        recs = [r for style in synthetic.STYLES
+    for name, task in presets.TASKS.items():
+        recs = [r for style in STYLES
                 for r in synthetic.generate(task.replace(num_train=100, style=style), "train")]
         texts = [r["prompt"] + " " + r["solution"] for r in recs]
-        tok = SentencePieceTokenizer.train(texts, task.vocab_size)
+        tok = SentencePieceTokenizer.train(texts, presets.tiny().model.vocab_size)
         for r in recs:
             for text in (r["prompt"], r["solution"]):
                 assert tok.decode(tok.encode(text)) == text, (name, text)

@@ -66,7 +66,7 @@ def test_shapes_and_aux():
     params, tokens, mask = _setup()
     h, aux = _fwd()(params, tokens, attention_mask_BxT=mask)
     assert h.shape == (B, T, CFG.d_model)
-    assert aux["routes"].shape == (CFG.num_layers, B, T, CFG.top_k)
+    assert aux["routes"].shape == (B, T, CFG.num_layers, CFG.top_k)  # batch-major
     assert aux["routes"].dtype == jnp.int32
     # Σ_e load_e: E fractions of one float32 count each (n = E + 2 roundings).
     assert_close(aux["expert_load"].sum(-1), 1.0, n=CFG.num_experts + 2)
@@ -89,16 +89,16 @@ def test_replaying_own_routes_is_bit_identical_and_other_routes_differ():
     params, tokens, mask = _setup()
     h, aux = _fwd()(params, tokens, attention_mask_BxT=mask)
     h_replay, aux_r = _fwd()(params, tokens, attention_mask_BxT=mask,
-                             replay_LxBxTxK=aux["routes"])
+                             replay_BxTxLxK=aux["routes"])
     np.testing.assert_array_equal(h_replay, h)
     np.testing.assert_array_equal(aux_r["routes"], aux["routes"])
     shifted = (aux["routes"] + 1) % CFG.num_experts  # still K distinct experts per token
-    h_other, aux_o = _fwd()(params, tokens, attention_mask_BxT=mask, replay_LxBxTxK=shifted)
+    h_other, aux_o = _fwd()(params, tokens, attention_mask_BxT=mask, replay_BxTxLxK=shifted)
     np.testing.assert_array_equal(aux_o["routes"], shifted)
     assert float(jnp.abs(h_other - h).max()) > 1e-3
     # -1 rows route normally: replaying all -1 is the same as no replay.
     h_none, _ = _fwd()(params, tokens, attention_mask_BxT=mask,
-                       replay_LxBxTxK=jnp.full_like(aux["routes"], -1))
+                       replay_BxTxLxK=jnp.full_like(aux["routes"], -1))
     np.testing.assert_array_equal(h_none, h)
 
 
@@ -136,7 +136,7 @@ def test_remat_equal_values_and_gradients(x64, with_replay):
         replay = (_fwd(CFG64)(params, tokens, attention_mask_BxT=mask)[1]["routes"] + 3) % 8
 
     def loss(p, cfg):
-        h, aux = tf.forward(p, tokens, cfg, attention_mask_BxT=mask, replay_LxBxTxK=replay)
+        h, aux = tf.forward(p, tokens, cfg, attention_mask_BxT=mask, replay_BxTxLxK=replay)
         return _probe(h, mask) + aux["router_z_loss"].sum(), h
 
     step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg=cfg),
@@ -174,8 +174,9 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(x64):
     m = mask[..., None]
     assert_close(jnp.where(m, jnp.concatenate(hs, 1), 0), jnp.where(m, h_full, 0),
                  n=forward_chain(CFG, T), dtype="float64", scale="max")
-    np.testing.assert_array_equal(jnp.where(mask[None, ..., None], jnp.concatenate(routes, 2), -1),
-                                  jnp.where(mask[None, ..., None], aux_full["routes"], -1))
+    real = mask[..., None, None]
+    np.testing.assert_array_equal(jnp.where(real, jnp.concatenate(routes, 1), -1),
+                                  jnp.where(real, aux_full["routes"], -1))
     assert int(aux["cache"]["index"]) == T
 
 
@@ -198,6 +199,6 @@ def test_input_errors():
     with pytest.raises(ValueError, match="attention_mask"):
         tf.forward(params, tokens, CFG, attention_mask_BxT=mask[:, :3])
     with pytest.raises(ValueError, match="replay: shape"):
-        tf.forward(params, tokens, CFG, replay_LxBxTxK=jnp.zeros((1, B, T, 2), jnp.int32))
+        tf.forward(params, tokens, CFG, replay_BxTxLxK=jnp.zeros((B, T, 1, 2), jnp.int32))
     with pytest.raises(ValueError, match="max_seq_len=32"):
         tf.init_cache(CFG, 1, 33)

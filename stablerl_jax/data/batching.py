@@ -1,6 +1,6 @@
 """Prompt batches for RL (left-padded, G copies per prompt) and SFT batches.
 
-Letters: B rows, P prompt slots, T sequence slots, G group size.
+Letters: B rows, P prompt slots, S sequence slots, T = S − 1 scored positions, G group size.
 
 Layout shared by both: row = [pad … pad, BOS, prompt tokens | …]. Prompts are left-padded
 to P slots so that every prompt ends at slot P − 1 and generation starts at slot P for
@@ -13,6 +13,15 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from stablerl_jax.data.tokenizer import Tokenizer
+
+
+class SFTBatch(NamedTuple):
+    """A supervised batch (numpy or device arrays): tokens, real-token mask, and the
+    positions that count, in the T-frame of `logprobs.policy_logprobs`."""
+
+    tokens_BxS: np.ndarray   # int32, left-padded prompt then solution + EOS
+    attn_BxS: np.ndarray     # bool, real tokens
+    mask_BxT: np.ndarray     # float32, 1 where tokens[:, t + 1] is a solution token or EOS
 
 
 class PromptBatch(NamedTuple):
@@ -49,19 +58,13 @@ def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
                        np.repeat(mask, group_size, axis=0), answers)
 
 
-def group_ids(records: Sequence[dict], group_size: int) -> list[str]:
-    """The record id of each row of `prompt_batch(records, …, group_size, …)`."""
-    return [r["id"] for r in records for _ in range(group_size)]
-
-
 def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
-              max_solution_len: int):
+              max_solution_len: int) -> SFTBatch:
     """Left-padded prompt, then solution + EOS, right-padded to P + solution budget.
 
     The prompt occupies the same slots as in RL prompt batches, so SFT and RL see the same
-    layout. loss_mask_BxT is True where tokens_BxT holds a solution token or the EOS, i.e.
-    on the targets; a next-token loss reads it at the predicted position. attn_BxT is True
-    on BOS, prompt, solution and EOS.
+    layout. mask_BxT[:, t] is 1 where tokens[:, t + 1] is a solution token or the EOS (the
+    targets of the next-token loss); attn_BxS is True on BOS, prompt, solution and EOS.
     """
     p, n = max_prompt_len, max_solution_len + 1
     tokens = np.full((len(records), p + n), tok.pad_id, np.int32)
@@ -74,7 +77,7 @@ def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
         tokens[i, p:p + len(sol)] = sol
         attn[i, p - len(prompt):p + len(sol)] = True
         loss[i, p:p + len(sol)] = True
-    return {"tokens_BxT": tokens, "attn_BxT": attn, "loss_mask_BxT": loss}
+    return SFTBatch(tokens, attn, loss[:, 1:].astype(np.float32))
 
 
 def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:

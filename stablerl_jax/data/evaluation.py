@@ -34,10 +34,3 @@ def avg_at_k(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str]
     per_problem_n = r_nxk.mean(axis=1)
     return {"avg@k": float(r_nxk.mean()), "pass@k": float((r_nxk.max(axis=1) > 0).mean()),
             "stderr": float(per_problem_n.std() / np.sqrt(len(prompts)))}
-
-
-def evaluate_records(sample_fn: Callable[[list[str]], list[str]], records: Sequence[dict],
-                     k: int, reward_fn: Callable[[str, str], float]) -> dict:
-    """`avg_at_k` over records carrying 'prompt' and 'answer' (e.g. a `load_split`)."""
-    return avg_at_k(sample_fn, [r["prompt"] for r in records],
-                    [r["answer"] for r in records], k, reward_fn)

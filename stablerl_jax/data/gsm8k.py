@@ -132,11 +132,3 @@ def builder(jsonl_dir: str, data_dir: str, skip_malformed: bool = False) -> Json
 def skipped_counts(jsonl_dir: str, data_dir: str, skip_malformed: bool = True) -> dict:
     """{split: malformed lines skipped when the dataset was built}."""
     return dict(builder(jsonl_dir, data_dir, skip_malformed).info.metadata["skipped_counts"])
-
-
-def load_jsonl_split(task, split: str, data_dir: str) -> list[dict]:
-    """Build (once) from task.jsonl_dir and read a split through the data source, sorted
-    by id."""
-    from stablerl_jax.data.synthetic import read_source
-    b = builder(task.jsonl_dir, data_dir, getattr(task, "skip_malformed", False))
-    return read_source(b.as_data_source()[split])

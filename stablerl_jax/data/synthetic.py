@@ -11,8 +11,9 @@ answer line "#### N":
 
     with modulus=100:  prompt "37+85-12 (mod 100)="  ->  'steps': "37+85=22 22-12=10 #### 10"
 
-Difficulty knobs: `num_operands` (steps = operands − 1), `max_digits`, `operators`
-('+-' or '+'), `modulus` (0 = plain integers). `PRESETS` names three settings.
+Difficulty knobs (config.TaskConfig): `num_operands` (steps = operands − 1),
+`max_digits`, `operators` ('+-' or '+'), `modulus` (0 = plain integers).
+`presets.TASKS` names three settings.
 
 Problems are a deterministic function of the config (seed included); a problem belongs to
 the test split iff a stable hash of its prompt falls below `test_fraction`, so train and
@@ -21,95 +22,20 @@ the index zero-padded so that sorting ids restores generation order.
 
 The TFDS builder defaults to file_format='array_record' (tfds' own default, tfrecord,
 needs TensorFlow to write) and is read with `as_data_source()` / `tfds.data_source`, whose
-array_record reader needs no TensorFlow either.
+array_record reader needs no TensorFlow either (`data.task.load_split`).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from stablerl_jax.config import check, check_positive_int
+from stablerl_jax.config import TaskConfig, check
+from stablerl_jax.presets import TASKS
 
-STYLES = ("steps", "rewrite", "terse")
-OPERATORS = ("+-", "+")
 FIELDS = ("id", "prompt", "solution", "answer")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskConfig:
-    """The RL task: data, tokenizer and prompt/solution lengths.
-
-    kind: 'arithmetic' (this module) or 'gsm8k' (a local JSONL dir, see gsm8k.py).
-    num_operands / max_digits / operators / modulus: arithmetic difficulty (see module doc).
-    style: worked-solution style used for SFT: 'steps', 'rewrite' or 'terse'.
-    num_train / num_test: records per split (arithmetic only; JSONL files set their own).
-    test_fraction: share of the problem space hashed into the test split.
-    seed: the generator's seed.
-    vocab_size: SentencePiece vocabulary size (the model's vocab_size must equal it).
-    max_prompt_len / max_solution_len: token budgets (longer records are an error).
-    jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
-    skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
-      failing on the first one.
-    """
-
-    kind: str = "arithmetic"
-    num_operands: int = 4
-    max_digits: int = 1
-    operators: str = "+-"
-    modulus: int = 0
-    style: str = "steps"
-    num_train: int = 4000
-    num_test: int = 400
-    test_fraction: float = 0.1
-    seed: int = 0
-    vocab_size: int = 64
-    max_prompt_len: int = 16
-    max_solution_len: int = 40
-    jsonl_dir: str = ""
-    skip_malformed: bool = False
-
-    def __post_init__(self):
-        check(self.kind in ("arithmetic", "gsm8k"), "kind",
-              f"must be 'arithmetic' or 'gsm8k', got {self.kind!r}")
-        check_positive_int(self, "num_operands", "max_digits", "num_train", "num_test",
-                           "vocab_size", "max_prompt_len", "max_solution_len")
-        check(self.num_operands >= 2, "num_operands", f"must be >= 2, got {self.num_operands}")
-        check(self.max_digits <= 6, "max_digits", f"must be <= 6, got {self.max_digits}")
-        check(self.operators in OPERATORS, "operators",
-              f"must be one of {OPERATORS}, got {self.operators!r}")
-        check(isinstance(self.modulus, int) and (self.modulus == 0 or self.modulus >= 2),
-              "modulus", f"must be 0 (no modulus) or an int >= 2, got {self.modulus!r}")
-        check(self.style in STYLES, "style", f"must be one of {STYLES}, got {self.style!r}")
-        check(0 < self.test_fraction < 1, "test_fraction",
-              f"must be in (0, 1), got {self.test_fraction}")
-        check(isinstance(self.seed, int) and self.seed >= 0, "seed",
-              f"must be an int >= 0, got {self.seed!r}")
-        check(self.kind != "gsm8k" or bool(self.jsonl_dir), "jsonl_dir",
-              "must name the directory holding train.jsonl / test.jsonl when kind='gsm8k'")
-
-    def replace(self, **kw) -> "TaskConfig":
-        return dataclasses.replace(self, **kw)
-
-
-# Difficulty presets. The problem space must hold num_test / test_fraction problems or more
-# (easy: 10^3 · 2^2 = 4,000 prompts, of which ~400 hash to test). Held-out accuracy after
-# the `tiny` experiment's cold start (2-layer MoE, d_model 64, 300 SFT steps, sampling at
-# temperature 1): easy ≈ 0.30, medium ≈ 0.11, hard ≈ 0.01 (see docs/benchmarks.md).
-PRESETS = {
-    "easy": TaskConfig(num_operands=3, max_digits=1, num_train=3000, num_test=300),
-    "medium": TaskConfig(num_operands=4, max_digits=1),
-    "hard": TaskConfig(num_operands=4, max_digits=2, modulus=100, max_prompt_len=24),
-}
-
-
-def preset(name: str, **overrides) -> TaskConfig:
-    """A named difficulty preset, optionally with field overrides (e.g. style='terse')."""
-    check(name in PRESETS, "task preset", f"unknown {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name].replace(**overrides)
 
 
 def make_problem(rng: np.random.Generator, cfg: TaskConfig):
@@ -199,8 +125,8 @@ class ArithmeticConfig(tfds.core.BuilderConfig):
 class Arithmetic(tfds.core.GeneratorBasedBuilder):
     """TFDS builder of the synthetic task; records: id, prompt, solution, answer.
 
-    The named configs are `PRESETS`; any other `TaskConfig` is passed as
-    `config=ArithmeticConfig(task)` (which is what `load_split` does).
+    The named configs are `presets.TASKS`; any other `TaskConfig` is passed as
+    `config=ArithmeticConfig(task)` (which is what `builder` does).
     """
 
     VERSION = tfds.core.Version("1.0.0")
@@ -209,7 +135,7 @@ class Arithmetic(tfds.core.GeneratorBasedBuilder):
         # tfds defaults to tfrecord, whose writer needs TensorFlow; array_record does not,
         # so `tfds.data_source(...)` and `tfds.builder(...)` also work without it.
         super().__init__(file_format=file_format, **kwargs)
-    BUILDER_CONFIGS = [ArithmeticConfig(t, name=n) for n, t in PRESETS.items()]
+    BUILDER_CONFIGS = [ArithmeticConfig(t, name=n) for n, t in TASKS.items()]
 
     def _info(self):
         text = tfds.features.Text()
@@ -224,28 +150,10 @@ class Arithmetic(tfds.core.GeneratorBasedBuilder):
             yield rec["id"], rec
 
 
-def read_source(source) -> list[dict]:
-    """All records of a TFDS data source as {field: str}, sorted by id."""
-    raw = source.__getitems__(list(range(len(source)))) if len(source) else []
-    recs = [{k: v.decode() if isinstance(v, bytes) else str(v) for k, v in r.items()}
-            for r in raw]
-    return sorted(recs, key=lambda r: r["id"])
-
-
-def load_split(task: TaskConfig | str, split: str, data_dir: str) -> list[dict]:
-    """Build (once) and read a split through the array_record data source.
-
-    `task` is a TaskConfig or a preset name. Records come back sorted by id, each a dict
-    of str: id, prompt, solution, answer. kind='gsm8k' reads the JSONL builder instead.
-    """
-    task = preset(task) if isinstance(task, str) else task
-    check(split in ("train", "test"), "split", f"must be 'train' or 'test', got {split!r}")
-    if task.kind == "gsm8k":
-        from stablerl_jax.data.gsm8k import load_jsonl_split
-        return load_jsonl_split(task, split, data_dir)
+def builder(task: TaskConfig, data_dir: str) -> Arithmetic:
+    """The prepared builder of `task` (its array_record files built on first use)."""
     os.makedirs(data_dir, exist_ok=True)
-    builder = Arithmetic(config=ArithmeticConfig(task), data_dir=data_dir,
-                         file_format="array_record")
+    b = Arithmetic(config=ArithmeticConfig(task), data_dir=data_dir, file_format="array_record")
     tfds.disable_progress_bar()  # the build takes seconds; its bars would drown the logs
-    builder.download_and_prepare()
-    return read_source(builder.as_data_source()[split])
+    b.download_and_prepare()
+    return b

@@ -69,32 +69,35 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
 
     Without a cache, keys are this call's tokens (S = T). With `cache_kv` =
     (k_BxSxKVxDh, v_BxSxKVxDh), this call's keys/values are written at slots
-    [cache_index, cache_index + T) and attention runs over all S slots.
+    [cache_index, cache_index + T) and attention runs over all S slots. Letters here:
+    KV kv heads, G = H / KV query heads per kv head.
     """
     b, t, _ = x_BxTxD.shape
     kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    q = _proj("btd,dhk->bthk", x_BxTxD, p["wq"], numerics, dtype)
-    k = _proj("btd,dhk->bthk", x_BxTxD, p["wk"], numerics, dtype)
-    v = _proj("btd,dhk->bthk", x_BxTxD, p["wv"], numerics, dtype)
-    q = rope(rms_norm(q, p["q_norm"], cfg.norm_eps), positions_BxT, cfg.rope_theta)
-    k = rope(rms_norm(k, p["k_norm"], cfg.norm_eps), positions_BxT, cfg.rope_theta)
+    q_BxTxHxDh = _proj("btd,dhk->bthk", x_BxTxD, p["wq"], numerics, dtype)
+    k_BxTxKVxDh = _proj("btd,dhk->bthk", x_BxTxD, p["wk"], numerics, dtype)
+    v_BxTxKVxDh = _proj("btd,dhk->bthk", x_BxTxD, p["wv"], numerics, dtype)
+    q_BxTxHxDh = rope(rms_norm(q_BxTxHxDh, p["q_norm"], cfg.norm_eps), positions_BxT,
+                      cfg.rope_theta)
+    k_BxTxKVxDh = rope(rms_norm(k_BxTxKVxDh, p["k_norm"], cfg.norm_eps), positions_BxT,
+                       cfg.rope_theta)
     if cache_kv is not None:
-        k_all = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype),
-                                                    cache_index, 1)
-        v_all = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype),
-                                                    cache_index, 1)
-        stored = (k_all, v_all)
+        k_BxSxKVxDh = jax.lax.dynamic_update_slice_in_dim(
+            cache_kv[0], k_BxTxKVxDh.astype(cache_kv[0].dtype), cache_index, 1)
+        v_BxSxKVxDh = jax.lax.dynamic_update_slice_in_dim(
+            cache_kv[1], v_BxTxKVxDh.astype(cache_kv[1].dtype), cache_index, 1)
     else:
-        k_all, v_all = k, v
-        stored = (k, v)
-    s = k_all.shape[1]
-    q = q.reshape(b, t, kv_heads, group, cfg.head_dim)
-    scores = _dot("btkgd,bskd->bkgts", q, k_all, dtype) * cfg.head_dim**-0.5
+        k_BxSxKVxDh, v_BxSxKVxDh = k_BxTxKVxDh, v_BxTxKVxDh
+    s = k_BxSxKVxDh.shape[1]
+    q_BxTxKVxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
+    scores_BxKVxGxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxGxDh, k_BxSxKVxDh,
+                             dtype) * cfg.head_dim**-0.5
     allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
         key_mask_BxS[:, None, :].astype(bool))
-    scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    o = _dot("bkgts,bskd->btkgd", probs, v_all, dtype).astype(dtype)
-    o = o.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    out = _proj("bthk,hkd->btd", o, p["wo"], numerics, dtype)
-    return out, stored
+    scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS, _NEG)
+    probs_BxKVxGxTxS = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(dtype)
+    o_BxTxKVxGxDh = _dot("bkgts,bskd->btkgd", probs_BxKVxGxTxS, v_BxSxKVxDh,
+                         dtype).astype(dtype)
+    o_BxTxHxDh = o_BxTxKVxGxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    out_BxTxD = _proj("bthk,hkd->btd", o_BxTxHxDh, p["wo"], numerics, dtype)
+    return out_BxTxD, (k_BxSxKVxDh, v_BxSxKVxDh)

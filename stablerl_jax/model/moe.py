@@ -41,8 +41,9 @@ def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
     """Raise ValueError for a replay tensor that cannot be a recorded route.
 
     Shape and dtype are always checked. Values are checked when the array is concrete
-    (outside jit); under jit, `route` turns invalid rows into NaN weights instead, so a
-    bad replay is never silently used (the trainer skips non-finite updates).
+    (outside jit); under jit, `route` turns invalid rows (out-of-range ids, a mix of -1
+    and experts, a repeated expert) into NaN weights instead, so a bad replay is never
+    silently used (the trainer skips non-finite updates).
     """
     want = tuple(num_tokens_shape) + (k,)
     if tuple(replay_TxK.shape) != want:
@@ -89,10 +90,15 @@ def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = N
     if replay_TxK is not None:
         validate_replay(replay_TxK, router_logits_TxE.shape[:-1], k, num_experts)
         replay_TxK = replay_TxK.astype(jnp.int32)
-        use_T = jnp.all(replay_TxK >= 0, axis=-1, keepdims=True)
+        recorded_TxK = replay_TxK >= 0
+        use_T = jnp.all(recorded_TxK, axis=-1, keepdims=True)
         idx_TxK = jnp.where(use_T, replay_TxK, idx_TxK)
-        bad_T = jnp.any((replay_TxK < -1) | (replay_TxK >= num_experts), axis=-1,
-                        keepdims=True)
+        sorted_TxK = jnp.sort(replay_TxK, axis=-1)
+        bad_T = (jnp.any((replay_TxK < -1) | (replay_TxK >= num_experts), axis=-1,
+                         keepdims=True)
+                 | (jnp.any(recorded_TxK, axis=-1, keepdims=True) & ~use_T)
+                 | jnp.any((sorted_TxK[..., 1:] == sorted_TxK[..., :-1])
+                           & (sorted_TxK[..., 1:] >= 0), axis=-1, keepdims=True))
     w_TxK = jnp.take_along_axis(probs_TxE, idx_TxK, axis=-1)
     w_TxK = w_TxK / jnp.sum(w_TxK, axis=-1, keepdims=True)
     if bad_T is not None:
@@ -114,9 +120,9 @@ def experts_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     num_experts = w_gate_ExDxF.shape[0]
     onehot_TxKxE = jax.nn.one_hot(idx_TxK, num_experts, dtype=w_TxK.dtype)
     combine_TxE = jnp.einsum("tke,tk->te", onehot_TxKxE, w_TxK, precision=PRECISION)
-    gate = _dot("td,edf->tef", x_TxD, w_gate_ExDxF)
-    up = _dot("td,edf->tef", x_TxD, w_up_ExDxF)
-    h_TxExF = (_swiglu(gate, up) * combine_TxE[..., None]).astype(dt)
+    gate_TxExF = _dot("td,edf->tef", x_TxD, w_gate_ExDxF)
+    up_TxExF = _dot("td,edf->tef", x_TxD, w_up_ExDxF)
+    h_TxExF = (_swiglu(gate_TxExF, up_TxExF) * combine_TxE[..., None]).astype(dt)
     return _dot("tef,efd->td", h_TxExF, w_down_ExFxD).astype(dt)
 
 
@@ -144,15 +150,16 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     rows = padded_rows(expert_A.shape[0], num_experts, tile)
     x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[dest_A].set(
         x_TxD[order_A // k], unique_indices=True)
-    gate = gmm(x_PxD, w_gate_ExDxF, padded_E, tile, PRECISION)
-    up = gmm(x_PxD, w_up_ExDxF, padded_E, tile, PRECISION)
+    gate_PxF = gmm(x_PxD, w_gate_ExDxF, padded_E, tile, PRECISION)
+    up_PxF = gmm(x_PxD, w_up_ExDxF, padded_E, tile, PRECISION)
     acc = accum_dtype(dt)
-    h_PxF = _swiglu(gate.astype(acc), up.astype(acc)).astype(dt)
+    h_PxF = _swiglu(gate_PxF.astype(acc), up_PxF.astype(acc)).astype(dt)
     y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile, PRECISION)
     row_of_assignment_A = jnp.zeros_like(dest_A).at[order_A].set(dest_A, unique_indices=True)
     y_TxKxD = y_PxD[row_of_assignment_A].reshape(num_tokens, k, -1)
-    y = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc), precision=PRECISION)
-    return y.astype(dt)
+    y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
+                       precision=PRECISION)
+    return y_TxD.astype(dt)
 
 
 def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):
@@ -163,7 +170,7 @@ def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):
     """
     num_experts = probs_TxE.shape[-1]
     m_T = mask_T.astype(probs_TxE.dtype)
-    n = jnp.maximum(m_T.sum(), 1.0)
+    n = jnp.maximum(m_T.sum(), 1.0)  # real tokens
     counts_E = jnp.einsum("tke,t->e", jax.nn.one_hot(idx_TxK, num_experts), m_T)
     load_E = counts_E / (n * idx_TxK.shape[-1])
     importance_E = jnp.einsum("te,t->e", probs_TxE, m_T) / n

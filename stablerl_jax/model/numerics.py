@@ -38,7 +38,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from stablerl_jax.config import check, dtype_of
+from stablerl_jax.config import DTYPES, INFERENCE_NUMERICS, SamplingConfig, check
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+           "float64": jnp.float64}
+assert set(_DTYPES) == set(DTYPES)
+
+
+def dtype_of(name: str):
+    """The jnp dtype of a config dtype name (config.DTYPES)."""
+    return _DTYPES[name]
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 PRECISION = jax.lax.Precision.HIGHEST  # of every model matmul (module docstring)
@@ -88,7 +97,7 @@ class Numerics:
               f"must be 'native', 'bf16' or 'fp8', got {self.weights!r}")
         for f in ("compute_dtype", "router_dtype"):
             v = getattr(self, f)
-            check(v is None or v in ("float32", "bfloat16", "float16", "float64"), f,
+            check(v is None or v in DTYPES, f,
                   f"must be None or a float dtype name, got {v!r}")
         check(self.router_noise_std >= 0, "router_noise_std",
               f"must be >= 0, got {self.router_noise_std}")
@@ -104,6 +113,7 @@ PRESETS = {
     "fp8": Numerics("fp8", weights="fp8", compute_dtype="bfloat16", router_dtype="bfloat16"),
 }
 TRAIN = PRESETS["train"]
+assert set(PRESETS) == {"train", *INFERENCE_NUMERICS}
 
 
 def preset(name: str, **overrides) -> Numerics:
@@ -111,6 +121,13 @@ def preset(name: str, **overrides) -> Numerics:
     if name not in PRESETS:
         raise ValueError(f"numerics preset: unknown {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+def of_sampling(sampling: SamplingConfig, seed: int) -> Numerics:
+    """The sampling engine's numerics: its preset plus the mismatch knobs, the router
+    noise seeded by the run's seed."""
+    return preset(sampling.numerics, router_noise_std=sampling.router_noise_std,
+                  act_fp8=sampling.act_fp8, noise_seed=seed)
 
 
 def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):

@@ -8,8 +8,11 @@ K top-k, F expert FFN width, V vocab, L layers.
                             → +residual ] ─▶ RMSNorm ─▶ hidden_BxTxD
 
 Per-layer weights are stacked on a leading L axis and the decoder is one `lax.scan` over
-layers; the replay tensor `replay_LxBxTxK` and the KV cache are scanned alongside, so
-Routing Replay works with scanned and rematerialized layers alike.
+layers. Route tensors are batch-major at the interface (`replay_BxTxLxK` in,
+aux["routes"] [B, T, L, K] out, like every other batch tensor, so one batch sharding
+covers them); inside, the replay is transposed to layer-major and scanned alongside the
+weights and the KV cache, so Routing Replay works with scanned and rematerialized layers
+alike.
 
 `forward` returns hidden states, not logits: log-probs are computed from them by a fused
 op that never builds [B, T, V] logits (stablerl_jax/logprobs.py). `logits` exists for
@@ -21,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax.config import ModelConfig, dtype_of
+from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
+from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.model.attention import attention, positions_from_mask, rms_norm
 
 
@@ -113,14 +117,14 @@ def _check_inputs(tokens_BxT, cfg, replay, mask):
         raise ValueError(f"attention_mask: shape {mask.shape} must equal tokens shape "
                          f"{tokens_BxT.shape}")
     if replay is not None:
-        moe.validate_replay(replay, (cfg.num_layers,) + tokens_BxT.shape, cfg.top_k,
+        moe.validate_replay(replay, tokens_BxT.shape + (cfg.num_layers,), cfg.top_k,
                             cfg.num_experts)
 
 
 def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             attention_mask_BxT: jax.Array | None = None,
             positions_BxT: jax.Array | None = None,
-            replay_LxBxTxK: jax.Array | None = None,
+            replay_BxTxLxK: jax.Array | None = None,
             numerics: nx.Numerics = nx.TRAIN,
             cache: dict | None = None,
             gmm: moe.GroupedMatmul | None = None):
@@ -130,16 +134,16 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       attention_mask_BxT: True for real tokens (default: all real). Padding never
         influences real positions.
       positions_BxT: RoPE positions (default: counted over real tokens).
-      replay_LxBxTxK: expert indices to use instead of the router's top-k; a token whose
-        K entries are -1 is routed normally.
+      replay_BxTxLxK: expert indices to use instead of the router's top-k, per token and
+        layer; a (token, layer) whose K entries are -1 is routed normally.
       numerics: how to compute (the training path uses the default "train").
       cache: KV cache from `init_cache`; this call's tokens are written at its index.
       gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"`.
 
-    aux: routes [L,B,T,K] int32 (the experts used), expert_load [L,E], router_z_loss [L],
+    aux: routes [B,T,L,K] int32 (the experts used), expert_load [L,E], router_z_loss [L],
     load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
     """
-    _check_inputs(tokens_BxT, cfg, replay_LxBxTxK, attention_mask_BxT)
+    _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT)
     b, t = tokens_BxT.shape
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
     router_dtype = (dtype_of(numerics.router_dtype) if numerics.router_dtype
@@ -185,12 +189,14 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     if cfg.remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
     kv = None if cache is None else (cache["k"], cache["v"])
+    replay_LxBxTxK = (None if replay_BxTxLxK is None
+                      else jnp.transpose(replay_BxTxLxK, (2, 0, 1, 3)))
     xs = (params["layers"], jnp.arange(cfg.num_layers), replay_LxBxTxK, kv)
     x = params["embed"][tokens_BxT].astype(dtype)
-    x, (routes, load, z, balance, stored) = jax.lax.scan(layer, x, xs)
+    x, (routes_LxBxTxK, load, z, balance, stored) = jax.lax.scan(layer, x, xs)
     hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
-        "routes": routes,
+        "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),
         "expert_load": load,
         "router_z_loss": z,
         "load_balance_loss": balance,

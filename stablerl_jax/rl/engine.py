@@ -1,11 +1,12 @@
-"""Jitted, mesh-sharded sampling / score / update steps for one experiment config.
+"""The jitted, mesh-sharded steps of one experiment, built once in `Engine.create`.
 
-Letters: B responses, P prompt slots, S rollout slots, T = S − 1, L layers, K top-k.
+Letters: B responses (rows), P prompt slots, M responses per mini-batch.
 
-Every step is jitted once with explicit `in_shardings` / `out_shardings` over the named
-mesh: params and optimizer state by the logical rules of `sharding.py`, every batch
-tensor split along its batch axis over the data-parallel mesh axes, and the train state
-donated to the update.
+Shardings are explicit and fixed: params and optimizer state by the logical rules of
+`sharding.py`, every batch leaf along its axis 0 over the data-parallel mesh axes (one
+`NamedSharding`, used as a pytree prefix for whole Rollouts and TrainBatches), metrics
+replicated. The train state is donated to the updates. Each public method places its
+arguments on those shardings (a no-op for arrays already there) and calls its step.
 """
 from __future__ import annotations
 
@@ -18,135 +19,130 @@ import optax
 
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import sharding
+from stablerl_jax.config import ExperimentConfig, OptimConfig
+from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
 
 
-def make_optimizer(rl_cfg) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW: the usual LLM-RL optimizer."""
+def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW at the schedule of `optim` over `total_steps`."""
+    warmup = int(optim.warmup_frac * total_steps)
+    lr = optim.learning_rate
+    if optim.schedule == "cosine":
+        warmup = max(warmup, 1)
+        lr = optax.warmup_cosine_decay_schedule(0.0, optim.learning_rate, warmup,
+                                                max(total_steps, warmup + 1),
+                                                end_value=optim.learning_rate * optim.end_lr_frac)
+    elif warmup:
+        lr = optax.join_schedules([optax.linear_schedule(0.0, optim.learning_rate, warmup),
+                                   optax.constant_schedule(optim.learning_rate)], [warmup])
     return optax.chain(
-        optax.clip_by_global_norm(rl_cfg.grad_clip),
-        optax.adamw(rl_cfg.learning_rate, b1=rl_cfg.adam_b1, b2=rl_cfg.adam_b2,
-                    eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                    weight_decay=optim.weight_decay))
 
 
-def make_mesh(rl_cfg, devices=None):
-    """The (data, fsdp, expert) mesh of rl.mesh over the first devices of `devices`
-    (default: the default backend's)."""
+def make_mesh(mesh_shape: tuple, devices=None) -> jax.sharding.Mesh:
+    """The (data, fsdp, expert) mesh over the first devices of `devices` (default: the
+    default backend's)."""
     devices = jax.devices() if devices is None else list(devices)
-    data, fsdp, expert = rl_cfg.mesh
-    n = data * fsdp * expert
+    n = mesh_shape[0] * mesh_shape[1] * mesh_shape[2]
     if n > len(devices):
-        raise ValueError(f"rl.mesh={rl_cfg.mesh} needs {n} devices, only {len(devices)} "
-                         "are visible; shrink rl.mesh")
-    return sharding.make_mesh(data, fsdp, expert, devices=devices[:n])
+        raise ValueError(f"mesh={mesh_shape} needs {n} devices, only {len(devices)} are "
+                         "visible; shrink the mesh (override mesh=data,fsdp,expert)")
+    return sharding.make_mesh(*mesh_shape, devices=devices[:n])
 
 
-def batch_tree_shardings(mesh, tree):
-    """Batch axis over the data-parallel mesh axes: axis 1 for [L, B, ...] routes, else 0."""
-    def one(path, leaf):
-        if leaf.ndim == 0:
-            return sharding.replicated(mesh)
-        if "routes" in jax.tree_util.keystr(path):
-            return sharding.routes_sharding(mesh)
-        return sharding.batch_sharding(mesh, leaf.ndim)
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
-class _ShardedJit:
-    """jax.jit with explicit shardings computed from the first call's argument structure
-    (batch dicts differ in keys between replay modes); one compiled step per structure."""
-
-    def __init__(self, fn, shardings_for, donate_argnums=()):
-        self.fn, self.shardings_for, self.donate = fn, shardings_for, donate_argnums
-        self.compiled = {}
-
-    def __call__(self, *args):
-        key = jax.tree.structure(args)
-        if key not in self.compiled:
-            in_sh, out_sh = self.shardings_for(*args)
-            self.compiled[key] = (in_sh, jax.jit(self.fn, in_shardings=in_sh,
-                                                 out_shardings=out_sh,
-                                                 donate_argnums=self.donate))
-        in_sh, fn = self.compiled[key]
-        # Place arguments on the mesh (a no-op for ones already sharded this way).
-        return fn(*jax.device_put(args, in_sh))
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Engine:
-    """The jitted steps of one experiment, bound to a mesh."""
+    """The steps of one experiment bound to a mesh and an optimizer."""
 
-    cfg: object            # ExperimentConfig
+    cfg: ExperimentConfig
     mesh: jax.sharding.Mesh
     optimizer: optax.GradientTransformation
     param_shardings: dict
     state_shardings: steps.TrainState
+    batch_sharding: jax.sharding.NamedSharding
+    _jitted: dict
 
     @classmethod
-    def create(cls, cfg, params_like=None, devices=None) -> "Engine":
-        mesh = make_mesh(cfg.rl, devices)
-        optimizer = make_optimizer(cfg.rl)
+    def create(cls, cfg: ExperimentConfig, *, eos_id: int, pad_id: int,
+               optim: OptimConfig | None = None, total_steps: int | None = None,
+               devices=None, params_like=None) -> "Engine":
+        """Build the mesh, the shardings and every jitted step.
+
+        eos_id / pad_id: the tokenizer's. optim / total_steps: the optimizer of the
+        updates (default: cfg.rl.optim over rl.steps × rl.num_minibatches updates; the
+        SFT cold start passes cfg.sft.optim and sft.steps).
+        """
+        mesh = make_mesh(cfg.mesh, devices)
+        if optim is None:
+            optim, total_steps = cfg.rl.optim, cfg.rl.steps * cfg.rl.num_minibatches
+        optimizer = make_optimizer(optim, total_steps)
         shapes = params_like if params_like is not None else jax.eval_shape(
             lambda: tf.init_params(jax.random.key(0), cfg.model))
         p_sh = sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
-        opt_shapes = jax.eval_shape(optimizer.init, shapes)
         rep = sharding.replicated(mesh)
         # Optimizer moments mirror the params they belong to; counts are replicated.
-        opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, p_sh,
+        opt_sh = optax.tree_map_params(optimizer, lambda _, s: s,
+                                       jax.eval_shape(optimizer.init, shapes), p_sh,
                                        transform_non_params=lambda _: rep)
         state_sh = steps.TrainState(p_sh, opt_sh, rep, rep)
-        return cls(cfg, mesh, optimizer, p_sh, state_sh)
+        batch = sharding.batch_sharding(mesh)
+        numerics = nx.of_sampling(cfg.sampling, cfg.rl.seed)
+
+        def sample(params, prompts_BxP, mask_BxP, key):
+            return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, cfg.model,
+                                      cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id)
+
+        def init_state(params):
+            zero = jnp.zeros((), jnp.int32)
+            return steps.TrainState(params, optimizer.init(params), zero, zero)
+
+        def update(loss_fn, state, batch_):
+            return steps.apply_gradients(state, functools.partial(loss_fn, cfg=cfg), batch_,
+                                         optimizer)
+
+        jitted = {
+            "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh,)),
+            "sample": (jax.jit(sample, out_shardings=batch), (p_sh, batch, batch, rep)),
+            "score": (jax.jit(functools.partial(steps.score, cfg=cfg),
+                              out_shardings=(batch, rep)), (p_sh, batch, batch)),
+            "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
+                               out_shardings=batch), (batch, rep)),
+            "update": (jax.jit(functools.partial(update, steps.rl_loss), donate_argnums=0,
+                               out_shardings=(state_sh, rep)), (state_sh, batch)),
+            "sft_update": (jax.jit(functools.partial(update, steps.sft_loss), donate_argnums=0,
+                                   out_shardings=(state_sh, rep)), (state_sh, batch)),
+        }
+        return cls(cfg, mesh, optimizer, p_sh, state_sh, batch, jitted)
+
+    def _call(self, name: str, *args):
+        fn, in_shardings = self._jitted[name]
+        return fn(*jax.device_put(args, in_shardings))
 
     def init_state(self, params) -> steps.TrainState:
-        params = jax.device_put(params, self.param_shardings)
-        init = jax.jit(lambda p: steps.TrainState(p, self.optimizer.init(p),
-                                                  jnp.zeros((), jnp.int32),
-                                                  jnp.zeros((), jnp.int32)),
-                       out_shardings=self.state_shardings)
-        return init(params)
+        """A fresh TrainState (optimizer state, zero counters) for `params`."""
+        return self._call("init_state", params)
 
-    @functools.cached_property
-    def sample(self):
-        """(params, prompt_tokens_BxP, prompt_mask_BxP, key) -> Rollout (sampling engine)."""
-        cfg = self.cfg
+    def sample(self, params, prompts_BxP, mask_BxP, key) -> rollout_lib.Rollout:
+        """The sampling engine on left-padded prompts (rollout.sample)."""
+        return self._call("sample", params, prompts_BxP, mask_BxP, key)
 
-        def fn(params, prompts, mask, key):
-            return rollout_lib.sample(params, prompts, mask, key, cfg.model, cfg.sampling,
-                                      cfg.rl.numerics)
+    def score(self, params, rollout: rollout_lib.Rollout, rewards_B):
+        """(TrainBatch, monitor pairs): the π_old pass (steps.score)."""
+        return self._call("score", params, rollout, rewards_B)
 
-        def shardings_for(params, prompts, mask, key):
-            b_sh = sharding.batch_sharding(self.mesh, 2)
-            out = batch_tree_shardings(self.mesh, jax.eval_shape(fn, params, prompts, mask, key))
-            return (self.param_shardings, b_sh, b_sh, sharding.replicated(self.mesh)), out
+    def select(self, batch, rows_M):
+        """The rows `rows_M` of every leaf of a batch (a mini-batch)."""
+        return self._call("select", batch, rows_M)
 
-        return _ShardedJit(fn, shardings_for)
+    def update(self, state: steps.TrainState, batch: steps.TrainBatch):
+        """One RL optimizer step on a mini-batch; `state` is donated."""
+        return self._call("update", state, batch)
 
-    @functools.cached_property
-    def score(self):
-        """(params, batch) -> {old_logp, entropy, routes_old}: the π_old pass."""
-        rl = self.cfg.rl
-        fn = functools.partial(steps.score, cfg=self.cfg.model, replay=rl.replay,
-                               temperature=self.cfg.sampling.temperature, impl=rl.logprob_impl)
+    def sft_update(self, state: steps.TrainState, batch: steps.SFTBatch):
+        """One supervised optimizer step; `state` is donated."""
+        return self._call("sft_update", state, batch)
 
-        def shardings_for(params, batch):
-            out = batch_tree_shardings(self.mesh, jax.eval_shape(fn, params, batch))
-            return (self.param_shardings, batch_tree_shardings(self.mesh, batch)), out
-
-        return _ShardedJit(fn, shardings_for)
-
-    @functools.cached_property
-    def update(self):
-        """(state, mini-batch) -> (state, metrics); the state is donated."""
-        rl = self.cfg.rl
-        fn = functools.partial(steps.update, cfg=self.cfg.model, loss_cfg=self.cfg.loss,
-                               replay=rl.replay, optimizer=self.optimizer,
-                               temperature=self.cfg.sampling.temperature, impl=rl.logprob_impl)
-
-        def shardings_for(state, batch):
-            rep = sharding.replicated(self.mesh)
-            metrics = jax.tree.map(lambda _: rep, jax.eval_shape(fn, state, batch)[1])
-            return ((self.state_shardings, batch_tree_shardings(self.mesh, batch)),
-                    (self.state_shardings, metrics))
-
-        return _ShardedJit(fn, shardings_for, donate_argnums=(0,))

@@ -1,13 +1,17 @@
-"""The global-step loop (ARCHITECTURE "One global step"), with eval, checkpoints and logs.
+"""The global-step loop (PAPER.md §1), with eval, checkpoints and logs.
 
-Letters: B prompts per step, G responses per prompt, N mini-batches, M = B·G/N responses
-per mini-batch.
+Letters: B responses per step (rl.prompts_per_step × G), G responses per prompt,
+N mini-batches, M = B/N responses per mini-batch.
 
-    for step:  prompts ─sample(θ_old, inference numerics)─▶ rollout (tokens, logp_mu, routes_mu)
-               rewards, group advantages
-               score(θ_old) ─▶ logp_old, entropy, routes_old
-               N seeded mini-batches: update(θ) each
-               every eval_every steps: avg@k on the held-out split with the sampling path
+One global step, every hop a call from here into one module and back:
+
+    1. data.task      the step's prompts, left-padded, G rows each
+    2. rl.engine      sample(θ_old): the sampling engine's rollout (tokens, logp_mu, routes_mu)
+    3. data.task      rewards of the decoded completions
+    4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors
+    5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
+    6. diagnostics    reduce_metrics: the step's monitors as floats
+    7. metrics_io     the metrics row (and every eval_every steps, avg@k on held-out data)
 
 Everything random is derived from (seed, step), so a run resumed from its last complete
 checkpoint reproduces the uninterrupted run bit for bit on CPU.
@@ -18,49 +22,22 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import advantages as adv_lib
-from stablerl_jax import diagnostics
-from stablerl_jax import losses as losses_lib
 from stablerl_jax.checkpoint import Checkpointer
+from stablerl_jax.data.task import TaskData
+from stablerl_jax.diagnostics import reduce_metrics
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
+from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rl.task import TaskData
-
-
-def _take(batch: dict, idx: np.ndarray) -> dict:
-    """Rows `idx` of every batch tensor (axis 1 of [L, B, ...] route tensors)."""
-    return {k: jnp.take(v, idx, axis=1 if k.startswith("routes") else 0) for k, v in batch.items()}
 
 
 def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
     """The seeded permutation that splits a step's responses into mini-batches."""
     return np.random.default_rng([seed, step, 1]).permutation(responses)
-
-
-def rollout_metrics(batch: dict, scored: dict, rewards_B: np.ndarray, lengths_B) -> dict:
-    """Monitors of PAPER.md §5 on the sampled batch: reward, entropy of π_old over the full
-    vocabulary on μ-sampled prefixes, training–inference KL E_μ[log μ_old − log π_old]
-    (k1, and k3), and routing mismatch between the engines (0 under R3 by construction)."""
-    mask = batch["mask_BxT"]
-    log_mu, log_old = batch["rollout_logp_BxT"], scored["old_logp_BxT"]
-    ratio = lambda nd: float(nd[0] / jnp.maximum(nd[1], 1.0))
-    mismatch = diagnostics.routing_mismatch(scored["routes_old_LxBxTxK"],
-                                            batch["routes_mu_LxBxTxK"], batch["attn_BxT"])
-    return {
-        "reward": float(np.mean(rewards_B)),
-        "response_length": float(np.mean(np.asarray(lengths_B))),
-        "entropy": ratio((jnp.sum(scored["entropy_BxT"] * mask), jnp.sum(mask))),
-        "kl/train_infer_k1": ratio(diagnostics.kl_k1(log_mu, log_old, mask)),
-        "kl/train_infer_k3": ratio(diagnostics.kl_k3(log_mu, log_old, mask)),
-        "routing/mismatch_rate": float(jnp.mean(mismatch["mismatch_rate"])),
-        "routing/any_flip": float(mismatch["any_flip"]),
-    }
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int):
@@ -69,26 +46,23 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     The composition is {"prompts": train-split indices of the step's prompts,
     "minibatches": response indices per mini-batch}; response r answers prompt r // G.
     """
-    cfg = engine.cfg
-    rl = cfg.rl
+    rl = engine.cfg.rl
     prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-    prompts = [data.train[i] for i in prompt_idx]
-    tokens, mask, answers = data.prompt_batch(prompts, rl.group_size)
+    tokens, mask, answers = data.prompt_batch([data.train[i] for i in prompt_idx],
+                                              rl.group_size)
     key = jax.random.fold_in(jax.random.key(rl.seed), step)
-    ro = engine.sample(state.params, tokens, mask, key)
-    rewards_B = data.reward(ro, answers)
-    advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](jnp.asarray(rewards_B), rl.group_size)
-    batch = steps.train_batch(ro, advantages_B)
-    scored = engine.score(state.params, batch)
-    metrics = rollout_metrics(batch, scored, rewards_B, ro.lengths_B)
-    batch.update(scored)
-    responses = rl.prompts_per_step * rl.group_size
-    minibatches = minibatch_order(rl.seed, step, responses).reshape(rl.num_minibatches, -1)
-    totals = []
-    for idx in minibatches:
-        state, m = engine.update(state, _take(batch, idx))
-        totals.append(m)
-    metrics.update(losses_lib.reduce_metrics(totals))
+    rollout = engine.sample(state.params, tokens, mask, key)
+    rewards_B = data.reward(rollout, answers)
+    batch, score_metrics = engine.score(state.params, rollout, rewards_B)
+    minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
+    update_metrics = []
+    for rows in minibatches:
+        state, m = engine.update(state, engine.select(batch, rows))
+        update_metrics.append(m)
+    metrics = {"reward": float(np.mean(rewards_B)),
+               "response_length": float(np.mean(np.asarray(rollout.lengths_B)))}
+    metrics.update(reduce_metrics([score_metrics]))
+    metrics.update(reduce_metrics(update_metrics))
     composition = {"prompts": [int(i) for i in prompt_idx], "minibatches": minibatches.tolist()}
     return state, metrics, composition
 
@@ -108,14 +82,14 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
     os.makedirs(workdir, exist_ok=True)
-    data = data or TaskData.create(cfg.task, os.path.join(workdir, "data"))
-    engine = Engine.create(cfg)
+    data = data or TaskData.create(cfg.task, cfg.model.vocab_size,
+                                   os.path.join(workdir, "data"))
+    engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     writer = MetricsWriter(workdir)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
     if init_params is None:
-        from stablerl_jax.model import transformer as tf
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
     start = 0

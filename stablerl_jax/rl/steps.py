@@ -1,18 +1,17 @@
-"""The training engine's jitted steps: score (π_old) and update (π_θ).
+"""The training engine's steps as pure functions: score (π_old), update (π_θ), SFT update.
 
-Letters: B responses in the (mini-)batch, S rollout slots, T = S − 1 training positions,
-D model, V vocab, L layers, K top-k.
+Letters: B responses in the (mini-)batch, S rollout slots, T = S − 1 scored positions,
+L layers, K top-k, G group size.
 
-Frames. The sampler returns tokens_BxS; the training engine runs the model on
-inputs = tokens[:, :-1] and scores targets = tokens[:, 1:] (hidden at slot s predicts the
-token at s+1). Every per-token tensor of a `TrainBatch` lives in that T-frame:
-`rollout_logp_BxT` = logp_mu[:, 1:], `mask_BxT` = completion mask of the targets,
-`routes_mu_LxBxTxK` = routes the sampler used when it processed inputs[:, t].
+Every tensor of a batch is batch-major (axis 0 is B), so one sharding of axis 0 covers
+every leaf (rl/engine.py). Per-token tensors are in the training T-frame of
+`logprobs.policy_logprobs`: position t scores tokens[:, t + 1].
 
-Replay per mode (PAPER.md §3):
+Replay per mode (PAPER.md §3), chosen once in `score`:
 - none: route live in every pass.
-- r2:   score records routes_old (training engine, θ_old); every update replays them.
-- r3:   score and every update replay routes_mu (inference engine).
+- r2:   score routes live and records the training engine's routes (θ_old); every update
+        replays them.
+- r3:   score and every update replay the sampler's routes (routes_mu).
 """
 from __future__ import annotations
 
@@ -22,97 +21,109 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stablerl_jax import advantages as adv_lib
+from stablerl_jax import diagnostics as dg
 from stablerl_jax import losses as losses_lib
-from stablerl_jax.config import ModelConfig
-from stablerl_jax.logprobs import token_logprobs
-from stablerl_jax.model import transformer as tf
+from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.data.batching import SFTBatch
+from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.rollout import Rollout
 
-REPLAY_MODES = ("none", "r2", "r3")
+
+class TrainBatch(NamedTuple):
+    """One (mini-)batch of responses as the update reads it; every leaf is [B, ...]."""
+
+    tokens_BxS: jax.Array         # int32, prompt then completion (the rollout's tokens)
+    attn_BxS: jax.Array           # bool, real tokens (prompt or completion)
+    mask_BxT: jax.Array           # float32, 1 on the completion tokens scored
+    rollout_logp_BxT: jax.Array   # log μ_old of those tokens (sampling engine)
+    old_logp_BxT: jax.Array       # log π_old (training engine at θ_old)
+    advantages_B: jax.Array       # Â per response
+    replay_BxTxLxK: jax.Array | None  # routes every update replays; None: route live
 
 
 class TrainState(NamedTuple):
     params: dict
     opt_state: optax.OptState
     step: jax.Array      # optimizer steps taken (int32)
-    skipped: jax.Array   # updates skipped for a non-finite loss or gradient (int32)
+    skipped: jax.Array   # updates skipped for a non-finite loss, gradient or result (int32)
 
 
-def train_batch(rollout, advantages_B: jax.Array) -> dict:
-    """Move a rollout into the training T-frame (see module docstring)."""
-    real_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
-    return {
-        "inputs_BxT": rollout.tokens_BxS[:, :-1],
-        "targets_BxT": rollout.tokens_BxS[:, 1:],
-        "attn_BxT": real_BxS[:, :-1],
-        "mask_BxT": rollout.completion_mask_BxS[:, 1:].astype(jnp.float32),
-        "rollout_logp_BxT": rollout.logp_mu_BxS[:, 1:],
-        "routes_mu_LxBxTxK": rollout.routes_mu_LxBxSxK[:, :, :-1],
-        "advantages_B": advantages_B.astype(jnp.float32),
-    }
+def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
+          cfg: ExperimentConfig) -> tuple[TrainBatch, dict]:
+    """The π_old pass at θ_old: a rollout and its rewards in, the update's batch out.
 
-
-def policy_logprobs(params: dict, batch: dict, cfg: ModelConfig, *, replay_LxBxTxK=None,
-                    temperature: float = 1.0, impl: str = "chunked"):
-    """Training-path log π(targets), full-vocabulary entropy, and the forward's aux."""
-    hidden, aux = tf.forward(params, batch["inputs_BxT"], cfg,
-                             attention_mask_BxT=batch["attn_BxT"],
-                             replay_LxBxTxK=replay_LxBxTxK)
-    logp, entropy = token_logprobs(hidden, tf.unembed_matrix(params, cfg), batch["targets_BxT"],
-                                   impl=impl, temperature=temperature)
-    return logp, entropy, aux
-
-
-def replay_for(mode: str, batch: dict):
-    if mode == "r2":
-        return batch["routes_old_LxBxTxK"]
-    if mode == "r3":
-        return batch["routes_mu_LxBxTxK"]
-    return None
-
-
-def score(params: dict, batch: dict, *, cfg: ModelConfig, replay: str, temperature: float,
-          impl: str) -> dict:
-    """π_old pass at θ_old: old log-probs, entropy, and the training engine's routes.
-
-    Under R3 this pass replays routes_mu, so π_old is the replayed policy; under R2 (and
-    none) it routes live and its routes are the R2 record.
+    Computes the group advantages, log π_old (replaying routes_mu under R3) and the
+    monitors of the rollout as (num, den) pairs: the training–inference mismatch
+    (`diagnostics.train_infer_mismatch`) and the full-vocabulary entropy of π_old on the
+    sampled prefixes. The returned batch carries the one replay tensor the updates use.
     """
-    rep = batch["routes_mu_LxBxTxK"] if replay == "r3" else None
-    logp, entropy, aux = policy_logprobs(params, batch, cfg, replay_LxBxTxK=rep,
-                                         temperature=temperature, impl=impl)
-    # Slots the sampler never processed (padding) keep -1 so a replay routes them live.
-    real = batch["attn_BxT"][None, :, :, None]
-    routes_old = jnp.where(real, aux["routes"], -1)
-    return {"old_logp_BxT": logp, "entropy_BxT": entropy, "routes_old_LxBxTxK": routes_old}
+    rl = cfg.rl
+    routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
+    attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
+    mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
+    rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
+    logp_BxT, entropy_BxT, aux = policy_logprobs(
+        params, rollout.tokens_BxS, attn_BxS, cfg.model,
+        replay_BxTxLxK=routes_mu_BxTxLxK if rl.replay == "r3" else None,
+        temperature=cfg.sampling.temperature, impl=rl.logprob_impl)
+    # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
+    routed_BxT = attn_BxS[:, :-1]
+    routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], aux["routes"], -1)
+    replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
+    advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
+    batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
+                       advantages_B.astype(jnp.float32), replay)
+    metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
+                                      routes_old_BxTxLxK, routed_BxT)
+    metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
+    return batch, metrics
 
 
-def update(state: TrainState, batch: dict, *, cfg: ModelConfig, loss_cfg, replay: str,
-           optimizer: optax.GradientTransformation, temperature: float, impl: str):
-    """One optimizer step on one mini-batch. Returns (new_state, metrics as (num, den)).
+def rl_loss(params: dict, batch: TrainBatch, cfg: ExperimentConfig):
+    """The surrogate loss of `cfg.loss` on one mini-batch, plus the router loss:
+    (loss, metrics as pairs)."""
+    logp_BxT, entropy_BxT, aux = policy_logprobs(
+        params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
+        replay_BxTxLxK=batch.replay_BxTxLxK, temperature=cfg.sampling.temperature,
+        impl=cfg.rl.logprob_impl)
+    loss_batch = losses_lib.LossBatch(batch.old_logp_BxT, batch.rollout_logp_BxT,
+                                      batch.mask_BxT, advantages_B=batch.advantages_B)
+    loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
+    metrics["update/entropy"] = dg.masked_mean_pair(entropy_BxT, batch.mask_BxT)
+    metrics["router_loss"] = (aux["router_loss"], jnp.ones(()))
+    return loss + aux["router_loss"], metrics
 
-    A non-finite loss or gradient leaves params and optimizer state untouched and counts
-    the update as skipped: a NaN never reaches the parameters.
+
+def sft_loss(params: dict, batch: SFTBatch, cfg: ExperimentConfig):
+    """Mean token cross-entropy over the solution tokens, plus the router loss:
+
+        loss = − Σ_{b,t} m_bt · log π(y_{b,t+1} | y_{b,≤t}) / Σ m_bt
     """
-    loss_fn = losses_lib.LOSSES[loss_cfg.name]
+    logp_BxT, _, aux = policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
+                                       impl=cfg.rl.logprob_impl)
+    m = batch.mask_BxT.astype(jnp.float32)
+    nll = -jnp.sum(logp_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return nll + aux["router_loss"], {"sft/loss": (nll, jnp.ones(()))}
 
-    def objective(params):
-        logp, entropy, aux = policy_logprobs(params, batch, cfg,
-                                             replay_LxBxTxK=replay_for(replay, batch),
-                                             temperature=temperature, impl=impl)
-        loss_batch = {k: batch[k] for k in ("old_logp_BxT", "rollout_logp_BxT",
-                                            "advantages_B", "mask_BxT")}
-        loss, metrics = loss_fn(logp, loss_batch, loss_cfg)
-        mask = batch["mask_BxT"]
-        metrics = dict(metrics)
-        metrics["update/entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
-        metrics["router_loss"] = (aux["router_loss"], jnp.ones(()))
-        return loss + aux["router_loss"], metrics
 
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.GradientTransformation):
+    """One optimizer step on `loss_fn(params, batch) -> (loss, metrics)`; returns
+    (new_state, metrics as (num, den) pairs).
+
+    The update is applied only when the loss, the gradient and the new parameters and
+    optimizer state are all finite; otherwise params and optimizer state stay as they
+    were and the update counts as skipped: a NaN never reaches the parameters.
+    """
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    all_finite = lambda tree: jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+         if jnp.issubdtype(x.dtype, jnp.inexact)]))
+    ok = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
+          & all_finite(opt_state))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     new_state = TrainState(params=keep(params, state.params),
                            opt_state=keep(opt_state, state.opt_state),
@@ -120,7 +131,6 @@ def update(state: TrainState, batch: dict, *, cfg: ModelConfig, loss_cfg, replay
                            skipped=state.skipped + (~ok).astype(jnp.int32))
     # A skipped update contributes nothing to the averages (its values may be NaN).
     metrics = {k: (jnp.where(ok, n, 0.0), jnp.where(ok, d, 0.0)) for k, (n, d) in metrics.items()}
-    one = jnp.ones(())
     metrics["grad_norm"] = (jnp.where(ok, grad_norm, 0.0), ok.astype(jnp.float32))
-    metrics["skipped_updates"] = ((~ok).astype(jnp.float32), one)
+    metrics["skipped_updates"] = ((~ok).astype(jnp.float32), jnp.ones(()))
     return new_state, metrics

@@ -30,8 +30,10 @@ attention does with its score gradient); statistics stay float32.
 T and V are padded up to the blocks: padded vocab columns are masked in the forward
 (z → −1e30); in the backward their W columns are zero, so they add nothing to dh, and
 their dW columns are sliced off. Padded tokens carry zero cotangents and are sliced off.
-On the GPU (Triton) every loaded block must be a power of two and a dot at least 16
-wide, so D is zero-padded there (zero columns change no dot product).
+Compiled for the GPU (`target="gpu"`, Triton) every loaded block must be a power of two
+and a dot at least 16 wide, so D is zero-padded there (zero columns change no dot
+product). `target="tpu"` (Mosaic) and the interpreter need no padding. The caller names
+the target and whether to interpret: nothing here looks at the platform.
 """
 from __future__ import annotations
 
@@ -112,12 +114,21 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, gpu):
+TARGETS = ("gpu", "tpu")
+
+
+def _triton(target: str, interpret: bool) -> bool:
+    if target not in TARGETS:
+        raise ValueError(f"fused_logprob pallas: target={target!r} must be one of {TARGETS}")
+    return target == "gpu" and not interpret
+
+
+def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, triton):
     """Zero-padded h [Tp, Dp], W [Dp, Vp] in one dtype (Triton dots need equal operand
     types), Dp a multiple of the D slice; and that slice, at most Dp."""
     t, d = hidden_TxD.shape
     dtype = jnp.promote_types(hidden_TxD.dtype, unembed_DxV.dtype)
-    dp = max(16, _pow2(d)) if gpu else d
+    dp = max(16, _pow2(d)) if triton else d
     bd = min(bd, dp)
     dp = -(-dp // bd) * bd
     h = jnp.pad(hidden_TxD.astype(dtype), ((0, tp - t), (0, dp - d)))
@@ -133,8 +144,8 @@ def _interp(interpret: bool):
         if interpret else False
 
 
-def _params(block, interpret):
-    if interpret or jax.default_backend() != "gpu":
+def _params(block, triton: bool):
+    if not triton:
         return None  # Triton's knobs mean nothing to the interpreter or to Mosaic (TPU)
     from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
@@ -144,7 +155,7 @@ def _col(x_T, tp, dtype=jnp.float32):
     return jnp.pad(x_T.astype(dtype), (0, tp - x_T.shape[0]))[:, None]
 
 
-def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
+def stats_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
     """(lse_T, E_p[z]_T), float32, via the forward kernel."""
     t = hidden_TxD.shape[0]
     v = unembed_DxV.shape[1]
@@ -152,7 +163,8 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
     tiles = min(block.vocab_tiles, -(-v // bv))
     splits = -(-v // (bv * tiles))
     tp, vp = -(-t // bt) * bt, splits * tiles * bv
-    h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, vp, block.dim, not interpret)
+    triton = _triton(target, interpret)
+    h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, vp, block.dim, triton)
     dp = h.shape[1]
     part = jax.ShapeDtypeStruct((splits * tp, 1), jnp.float32)
     # Partial statistics of program (i, j) land in rows [j·Tp + i·Bt, +Bt).
@@ -165,7 +177,7 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
                   pl.BlockSpec((dp, tiles * bv), lambda i, j: (0, j))],
         out_specs=[out_block] * 3,
         out_shape=[part] * 3,
-        compiler_params=_params(block, interpret),
+        compiler_params=_params(block, triton),
         interpret=_interp(interpret),
     )(h, w)
     m, s, sz = (x.reshape(splits, tp)[:, :t] for x in (m, s, sz))
@@ -178,7 +190,7 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, interpret: bool):
 
 
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,
-                    block, interpret: bool):
+                    block, target: str, interpret: bool):
     """(d hidden [T, D], d unembed [D, V]) in float32: a scan over vocab chunks of C =
     `block.bwd_chunk` columns; per chunk the dz kernel writes dz [T, C] in the input dtype
     and two XLA matmuls take dh += dz W_cᵀ and dW_c = hᵀ dz. Memory O(T·C)."""
@@ -188,7 +200,8 @@ def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g
     c = -(-min(block.bwd_chunk, v) // bv) * bv
     n = -(-v // c)
     tp = -(-t // bt) * bt
-    h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, n * c, block.dim, not interpret)
+    triton = _triton(target, interpret)
+    h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, n * c, block.dim, triton)
     dp = h.shape[1]
     stats = [_col(x, tp) for x in (lse_T, ez_T, g_logp_T, g_ent_T)]  # zero g on padded rows
     tok = lambda i, j: (i, 0)
@@ -199,7 +212,7 @@ def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g
         + [pl.BlockSpec((bt, 1), tok)] * 5,
         out_specs=pl.BlockSpec((bt, bv), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((tp, c), h.dtype),
-        compiler_params=_params(block, interpret), interpret=_interp(interpret),
+        compiler_params=_params(block, triton), interpret=_interp(interpret),
     )
 
     def body(dh, k):

@@ -1,6 +1,11 @@
 """The task as the trainer sees it: splits, tokenizer, prompt batches, rewards, eval.
 
-Letters: B prompts, G responses per prompt, P prompt slots, S rollout slots.
+Letters: B responses (rows), G responses per prompt, P prompt slots, S rollout slots.
+
+The front door of `data/`: `load_split` dispatches on `TaskConfig.kind` to the arithmetic
+builder (synthetic.py) or the JSONL builder (gsm8k.py) and reads the split through its
+array_record data source; `TaskData` adds the tokenizer, trained once on the train split
+with at most `vocab_size` pieces (the model's), and the batches the loop needs.
 """
 from __future__ import annotations
 
@@ -9,10 +14,29 @@ import os
 
 import numpy as np
 
-from stablerl_jax.data import batching, rewards
+from stablerl_jax.config import TaskConfig, check
+from stablerl_jax.data import batching, gsm8k, rewards, synthetic
 from stablerl_jax.data.evaluation import avg_at_k
-from stablerl_jax.data.synthetic import TaskConfig, load_split
-from stablerl_jax.data.tokenizer import SentencePieceTokenizer
+from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
+
+
+def read_source(source) -> list[dict]:
+    """All records of a TFDS data source as {field: str}, sorted by id."""
+    raw = source.__getitems__(list(range(len(source)))) if len(source) else []
+    recs = [{k: v.decode() if isinstance(v, bytes) else str(v) for k, v in r.items()}
+            for r in raw]
+    return sorted(recs, key=lambda r: r["id"])
+
+
+def load_split(task: TaskConfig, split: str, data_dir: str) -> list[dict]:
+    """Build the task's dataset (once) and read a split: records {id, prompt, solution,
+    answer} of str, sorted by id."""
+    check(split in ("train", "test"), "split", f"must be 'train' or 'test', got {split!r}")
+    if task.kind == "gsm8k":
+        b = gsm8k.builder(task.jsonl_dir, data_dir, task.skip_malformed)
+    else:
+        b = synthetic.builder(task, data_dir)
+    return read_source(b.as_data_source()[split])
 
 
 @dataclasses.dataclass
@@ -20,17 +44,17 @@ class TaskData:
     cfg: TaskConfig
     train: list
     test: list
-    tokenizer: SentencePieceTokenizer
+    tokenizer: Tokenizer
 
     @classmethod
-    def create(cls, cfg: TaskConfig, data_dir: str) -> "TaskData":
+    def create(cls, cfg: TaskConfig, vocab_size: int, data_dir: str) -> "TaskData":
         """Build the splits (once) and train the tokenizer (once) under data_dir."""
-        train = sorted(load_split(cfg, "train", data_dir), key=lambda r: r["id"])
-        test = sorted(load_split(cfg, "test", data_dir), key=lambda r: r["id"])
+        train = load_split(cfg, "train", data_dir)
+        test = load_split(cfg, "test", data_dir)
         corpus = [r["prompt"] + " " + r["solution"] for r in train]
-        name = f"spm_{cfg.kind}_{cfg.vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
+        name = f"spm_{cfg.kind}_{vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
         tok = SentencePieceTokenizer.load_or_train(os.path.join(data_dir, name), corpus,
-                                                   cfg.vocab_size)
+                                                   vocab_size)
         return cls(cfg, train, test, tok)
 
     @property
@@ -53,6 +77,7 @@ class TaskData:
         return rewards.rewards(self.completions(rollout), answers, self.reward_kind)
 
     def sft_batches(self, batch_size: int, seed: int):
+        """Endless seeded epochs of `batching.SFTBatch`es (numpy)."""
         for recs in batching.epochs(self.train, batch_size, seed):
             yield batching.sft_batch(recs, self.tokenizer, self.cfg.max_prompt_len,
                                      self.cfg.max_solution_len)

@@ -21,9 +21,9 @@ Implementations, chosen by `impl`:
 - "chunked": pure JAX, `lax.scan` over vocab chunks with the custom VJP above. Memory
   O(T·C) forward. The default on CPU and the fallback everywhere.
 - "pallas": the same custom VJP with the forward statistics and both gradients computed by
-  Pallas kernels (kernels/fused_logprob_pallas.py). `interpret=None` resolves here, in the
-  wrapper, to the interpreter on a CPU backend and compiled code elsewhere; pass a bool to
-  force either.
+  Pallas kernels (fused_logprob_pallas.py), compiled for `target` ("gpu": Triton, "tpu":
+  Mosaic), or run in Pallas's checking interpreter with `interpret=True` (how the CPU
+  tests run them). The caller chooses; nothing here looks at the platform.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import fused_logprob_pallas as _pallas
+from stablerl_jax.kernels import fused_logprob_pallas as _pallas
 
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in masked columns
 # Full float32 matmuls for float32 inputs: GPUs otherwise default to TF32 (~1e-3 relative
@@ -167,27 +167,27 @@ def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent
     return dh, dwt_VxD.T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(hidden_TxD, unembed_DxV, targets_T, block, impl, interpret):
-    return _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpret):
+    return _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpret)[0]
 
 
-def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, interpret):
+def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpret):
     if impl == "pallas":
-        lse, ez = _pallas.stats_pallas(hidden_TxD, unembed_DxV, block, interpret)
+        lse, ez = _pallas.stats_pallas(hidden_TxD, unembed_DxV, block, target, interpret)
     else:
         lse, ez = _stats_chunked(hidden_TxD, unembed_DxV, min(block.chunk, unembed_DxV.shape[1]))
     zy = _target_logit(hidden_TxD, unembed_DxV, targets_T)
     return (zy - lse, lse - ez), (hidden_TxD, unembed_DxV, targets_T, lse, ez)
 
 
-def _fused_bwd(block, impl, interpret, res, cot):
+def _fused_bwd(block, impl, target, interpret, res, cot):
     hidden_TxD, unembed_DxV, targets_T, lse, ez = res
     acc = _acc_dtype(hidden_TxD)
     g_logp, g_ent = (g.astype(acc) for g in cot)
     if impl == "pallas":
         dh, dw = _pallas.backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse, ez,
-                                         g_logp, g_ent, block, interpret)
+                                         g_logp, g_ent, block, target, interpret)
     else:
         dh, dw = _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp,
                                    g_ent, min(block.chunk, unembed_DxV.shape[1]))
@@ -198,16 +198,14 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_logprob(hidden_TxD, unembed_DxV, targets_T, *, block: BlockSizes | None = None,
-                  impl: str = "chunked", interpret: bool | None = None):
+                  impl: str = "chunked", target: str = "gpu", interpret: bool = False):
     """(logp_T, entropy_T), float32 (float64 for float64 inputs). See the module docstring.
 
-    `interpret` only matters for impl="pallas": None runs the Pallas interpreter on a CPU
-    backend and compiles elsewhere; the kernels themselves never look at the platform.
+    `target` ("gpu" | "tpu") and `interpret` only matter for impl="pallas": the kernels
+    are compiled for `target`, or interpreted (on any backend) when `interpret` is True.
     """
     _check(hidden_TxD, unembed_DxV, targets_T, impl)
     if impl == "naive":
         return reference(hidden_TxD, unembed_DxV, targets_T)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     return _fused(hidden_TxD, unembed_DxV, targets_T.astype(jnp.int32), block or BlockSizes(),
-                  impl, bool(interpret))
+                  impl, target, bool(interpret))

@@ -1,0 +1,78 @@
+"""The package's import graph: no cycles, every module imports on its own, and the config
+modules stay leaves (no model, data, TFDS or even JAX behind `config` and `presets`)."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "stablerl_jax"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+    """Package modules that `name` imports at module level (a function-level import is
+    deferred and cannot form an import-time cycle)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    state = {}  # 1: on the current path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_each_module_imports_on_its_own_and_config_is_a_leaf():
+    names = sorted(_modules())
+    script = f"""
+import importlib, sys
+# The config modules first, in a fresh interpreter: nothing heavy behind them.
+import stablerl_jax.config, stablerl_jax.presets
+heavy = [m for m in sys.modules if m.split(".")[0] in ("jax", "tensorflow_datasets",
+         "sentencepiece") or m.startswith(("stablerl_jax.model", "stablerl_jax.data",
+         "stablerl_jax.rollout", "stablerl_jax.rl"))]
+assert not heavy, f"config imports {{sorted(heavy)[:5]}}"
+import tensorflow_datasets as tfds
+for name in {names!r}:
+    for m in [m for m in sys.modules if m == "stablerl_jax" or m.startswith("stablerl_jax.")]:
+        del sys.modules[m]
+    # Re-importing a TFDS builder module would register its builder twice.
+    with tfds.core.registered.skip_registration():
+        importlib.import_module(name)
+print("ok", len({names!r}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")

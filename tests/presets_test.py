@@ -1,0 +1,61 @@
+"""Experiment presets, and key=value overrides applied together then validated once."""
+import pytest
+
+from stablerl_jax import presets
+from stablerl_jax.config import ConfigError
+
+
+def test_presets_validate():
+    tiny = presets.preset("tiny")
+    paper = presets.preset("paper")
+    assert paper.model.num_experts == 128 and paper.model.top_k == 8
+    assert paper.rl.group_size == 16 and paper.sampling.numerics == "fp8"
+    assert paper.rl.prompts_per_step * paper.rl.group_size == 1024
+    assert tiny.loss.name == "minirl" and tiny.loss.tis_cap == 5.0
+    assert tiny.sft.optim.schedule == "cosine" and tiny.rl.optim.schedule == "constant"
+
+
+def test_overrides_parse_by_field_type():
+    cfg = presets.preset("tiny", ["rl.num_minibatches=4", "loss.clip=false", "rl.replay=r3",
+                                  "rl.optim.learning_rate=2e-5", "mesh=2,2,2", "name=x",
+                                  "loss.aggregation=seq_mean_token_mean",
+                                  "sampling.router_noise_std=0.5"])
+    assert cfg.rl.num_minibatches == 4 and cfg.loss.clip is False and cfg.rl.replay == "r3"
+    assert cfg.rl.optim.learning_rate == 2e-5 and cfg.mesh == (2, 2, 2) and cfg.name == "x"
+    assert cfg.loss.aggregation == "seq_mean_token_mean"
+    assert cfg.sampling.router_noise_std == 0.5
+
+
+def test_overrides_that_only_hold_together_apply_in_any_order():
+    # Validated field by field, each of these would be refused halfway.
+    for order in ([0, 1], [1, 0]):
+        items = [["task.kind=gsm8k", "task.jsonl_dir=/data/gsm8k"][i] for i in order]
+        assert presets.preset("tiny", items).task.kind == "gsm8k"
+        items = [["model.num_experts=1", "model.top_k=1"][i] for i in order]
+        cfg = presets.preset("tiny", items)
+        assert (cfg.model.num_experts, cfg.model.top_k) == (1, 1)
+    assert presets.preset("tiny", ["model.vocab_size=96"]).model.vocab_size == 96
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rl.replay=r4", "rl.replay:"),
+    ("rl.num_minibatches=3", "rl.num_minibatches:"),
+    ("rl.bogus=1", "unknown field 'bogus'"),
+    ("nosection=1", "section.field"),
+    ("rl.steps=abc", "cannot parse"),
+    ("loss.clip=maybe", "true/false"),
+    ("sampling.numerics=train", "sampling.numerics:"),
+    ("rl.optim.eps=0", "rl.optim.eps:"),
+    ("rl.optim=1", "is a section"),
+    ("sampling.max_new_tokens=100", "model.max_seq_len"),
+    ("rl.steps", "expected section.field=value"),
+    ("mesh=a,b", "comma-separated ints"),
+])
+def test_bad_overrides_are_clear_errors(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        presets.preset("tiny", [override])
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown 'huge'"):
+        presets.preset("huge")
