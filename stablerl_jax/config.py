@@ -33,6 +33,9 @@ AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_t
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
+REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
+GMM_IMPLS = ("loop", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
+ATTENTION_IMPLS = ("naive", "chunked")
 TASK_KINDS = ("arithmetic", "gsm8k")
 STYLES = ("steps", "rewrite", "terse")
 OPERATORS = ("+-", "+")
@@ -99,10 +102,27 @@ class ModelConfig(_Replace):
       param_dtype: storage dtype of parameters (one of DTYPES).
       compute_dtype: activation / matmul dtype of the training path.
       init_std: std of the normal initializer for matrices.
-      remat: rematerialize each layer in the backward pass (saves activation memory).
+      remat: what each layer of the scan keeps for the backward pass (REMAT_POLICIES):
+        'none' (every activation), 'full' (only the layer's input; the layer is recomputed
+        in the backward pass), 'dots' (matmul outputs without batch dimensions are kept,
+        the rest is recomputed: jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
       dispatch: expert dispatch path: 'grouped' (sorted, dropless, fast) or 'dense'
         (every expert on every token, the reference).
       moe_tile: rows per tile of the grouped path (groups are padded to a multiple).
+      gmm_impl: the grouped matmul of the grouped path (GMM_IMPLS): 'loop' (pure JAX, the
+        reference and the CPU default), 'ragged_dot' (jax.lax.ragged_dot), 'pallas_gpu' /
+        'pallas_tpu' (this project's Pallas kernel compiled by Triton / Mosaic),
+        'megablox' (jax's TPU megablox gmm). The preset chooses; layers never look at
+        the platform.
+      expert_parallel: with a multi-device mesh, run the expert FFN under shard_map with
+        each device holding only its `expert` shard of the experts: tokens are gathered
+        over the `expert` mesh axis, each device runs its own experts and the partial
+        outputs are reduce-scattered back (model/expert_parallel.py). False: every device
+        gathers all experts' weights layer by layer and keeps its own tokens.
+      attention_impl: 'naive' (one [T, S] score matrix per head) or 'chunked' (a scan over
+        query chunks of `attention_chunk` rows, each rematerialized: memory O(chunk · S)
+        instead of O(T · S), the same function).
+      attention_chunk: query rows per chunk of the 'chunked' attention.
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
     """
@@ -123,16 +143,20 @@ class ModelConfig(_Replace):
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     init_std: float = 0.02
-    remat: bool = False
+    remat: str = "none"
     dispatch: str = "grouped"
     moe_tile: int = 64
+    gmm_impl: str = "loop"
+    expert_parallel: bool = False
+    attention_impl: str = "naive"
+    attention_chunk: int = 512
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
 
     def __post_init__(self):
         check_positive_int(self, "vocab_size", "d_model", "num_layers", "num_heads",
                            "num_kv_heads", "head_dim", "num_experts", "top_k",
-                           "expert_ffn_dim", "max_seq_len", "moe_tile")
+                           "expert_ffn_dim", "max_seq_len", "moe_tile", "attention_chunk")
         check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
               f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
         check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
@@ -151,7 +175,13 @@ class ModelConfig(_Replace):
         for f in ("router_z_loss_weight", "router_aux_loss_weight"):
             v = getattr(self, f)
             check(_finite(v) and v >= 0, f, f"must be >= 0, got {v}")
-        check_bool(self, "tie_embeddings", "remat")
+        check(self.remat in REMAT_POLICIES, "remat",
+              f"must be one of {REMAT_POLICIES} ('full' was remat=true), got {self.remat!r}")
+        check_choice(self, "gmm_impl", GMM_IMPLS)
+        check_choice(self, "attention_impl", ATTENTION_IMPLS)
+        check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
+              "needs dispatch='grouped' (the dense path runs every expert on every token)")
+        check_bool(self, "tie_embeddings", "expert_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +247,10 @@ class SamplingConfig(_Replace):
       numerics: the engine's numerics preset (INFERENCE_NUMERICS, model/numerics.py).
       router_noise_std / act_fp8: extra mismatch knobs on top of it (seeded router-logit
         noise; per-token e4m3 activations).
+      max_batch: rows decoded at once over the whole mesh; a larger batch is decoded as a
+        sequence of slices of this many rows (its KV cache is the memory that bounds a
+        pod's sampling batch). 0: every row at once. A row's sample does not depend on
+        the slicing (each row draws from its own key).
     EOS and padding ids are the tokenizer's.
     """
 
@@ -227,9 +261,12 @@ class SamplingConfig(_Replace):
     numerics: str = "fp8"
     router_noise_std: float = 0.0
     act_fp8: bool = False
+    max_batch: int = 0
 
     def __post_init__(self):
         check_positive_int(self, "max_new_tokens")
+        check(_is_int(self.max_batch) and self.max_batch >= 0, "max_batch",
+              f"must be an int >= 0 (0 = every row at once), got {self.max_batch!r}")
         check(_finite(self.temperature) and self.temperature > 0, "temperature",
               f"must be > 0, got {self.temperature}")
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
@@ -358,6 +395,10 @@ class RLConfig(_Replace):
     step, N mini-batches (= optimizer steps) per step, evaluation and checkpoint cadence.
 
     replay: 'none' | 'r2' | 'r3' (PAPER.md §3).
+    microbatches: each mini-batch's update accumulates gradients over this many slices
+      of it inside one jitted step (one optimizer update; losses and metrics equal one
+      big batch's, rl/accumulate.py); the score step runs its batch in slices of the
+      same size. Memory of a step scales with the slice, not the mini-batch.
     logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
       Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
       with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
@@ -369,6 +410,7 @@ class RLConfig(_Replace):
     prompts_per_step: int = 16
     group_size: int = 8
     num_minibatches: int = 1
+    microbatches: int = 1
     replay: str = "none"
     logprob_impl: str = "chunked"
     eval_every: int = 10
@@ -382,7 +424,7 @@ class RLConfig(_Replace):
 
     def __post_init__(self):
         check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
-                           "eval_every", "eval_k", "eval_problems", "checkpoint_every",
+                           "microbatches", "eval_every", "eval_k", "eval_problems", "checkpoint_every",
                            "keep_checkpoints")
         check_choice(self, "replay", REPLAY_MODES)
         check_choice(self, "logprob_impl", LOGPROB_IMPLS)
@@ -393,6 +435,10 @@ class RLConfig(_Replace):
         responses = self.prompts_per_step * self.group_size
         check(responses % self.num_minibatches == 0, "num_minibatches",
               f"must divide prompts_per_step*group_size = {responses}")
+        minibatch = responses // self.num_minibatches
+        check(minibatch % self.microbatches == 0, "microbatches",
+              f"must divide the mini-batch prompts_per_step*group_size/num_minibatches = "
+              f"{minibatch}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
         check_bool(self, "async_checkpoints")
@@ -400,16 +446,20 @@ class RLConfig(_Replace):
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(_Replace):
-    """Cold-start supervised fine-tuning on the task's worked solutions."""
+    """Cold-start supervised fine-tuning on the task's worked solutions. `microbatches`:
+    gradient accumulation over that many slices of each batch (as rl.microbatches)."""
 
     steps: int = 300
     batch_size: int = 32
+    microbatches: int = 1
     seed: int = 0
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, schedule="cosine", warmup_frac=0.1,
                                      weight_decay=0.01)
 
     def __post_init__(self):
-        check_positive_int(self, "steps", "batch_size")
+        check_positive_int(self, "steps", "batch_size", "microbatches")
+        check(self.batch_size % self.microbatches == 0, "microbatches",
+              f"must divide batch_size = {self.batch_size}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
 
@@ -435,17 +485,31 @@ class ExperimentConfig(_Replace):
         check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
               and all(_is_int(m) and m > 0 for m in self.mesh), "mesh",
               f"must be three positive ints (data, fsdp, expert), got {self.mesh!r}")
-        dp = self.mesh[0] * self.mesh[1]
+        # Batches are split over every mesh axis (sharding.RULES["batch"]).
+        dp = self.mesh[0] * self.mesh[1] * self.mesh[2]
         rl = self.rl
         minibatch = rl.prompts_per_step * rl.group_size // rl.num_minibatches
-        for what, rows in [("the RL mini-batch (rl.prompts_per_step*rl.group_size/"
-                            "rl.num_minibatches)", minibatch),
+        for what, rows in [("the RL micro-batch (rl.prompts_per_step*rl.group_size/"
+                            "rl.num_minibatches/rl.microbatches)", minibatch // rl.microbatches),
                            ("the eval batch (rl.eval_problems*rl.eval_k)",
                             rl.eval_problems * rl.eval_k),
-                           ("the SFT batch (sft.batch_size)", self.sft.batch_size)]:
+                           ("the SFT micro-batch (sft.batch_size/sft.microbatches)",
+                            self.sft.batch_size // self.sft.microbatches)]:
             check(rows % dp == 0, "mesh",
-                  f"data*fsdp = {dp} must divide {what} = {rows}; change the mesh or the "
-                  "batch")
+                  f"data*fsdp*expert = {dp} must divide {what} = {rows}; change the mesh or "
+                  "the batch")
+        check(not self.model.expert_parallel or self.model.num_experts % self.mesh[2] == 0,
+              "model.expert_parallel", f"needs the mesh's expert axis ({self.mesh[2]}) to "
+              f"divide num_experts={self.model.num_experts}; change the mesh or set it false")
+        rows = self.sampling.max_batch
+        if rows:
+            check(rows % dp == 0, "sampling.max_batch",
+                  f"must be a multiple of data*fsdp*expert = {dp}, got {rows}")
+            for what, n in [("rl.prompts_per_step*rl.group_size",
+                             rl.prompts_per_step * rl.group_size),
+                            ("rl.eval_problems*rl.eval_k", rl.eval_problems * rl.eval_k)]:
+                check(n % rows == 0, "sampling.max_batch",
+                      f"must divide {what} = {n}, got {rows}")
 
 
 def _parse(value: str, current, key: str):

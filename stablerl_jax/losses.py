@@ -26,6 +26,13 @@ Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
                                                           or the padded T when it is 0)
 Empty responses count in B and contribute 0; a fully masked batch gives loss 0.
 
+Micro-batching (rl/accumulate.py). When a loss sees one slice of a mini-batch,
+`batch.totals` holds the mini-batch's B and Σ m, and every aggregation divides by those
+instead of the slice's own: the slice's loss is then its share of the mini-batch loss
+(numerator over the global denominator), the slices' losses and gradients add up to the
+mini-batch's exactly, and the `loss` metric is the pair (slice loss, slice rows / B),
+which sums to (mini-batch loss, 1). Without totals nothing changes.
+
 Metrics of every loss (token means over the mask unless said otherwise, computed by
 `diagnostics`): loss; clip/frac_high, clip/frac_low (tokens whose clip binds, by side);
 is/weight_mean, is/weight_sqmean, is/weight_max, is/weight_min (the applied,
@@ -51,6 +58,19 @@ from stablerl_jax.config import LossConfig
 sg = jax.lax.stop_gradient
 
 
+class Totals(typing.NamedTuple):
+    """The whole mini-batch's sizes, for a loss that sees one micro-batch of it."""
+
+    rows: jax.Array    # B of the mini-batch
+    tokens: jax.Array  # Σ mask over the mini-batch
+
+
+def totals_of(mask_BxT) -> Totals:
+    """The `Totals` of a (mini-)batch from its mask."""
+    m = jnp.asarray(mask_BxT)
+    return Totals(jnp.asarray(m.shape[0], jnp.float32), jnp.sum(m.astype(jnp.float32)))
+
+
 class LossBatch(typing.NamedTuple):
     """What a loss reads of a (mini-)batch (module docstring)."""
 
@@ -59,6 +79,7 @@ class LossBatch(typing.NamedTuple):
     mask_BxT: jax.Array
     advantages_B: jax.Array | None = None
     advantages_BxT: jax.Array | None = None
+    totals: Totals | None = None  # the mini-batch's, when this is a micro-batch of it
 
 
 class _Parts(typing.NamedTuple):
@@ -101,19 +122,32 @@ def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
                   clip(logp - mu))
 
 
-def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0):
-    """Reduce a per-token term to a scalar objective (formulas in the module docstring)."""
+def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
+              totals: Totals | None = None):
+    """Reduce a per-token term to a scalar objective (formulas in the module docstring);
+    B and Σ m are `totals`' when given (a micro-batch's share of its mini-batch)."""
     b, t = m_BxT.shape
+    tokens = jnp.sum(m_BxT)
+    if totals is not None:
+        b, tokens = totals.rows.astype(m_BxT.dtype), totals.tokens.astype(m_BxT.dtype)
     s = jnp.sum(jnp.where(m_BxT > 0, term_BxT, 0.0), axis=1)
     if mode == "response_sum":
         return jnp.sum(s) / b
     if mode == "seq_mean_token_mean":
         return jnp.sum(s / jnp.maximum(jnp.sum(m_BxT, axis=1), 1.0)) / b
     if mode == "token_mean":
-        return jnp.sum(s) / jnp.maximum(jnp.sum(m_BxT), 1.0)
+        return jnp.sum(s) / jnp.maximum(tokens, 1.0)
     if mode == "seq_mean_token_sum_norm":
         return jnp.sum(s) / (b * (norm_length or t))
     raise ValueError(f"aggregation: unknown mode {mode!r}")
+
+
+def row_share(batch_rows: int, totals: Totals | None):
+    """This batch's rows over the mini-batch's (1 without totals): the denominator of a
+    scalar metric, so that the slices' (value, share) pairs sum to (value, 1)."""
+    if totals is None:
+        return jnp.ones(())
+    return batch_rows / totals.rows
 
 
 def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
@@ -165,7 +199,8 @@ def _clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
 def _metrics(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered, hi,
              lo) -> dict:
     """The per-mini-batch monitors the trainer logs (module docstring), all pairs."""
-    out = {"loss": (sg(loss), jnp.ones((), p.m.dtype)),
+    share = row_share(p.m.shape[0], batch.totals).astype(p.m.dtype)
+    out = {"loss": (sg(loss), share),
            "clip/frac_high": dg.masked_mean_pair(hi.astype(p.m.dtype), p.m),
            "clip/frac_low": dg.masked_mean_pair(lo.astype(p.m.dtype), p.m)}
     out.update(dg.weight_stats(sg(weight), altered, p.m))
@@ -202,7 +237,8 @@ def minirl(logp_BxT, batch, cfg: LossConfig):
     hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     keep = jnp.where(hi | lo, 0.0, 1.0)
     term = keep * sg(w) * p.adv * p.logp
-    loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length)
+    loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length,
+                      batch.totals)
     return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 
 
@@ -214,7 +250,8 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
         term = jnp.minimum(r * p.adv, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * p.adv)
     else:
         term = r * p.adv
-    loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length)
+    loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length,
+                      batch.totals)
     hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 
@@ -259,7 +296,8 @@ def cispo(logp_BxT, batch, cfg: LossConfig):
     rc = jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) if cfg.clip else r
     w, altered = _engine_weight(p, cfg)
     term = sg(w * rc) * p.adv * p.logp
-    loss = -aggregate(term, p.m, cfg.aggregation or "token_mean", cfg.norm_length)
+    loss = -aggregate(term, p.m, cfg.aggregation or "token_mean", cfg.norm_length,
+                      batch.totals)
     hi = (r > 1 + cfg.eps_high) & cfg.clip
     lo = (r < 1 - cfg.eps_low) & cfg.clip
     return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
@@ -277,7 +315,7 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
     term = jnp.minimum(s * p.adv, jnp.clip(s, lo_b, hi_b) * p.adv) if cfg.clip else s * p.adv
     w, altered = _engine_weight(p, cfg)
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or "seq_mean_token_mean",
-                      cfg.norm_length)
+                      cfg.norm_length, batch.totals)
     hi, lo = _clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
     return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
 

@@ -3,8 +3,9 @@
 - `TASKS`: difficulty presets of the synthetic arithmetic task.
 - `tiny`: SFT + RL on 2 CPU cores in minutes.
 - `paper`: the settings of arXiv 2512.01374 §5 (Qwen3-30B-A3B-sized MoE, FP8 inference,
-  G = 16, 1,024 responses per mini-batch, 32k responses) for a TPU pod; stated, not run
-  here.
+  G = 16, 1,024 responses per mini-batch, 32k responses) for a TPU pod (v5p-256); stated
+  and AOT-compiled (experiments/aot_compile.py), not run here.
+- `moe1b`: a ≈1B-parameter bf16 MoE for one accelerator host (benchmarks, v5e-8 AOT).
 `preset(name, overrides)` applies `section.field=value` overrides
 (`config.apply_overrides`), e.g. `rl.num_minibatches=4 loss.clip=false`.
 """
@@ -57,29 +58,60 @@ def paper() -> ExperimentConfig:
     runs), 32k-token responses, avg@32 evaluation. The task is a local JSONL of 4,096
     verified math problems (task.jsonl_dir). A 151,936-entry vocabulary needs the model's
     own tokenizer behind the `Tokenizer` protocol in place of the in-process SentencePiece.
-    Mesh (data, fsdp, expert) = (1, 32, 8): 256 chips.
+
+    Pod layout, chosen so that every step fits a v5p-256 (128 chips, 95.7 GiB HBM each;
+    the compiled table is in docs/benchmarks.md): mesh (data, fsdp, expert) =
+    (1, 16, 8), batch split over all 128 chips; the update accumulates over 8
+    micro-batches of 128 responses (one 33k-token response per chip at a time), the
+    score step runs in the same slices, the sampler decodes 512 rows at a time (4 per
+    chip); every layer rematerialized, attention in 512-query chunks, the grouped matmul
+    is megablox (TPU), the experts sharded over `expert` (expert parallelism).
     """
     return ExperimentConfig(
         name="paper",
         model=ModelConfig(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
                           num_kv_heads=4, head_dim=128, num_experts=128, top_k=8,
                           expert_ffn_dim=768, rope_theta=1_000_000.0, max_seq_len=33_792,
-                          compute_dtype="bfloat16", remat=True, moe_tile=512,
+                          compute_dtype="bfloat16", remat="full", moe_tile=128,
+                          gmm_impl="megablox", expert_parallel=True,
+                          attention_impl="chunked", attention_chunk=512,
                           router_aux_loss_weight=0.0),
         task=TaskConfig(kind="gsm8k", jsonl_dir="data/math_4096", num_train=4096,
                         num_test=512, max_prompt_len=1024, max_solution_len=32_768),
-        sampling=SamplingConfig(max_new_tokens=32_768, temperature=1.0, numerics="fp8"),
+        sampling=SamplingConfig(max_new_tokens=32_768, temperature=1.0, numerics="fp8",
+                                max_batch=512),
         loss=LossConfig(),
         rl=RLConfig(steps=1000, prompts_per_step=64, group_size=16, num_minibatches=1,
-                    eval_every=20, eval_k=32, eval_problems=512, checkpoint_every=10,
-                    optim=OptimConfig(learning_rate=1e-6)),
-        sft=SFTConfig(steps=2000, batch_size=256,
+                    microbatches=8, eval_every=20, eval_k=32, eval_problems=512,
+                    checkpoint_every=10, optim=OptimConfig(learning_rate=1e-6)),
+        sft=SFTConfig(steps=2000, batch_size=256, microbatches=2,
                       optim=OptimConfig(learning_rate=1e-5, schedule="cosine",
                                         warmup_frac=0.05, weight_decay=0.01)),
-        mesh=(1, 32, 8))
+        mesh=(1, 16, 8))
 
 
-PRESETS = {"tiny": tiny, "paper": paper}
+def moe1b() -> ExperimentConfig:
+    """A ≈1B-parameter MoE (16 layers, d_model 1024, 32 experts top-4) in bf16 on one
+    accelerator host: the benchmark size of benchmarks/train_step.py and the v5e-8 AOT
+    table (docs/benchmarks.md). 2k-token sequences, 64 responses per mini-batch."""
+    return ExperimentConfig(
+        name="moe1b",
+        model=ModelConfig(vocab_size=32_768, d_model=1024, num_layers=16, num_heads=16,
+                          num_kv_heads=4, head_dim=64, num_experts=32, top_k=4,
+                          expert_ffn_dim=512, max_seq_len=2048, compute_dtype="bfloat16",
+                          remat="full", moe_tile=128, gmm_impl="megablox",
+                          attention_impl="chunked", attention_chunk=512),
+        task=TaskConfig(kind="gsm8k", jsonl_dir="data/math_4096", max_prompt_len=512,
+                        max_solution_len=1536),
+        sampling=SamplingConfig(max_new_tokens=1536, numerics="fp8"),
+        loss=LossConfig(),
+        rl=RLConfig(steps=100, prompts_per_step=8, group_size=8, microbatches=2,
+                    eval_problems=64, eval_k=4, optim=OptimConfig(learning_rate=1e-6)),
+        sft=SFTConfig(batch_size=64, microbatches=2),
+        mesh=(1, 8, 1))
+
+
+PRESETS = {"tiny": tiny, "paper": paper, "moe1b": moe1b}
 
 
 def preset(name: str, overrides=()) -> ExperimentConfig:

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stablerl_jax import slices
 from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -123,30 +124,46 @@ def _row_keys(key, b: int):
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int,
-           pad_id: int) -> Rollout:
+           pad_id: int, mesh=None) -> Rollout:
     """Sample completions of left-padded prompts with the inference engine.
 
     Validates the inputs, then runs a jitted prefill + decode (cfg, sampling, numerics and
     the tokenizer's eos / pad ids are static). A row stops after emitting `eos_id` (-1:
     never, every row decodes max_new_tokens); `pad_id` fills the slots after it. See the
-    module docstring for the alignment of the result.
+    module docstring for the alignment of the result. With `sampling.max_batch` smaller
+    than the batch, rows are decoded in strided slices of that many rows (`lax.map`; each
+    row's sample is the same). `mesh`: the devices the expert FFN is sharded over.
     """
     _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id)
+    b = prompt_tokens_BxP.shape[0]
+    if sampling.max_batch and b % sampling.max_batch:
+        raise ValueError(f"sampling.max_batch={sampling.max_batch} must divide the batch of "
+                         f"{b} rows")
     return _sample(params, prompt_tokens_BxP.astype(jnp.int32),
                    prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics, int(eos_id),
-                   int(pad_id))
+                   int(pad_id), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "eos_id", "pad_id"))
-def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id):
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "eos_id", "pad_id",
+                                             "mesh"))
+def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id, mesh):
+    b = prompts.shape[0]
+    n = b // sampling.max_batch if sampling.max_batch else 1
+    params = nx.prepare_params(params, numerics)
+    decode = lambda rows: _decode(params, *rows, cfg, sampling, numerics, eos_id, pad_id,
+                                  mesh)
+    return slices.map_slices(decode, (prompts, pmask, _row_keys(key, b)), n,
+                             "sampling.max_batch")
+
+
+def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, pad_id, mesh):
+    """Prefill + decode of one batch of rows (weights already prepared)."""
     b, p = prompts.shape
     n, s = sampling.max_new_tokens, p + sampling.max_new_tokens
-    row_keys = _row_keys(key, b)
-    params = nx.prepare_params(params, numerics)
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
     cache = tf.init_cache(cfg, b, s, dtype)
     hidden, aux = tf.forward(params, prompts, cfg, attention_mask_BxT=pmask, numerics=numerics,
-                             cache=cache)
+                             cache=cache, mesh=mesh)
     routes_BxSxLxK = jnp.full((b, s, cfg.num_layers, cfg.top_k), -1, jnp.int32)
     routes_BxSxLxK = routes_BxSxLxK.at[:, :p].set(
         jnp.where(pmask[:, :, None, None], aux["routes"], -1))
@@ -177,7 +194,7 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id
         # shape for every step) but nothing reads its output, so its routes are -1.
         fed = live & (tok != eos_id)
         h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
-                          numerics=numerics, cache=st["cache"])
+                          numerics=numerics, cache=st["cache"], mesh=mesh)
         step_routes_BxLxK = jnp.where(fed[:, None, None] & (i + 1 < n), a["routes"][:, 0], -1)
         return dict(st, i=i + 1, cache=a["cache"],
                     logits=tf.logits(params, h, cfg)[:, 0],

@@ -17,10 +17,12 @@ from jax.sharding import PartitionSpec as P
 MESH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
-# Batch is split over every data-parallel axis; parameters are split over fsdp along
-# their model dimension and over expert along the expert dimension.
+# Batch is split over every mesh axis (the expert axis too: outside the expert FFN every
+# device is data parallel, and model/expert_parallel.py gathers tokens over `expert` for
+# the experts); parameters are split over fsdp along their model dimension and over
+# expert along the expert dimension.
 RULES = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "embed": "fsdp",
     "experts": "expert",
     "vocab": None,

@@ -6,6 +6,8 @@
   same where a GPU is the default backend.
 - `x64`: a fixture that runs a test with float64 enabled (tests that compare algorithms,
   see tests/tolerance.py).
+- On a host without TPU chips, libtpu (the `tpu` extra, for the AOT-compile tests) is
+  told not to probe for hardware, so the CPU backend starts quietly.
 - A persistent compilation cache, private to the process and removed at exit: many tests
   build fresh jitted closures around the same model (a new Engine per run, a resumed run
   after a full one), which the in-memory jit cache cannot match but the persistent cache,
@@ -19,6 +21,10 @@ import tempfile
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+if not (os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio")):
+    from stablerl_jax.aot import quiet_libtpu  # noqa: E402  (before jax starts a backend)
+    quiet_libtpu()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -39,6 +45,12 @@ def cpu_devices(n: int = 8) -> list:
 
 @pytest.fixture
 def x64():
-    """Run the test with jax_enable_x64 (float64 arrays and computations)."""
-    with jax.enable_x64(True):
+    """Run the test with jax_enable_x64 (float64 arrays and computations). Set globally,
+    not by the `jax.enable_x64` context: the Pallas interpreter runs its callbacks when
+    the computation executes, where a context manager's setting no longer holds."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
         yield
+    finally:
+        jax.config.update("jax_enable_x64", before)

@@ -11,6 +11,7 @@ from conftest import cpu_devices
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 from tolerance import LAMBDA, assert_close, backward_chain, engine_chain
 
+from stablerl_jax.config import SFTConfig
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
@@ -112,7 +113,8 @@ def test_sharded_update_equals_unsharded(x64):
     model = cfg.model.replace(param_dtype="float64", compute_dtype="float64")
     results = []
     for mesh in [(1, 1, 1), (2, 2, 2)]:
-        cfg = tiny_cfg(mesh=mesh, replay="r2").replace(model=model)
+        # One mini-batch of 8 rows: the batch is split over all 8 devices.
+        cfg = tiny_cfg(mesh=mesh, replay="r2", num_minibatches=1).replace(model=model)
         eng = _engine(cfg, devices=cpu_devices())
         batch, _ = eng.score(params, ro, REWARDS)
         state, metrics = eng.update(eng.init_state(params), batch)
@@ -120,7 +122,7 @@ def test_sharded_update_equals_unsharded(x64):
                         {k: np.asarray(v) for k, v in metrics.items()}))
         if mesh == (2, 2, 2):
             assert state.params["layers"]["w_gate"].sharding.spec[1] == "expert"
-            assert batch.replay_BxTxLxK.sharding.spec[0] == ("data", "fsdp")
+            assert batch.replay_BxTxLxK.sharding.spec[0] == ("data", "fsdp", "expert")
     (p0, m0), (p1, m1) = results
     tokens = int(np.asarray(batch.attn_BxS).sum())
     n = backward_chain(cfg.model, batch.tokens_BxS.shape[1], tokens) + 16  # + AdamW
@@ -137,4 +139,6 @@ def test_sharded_update_equals_unsharded(x64):
 
 def test_mesh_larger_than_devices_is_a_clear_error():
     with pytest.raises(ValueError, match="mesh="):
-        _engine(tiny_cfg(mesh=(1, 1, 16)), devices=cpu_devices())
+        cfg = tiny_cfg(prompts_per_step=8, num_minibatches=1, eval_problems=16)
+        _engine(cfg.replace(mesh=(1, 1, 16), sft=SFTConfig(steps=2, batch_size=16)),
+                devices=cpu_devices())

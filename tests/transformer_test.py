@@ -1,4 +1,5 @@
-"""Model invariants: replay, causality, padding, remat, KV cache, dispatch paths.
+"""Model invariants: replay, causality, padding, remat policies, chunked attention, KV
+cache, dispatch paths and grouped-matmul implementations.
 
 Tests that compare two algorithms for one function (remat, dispatch paths, KV cache,
 padding) run in float64 (`x64` fixture); tolerances from tests/tolerance.py."""
@@ -11,6 +12,7 @@ import pytest
 from tolerance import assert_close, backward_chain, forward_chain
 
 from stablerl_jax.config import ModelConfig
+from stablerl_jax.model import moe
 from stablerl_jax.model import transformer as tf
 
 CFG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -128,8 +130,9 @@ def test_padding_never_influences_real_positions(x64):
     assert_close(h[0, 4:], alone[0], n=forward_chain(CFG, T), dtype="float64", scale="max")
 
 
-@pytest.mark.parametrize("with_replay", [False, True])
-def test_remat_equal_values_and_gradients(x64, with_replay):
+@pytest.mark.parametrize("with_replay,remat", [(False, "full"), (True, "full"),
+                                               (True, "dots")])
+def test_remat_equal_values_and_gradients(x64, with_replay, remat):
     params, tokens, mask = _setup(cfg=CFG64)
     replay = None
     if with_replay:
@@ -142,7 +145,50 @@ def test_remat_equal_values_and_gradients(x64, with_replay):
     step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg=cfg),
                                                   has_aux=True))
     (v0, h0), g0 = step(CFG64)(params)
-    (v1, _), g1 = step(CFG64.replace(remat=True))(params)
+    (v1, _), g1 = step(CFG64.replace(remat=remat))(params)
+    _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
+
+
+@pytest.mark.parametrize("chunk", [5, 4])  # T = 12: a ragged last chunk, and an even split
+def test_chunked_attention_equals_naive(x64, chunk):
+    """Query chunks (padded, rematerialized) compute every real row like the naive path,
+    in value and gradient; with a KV cache (prefill into S > T slots) as well."""
+    params, tokens, mask = _setup(cfg=CFG64)
+    chunked = CFG64.replace(attention_impl="chunked", attention_chunk=chunk, remat="full")
+
+    def loss(p, cfg):
+        h, _ = tf.forward(p, tokens, cfg, attention_mask_BxT=mask)
+        return _probe(h, mask), h
+
+    step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg=cfg),
+                                                  has_aux=True))
+    (v0, h0), g0 = step(CFG64)(params)
+    (v1, _), g1 = step(chunked)(params)
+    _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
+    prefill = lambda cfg: tf.forward(params, tokens, cfg, attention_mask_BxT=mask,
+                                     cache=tf.init_cache(cfg, B, T + 6, jnp.float64))[0]
+    m = mask[..., None]
+    assert_close(jnp.where(m, prefill(chunked), 0), jnp.where(m, prefill(CFG64), 0),
+                 n=forward_chain(CFG, T + 6), dtype="float64", scale="max")
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "pallas_tpu", "pallas_gpu"])
+def test_grouped_matmul_implementations_agree_in_the_model(x64, impl):
+    """The model with each grouped matmul (the Pallas kernels interpreted) equals the
+    pure-JAX loop, in value and gradient."""
+    params, tokens, mask = _setup(cfg=CFG64)
+    gmm = moe.gmm_of(impl)
+    if impl.startswith("pallas"):
+        gmm = functools.partial(gmm, interpret=True)
+
+    def loss(p, gmm_):
+        h, _ = tf.forward(p, tokens, CFG64, attention_mask_BxT=mask, gmm=gmm_)
+        return _probe(h, mask), h
+
+    step = lambda g: jax.jit(jax.value_and_grad(functools.partial(loss, gmm_=g),
+                                                has_aux=True))
+    (v0, h0), g0 = step(None)(params)
+    (v1, _), g1 = step(gmm)(params)
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
 
 

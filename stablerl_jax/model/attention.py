@@ -11,6 +11,11 @@ the same activations whatever its left padding, and padding never shifts RoPE.
 Masking: query slot i attends to key slot j iff j ≤ i and key j is a real token. Masked
 scores get the most negative float32 rather than −inf, so a query with no real key
 (a padding slot) yields a finite, unused output instead of NaN.
+
+Two paths for the scores, chosen by ModelConfig.attention_impl: 'naive' (one [T, S]
+score matrix per head) and 'chunked' (a scan over query chunks, each rematerialized, so
+only [chunk, S] scores are ever live: what a 33k-token sequence needs). Every query row
+is computed identically by both.
 """
 from __future__ import annotations
 
@@ -62,6 +67,35 @@ def _proj(eq, x, w, numerics, dtype):
     return _dot(eq, nx.act_quant(x, numerics), w, dtype).astype(dtype)
 
 
+def _attend(q_BxTxKVxGxDh, k_BxSxKVxDh, v_BxSxKVxDh, query_slots_T, key_mask_BxS,
+            head_dim: int, dtype):
+    """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T` (module docstring)."""
+    s = k_BxSxKVxDh.shape[1]
+    scores_BxKVxGxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxGxDh, k_BxSxKVxDh,
+                             dtype) * head_dim**-0.5
+    allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
+        key_mask_BxS[:, None, :].astype(bool))
+    scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS, _NEG)
+    probs_BxKVxGxTxS = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(dtype)
+    return _dot("bkgts,bskd->btkgd", probs_BxKVxGxTxS, v_BxSxKVxDh, dtype).astype(dtype)
+
+
+def _chunked(attend, q_BxTxKVxGxDh, query_slots_T, chunk: int):
+    """`attend` over query chunks of `chunk` rows in a scan, each chunk rematerialized in
+    the backward pass: the [chunk, S] scores of one chunk are all that is ever live. Each
+    query row's scores, softmax and output are the naive path's; T is padded up to a
+    multiple of the chunk with queries that are computed and dropped."""
+    b, t = q_BxTxKVxGxDh.shape[:2]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    q = jnp.pad(q_BxTxKVxGxDh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+    slots = jnp.pad(query_slots_T, (0, pad), mode="edge")
+    q_NxBxCxKVxGxDh = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
+    body = jax.checkpoint(lambda _, xs: (None, attend(*xs)), prevent_cse=False)
+    _, o = jax.lax.scan(body, None, (q_NxBxCxKVxGxDh, slots.reshape(n, chunk)))
+    return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
+
+
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
               query_slots_T: jax.Array, cfg, numerics: nx.Numerics, dtype,
               cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None):
@@ -88,16 +122,13 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
             cache_kv[1], v_BxTxKVxDh.astype(cache_kv[1].dtype), cache_index, 1)
     else:
         k_BxSxKVxDh, v_BxSxKVxDh = k_BxTxKVxDh, v_BxTxKVxDh
-    s = k_BxSxKVxDh.shape[1]
     q_BxTxKVxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
-    scores_BxKVxGxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxGxDh, k_BxSxKVxDh,
-                             dtype) * cfg.head_dim**-0.5
-    allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
-        key_mask_BxS[:, None, :].astype(bool))
-    scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS, _NEG)
-    probs_BxKVxGxTxS = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(dtype)
-    o_BxTxKVxGxDh = _dot("bkgts,bskd->btkgd", probs_BxKVxGxTxS, v_BxSxKVxDh,
-                         dtype).astype(dtype)
+    attend = lambda q, slots: _attend(q, k_BxSxKVxDh, v_BxSxKVxDh, slots, key_mask_BxS,
+                                      cfg.head_dim, dtype)
+    if cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
+        o_BxTxKVxGxDh = _chunked(attend, q_BxTxKVxGxDh, query_slots_T, cfg.attention_chunk)
+    else:
+        o_BxTxKVxGxDh = attend(q_BxTxKVxGxDh, query_slots_T)
     o_BxTxHxDh = o_BxTxKVxGxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
     out_BxTxD = _proj("bthk,hkd->btd", o_BxTxHxDh, p["wo"], numerics, dtype)
     return out_BxTxD, (k_BxSxKVxDh, v_BxSxKVxDh)

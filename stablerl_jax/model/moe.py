@@ -17,23 +17,28 @@ Two dispatch paths compute the same function, chosen by argument:
   group is padded to a multiple of the tile, and a grouped matmul (`gmm`) runs the tiles
   of each expert against that expert's weights. No token is ever dropped: a capacity
   limit would make the trainer's function differ from the sampler's, which is exactly the
-  mismatch this project studies.
+  mismatch this project studies. The grouped matmul is chosen by name (`gmm_of`,
+  ModelConfig.gmm_impl): the pure-JAX loop (reference, CPU), `lax.ragged_dot`, this
+  project's Pallas kernel for GPU or TPU (kernels/gmm_pallas.py), or megablox (TPU).
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stablerl_jax.config import GMM_IMPLS
+from stablerl_jax.kernels import gmm_pallas
 from stablerl_jax.model.gmm import gmm as _gmm_loop
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int, jax.lax.Precision], jax.Array]
 """gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision) -> PxF, rows sorted by group,
-each group a multiple of `tile` rows. A Pallas grouped matmul (megablox / tokamax gmm) has
-this shape and plugs in through the `gmm` argument of `experts_grouped`."""
+each group a multiple of `tile` rows (`gmm_of` names the implementations)."""
 
 
 def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
@@ -132,13 +137,11 @@ def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
     return -(-worst // tile) * tile
 
 
-def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-                    tile: int = 64, gmm: GroupedMatmul = _gmm_loop):
-    """Dropless grouped dispatch; equal to `experts_dense` up to float reassociation."""
-    num_tokens, k = idx_TxK.shape
-    num_experts = w_gate_ExDxF.shape[0]
-    dt = x_TxD.dtype
-    expert_A = idx_TxK.reshape(-1)                       # A = T·K assignments
+def _sort_plan(expert_A, num_experts: int, tile: int):
+    """Where each of the A assignments goes in the sorted, tile-padded buffer:
+    (order_A: sorted slot -> assignment, dest_A: buffer row of each sorted slot,
+    padded_E: each group's padded size). Ids ≥ num_experts (another device's experts)
+    sort last and are not counted in any group."""
     order_A = jnp.argsort(expert_A, stable=True)         # sorted slot -> assignment
     sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
     padded_E = (sizes_E + tile - 1) // tile * tile
@@ -147,19 +150,81 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     sorted_expert_A = expert_A[order_A]
     rank_A = jnp.arange(expert_A.shape[0]) - start_E[sorted_expert_A]
     dest_A = padded_start_E[sorted_expert_A] + rank_A    # row of each sorted slot
+    return order_A, dest_A, padded_E
+
+
+def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+                    tile: int = 64, gmm: GroupedMatmul = _gmm_loop, expert_offset=None):
+    """Dropless grouped dispatch; equal to `experts_dense` up to float reassociation.
+
+    expert_offset (expert parallelism, model/expert_parallel.py): the weights are the E
+    experts [offset, offset + E) of a larger set and `idx_TxK` holds global ids; only
+    assignments to these experts are computed (the buffer is still sized for all T·K,
+    the worst case of a dropless router), the others contribute 0.
+    """
+    num_tokens, k = idx_TxK.shape
+    num_experts = w_gate_ExDxF.shape[0]
+    dt = x_TxD.dtype
+    expert_A = idx_TxK.reshape(-1)                       # A = T·K assignments
+    mine_A = None
+    if expert_offset is not None:
+        local_A = expert_A - expert_offset
+        mine_A = (local_A >= 0) & (local_A < num_experts)
+        expert_A = jnp.where(mine_A, local_A, num_experts)
+    order_A, dest_A, padded_E = _sort_plan(expert_A, num_experts, tile)
     rows = padded_rows(expert_A.shape[0], num_experts, tile)
+    if mine_A is not None:  # other devices' assignments sort last: write them nowhere
+        dest_A = jnp.where(mine_A[order_A], dest_A, rows)
     x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[dest_A].set(
-        x_TxD[order_A // k], unique_indices=True)
+        x_TxD[order_A // k], unique_indices=True, mode=None if mine_A is None else "drop")
     gate_PxF = gmm(x_PxD, w_gate_ExDxF, padded_E, tile, PRECISION)
     up_PxF = gmm(x_PxD, w_up_ExDxF, padded_E, tile, PRECISION)
     acc = accum_dtype(dt)
     h_PxF = _swiglu(gate_PxF.astype(acc), up_PxF.astype(acc)).astype(dt)
     y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile, PRECISION)
     row_of_assignment_A = jnp.zeros_like(dest_A).at[order_A].set(dest_A, unique_indices=True)
-    y_TxKxD = y_PxD[row_of_assignment_A].reshape(num_tokens, k, -1)
+    if mine_A is None:
+        y_TxKxD = y_PxD[row_of_assignment_A].reshape(num_tokens, k, -1)
+    else:  # rows past the buffer read as 0 (not every gmm zeroes unused rows)
+        y_AxD = jnp.take(y_PxD, row_of_assignment_A, axis=0, mode="fill", fill_value=0)
+        y_TxKxD = jnp.where(mine_A[:, None], y_AxD, 0).reshape(num_tokens, k, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
                        precision=PRECISION)
-    return y_TxD.astype(dt)
+    return y_TxD.astype(dt) if expert_offset is None else y_TxD
+
+
+def _ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision):
+    """jax.lax.ragged_dot under the GroupedMatmul contract."""
+    del tile
+    return jax.lax.ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E.astype(jnp.int32),
+                              precision=precision,
+                              preferred_element_type=accum_dtype(lhs_PxD.dtype)
+                              ).astype(lhs_PxD.dtype)
+
+
+def _megablox(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision):
+    """jax's TPU megablox gmm under the GroupedMatmul contract (bf16 / float32 only;
+    Mosaic's default precision; rows past Σ group_sizes are left unwritten, which
+    `experts_grouped` never reads)."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+    del precision
+    k, n = rhs_ExDxF.shape[1:]
+    tiling = (math.gcd(tile, 512), min(k, 512), min(n, 512))
+    return megablox_gmm(lhs_PxD, rhs_ExDxF.astype(lhs_PxD.dtype),
+                        group_sizes_E.astype(jnp.int32), lhs_PxD.dtype, tiling)
+
+
+def gmm_of(impl: str) -> GroupedMatmul:
+    """The grouped matmul named by `ModelConfig.gmm_impl` (config.GMM_IMPLS)."""
+    if impl == "loop":
+        return _gmm_loop
+    if impl == "ragged_dot":
+        return _ragged_dot
+    if impl == "megablox":
+        return _megablox
+    if impl in ("pallas_gpu", "pallas_tpu"):
+        return functools.partial(gmm_pallas.gmm, target=impl.removeprefix("pallas_"))
+    raise ValueError(f"gmm_impl={impl!r} must be one of {GMM_IMPLS}")
 
 
 def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):

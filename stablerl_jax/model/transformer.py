@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablerl_jax.config import ModelConfig
-from stablerl_jax.model import moe
+from stablerl_jax.model import expert_parallel, moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.model.attention import attention, positions_from_mask, rms_norm
@@ -127,7 +127,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             replay_BxTxLxK: jax.Array | None = None,
             numerics: nx.Numerics = nx.TRAIN,
             cache: dict | None = None,
-            gmm: moe.GroupedMatmul | None = None):
+            gmm: moe.GroupedMatmul | None = None,
+            mesh=None):
     """Run the decoder. Returns (hidden_BxTxD, aux).
 
     Args:
@@ -138,7 +139,11 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         layer; a (token, layer) whose K entries are -1 is routed normally.
       numerics: how to compute (the training path uses the default "train").
       cache: KV cache from `init_cache`; this call's tokens are written at its index.
-      gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"`.
+      gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"` (default: the
+        one `cfg.gmm_impl` names).
+      mesh: the device mesh the caller's jit shards over. With more than one device, the
+        grouped expert FFN runs under shard_map on each device's own tokens
+        (model/expert_parallel.py); None: no mesh, nothing sharded by hand.
 
     aux: routes [B,T,L,K] int32 (the experts used), expert_load [L,E], router_z_loss [L],
     load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
@@ -160,7 +165,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B)
-    experts = _experts_fn(cfg, gmm)
+    experts = _experts_fn(cfg, gmm, mesh)
 
     def layer(x_BxTxD, xs):
         p, layer_idx, replay_BxTxK, kv = xs
@@ -186,8 +191,11 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         ys = (idx_TxK.reshape(b, t, -1), load_E, z, balance, stored if kv is not None else None)
         return x_BxTxD, ys
 
-    if cfg.remat:
+    if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
+    elif cfg.remat == "dots":
+        layer = jax.checkpoint(layer, prevent_cse=False,
+                               policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     kv = None if cache is None else (cache["k"], cache["v"])
     replay_LxBxTxK = (None if replay_BxTxLxK is None
                       else jnp.transpose(replay_BxTxLxK, (2, 0, 1, 3)))
@@ -209,8 +217,11 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     return hidden_BxTxD, aux
 
 
-def _experts_fn(cfg: ModelConfig, gmm):
+def _experts_fn(cfg: ModelConfig, gmm, mesh):
     if cfg.dispatch == "dense":
         return moe.experts_dense
-    kw = {"tile": cfg.moe_tile} | ({"gmm": gmm} if gmm is not None else {})
-    return lambda *a: moe.experts_grouped(*a, **kw)
+    kw = {"tile": cfg.moe_tile, "gmm": gmm if gmm is not None else moe.gmm_of(cfg.gmm_impl)}
+    fn = lambda *a, **k: moe.experts_grouped(*a, **kw, **k)
+    if mesh is None or mesh.size == 1:
+        return fn
+    return expert_parallel.sharded_experts(fn, mesh, cfg)

@@ -7,6 +7,17 @@ Shardings are explicit and fixed: params and optimizer state by the logical rule
 `NamedSharding`, used as a pytree prefix for whole Rollouts and TrainBatches), metrics
 replicated. The train state is donated to the updates. Each public method places its
 arguments on those shardings (a no-op for arrays already there) and calls its step.
+
+The devices may be abstract: `Engine.create(cfg, devices=topology.devices)` with the
+devices of `jax.experimental.topologies.get_topology_desc` builds the same mesh,
+shardings and jitted steps for a TPU pod on any host, and `Engine.lower(name, *args)`
+lowers a step for arguments given as `jax.ShapeDtypeStruct`s (stablerl_jax/aot.py
+compiles them and reads their memory).
+
+Memory knobs, all in the config: the update accumulates over `rl.microbatches` slices
+of its mini-batch (SFT: `sft.microbatches`), the score step runs in slices of the same
+size, the sampler decodes `sampling.max_batch` rows at a time, and the model
+rematerializes per `model.remat` with `model.attention_impl`.
 """
 from __future__ import annotations
 
@@ -91,36 +102,56 @@ class Engine:
         state_sh = steps.TrainState(p_sh, opt_sh, rep, rep)
         batch = sharding.batch_sharding(mesh)
         numerics = nx.of_sampling(cfg.sampling, cfg.rl.seed)
+        # The expert FFN shards itself (shard_map) only where there is more than one device.
+        model_mesh = mesh if mesh.size > 1 else None
 
         def sample(params, prompts_BxP, mask_BxP, key):
             return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, cfg.model,
-                                      cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id)
+                                      cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id,
+                                      mesh=model_mesh)
 
         def init_state(params):
             zero = jnp.zeros((), jnp.int32)
             return steps.TrainState(params, optimizer.init(params), zero, zero)
 
-        def update(loss_fn, state, batch_):
-            return steps.apply_gradients(state, functools.partial(loss_fn, cfg=cfg), batch_,
-                                         optimizer)
+        def update(loss_fn, microbatches, state, batch_):
+            return steps.apply_gradients(
+                state, functools.partial(loss_fn, cfg=cfg, mesh=model_mesh), batch_,
+                optimizer, microbatches)
 
+        score_slices = cfg.rl.num_minibatches * cfg.rl.microbatches
         jitted = {
             "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh,)),
             "sample": (jax.jit(sample, out_shardings=batch), (p_sh, batch, batch, rep)),
-            "score": (jax.jit(functools.partial(steps.score, cfg=cfg),
+            "score": (jax.jit(functools.partial(steps.score, cfg=cfg, n_slices=score_slices,
+                                                mesh=model_mesh),
                               out_shardings=(batch, rep)), (p_sh, batch, batch)),
             "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
                                out_shardings=batch), (batch, rep)),
-            "update": (jax.jit(functools.partial(update, steps.rl_loss), donate_argnums=0,
-                               out_shardings=(state_sh, rep)), (state_sh, batch)),
-            "sft_update": (jax.jit(functools.partial(update, steps.sft_loss), donate_argnums=0,
-                                   out_shardings=(state_sh, rep)), (state_sh, batch)),
+            "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches),
+                               donate_argnums=0, out_shardings=(state_sh, rep)),
+                       (state_sh, batch)),
+            "sft_update": (jax.jit(functools.partial(update, steps.sft_loss,
+                                                     cfg.sft.microbatches),
+                                   donate_argnums=0, out_shardings=(state_sh, rep)),
+                           (state_sh, batch)),
         }
         return cls(cfg, mesh, optimizer, p_sh, state_sh, batch, jitted)
 
     def _call(self, name: str, *args):
         fn, in_shardings = self._jitted[name]
         return fn(*jax.device_put(args, in_shardings))
+
+    def lower(self, name: str, *args):
+        """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs of
+        the step's arguments, e.g. from stablerl_jax/aot.py), placed on the step's input
+        shardings: what `.compile()` turns into the program this Engine would run."""
+        fn, in_shardings = self._jitted[name]
+        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+        place = lambda sh, sub: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub)
+        abstract = jax.tree.map(place, in_shardings, args, is_leaf=is_sharding)
+        return fn.lower(*abstract)
 
     def init_state(self, params) -> steps.TrainState:
         """A fresh TrainState (optimizer state, zero counters) for `params`."""

@@ -7,6 +7,12 @@ Every tensor of a batch is batch-major (axis 0 is B), so one sharding of axis 0 
 every leaf (rl/engine.py). Per-token tensors are in the training T-frame of
 `logprobs.policy_logprobs`: position t scores tokens[:, t + 1].
 
+Micro-batching (rl/accumulate.py): `apply_gradients(..., microbatches=n)` sums the loss,
+metrics and gradient of n slices of the mini-batch in a `lax.scan`, each slice's loss
+normalized by the mini-batch's totals (`losses.Totals`), then takes one optimizer step;
+`score(..., n_slices=n)` runs its forward in n slices (`lax.map`). n = 1 is the unsliced
+program itself.
+
 Replay per mode (PAPER.md §3), chosen once in `score`:
 - none: route live in every pass.
 - r2:   score routes live and records the training engine's routes (θ_old); every update
@@ -27,6 +33,8 @@ from stablerl_jax import losses as losses_lib
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax import slices
+from stablerl_jax.rl import accumulate
 from stablerl_jax.rollout import Rollout
 
 
@@ -50,26 +58,35 @@ class TrainState(NamedTuple):
 
 
 def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
-          cfg: ExperimentConfig) -> tuple[TrainBatch, dict]:
+          cfg: ExperimentConfig, n_slices: int = 1, mesh=None) -> tuple[TrainBatch, dict]:
     """The π_old pass at θ_old: a rollout and its rewards in, the update's batch out.
 
     Computes the group advantages, log π_old (replaying routes_mu under R3) and the
     monitors of the rollout as (num, den) pairs: the training–inference mismatch
     (`diagnostics.train_infer_mismatch`) and the full-vocabulary entropy of π_old on the
     sampled prefixes. The returned batch carries the one replay tensor the updates use.
+    The forward runs in `n_slices` strided slices of the rows (rows are independent, so
+    the result is the same); `mesh`: the devices the expert FFN is sharded over.
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
     attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
     rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
-    logp_BxT, entropy_BxT, aux = policy_logprobs(
-        params, rollout.tokens_BxS, attn_BxS, cfg.model,
-        replay_BxTxLxK=routes_mu_BxTxLxK if rl.replay == "r3" else None,
-        temperature=cfg.sampling.temperature, impl=rl.logprob_impl)
+
+    def forward(rows):
+        tokens_BxS, attn_BxS, replay_BxTxLxK = rows
+        logp, entropy, aux = policy_logprobs(
+            params, tokens_BxS, attn_BxS, cfg.model, replay_BxTxLxK=replay_BxTxLxK,
+            temperature=cfg.sampling.temperature, impl=rl.logprob_impl, mesh=mesh)
+        return logp, entropy, aux["routes"]
+
+    logp_BxT, entropy_BxT, routes_BxTxLxK = slices.map_slices(
+        forward, (rollout.tokens_BxS, attn_BxS,
+                  routes_mu_BxTxLxK if rl.replay == "r3" else None), n_slices, "score slices")
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routed_BxT = attn_BxS[:, :-1]
-    routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], aux["routes"], -1)
+    routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
@@ -80,42 +97,90 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     return batch, metrics
 
 
-def rl_loss(params: dict, batch: TrainBatch, cfg: ExperimentConfig):
-    """The surrogate loss of `cfg.loss` on one mini-batch, plus the router loss:
-    (loss, metrics as pairs)."""
+class BatchTotals(NamedTuple):
+    """A mini-batch's sizes for the loss of one micro-batch of it: the loss's
+    (`losses.Totals`) and the real input tokens of its forward (`routed`), which the
+    router loss, a token mean of each forward, is weighted by."""
+
+    loss: losses_lib.Totals
+    routed: jax.Array
+
+
+def totals_of(batch) -> BatchTotals:
+    """The `BatchTotals` of a whole TrainBatch or SFTBatch (before it is split)."""
+    return BatchTotals(losses_lib.totals_of(batch.mask_BxT),
+                  jnp.sum(batch.attn_BxS[:, :-1].astype(jnp.float32)))
+
+
+def _router_loss(aux, batch, totals: BatchTotals | None):
+    """The router loss and its metric pair; with totals, this forward's share of the
+    mini-batch's: its token mean (router z-loss) weighted by its share of the routed
+    tokens. The load-balancing loss is a product of two batch means, not a sum over
+    tokens, so under micro-batching it is the share-weighted mean of the slices' values
+    (as in every micro-batched MoE trainer), not the mini-batch's own value."""
+    if totals is None:
+        return aux["router_loss"], (aux["router_loss"], jnp.ones(()))
+    dt = jnp.result_type(aux["router_loss"])
+    routed = jnp.sum(batch.attn_BxS[:, :-1].astype(dt))
+    value = aux["router_loss"] * (routed / jnp.maximum(totals.routed.astype(dt), 1.0))
+    return value, (value, losses_lib.row_share(batch.attn_BxS.shape[0], totals.loss))
+
+
+def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, *,
+            cfg: ExperimentConfig, mesh=None):
+    """The surrogate loss of `cfg.loss` on one mini-batch (or, with `totals`, one
+    micro-batch's share of it), plus the router loss: (loss, metrics as pairs)."""
     logp_BxT, entropy_BxT, aux = policy_logprobs(
         params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
         replay_BxTxLxK=batch.replay_BxTxLxK, temperature=cfg.sampling.temperature,
-        impl=cfg.rl.logprob_impl)
+        impl=cfg.rl.logprob_impl, mesh=mesh)
     loss_batch = losses_lib.LossBatch(batch.old_logp_BxT, batch.rollout_logp_BxT,
-                                      batch.mask_BxT, advantages_B=batch.advantages_B)
+                                      batch.mask_BxT, advantages_B=batch.advantages_B,
+                                      totals=None if totals is None else totals.loss)
     loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
     metrics["update/entropy"] = dg.masked_mean_pair(entropy_BxT, batch.mask_BxT)
-    metrics["router_loss"] = (aux["router_loss"], jnp.ones(()))
-    return loss + aux["router_loss"], metrics
+    router, metrics["router_loss"] = _router_loss(aux, batch, totals)
+    return loss + router, metrics
 
 
-def sft_loss(params: dict, batch: SFTBatch, cfg: ExperimentConfig):
+def sft_loss(params: dict, batch: SFTBatch, totals: BatchTotals | None = None, *,
+             cfg: ExperimentConfig, mesh=None):
     """Mean token cross-entropy over the solution tokens, plus the router loss:
 
         loss = − Σ_{b,t} m_bt · log π(y_{b,t+1} | y_{b,≤t}) / Σ m_bt
+
+    (with `totals`, Σ m is the mini-batch's: this micro-batch's share of the loss).
     """
     logp_BxT, _, aux = policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
-                                       impl=cfg.rl.logprob_impl)
+                                       impl=cfg.rl.logprob_impl, mesh=mesh)
     m = batch.mask_BxT.astype(jnp.float32)
-    nll = -jnp.sum(logp_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)
-    return nll + aux["router_loss"], {"sft/loss": (nll, jnp.ones(()))}
+    tokens = jnp.sum(m) if totals is None else totals.loss.tokens
+    nll = -jnp.sum(logp_BxT * m) / jnp.maximum(tokens, 1.0)
+    share = losses_lib.row_share(m.shape[0], None if totals is None else totals.loss)
+    router, _ = _router_loss(aux, batch, totals)
+    return nll + router, {"sft/loss": (nll, share)}
 
 
-def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.GradientTransformation):
-    """One optimizer step on `loss_fn(params, batch) -> (loss, metrics)`; returns
+def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.GradientTransformation,
+                    microbatches: int = 1):
+    """One optimizer step on `loss_fn(params, batch, totals) -> (loss, metrics)`; returns
     (new_state, metrics as (num, den) pairs).
+
+    With `microbatches` = n > 1 the loss, metrics and gradient are sums over n slices of
+    the batch (rl/accumulate.py), each slice's loss normalized by the batch's `BatchTotals`;
+    n = 1 differentiates `loss_fn(params, batch, None)` directly.
 
     The update is applied only when the loss, the gradient and the new parameters and
     optimizer state are all finite; otherwise params and optimizer state stay as they
     were and the update counts as skipped: a NaN never reaches the parameters.
     """
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    if microbatches == 1:
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params,
+                                                                           batch, None)
+    else:
+        totals = totals_of(batch)
+        (loss, metrics), grads = accumulate.value_and_grad(
+            lambda p, part: loss_fn(p, part, totals), state.params, batch, microbatches)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

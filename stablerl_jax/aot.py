@@ -1,0 +1,195 @@
+"""Ahead-of-time compilation for a TPU pod from any host: topology names, abstract step
+inputs, per-chip memory, FLOPs and collectives of the compiled programs.
+
+Letters: B responses of a step, M responses of a mini-batch, P prompt slots, S = P + N
+slots, T = S − 1, L layers, K top-k.
+
+With libtpu installed (`pip install -e '.[tpu]'`),
+`jax.experimental.topologies.get_topology_desc` returns the devices of a TPU slice
+without any TPU attached; an `Engine` built on them (`Engine.create(devices=...)`) has the
+project's own mesh, shardings and jitted steps, and `Engine.lower(...).compile()` is the
+XLA TPU compiler's program for that pod. `memory_analysis()` of it gives per-chip bytes:
+
+    argument   inputs resident in HBM (params, optimizer state, batch)
+    output     outputs not aliased to a donated input
+    temp       the peak of everything else the program allocates
+    total      argument + output + temp − alias  (what must fit in the chip's HBM)
+
+Topology names are the Cloud TPU ones (as in MaxText): `v5p-N` / `v4-N` count
+TensorCores (two per chip: v5p-256 is 128 chips, a 4x4x8 torus), `v5e-N` / `v6e-N` count
+chips.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+from stablerl_jax.config import ExperimentConfig
+
+GIB = 2**30
+# name: (JAX topology prefix, TensorCores per chip, torus dims, HBM GiB per chip).
+# HBM: v5p 95.74 GiB and v5e 15.75 GiB are what the chips report as usable; v4 and v6e
+# are their nominal 32 GiB.
+CHIPS = {"v4": ("v4", 2, 3, 32.0), "v5p": ("v5p", 2, 3, 95.74), "v5e": ("v5e", 1, 2, 15.75),
+         "v6e": ("v6e", 1, 2, 32.0)}
+
+
+def quiet_libtpu() -> None:
+    """Tell libtpu not to look for TPU hardware (no metadata server, one fake worker), so
+    the CPU backend starts quietly and topologies can be described on any host. Only
+    defaults: variables already set win. Call before jax starts a backend."""
+    for k, v in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", "v5p-8"),
+                 ("TPU_WORKER_HOSTNAMES", "localhost")):
+        os.environ.setdefault(k, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str          # e.g. "v5p-256"
+    jax_name: str      # e.g. "v5p:4x4x8"
+    chips: int
+    hbm_gib: float     # per chip
+
+
+def topology(name: str) -> Topology:
+    """The slice named like `v5p-256`, `v5e-8`, `v6e-64` (module docstring)."""
+    m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+    if not m:
+        raise ValueError(f"topology {name!r}: expected <version>-<size> with version in "
+                         f"{sorted(CHIPS)}, e.g. v5p-256 or v5e-8")
+    prefix, cores, ndim, hbm = CHIPS[m.group(1)]
+    size = int(m.group(2))
+    chips = size // cores
+    if chips < 1 or size % cores or chips & (chips - 1):
+        raise ValueError(f"topology {name!r}: {m.group(1)} sizes are powers of two "
+                         f"(counting {'TensorCores, 2 per chip' if cores == 2 else 'chips'})")
+    e = chips.bit_length() - 1
+    if ndim == 2:
+        dims = (2 ** (e // 2), 2 ** (e - e // 2))
+    elif chips == 4:  # a single host: 2x2x1
+        dims = (2, 2, 1)
+    else:
+        dims = tuple(2 ** (e // 3 + (i >= 3 - e % 3)) for i in range(3))
+    return Topology(name, f"{prefix}:{'x'.join(map(str, dims))}", chips, hbm)
+
+
+def devices(topo: Topology) -> list:
+    """The (abstract) TPU devices of `topo`."""
+    from jax.experimental import topologies
+    quiet_libtpu()
+    return list(topologies.get_topology_desc(topology_name=topo.jax_name,
+                                             platform="tpu").devices)
+
+
+def _key_spec():
+    return jax.eval_shape(lambda: jax.random.key(0))
+
+
+def step_inputs(cfg: ExperimentConfig, name: str, params_like, state_like=None) -> tuple:
+    """ShapeDtypeStructs of the arguments of Engine step `name` ("sample", "score",
+    "update", "sft_update") at the config's batch sizes: a whole step's rollout (B rows)
+    for sample and score, one mini-batch (M rows) for the updates."""
+    rl, mc = cfg.rl, cfg.model
+    b = rl.prompts_per_step * rl.group_size
+    p = cfg.task.max_prompt_len
+    s = p + cfg.sampling.max_new_tokens
+    sds = jax.ShapeDtypeStruct
+    if name == "sample":
+        return (params_like, sds((b, p), jnp.int32), sds((b, p), jnp.bool_), _key_spec())
+    from stablerl_jax.rl import steps
+    from stablerl_jax.rollout import Rollout
+    if name == "score":
+        rollout = Rollout(sds((b, s), jnp.int32), sds((b, s), jnp.bool_),
+                          sds((b, s), jnp.bool_), sds((b,), jnp.int32),
+                          sds((b, s), jnp.float32),
+                          sds((b, s, mc.num_layers, mc.top_k), jnp.int32))
+        return (params_like, rollout, sds((b,), jnp.float32))
+    if name == "update":
+        m = b // rl.num_minibatches
+        t = s - 1
+        replay = None if rl.replay == "none" else sds((m, t, mc.num_layers, mc.top_k),
+                                                      jnp.int32)
+        batch = steps.TrainBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
+                                 sds((m, t), jnp.float32), sds((m, t), jnp.float32),
+                                 sds((m, t), jnp.float32), sds((m,), jnp.float32), replay)
+        return (state_like, batch)
+    if name == "sft_update":
+        from stablerl_jax.data.batching import SFTBatch
+        m, s = cfg.sft.batch_size, cfg.task.max_prompt_len + cfg.task.max_solution_len + 1
+        return (state_like, SFTBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
+                                     sds((m, s - 1), jnp.float32)))
+    raise ValueError(f"step {name!r}: one of sample, score, update, sft_update")
+
+
+_COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
+                "collective-permute")
+
+
+def collectives(hlo_text: str) -> dict:
+    """Collective instructions in an optimized HLO module, by kind (an async pair counts
+    once; an instruction inside a loop body counts once, however often it runs)."""
+    ops = re.findall(r"\s(all-gather|all-to-all|ragged-all-to-all|reduce-scatter|"
+                     r"all-reduce|collective-permute)(?:-start)?\(", hlo_text)
+    return {k: sum(o == k or o == "ragged-" + k for o in ops) for k in _COLLECTIVES}
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What one AOT compile of a step says about one chip."""
+
+    step: str
+    argument_gib: float
+    output_gib: float
+    temp_gib: float
+    alias_gib: float
+    compile_s: float
+    flops: float
+    collectives: dict
+    hlo: str = dataclasses.field(repr=False, default="")
+
+    @property
+    def total_gib(self) -> float:
+        return self.argument_gib + self.output_gib + self.temp_gib - self.alias_gib
+
+
+def compile_lowered(step: str, lower) -> Compiled:
+    """Compile `lower()` (a function returning a jax.stages.Lowered) and read it."""
+    t0 = time.perf_counter()
+    compiled = lower().compile()
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    return Compiled(step, mem.argument_size_in_bytes / GIB, mem.output_size_in_bytes / GIB,
+                    mem.temp_size_in_bytes / GIB, mem.alias_size_in_bytes / GIB, seconds,
+                    float(cost.get("flops", math.nan)), collectives(hlo), hlo)
+
+
+def compile_steps(cfg: ExperimentConfig, topo: Topology, names=("sample", "score", "update"),
+                  *, eos_id: int = 1, pad_id: int = 0, on_done=None) -> list[Compiled]:
+    """AOT-compile Engine steps of `cfg` for `topo` (the Engine's own mesh, shardings and
+    jitted functions, on abstract devices). `on_done(Compiled)` is called after each."""
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.rl.engine import Engine
+    n = math.prod(cfg.mesh)
+    if n != topo.chips:
+        raise ValueError(f"mesh={cfg.mesh} has {n} devices but {topo.name} has {topo.chips} "
+                         "chips; override mesh=data,fsdp,expert to match")
+    engine = Engine.create(cfg, eos_id=eos_id, pad_id=pad_id, devices=devices(topo))
+    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model))
+    state_like = jax.eval_shape(engine._jitted["init_state"][0], params_like)
+    out = []
+    for name in names:
+        args = step_inputs(cfg, name, params_like, state_like)
+        result = compile_lowered(name, lambda: engine.lower(name, *args))
+        out.append(result)
+        if on_done:
+            on_done(result)
+    return out

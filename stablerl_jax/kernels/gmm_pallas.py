@@ -1,0 +1,327 @@
+"""Grouped matmul as Pallas kernels, with a custom VJP: the MoE expert FFN on accelerators.
+
+Letters: P rows (sorted by group), K contraction width, N output width, E groups
+(experts), Bm row tile, Bn column tile, Bk contraction slice, M = P / Bm row tiles.
+
+Contract (the reference is the pure-JAX `stablerl_jax.model.gmm.gmm`):
+
+    out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
+
+rows sorted by group, every group size a multiple of `tile`, rows past Σ group_sizes
+zero. Because Bm divides `tile`, every row tile belongs to exactly one group: a
+tile → group map (`_metadata`, computed in JAX from group_sizes) is all a kernel needs.
+Tiles past the last group (the static buffer is sized for the worst case) are inactive:
+they write zeros and skip their matmul, so the FLOPs are those of the routed rows.
+
+Kernels (each accumulates in float32, float64 for float64 operands):
+- gmm, grid (M, N/Bn): program (i, j) multiplies row tile i by column tile j of its
+  group's matrix, a K loop over Bk slices. `transpose_rhs` contracts rhs's last axis
+  instead (d lhs = d out · rhs[g]ᵀ).
+- tgmm (d rhs[e] = Σ_{rows r of e} lhs[r]ᵀ d out[r]): one [Bk, Bn] output tile per
+  program, summed over the row tiles of its group.
+
+Two lowerings of the same kernels, chosen by `target`, never by the platform:
+- "tpu" (Mosaic): the tile → group map is scalar-prefetched (SMEM), and the BlockSpec
+  index maps use it to DMA the group's weight tile (as megablox does). tgmm walks the row
+  tiles as the innermost ("arbitrary") grid axis and revisits its output block while
+  the group stays the same, flushing a float32 VMEM accumulator at the group's last
+  tile; groups with no rows are never visited and are zeroed outside the kernel. Block
+  shapes are multiples of (8, 128) or whole dimensions.
+- "gpu" (Triton): Triton has no scalar prefetch, so the map is an ordinary input read
+  inside the kernel and the operands are whole-array refs the kernel slices itself
+  (pointer arithmetic); tgmm runs one program per (group, output tile) with a loop over
+  the group's row tiles, bounds read from the metadata. Loaded slices must be powers of
+  two ≥ 16: a dimension the block does not divide is zero-padded (zeros add nothing).
+`interpret=True` runs either lowering in Pallas's checking interpreter (a read outside a
+block raises, unwritten memory reads as NaN): how the CPU tests run them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+HIGHEST = jax.lax.Precision.HIGHEST
+TARGETS = ("gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles: `rows` (Bm; the gcd with the MoE tile is used, so it always divides it),
+    `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels; `t_rows`,
+    `t_cols`, `t_depth` the same for tgmm (its contraction runs over rows). Triton's
+    `num_warps` / `num_stages` (GPU only); `vmem_limit_mib` raises Mosaic's scoped VMEM
+    limit (TPU only; 0 keeps the compiler's default). TPU wants multiples of (8, 128),
+    Triton powers of two ≥ 16."""
+
+    rows: int = 128
+    cols: int = 256
+    depth: int = 256
+    t_rows: int = 256
+    t_cols: int = 256
+    t_depth: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    vmem_limit_mib: int = 0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, int) and v >= (0 if f.name == "vmem_limit_mib" else 1)):
+                raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
+
+
+def _acc(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _precision(dtype):
+    """HIGHEST for float32 (no TF32 / single bf16 pass) and wider; bfloat16 products are
+    exact in every backend's native pass (and Mosaic rejects fp32 contract precision on
+    bf16 operands)."""
+    return HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+def _metadata(group_sizes_E, rows: int, bm: int):
+    """(group_M, row_M, active_1, start_E, end_E): the group of each row tile, the tile
+    each tile's operands are read from (inactive tiles re-read the last active one, so a
+    TPU pipeline skips the copy), the number of active tiles, and each group's tile range."""
+    sizes = group_sizes_E.astype(jnp.int32)
+    end_E = jnp.cumsum(sizes) // bm
+    start_E = end_E - sizes // bm
+    active = end_E[-1]
+    tiles = jnp.arange(rows // bm, dtype=jnp.int32)
+    group_M = jnp.clip(jnp.searchsorted(end_E, tiles, side="right"), 0, sizes.shape[0] - 1)
+    row_M = jnp.minimum(tiles, jnp.maximum(active - 1, 0))
+    return group_M.astype(jnp.int32), row_M, active[None], start_E, end_E
+
+
+def _kloop(lhs_slice, rhs_slice, k: int, bk: int, contract, shape, acc):
+    """Σ over K slices of lhs_slice(ks) · rhs_slice(ks), accumulated in `acc`."""
+    def dot(ks):
+        a, b = lhs_slice(ks), rhs_slice(ks)
+        return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=acc,
+                                   precision=_precision(a.dtype))
+
+    if bk >= k:
+        return dot(pl.ds(0, k))
+    body = lambda kk, a: a + dot(pl.ds(pl.multiple_of(kk * bk, bk), bk))
+    return jax.lax.fori_loop(0, k // bk, body, jnp.zeros(shape, acc))
+
+
+def _gmm_kernel(*refs, k, bk, transpose, tpu):
+    """One [Bm, Bn] output tile (module docstring)."""
+    if tpu:  # blocks already chosen by the prefetch-driven index maps
+        _, _, active_ref, lhs_ref, rhs_ref, out_ref = refs
+        lhs = lambda ks: lhs_ref[:, ks]
+        rhs = (lambda ks: rhs_ref[:, ks]) if transpose else (lambda ks: rhs_ref[ks, :])
+    else:  # whole-array refs: slice the group's tile here
+        group_ref, active_ref, lhs_ref, rhs_ref, out_ref = refs
+        bm, bn = out_ref.shape
+        i, j = pl.program_id(0), pl.program_id(1)
+        g = group_ref[i]
+        rows, cols = pl.ds(pl.multiple_of(i * bm, bm), bm), pl.ds(pl.multiple_of(j * bn, bn), bn)
+        lhs = lambda ks: lhs_ref[rows, ks]
+        rhs = (lambda ks: rhs_ref[g, cols, ks]) if transpose else (lambda ks: rhs_ref[g, ks, cols])
+    active = pl.program_id(0) < active_ref[0]
+    contract = ((1,), (1,)) if transpose else ((1,), (0,))
+
+    @pl.when(active)
+    def _():
+        acc = _kloop(lhs, rhs, k, bk, contract, out_ref.shape, _acc(out_ref.dtype))
+        out_ref[...] = acc.astype(out_ref.dtype)
+
+    @pl.when(jnp.logical_not(active))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def _tgmm_kernel_tpu(group_ref, row_ref, active_ref, lhs_ref, dout_ref, out_ref, acc_ref):
+    """Program (a, b, t): row tile t's contribution to its group's [Bk, Bn] tile."""
+    del row_ref
+    t, n = pl.program_id(2), pl.num_programs(2)
+    g = group_ref[t]
+    first = (t == 0) | (g != group_ref[jnp.maximum(t - 1, 0)])
+    last = (t == n - 1) | (g != group_ref[jnp.minimum(t + 1, n - 1)])
+
+    @pl.when(first)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    @pl.when(t < active_ref[0])
+    def _():
+        acc_ref[...] += jax.lax.dot_general(
+            lhs_ref[...], dout_ref[...], (((0,), (0,)), ((), ())),
+            preferred_element_type=acc_ref.dtype, precision=_precision(lhs_ref.dtype))
+
+    @pl.when(last)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def _tgmm_kernel_gpu(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, bm):
+    """Program (e, a, b): Σ over group e's row tiles of lhs_tileᵀ · dout_tile."""
+    e, a, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bk, bn = out_ref.shape
+    ka, nb = pl.ds(pl.multiple_of(a * bk, bk), bk), pl.ds(pl.multiple_of(b * bn, bn), bn)
+
+    def body(t, acc):
+        rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
+        return acc + jax.lax.dot_general(lhs_ref[rows, ka], dout_ref[rows, nb],
+                                         (((0,), (0,)), ((), ())),
+                                         preferred_element_type=acc.dtype,
+                                         precision=_precision(lhs_ref.dtype))
+
+    acc = jax.lax.fori_loop(start_ref[e], end_ref[e], body,
+                            jnp.zeros(out_ref.shape, _acc(out_ref.dtype)))
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _fit(dim: int, want: int, pad: bool) -> tuple[int, int]:
+    """(block, padded dim): `want` when it divides dim; else, for Triton, dim padded up
+    to a multiple of it; else one block over the whole dim (always legal in Mosaic)."""
+    if dim % want == 0:
+        return want, dim
+    return (want, -(-dim // want) * want) if pad else (dim, dim)
+
+
+def _pad(x, widths):
+    return x if not any(widths) else jnp.pad(x, [(0, w) for w in widths])
+
+
+def _interp(interpret: bool):
+    return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan") \
+        if interpret else False
+
+
+def _params(block: BlockSizes, tpu: bool, semantics, interpret: bool):
+    if interpret:
+        return None
+    if tpu:
+        vmem = block.vmem_limit_mib * 2**20 or None
+        return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem)
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
+
+
+def _gmm_call(lhs_PxK, rhs, group_sizes_E, tile, block, target, interpret, transpose):
+    """out [P, N] = lhs @ rhs[g] (rhs [E, K, N]) or lhs @ rhs[g]ᵀ (rhs [E, N, K])."""
+    p, k = lhs_PxK.shape
+    n = rhs.shape[1] if transpose else rhs.shape[2]
+    tpu, triton = target == "tpu", target == "gpu" and not interpret
+    bm = math.gcd(block.rows, tile)
+    bk, kp = _fit(k, block.depth, triton)
+    bn, np_ = _fit(n, block.cols, triton)
+    lhs = _pad(lhs_PxK, (0, kp - k))
+    rhs = _pad(rhs, (0, np_ - n, kp - k) if transpose else (0, kp - k, np_ - n))
+    group_M, row_M, active, _, _ = _metadata(group_sizes_E, p, bm)
+    kernel = functools.partial(_gmm_kernel, k=kp, bk=bk, transpose=transpose, tpu=tpu)
+    out_shape = jax.ShapeDtypeStruct((p, np_), lhs_PxK.dtype)
+    grid = (p // bm, np_ // bn)
+    if tpu:
+        rhs_block = (None, bn, kp) if transpose else (None, kp, bn)
+        rhs_index = ((lambda i, j, g, r, a: (g[i], j, 0)) if transpose
+                     else (lambda i, j, g, r, a: (g[i], 0, j)))
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=grid,
+            in_specs=[pl.BlockSpec((bm, kp), lambda i, j, g, r, a: (r[i], 0)),
+                      pl.BlockSpec(rhs_block, rhs_index)],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j, g, r, a: (i, j)))
+        out = pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec,
+                             compiler_params=_params(block, True, ("parallel", "parallel"),
+                                                     interpret),
+                             interpret=_interp(interpret))(group_M, row_M, active, lhs, rhs)
+    else:
+        whole = pl.BlockSpec()
+        out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
+                             in_specs=[whole] * 4,
+                             out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                             compiler_params=_params(block, False, None, interpret),
+                             interpret=_interp(interpret))(group_M, active, lhs, rhs)
+    return out[:, :n] if np_ != n else out
+
+
+def _tgmm_call(lhs_PxK, dout_PxN, group_sizes_E, tile, rhs_dtype, block, target, interpret):
+    """d rhs [E, K, N]: d rhs[e] = Σ_{rows of e} lhsᵀ · d out."""
+    p, k = lhs_PxK.shape
+    n = dout_PxN.shape[1]
+    e = group_sizes_E.shape[0]
+    tpu, triton = target == "tpu", target == "gpu" and not interpret
+    bm = math.gcd(block.t_rows, tile)
+    bk, kp = _fit(k, block.t_depth, triton)
+    bn, np_ = _fit(n, block.t_cols, triton)
+    lhs, dout = _pad(lhs_PxK, (0, kp - k)), _pad(dout_PxN, (0, np_ - n))
+    group_M, row_M, active, start_E, end_E = _metadata(group_sizes_E, p, bm)
+    out_shape = jax.ShapeDtypeStruct((e, kp, np_), rhs_dtype)
+    if tpu:
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=(kp // bk, np_ // bn, p // bm),
+            in_specs=[pl.BlockSpec((bm, bk), lambda a, b, t, g, r, n_: (r[t], a)),
+                      pl.BlockSpec((bm, bn), lambda a, b, t, g, r, n_: (r[t], b))],
+            out_specs=pl.BlockSpec((None, bk, bn), lambda a, b, t, g, r, n_: (g[t], a, b)),
+            scratch_shapes=[pltpu.VMEM((bk, bn), _acc(rhs_dtype))])
+        out = pl.pallas_call(
+            _tgmm_kernel_tpu, out_shape=out_shape, grid_spec=spec,
+            compiler_params=_params(block, True, ("parallel", "parallel", "arbitrary"),
+                                    interpret),
+            interpret=_interp(interpret))(group_M, row_M, active, lhs, dout)
+        # Groups without rows are never visited: their blocks hold whatever was there.
+        out = jnp.where((group_sizes_E > 0)[:, None, None], out, jnp.zeros((), rhs_dtype))
+    else:
+        whole = pl.BlockSpec()
+        out = pl.pallas_call(
+            functools.partial(_tgmm_kernel_gpu, bm=bm), out_shape=out_shape,
+            grid=(e, kp // bk, np_ // bn), in_specs=[whole] * 4,
+            out_specs=pl.BlockSpec((None, bk, bn), lambda g, a, b: (g, a, b)),
+            compiler_params=_params(block, False, None, interpret),
+            interpret=_interp(interpret))(start_E, end_E, lhs, dout)
+    return out[:, :k, :n] if (kp, np_) != (k, n) else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret):
+    return _gmm_call(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret, False)
+
+
+def _gmm_fwd(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret):
+    out = _gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret)
+    return out, (lhs_PxK, rhs_ExKxN, group_sizes_E)
+
+
+def _gmm_bwd(tile, block, target, interpret, res, dout_PxN):
+    lhs_PxK, rhs_ExKxN, group_sizes_E = res
+    dout = dout_PxN.astype(lhs_PxK.dtype)
+    dlhs = _gmm_call(dout, rhs_ExKxN, group_sizes_E, tile, block, target, interpret, True)
+    drhs = _tgmm_call(lhs_PxK, dout, group_sizes_E, tile, rhs_ExKxN.dtype, block, target,
+                      interpret)
+    return dlhs, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile: int, precision=HIGHEST, *,
+        block: BlockSizes | None = None, target: str = "gpu", interpret: bool = False):
+    """Grouped matmul (module docstring), differentiable in lhs and rhs. The kernels
+    multiply at full precision for float32 operands (bf16 products are exact) with
+    float32 (float64) accumulation; `precision` is accepted for the GroupedMatmul
+    contract. Output in lhs's dtype."""
+    del precision
+    if target not in TARGETS:
+        raise ValueError(f"gmm pallas: target={target!r} must be one of {TARGETS}")
+    p, k = lhs_PxK.shape
+    if p % tile:
+        raise ValueError(f"gmm pallas: rows P={p} must be a multiple of {tile=}")
+    if rhs_ExKxN.ndim != 3 or rhs_ExKxN.shape[1] != k:
+        raise ValueError(f"gmm pallas: rhs shape {rhs_ExKxN.shape} must be [E, K={k}, N]")
+    if group_sizes_E.shape != (rhs_ExKxN.shape[0],):
+        raise ValueError(f"gmm pallas: group_sizes shape {group_sizes_E.shape} must be "
+                         f"({rhs_ExKxN.shape[0]},)")
+    rhs = rhs_ExKxN.astype(lhs_PxK.dtype)
+    return _gmm(lhs_PxK, rhs, group_sizes_E.astype(jnp.int32), tile, block or BlockSizes(),
+                target, bool(interpret))
