@@ -21,7 +21,11 @@ interpreter instead (CPU tests).
 from __future__ import annotations
 
 
-from stablerl_jax.kernels.fused_logprob import BlockSizes, fused_logprob
+import jax
+from jax.sharding import PartitionSpec as P
+
+from stablerl_jax import sharding
+from stablerl_jax.kernels.fused_logprob import TPU_BLOCKS, BlockSizes, fused_logprob
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -31,10 +35,13 @@ _IMPLS = {"naive": ("naive", "gpu"), "chunked": ("chunked", "gpu"),
 
 def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunked",
                    block: BlockSizes | None = None, temperature: float = 1.0,
-                   interpret: bool = False):
+                   interpret: bool = False, mesh=None):
     """(logp_BxT, entropy_BxT), float32 (float64 for float64 hidden states), under
     p = softmax(hidden · unembed / temperature): logp = log p(target), entropy =
-    −Σ_v p_v log p_v over the full vocabulary."""
+    −Σ_v p_v log p_v over the full vocabulary. With a multi-device `mesh`, a Pallas impl
+    runs under shard_map on each device's rows (a Pallas call is opaque to the
+    partitioner, which would otherwise gather every row onto every device) against the
+    whole unembedding; its gradient is summed over the devices by shard_map."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     if impl not in _IMPLS:
@@ -49,9 +56,16 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
         acc = nx.accum_dtype(h_NxD.dtype)
         h_NxD = (h_NxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
     op, target = _IMPLS[impl]
-    logp_N, ent_N = fused_logprob(h_NxD, unembed_DxV.astype(hidden_BxTxD.dtype),
-                                  targets_BxT.reshape(-1), block=block, impl=op,
-                                  target=target, interpret=interpret)
+    if block is None and impl == "pallas_tpu":
+        block = TPU_BLOCKS
+    fused = lambda h, w, y: fused_logprob(h, w, y, block=block, impl=op, target=target,
+                                          interpret=interpret)
+    if op == "pallas" and mesh is not None and mesh.size > 1:
+        rows = P(tuple(a for a in sharding.RULES["batch"] if mesh.shape[a] > 1))
+        fused = jax.shard_map(fused, mesh=mesh, in_specs=(rows, P(), rows),
+                              out_specs=(rows, rows), check_vma=False)
+    logp_N, ent_N = fused(h_NxD, unembed_DxV.astype(hidden_BxTxD.dtype),
+                          targets_BxT.reshape(-1))
     return logp_N.reshape(b, t), ent_N.reshape(b, t)
 
 
@@ -73,5 +87,6 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    mesh=mesh)
     logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, tf.unembed_matrix(weights, cfg),
                                            tokens_BxS[:, 1:], impl=impl,
-                                           temperature=temperature, interpret=interpret)
+                                           temperature=temperature, interpret=interpret,
+                                           mesh=mesh)
     return logp_BxT, entropy_BxT, aux

@@ -71,6 +71,14 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
 
 
+# Blocks for target="tpu" (Mosaic): token blocks multiples of 8, vocab tiles multiples
+# of 128 lanes, and one dot over all of D (a D slice narrower than 128 lanes is not a
+# legal TPU block); two 512-column tiles per forward program keep the double-buffered
+# [D, 1024] weight block at 8 MiB of VMEM for D = 2048 in bf16.
+TPU_BLOCKS = BlockSizes(chunk=2048, tokens=256, vocab=512, vocab_tiles=2, dim=1 << 30,
+                        bwd_chunk=8192, bwd_tokens=256, bwd_vocab=512)
+
+
 def _check(hidden_TxD, unembed_DxV, targets_T, impl):
     if hidden_TxD.ndim != 2 or unembed_DxV.ndim != 2 or targets_T.ndim != 1:
         raise ValueError(f"fused_logprob: need hidden [T, D], unembed [D, V], targets [T]; got "

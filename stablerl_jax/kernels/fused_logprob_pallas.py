@@ -49,10 +49,12 @@ _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padde
 
 def _dot(a, b, contract=((1,), (0,))):
     """float32-accumulated a·b over the `contract` dims (default a @ b), in the kernels
-    and in the XLA gradient matmuls alike. HIGHEST: float32 inputs get full-precision
-    (not TF32) products on the GPU."""
+    and in the XLA gradient matmuls alike. HIGHEST for 32-bit inputs: float32 gets
+    full-precision (not TF32) products on the GPU; bf16 products are exact in every
+    backend's native pass, and Mosaic (TPU) rejects an fp32 contract precision on them."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype.itemsize >= 4 else None
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
-                               precision=jax.lax.Precision.HIGHEST)
+                               precision=precision)
 
 
 def _logits(h_ref, w_ref, cols, bd):
@@ -123,6 +125,23 @@ def _triton(target: str, interpret: bool) -> bool:
     return target == "gpu" and not interpret
 
 
+def _check_mosaic(block, d: int, target: str, interpret: bool) -> None:
+    """Mosaic (TPU) blocks: lanes (last dims) in multiples of 128, sublanes in multiples of
+    8; a D slice narrower than all of D must be lane-aligned (Mosaic cannot prove the
+    alignment of a 64-wide slice and refuses the kernel). kernels.fused_logprob.TPU_BLOCKS
+    satisfies all of them."""
+    if target != "tpu" or interpret:
+        return
+    bad = [f"{f}={getattr(block, f)} (a multiple of {m})"
+           for f, m in (("tokens", 8), ("bwd_tokens", 8), ("vocab", 128), ("bwd_vocab", 128))
+           if getattr(block, f) % m]
+    if block.dim < d and block.dim % 128:
+        bad.append(f"dim={block.dim} (a multiple of 128, or >= D={d})")
+    if bad:
+        raise ValueError("fused_logprob pallas, target='tpu': BlockSizes needs "
+                         + ", ".join(bad) + "; use kernels.fused_logprob.TPU_BLOCKS")
+
+
 def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, triton):
     """Zero-padded h [Tp, Dp], W [Dp, Vp] in one dtype (Triton dots need equal operand
     types), Dp a multiple of the D slice; and that slice, at most Dp."""
@@ -164,6 +183,7 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
     splits = -(-v // (bv * tiles))
     tp, vp = -(-t // bt) * bt, splits * tiles * bv
     triton = _triton(target, interpret)
+    _check_mosaic(block, hidden_TxD.shape[1], target, interpret)
     h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, vp, block.dim, triton)
     dp = h.shape[1]
     part = jax.ShapeDtypeStruct((splits * tp, 1), jnp.float32)
@@ -201,6 +221,7 @@ def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g
     n = -(-v // c)
     tp = -(-t // bt) * bt
     triton = _triton(target, interpret)
+    _check_mosaic(block, d, target, interpret)
     h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, n * c, block.dim, triton)
     dp = h.shape[1]
     stats = [_col(x, tp) for x in (lse_T, ez_T, g_logp_T, g_ent_T)]  # zero g on padded rows
