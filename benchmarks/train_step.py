@@ -25,6 +25,7 @@ from benchmarks.timing import median_seconds
 from stablerl_jax import presets
 from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.model.flops import train_flops
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rollout import Rollout
 
@@ -41,17 +42,6 @@ def small() -> ExperimentConfig:
 
 
 PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256)}  # (config, sequence length)
-
-
-def model_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-    """Matmul FLOPs of one forward + backward over batch × seq tokens (3× forward)."""
-    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_token_layer = 2 * (d * h * hd * 2 + d * kv * hd * 2)      # q, o and k, v projections
-    per_token_layer += 2 * 2 * h * hd * seq / 2                     # QK^T and PV, causal half
-    per_token_layer += 2 * d * cfg.num_experts                      # router
-    per_token_layer += 2 * cfg.top_k * 3 * d * cfg.expert_ffn_dim   # active SwiGLU experts
-    per_token = cfg.num_layers * per_token_layer + 2 * d * cfg.vocab_size
-    return 3.0 * per_token * batch * seq
 
 
 def matmul_peak(dtype, n: int = 4096, reps: int = 3) -> float:
@@ -96,7 +86,7 @@ def bench(name: str, reps: int) -> dict:
         jax.block_until_ready((state, m))
         times.append(time.perf_counter() - t0)
     sec = float(np.median(times))
-    flops = model_flops(cfg.model, batch_size, seq - 1)
+    flops = train_flops(cfg.model, batch_size, seq - 1)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     return {"name": name, "params": n_params, "batch": batch_size, "seq": seq - 1,
             "sec": sec, "flops": flops,

@@ -151,6 +151,7 @@ class Compiled:
     compile_s: float
     flops: float
     collectives: dict
+    model_flops: float = math.nan  # per chip, model/flops.py (loops counted in full)
     hlo: str = dataclasses.field(repr=False, default="")
 
     @property
@@ -172,24 +173,155 @@ def compile_lowered(step: str, lower) -> Compiled:
                     float(cost.get("flops", math.nan)), collectives(hlo), hlo)
 
 
-def compile_steps(cfg: ExperimentConfig, topo: Topology, names=("sample", "score", "update"),
-                  *, eos_id: int = 1, pad_id: int = 0, on_done=None) -> list[Compiled]:
-    """AOT-compile Engine steps of `cfg` for `topo` (the Engine's own mesh, shardings and
-    jitted functions, on abstract devices). `on_done(Compiled)` is called after each."""
-    from stablerl_jax.model import transformer as tf
+def engine_for(cfg: ExperimentConfig, topo: Topology, *, eos_id: int = 1, pad_id: int = 0):
+    """The Engine of `cfg` on `topo`'s abstract devices: the project's own mesh, shardings
+    and jitted steps. The special ids only matter to the sampler's program."""
     from stablerl_jax.rl.engine import Engine
     n = math.prod(cfg.mesh)
     if n != topo.chips:
         raise ValueError(f"mesh={cfg.mesh} has {n} devices but {topo.name} has {topo.chips} "
                          "chips; override mesh=data,fsdp,expert to match")
-    engine = Engine.create(cfg, eos_id=eos_id, pad_id=pad_id, devices=devices(topo))
-    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model))
+    return Engine.create(cfg, eos_id=eos_id, pad_id=pad_id, devices=devices(topo))
+
+
+def step_model_flops(cfg: ExperimentConfig, name: str) -> float:
+    """Model FLOPs of one call of step `name`, per chip (model/flops.py): the sampler as
+    one forward over every slot (an upper bound: rows that stop early do less), the score
+    step one forward, the updates forward + backward of their batch (rematerialized
+    forwards are not model FLOPs)."""
+    from stablerl_jax.model.flops import forward_flops, train_flops
+    rl, mc = cfg.rl, cfg.model
+    b = rl.prompts_per_step * rl.group_size
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    flops = {"sample": lambda: forward_flops(mc, b, s),
+             "score": lambda: forward_flops(mc, b, s - 1),
+             "update": lambda: train_flops(mc, b // rl.num_minibatches, s - 1),
+             "sft_update": lambda: train_flops(mc, cfg.sft.batch_size,
+                                               cfg.task.max_prompt_len
+                                               + cfg.task.max_solution_len)}[name]()
+    return flops / math.prod(cfg.mesh)
+
+
+def compile_step(engine, name: str) -> Compiled:
+    """AOT-compile the Engine's step `name` at its config's batch sizes."""
+    from stablerl_jax.model import transformer as tf
+    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), engine.cfg.model))
     state_like = jax.eval_shape(engine._jitted["init_state"][0], params_like)
+    args = step_inputs(engine.cfg, name, params_like, state_like)
+    out = compile_lowered(name, lambda: engine.lower(name, *args))
+    out.model_flops = step_model_flops(engine.cfg, name)
+    return out
+
+
+def compile_steps(cfg: ExperimentConfig, topo: Topology, names=("sample", "score", "update"),
+                  *, on_done=None) -> list[Compiled]:
+    """AOT-compile Engine steps of `cfg` for `topo`; `on_done(Compiled)` after each."""
+    engine = engine_for(cfg, topo)
     out = []
     for name in names:
-        args = step_inputs(cfg, name, params_like, state_like)
-        result = compile_lowered(name, lambda: engine.lower(name, *args))
-        out.append(result)
+        out.append(compile_step(engine, name))
         if on_done:
-            on_done(result)
+            on_done(out[-1])
+    return out
+
+
+def compile_kernels(cfg: ExperimentConfig, topo: Topology) -> list[Compiled]:
+    """AOT-compile the Pallas kernels for `topo` (target "tpu") inside shard_map over the
+    config's mesh, at the update's per-chip sizes (one micro-batch's tokens per chip):
+    the fused log-prob forward + backward (`logprob fwd+bwd`) and the grouped matmul of
+    the gate projection forward + backward (`gmm fwd+bwd`). Gradients of the replicated
+    weights are summed over the mesh (psum), as the update does."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from stablerl_jax import sharding
+    from stablerl_jax.kernels import gmm_pallas
+    from stablerl_jax.kernels.fused_logprob import TPU_BLOCKS, fused_logprob
+    from stablerl_jax.model.moe import padded_rows
+    from stablerl_jax.model.numerics import dtype_of
+    mesh = sharding.make_mesh(*cfg.mesh, devices=devices(topo))
+    axes = sharding.RULES["batch"]
+    n_dev, mc, rl = mesh.size, cfg.model, cfg.rl
+    rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches // rl.microbatches
+    t = max(rows // n_dev, 1) * (cfg.task.max_prompt_len + cfg.sampling.max_new_tokens - 1)
+    dt = dtype_of(mc.compute_dtype)
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype,
+                                                          sharding=NamedSharding(mesh, spec))
+    data, rep = P(axes), P()
+
+    def smap(f, in_specs, out_specs):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                     check_vma=False))
+
+    def logprob(h, w, y, g_logp, g_ent):
+        f = lambda h_, w_: fused_logprob(h_, w_, y, impl="pallas", target="tpu",
+                                         block=TPU_BLOCKS)
+        out, vjp = jax.vjp(f, h, w)
+        dh, dw = vjp((g_logp, g_ent))
+        return out, dh, jax.lax.psum(dw, axes)
+
+    d, v = mc.d_model, mc.vocab_size
+    lp_args = (sds((t * n_dev, d), dt, data), sds((d, v), dt, rep),
+               sds((t * n_dev,), jnp.int32, data), sds((t * n_dev,), jnp.float32, data),
+               sds((t * n_dev,), jnp.float32, data))
+    lp = smap(logprob, (data, rep, data, data, data), ((data, data), data, rep))
+    p_rows = padded_rows(t * mc.top_k, mc.num_experts, mc.moe_tile)
+
+    def gmm(lhs, rhs, sizes, dout):
+        f = lambda a, b: gmm_pallas.gmm(a, b, sizes, mc.moe_tile, target="tpu")
+        out, vjp = jax.vjp(f, lhs, rhs)
+        dlhs, drhs = vjp(dout)
+        return out, dlhs, jax.lax.psum(drhs, axes)
+
+    e, f_ = mc.num_experts, mc.expert_ffn_dim
+    gm_args = (sds((p_rows * n_dev, d), dt, data), sds((e, d, f_), dt, rep),
+               sds((e * n_dev,), jnp.int32, data), sds((p_rows * n_dev, f_), dt, data))
+    gm = smap(gmm, (data, rep, data, data), (data, data, rep))
+    return [compile_lowered("logprob fwd+bwd (pallas)", lambda: lp.lower(*lp_args)),
+            compile_lowered("gmm fwd+bwd (pallas)", lambda: gm.lower(*gm_args))]
+
+
+def update_memory_bound(cfg: ExperimentConfig, engine) -> dict:
+    """An analytic per-chip account of the update step (bytes), to check a compiled
+    program against:
+
+      state        params + AdamW moments, each leaf's own shard (exact: the Engine's
+                   shardings; what the step's arguments must hold)
+      grads        the float32 gradient accumulator and one micro-batch's gradient
+      batch        one mini-batch's per-chip rows of the TrainBatch
+      activations  one micro-batch (t tokens per chip) under full remat: the L layer
+                   inputs the scan saves, plus the working set of one layer's backward:
+                   its gathered weights, attention (q/k/v/o and one query chunk's
+                   [chunk, S] scores per head, three times: scores, probs, gradient), the
+                   MoE buffers (P sorted rows of D and 3F in and out, twice for the
+                   gradient, plus float32 partial outputs) and the fused log-prob's
+                   [t, C] chunk; each counted at 4 bytes and twice over for the
+                   compiler's double buffering.
+    `bound` is their sum. Under remat="none" the activation term is not a bound."""
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.model.moe import padded_rows
+    mc, rl = cfg.model, cfg.rl
+    n_dev = math.prod(cfg.mesh)
+    shard = lambda tree, sh: sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                                 for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
+    params = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), mc))
+    p_bytes = shard(params, engine.param_shardings)
+    rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    t = max(rows // rl.microbatches // n_dev, 1) * (s - 1)
+    d, f, h, kv, dh = mc.d_model, mc.expert_ffn_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    ep = cfg.mesh[2] if mc.expert_parallel else 1
+    e_loc = mc.num_experts // ep
+    t_moe = t * ep
+    p_rows = padded_rows(t_moe * mc.top_k, e_loc, mc.moe_tile)
+    chunk = mc.attention_chunk if mc.attention_impl == "chunked" else s
+    layer_w = (e_loc * 3 * d * f + 2 * (h + kv) * dh * d + d * mc.num_experts) * 4
+    attention = (t * (2 * h + 2 * kv) * dh + 3 * h * min(chunk, s) * s) * 4
+    moe = 2 * p_rows * (2 * d + 3 * f) * 4 + 2 * t_moe * d * 4
+    logprob = 3 * t * 2048 * 4 + t * d * 4
+    activations = 2 * (mc.num_layers * t * d * 4 + layer_w + attention + moe + logprob)
+    out = {"state": 3 * p_bytes, "grads": 2 * p_bytes,
+           "batch": (rows // n_dev) * s * (4 * 5 + 4 * mc.num_layers * mc.top_k),
+           "activations": activations}
+    out["bound"] = sum(out.values())
     return out

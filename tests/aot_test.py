@@ -1,0 +1,65 @@
+"""AOT compilation for TPU topologies (stablerl_jax/aot.py): topology names, and — with
+libtpu installed (the `tpu` extra; tests marked `tpu`, run by .ci/run) — a 2-layer
+paper-preset update step and the Pallas kernels compiled for a v5p-8, the update's
+per-chip memory checked against the analytic account of `aot.update_memory_bound`."""
+import pytest
+
+from stablerl_jax import aot, presets
+
+
+@pytest.mark.parametrize("name,jax_name,chips,hbm", [
+    ("v5p-8", "v5p:2x2x1", 4, 95.74), ("v5p-256", "v5p:4x4x8", 128, 95.74),
+    ("v5p-512", "v5p:4x8x8", 256, 95.74), ("v5e-8", "v5e:2x4", 8, 15.75),
+    ("v5e-256", "v5e:16x16", 256, 15.75), ("v6e-64", "v6e:8x8", 64, 32.0),
+    ("v4-16", "v4:2x2x2", 8, 32.0)])
+def test_topology_names(name, jax_name, chips, hbm):
+    topo = aot.topology(name)
+    assert (topo.jax_name, topo.chips, topo.hbm_gib) == (jax_name, chips, hbm)
+
+
+@pytest.mark.parametrize("bad", ["v5p-12", "v7-8", "v5p", "v5e-0"])
+def test_bad_topology_names_are_clear_errors(bad):
+    with pytest.raises(ValueError, match="topology"):
+        aot.topology(bad)
+
+
+def test_collectives_are_counted_once_per_instruction():
+    hlo = ("  %ag = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), dimensions={0}\n"
+           "  %s = (f32[4], f32[8]) all-gather-start(f32[4] %q)\n"
+           "  %d = f32[8] all-gather-done((f32[4], f32[8]) %s)\n"
+           "  %rs = f32[2] reduce-scatter(f32[8] %x), dimensions={0}\n"
+           "  %ar = f32[] all-reduce-start(f32[] %y)\n")
+    assert aot.collectives(hlo) == {"all-gather": 2, "all-to-all": 0, "reduce-scatter": 1,
+                                    "all-reduce": 1, "collective-permute": 0}
+
+
+# The paper preset with 2 layers on a v5p-8 (4 chips: fsdp 2 × expert 2), full-size
+# model widths and 33k-token sequences; 64 responses per mini-batch in 16 micro-batches
+# of one response per chip.
+CI_OVERRIDES = ["model.num_layers=2", "mesh=1,2,2", "rl.prompts_per_step=4",
+                "rl.microbatches=16", "sampling.max_batch=64"]
+
+
+@pytest.mark.tpu
+def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
+    pytest.importorskip("libtpu")
+    topo = aot.topology("v5p-8")
+    cfg = presets.preset("paper", CI_OVERRIDES)
+    engine = aot.engine_for(cfg, topo)
+    c = aot.compile_step(engine, "update")
+    acct = aot.update_memory_bound(cfg, engine)
+    gib = {k: v / aot.GIB for k, v in acct.items()}
+    # The arguments are the train state (params + AdamW moments, exact) and the batch.
+    assert gib["state"] <= c.argument_gib <= gib["state"] + gib["batch"], (c, gib)
+    assert c.total_gib <= gib["bound"], (c, gib)
+    assert c.total_gib <= topo.hbm_gib
+    # Expert parallelism: the update's gradient sync and expert exchange are collectives.
+    assert c.collectives["all-gather"] > 0 and c.collectives["reduce-scatter"] > 0
+
+
+@pytest.mark.tpu
+def test_pallas_kernels_compile_for_v5p_8():
+    pytest.importorskip("libtpu")
+    cfg = presets.preset("paper", CI_OVERRIDES)
+    for c in aot.compile_kernels(cfg, aot.topology("v5p-8")):
+        assert c.total_gib <= 95.74, c
