@@ -1,6 +1,7 @@
 """Model FLOP/s of the jitted `update_step` vs this machine's measured matmul peak.
 
     python -m benchmarks.train_step [--presets tiny,small] [--reps 3]
+    python -m benchmarks.train_step --presets moe1b --dispatch loop,ragged_dot,dense --reps 1
 
 For each preset: a synthetic rollout of full-length sequences (prompt + completion,
 random tokens), scored by the Engine's score step (R2: the update replays the routes it
@@ -11,6 +12,13 @@ attention projections, causal attention (half the T×T scores), router, the K ac
 SwiGLU experts and the unembedding; element-wise work is not counted. XLA's own FLOP count
 of the compiled step is printed beside it. The peak is the median FLOP/s of a bare
 `jnp.dot` of two 4096×4096 matrices in the preset's compute dtype.
+
+`--dispatch` runs each preset with every listed expert path: `loop`, `ragged_dot`,
+`pallas_gpu`, `pallas_tpu`, `megablox` (ModelConfig.gmm_impl of the grouped dispatch; the
+Pallas ones need their accelerator) or `dense`. `moe1b` is the ≈1B-parameter bf16 MoE of
+presets.moe1b (16 layers, D 1024, 32 experts top-4) at 4 × 256 tokens on one device;
+on a CPU its parameters and AdamW moments are kept in bf16 (param_dtype) to fit the
+memory of a small machine.
 """
 from __future__ import annotations
 
@@ -41,7 +49,17 @@ def small() -> ExperimentConfig:
     return base.replace(name="small", model=model, rl=rl)
 
 
-PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256)}  # (config, sequence length)
+def moe1b_cpu() -> ExperimentConfig:
+    """presets.moe1b on one device: 4 responses of 256 tokens, bf16 parameters."""
+    base = presets.moe1b()
+    model = base.model.replace(param_dtype="bfloat16", gmm_impl="loop")
+    rl = base.rl.replace(prompts_per_step=1, group_size=4, microbatches=1)
+    return base.replace(model=model, rl=rl, mesh=(1, 1, 1), sft=base.sft.replace(
+        batch_size=4, microbatches=1), sampling=base.sampling.replace(max_batch=0))
+
+
+# (config, sequence length)
+PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256), "moe1b": (moe1b_cpu, 256)}
 
 
 def matmul_peak(dtype, n: int = 4096, reps: int = 3) -> float:
@@ -67,11 +85,14 @@ def synthetic_rollout(cfg, batch: int, seq: int) -> tuple[Rollout, np.ndarray]:
     return rollout, rng.integers(0, 2, batch).astype(np.float32)
 
 
-def bench(name: str, reps: int) -> dict:
+def bench(name: str, reps: int, dispatch: str = "loop") -> dict:
     make, seq = PRESETS[name]
     cfg = make()
+    path = ({"dispatch": "dense"} if dispatch == "dense"
+            else {"dispatch": "grouped", "gmm_impl": dispatch})
     cfg = cfg.replace(rl=cfg.rl.replace(replay="r2"),
-                      model=cfg.model.replace(max_seq_len=max(seq, cfg.model.max_seq_len)))
+                      model=cfg.model.replace(max_seq_len=max(seq, cfg.model.max_seq_len),
+                                              **path))
     batch_size = cfg.rl.prompts_per_step * cfg.rl.group_size // cfg.rl.num_minibatches
     engine = Engine.create(cfg, eos_id=3, pad_id=0)
     state = engine.init_state(tf.init_params(jax.random.key(0), cfg.model))
@@ -97,6 +118,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dispatch", default="loop",
+                    help="comma-separated expert paths: loop, ragged_dot, pallas_gpu, "
+                         "pallas_tpu, megablox (grouped gmm_impl) or dense")
     args = ap.parse_args()
     names = args.presets.split(",")
     for n in names:
@@ -106,19 +130,19 @@ def main():
           f"{jax.device_count()} device(s), update step with R2 replay, "
           f"median of {args.reps} after warm-up")
     peaks = {}
-    print("| preset | params | batch × T | dtype | step s | model GFLOP | "
+    print("| preset | experts | params | batch × T | dtype | step s | model GFLOP | "
           "model GFLOP/s | matmul peak GFLOP/s | % of peak |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in names:
-        r = bench(n, args.reps)
-        dt = r["dtype"]
-        if dt not in peaks:
-            peaks[dt] = matmul_peak(jnp.dtype(dt))
-        rate = r["flops"] / r["sec"]
-        print(f"| {n} | {r['params'] / 1e6:.2f}M | {r['batch']} × {r['seq']} | {dt} | "
-              f"{r['sec']:.3f} | {r['flops'] / 1e9:.1f} | "
-              f"{rate / 1e9:.1f} | {peaks[dt] / 1e9:.1f} | {100 * rate / peaks[dt]:.0f}% |",
-              flush=True)
+        for d in args.dispatch.split(","):
+            r = bench(n, args.reps, d)
+            dt = r["dtype"]
+            if dt not in peaks:
+                peaks[dt] = matmul_peak(jnp.dtype(dt))
+            rate = r["flops"] / r["sec"]
+            print(f"| {n} | {d} | {r['params'] / 1e6:.2f}M | {r['batch']} × {r['seq']} | "
+                  f"{dt} | {r['sec']:.3f} | {r['flops'] / 1e9:.1f} | {rate / 1e9:.1f} | "
+                  f"{peaks[dt] / 1e9:.1f} | {100 * rate / peaks[dt]:.0f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def _row(c: aot.Compiled, hbm: float) -> str:
     coll = c.collectives
     return (f"| {c.step} | {c.argument_gib:.2f} | {c.output_gib:.2f} | {c.temp_gib:.2f} | "
             f"{c.total_gib:.2f} | {hbm:.2f} | {fits} | {c.compile_s:.0f} | "
-            f"{c.flops / 1e12:.2f} | {c.model_flops / 1e12:.1f} | "
+            f"{c.flops / 1e12:.2f} | "
+            f"{'-' if c.model_flops != c.model_flops else f'{c.model_flops / 1e12:.1f}'} | "
             f"{coll['all-gather']} | {coll['all-to-all']} | "
             f"{coll['reduce-scatter']} | {coll['all-reduce']} |")
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="paper", choices=sorted(presets.PRESETS))
     ap.add_argument("--topology", default="v5p-256", help="e.g. v5p-256, v5e-8, v6e-64")
     ap.add_argument("--steps", default="sample,score,update",
-                    help="comma-separated, of sample, score, update, sft_update")
+                    help="comma-separated, of sample, score, update, sft_update; or none")
     ap.add_argument("--kernels", action="store_true",
                     help="also compile the Pallas kernels inside shard_map")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -56,7 +57,8 @@ def main(argv=None) -> int:
           f"{topo.hbm_gib} GiB HBM each), mesh {cfg.mesh}, overrides {args.overrides}",
           flush=True)
     print(HEADER, flush=True)
-    results = aot.compile_steps(cfg, topo, args.steps.split(","),
+    steps = [] if args.steps == "none" else args.steps.split(",")
+    results = aot.compile_steps(cfg, topo, steps,
                                 on_done=lambda c: print(_row(c, topo.hbm_gib), flush=True))
     if args.kernels:
         for c in aot.compile_kernels(cfg, topo):

@@ -139,6 +139,23 @@ def collectives(hlo_text: str) -> dict:
     return {k: sum(o == k or o == "ragged-" + k for o in ops) for k in _COLLECTIVES}
 
 
+def expert_weight_gathers(hlo_text: str, num_experts: int, ffn_dim: int) -> list[str]:
+    """All-gathers in an optimized HLO module whose result holds every one of the E
+    experts of an expert weight: a shape of 3 or more dims with both E and the expert FFN
+    width F among them. Under expert parallelism there is none (each device gathers its
+    own E/n experts' weights over the FSDP axes only)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = re.search(r"\sall-gather(?:-start)?\(", line)
+        if not m:
+            continue
+        for dims in re.findall(r"\[([\d,]+)\]", line[:m.start()]):
+            d = [int(x) for x in dims.split(",") if x]
+            if len(d) >= 3 and num_experts in d and ffn_dim in d:
+                found.append(line.strip()[:200])
+    return found
+
+
 @dataclasses.dataclass
 class Compiled:
     """What one AOT compile of a step says about one chip."""
@@ -170,7 +187,7 @@ def compile_lowered(step: str, lower) -> Compiled:
     hlo = compiled.as_text()
     return Compiled(step, mem.argument_size_in_bytes / GIB, mem.output_size_in_bytes / GIB,
                     mem.temp_size_in_bytes / GIB, mem.alias_size_in_bytes / GIB, seconds,
-                    float(cost.get("flops", math.nan)), collectives(hlo), hlo)
+                    float(cost.get("flops", math.nan)), collectives(hlo), hlo=hlo)
 
 
 def engine_for(cfg: ExperimentConfig, topo: Topology, *, eos_id: int = 1, pad_id: int = 0):

@@ -53,8 +53,11 @@ def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
     assert gib["state"] <= c.argument_gib <= gib["state"] + gib["batch"], (c, gib)
     assert c.total_gib <= gib["bound"], (c, gib)
     assert c.total_gib <= topo.hbm_gib
-    # Expert parallelism: the update's gradient sync and expert exchange are collectives.
+    # Expert parallelism on the TPU program: tokens are exchanged (all-gather /
+    # reduce-scatter), but no all-gather ever yields all 128 experts of a weight.
     assert c.collectives["all-gather"] > 0 and c.collectives["reduce-scatter"] > 0
+    assert aot.expert_weight_gathers(c.hlo, cfg.model.num_experts,
+                                     cfg.model.expert_ffn_dim) == []
 
 
 @pytest.mark.tpu

@@ -2,8 +2,6 @@
 gathered experts both equal the unsharded model in value and gradient (float64: the
 test is about the sharded program's math), and with expert parallelism the compiled HLO
 never gathers an expert weight across the `expert` axis."""
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 from conftest import cpu_devices
 from tolerance import assert_close, backward_chain, forward_chain
 
-from stablerl_jax import sharding
+from stablerl_jax import aot, sharding
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import transformer as tf
 
@@ -64,21 +62,6 @@ def test_sharded_experts_equal_unsharded(x64, expert_parallel):
                      scale="max")
 
 
-def _expert_weight_gathers(hlo: str) -> list[str]:
-    """Result shapes of all-gathers that hold every one of the E experts of an expert
-    weight ([E, D|F, F|D], possibly FSDP-partial in one dim)."""
-    e, d, f = CFG.num_experts, CFG.d_model, CFG.expert_ffn_dim
-    found = []
-    for line in hlo.splitlines():
-        if re.search(r"\sall-gather(-start)?\(", line):
-            lhs = line.split("all-gather")[0]
-            for dims in re.findall(r"\[(\d+),(\d+),(\d+)\]", lhs):
-                dims = tuple(map(int, dims))
-                if dims[0] == e and set(dims[1:]) <= {d, f, d // 2, f // 2}:
-                    found.append(lhs.strip())
-    return found
-
-
 def test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis(x64):
     """Compiled forward + backward: with expert parallelism no all-gather yields all E
     experts of a weight (each device keeps its E/2, gathered over fsdp only); the
@@ -87,6 +70,7 @@ def test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis(x64):
     counts = {}
     for ep in (True, False):
         fn, args = _sharded(CFG.replace(expert_parallel=ep), params, tokens, mask, probe)
-        counts[ep] = _expert_weight_gathers(fn.lower(*args).compile().as_text())
+        counts[ep] = aot.expert_weight_gathers(fn.lower(*args).compile().as_text(),
+                                               CFG.num_experts, CFG.expert_ffn_dim)
     assert counts[True] == [], counts[True]
     assert counts[False], "the gathered layout should all-gather every expert's weights"
