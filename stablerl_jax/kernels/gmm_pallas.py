@@ -53,11 +53,13 @@ TARGETS = ("gpu", "tpu")
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiles: `rows` (Bm; the gcd with the MoE tile is used, so it always divides it),
-    `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels; `t_rows`,
-    `t_cols`, `t_depth` the same for tgmm (its contraction runs over rows). Triton's
-    `num_warps` / `num_stages` (GPU only); `vmem_limit_mib` raises Mosaic's scoped VMEM
+    `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels (forward and
+    d lhs); `t_rows`, `t_cols`, `t_depth` the same for tgmm (d rhs; its contraction runs
+    over rows). Triton's `num_warps` / `num_stages` for gmm and `t_num_warps` /
+    `t_num_stages` for tgmm (GPU only); `vmem_limit_mib` raises Mosaic's scoped VMEM
     limit (TPU only; 0 keeps the compiler's default). TPU wants multiples of (8, 128),
-    Triton powers of two ≥ 16."""
+    Triton powers of two ≥ 16, and its stages × (A + B tiles) must fit shared memory
+    (227 KiB on an H100). Defaults: `GPU_BLOCKS` / `TPU_BLOCKS`."""
 
     rows: int = 128
     cols: int = 256
@@ -67,6 +69,8 @@ class BlockSizes:
     t_depth: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    t_num_warps: int = 4
+    t_num_stages: int = 3
     vmem_limit_mib: int = 0
 
     def __post_init__(self):
@@ -74,6 +78,14 @@ class BlockSizes:
             v = getattr(self, f.name)
             if not (isinstance(v, int) and v >= (0 if f.name == "vmem_limit_mib" else 1)):
                 raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
+
+
+# Mosaic: lane-aligned tiles of (8, 128) multiples, one weight tile of 256 × 256 bf16.
+TPU_BLOCKS = BlockSizes()
+# Triton on an H100: the best of the block sweep at the Qwen3-30B-A3B expert shape
+# (docs/benchmarks.md, `python -m benchmarks.gmm --sweep`).
+GPU_BLOCKS = BlockSizes(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, t_depth=128,
+                        num_warps=8, num_stages=5, t_num_warps=8, t_num_stages=3)
 
 
 def _acc(dtype):
@@ -199,13 +211,16 @@ def _interp(interpret: bool):
         if interpret else False
 
 
-def _params(block: BlockSizes, tpu: bool, semantics, interpret: bool):
+def _params(block: BlockSizes, tpu: bool, semantics, interpret: bool, t: bool = False):
     if interpret:
         return None
     if tpu:
         vmem = block.vmem_limit_mib * 2**20 or None
         return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem)
     from jax.experimental.pallas import triton as pltriton
+    if t:
+        return pltriton.CompilerParams(num_warps=block.t_num_warps,
+                                       num_stages=block.t_num_stages)
     return pltriton.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
 
 
@@ -278,7 +293,7 @@ def _tgmm_call(lhs_PxK, dout_PxN, group_sizes_E, tile, rhs_dtype, block, target,
             functools.partial(_tgmm_kernel_gpu, bm=bm), out_shape=out_shape,
             grid=(e, kp // bk, np_ // bn), in_specs=[whole] * 4,
             out_specs=pl.BlockSpec((None, bk, bn), lambda g, a, b: (g, a, b)),
-            compiler_params=_params(block, False, None, interpret),
+            compiler_params=_params(block, False, None, interpret, t=True),
             interpret=_interp(interpret))(start_E, end_E, lhs, dout)
     return out[:, :k, :n] if (kp, np_) != (k, n) else out
 
@@ -323,5 +338,6 @@ def gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile: int, precision=HIGHEST, *,
         raise ValueError(f"gmm pallas: group_sizes shape {group_sizes_E.shape} must be "
                          f"({rhs_ExKxN.shape[0]},)")
     rhs = rhs_ExKxN.astype(lhs_PxK.dtype)
-    return _gmm(lhs_PxK, rhs, group_sizes_E.astype(jnp.int32), tile, block or BlockSizes(),
+    block = block or (TPU_BLOCKS if target == "tpu" else GPU_BLOCKS)
+    return _gmm(lhs_PxK, rhs, group_sizes_E.astype(jnp.int32), tile, block,
                 target, bool(interpret))

@@ -1,0 +1,197 @@
+"""Grouped matmul (the MoE expert FFN's matmul): Pallas kernel vs jax.lax.ragged_dot vs the
+pure-JAX reference, as model FLOP/s against this device's measured matmul peak.
+
+    python -m benchmarks.gmm [--m 65536 --d 2048 --f 768 --e 128 --tile 128] [--sweep]
+
+Default shape: Qwen3-30B-A3B's expert FFN (M = tokens × top-k routed rows, D 2048,
+F 768, E 128), bfloat16. Rows are routed to experts by a multinomial draw over skewed
+expert popularities (as a trained router's loads are uneven), each expert's group padded
+up to a multiple of `--tile` in a buffer sized for the worst case (M + E·tile rows).
+FLOPs count the M routed rows only: 2·M·D·F forward, twice that backward (d lhs and
+d rhs). The peak is the median rate of a bare 8192³ `jnp.dot` in the same dtype.
+
+For each path: forward, d lhs (transposed-rhs gmm), d rhs (tgmm) and forward+backward
+(jax.vjp of the public op) times, median of `--reps` after a warm-up. `--sweep` first times
+each Pallas kernel at several block sizes (BlockSizes: tiles, Triton warps and stages),
+then runs the table with the best gmm and the best tgmm blocks (else GPU_BLOCKS). Values are checked against ragged_dot first
+(relative Frobenius error; bf16 operands, float32 accumulation in both).
+`--targets` picks the Pallas lowering (gpu on an NVIDIA GPU; interpret=True on a CPU,
+for a smoke run at a small --m).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import median_seconds
+from stablerl_jax.kernels import gmm_pallas
+from stablerl_jax.model.gmm import gmm as loop_gmm
+
+# gmm (forward and d lhs): rows, cols, depth, warps, stages
+GMM_SWEEP = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+             (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
+             (256, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
+             (128, 256, 32, 8, 5)]
+# tgmm (d rhs): t_rows (its contraction), t_cols, t_depth, warps, stages
+TGMM_SWEEP = [(128, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 4),
+              (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+              (32, 128, 128, 4, 4), (64, 256, 64, 8, 4)]
+
+
+def group_sizes(m: int, e: int, tile: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    popularity = rng.dirichlet(np.full(e, 2.0))
+    counts = rng.multinomial(m, popularity)
+    return (-(-counts // tile) * tile).astype(np.int32)
+
+
+def matmul_peak(dtype, n: int = 8192, reps: int = 10) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype))
+    return 2 * n**3 / median_seconds(f, a, b, reps=reps)
+
+
+def ragged(lhs, rhs, sizes, tile, precision=None):
+    del tile, precision
+    return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32
+                              ).astype(lhs.dtype)
+
+
+def fwd_bwd(fn):
+    def run(lhs, rhs, sizes, cot):
+        out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
+        return (out,) + vjp(cot)
+    return jax.jit(run)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=65536)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--f", type=int, default=768)
+    ap.add_argument("--e", type=int, default=128)
+    ap.add_argument("--tile", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--paths", default="pallas,ragged_dot",
+                    help="comma-separated of pallas, ragged_dot, loop")
+    ap.add_argument("--target", default="gpu", choices=gmm_pallas.TARGETS)
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    sizes_np = group_sizes(args.m, args.e, args.tile)
+    rows = args.m + args.e * args.tile
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(k1, (rows, args.d), jnp.float32).astype(dtype)
+    rhs = (jax.random.normal(k2, (args.e, args.d, args.f), jnp.float32) * 0.02).astype(dtype)
+    cot = jax.random.normal(k3, (rows, args.f), jnp.float32).astype(dtype)
+    valid = np.arange(rows) < sizes_np.sum()
+    lhs = jnp.where(valid[:, None], lhs, 0).astype(dtype)
+    sizes = jnp.asarray(sizes_np)
+    useful = 2 * args.m * args.d * args.f
+    peak = matmul_peak(dtype)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.dtype}, "
+          f"M {args.m} (buffer {rows}, routed+padding {int(sizes_np.sum())}), D {args.d}, "
+          f"F {args.f}, E {args.e}, tile {args.tile}; measured {args.dtype} matmul peak "
+          f"{peak / 1e12:.0f} TFLOP/s; median of {args.reps}", flush=True)
+
+    def pallas(block):
+        return functools.partial(gmm_pallas.gmm, tile=args.tile, block=block,
+                                 target=args.target, interpret=args.interpret)
+
+    want = jax.jit(lambda a, b, s: ragged(a, b, s, args.tile))(lhs, rhs, sizes)
+
+    def rel(got):
+        g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        return float(np.linalg.norm(g - w) / np.linalg.norm(w))
+
+    def timed(fn, *a):
+        try:
+            return median_seconds(fn, *a, reps=args.reps)
+        except Exception as e:  # a block size a lowering refuses: report it, go on
+            print(f"  refused: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            return float("nan")
+
+    def kernels(block):
+        call = functools.partial(gmm_pallas._gmm_call, tile=args.tile, block=block,
+                                 target=args.target, interpret=args.interpret)
+        fwd = jax.jit(lambda a, b, s: call(a, b, s, transpose=False))
+        dl = jax.jit(lambda c, b, s: call(c, b, s, transpose=True))
+        dr = jax.jit(lambda a, c, s: gmm_pallas._tgmm_call(
+            a, c, s, args.tile, rhs.dtype, block, args.target, args.interpret))
+        return fwd, dl, dr
+
+    one = useful / 1e12
+    block = gmm_pallas.GPU_BLOCKS if args.target == "gpu" else gmm_pallas.TPU_BLOCKS
+    if args.sweep and "pallas" in args.paths:
+        print("| gmm blocks (rows/cols/depth, warps, stages) | fwd ms | fwd TFLOP/s | "
+              "d lhs ms | d lhs TFLOP/s |")
+        print("|---|---|---|---|---|")
+        best = (float("inf"), None)
+        for r, c, d, w, st in GMM_SWEEP:
+            b = gmm_pallas.BlockSizes(rows=r, cols=c, depth=d, num_warps=w, num_stages=st)
+            fwd, dl, _ = kernels(b)
+            t_f, t_l = timed(fwd, lhs, rhs, sizes), timed(dl, cot, rhs, sizes)
+            print(f"| {r}/{c}/{d}, {w}, {st} | {t_f * 1e3:.2f} | {one / t_f:.0f} | "
+                  f"{t_l * 1e3:.2f} | {one / t_l:.0f} |", flush=True)
+            if t_f + t_l < best[0]:
+                best = (t_f + t_l, (r, c, d, w, st))
+        print("| tgmm blocks (t_rows/t_cols/t_depth, warps, stages) | d rhs ms | "
+              "d rhs TFLOP/s |")
+        print("|---|---|---|")
+        tbest = (float("inf"), None)
+        for r, c, d, w, st in TGMM_SWEEP:
+            b = gmm_pallas.BlockSizes(t_rows=r, t_cols=c, t_depth=d, t_num_warps=w,
+                                      t_num_stages=st)
+            t_r = timed(kernels(b)[2], lhs, cot, sizes)
+            print(f"| {r}/{c}/{d}, {w}, {st} | {t_r * 1e3:.2f} | {one / t_r:.0f} |",
+                  flush=True)
+            if t_r < tbest[0]:
+                tbest = (t_r, (r, c, d, w, st))
+        (r, c, d, w, st), (tr, tc, td, tw, ts) = best[1], tbest[1]
+        block = gmm_pallas.BlockSizes(rows=r, cols=c, depth=d, num_warps=w, num_stages=st,
+                                      t_rows=tr, t_cols=tc, t_depth=td, t_num_warps=tw,
+                                      t_num_stages=ts)
+        print(f"best: {block}")
+
+    print("| path | blocks | fwd ms | d lhs ms | d rhs ms | fwd+bwd ms | fwd+bwd TFLOP/s | "
+          "% of peak | rel. err. fwd |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in args.paths.split(","):
+        if path == "pallas":
+            op = functools.partial(gmm_pallas.gmm, tile=args.tile, block=block,
+                                   target=args.target, interpret=args.interpret)
+            fwd, dl, dr = kernels(block)
+            name = (f"{block.rows}/{block.cols}/{block.depth} w{block.num_warps} "
+                    f"s{block.num_stages}; t{block.t_rows}/{block.t_cols}/{block.t_depth} "
+                    f"w{block.t_num_warps} s{block.t_num_stages}")
+        else:
+            op = functools.partial(ragged if path == "ragged_dot" else loop_gmm,
+                                   tile=args.tile)
+            fwd = jax.jit(lambda a, b, s, op=op: op(a, b, s))
+            dl = dr = None
+            name = "-"
+        try:
+            err = rel(fwd(lhs, rhs, sizes))
+        except Exception as e:
+            print(f"| {path} | {name} | failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120]} |||||||", flush=True)
+            continue
+        t_f = timed(fwd, lhs, rhs, sizes)
+        t_l = timed(dl, cot, rhs, sizes) if dl else float("nan")
+        t_r = timed(dr, lhs, cot, sizes) if dr else float("nan")
+        t_fb = timed(fwd_bwd(op), lhs, rhs, sizes, cot)
+        rate = 3 * useful / t_fb
+        print(f"| {path} | {name} | {t_f * 1e3:.2f} | {t_l * 1e3:.2f} | {t_r * 1e3:.2f} | "
+              f"{t_fb * 1e3:.2f} | {rate / 1e12:.0f} | {100 * rate / peak:.0f}% | "
+              f"{err:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
