@@ -163,7 +163,8 @@ def cold_start(cfg, workdir: str, progress: bool):
 
 
 def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
-                 overrides=(), progress: bool = True, prefix: str = "") -> dict:
+                 overrides=(), progress: bool = True, prefix: str = "",
+                 allow_config_change=()) -> dict:
     """Every (variant, seed) RL run from `params`; returns {name: [records per seed]}."""
     runs = {}
     for v in variants or exp.variants:
@@ -172,7 +173,8 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
             cfg = exp.config(v, seed, overrides)
             rundir = os.path.join(workdir, prefix + v.name, f"seed{seed}")
             t0 = time.time()
-            s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress)
+            s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
+                         allow_config_change=allow_config_change)
             print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
                   f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
                   f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
@@ -210,6 +212,8 @@ def parser(description: str, presets: dict, default_workdir: str) -> argparse.Ar
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--dry-run", action="store_true", help="print the runs' settings and exit")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--allow-config-change", default="",
+                    help="comma-separated section.field names a resumed run may change")
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
     return ap
 
@@ -269,9 +273,16 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
     if args.dry_run:
         dry_run(exp, variants, seeds, args.overrides)
         return {}
+    try:  # what this machine must offer, before any work starts
+        for v in variants:
+            loop.preflight(exp.config(v, seeds[0], args.overrides), args.workdir)
+    except (ValueError, PermissionError) as e:
+        ap.error(str(e))
     progress = not args.quiet
+    allow = [f for f in args.allow_config_change.split(",") if f]
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
-                            overrides=args.overrides, progress=progress)
+                            overrides=args.overrides, progress=progress,
+                            allow_config_change=allow)
     if cold_start_per_variant:
         runs = {}
         for v in variants:

@@ -26,11 +26,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", default="runs/quickstart")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--allow-config-change", default="",
+                    help="comma-separated section.field names a resumed run may change")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     args = ap.parse_args(argv)
     try:
         cfg = presets.preset(args.preset, args.overrides)
-    except ConfigError as e:
+        loop.preflight(cfg, args.workdir)
+    except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
     t0 = time.time()
     data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(args.workdir, "data"))
@@ -40,7 +43,8 @@ def main(argv=None) -> dict:
     if sft_losses:
         print(f"SFT: loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} in {len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
-                       progress=not args.quiet)
+                       progress=not args.quiet,
+                       allow_config_change=[f for f in args.allow_config_change.split(",") if f])
     summary["wall_seconds"] = round(time.time() - t0, 1)
     print(json.dumps(summary, indent=2))
     print(f"plots: {os.path.join(args.workdir, 'plots')}")

@@ -265,6 +265,7 @@ class LossConfig(_Replace):
       advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
       max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
       gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
+      gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
       norm_length: the constant T_norm of aggregation 'seq_mean_token_sum_norm' (Dr. GRPO
         divides by the generation budget); 0 = the padded width T of the batch.
     """
@@ -284,6 +285,7 @@ class LossConfig(_Replace):
     max_log_ratio: float = 20.0
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
+    gspo_max_log_ratio: float = 10.0
     norm_length: int = 0
 
     def __post_init__(self):
@@ -308,6 +310,8 @@ class LossConfig(_Replace):
         # exp(±max) and the squared weights of the metrics must stay finite in float32.
         check(_finite(self.max_log_ratio) and 0 < self.max_log_ratio <= 40, "max_log_ratio",
               f"must be in (0, 40] so exp(2·max_log_ratio) fits float32, got {self.max_log_ratio}")
+        check(_finite(self.gspo_max_log_ratio) and 0 < self.gspo_max_log_ratio <= 40,
+              "gspo_max_log_ratio", f"must be in (0, 40], got {self.gspo_max_log_ratio}")
         check(_is_int(self.norm_length) and self.norm_length >= 0, "norm_length",
               f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
         check_bool(self, "clip", "use_is")
@@ -363,6 +367,8 @@ class RLConfig(_Replace):
       with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
       'chunked' 1.4×; docs/benchmarks.md).
     seed: every random choice of the run derives from (seed, step).
+    max_consecutive_skips: the run stops with an error after this many updates in a row
+      were skipped as non-finite (a diverged run should not exit 0).
     """
 
     steps: int = 60
@@ -378,12 +384,13 @@ class RLConfig(_Replace):
     keep_checkpoints: int = 2
     async_checkpoints: bool = True
     seed: int = 0
+    max_consecutive_skips: int = 16
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
         check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
                            "eval_every", "eval_k", "eval_problems", "checkpoint_every",
-                           "keep_checkpoints")
+                           "keep_checkpoints", "max_consecutive_skips")
         check_choice(self, "replay", REPLAY_MODES)
         check_choice(self, "logprob_impl", LOGPROB_IMPLS)
         check(self.group_size >= 2, "group_size",
@@ -400,16 +407,18 @@ class RLConfig(_Replace):
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(_Replace):
-    """Cold-start supervised fine-tuning on the task's worked solutions."""
+    """Cold-start supervised fine-tuning on the task's worked solutions (the run stops with
+    an error after `max_consecutive_skips` non-finite updates in a row)."""
 
     steps: int = 300
     batch_size: int = 32
     seed: int = 0
+    max_consecutive_skips: int = 16
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, schedule="cosine", warmup_frac=0.1,
                                      weight_decay=0.01)
 
     def __post_init__(self):
-        check_positive_int(self, "steps", "batch_size")
+        check_positive_int(self, "steps", "batch_size", "max_consecutive_skips")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
 
@@ -532,3 +541,22 @@ def _rebuild(obj, changes: dict):
         return dataclasses.replace(obj, **kw)
     except TypeError as e:  # a value of the wrong type reached a comparison
         raise ConfigError(f"{type(obj).__name__}: {e}") from None
+
+
+def flat_dict(cfg) -> dict:
+    """{"section.field": value} of a config, JSON-ready (tuples as lists): what a
+    checkpoint stores, and what `changed_fields` compares."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update({f"{f.name}.{k}": x for k, x in flat_dict(v).items()})
+        else:
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def changed_fields(saved: dict, cfg) -> list[str]:
+    """Paths whose value in `cfg` differs from a stored `flat_dict` (or that one lacks)."""
+    now = flat_dict(cfg)
+    return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))

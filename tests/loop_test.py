@@ -66,3 +66,13 @@ def test_invalid_workdir_is_a_clear_error(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         loop.run(tiny_cfg(), str(f), progress=False)
+
+
+def test_a_diverging_run_stops_with_an_error(tmp_path):
+    # Every update overflows (lr 1e39 is inf in float32) and is skipped: after
+    # max_consecutive_skips of them the run raises instead of exiting as if it trained.
+    cfg = tiny_cfg(steps=3, learning_rate=1e39, max_consecutive_skips=2)
+    with pytest.raises(FloatingPointError, match="2 updates in a row"):
+        loop.run(cfg, str(tmp_path / "run"), progress=False)
+    rows = read_metrics(str(tmp_path / "run"))
+    assert rows[-1]["step"] == 1 and rows[-1]["skipped_updates"] == 1.0

@@ -11,9 +11,11 @@ from conftest import cpu_devices
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 from tolerance import LAMBDA, assert_close, backward_chain, engine_chain
 
+from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.rl.steps import count_skips
 
 # Rewards of 4 groups of 2: advantages ±0.5 in two groups, 0 in the others.
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 0, 0], np.float32)
@@ -138,3 +140,24 @@ def test_sharded_update_equals_unsharded(x64):
 def test_mesh_larger_than_devices_is_a_clear_error():
     with pytest.raises(ValueError, match="mesh="):
         _engine(tiny_cfg(mesh=(1, 1, 16)), devices=cpu_devices())
+
+
+def test_an_update_whose_result_is_not_finite_is_skipped_sft_too():
+    """A finite loss and gradient can still give non-finite parameters (a learning rate
+    that overflows float32): the guard checks the new params and optimizer state, for the
+    SFT update as for the RL one."""
+    cfg, params, _ = _rollout()
+    optim = cfg.sft.optim.replace(learning_rate=1e39, schedule="constant", warmup_frac=0.0)
+    eng = _engine(cfg, optim=optim, total_steps=1)
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (8, 12), 4, 60), np.int32)
+    batch = SFTBatch(tokens, np.ones((8, 12), bool), np.ones((8, 11), np.float32))
+    state, metrics = eng.sft_update(eng.init_state(params), batch)
+    assert int(state.skipped) == 1 and float(metrics["skipped_updates"][0]) == 1.0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params),
+                 jax.tree.map(np.asarray, params))
+
+
+def test_consecutive_skips_stop_the_run():
+    assert count_skips(0, [True, False, True], 2, "rl") == 1  # a success resets the count
+    with pytest.raises(FloatingPointError, match="rl.optim.learning_rate"):
+        count_skips(1, [True, True], 3, "rl")

@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from stablerl_jax.checkpoint import Checkpointer
+from stablerl_jax.config import changed_fields, flat_dict
 from stablerl_jax.data.task import TaskData
 from stablerl_jax.diagnostics import reduce_metrics
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
@@ -44,7 +45,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     """One global step; returns (state, metrics dict of floats, mini-batch composition).
 
     The composition is {"prompts": train-split indices of the step's prompts,
-    "minibatches": response indices per mini-batch}; response r answers prompt r // G.
+    "minibatches": response indices per mini-batch, "skipped": 1 for each mini-batch whose
+    update was skipped as non-finite}; response r answers prompt r // G.
     """
     rl = engine.cfg.rl
     prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
@@ -63,7 +65,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                "response_length": float(np.mean(np.asarray(rollout.lengths_B)))}
     metrics.update(reduce_metrics([score_metrics]))
     metrics.update(reduce_metrics(update_metrics))
-    composition = {"prompts": [int(i) for i in prompt_idx], "minibatches": minibatches.tolist()}
+    composition = {"prompts": [int(i) for i in prompt_idx], "minibatches": minibatches.tolist(),
+                   "skipped": [int(steps.skipped(m)) for m in update_metrics]}
     return state, metrics, composition
 
 
@@ -76,28 +79,84 @@ def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
     return {"eval/accuracy": res["avg@k"], "eval/pass_at_k": res["pass@k"]}
 
 
-def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
-        progress: bool = True) -> dict:
-    """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes."""
+# Fields a resumed run may change without asking: how long it runs and how it reports, not
+# what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
+RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_problems",
+               "rl.checkpoint_every", "rl.keep_checkpoints", "rl.async_checkpoints",
+               "rl.max_consecutive_skips")
+
+
+def check_workdir(workdir: str) -> None:
+    """A clear error for a workdir that cannot hold a run (before any work starts)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
+    parent = workdir if os.path.isdir(workdir) else os.path.dirname(os.path.abspath(workdir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"workdir {workdir!r}: {parent!r} is not writable; fix its "
+                              "permissions or choose another --workdir")
+
+
+def preflight(cfg, workdir: str, devices=None) -> None:
+    """The checks an entry point runs before any work (before the cold start): the
+    workdir can hold a run, and the mesh fits the visible devices."""
+    check_workdir(workdir)
+    n = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
+    have = len(jax.devices() if devices is None else devices)
+    if n > have:
+        raise ValueError(f"mesh={cfg.mesh} needs {n} devices, only {have} are visible; "
+                         "shrink the mesh (override mesh=data,fsdp,expert)")
+
+
+def _check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
+    if saved is None:
+        return  # written before configs were stored
+    changed = [k for k in changed_fields(saved, cfg)
+               if k not in RUN_CONTROL and not k.startswith("sft.") and k not in allow]
+    if changed:
+        now = flat_dict(cfg)
+        diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+        raise ValueError(
+            f"{where}: the run being resumed was trained with another config ({diffs}). "
+            f"Resume with the same settings, pass --allow-config-change {','.join(changed)} "
+            "to continue with the new ones, or use a new workdir.")
+
+
+def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
+        progress: bool = True, allow_config_change=()) -> dict:
+    """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
+
+    A resume refuses a changed config (beyond RUN_CONTROL) unless `allow_config_change`
+    names the changed fields ("section.field")."""
+    check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
     data = data or TaskData.create(cfg.task, cfg.model.vocab_size,
                                    os.path.join(workdir, "data"))
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
-    writer = MetricsWriter(workdir)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
     start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
+    had_checkpoints = bool(ckpt.all_steps())
+    try:
+        restored = ckpt.restore_latest(state._asdict(), check_meta=lambda meta: (
+            _check_resumed_config(meta.get("config"), cfg, allow_config_change, workdir)))
+    except Exception:
+        ckpt.close()
+        raise
+    if had_checkpoints and restored is None:
+        ckpt.close()
+        raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
+                         "<step>.corrupt, see the log); run again to start from scratch")
+    writer = MetricsWriter(workdir)
+    if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
-        restored, _ = ckpt.restore(latest, state._asdict())
-        state = steps.TrainState(**restored)
+        latest, state_dict, _ = restored
+        state = steps.TrainState(**state_dict)
         start = latest
         writer.truncate_after(latest)
         truncate_jsonl(minibatch_log, latest)
@@ -107,20 +166,26 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         writer.write(0, evaluate(engine, state.params, data, 0))
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not progress, desc=cfg.name)
-    for step in bar:
-        state, metrics, composition = global_step(engine, state, data, step)
-        append_jsonl(minibatch_log, {"step": step + 1, **composition})
-        if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
-            metrics.update(evaluate(engine, state.params, data, step + 1))
-        writer.write(step + 1, metrics)
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}",
-                        kl=f"{metrics['kl/train_infer_k1']:.1e}",
-                        acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
-        if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
-            ckpt.save(step + 1, state._asdict(), {"step": step + 1})
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+    skips = 0
+    meta = {"config": flat_dict(cfg)}
+    try:
+        for step in bar:
+            state, metrics, composition = global_step(engine, state, data, step)
+            append_jsonl(minibatch_log, {"step": step + 1, **composition})
+            if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
+                metrics.update(evaluate(engine, state.params, data, step + 1))
+            writer.write(step + 1, metrics)
+            skips = steps.count_skips(skips, composition["skipped"],
+                                      cfg.rl.max_consecutive_skips, "rl")
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}",
+                            kl=f"{metrics['kl/train_infer_k1']:.1e}",
+                            acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
+            if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
+                ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
+    finally:  # an error still finishes the saves already started
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
     summary = summarize(records, int(state.skipped))

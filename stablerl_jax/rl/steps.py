@@ -134,3 +134,23 @@ def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.Gradient
     metrics["grad_norm"] = (jnp.where(ok, grad_norm, 0.0), ok.astype(jnp.float32))
     metrics["skipped_updates"] = ((~ok).astype(jnp.float32), jnp.ones(()))
     return new_state, metrics
+
+
+def skipped(metrics) -> bool:
+    """Whether the update that returned `metrics` was skipped."""
+    return float(metrics["skipped_updates"][0]) > 0
+
+
+def count_skips(consecutive: int, skipped_flags, limit: int, section: str) -> int:
+    """Updates skipped in a row, after updates with these skipped flags; raises
+    FloatingPointError once `limit` is reached."""
+    for flag in skipped_flags:
+        consecutive = consecutive + 1 if flag else 0
+        if consecutive >= limit:
+            raise FloatingPointError(
+                f"{consecutive} updates in a row had a non-finite loss, gradient or result "
+                "and were skipped (the parameters are those of the last good update, and "
+                "checkpoints of completed steps are intact): the run diverged. Lower "
+                f"{section}.optim.learning_rate, check the data and rewards, or raise "
+                f"{section}.max_consecutive_skips.")
+    return consecutive
