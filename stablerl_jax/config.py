@@ -169,6 +169,9 @@ class TaskConfig(_Replace):
     seed: the generator's seed.
     max_prompt_len / max_solution_len: token budgets (longer records are an error).
     jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
+    tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
+      tokenizer_config.json): use that tokenizer and its special ids; '' trains the
+      SentencePiece tokenizer on the task (the default).
     skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
       failing on the first one.
     """
@@ -186,6 +189,7 @@ class TaskConfig(_Replace):
     max_prompt_len: int = 16
     max_solution_len: int = 40
     jsonl_dir: str = ""
+    tokenizer_dir: str = ""
     skip_malformed: bool = False
 
     def __post_init__(self):
