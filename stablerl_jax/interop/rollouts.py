@@ -44,7 +44,7 @@ import numpy as np
 from stablerl_jax.rollout import Rollout
 
 
-def _check_routes(routed, field: str, num_layers: int, top_k: int, num_experts: int):
+def _check_routes(routed, field: str, num_layers: int, top_k: int):
     if routed.ndim != 4 or routed.shape[2:] != (num_layers, top_k):
         raise ValueError(f"{field}: shape {routed.shape} must be [responses, tokens, "
                          f"num_layers={num_layers}, top_k={top_k}]; check that the engine "
@@ -54,19 +54,18 @@ def _check_routes(routed, field: str, num_layers: int, top_k: int, num_experts: 
 
 
 def engine_routes_to_replay(routed_BxMxLxK, prompt_lens_B, completion_lens_B, *,
-                            max_prompt_len: int, max_new_tokens: int, num_experts: int,
-                            weights_BxMxLxK=None):
+                            max_prompt_len: int, max_new_tokens: int, num_layers: int,
+                            top_k: int, num_experts: int, weights_BxMxLxK=None):
     """An engine's per-token routes (right-padded [B, M, L, K], see the module docstring)
     as our `routes_mu_BxSxLxK` (int32, -1 where nothing was processed), and, given the
     engine's combine weights in the same layout, `route_weights_mu_BxSxLxK` (float32, 0
-    there). Raises ValueError naming the field for anything that is not a recording of
-    these sequences."""
+    there). num_layers / top_k / num_experts are the model's. Raises ValueError naming
+    the field for anything that is not a recording of these sequences by this model."""
     routed = np.asarray(routed_BxMxLxK)
     p_b = np.asarray(prompt_lens_B, np.int64)
     c_b = np.asarray(completion_lens_B, np.int64)
-    b = routed.shape[0] if routed.ndim else 0
-    num_layers, top_k = (routed.shape[2], routed.shape[3]) if routed.ndim == 4 else (0, 0)
-    _check_routes(routed, "routed_experts", num_layers, top_k, num_experts)
+    _check_routes(routed, "routed_experts", num_layers, top_k)
+    b = routed.shape[0]
     if p_b.shape != (b,) or c_b.shape != (b,):
         raise ValueError(f"prompt_lens / completion_lens: shapes {p_b.shape} / {c_b.shape} "
                          f"must be [B]=[{b}], one length per row of routed_experts")
@@ -240,7 +239,7 @@ class OfflineRollouts:
         if "routes" in a:
             routes, w = engine_routes_to_replay(
                 routed, p_b, c_b, max_prompt_len=P, max_new_tokens=max_new_tokens,
-                num_experts=num_experts,
+                num_layers=num_layers, top_k=top_k, num_experts=num_experts,
                 weights_BxMxLxK=weights if "route_weights" in a else None)
         else:
             routes, w = np.full((b, s, num_layers, top_k), -1, np.int32), None
@@ -249,3 +248,25 @@ class OfflineRollouts:
         rewards = a["rewards"][rows].astype(np.float32) if "rewards" in a else None
         answers = [str(x) for x in a["answers"][rows]] if "answers" in a else None
         return rollout, rewards, answers
+
+
+def responses_from_rollout(rollout: Rollout, rewards_B) -> list[dict]:
+    """Our sampler's rollout as per-response records in the engine's convention (the
+    inverse of `OfflineRollouts.batch`): routes of the processed tokens only, prompt
+    then completion. For recording rollouts to a file with `write_rollouts`."""
+    r = {k: np.asarray(v) for k, v in rollout._asdict().items() if v is not None}
+    out = []
+    for b in range(r["tokens_BxS"].shape[0]):
+        prompt, comp = r["prompt_mask_BxS"][b], r["completion_mask_BxS"][b]
+        # Processed slots: the prompt, then every completion token but the last.
+        processed = prompt.copy()
+        processed[np.flatnonzero(comp)[:-1]] = True
+        rec = {"prompt_ids": r["tokens_BxS"][b, prompt],
+               "completion_ids": r["tokens_BxS"][b, comp],
+               "logp_mu": r["logp_mu_BxS"][b, comp],
+               "routes": r["routes_mu_BxSxLxK"][b, processed],
+               "reward": float(np.asarray(rewards_B)[b])}
+        if "route_weights_mu_BxSxLxK" in r:
+            rec["route_weights"] = r["route_weights_mu_BxSxLxK"][b, processed]
+        out.append(rec)
+    return out
