@@ -227,9 +227,13 @@ _RUN_FIELDS = ("compute_dtype", "remat", "dispatch", "moe_tile", "router_z_loss_
 def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentConfig:
     """`cfg` with its model section read from the checkpoint directory `path` (the
     architecture and parameter dtype from config.json; `_RUN_FIELDS` kept from
-    cfg.model), and the checkpoint's tokenizer (task.tokenizer_dir = path unless set)."""
+    cfg.model), and the checkpoint's tokenizer when it ships a tokenizer.json
+    (task.tokenizer_dir = path, unless already set; without one, the task's SentencePiece
+    tokenizer, e.g. for a checkpoint this project exported)."""
     model = read_config(path, **{f: getattr(cfg.model, f) for f in _RUN_FIELDS})
-    task = cfg.task if cfg.task.tokenizer_dir else cfg.task.replace(tokenizer_dir=path)
+    task = cfg.task
+    if not task.tokenizer_dir and os.path.exists(os.path.join(path, "tokenizer.json")):
+        task = task.replace(tokenizer_dir=path)
     return cfg.replace(model=model, task=task)
 
 
