@@ -151,18 +151,9 @@ def _read(ts, how: str, idx: tuple, shape: tuple, cfg: ModelConfig) -> np.ndarra
     return block.transpose(0, 2, 1)
 
 
-def _fused(ckpt: _Checkpoint, cfg: ModelConfig) -> bool:
-    """Which expert layout the checkpoint holds (checking the shapes of layer 0's)."""
-    e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_ffn_dim
-    name = _L.format(l=0) + "mlp.experts.gate_up_proj"
-    if name not in ckpt:
-        return False
-    want = {name: (e, 2 * f, d), _L.format(l=0) + "mlp.experts.down_proj": (e, d, f)}
-    for n, shp in want.items():
-        if ckpt.shape(n) != shp:
-            raise ValueError(f"checkpoint: {n} has shape {ckpt.shape(n)}, expected {shp} "
-                             "(experts, out, in) for config.json's sizes")
-    return True
+def _fused(ckpt: _Checkpoint) -> bool:
+    """Which expert layout the checkpoint holds (its shapes are checked with the rest)."""
+    return _L.format(l=0) + "mlp.experts.gate_up_proj" in ckpt
 
 
 def _sources(ckpt: _Checkpoint, cfg: ModelConfig) -> dict:
@@ -172,7 +163,7 @@ def _sources(ckpt: _Checkpoint, cfg: ModelConfig) -> dict:
     if not cfg.tie_embeddings:
         src["unembed"] = ("lm_head.weight", "transposed", "")
     layers = {k: (_L + n, how, "l") for k, (n, how) in _LAYER.items()}
-    if _fused(ckpt, cfg):
+    if _fused(ckpt):
         layers.update({k: (_L + n, how, "l") for k, (n, how) in _FUSED.items()})
     else:
         layers.update({k: (_L + n, "transposed", "le") for k, n in _PER_EXPERT.items()})
@@ -181,7 +172,7 @@ def _sources(ckpt: _Checkpoint, cfg: ModelConfig) -> dict:
 
 def _check_shapes(ckpt, sources, shapes, cfg) -> None:
     """Each HF tensor's shape must be what config.json implies (read from the header)."""
-    def want(key, leaf, how, stacked):
+    def want(leaf, how, stacked):
         inner = leaf.shape[len(stacked):]
         if how == "transposed":
             return inner[:-2] + (inner[-1], inner[-2])
@@ -197,9 +188,9 @@ def _check_shapes(ckpt, sources, shapes, cfg) -> None:
         names = [tmpl.format(l=l, e=e) for l in range(cfg.num_layers if stacked else 1)
                  for e in range(cfg.num_experts if stacked == "le" else 1)]
         for n in names:
-            if ckpt.shape(n) != want(key, leaf, how, stacked):
+            if ckpt.shape(n) != want(leaf, how, stacked):
                 raise ValueError(f"checkpoint: {n} has shape {ckpt.shape(n)}, expected "
-                                 f"{want(key, leaf, how, stacked)} for {key} "
+                                 f"{want(leaf, how, stacked)} for {key} "
                                  f"{tuple(leaf.shape)}; does config.json match the weights?")
 
 
