@@ -91,6 +91,8 @@ class ModelConfig(_Replace):
       head_dim: per-head width (Qwen3 decouples it from d_model / num_heads).
       num_experts: E routed experts per layer.
       top_k: K experts per token.
+      norm_topk_prob: renormalize the K routing weights to sum to 1 (Qwen3-30B-A3B does);
+        False combines with the raw softmax probabilities (HF Qwen3MoeConfig's default).
       expert_ffn_dim: F, hidden width of each SwiGLU expert.
       rope_theta: RoPE base.
       norm_eps: RMSNorm epsilon.
@@ -115,6 +117,7 @@ class ModelConfig(_Replace):
     head_dim: int = 16
     num_experts: int = 8
     top_k: int = 2
+    norm_topk_prob: bool = True
     expert_ffn_dim: int = 64
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
@@ -151,7 +154,7 @@ class ModelConfig(_Replace):
         for f in ("router_z_loss_weight", "router_aux_loss_weight"):
             v = getattr(self, f)
             check(_finite(v) and v >= 0, f, f"must be >= 0, got {v}")
-        check_bool(self, "tie_embeddings", "remat")
+        check_bool(self, "tie_embeddings", "remat", "norm_topk_prob")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +169,9 @@ class TaskConfig(_Replace):
     seed: the generator's seed.
     max_prompt_len / max_solution_len: token budgets (longer records are an error).
     jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
+    tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
+      tokenizer_config.json): use that tokenizer and its special ids; '' trains the
+      SentencePiece tokenizer on the task (the default).
     skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
       failing on the first one.
     """
@@ -183,6 +189,7 @@ class TaskConfig(_Replace):
     max_prompt_len: int = 16
     max_solution_len: int = 40
     jsonl_dir: str = ""
+    tokenizer_dir: str = ""
     skip_malformed: bool = False
 
     def __post_init__(self):
@@ -362,6 +369,11 @@ class RLConfig(_Replace):
     step, N mini-batches (= optimizer steps) per step, evaluation and checkpoint cadence.
 
     replay: 'none' | 'r2' | 'r3' (PAPER.md §3).
+    replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
+      recorded routing (combine) weights, held fixed, instead of recomputing them from the
+      live router; the router then gets no gradient through the combine.
+    offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
+      vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
     logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
       Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
       with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
@@ -376,6 +388,8 @@ class RLConfig(_Replace):
     group_size: int = 8
     num_minibatches: int = 1
     replay: str = "none"
+    replay_weights: bool = False
+    offline_rollouts: str = ""
     logprob_impl: str = "chunked"
     eval_every: int = 10
     eval_k: int = 4
@@ -402,7 +416,12 @@ class RLConfig(_Replace):
               f"must divide prompts_per_step*group_size = {responses}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
-        check_bool(self, "async_checkpoints")
+        check_bool(self, "async_checkpoints", "replay_weights")
+        check(not self.replay_weights or self.replay == "r3", "replay_weights",
+              f"replays the sampler's recorded weights, so it needs replay='r3', got "
+              f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
+        check(isinstance(self.offline_rollouts, str), "offline_rollouts",
+              f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
 
 
 @dataclasses.dataclass(frozen=True)

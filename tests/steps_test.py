@@ -57,6 +57,25 @@ def test_score_builds_the_update_batch_with_its_replay():
             assert (replay[attn] >= 0).all() and (replay[~attn] == -1).all()
 
 
+def test_weight_replay_carries_the_samplers_weights_into_score_and_update():
+    cfg, params, ro = _rollout()
+    eng = _engine(tiny_cfg(replay="r3", replay_weights=True))
+    batch, _ = eng.score(params, ro, REWARDS)
+    np.testing.assert_array_equal(batch.replay_weights_BxTxLxK,
+                                  ro.route_weights_mu_BxSxLxK[:, :-1])
+    # π_old is the training engine under the sampler's routes and weights.
+    lp = policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
+                         replay_BxTxLxK=batch.replay_BxTxLxK,
+                         replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK)[0]
+    assert_close(batch.old_logp_BxT, lp, n=engine_chain(cfg.model, ro.tokens_BxS.shape[1]),
+                 lam=LAMBDA, scale="max")
+    new, _ = eng.update(eng.init_state(params), batch)
+    assert int(new.skipped) == 0
+    # Index-only replay leaves the batch without weights.
+    plain, _ = _engine(tiny_cfg(replay="r3")).score(params, ro, REWARDS)
+    assert plain.replay_weights_BxTxLxK is None
+
+
 def test_r2_on_policy_first_minibatch_is_bit_identical_to_no_replay():
     cfg, params, ro = _rollout()
     batch, _ = _engine(tiny_cfg(replay="r2")).score(params, ro, REWARDS)

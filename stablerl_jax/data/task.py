@@ -5,7 +5,8 @@ Letters: B responses (rows), G responses per prompt, P prompt slots, S rollout s
 The front door of `data/`: `load_split` dispatches on `TaskConfig.kind` to the arithmetic
 builder (synthetic.py) or the JSONL builder (gsm8k.py) and reads the split through its
 array_record data source; `TaskData` adds the tokenizer, trained once on the train split
-with at most `vocab_size` pieces (the model's), and the batches the loop needs.
+with at most `vocab_size` pieces (the model's), or a checkpoint's own tokenizer.json
+(`task.tokenizer_dir`), and the batches the loop needs.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from stablerl_jax.config import TaskConfig, check
 from stablerl_jax.data import batching, gsm8k, rewards, synthetic
 from stablerl_jax.data.evaluation import avg_at_k
+from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
 
 
@@ -51,6 +53,12 @@ class TaskData:
         """Build the splits (once) and train the tokenizer (once) under data_dir."""
         train = load_split(cfg, "train", data_dir)
         test = load_split(cfg, "test", data_dir)
+        if cfg.tokenizer_dir:
+            tok = HFTokenizer.from_dir(cfg.tokenizer_dir)
+            check(tok.vocab_size <= vocab_size, "task.tokenizer_dir",
+                  f"the tokenizer has {tok.vocab_size} tokens > model.vocab_size="
+                  f"{vocab_size}; use the checkpoint's own tokenizer")
+            return cls(cfg, train, test, tok)
         corpus = [r["prompt"] + " " + r["solution"] for r in train]
         name = f"spm_{cfg.kind}_{vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
         tok = SentencePieceTokenizer.load_or_train(os.path.join(data_dir, name), corpus,

@@ -54,6 +54,15 @@ def make_mesh(mesh_shape: tuple, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(*mesh_shape, devices=devices[:n])
 
 
+def param_shardings(cfg: ExperimentConfig, devices=None, params_like=None) -> dict:
+    """The params' shardings on the mesh of `cfg.mesh`, as `Engine.create` builds them
+    (so a checkpoint loaded onto them is placed once, where the engine wants it)."""
+    mesh = make_mesh(cfg.mesh, devices)
+    shapes = params_like if params_like is not None else jax.eval_shape(
+        lambda: tf.init_params(jax.random.key(0), cfg.model))
+    return sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
+
+
 @dataclasses.dataclass(frozen=True)
 class Engine:
     """The steps of one experiment bound to a mesh and an optimizer."""
@@ -82,7 +91,7 @@ class Engine:
         optimizer = make_optimizer(optim, total_steps)
         shapes = params_like if params_like is not None else jax.eval_shape(
             lambda: tf.init_params(jax.random.key(0), cfg.model))
-        p_sh = sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
+        p_sh = param_shardings(cfg, devices, shapes)
         rep = sharding.replicated(mesh)
         # Optimizer moments mirror the params they belong to; counts are replicated.
         opt_sh = optax.tree_map_params(optimizer, lambda _, s: s,

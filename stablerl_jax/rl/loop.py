@@ -13,6 +13,10 @@ One global step, every hop a call from here into one module and back:
     6. diagnostics    reduce_metrics: the step's monitors as floats
     7. metrics_io     the metrics row (and every eval_every steps, avg@k on held-out data)
 
+With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
+rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
+such as vLLM or SGLang: interop/rollouts.py); everything from hop 4 on is unchanged.
+
 Everything random is derived from (seed, step), so a run resumed from its last complete
 checkpoint reproduces the uninterrupted run bit for bit on CPU.
 """
@@ -29,6 +33,8 @@ from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.config import changed_fields, flat_dict
 from stablerl_jax.data.task import TaskData
 from stablerl_jax.diagnostics import reduce_metrics
+from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
@@ -41,20 +47,42 @@ def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
     return np.random.default_rng([seed, step, 1]).permutation(responses)
 
 
-def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int):
+def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
+    """(rollout, rewards_B, the file's response indices) of global step `step`."""
+    b = cfg.rl.prompts_per_step * cfg.rl.group_size
+    rows = np.arange(step * b, (step + 1) * b)
+    rollout, rewards_B, answers = offline.batch(
+        rows, max_prompt_len=cfg.task.max_prompt_len,
+        max_new_tokens=cfg.sampling.max_new_tokens, pad_id=data.tokenizer.pad_id,
+        num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
+        num_experts=cfg.model.num_experts)
+    if rewards_B is None:
+        rewards_B = data.reward(rollout, answers)
+    return rollout, rewards_B, rows
+
+
+def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+                offline: OfflineRollouts | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition).
 
     The composition is {"prompts": train-split indices of the step's prompts,
     "minibatches": response indices per mini-batch, "skipped": 1 for each mini-batch whose
-    update was skipped as non-finite}; response r answers prompt r // G.
+    update was skipped as non-finite}; response r answers prompt r // G. With `offline`, the
+    step's responses come from that file and "responses" lists their indices in it instead
+    of "prompts".
     """
     rl = engine.cfg.rl
-    prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-    tokens, mask, answers = data.prompt_batch([data.train[i] for i in prompt_idx],
-                                              rl.group_size)
-    key = jax.random.fold_in(jax.random.key(rl.seed), step)
-    rollout = engine.sample(state.params, tokens, mask, key)
-    rewards_B = data.reward(rollout, answers)
+    if offline is None:
+        prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
+        tokens, mask, answers = data.prompt_batch([data.train[i] for i in prompt_idx],
+                                                  rl.group_size)
+        key = jax.random.fold_in(jax.random.key(rl.seed), step)
+        rollout = engine.sample(state.params, tokens, mask, key)
+        rewards_B = data.reward(rollout, answers)
+        source = {"prompts": [int(i) for i in prompt_idx]}
+    else:
+        rollout, rewards_B, rows = offline_batch(offline, engine.cfg, data, step)
+        source = {"responses": [int(i) for i in rows]}
     batch, score_metrics = engine.score(state.params, rollout, rewards_B)
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
     update_metrics = []
@@ -65,7 +93,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                "response_length": float(np.mean(np.asarray(rollout.lengths_B)))}
     metrics.update(reduce_metrics([score_metrics]))
     metrics.update(reduce_metrics(update_metrics))
-    composition = {"prompts": [int(i) for i in prompt_idx], "minibatches": minibatches.tolist(),
+    composition = {**source, "minibatches": minibatches.tolist(),
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
     return state, metrics, composition
 
@@ -124,16 +152,26 @@ def _check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
 
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
-        progress: bool = True, allow_config_change=()) -> dict:
+        progress: bool = True, allow_config_change=(), export_hf: str = "") -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
     A resume refuses a changed config (beyond RUN_CONTROL) unless `allow_config_change`
-    names the changed fields ("section.field")."""
+    names the changed fields ("section.field"). `export_hf`: also write the final policy
+    there as a Hugging Face Qwen3-MoE checkpoint (with the tokenizer's special ids, and its
+    files when task.tokenizer_dir is set)."""
     check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
     data = data or TaskData.create(cfg.task, cfg.model.vocab_size,
                                    os.path.join(workdir, "data"))
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    offline = None
+    if cfg.rl.offline_rollouts:
+        offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
+        offline.check(group_size=cfg.rl.group_size,
+                      responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
+                      steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
+                      top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
+                      need_weights=cfg.rl.replay_weights)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
@@ -170,7 +208,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     meta = {"config": flat_dict(cfg)}
     try:
         for step in bar:
-            state, metrics, composition = global_step(engine, state, data, step)
+            state, metrics, composition = global_step(engine, state, data, step, offline)
             append_jsonl(minibatch_log, {"step": step + 1, **composition})
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
                 metrics.update(evaluate(engine, state.params, data, step + 1))
@@ -186,6 +224,12 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         ckpt.wait()
         ckpt.close()
         writer.close()
+    if export_hf:
+        tok = data.tokenizer
+        save_qwen3_moe(state.params, cfg.model, export_hf,
+                       config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+                                     "bos_token_id": tok.bos_id},
+                       tokenizer_dir=cfg.task.tokenizer_dir)
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
     summary = summarize(records, int(state.skipped))

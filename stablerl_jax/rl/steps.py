@@ -12,6 +12,8 @@ Replay per mode (PAPER.md §3), chosen once in `score`:
 - r2:   score routes live and records the training engine's routes (θ_old); every update
         replays them.
 - r3:   score and every update replay the sampler's routes (routes_mu).
+- r3 with rl.replay_weights (beyond the paper): score and every update also replay the
+        sampler's recorded combine weights (route_weights_mu), held fixed.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class TrainBatch(NamedTuple):
     old_logp_BxT: jax.Array       # log π_old (training engine at θ_old)
     advantages_B: jax.Array       # Â per response
     replay_BxTxLxK: jax.Array | None  # routes every update replays; None: route live
+    replay_weights_BxTxLxK: jax.Array | None = None  # their recorded weights (weight replay)
 
 
 class TrainState(NamedTuple):
@@ -60,20 +63,26 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
+    replay_w = None
+    if rl.replay_weights:
+        if rollout.route_weights_mu_BxSxLxK is None:
+            raise ValueError("rl.replay_weights: the rollout has no route_weights_mu_BxSxLxK;"
+                             " record the sampler's weights or set rl.replay_weights=false")
+        replay_w = rollout.route_weights_mu_BxSxLxK[:, :-1]
     attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
     rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
     logp_BxT, entropy_BxT, aux = policy_logprobs(
         params, rollout.tokens_BxS, attn_BxS, cfg.model,
         replay_BxTxLxK=routes_mu_BxTxLxK if rl.replay == "r3" else None,
-        temperature=cfg.sampling.temperature, impl=rl.logprob_impl)
+        replay_weights_BxTxLxK=replay_w, temperature=cfg.sampling.temperature, impl=rl.logprob_impl)
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routed_BxT = attn_BxS[:, :-1]
     routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], aux["routes"], -1)
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
-                       advantages_B.astype(jnp.float32), replay)
+                       advantages_B.astype(jnp.float32), replay, replay_w)
     metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
                                       routes_old_BxTxLxK, routed_BxT)
     metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
@@ -85,7 +94,9 @@ def rl_loss(params: dict, batch: TrainBatch, cfg: ExperimentConfig):
     (loss, metrics as pairs)."""
     logp_BxT, entropy_BxT, aux = policy_logprobs(
         params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
-        replay_BxTxLxK=batch.replay_BxTxLxK, temperature=cfg.sampling.temperature,
+        replay_BxTxLxK=batch.replay_BxTxLxK,
+        replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
+        temperature=cfg.sampling.temperature,
         impl=cfg.rl.logprob_impl)
     loss_batch = losses_lib.LossBatch(batch.old_logp_BxT, batch.rollout_logp_BxT,
                                       batch.mask_BxT, advantages_B=batch.advantages_B)
