@@ -28,10 +28,10 @@ import time
 
 import numpy as np
 
+from stablerl_jax import distributed
 from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
-from stablerl_jax.data.task import TaskData
 from stablerl_jax.metrics_io import plot_comparison, read_metrics
-from stablerl_jax.rl import loop, sft
+from stablerl_jax.rl import loop, preflight, sft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +154,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 def cold_start(cfg, workdir: str, progress: bool):
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
-    data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(workdir, "data"))
+    data = loop.task_data(cfg, workdir)
     params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
-    if losses:
+    if losses and distributed.is_main():
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"in {len(losses)} steps", flush=True)
     return data, params
@@ -175,10 +175,11 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
             t0 = time.time()
             s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
                          allow_config_change=allow_config_change)
-            print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
-                  f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
-                  f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
-            runs[prefix + v.name].append(read_metrics(rundir))
+            if distributed.is_main():  # it alone writes (and so reads) the metrics
+                print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
+                      f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
+                      f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+                runs[prefix + v.name].append(read_metrics(rundir))
     return runs
 
 
@@ -214,6 +215,7 @@ def parser(description: str, presets: dict, default_workdir: str) -> argparse.Ar
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
+    distributed.add_arguments(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
     return ap
 
@@ -268,6 +270,10 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
     """
     ap = parser(doc.split("\n")[0], presets, f"runs/{module}")
     args = ap.parse_args(argv)
+    try:
+        distributed.initialize_from(args)
+    except ValueError as e:
+        ap.error(str(e))
     exp = presets[args.preset]()
     variants, seeds = select(exp, args, ap)
     if args.dry_run:
@@ -275,7 +281,7 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
         return {}
     try:  # what this machine must offer, before any work starts
         for v in variants:
-            loop.preflight(exp.config(v, seeds[0], args.overrides), args.workdir)
+            preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)
     except (ValueError, PermissionError) as e:
         ap.error(str(e))
     progress = not args.quiet
@@ -293,7 +299,8 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
         data, params = cold_start(apply_overrides(exp.base, args.overrides),
                                   args.workdir, progress)
         runs = run(data=data, params=params, variants=variants)
-    table = report(runs, args.workdir, title, command(module, argv),
-                   groups([v.name for v in variants]) if groups else None)
-    print(table)
+    if distributed.is_main():
+        table = report(runs, args.workdir, title, command(module, argv),
+                       groups([v.name for v in variants]) if groups else None)
+        print(table)
     return runs

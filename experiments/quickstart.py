@@ -22,11 +22,10 @@ import time
 
 from flax import traverse_util
 
-from stablerl_jax import presets
+from stablerl_jax import distributed, presets
 from stablerl_jax.config import ConfigError
-from stablerl_jax.data.task import TaskData
 from stablerl_jax.interop import hf_checkpoint
-from stablerl_jax.rl import loop, sft
+from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.rl.engine import param_shardings
 
 
@@ -39,17 +38,20 @@ def main(argv=None) -> dict:
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
     ap.add_argument("--export-hf", default="", help="write the final policy here (HF format)")
+    distributed.add_arguments(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     args = ap.parse_args(argv)
     try:
+        distributed.initialize_from(args)
         cfg = presets.preset(args.preset, args.overrides)
-        loop.preflight(cfg, args.workdir)
+        preflight.check(cfg, args.workdir)
     except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
     t0 = time.time()
+    main_process = distributed.is_main()
     if args.hf:
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
-    data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(args.workdir, "data"))
+    data = loop.task_data(cfg, args.workdir)
     if args.hf:
         # Straight onto the Engine's mesh and shardings: no host copy of the model.
         params = hf_checkpoint.load_params(args.hf, cfg.model, param_shardings(cfg))
@@ -57,17 +59,20 @@ def main(argv=None) -> dict:
     else:
         params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)
     flat = traverse_util.flatten_dict(params, sep="/")
-    print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} arrays")
-    if sft_losses:
-        print(f"SFT: loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} in {len(sft_losses)} steps")
+    if main_process:
+        print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} "
+              "arrays")
+        if sft_losses:
+            print(f"SFT: loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} in "
+                  f"{len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
                        allow_config_change=[f for f in args.allow_config_change.split(",") if f])
     summary["wall_seconds"] = round(time.time() - t0, 1)
-    print(json.dumps(summary, indent=2))
-    print(f"plots: {os.path.join(args.workdir, 'plots')}")
+    if main_process:
+        print(json.dumps(summary, indent=2))
+        print(f"plots: {os.path.join(args.workdir, 'plots')}")
     return summary
-
 
 if __name__ == "__main__":
     main()

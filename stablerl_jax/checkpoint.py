@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from stablerl_jax import distributed
+
 _COMMIT_FILE = "commit_success.txt"
 _CHECKSUMS = "checksums"
 
@@ -65,7 +67,8 @@ def _checksum(x):
 
 def checksums(state) -> dict[str, list[int]]:
     """{leaf path: [sum, weighted sum]} of a pytree of arrays (module docstring)."""
-    return {k: [int(v) for v in np.asarray(_checksum(x))] for k, x in _leaves(state).items()}
+    return {k: [int(v) for v in distributed.host(_checksum(x))]
+            for k, x in _leaves(state).items()}
 
 
 def _key_name(k) -> str:
@@ -143,8 +146,9 @@ class Checkpointer:
         if not os.access(directory, os.W_OK):
             raise PermissionError(f"checkpoint directory {directory!r} is not writable; fix "
                                   "its permissions or use another workdir")
-        if jax.process_index() == 0:
+        if distributed.is_main():
             _set_aside_incomplete(directory)
+        distributed.barrier("checkpoint directory")
         self.directory = directory
         self.keep, self.async_ = keep, async_
         self.manager = self._manager()
@@ -243,8 +247,9 @@ class Checkpointer:
         path = os.path.join(self.directory, str(step))
         logging.warning("checkpoint %s does not restore (%s: %s); falling back to an "
                         "earlier step", path, type(e).__name__, str(e)[:300])
-        if jax.process_index() == 0:
+        if distributed.is_main():
             logging.warning("moved %s to %s", path, set_aside(path, ".corrupt"))
+        distributed.barrier("corrupt checkpoint")
         self.manager.close()
         self.manager = self._manager()
 
@@ -262,6 +267,7 @@ def save_params(path: str, params) -> None:
     if os.path.exists(path):
         raise ValueError(f"params checkpoint {path!r} already exists; pass a new path or "
                          "delete the old one")
+    distributed.barrier("params checkpoint")  # every process checked before one writes
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path, params)
         ckpt.wait_until_finished()

@@ -15,9 +15,10 @@ import os
 
 import numpy as np
 
+from stablerl_jax import distributed
 from stablerl_jax.config import TaskConfig, check
 from stablerl_jax.data import batching, gsm8k, rewards, synthetic
-from stablerl_jax.data.evaluation import avg_at_k
+from stablerl_jax.data.evaluation import scores, summarize
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
 
@@ -77,22 +78,28 @@ class TaskData:
         return batching.prompt_batch(records, self.tokenizer, group_size, self.cfg.max_prompt_len)
 
     def completions(self, rollout) -> list[str]:
-        toks = np.asarray(rollout.tokens_BxS)
-        comp = np.asarray(rollout.completion_mask_BxS)
+        """Decoded completions of this process's rows of a rollout (all rows when the run
+        is a single process)."""
+        toks = distributed.local_rows(rollout.tokens_BxS)
+        comp = distributed.local_rows(rollout.completion_mask_BxS)
         return [self.tokenizer.decode(t[c]) for t, c in zip(toks, comp)]
 
     def reward(self, rollout, answers) -> np.ndarray:
+        """Rewards of this process's rows; `answers` are those rows' reference answers."""
         return rewards.rewards(self.completions(rollout), answers, self.reward_kind)
 
     def sft_batches(self, batch_size: int, seed: int):
-        """Endless seeded epochs of `batching.SFTBatch`es (numpy)."""
+        """Endless seeded epochs of `batching.SFTBatch`es (numpy): this process's block of
+        each batch's rows, the only ones it tokenizes."""
+        rows = distributed.rows_of_process(batch_size)
         for recs in batching.epochs(self.train, batch_size, seed):
-            yield batching.sft_batch(recs, self.tokenizer, self.cfg.max_prompt_len,
+            yield batching.sft_batch(recs[rows], self.tokenizer, self.cfg.max_prompt_len,
                                      self.cfg.max_solution_len)
 
     def evaluate(self, sample_tokens, key, num_problems: int, k: int) -> dict:
-        """avg@k / pass@k on the first `num_problems` test problems."""
-        problems = self.test[:num_problems]
+        """avg@k / pass@k on the first `num_problems` test problems (each process samples
+        and scores its block of them; the scores are gathered)."""
+        problems = self.test[:num_problems][distributed.rows_of_process(num_problems)]
         by_prompt = {r["prompt"]: r for r in problems}
 
         def sample_fn(prompts: list[str]) -> list[str]:
@@ -101,6 +108,6 @@ class TaskData:
                                                     self.cfg.max_prompt_len)
             return self.completions(sample_tokens(tokens, mask, key))
 
-        return avg_at_k(sample_fn, [r["prompt"] for r in problems],
-                        [r["answer"] for r in problems], k,
-                        rewards.REWARDS[self.reward_kind])
+        r_nxk = scores(sample_fn, [r["prompt"] for r in problems],
+                       [r["answer"] for r in problems], k, rewards.REWARDS[self.reward_kind])
+        return summarize(distributed.gather(r_nxk))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stablerl_jax import distributed
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig
@@ -128,8 +129,14 @@ class Engine:
         return cls(cfg, mesh, optimizer, p_sh, state_sh, batch, jitted)
 
     def _call(self, name: str, *args):
+        """Run step `name` with each argument placed on its input sharding. In a
+        multi-process run a host batch argument is this process's block of rows and any
+        other host argument a full copy (distributed.to_global)."""
         fn, in_shardings = self._jitted[name]
-        return fn(*jax.device_put(args, in_shardings))
+        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+        place = lambda sh, sub: jax.tree.map(
+            lambda x: distributed.to_global(x, sh, batch=sh is self.batch_sharding), sub)
+        return fn(*jax.tree.map(place, in_shardings, args, is_leaf=is_sharding))
 
     def init_state(self, params) -> steps.TrainState:
         """A fresh TrainState (optimizer state, zero counters) for `params`."""

@@ -29,8 +29,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from stablerl_jax import distributed
 from stablerl_jax.checkpoint import Checkpointer
-from stablerl_jax.config import changed_fields, flat_dict
+from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
 from stablerl_jax.diagnostics import reduce_metrics
 from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
@@ -38,7 +39,7 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import steps
+from stablerl_jax.rl import preflight, steps
 from stablerl_jax.rl.engine import Engine
 
 
@@ -48,7 +49,8 @@ def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
 
 
 def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
-    """(rollout, rewards_B, the file's response indices) of global step `step`."""
+    """(this process's rows of the step's rollout, their rewards, the file's response
+    indices of the whole step) of global step `step`."""
     b = cfg.rl.prompts_per_step * cfg.rl.group_size
     rows = np.arange(step * b, (step + 1) * b)
     rollout, rewards_B, answers = offline.batch(
@@ -56,9 +58,12 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
         max_new_tokens=cfg.sampling.max_new_tokens, pad_id=data.tokenizer.pad_id,
         num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
         num_experts=cfg.model.num_experts)
+    mine = distributed.rows_of_process(b)
     if rewards_B is None:
-        rewards_B = data.reward(rollout, answers)
-    return rollout, rewards_B, rows
+        rewards_B = data.reward(rollout, list(answers)[mine])
+    else:
+        rewards_B = np.asarray(rewards_B)[mine]
+    return jax.tree.map(lambda x: np.asarray(x)[mine], rollout), rewards_B, rows
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
@@ -74,24 +79,27 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     rl = engine.cfg.rl
     if offline is None:
         prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-        tokens, mask, answers = data.prompt_batch([data.train[i] for i in prompt_idx],
+        mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
+        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
                                                   rl.group_size)
         key = jax.random.fold_in(jax.random.key(rl.seed), step)
         rollout = engine.sample(state.params, tokens, mask, key)
-        rewards_B = data.reward(rollout, answers)
+        rewards_mine = data.reward(rollout, answers)
         source = {"prompts": [int(i) for i in prompt_idx]}
     else:
-        rollout, rewards_B, rows = offline_batch(offline, engine.cfg, data, step)
+        rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
         source = {"responses": [int(i) for i in rows]}
-    batch, score_metrics = engine.score(state.params, rollout, rewards_B)
+    batch, score_metrics = engine.score(state.params, rollout, rewards_mine)
+    rewards_B = distributed.gather(rewards_mine)
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
     update_metrics = []
     for rows in minibatches:
         state, m = engine.update(state, engine.select(batch, rows))
-        update_metrics.append(m)
+        update_metrics.append(jax.tree.map(distributed.host, m))
+    lengths_B = distributed.gather(distributed.local_rows(rollout.lengths_B))
     metrics = {"reward": float(np.mean(rewards_B)),
-               "response_length": float(np.mean(np.asarray(rollout.lengths_B)))}
-    metrics.update(reduce_metrics([score_metrics]))
+               "response_length": float(np.mean(lengths_B))}
+    metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
     composition = {**source, "minibatches": minibatches.tolist(),
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
@@ -107,62 +115,35 @@ def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
     return {"eval/accuracy": res["avg@k"], "eval/pass_at_k": res["pass@k"]}
 
 
-# Fields a resumed run may change without asking: how long it runs and how it reports, not
-# what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
-RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_problems",
-               "rl.checkpoint_every", "rl.keep_checkpoints", "rl.async_checkpoints",
-               "rl.max_consecutive_skips")
-
-
-def check_workdir(workdir: str) -> None:
-    """A clear error for a workdir that cannot hold a run (before any work starts)."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
-    parent = workdir if os.path.isdir(workdir) else os.path.dirname(os.path.abspath(workdir))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"workdir {workdir!r}: {parent!r} is not writable; fix its "
-                              "permissions or choose another --workdir")
-
-
-def preflight(cfg, workdir: str, devices=None) -> None:
-    """The checks an entry point runs before any work (before the cold start): the
-    workdir can hold a run, and the mesh fits the visible devices."""
-    check_workdir(workdir)
-    n = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
-    have = len(jax.devices() if devices is None else devices)
-    if n > have:
-        raise ValueError(f"mesh={cfg.mesh} needs {n} devices, only {have} are visible; "
-                         "shrink the mesh (override mesh=data,fsdp,expert)")
-
-
-def _check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
-    if saved is None:
-        return  # written before configs were stored
-    changed = [k for k in changed_fields(saved, cfg)
-               if k not in RUN_CONTROL and not k.startswith("sft.") and k not in allow]
-    if changed:
-        now = flat_dict(cfg)
-        diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
-        raise ValueError(
-            f"{where}: the run being resumed was trained with another config ({diffs}). "
-            f"Resume with the same settings, pass --allow-config-change {','.join(changed)} "
-            "to continue with the new ones, or use a new workdir.")
+def task_data(cfg, workdir: str) -> TaskData:
+    """The task's data under `<workdir>/data`, built by the first process while the others
+    wait (on a shared filesystem they then only read it)."""
+    path = os.path.join(workdir, "data")
+    if distributed.is_main():
+        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+    distributed.barrier("task data")
+    if not distributed.is_main():
+        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+    return data
 
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         progress: bool = True, allow_config_change=(), export_hf: str = "") -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
-    A resume refuses a changed config (beyond RUN_CONTROL) unless `allow_config_change`
-    names the changed fields ("section.field"). `export_hf`: also write the final policy
-    there as a Hugging Face Qwen3-MoE checkpoint (with the tokenizer's special ids, and its
-    files when task.tokenizer_dir is set)."""
-    check_workdir(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    data = data or TaskData.create(cfg.task, cfg.model.vocab_size,
-                                   os.path.join(workdir, "data"))
+    A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
+    `allow_config_change` names the changed fields ("section.field"). `export_hf`: also
+    write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
+    tokenizer's special ids, and its files when task.tokenizer_dir is set). In a
+    multi-process run every process calls this; the first writes metrics, logs, plots and
+    the summary, and every one writes its part of the checkpoints.
+    """
+    preflight.check_workdir(workdir)
+    preflight.check_processes(cfg, export_hf)
+    main = distributed.is_main()
+    if main:
+        os.makedirs(workdir, exist_ok=True)
+    data = data or task_data(cfg, workdir)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
     offline = None
     if cfg.rl.offline_rollouts:
@@ -182,7 +163,8 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     had_checkpoints = bool(ckpt.all_steps())
     try:
         restored = ckpt.restore_latest(state._asdict(), check_meta=lambda meta: (
-            _check_resumed_config(meta.get("config"), cfg, allow_config_change, workdir)))
+            preflight.check_resumed_config(meta.get("config"), cfg, allow_config_change,
+                                           workdir)))
     except Exception:
         ckpt.close()
         raise
@@ -190,26 +172,29 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         ckpt.close()
         raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
                          "<step>.corrupt, see the log); run again to start from scratch")
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir, enabled=main)
     if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
         latest, state_dict, _ = restored
         state = steps.TrainState(**state_dict)
         start = latest
         writer.truncate_after(latest)
-        truncate_jsonl(minibatch_log, latest)
+        if main:
+            truncate_jsonl(minibatch_log, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
-        truncate_jsonl(minibatch_log, -1)
+        if main:
+            truncate_jsonl(minibatch_log, -1)
         writer.write(0, evaluate(engine, state.params, data, 0))
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
-               disable=not progress, desc=cfg.name)
+               disable=not (progress and main), desc=cfg.name)
     skips = 0
     meta = {"config": flat_dict(cfg)}
     try:
         for step in bar:
             state, metrics, composition = global_step(engine, state, data, step, offline)
-            append_jsonl(minibatch_log, {"step": step + 1, **composition})
+            if main:
+                append_jsonl(minibatch_log, {"step": step + 1, **composition})
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
                 metrics.update(evaluate(engine, state.params, data, step + 1))
             writer.write(step + 1, metrics)
@@ -230,9 +215,13 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
                        config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                                      "bos_token_id": tok.bos_id},
                        tokenizer_dir=cfg.task.tokenizer_dir)
+    skipped = int(distributed.host(state.skipped))
+    distributed.barrier("run end")
+    if not main:
+        return {"steps": cfg.rl.steps, "skipped_updates": skipped}
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
-    summary = summarize(records, int(state.skipped))
+    summary = summarize(records, skipped)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
