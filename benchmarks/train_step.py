@@ -18,7 +18,8 @@ of the compiled step is printed beside it. The peak is the median FLOP/s of a ba
 Pallas ones need their accelerator) or `dense`. `moe1b` is the ≈1B-parameter bf16 MoE of
 presets.moe1b (16 layers, D 1024, 32 experts top-4) at 4 × 256 tokens on one device;
 on a CPU its parameters and AdamW moments are kept in bf16 (param_dtype) to fit the
-memory of a small machine.
+memory of a small machine. `moe1b_gpu` is the same model at 64 × 1,024 tokens with
+float32 parameters, the size for one accelerator.
 """
 from __future__ import annotations
 
@@ -58,8 +59,18 @@ def moe1b_cpu() -> ExperimentConfig:
         batch_size=4, microbatches=1), sampling=base.sampling.replace(max_batch=0))
 
 
+def moe1b_gpu() -> ExperimentConfig:
+    """presets.moe1b on one accelerator: 64 responses of 1,024 tokens (65k tokens per
+    update), float32 parameters and moments, bf16 compute, one micro-batch."""
+    base = presets.moe1b()
+    rl = base.rl.replace(prompts_per_step=4, group_size=16, microbatches=1)
+    return base.replace(rl=rl, mesh=(1, 1, 1), sft=base.sft.replace(batch_size=4,
+                        microbatches=1), sampling=base.sampling.replace(max_batch=0))
+
+
 # (config, sequence length)
-PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256), "moe1b": (moe1b_cpu, 256)}
+PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256), "moe1b": (moe1b_cpu, 256),
+           "moe1b_gpu": (moe1b_gpu, 1024)}
 
 
 def matmul_peak(dtype, n: int = 4096, reps: int = 3) -> float:

@@ -28,10 +28,10 @@ import time
 
 import numpy as np
 
+from stablerl_jax import distributed
 from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
-from stablerl_jax.data.task import TaskData
 from stablerl_jax.metrics_io import plot_comparison, read_metrics
-from stablerl_jax.rl import loop, sft
+from stablerl_jax.rl import loop, preflight, sft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,16 +154,17 @@ def markdown_table(rows: list[dict]) -> str:
 
 def cold_start(cfg, workdir: str, progress: bool):
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
-    data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(workdir, "data"))
+    data = loop.task_data(cfg, workdir)
     params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
-    if losses:
+    if losses and distributed.is_main():
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"in {len(losses)} steps", flush=True)
     return data, params
 
 
 def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
-                 overrides=(), progress: bool = True, prefix: str = "") -> dict:
+                 overrides=(), progress: bool = True, prefix: str = "",
+                 allow_config_change=()) -> dict:
     """Every (variant, seed) RL run from `params`; returns {name: [records per seed]}."""
     runs = {}
     for v in variants or exp.variants:
@@ -172,11 +173,13 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
             cfg = exp.config(v, seed, overrides)
             rundir = os.path.join(workdir, prefix + v.name, f"seed{seed}")
             t0 = time.time()
-            s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress)
-            print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
-                  f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
-                  f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
-            runs[prefix + v.name].append(read_metrics(rundir))
+            s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
+                         allow_config_change=allow_config_change)
+            if distributed.is_main():  # it alone writes (and so reads) the metrics
+                print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
+                      f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
+                      f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+                runs[prefix + v.name].append(read_metrics(rundir))
     return runs
 
 
@@ -210,6 +213,9 @@ def parser(description: str, presets: dict, default_workdir: str) -> argparse.Ar
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--dry-run", action="store_true", help="print the runs' settings and exit")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--allow-config-change", default="",
+                    help="comma-separated section.field names a resumed run may change")
+    distributed.add_arguments(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
     return ap
 
@@ -264,14 +270,25 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
     """
     ap = parser(doc.split("\n")[0], presets, f"runs/{module}")
     args = ap.parse_args(argv)
+    try:
+        distributed.initialize_from(args)
+    except ValueError as e:
+        ap.error(str(e))
     exp = presets[args.preset]()
     variants, seeds = select(exp, args, ap)
     if args.dry_run:
         dry_run(exp, variants, seeds, args.overrides)
         return {}
+    try:  # what this machine must offer, before any work starts
+        for v in variants:
+            preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)
+    except (ValueError, PermissionError) as e:
+        ap.error(str(e))
     progress = not args.quiet
+    allow = [f for f in args.allow_config_change.split(",") if f]
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
-                            overrides=args.overrides, progress=progress)
+                            overrides=args.overrides, progress=progress,
+                            allow_config_change=allow)
     if cold_start_per_variant:
         runs = {}
         for v in variants:
@@ -282,7 +299,8 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
         data, params = cold_start(apply_overrides(exp.base, args.overrides),
                                   args.workdir, progress)
         runs = run(data=data, params=params, variants=variants)
-    table = report(runs, args.workdir, title, command(module, argv),
-                   groups([v.name for v in variants]) if groups else None)
-    print(table)
+    if distributed.is_main():
+        table = report(runs, args.workdir, title, command(module, argv),
+                       groups([v.name for v in variants]) if groups else None)
+        print(table)
     return runs

@@ -1,10 +1,17 @@
 """SFT cold start, then MiniRL on the synthetic arithmetic task, with FP8 inference.
 
-    python -m experiments.quickstart [--workdir runs/quickstart] [--preset tiny] [key=value ...]
+    python -m experiments.quickstart [--workdir runs/quickstart] [--preset tiny]
+        [--hf CHECKPOINT_DIR] [--export-hf OUT_DIR] [key=value ...]
 
 e.g. `rl.steps=20 rl.replay=r3`. Writes to the workdir: sft/ (cold-start params),
 checkpoints/, metrics.jsonl, tb/ (TensorBoard), plots/*.png and summary.json; prints the
 start and end held-out accuracy. Re-running resumes from the last complete checkpoint.
+
+--hf: start RL from a Hugging Face Qwen3-MoE checkpoint instead of the SFT cold start
+(the model section and the tokenizer come from the checkpoint; parameters are read onto
+the mesh shard by shard). --export-hf: write the final policy as a Hugging Face
+checkpoint. `rl.offline_rollouts=FILE.npz` trains on rollouts recorded by an external
+engine instead of sampling (stablerl_jax/interop/rollouts.py).
 """
 from __future__ import annotations
 
@@ -15,10 +22,11 @@ import time
 
 from flax import traverse_util
 
-from stablerl_jax import presets
+from stablerl_jax import distributed, presets
 from stablerl_jax.config import ConfigError
-from stablerl_jax.data.task import TaskData
-from stablerl_jax.rl import loop, sft
+from stablerl_jax.interop import hf_checkpoint
+from stablerl_jax.rl import loop, preflight, sft
+from stablerl_jax.rl.engine import param_shardings
 
 
 def main(argv=None) -> dict:
@@ -26,26 +34,45 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", default="runs/quickstart")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--allow-config-change", default="",
+                    help="comma-separated section.field names a resumed run may change")
+    ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
+    ap.add_argument("--export-hf", default="", help="write the final policy here (HF format)")
+    distributed.add_arguments(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     args = ap.parse_args(argv)
     try:
+        distributed.initialize_from(args)
         cfg = presets.preset(args.preset, args.overrides)
-    except ConfigError as e:
+        preflight.check(cfg, args.workdir)
+    except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
     t0 = time.time()
-    data = TaskData.create(cfg.task, cfg.model.vocab_size, os.path.join(args.workdir, "data"))
-    params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)
+    main_process = distributed.is_main()
+    if args.hf:
+        cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
+    data = loop.task_data(cfg, args.workdir)
+    if args.hf:
+        # Straight onto the Engine's mesh and shardings: no host copy of the model.
+        params = hf_checkpoint.load_params(args.hf, cfg.model, param_shardings(cfg))
+        sft_losses = None
+    else:
+        params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)
     flat = traverse_util.flatten_dict(params, sep="/")
-    print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} arrays")
-    if sft_losses:
-        print(f"SFT: loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} in {len(sft_losses)} steps")
+    if main_process:
+        print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} "
+              "arrays")
+        if sft_losses:
+            print(f"SFT: loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} in "
+                  f"{len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
-                       progress=not args.quiet)
+                       progress=not args.quiet, export_hf=args.export_hf,
+                       allow_config_change=[f for f in args.allow_config_change.split(",") if f])
     summary["wall_seconds"] = round(time.time() - t0, 1)
-    print(json.dumps(summary, indent=2))
-    print(f"plots: {os.path.join(args.workdir, 'plots')}")
+    if main_process:
+        print(json.dumps(summary, indent=2))
+        print(f"plots: {os.path.join(args.workdir, 'plots')}")
     return summary
-
 
 if __name__ == "__main__":
     main()

@@ -97,6 +97,13 @@ assert stats["fp8"]["routing_mismatch"] > 0
 # numerics differ); R2 leaves it as it is, since at θ_old the live routes *are* the
 # recorded ones. Both replays keep θ on fixed experts (R2: θ_old's, R3: μ's), so the
 # staleness factor no longer contains expert flips caused by the parameter change.
+#
+# **R3+w** (`rl.replay_weights`, an extension beyond the paper, whose replay is
+# index-only) also replays the sampler's recorded combine weights, held fixed, so the
+# part of the engine factor that came from the two engines' gate weights on the same
+# experts goes too. The price: the router gets no gradient through the combine. It is
+# measured on the FP8 rollout and on a rollout whose only difference from the trainer is
+# in its gate: exact numerics plus router-logit noise (`sampling.router_noise_std`).
 
 # %%
 rewards = jnp.zeros((B,))  # the advantages play no part here
@@ -106,34 +113,51 @@ routing_mismatch = jax.jit(diagnostics.routing_mismatch)
 rng = np.random.default_rng(3)
 theta = jax.tree.map(lambda p: p + 0.002 * rng.standard_normal(p.shape, np.float32), params)
 
-eq5, route_shift = {}, {}
-for mode in ("none", "r2", "r3"):
-    run = ExperimentConfig(model=cfg, sampling=sampling,
-                           rl=RLConfig(replay=mode, prompts_per_step=B // 2, group_size=2))
-    b, _ = jax.jit(steps.score, static_argnames="cfg")(params, rollouts["fp8"], rewards,
-                                                       cfg=run)
-    # The experts π_old used (the score step routes live except under R3).
-    _, _, old_aux = logprobs(params, b.tokens_BxS, b.attn_BxS, cfg,
-                             replay_BxTxLxK=b.replay_BxTxLxK if mode == "r3" else None)
-    logp_theta, _, aux = logprobs(theta, b.tokens_BxS, b.attn_BxS, cfg,
-                                  replay_BxTxLxK=b.replay_BxTxLxK)
-    eq5[mode] = diagnostics.reduce_metrics([eq5_factors(
-        logp_theta, b.old_logp_BxT, b.rollout_logp_BxT, b.mask_BxT)])
-    # Experts θ uses vs those π_old used, on completion tokens.
-    route_shift[mode] = float(routing_mismatch(
-        aux["routes"], old_aux["routes"], b.mask_BxT)["any_flip"])
-    print(f"replay={mode:4s} spread of log factor: engine {eq5[mode]['eq5/engine_log_std']:.3e}"
-          f"  staleness {eq5[mode]['eq5/staleness_log_std']:.3e}   tokens whose experts"
-          f" moved θ_old → θ: {route_shift[mode]:.3f}")
+MODES = {"none": {"replay": "none"}, "r2": {"replay": "r2"}, "r3": {"replay": "r3"},
+         "r3+w": {"replay": "r3", "replay_weights": True}}
+
+
+def eq5_by_mode(rollout_, label):
+    """Eq. 5 factors and θ's expert moves of one rollout under each replay mode."""
+    eq5, route_shift = {}, {}
+    for mode, rl in MODES.items():
+        run = ExperimentConfig(model=cfg, sampling=sampling,
+                               rl=RLConfig(prompts_per_step=B // 2, group_size=2, **rl))
+        b, _ = jax.jit(steps.score, static_argnames="cfg")(params, rollout_, rewards, cfg=run)
+        # The experts π_old used (the score step routes live except under R3).
+        replayed = rl["replay"] == "r3"
+        _, _, old_aux = logprobs(params, b.tokens_BxS, b.attn_BxS, cfg,
+                                 replay_BxTxLxK=b.replay_BxTxLxK if replayed else None)
+        logp_theta, _, aux = logprobs(theta, b.tokens_BxS, b.attn_BxS, cfg,
+                                      replay_BxTxLxK=b.replay_BxTxLxK,
+                                      replay_weights_BxTxLxK=b.replay_weights_BxTxLxK)
+        eq5[mode] = diagnostics.reduce_metrics([eq5_factors(
+            logp_theta, b.old_logp_BxT, b.rollout_logp_BxT, b.mask_BxT)])
+        # Experts θ uses vs those π_old used, on completion tokens.
+        route_shift[mode] = float(routing_mismatch(
+            aux["routes"], old_aux["routes"], b.mask_BxT)["any_flip"])
+        print(f"{label:12s} replay={mode:5s} spread of log factor: engine "
+              f"{eq5[mode]['eq5/engine_log_std']:.3e}  staleness "
+              f"{eq5[mode]['eq5/staleness_log_std']:.3e}   tokens whose experts moved "
+              f"θ_old → θ: {route_shift[mode]:.3f}")
+    return eq5, route_shift
+
+
+eq5, route_shift = eq5_by_mode(rollouts["fp8"], "fp8")
+noisy = rollout.sample(params, prompts, prompt_mask, jax.random.key(2), cfg, sampling,
+                       nx.preset("exact", router_noise_std=0.5, noise_seed=0), eos_id=EOS,
+                       pad_id=PAD)
+eq5_noisy, _ = eq5_by_mode(noisy, "router noise")
 
 # %%
-modes = ("none", "r2", "r3")
+modes = tuple(MODES)
+colors = ["C0", "C1", "C2", "C3"]
 fig, axes = plt.subplots(1, 3, figsize=(12, 3))
 for ax, key in zip(axes, ("engine", "staleness")):
-    ax.bar(modes, [eq5[m][f"eq5/{key}_log_std"] for m in modes], color=["C0", "C1", "C2"])
+    ax.bar(modes, [eq5[m][f"eq5/{key}_log_std"] for m in modes], color=colors)
     ratio = "π_old/μ_old" if key == "engine" else "π_θ/π_old"
     ax.set_title(f"{key} factor: std of log {ratio}", fontsize=9)
-axes[2].bar(modes, [route_shift[m] for m in modes], color=["C0", "C1", "C2"])
+axes[2].bar(modes, [route_shift[m] for m in modes], color=colors)
 axes[2].set_title("tokens whose experts moved θ_old → θ", fontsize=9)
 fig.suptitle("FP8 rollout, by replay mode", fontsize=10)
 fig.tight_layout()
@@ -143,6 +167,13 @@ plt.show()
 # separate score pass. R3 replays μ's experts: a smaller one.
 assert eq5["r2"]["eq5/engine_log_std"] == eq5["none"]["eq5/engine_log_std"]
 assert eq5["r3"]["eq5/engine_log_std"] < eq5["none"]["eq5/engine_log_std"]
+# Weight replay: under FP8 the engines' gate weights on the same experts differ little,
+# and the engine factor barely moves (the rest of the network's FP8 rounding dominates);
+# when the engines differ only in their gate (router noise), replaying the experts
+# leaves most of the factor and replaying the weights too removes nearly all of it.
+noisy_std = {m: eq5_noisy[m]["eq5/engine_log_std"] for m in MODES}
+assert noisy_std["r3+w"] < 0.1 * noisy_std["r3"] < noisy_std["r3"] < noisy_std["none"]
 # Replay pins the experts: under R2 θ routes exactly as θ_old did.
 assert route_shift["r2"] == 0 < route_shift["none"]
-print("replay=r3 shrinks the engine factor; replay=r2 pins θ_old's experts")
+print("replay=r3 shrinks the engine factor; r3+w removes the gate's share; replay=r2 pins "
+      "θ_old's experts")

@@ -18,6 +18,15 @@ What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-
 Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
 Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
 which breaks bit-exact resume, so a mismatch is an error that names the leaf.
+
+Checksums. `save` stores two 32-bit checksums of every array's bits in the meta (a plain
+and a position-weighted sum of its 32-bit words, computed on the devices, so sharded
+arrays need no host copy); `restore` recomputes them and refuses a checkpoint whose bits
+changed (a flipped byte restores without any error from orbax). `restore_latest` tries
+the complete steps newest first and falls back past any that does not restore (truncated,
+zero-filled, missing files, garbage metadata, a checksum mismatch), saying which and why,
+and moves each such step aside to `<step>.corrupt` (kept, never deleted) so that later
+saves of that step are not skipped.
 """
 from __future__ import annotations
 
@@ -27,10 +36,39 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from stablerl_jax import distributed
+
 _COMMIT_FILE = "commit_success.txt"
+_CHECKSUMS = "checksums"
+
+
+def _words_u32(x):
+    """The bits of x as uint32 words (narrower dtypes widened, wider ones split)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    bits = x.dtype.itemsize * 8
+    if bits == 64:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # adds a trailing axis of 2
+    return jax.lax.bitcast_convert_type(x, getattr(jnp, f"uint{bits}")).astype(jnp.uint32)
+
+
+@jax.jit
+def _checksum(x):
+    """(Σ w, Σ (i+1)·w) over the uint32 words w_i of x, both mod 2³²: integer sums are
+    exact in any order, so sharded and unsharded arrays give the same numbers."""
+    w = _words_u32(x).reshape(-1)
+    i = jnp.arange(1, w.shape[0] + 1, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * i, dtype=jnp.uint32)])
+
+
+def checksums(state) -> dict[str, list[int]]:
+    """{leaf path: [sum, weighted sum]} of a pytree of arrays (module docstring)."""
+    return {k: [int(v) for v in distributed.host(_checksum(x))]
+            for k, x in _leaves(state).items()}
 
 
 def _key_name(k) -> str:
@@ -75,16 +113,23 @@ def _check_matches(saved_meta, target, where: str) -> None:
             "with, or start a fresh run in a new directory.")
 
 
+def set_aside(path: str, suffix: str) -> str:
+    """Rename `path` to `path + suffix` (or `…suffix<n>` if taken); returns the new path.
+    Nothing is deleted: a bad checkpoint stays for inspection."""
+    dest, n = path + suffix, 1
+    while os.path.exists(dest):
+        dest, n = f"{path}{suffix}{n}", n + 1
+    os.rename(path, dest)
+    return dest
+
+
 def _set_aside_incomplete(directory: str) -> None:
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if name.isdigit() and os.path.isdir(path) and not os.path.exists(
                 os.path.join(path, _COMMIT_FILE)):
-            dest, n = path + ".incomplete", 1
-            while os.path.exists(dest):
-                dest, n = f"{path}.incomplete{n}", n + 1
+            dest = set_aside(path, ".incomplete")
             logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE, dest)
-            os.rename(path, dest)
 
 
 class Checkpointer:
@@ -98,13 +143,21 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1 (number of checkpoints kept)")
         os.makedirs(directory, exist_ok=True)
-        if jax.process_index() == 0:
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(f"checkpoint directory {directory!r} is not writable; fix "
+                                  "its permissions or use another workdir")
+        if distributed.is_main():
             _set_aside_incomplete(directory)
+        distributed.barrier("checkpoint directory")
         self.directory = directory
-        self.manager = ocp.CheckpointManager(
-            directory,
+        self.keep, self.async_ = keep, async_
+        self.manager = self._manager()
+
+    def _manager(self):
+        return ocp.CheckpointManager(
+            self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=async_, create=True,
+                max_to_keep=self.keep, enable_async_checkpointing=self.async_, create=True,
                 cleanup_tmp_directories=True),  # leftovers of killed saves
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
@@ -127,12 +180,14 @@ class Checkpointer:
         except TypeError as e:
             raise ValueError(f"checkpoint meta must be JSON-serializable: {e}") from None
         _abstract(state)  # rejects typed PRNG keys before anything is written
+        meta = {**meta, _CHECKSUMS: checksums(state)}
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
 
     def restore(self, step: int | None, target_state) -> tuple[Any, dict]:
         """(state, meta) of `step` (None: the latest complete one). `target_state` (arrays or
-        ShapeDtypeStructs) gives the tree structure, shapes, dtypes and shardings."""
+        ShapeDtypeStructs) gives the tree structure, shapes, dtypes and shardings. Raises
+        if the step does not restore or its checksums do not match."""
         self.wait()
         steps = self.all_steps()
         if not steps:
@@ -147,7 +202,56 @@ class Checkpointer:
         _check_matches(self.manager.item_metadata(step)["state"], target, where)
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        return out.state, out.meta
+        meta = dict(out.meta)
+        saved = meta.pop(_CHECKSUMS, None)
+        if saved is not None:
+            got = checksums(out.state)
+            bad = sorted(k for k in saved if got.get(k) != saved[k])
+            if bad:
+                raise ValueError(f"checkpoint {where}: the bits of {bad[:4]} differ from "
+                                 "their checksums at save time (a corrupted file)")
+        return out.state, meta
+
+    def read_meta(self, step: int) -> dict:
+        """The meta dict of a complete step, without restoring its state."""
+        self.wait()
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out.meta)
+
+    def restore_latest(self, target_state, check_meta=None) -> tuple[int, Any, dict] | None:
+        """(step, state, meta) of the newest complete step that restores, or None if there
+        is none. Steps that fail (module docstring) are logged and moved aside.
+        `check_meta(meta)` runs before a step's state is restored; what it raises (e.g. a
+        changed config) propagates: that is the caller's error, not corruption."""
+        self.wait()
+        for step in reversed(self.all_steps()):
+            try:
+                meta = self.read_meta(step)
+            except Exception as e:  # noqa: BLE001 (orbax / TensorStore / JSON raise many)
+                self._corrupt(step, e)
+                continue
+            if check_meta is not None:
+                check_meta(meta)
+            try:
+                state, meta = self.restore(step, target_state)
+                return step, state, meta
+            except Exception as e:  # noqa: BLE001
+                if "does not match the target state" in str(e):
+                    raise  # another model or optimizer: not corruption, the caller's error
+                self._corrupt(step, e)
+        return None
+
+    def _corrupt(self, step: int, e: Exception) -> None:
+        """Log why `step` does not restore and move it aside (a later save may then write
+        that step again)."""
+        path = os.path.join(self.directory, str(step))
+        logging.warning("checkpoint %s does not restore (%s: %s); falling back to an "
+                        "earlier step", path, type(e).__name__, str(e)[:300])
+        if distributed.is_main():
+            logging.warning("moved %s to %s", path, set_aside(path, ".corrupt"))
+        distributed.barrier("corrupt checkpoint")
+        self.manager.close()
+        self.manager = self._manager()
 
     def wait(self) -> None:
         """Block until pending async saves (and keep-N deletions) are on disk."""
@@ -163,9 +267,15 @@ def save_params(path: str, params) -> None:
     if os.path.exists(path):
         raise ValueError(f"params checkpoint {path!r} already exists; pass a new path or "
                          "delete the old one")
+    distributed.barrier("params checkpoint")  # every process checked before one writes
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path, params)
         ckpt.wait_until_finished()
+
+
+def is_complete(path: str) -> bool:
+    """Whether a `save_params` directory (or a checkpoint step) was fully written."""
+    return os.path.exists(os.path.join(path, _COMMIT_FILE))
 
 
 def load_params(path: str, target=None):

@@ -94,6 +94,8 @@ class ModelConfig(_Replace):
       head_dim: per-head width (Qwen3 decouples it from d_model / num_heads).
       num_experts: E routed experts per layer.
       top_k: K experts per token.
+      norm_topk_prob: renormalize the K routing weights to sum to 1 (Qwen3-30B-A3B does);
+        False combines with the raw softmax probabilities (HF Qwen3MoeConfig's default).
       expert_ffn_dim: F, hidden width of each SwiGLU expert.
       rope_theta: RoPE base.
       norm_eps: RMSNorm epsilon.
@@ -135,6 +137,7 @@ class ModelConfig(_Replace):
     head_dim: int = 16
     num_experts: int = 8
     top_k: int = 2
+    norm_topk_prob: bool = True
     expert_ffn_dim: int = 64
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
@@ -181,7 +184,7 @@ class ModelConfig(_Replace):
         check_choice(self, "attention_impl", ATTENTION_IMPLS)
         check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
               "needs dispatch='grouped' (the dense path runs every expert on every token)")
-        check_bool(self, "tie_embeddings", "expert_parallel")
+        check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +199,9 @@ class TaskConfig(_Replace):
     seed: the generator's seed.
     max_prompt_len / max_solution_len: token budgets (longer records are an error).
     jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
+    tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
+      tokenizer_config.json): use that tokenizer and its special ids; '' trains the
+      SentencePiece tokenizer on the task (the default).
     skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
       failing on the first one.
     """
@@ -213,6 +219,7 @@ class TaskConfig(_Replace):
     max_prompt_len: int = 16
     max_solution_len: int = 40
     jsonl_dir: str = ""
+    tokenizer_dir: str = ""
     skip_malformed: bool = False
 
     def __post_init__(self):
@@ -302,6 +309,7 @@ class LossConfig(_Replace):
       advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
       max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
       gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
+      gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
       norm_length: the constant T_norm of aggregation 'seq_mean_token_sum_norm' (Dr. GRPO
         divides by the generation budget); 0 = the padded width T of the batch.
     """
@@ -321,6 +329,7 @@ class LossConfig(_Replace):
     max_log_ratio: float = 20.0
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
+    gspo_max_log_ratio: float = 10.0
     norm_length: int = 0
 
     def __post_init__(self):
@@ -345,6 +354,8 @@ class LossConfig(_Replace):
         # exp(±max) and the squared weights of the metrics must stay finite in float32.
         check(_finite(self.max_log_ratio) and 0 < self.max_log_ratio <= 40, "max_log_ratio",
               f"must be in (0, 40] so exp(2·max_log_ratio) fits float32, got {self.max_log_ratio}")
+        check(_finite(self.gspo_max_log_ratio) and 0 < self.gspo_max_log_ratio <= 40,
+              "gspo_max_log_ratio", f"must be in (0, 40], got {self.gspo_max_log_ratio}")
         check(_is_int(self.norm_length) and self.norm_length >= 0, "norm_length",
               f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
         check_bool(self, "clip", "use_is")
@@ -399,11 +410,18 @@ class RLConfig(_Replace):
       of it inside one jitted step (one optimizer update; losses and metrics equal one
       big batch's, rl/accumulate.py); the score step runs its batch in slices of the
       same size. Memory of a step scales with the slice, not the mini-batch.
+    replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
+      recorded routing (combine) weights, held fixed, instead of recomputing them from the
+      live router; the router then gets no gradient through the combine.
+    offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
+      vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
     logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
       Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
       with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
       'chunked' 1.4×; docs/benchmarks.md).
     seed: every random choice of the run derives from (seed, step).
+    max_consecutive_skips: the run stops with an error after this many updates in a row
+      were skipped as non-finite (a diverged run should not exit 0).
     """
 
     steps: int = 60
@@ -412,6 +430,8 @@ class RLConfig(_Replace):
     num_minibatches: int = 1
     microbatches: int = 1
     replay: str = "none"
+    replay_weights: bool = False
+    offline_rollouts: str = ""
     logprob_impl: str = "chunked"
     eval_every: int = 10
     eval_k: int = 4
@@ -420,12 +440,13 @@ class RLConfig(_Replace):
     keep_checkpoints: int = 2
     async_checkpoints: bool = True
     seed: int = 0
+    max_consecutive_skips: int = 16
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
         check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
-                           "microbatches", "eval_every", "eval_k", "eval_problems", "checkpoint_every",
-                           "keep_checkpoints")
+                           "microbatches", "eval_every", "eval_k", "eval_problems",
+                           "checkpoint_every", "keep_checkpoints", "max_consecutive_skips")
         check_choice(self, "replay", REPLAY_MODES)
         check_choice(self, "logprob_impl", LOGPROB_IMPLS)
         check(self.group_size >= 2, "group_size",
@@ -441,23 +462,30 @@ class RLConfig(_Replace):
               f"{minibatch}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
-        check_bool(self, "async_checkpoints")
+        check_bool(self, "async_checkpoints", "replay_weights")
+        check(not self.replay_weights or self.replay == "r3", "replay_weights",
+              f"replays the sampler's recorded weights, so it needs replay='r3', got "
+              f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
+        check(isinstance(self.offline_rollouts, str), "offline_rollouts",
+              f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(_Replace):
-    """Cold-start supervised fine-tuning on the task's worked solutions. `microbatches`:
+    """Cold-start supervised fine-tuning on the task's worked solutions (the run stops with
+    an error after `max_consecutive_skips` non-finite updates in a row). `microbatches`:
     gradient accumulation over that many slices of each batch (as rl.microbatches)."""
 
     steps: int = 300
     batch_size: int = 32
     microbatches: int = 1
     seed: int = 0
+    max_consecutive_skips: int = 16
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, schedule="cosine", warmup_frac=0.1,
                                      weight_decay=0.01)
 
     def __post_init__(self):
-        check_positive_int(self, "steps", "batch_size", "microbatches")
+        check_positive_int(self, "steps", "batch_size", "microbatches", "max_consecutive_skips")
         check(self.batch_size % self.microbatches == 0, "microbatches",
               f"must divide batch_size = {self.batch_size}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
@@ -596,3 +624,22 @@ def _rebuild(obj, changes: dict):
         return dataclasses.replace(obj, **kw)
     except TypeError as e:  # a value of the wrong type reached a comparison
         raise ConfigError(f"{type(obj).__name__}: {e}") from None
+
+
+def flat_dict(cfg) -> dict:
+    """{"section.field": value} of a config, JSON-ready (tuples as lists): what a
+    checkpoint stores, and what `changed_fields` compares."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update({f"{f.name}.{k}": x for k, x in flat_dict(v).items()})
+        else:
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def changed_fields(saved: dict, cfg) -> list[str]:
+    """Paths whose value in `cfg` differs from a stored `flat_dict` (or that one lacks)."""
+    now = flat_dict(cfg)
+    return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))

@@ -70,21 +70,24 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
 
 
 def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=None,
-                    numerics: nx.Numerics = nx.TRAIN, temperature: float = 1.0,
-                    impl: str = "chunked", interpret: bool = False, mesh=None):
+                    replay_weights_BxTxLxK=None, numerics: nx.Numerics = nx.TRAIN,
+                    temperature: float = 1.0, impl: str = "chunked",
+                    interpret: bool = False, mesh=None):
     """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
 
     One full-sequence forward over inputs = tokens[:, :-1] (attention mask attn[:, :-1]),
     replaying `replay_BxTxLxK` (routes for the input slots; rows of -1 route live), then
-    the fused log-prob of targets = tokens[:, 1:]. `aux` is the forward's (aux["routes"]
-    [B, T, L, K]). Weights are converted for `numerics` (identity for "train"). `mesh`:
-    the devices the expert FFN is sharded over (`transformer.forward`).
+    the fused log-prob of targets = tokens[:, 1:]; `replay_weights_BxTxLxK` replays
+    their recorded combine weights too (weight replay). `aux` is the forward's
+    (aux["routes"] [B, T, L, K]). Weights are converted for `numerics` (identity for
+    "train"). `mesh`: the devices the expert FFN is sharded over (`transformer.forward`).
     """
     weights = nx.prepare_params(params, numerics)
     hidden_BxTxD, aux = tf.forward(weights, tokens_BxS[:, :-1], cfg,
                                    attention_mask_BxT=attn_BxS[:, :-1],
-                                   replay_BxTxLxK=replay_BxTxLxK, numerics=numerics,
-                                   mesh=mesh)
+                                   replay_BxTxLxK=replay_BxTxLxK,
+                                   replay_weights_BxTxLxK=replay_weights_BxTxLxK,
+                                   numerics=numerics, mesh=mesh)
     logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, tf.unembed_matrix(weights, cfg),
                                            tokens_BxS[:, 1:], impl=impl,
                                            temperature=temperature, interpret=interpret,

@@ -13,18 +13,24 @@ Signature of every loss: `loss_fn(logp_BxT, batch: LossBatch, cfg) -> (loss, met
 `metrics` maps names to (numerator, denominator) pairs so averages over mini-batches and
 devices stay exact (`diagnostics.reduce_metrics`).
 
-Ratios, all formed from log-ratios clipped to ±max_log_ratio before exp (no overflow):
+Ratios; a token's log-ratio is clipped to ±max_log_ratio before exp (no overflow), a
+sequence-level one after its sum (GSPO's mean log-ratio at ≤ gspo_max_log_ratio, as
+tunix and verl do):
     ρ_t = π_θ/μ_old   full token IS ratio (Eq. 3)  = (π_old/μ_old) · (π_θ/π_old)  (Eq. 5)
     r_t = π_θ/π_old   staleness ratio, the one PPO-style clipping looks at
     e_t = π_old/μ_old training–inference (engine) factor
 
 Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
     response_sum             (1/B) Σ_b Σ_t m ℓ          (MiniRL: no 1/|y|)
-    seq_mean_token_mean      (1/B) Σ_b (1/|y_b|) Σ_t m ℓ (GRPO, GSPO; MiniRL + length norm)
+    seq_mean_token_mean      (1/B') Σ_b (1/|y_b|) Σ_t m ℓ  (GRPO, GSPO; MiniRL + length norm;
+                                                          B' = responses with a token)
     token_mean               Σ m ℓ / Σ m                 (CISPO, DAPO)
     seq_mean_token_sum_norm  Σ m ℓ / (B · T_norm)        (Dr. GRPO; T_norm = cfg.norm_length,
                                                           or the padded T when it is 0)
-Empty responses count in B and contribute 0; a fully masked batch gives loss 0.
+Empty responses contribute 0 (and count in B, except in seq_mean_token_mean, as in tunix and
+verl); a fully masked batch gives loss 0. A non-finite log π_old, log μ_old or Â on a
+counted token makes the loss NaN, so the trainer skips the update rather than letting
+NaN comparisons slip past the clipping mask.
 
 Micro-batching (rl/accumulate.py). When a loss sees one slice of a mini-batch,
 `batch.totals` holds the mini-batch's B and Σ m, and every aggregation divides by those
@@ -61,14 +67,16 @@ sg = jax.lax.stop_gradient
 class Totals(typing.NamedTuple):
     """The whole mini-batch's sizes, for a loss that sees one micro-batch of it."""
 
-    rows: jax.Array    # B of the mini-batch
-    tokens: jax.Array  # Σ mask over the mini-batch
+    rows: jax.Array       # B of the mini-batch
+    tokens: jax.Array     # Σ mask over the mini-batch
+    responses: jax.Array  # its non-empty rows (seq_mean_token_mean's denominator)
 
 
 def totals_of(mask_BxT) -> Totals:
     """The `Totals` of a (mini-)batch from its mask."""
-    m = jnp.asarray(mask_BxT)
-    return Totals(jnp.asarray(m.shape[0], jnp.float32), jnp.sum(m.astype(jnp.float32)))
+    m = jnp.asarray(mask_BxT).astype(jnp.float32)
+    return Totals(jnp.asarray(m.shape[0], jnp.float32), jnp.sum(m),
+                  jnp.sum(jnp.sum(m, axis=1) > 0).astype(jnp.float32))
 
 
 class LossBatch(typing.NamedTuple):
@@ -86,9 +94,10 @@ class _Parts(typing.NamedTuple):
     m: jax.Array           # float mask
     adv: jax.Array         # Â per token
     logp: jax.Array        # log π_θ, 0 on masked tokens (gradient only where m = 1)
-    log_r: jax.Array       # clipped log π_θ/π_old (has gradient)
-    log_engine: jax.Array  # clipped log π_old/μ_old (constant)
-    log_rho: jax.Array     # clipped log π_θ/μ_old (has gradient)
+    log_r: jax.Array       # log π_θ/π_old (has gradient; unclipped: `_clip` before exp)
+    log_engine: jax.Array  # log π_old/μ_old (constant, unclipped)
+    log_rho: jax.Array     # log π_θ/μ_old (has gradient, unclipped)
+    finite: jax.Array      # every counted token's π_old, μ_old and Â are finite
 
 
 def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
@@ -116,10 +125,14 @@ def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
     real_only = lambda x: jnp.where(real, jnp.asarray(x).astype(acc), 0.0)
     logp = real_only(logp_BxT)
     old, mu = sg(real_only(batch.old_logp_BxT)), sg(real_only(batch.rollout_logp_BxT))
-    lim = cfg.max_log_ratio
-    clip = lambda x: jnp.clip(x, -lim, lim)
-    return _Parts(m, jnp.where(real, adv, 0.0), logp, clip(logp - old), clip(old - mu),
-                  clip(logp - mu))
+    adv = jnp.where(real, adv, 0.0)
+    finite = jnp.all(jnp.isfinite(old) & jnp.isfinite(mu) & jnp.isfinite(adv))
+    return _Parts(m, adv, logp, logp - old, old - mu, logp - mu, finite)
+
+
+def _clip(x, cfg: LossConfig):
+    """A token log-ratio clipped to ±max_log_ratio, so exp of it stays finite."""
+    return jnp.clip(x, -cfg.max_log_ratio, cfg.max_log_ratio)
 
 
 def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
@@ -127,14 +140,15 @@ def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
     """Reduce a per-token term to a scalar objective (formulas in the module docstring);
     B and Σ m are `totals`' when given (a micro-batch's share of its mini-batch)."""
     b, t = m_BxT.shape
-    tokens = jnp.sum(m_BxT)
+    length_B = jnp.sum(m_BxT, axis=1)
+    tokens, responses = jnp.sum(length_B), jnp.sum(length_B > 0).astype(m_BxT.dtype)
     if totals is not None:
-        b, tokens = totals.rows.astype(m_BxT.dtype), totals.tokens.astype(m_BxT.dtype)
+        b, tokens, responses = (x.astype(m_BxT.dtype) for x in totals)
     s = jnp.sum(jnp.where(m_BxT > 0, term_BxT, 0.0), axis=1)
     if mode == "response_sum":
         return jnp.sum(s) / b
     if mode == "seq_mean_token_mean":
-        return jnp.sum(s / jnp.maximum(jnp.sum(m_BxT, axis=1), 1.0)) / b
+        return jnp.sum(s / jnp.maximum(length_B, 1.0)) / jnp.maximum(responses, 1.0)
     if mode == "token_mean":
         return jnp.sum(s) / jnp.maximum(tokens, 1.0)
     if mode == "seq_mean_token_sum_norm":
@@ -151,9 +165,9 @@ def row_share(batch_rows: int, totals: Totals | None):
 
 
 def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
-    """Stop-gradient IS weight from a clipped, masked log-ratio x = log ρ under
-    cfg.is_correction. Returns (weight_BxT, altered_BxT): `altered` is 1 where the
-    correction changed the weight (truncated or dropped).
+    """Stop-gradient IS weight from a masked log-ratio x = log ρ under cfg.is_correction.
+    Returns (weight_BxT, altered_BxT): `altered` is 1 where the correction changed the
+    weight (truncated or dropped).
 
     none:         1
     tis:          min(ρ, C)                                   (token truncated IS)
@@ -161,12 +175,18 @@ def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
     icepop:       ρ · [is_low ≤ ρ ≤ is_high]                  (two-sided masking)
     seq_product:  min(exp(Σ_t x_t), C) on every token         (sequence IS, log space)
     seq_geomean:  min(exp((1/|y|) Σ_t x_t), C) on every token (geometric mean)
+
+    Token modes clip each x_t to ±max_log_ratio; sequence modes clip the sum (to
+    [−max_log_ratio, log C]), as verl does, so one extreme token moves the sequence
+    weight by its whole log-ratio.
     """
-    x = sg(log_ratio_BxT)
     mode = cfg.is_correction
     log_cap = math.log(cfg.tis_cap)
     if mode == "none":
-        return jnp.ones_like(x), jnp.zeros_like(x)
+        return jnp.ones_like(log_ratio_BxT), jnp.zeros_like(log_ratio_BxT)
+    x = sg(log_ratio_BxT)
+    if not mode.startswith("seq_"):
+        x = _clip(x, cfg)
     if mode == "tis":
         return jnp.exp(jnp.minimum(x, log_cap)), (x > log_cap).astype(x.dtype)
     if mode in ("mis", "icepop"):
@@ -196,9 +216,10 @@ def _clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
     return hi, lo
 
 
-def _metrics(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered, hi,
-             lo) -> dict:
-    """The per-mini-batch monitors the trainer logs (module docstring), all pairs."""
+def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered, hi, lo):
+    """(loss, metrics): the loss, NaN when an input of a counted token is not finite, and
+    the per-mini-batch monitors the trainer logs (module docstring), all pairs."""
+    loss = jnp.where(p.finite, loss, jnp.nan)
     share = row_share(p.m.shape[0], batch.totals).astype(p.m.dtype)
     out = {"loss": (sg(loss), share),
            "clip/frac_high": dg.masked_mean_pair(hi.astype(p.m.dtype), p.m),
@@ -209,7 +230,7 @@ def _metrics(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered
     # |Π_t ρ_t − (1 + Σ_t (ρ_t − 1))| per response: how far from first order the batch is.
     out["eq5/first_order_residual_abs"] = dg.first_order_residual(sg(p.log_rho), p.m,
                                                                   cfg.max_log_ratio)
-    return out
+    return loss, out
 
 
 def minirl(logp_BxT, batch, cfg: LossConfig):
@@ -233,18 +254,18 @@ def minirl(logp_BxT, batch, cfg: LossConfig):
         w, altered = is_weight(p.log_rho, p.m, cfg)
     else:
         w, altered = is_weight(p.log_engine, p.m, cfg)
-        w = w * jnp.exp(sg(p.log_r))
+        w = w * jnp.exp(sg(_clip(p.log_r, cfg)))
     hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     keep = jnp.where(hi | lo, 0.0, 1.0)
     term = keep * sg(w) * p.adv * p.logp
     loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length,
                       batch.totals)
-    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
+    return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
     p = _parts(logp_BxT, batch, cfg)
-    r = jnp.exp(p.log_r)
+    r = jnp.exp(_clip(p.log_r, cfg))
     w, altered = _engine_weight(p, cfg)
     if cfg.clip:
         term = jnp.minimum(r * p.adv, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * p.adv)
@@ -253,7 +274,7 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length,
                       batch.totals)
     hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
-    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
+    return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def grpo(logp_BxT, batch, cfg: LossConfig):
@@ -292,7 +313,7 @@ def cispo(logp_BxT, batch, cfg: LossConfig):
     clip/frac_* count tokens whose weight was clipped, regardless of the sign of Â.
     """
     p = _parts(logp_BxT, batch, cfg)
-    r = jnp.exp(sg(p.log_r))
+    r = jnp.exp(sg(_clip(p.log_r, cfg)))
     rc = jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) if cfg.clip else r
     w, altered = _engine_weight(p, cfg)
     term = sg(w * rc) * p.adv * p.logp
@@ -300,7 +321,7 @@ def cispo(logp_BxT, batch, cfg: LossConfig):
                       batch.totals)
     hi = (r > 1 + cfg.eps_high) & cfg.clip
     lo = (r < 1 - cfg.eps_low) & cfg.clip
-    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
+    return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
@@ -310,6 +331,9 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
     log_s = jnp.broadcast_to(log_s, p.m.shape)
     if token_level:  # value sg[s_i], gradient s_i ∇log π_θ(y_t)
         log_s = sg(log_s) + p.logp - sg(p.logp)
+    # The sequence log-ratio is clamped after it is formed (tunix, verl: at ≤ 10): beyond,
+    # the term is a constant with no gradient.
+    log_s = jnp.clip(log_s, -cfg.max_log_ratio, cfg.gspo_max_log_ratio)
     s = jnp.exp(log_s)
     lo_b, hi_b = 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high
     term = jnp.minimum(s * p.adv, jnp.clip(s, lo_b, hi_b) * p.adv) if cfg.clip else s * p.adv
@@ -317,7 +341,7 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or "seq_mean_token_mean",
                       cfg.norm_length, batch.totals)
     hi, lo = _clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
-    return loss, _metrics(p, batch, cfg, loss, w, altered, hi, lo)
+    return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
 def gspo(logp_BxT, batch, cfg: LossConfig):
@@ -364,6 +388,8 @@ PRESETS = {
     "gspo": LossConfig(name="gspo", use_is=False, advantage="group_norm"),
     "gspo_token": LossConfig(name="gspo_token", use_is=False, advantage="group_norm"),
     "dapo": LossConfig(name="dapo", use_is=False, eps_high=0.28, advantage="group_norm"),
-    "minirl_icepop": LossConfig(is_correction="icepop"),
+    # IcePop masks on the engine ratio π_old/μ_old, not on π_θ/μ_old (equal on the first
+    # mini-batch of a step, different on stale ones).
+    "minirl_icepop": LossConfig(is_correction="icepop", cap_target="engine"),
     "minirl_seq_geomean": LossConfig(is_correction="seq_geomean"),
 }

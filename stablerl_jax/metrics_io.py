@@ -50,15 +50,18 @@ def _to_float(key: str, v) -> float | None:
 
 
 class MetricsWriter:
-    """Appends metric rows to `<workdir>/metrics.jsonl` and `<workdir>/tb/`."""
+    """Appends metric rows to `<workdir>/metrics.jsonl` and `<workdir>/tb/`. A disabled
+    writer (every process but the first of a multi-process run) writes nothing."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, enabled: bool = True):
         if os.path.exists(workdir) and not os.path.isdir(workdir):
             raise ValueError(f"metrics workdir {workdir!r} is a file; pass a directory path")
-        os.makedirs(workdir, exist_ok=True)
+        self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tb")
-        self.tb = self._tb_writer()
+        if enabled:
+            os.makedirs(workdir, exist_ok=True)
+            self.tb = self._tb_writer()
 
     def _tb_writer(self, purge_step: int | None = None) -> SummaryWriter:
         # tensorboardX names event files by the second they were opened in, so a second
@@ -72,6 +75,8 @@ class MetricsWriter:
         if "step" in metrics:
             raise ValueError("metrics must not contain a 'step' key; pass the step separately")
         row = {"step": int(step), **{k: _to_float(k, v) for k, v in metrics.items()}}
+        if not self.enabled:
+            return row
         append_jsonl(self.path, row)
         for k, v in row.items():
             if k != "step" and v is not None:
@@ -81,13 +86,16 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (step=-1 empties the file), atomically."""
+        if not self.enabled:
+            return
         truncate_jsonl(self.path, step)
         # TensorBoard hides events with step >= purge_step from earlier event files.
         self.tb.close()
         self.tb = self._tb_writer(purge_step=step + 1)
 
     def close(self) -> None:
-        self.tb.close()
+        if self.enabled:
+            self.tb.close()
 
 
 def append_jsonl(path: str, row: dict) -> None:

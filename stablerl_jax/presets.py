@@ -56,8 +56,9 @@ def paper() -> ExperimentConfig:
     bf16-compute training engine, G = 16, 64 prompts = 1,024 responses per mini-batch
     (N = 1; set rl.prompts_per_step=64*N and rl.num_minibatches=N for the off-policy
     runs), 32k-token responses, avg@32 evaluation. The task is a local JSONL of 4,096
-    verified math problems (task.jsonl_dir). A 151,936-entry vocabulary needs the model's
-    own tokenizer behind the `Tokenizer` protocol in place of the in-process SentencePiece.
+    verified math problems (task.jsonl_dir). Start from the real checkpoint with
+    `experiments.quickstart --preset paper --hf DIR`: its weights, and its own tokenizer
+    for the 151,936-entry vocabulary (task.tokenizer_dir, data/hf_tokenizer.py).
 
     Pod layout, chosen so that every step fits a v5p-256 (128 chips, 95.7 GiB HBM each;
     the compiled table is in docs/benchmarks.md): mesh (data, fsdp, expert) =

@@ -21,6 +21,8 @@ token at slot s + 1, so:
   sampled token (neither is ever fed back). A token's K entries are all -1 or all
   recorded, so the tensor is a valid `replay_BxTxLxK` for the training forward over
   tokens_BxS with attention mask prompt_mask | completion_mask (rows of -1 route live).
+- route_weights_mu_BxSxLxK[b, s]: the combine weights the engine gave those experts
+  (float32), 0 where routes_mu is -1: what weight replay (`rl.replay_weights`) replays.
 - completion_mask_BxS / lengths_B: sampled tokens up to and *including* EOS. The EOS
   token is part of the completion (it is an action the policy took, and its log-prob
   gets the gradient that teaches the policy to stop); nothing after it is.
@@ -61,6 +63,7 @@ class Rollout(NamedTuple):
     lengths_B: jax.Array            # int32, completion lengths
     logp_mu_BxS: jax.Array          # float32, 0 outside the completion
     routes_mu_BxSxLxK: jax.Array    # int32, -1 where nothing was processed
+    route_weights_mu_BxSxLxK: jax.Array | None = None  # float32, 0 where routes are -1
 
 
 def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
@@ -167,6 +170,9 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
     routes_BxSxLxK = jnp.full((b, s, cfg.num_layers, cfg.top_k), -1, jnp.int32)
     routes_BxSxLxK = routes_BxSxLxK.at[:, :p].set(
         jnp.where(pmask[:, :, None, None], aux["routes"], -1))
+    weights_BxSxLxK = jnp.zeros(routes_BxSxLxK.shape, aux["route_weights"].dtype)
+    weights_BxSxLxK = weights_BxSxLxK.at[:, :p].set(
+        jnp.where(pmask[:, :, None, None], aux["route_weights"], 0))
     state = {
         "i": jnp.zeros((), jnp.int32),
         "cache": aux["cache"],
@@ -176,6 +182,7 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
         "logp": jnp.zeros((b, s), jnp.float32),
         "completion": jnp.zeros((b, s), bool),
         "routes": routes_BxSxLxK,
+        "route_weights": weights_BxSxLxK,
         "done": jnp.zeros((b,), bool),
     }
 
@@ -195,13 +202,16 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
         fed = live & (tok != eos_id)
         h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=st["cache"], mesh=mesh)
-        step_routes_BxLxK = jnp.where(fed[:, None, None] & (i + 1 < n), a["routes"][:, 0], -1)
+        recorded_Bx1x1 = fed[:, None, None] & (i + 1 < n)
+        step_routes_BxLxK = jnp.where(recorded_Bx1x1, a["routes"][:, 0], -1)
+        step_weights_BxLxK = jnp.where(recorded_Bx1x1, a["route_weights"][:, 0], 0)
         return dict(st, i=i + 1, cache=a["cache"],
                     logits=tf.logits(params, h, cfg)[:, 0],
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),
                     routes=st["routes"].at[:, slot].set(step_routes_BxLxK),
+                    route_weights=st["route_weights"].at[:, slot].set(step_weights_BxLxK),
                     done=st["done"] | (tok == eos_id))
 
     st = jax.lax.while_loop(lambda st: (st["i"] < n) & ~jnp.all(st["done"]), body, state)
@@ -211,4 +221,5 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
                    completion_mask_BxS=completion,
                    lengths_B=jnp.sum(completion, axis=1, dtype=jnp.int32),
                    logp_mu_BxS=st["logp"],
-                   routes_mu_BxSxLxK=st["routes"])
+                   routes_mu_BxSxLxK=st["routes"],
+                   route_weights_mu_BxSxLxK=st["route_weights"])

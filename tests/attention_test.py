@@ -16,21 +16,27 @@ def test_rope_scores_depend_only_on_relative_position():
         rk = rope(k, jnp.array([[pk]]), 10_000.0)
         return float(jnp.sum(rq * rk))
 
-    # Each score: the angles (position × frequency: 2), cos/sin (1), the rotation (2), a
-    # dot over 8 (8): n = 13 on each side, relative to Σ|q_i k_i| (the dot's terms have
-    # both signs).
-    terms = float(jnp.sum(jnp.abs(q * k)))
-    assert_close(score(3, 1), score(10, 8), n=13, scale=terms)
-    assert_close(score(0, 0), float(jnp.sum(q * k)), n=13, scale=terms)  # angle 0
-    # A rotation preserves the norm: the rotation (5) and a norm over 8 (8 + sqrt).
-    assert_close(jnp.linalg.norm(rope(q, jnp.array([[7]]), 1e4)), jnp.linalg.norm(q), n=14)
+    # Each rotated component x1·cos − x2·sin: the angle (pow and product: ≤ 3 absolute on
+    # angles ≤ 1 rad; frequency 1 gives exact integer angles), cos/sin (2: ≤ 2 ulp on a
+    # GPU), the products and difference (2): ≤ 7 relative to |x1| + |x2|. A score takes two
+    # (14) over a pair's two components (×√2: 20) and a dot over 8 (8): n = 28, relative
+    # to S = Σ_pairs (|q1| + |q2|)(|k1| + |k2|), which bounds the dot's (signed) terms too.
+    qa, ka = np.abs(np.asarray(q, np.float64)).ravel(), np.abs(np.asarray(k, np.float64)).ravel()
+    pairs = float(np.sum((qa[:4] + qa[4:]) * (ka[:4] + ka[4:])))
+    assert_close(score(3, 1), score(10, 8), n=28, scale=pairs)
+    # Angle 0: cos 1 and sin 0 exactly, so only the two dots' order differs (8), relative
+    # to the dot's terms.
+    assert_close(score(0, 0), float(jnp.sum(q * k)), n=8, scale=float(jnp.sum(jnp.abs(q * k))))
+    # A rotation preserves the norm, whatever the angle's error: cos/sin (2 each), the
+    # products and sum (2), ≤ 6 relative; a norm over 8 (8 + sqrt, each side): n = 15.
+    assert_close(jnp.linalg.norm(rope(q, jnp.array([[7]]), 1e4)), jnp.linalg.norm(q), n=15)
 
 
 def test_rms_norm_by_hand():
     x = jnp.array([[3.0, 4.0]])  # mean square 12.5
-    # Mean square (3), rsqrt (1), two products (2).
+    # Mean square (3), rsqrt (2: ≤ 2 ulp on a GPU), two products (2).
     assert_close(rms_norm(x, jnp.array([1.0, 2.0]), 0.0), [[3 / 12.5**0.5, 8 / 12.5**0.5]],
-                 n=6)
+                 n=7)
     assert rms_norm(x.astype(jnp.bfloat16), jnp.ones(2), 1e-6).dtype == jnp.bfloat16
 
 

@@ -26,6 +26,7 @@ from stablerl_jax.config import ConfigError, ModelConfig
     ("dispatch", "sparse", "'grouped' or 'dense'"),
     ("router_z_loss_weight", -1.0, ">= 0"),
     ("router_aux_loss_weight", -1.0, ">= 0"),
+    ("norm_topk_prob", 1, "true or false"),
 ])
 def test_invalid_field_is_named(field, value, needle):
     with pytest.raises(ConfigError) as e:
@@ -39,3 +40,11 @@ def test_defaults_valid_and_frozen():
     with pytest.raises(AttributeError):
         cfg.d_model = 3
     assert cfg.replace(d_model=32).d_model == 32
+
+
+def test_weight_replay_needs_r3():
+    from stablerl_jax.config import RLConfig
+    assert RLConfig(replay="r3", replay_weights=True).replay_weights
+    for mode in ("none", "r2"):
+        with pytest.raises(ConfigError, match="replay_weights: .* needs replay='r3'"):
+            RLConfig(replay=mode, replay_weights=True)

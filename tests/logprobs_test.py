@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerance import assert_close
+from tolerance import assert_close, bound, engine_chain
 
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.kernels.fused_logprob import BlockSizes
@@ -60,8 +60,10 @@ def test_temperature_scales_logits_in_value_and_gradient(x64):
     got = jax.grad(loss(lambda h, w: token_logprobs(h, w, y, temperature=tau, block=BLOCK)),
                    argnums=(0, 1))(h, w)
     want = jax.grad(loss(lambda h, w: _naive(h, w, y, tau)), argnums=(0, 1))(h, w)
+    # The backward's sums (over B·T = 24 for ∂w, V = 50 for ∂h), with the cotangents'
+    # rounding taken at each row's largest entry: Σ|terms| ≤ 9·max|∂| for these inputs.
     for g, wg in zip(got, want):
-        assert_close(g, wg, n=2 * (16 + 2 * 50 + 8) + 24, dtype="float64", cond=24,
+        assert_close(g, wg, n=2 * (16 + 2 * 50 + 8) + 24, dtype="float64", cond=10,
                      scale="max")
 
 
@@ -90,7 +92,10 @@ def test_policy_logprobs_shifts_the_frame_once():
     replayed = jax.jit(lambda p, r: policy_logprobs(p, tokens, attn, cfg,
                                                     replay_BxTxLxK=r)[0])
     np.testing.assert_array_equal(replayed(params, aux["routes"]), logp)
-    assert float(jnp.abs(replayed(params, (aux["routes"] + 1) % 4) - logp).max()) > 1e-4
+    # Other routes move log-probs by more than any rounding of the whole float32 chain
+    # (here ≈ 10× it).
+    moved = float(jnp.abs(replayed(params, (aux["routes"] + 1) % 4) - logp).max())
+    assert moved > bound(engine_chain(cfg, 9)) * float(jnp.abs(logp).max()), moved
 
 
 def test_bad_arguments_name_the_value():

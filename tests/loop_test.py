@@ -66,3 +66,39 @@ def test_invalid_workdir_is_a_clear_error(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         loop.run(tiny_cfg(), str(f), progress=False)
+
+
+def test_a_diverging_run_stops_with_an_error(tmp_path):
+    # Every update overflows (lr 1e39 is inf in float32) and is skipped: after
+    # max_consecutive_skips of them the run raises instead of exiting as if it trained.
+    cfg = tiny_cfg(steps=3, learning_rate=1e39, max_consecutive_skips=2)
+    with pytest.raises(FloatingPointError, match="2 updates in a row"):
+        loop.run(cfg, str(tmp_path / "run"), progress=False)
+    rows = read_metrics(str(tmp_path / "run"))
+    assert rows[-1]["step"] == 1 and rows[-1]["skipped_updates"] == 1.0
+
+
+def test_a_run_trains_on_an_offline_rollout_file(tmp_path):
+    """rl.offline_rollouts: the global step reads its responses (tokens, logp_mu, routes,
+    weights, rewards) from the file instead of sampling; R3 with weight replay on."""
+    import jax.numpy as jnp
+
+    from stablerl_jax.interop.rollouts import responses_from_rollout, write_rollouts
+    cfg = tiny_cfg(steps=1, replay="r3", replay_weights=True, eval_every=1)
+    params = _params_like(cfg)
+    prompts = jax.random.randint(jax.random.key(1), (8, 16), 4, 60)
+    ro = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID).sample(
+        params, prompts, jnp.ones((8, 16), bool), jax.random.key(2))
+    path = str(tmp_path / "rollouts.npz")
+    write_rollouts(path, responses_from_rollout(ro, np.arange(8) % 2), group_size=2)
+    cfg = cfg.replace(rl=cfg.rl.replace(offline_rollouts=path))
+    summary = loop.run(cfg, str(tmp_path / "run"), init_params=params, progress=False)
+    assert summary["steps"] == 1 and summary["skipped_updates"] == 0
+    row = read_metrics(str(tmp_path / "run"))[1]
+    assert row["reward"] == 0.5  # the file's rewards, not the task's
+    assert row["routing/mismatch_rate"] == 0.0  # π_old replayed the file's routes
+    comp = read_metrics(str(tmp_path / "run" / "minibatches.jsonl"))[0]
+    assert comp["responses"] == list(range(8))
+    with pytest.raises(ValueError, match="lower rl.steps to 1"):
+        loop.run(cfg.replace(rl=cfg.rl.replace(steps=2)), str(tmp_path / "run2"),
+                 init_params=params, progress=False)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerance import assert_close
+from tolerance import assert_close, bound
 
 from stablerl_jax import diagnostics as dg
 from stablerl_jax import losses
@@ -14,12 +14,13 @@ from stablerl_jax.config import LOSS_NAMES, ConfigError, LossConfig
 from stablerl_jax.losses import LossBatch
 
 L = np.log
-# float32 roundings behind a hand-sized loss value or gradient entry: each input log-prob
-# (1), a log-ratio (1), exp of it (1, plus the log-ratio's absolute error, ≤ 2 roundings
-# of |log p| ≤ 2.3, turned relative), the product weight·Â·log π (2), a sum over ≤ 3
-# tokens (2), the aggregation's division (1), and a length normalization (1): 11; 12 with
-# margin. Values whose terms cancel pass their cond.
-N = 12
+# float32 roundings behind a hand-sized loss value or gradient entry. A weight
+# exp(log a − log b): the inputs' float32 roundings are absolute errors ≤ 2.3u each
+# (|log p| ≤ 2.3), which the difference (1) and exp (1) turn into relative error: ≤ 7.
+# Then the product keep·w·Â·log π with log π's own rounding (3), the sums over tokens and
+# responses (2), the aggregation's division (1) and a length normalization (1): 14.
+# Values whose terms cancel pass their cond.
+N = 14
 
 
 def _batch(logp, old, mu, adv, mask):
@@ -118,12 +119,12 @@ def test_is_corrections_by_hand():
     np.testing.assert_array_equal(w("mis")[1], [[0, 0, 1]])
     assert_close(w("icepop")[0], [[0.0, 1.5, 0.0]], n=5)
     np.testing.assert_array_equal(w("icepop")[1], [[1, 0, 1]])
-    # Sequence level: Π = 1.35 (below C = 5); geometric mean over |y| = 3 tokens. The sum
-    # of 3 logs of both signs (Σ|x| = 2.50 against Σx = 0.30) is exp'd: n = 3·2 + 3 + 2
-    # roundings relative to Σ|x|, i.e. cond 2.50 / 0.30 ≈ 8.3 on the weight.
-    cond = (L(1 / 0.3) + L(1.5) + L(3.0)) / L(1.35)
-    assert_close(w("seq_product")[0], np.full((1, 3), 1.35), n=11, cond=cond)
-    assert_close(w("seq_geomean")[0], np.full((1, 3), 1.35 ** (1 / 3)), n=12, cond=cond)
+    # Sequence level: Π = 1.35 (below C = 5); geometric mean over |y| = 3 tokens. exp turns
+    # the absolute error of the log-sum into relative error: each x_i carries its input's
+    # rounding (u) and its log's (u·|x_i|), the sum 2 roundings of ≤ Σ|x| = 2.71, so
+    # ≤ (3 + 3·2.71)u, and exp 1: n = 13 (the mean's division by 3 only shrinks it).
+    assert_close(w("seq_product")[0], np.full((1, 3), 1.35), n=13)
+    assert_close(w("seq_geomean")[0], np.full((1, 3), 1.35 ** (1 / 3)), n=13)
     assert_close(w("seq_product", tis_cap=1.2)[0], np.full((1, 3), 1.2), n=2)
     np.testing.assert_array_equal(w("seq_product", tis_cap=1.2)[1], np.ones((1, 3)))
     np.testing.assert_array_equal(w("none")[0], np.ones((1, 3)))
@@ -202,8 +203,10 @@ def test_per_token_advantages_equal_broadcast_per_response(name):
         BATCH.advantages_B[:, None], (2, 2)))
     v1, g1 = _value_and_grad(name, LossConfig(name=name))
     v2, g2 = _value_and_grad(name, LossConfig(name=name), LOGP, per_token)
-    # The same float32 arithmetic on the same values: equal up to operation order.
-    assert_close(v2, v1, n=N, cond=3.0)
+    # The same float32 arithmetic on the same values: equal up to operation order. The
+    # values cancel (cispo: terms −1.39, −0.73, +1.84 over 3 tokens), so the scale is the
+    # size of the terms: Σ|term| / (aggregation's denominator) ≤ 1.32 for all three.
+    assert_close(v2, v1, n=N, scale=1.5)
     assert_close(g2, g1, n=N, scale="max")
 
 
@@ -218,27 +221,37 @@ def test_minirl_metrics_by_hand():
     assert r["is/frac_truncated"] == 0.0 and r["clip/frac_high"] == 0.0
     assert_close(r["clip/frac_low"], 1 / 3, n=4)
     assert "kl/engine_k1" not in r  # the KL is the score step's monitor, computed once
-    assert_close(r["eq5/staleness_log_mean"], (L(0.8) + L(0.5)) / 3, n=N)
-    # std = sqrt(mean(x²) − mean(x)²): the difference cancels (cond ≈ 2.3, doubled by
-    # the square root's halving of nothing: n counts both means and the sqrt).
+    # Means of log-ratios (as in diagnostics_test): each input log (1), the differences (1),
+    # the sum (2), the division (1): n = 6 relative to the input logs, Σ|log p| / |result|.
+    # staleness = [log 0.4 − log 0.5, log 0.1 − log 0.2]; engine = [log 0.5 − log 0.25].
+    assert_close(r["eq5/staleness_log_mean"], (L(0.8) + L(0.5)) / 3, n=6,
+                 cond=-(L(0.4) + L(0.5) + L(0.1) + L(0.2)) / -(L(0.8) + L(0.5)))
+    # std = sqrt(mean(x²) − mean(x)²) of x = [log 2, 0, 0]: the log-ratio's 6 (cond 3 from
+    # its input logs) and the square, sum, difference and sqrt (4); the difference cancels
+    # (cond (mean2 + mean²) / (mean2 − mean²) = 2).
     mean2, mean = L(2) ** 2 / 3, L(2) / 3
-    assert_close(r["eq5/engine_log_std"], np.sqrt(mean2 - mean**2), n=2 * N + 2,
-                 cond=(mean2 + mean**2) / (mean2 - mean**2))
-    # Response 0: 2·0.8 − (1 + 1 − 0.2) = −0.2 from terms ~1 (expm1 products): cond 10.
-    assert_close(r["eq5/first_order_residual_abs"], 0.1, n=N, cond=10.0)
+    assert_close(r["eq5/engine_log_std"], np.sqrt(mean2 - mean**2), n=10,
+                 cond=3.0 * (mean2 + mean**2) / (mean2 - mean**2))
+    # Response 0: R = expm1(prefix)·expm1(log 0.8) = 1 · (−0.2), no sum cancels. The
+    # prefix (log 2 − log 0.25's 3 roundings, the cumsum and difference 2, ≈ 4u absolute)
+    # doubled by expm1's slope at log 2 (e^x / expm1 x = 2), expm1 (1); log 0.8's absolute
+    # error (≈ 2u, from log 0.4 − log 0.5) ×4 by expm1's slope at log 0.8, expm1 (1); the
+    # product (1): n = 20. Response 1 (one token) is 0 exactly.
+    assert_close(r["eq5/first_order_residual_abs"], 0.1, n=20)
     assert_close(r["loss"], -(2 * L(0.5) + 0.8 * L(0.4)) / 2, n=N)
 
 
-def test_minirl_gradient_equals_eq4_when_no_cap_binds():
+def test_minirl_gradient_equals_eq4_when_no_cap_binds(x64):
     """∇ of Eq. 7 == ∇ of the Eq. 3 surrogate −(1/B) Σ M ρ Â m (whose gradient is Eq. 4)."""
+    # Two formulas for one gradient (algebra, not rounding), so float64.
     rng = np.random.default_rng(0)
-    theta = jnp.asarray(rng.normal(size=(4, 6, 5)), jnp.float32)  # logits of a tiny policy
+    theta = jnp.asarray(rng.normal(size=(4, 6, 5)))  # logits of a tiny policy
     tokens = rng.integers(0, 5, (4, 6))
     logp_of = lambda th: jnp.take_along_axis(jax.nn.log_softmax(th), tokens[..., None], -1)[..., 0]
     mu = logp_of(theta + 0.1 * rng.normal(size=theta.shape))
     old = logp_of(theta + 0.05 * rng.normal(size=theta.shape))
     adv = jnp.array([1.0, -0.5, 2.0, -1.5])
-    mask = jnp.asarray(rng.uniform(size=(4, 6)) > 0.2, jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(4, 6)) > 0.2, jnp.float64)
     batch = LossBatch(old, mu, mask, advantages_B=adv)
     cfg = LossConfig(tis_cap=40.0)
 
@@ -254,11 +267,13 @@ def test_minirl_gradient_equals_eq4_when_no_cap_binds():
                                             grad7(cfg.replace(cap_target="engine"))(th),
                                             jax.grad(eq4_surrogate)(th)))(theta)
     assert float(jnp.max(jnp.abs(g4))) > 1e-3  # the comparison is not vacuous
-    # Two float32 evaluations of one gradient: log-softmax over 5 (n 7), ratio (N), the
-    # sum over the B = 4 responses per logit (4, which may cancel: cond 4).
-    assert_close(g7, g4, n=7 + N + 4, cond=4.0, scale="max")
+    # log π: log-softmax over V = 5 (the sum 5, max/exp/log/differences 4: 9, absolute
+    # ≤ 9u·(|z| + lse) ≤ 9u·5.1, which exp(log π − log μ) makes relative: 46); the ratio and
+    # products w·Â·m/B (4); the log-softmax VJP (softmax 9, product and difference 2):
+    # n = 61. Each logit's gradient comes from its own (b, t): nothing sums across tokens.
+    assert_close(g7, g4, n=61, dtype="float64", scale="max")
     # Capping only the engine factor is the same weight when no cap binds.
-    assert_close(g7_engine, g4, n=7 + N + 4, cond=4.0, scale="max")
+    assert_close(g7_engine, g4, n=61, dtype="float64", scale="max")
 
 
 def _tabular(theta):
@@ -281,8 +296,8 @@ def test_token_surrogate_is_first_order_approximation_of_sequence_objective():
     batch = LossBatch(logp_mu, logp_mu, jnp.ones((4, 2)), advantages_B=mu_seq * reward * 4)
     cfg = LossConfig(clip=False, tis_cap=1e9)
 
-    @jax.jit
-    def gap(scale):
+    @functools.partial(jax.jit, static_argnums=1)
+    def gap(scale, cfg=cfg):
         theta = theta_mu + scale * direction
         # Exact Eq. 1: J_seq(θ) = E_μ[π/μ R] = Σ_y π_θ(y) R(y).
         g_seq = jax.grad(lambda th: jnp.sum(jnp.exp(_tabular(th).sum(1)) * reward))(theta)
@@ -290,15 +305,107 @@ def test_token_surrogate_is_first_order_approximation_of_sequence_objective():
         delta = jnp.max(jnp.abs(jnp.expm1(_tabular(theta) - logp_mu)))  # max_t |δ_t|
         return jnp.linalg.norm(g_tok - g_seq) / jnp.linalg.norm(g_seq), delta
 
-    out = [tuple(map(float, gap(s))) for s in (0.0, 0.02, 0.05, 0.2, 0.5)]
+    scales = (0.0, 0.02, 0.05, 0.2, 0.5)
+    out = [tuple(map(float, gap(s))) for s in scales]
     gaps, deltas = zip(*out)
-    assert gaps[0] < 1e-6  # exact at π_θ = μ_old
+    # The IS weight is what makes it first order in the cross terms only: the token
+    # gradient errs by Σ_t (Π_s ρ_s − ρ_t) ∇log π_t; without the weight by
+    # Σ_t (Π_s ρ_s − 1) ∇log π_t, which adds every token's own δ_t (2.5× larger here).
+    no_is = [float(gap(s, cfg.replace(use_is=False))[0]) for s in scales]
+    assert all(b > 2 * a for a, b in zip(gaps[1:], no_is[1:])), (gaps, no_is)
+    # Exact at π_θ = μ_old, up to float32 rounding counted as in
+    # test_one_token_responses_need_the_is_weight_to_be_exact (n = 16, cond ≤ 4: the
+    # norm-wise cond of the sum over sequences is 2.4 here); gaps[1] is 2e-2.
+    assert gaps[0] <= bound(16, cond=4.0), gaps[0]
     assert all(a < b for a, b in itertools.pairwise(deltas))
     assert all(a < b for a, b in itertools.pairwise(gaps))  # and degrades as the δ_t grow
     # First order: for small δ the gap is linear in max|δ| (the neglected terms of
     # Π(1 + δ_t) − 1 − Σδ_t are products of δ's, and ∇ lowers their order by one).
     ratios = [g / d for g, d in zip(gaps[1:3], deltas[1:3])]
     assert 0.8 < ratios[0] / ratios[1] < 1.25, ratios
+
+
+def test_one_token_responses_need_the_is_weight_to_be_exact():
+    """With an engine mismatch (μ_old ≠ π_old = π_θ, the first update of a step) and
+    responses whose reward and loss mask depend on their first token only, the token
+    surrogate with the IS weight is the sequence objective exactly (Π_t ρ_t is ρ_0), at any
+    mismatch; without the weight it is E_μ[R ∇log π] ≠ ∇E_π[R], off by O(δ)."""
+    theta = jnp.array([[0.3, -0.2], [1.0, 0.1], [-0.5, 0.4]])
+    theta_mu = theta + jnp.array([[0.4, -0.3], [0.2, 0.5], [-0.1, 0.3]])  # the sampler
+    logp_mu, logp_old = _tabular(theta_mu), _tabular(theta)
+    seqs = np.array(list(itertools.product([0, 1], repeat=2)))
+    reward = jnp.asarray(seqs[:, 0] == 1, jnp.float32)  # depends on the first token only
+    mu_seq = jnp.exp(logp_mu.sum(1))
+    mask = jnp.array([[1.0, 0.0]] * 4)  # the loss sees the first token only
+    batch = LossBatch(logp_old, logp_mu, mask, advantages_B=mu_seq * reward * 4)
+    g_seq = jax.grad(lambda th: jnp.sum(jnp.exp(_tabular(th).sum(1)) * reward))(theta)
+
+    def gap(cfg):
+        g_tok = -jax.grad(lambda th: losses.minirl(_tabular(th), batch, cfg)[0])(theta)
+        return float(jnp.linalg.norm(g_tok - g_seq) / jnp.linalg.norm(g_seq))
+
+    with_is = gap(LossConfig(clip=False, tis_cap=1e9))
+    without = gap(LossConfig(clip=False, use_is=False))
+    # With the weight: exact up to float32 rounding (log-softmax 3, the sequence product
+    # and exp 3, the weight 3, Â = 4μR 3, the sum over 4 sequences 4: n = 16, on both
+    # gradients; the norm of the difference relative to ‖g‖, cond ≤ 4 from the sum).
+    # Without it: the mismatch itself, orders of magnitude above.
+    assert with_is <= bound(16, cond=4.0), with_is
+    assert without > 1e3 * bound(16, cond=4.0), without
+
+
+def test_icepop_masks_on_the_engine_ratio_on_a_stale_batch():
+    # π_old/μ = 1.2 (inside [0.5, 2]); π_θ has moved to 3·π_old (stale): π_θ/μ = 3.6.
+    logp, batch = _batch([[0.6]], [[0.2]], [[1 / 6]], [1.0], [[1]])
+    cfg = losses.PRESETS["minirl_icepop"]
+    assert cfg.is_correction == "icepop" and cfg.cap_target == "engine"
+    (_, metrics), g = _vg("minirl", cfg.replace(clip=False), logp, batch)
+    # Kept: weight = engine factor 1.2 × staleness 3 = 3.6 (masking on π_θ/μ would drop it).
+    assert_close(g, [[-3.6]], n=N)
+    assert float(metrics["is/frac_truncated"][0]) == 0.0
+    (_, _), g_full = _vg("minirl", cfg.replace(clip=False, cap_target="full"), logp, batch)
+    np.testing.assert_array_equal(g_full, 0.0)
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_clamps_the_sequence_log_ratio(name):
+    # log s = 12 with Â < 0: clamped at 10 the loss is e^10 and the gradient 0 (tunix,
+    # verl); unclamped it would be e^12 with gradient e^12 per token.
+    logp, batch = _batch([[np.exp(12.0) * 1e-6]], [[1e-6]], [[1e-6]], [-1.0], [[1]])
+    v, g = _value_and_grad(name, LossConfig(name=name, use_is=False), logp, batch)
+    assert_close(v, np.exp(10.0), n=N)
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def test_sequence_is_clamps_the_sum_not_the_tokens():
+    # Token log-ratios 25 and −10: the sequence weight is exp(15) (verl clamps the sum);
+    # clipping each token at ±20 first would give exp(10).
+    x = jnp.array([[25.0, -10.0]])
+    w, altered = losses.is_weight(x, jnp.ones((1, 2)),
+                                  LossConfig(is_correction="seq_product", tis_cap=1e9))
+    assert_close(w, np.full((1, 2), np.exp(15.0)), n=4)  # a sum of two, one exp
+    np.testing.assert_array_equal(altered, 0.0)
+
+
+def test_seq_mean_token_mean_divides_by_nonempty_responses():
+    # Response 1 is empty: the loss is response 0's token mean, not half of it.
+    logp, batch = _batch([[0.5, 0.4], [0.1, 0.9]], [[0.5, 0.4], [0.1, 0.9]],
+                         [[0.5, 0.4], [0.1, 0.9]], [1.0, -1.0], [[1, 1], [0, 0]])
+    v, _ = _value_and_grad("minirl", LossConfig(aggregation="seq_mean_token_mean"), logp,
+                           batch)
+    assert_close(v, -(L(0.5) + L(0.4)) / 2, n=N)
+
+
+def test_non_finite_old_logp_on_a_real_token_makes_the_loss_nan():
+    # NaN π_old on a counted token: NaN comparisons are False, so the clip mask would keep
+    # the token; the loss is NaN instead and the trainer skips the update.
+    for name in losses.LOSSES:
+        for field in ("old_logp_BxT", "rollout_logp_BxT"):
+            bad = BATCH._replace(**{field: getattr(BATCH, field).at[0, 0].set(jnp.nan)})
+            (v, _), _ = _vg(name, LossConfig(name=name), LOGP, bad)
+            assert np.isnan(v), (name, field)
+        bad = BATCH._replace(advantages_B=BATCH.advantages_B.at[1].set(jnp.inf))
+        assert np.isnan(_vg(name, LossConfig(name=name), LOGP, bad)[0][0]), name
 
 
 def test_minibatch_metrics_reduce_to_the_full_batch(x64):

@@ -42,6 +42,31 @@ def test_router_gradient_reaches_replayed_expert_outside_top_k():
     assert float(jnp.abs(g[1]).max()) == 0.0
 
 
+def test_norm_topk_prob_off_combines_with_the_raw_probabilities():
+    idx, w, probs = moe.route(LOGITS, 2, normalize=False)
+    np.testing.assert_array_equal(idx, [[3, 2], [0, 3]])
+    assert_close(w, [[0.4, 0.3], [0.5, 0.25]], n=N_PROB)
+
+
+def test_weight_replay_uses_the_recorded_weights_and_stops_their_gradient():
+    replay = jnp.array([[0, 1], [-1, -1]], jnp.int32)
+    recorded = jnp.array([[0.9, 0.1], [0.0, 0.0]], jnp.float32)
+    idx, w, _ = moe.route(LOGITS, 2, replay, recorded)
+    np.testing.assert_array_equal(idx, [[0, 1], [0, 3]])
+    # Token 0 combines with the recorded weights exactly; token 1 (row of -1) routes live.
+    np.testing.assert_array_equal(w[0], recorded[0])
+    assert_close(w[1], [2 / 3, 1 / 3], n=N_WEIGHT)
+    # The router gets no gradient through a recorded token's combine weights.
+    g = jax.grad(lambda l: jnp.sum(moe.route(l, 2, replay, recorded)[1][0]
+                                   * jnp.array([1.0, -2.0])))(LOGITS)
+    assert float(jnp.abs(g).max()) == 0.0
+    for bad, match in [((None, recorded), "need the recorded routes"),
+                       ((replay, recorded[:, :1]), "replay_weights: shape"),
+                       ((replay, replay), "float type")]:
+        with pytest.raises(ValueError, match=match):
+            moe.route(LOGITS, 2, *bad)
+
+
 @pytest.mark.parametrize("replay,match", [
     (jnp.zeros((2, 3), jnp.int32), "shape"),
     (jnp.zeros((2, 2), jnp.float32), "dtype"),

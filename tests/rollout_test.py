@@ -81,6 +81,11 @@ def test_routes_mu_is_aligned_and_a_valid_replay():
     np.testing.assert_array_equal(r.prompt_mask_BxS[:, :P], mask)
     np.testing.assert_array_equal(r.tokens_BxS[:, :P], prompts)
     assert routes.dtype == np.int32
+    # The combine weights of those experts: 0 where nothing was recorded, else K weights
+    # summing to 1 (norm_topk_prob; float32: K − 1 additions after the ÷ by the sum).
+    weights = np.asarray(r.route_weights_mu_BxSxLxK)
+    assert (weights[routes < 0] == 0).all() and (weights[routes >= 0] > 0).all()
+    assert_close(weights.sum(-1)[rec_BxS], 1.0, n=CFG.top_k + 1)
     # Raises on partial rows, duplicates or out-of-range experts.
     moe.validate_replay(r.routes_mu_BxSxLxK, (B, S, CFG.num_layers), CFG.top_k,
                         CFG.num_experts)

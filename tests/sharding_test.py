@@ -15,7 +15,7 @@ from stablerl_jax.model import transformer as tf
 CFG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=32, max_seq_len=32,
                   moe_tile=8, param_dtype="float64", compute_dtype="float64")
-B, T = 4, 10
+B, T = 8, 10  # B: a multiple of the 8 devices the batch is split over
 
 
 def test_rules_map_logical_axes():

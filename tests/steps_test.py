@@ -12,9 +12,11 @@ from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 from tolerance import LAMBDA, assert_close, backward_chain, engine_chain
 
 from stablerl_jax.config import SFTConfig
+from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.rl.steps import count_skips
 
 # Rewards of 4 groups of 2: advantages ±0.5 in two groups, 0 in the others.
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 0, 0], np.float32)
@@ -54,6 +56,25 @@ def test_score_builds_the_update_batch_with_its_replay():
             attn = np.asarray(ro.prompt_mask_BxS | ro.completion_mask_BxS)[:, :-1]
             replay = np.asarray(batch.replay_BxTxLxK)
             assert (replay[attn] >= 0).all() and (replay[~attn] == -1).all()
+
+
+def test_weight_replay_carries_the_samplers_weights_into_score_and_update():
+    cfg, params, ro = _rollout()
+    eng = _engine(tiny_cfg(replay="r3", replay_weights=True))
+    batch, _ = eng.score(params, ro, REWARDS)
+    np.testing.assert_array_equal(batch.replay_weights_BxTxLxK,
+                                  ro.route_weights_mu_BxSxLxK[:, :-1])
+    # π_old is the training engine under the sampler's routes and weights.
+    lp = policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
+                         replay_BxTxLxK=batch.replay_BxTxLxK,
+                         replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK)[0]
+    assert_close(batch.old_logp_BxT, lp, n=engine_chain(cfg.model, ro.tokens_BxS.shape[1]),
+                 lam=LAMBDA, scale="max")
+    new, _ = eng.update(eng.init_state(params), batch)
+    assert int(new.skipped) == 0
+    # Index-only replay leaves the batch without weights.
+    plain, _ = _engine(tiny_cfg(replay="r3")).score(params, ro, REWARDS)
+    assert plain.replay_weights_BxTxLxK is None
 
 
 def test_r2_on_policy_first_minibatch_is_bit_identical_to_no_replay():
@@ -142,3 +163,24 @@ def test_mesh_larger_than_devices_is_a_clear_error():
         cfg = tiny_cfg(prompts_per_step=8, num_minibatches=1, eval_problems=16)
         _engine(cfg.replace(mesh=(1, 1, 16), sft=SFTConfig(steps=2, batch_size=16)),
                 devices=cpu_devices())
+
+
+def test_an_update_whose_result_is_not_finite_is_skipped_sft_too():
+    """A finite loss and gradient can still give non-finite parameters (a learning rate
+    that overflows float32): the guard checks the new params and optimizer state, for the
+    SFT update as for the RL one."""
+    cfg, params, _ = _rollout()
+    optim = cfg.sft.optim.replace(learning_rate=1e39, schedule="constant", warmup_frac=0.0)
+    eng = _engine(cfg, optim=optim, total_steps=1)
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (8, 12), 4, 60), np.int32)
+    batch = SFTBatch(tokens, np.ones((8, 12), bool), np.ones((8, 11), np.float32))
+    state, metrics = eng.sft_update(eng.init_state(params), batch)
+    assert int(state.skipped) == 1 and float(metrics["skipped_updates"][0]) == 1.0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params),
+                 jax.tree.map(np.asarray, params))
+
+
+def test_consecutive_skips_stop_the_run():
+    assert count_skips(0, [True, False, True], 2, "rl") == 1  # a success resets the count
+    with pytest.raises(FloatingPointError, match="rl.optim.learning_rate"):
+        count_skips(1, [True, True], 3, "rl")

@@ -102,6 +102,16 @@ def test_replaying_own_routes_is_bit_identical_and_other_routes_differ():
     h_none, _ = _fwd()(params, tokens, attention_mask_BxT=mask,
                        replay_BxTxLxK=jnp.full_like(aux["routes"], -1))
     np.testing.assert_array_equal(h_none, h)
+    # Replaying the forward's own weights too (weight replay) reproduces it bit for bit;
+    # other weights on the same experts change it.
+    h_w, aux_w = _fwd()(params, tokens, attention_mask_BxT=mask, replay_BxTxLxK=aux["routes"],
+                        replay_weights_BxTxLxK=aux["route_weights"])
+    np.testing.assert_array_equal(h_w, h)
+    np.testing.assert_array_equal(aux_w["route_weights"], aux["route_weights"])
+    flat = jnp.full_like(aux["route_weights"], 1.0 / CFG.top_k)
+    h_flat, _ = _fwd()(params, tokens, attention_mask_BxT=mask, replay_BxTxLxK=aux["routes"],
+                       replay_weights_BxTxLxK=flat)
+    assert float(jnp.abs(h_flat - h).max()) > 1e-4
 
 
 def test_causality_gradient_from_future_tokens_is_exactly_zero():

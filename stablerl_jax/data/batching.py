@@ -2,7 +2,8 @@
 
 Letters: B rows, P prompt slots, S sequence slots, T = S − 1 scored positions, G group size.
 
-Layout shared by both: row = [pad … pad, BOS, prompt tokens | …]. Prompts are left-padded
+Layout shared by both: row = [pad … pad, BOS, prompt tokens | …] (no BOS when the
+tokenizer has none, e.g. Qwen3's). Prompts are left-padded
 to P slots so that every prompt ends at slot P − 1 and generation starts at slot P for
 the whole batch; SFT rows put the solution + EOS right after, right-padded.
 """
@@ -40,13 +41,18 @@ def _encode(tok: Tokenizer, text: str, limit: int, field: str, rec) -> list[int]
     return ids
 
 
+def _bos(tok: Tokenizer) -> list[int]:
+    return [] if tok.bos_id is None else [tok.bos_id]
+
+
 def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
                  max_prompt_len: int) -> PromptBatch:
     """Left-padded prompt tokens [B·G, P] (BOS first), mask, and answers, each prompt
     repeated G consecutive times: rows g·G … g·G + G − 1 are one group."""
     if group_size <= 0:
         raise ValueError(f"group_size={group_size} must be > 0")
-    rows = [[tok.bos_id] + _encode(tok, r["prompt"], max_prompt_len - 1, "prompt", r)
+    bos = _bos(tok)
+    rows = [bos + _encode(tok, r["prompt"], max_prompt_len - len(bos), "prompt", r)
             for r in records]
     tokens = np.full((len(rows), max_prompt_len), tok.pad_id, np.int32)
     mask = np.zeros((len(rows), max_prompt_len), bool)
@@ -71,7 +77,7 @@ def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
     attn = np.zeros_like(tokens, bool)
     loss = np.zeros_like(tokens, bool)
     for i, r in enumerate(records):
-        prompt = [tok.bos_id] + _encode(tok, r["prompt"], p - 1, "prompt", r)
+        prompt = _bos(tok) + _encode(tok, r["prompt"], p - len(_bos(tok)), "prompt", r)
         sol = _encode(tok, r["solution"], max_solution_len, "solution", r) + [tok.eos_id]
         tokens[i, p - len(prompt):p] = prompt
         tokens[i, p:p + len(sol)] = sol

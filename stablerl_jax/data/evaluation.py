@@ -15,10 +15,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 
-def avg_at_k(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str],
-             answers: Sequence[str], k: int, reward_fn: Callable[[str, str], float]) -> dict:
-    """Sample k completions per prompt (one call with every prompt repeated k times,
-    consecutively) and score them; returns {'avg@k', 'pass@k', 'stderr'} as floats."""
+def scores(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str],
+           answers: Sequence[str], k: int, reward_fn: Callable[[str, str], float]) -> np.ndarray:
+    """r [n, k]: sample k completions per prompt (one call with every prompt repeated k
+    times, consecutively) and score them."""
     if k <= 0:
         raise ValueError(f"k={k} must be > 0")
     if len(prompts) != len(answers) or not len(prompts):
@@ -28,9 +28,19 @@ def avg_at_k(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str]
     if len(completions) != len(prompts) * k:
         raise ValueError(f"sample_fn returned {len(completions)} completions for "
                          f"{len(prompts)} prompts × k={k}")
-    r_nxk = np.asarray([reward_fn(c, a) for c, a in
-                        zip(completions, [a for a in answers for _ in range(k)])],
-                       np.float64).reshape(len(prompts), k)
+    return np.asarray([reward_fn(c, a) for c, a in
+                       zip(completions, [a for a in answers for _ in range(k)])],
+                      np.float64).reshape(len(prompts), k)
+
+
+def summarize(r_nxk: np.ndarray) -> dict:
+    """{'avg@k', 'pass@k', 'stderr'} of a score matrix (module docstring), as floats."""
     per_problem_n = r_nxk.mean(axis=1)
     return {"avg@k": float(r_nxk.mean()), "pass@k": float((r_nxk.max(axis=1) > 0).mean()),
-            "stderr": float(per_problem_n.std() / np.sqrt(len(prompts)))}
+            "stderr": float(per_problem_n.std() / np.sqrt(len(r_nxk)))}
+
+
+def avg_at_k(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str],
+             answers: Sequence[str], k: int, reward_fn: Callable[[str, str], float]) -> dict:
+    """`summarize(scores(...))`: avg@k, pass@k and its standard error."""
+    return summarize(scores(sample_fn, prompts, answers, k, reward_fn))

@@ -10,10 +10,12 @@ a line "#### N" (GSM8K's format; MATH-style data converts to it by appending
     solution  the answer text with GSM8K's "<<48/2=24>>" calculator annotations removed
     answer    N, the text after the last "####" (thousands commas removed)
 
-A malformed line (bad JSON, missing/non-string field, no "#### N") is an error naming the
-file and line number, unless `skip_malformed` is set: then such lines are skipped and
-their number is stored in the dataset's metadata (`skipped_counts`). The builder config
-name carries a fingerprint of both files, so editing them triggers a rebuild.
+A malformed line (invalid UTF-8, bad JSON, missing/non-string field, no "#### N", a
+reference answer math-verify cannot read, a line over MAX_LINE_BYTES) is an error naming
+the file and line number, unless `skip_malformed` is set: then such lines are skipped and
+their number is stored in the dataset's metadata (`skipped_counts`). A split with no
+record left is an error naming its file. The builder config name carries a fingerprint of
+both files, so editing them triggers a rebuild.
 """
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ from stablerl_jax.data.rewards import parse_final_answer
 
 SPLITS = ("train", "test")
 _CALCULATOR = re.compile(r"<<[^<>\n]*>>")
+MAX_LINE_BYTES = 1 << 20  # one problem; a longer line is a broken file, not a record
+
+
+def _readable_answer(answer: str) -> bool:
+    """Whether math-verify parses the reference answer (else every reward would be 0)."""
+    from math_verify import parse
+    try:
+        return bool(parse(answer, parsing_timeout=None))
+    except Exception:  # noqa: BLE001 - any parser failure means unreadable
+        return False
 
 
 class MalformedLineError(ValueError):
@@ -43,11 +55,15 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
                                 "task.jsonl_dir")
     split = split or os.path.splitext(os.path.basename(path))[0]
     records, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
+                if len(raw) > MAX_LINE_BYTES:
+                    raise ValueError(f"line of {len(raw):,} bytes > MAX_LINE_BYTES "
+                                     f"({MAX_LINE_BYTES:,})")
+                line = raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
@@ -57,6 +73,9 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
                 answer = parse_final_answer(solution)
                 if answer is None:
                     raise ValueError("'answer' has no final '#### N' line")
+                if not _readable_answer(answer):
+                    raise ValueError(f"the final answer {answer[:40]!r} is not a number or "
+                                     "expression math-verify can read")
             except (ValueError, KeyError, TypeError) as e:
                 if skip_malformed:
                     skipped += 1
@@ -66,6 +85,9 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
                                          "the line or pass skip_malformed=True") from None
             records.append({"id": f"{split}-{lineno:07d}", "prompt": question,
                             "solution": _CALCULATOR.sub("", solution), "answer": answer})
+    if not records:
+        raise ValueError(f"{path}: no records ({skipped} malformed line(s) skipped); the "
+                         f"{split} split needs at least one problem")
     return records, skipped
 
 
@@ -121,6 +143,11 @@ class JsonlMath(tfds.core.GeneratorBasedBuilder):
 
 def builder(jsonl_dir: str, data_dir: str, skip_malformed: bool = False) -> JsonlMath:
     """The prepared builder (built on first use) for the JSONL files in `jsonl_dir`."""
+    for split in SPLITS:
+        path = os.path.join(jsonl_dir, f"{split}.jsonl")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such file; task.jsonl_dir must name a "
+                                    "directory holding train.jsonl and test.jsonl")
     b = JsonlMath(config=JsonlMathConfig(jsonl_dir, skip_malformed), data_dir=data_dir,
                   file_format="array_record")
     tfds.disable_progress_bar()

@@ -1,4 +1,5 @@
-"""Tokenizers: a small protocol, and SentencePiece trained in-process on the task corpus.
+"""Tokenizers: a small protocol, and SentencePiece trained in-process on the task corpus
+(the default; a checkpoint's own tokenizer.json is data/hf_tokenizer.py).
 
 Special ids are fixed: pad = 0, unk = 1, bos = 2, eos = 3. Digits are split into single
 pieces so that arithmetic is learnable token by token. Whitespace is kept verbatim (no
@@ -19,8 +20,11 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 class Tokenizer(Protocol):
+    """What the trainer needs of a tokenizer: this SentencePiece model, or a checkpoint's
+    own `tokenizer.json` (data/hf_tokenizer.py). bos_id None: prompts get no BOS."""
+
     pad_id: int
-    bos_id: int
+    bos_id: int | None
     eos_id: int
     vocab_size: int
 

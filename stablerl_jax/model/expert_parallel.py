@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding

@@ -5,10 +5,11 @@ P rows of the sorted-and-padded buffer (a multiple of the tile size).
 
 Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32 (float64 for
 float64 logits), top-k,
-weights renormalized over the k chosen (`norm_topk_prob`). Routing Replay passes the
-expert *indices* to use instead of the top-k; the weights are still gathered from the
-live full softmax, so the router receives gradient for replayed experts even when they
-are not in its current top-k.
+weights renormalized over the k chosen (`norm_topk_prob`; off: the raw softmax
+probabilities). Routing Replay passes the expert *indices* to use instead of the top-k;
+the weights are still gathered from the live full softmax, so the router receives
+gradient for replayed experts even when they are not in its current top-k. Optionally
+(weight replay, beyond the paper) the recorded combine weights are replayed too.
 
 Two dispatch paths compute the same function, chosen by argument:
 - `experts_dense`: every expert on every token, combined with one-hot weights. The
@@ -75,12 +76,20 @@ def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
                          "recorded routes hold K distinct experts")
 
 
-def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = None):
+def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = None,
+          replay_weights_TxK: jax.Array | None = None, *, normalize: bool = True):
     """Choose K experts per token and their mixing weights.
 
     probs = softmax(logits) over all E (float32);
     idx   = top_k(probs) if replay is None, else replay (rows of -1: top_k for that token);
-    w     = probs[idx] / Σ_k probs[idx].
+    w     = probs[idx] / Σ_k probs[idx]   (normalize=True, Qwen3 `norm_topk_prob`)
+          = probs[idx]                    (normalize=False)
+    w     = sg(replay_weights) on recorded rows when `replay_weights_TxK` is given.
+
+    Weight replay (an extension beyond the paper, whose replay is index-only): the
+    combine weights of a recorded token are the sampler's recorded weights, held fixed
+    (stop-gradient). The router then receives no gradient through the combine for those
+    tokens, only through auxiliary losses; tokens whose replay row is -1 keep live weights.
 
     Leading dims before E are arbitrary (T or B×T). Returns (idx int32 [...,K],
     weights [...,K], probs [...,E]), both float32 (float64 for float64 logits).
@@ -88,10 +97,12 @@ def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = N
     num_experts = router_logits_TxE.shape[-1]
     if not 0 < k <= num_experts:
         raise ValueError(f"route: k={k} must be in [1, num_experts={num_experts}]")
+    if replay_weights_TxK is not None:
+        validate_replay_weights(replay_weights_TxK, replay_TxK, k)
     probs_TxE = jax.nn.softmax(
         router_logits_TxE.astype(accum_dtype(router_logits_TxE.dtype)), axis=-1)
     _, idx_TxK = jax.lax.top_k(probs_TxE, k)
-    bad_T = None
+    bad_T = use_T = None
     if replay_TxK is not None:
         validate_replay(replay_TxK, router_logits_TxE.shape[:-1], k, num_experts)
         replay_TxK = replay_TxK.astype(jnp.int32)
@@ -105,10 +116,29 @@ def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = N
                  | jnp.any((sorted_TxK[..., 1:] == sorted_TxK[..., :-1])
                            & (sorted_TxK[..., 1:] >= 0), axis=-1, keepdims=True))
     w_TxK = jnp.take_along_axis(probs_TxE, idx_TxK, axis=-1)
-    w_TxK = w_TxK / jnp.sum(w_TxK, axis=-1, keepdims=True)
+    if normalize:
+        w_TxK = w_TxK / jnp.sum(w_TxK, axis=-1, keepdims=True)
+    if replay_weights_TxK is not None:
+        recorded_w = jax.lax.stop_gradient(replay_weights_TxK.astype(w_TxK.dtype))
+        w_TxK = jnp.where(use_T, recorded_w, w_TxK)
     if bad_T is not None:
         w_TxK = jnp.where(bad_T, jnp.nan, w_TxK)
     return idx_TxK.astype(jnp.int32), w_TxK, probs_TxE
+
+
+def validate_replay_weights(weights_TxK: jax.Array, replay_TxK: jax.Array | None,
+                            k: int) -> None:
+    """Raise ValueError unless `weights_TxK` can be the recorded combine weights of the
+    replayed routes: it needs the replay indices, their shape and a float dtype."""
+    if replay_TxK is None:
+        raise ValueError("replay_weights: recorded weights need the recorded routes; pass "
+                         "replay (the indices) too, or drop replay_weights")
+    if tuple(weights_TxK.shape) != tuple(replay_TxK.shape) or weights_TxK.shape[-1] != k:
+        raise ValueError(f"replay_weights: shape {tuple(weights_TxK.shape)} must equal the "
+                         f"replay's {tuple(replay_TxK.shape)} (tokens..., top_k={k})")
+    if not jnp.issubdtype(weights_TxK.dtype, jnp.floating):
+        raise ValueError(f"replay_weights: dtype {weights_TxK.dtype} must be a float type "
+                         "(the sampler's combine weights)")
 
 
 def _swiglu(gate, up):

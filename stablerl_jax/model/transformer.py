@@ -125,6 +125,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             attention_mask_BxT: jax.Array | None = None,
             positions_BxT: jax.Array | None = None,
             replay_BxTxLxK: jax.Array | None = None,
+            replay_weights_BxTxLxK: jax.Array | None = None,
             numerics: nx.Numerics = nx.TRAIN,
             cache: dict | None = None,
             gmm: moe.GroupedMatmul | None = None,
@@ -137,6 +138,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       positions_BxT: RoPE positions (default: counted over real tokens).
       replay_BxTxLxK: expert indices to use instead of the router's top-k, per token and
         layer; a (token, layer) whose K entries are -1 is routed normally.
+      replay_weights_BxTxLxK: recorded combine weights of those routes (weight replay,
+        `moe.route`; needs replay_BxTxLxK), held fixed on the recorded tokens.
       numerics: how to compute (the training path uses the default "train").
       cache: KV cache from `init_cache`; this call's tokens are written at its index.
       gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"` (default: the
@@ -145,10 +148,13 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         grouped expert FFN runs under shard_map on each device's own tokens
         (model/expert_parallel.py); None: no mesh, nothing sharded by hand.
 
-    aux: routes [B,T,L,K] int32 (the experts used), expert_load [L,E], router_z_loss [L],
+    aux: routes [B,T,L,K] int32 (the experts used), route_weights [B,T,L,K] (their combine
+    weights), expert_load [L,E], router_z_loss [L],
     load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
     """
     _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT)
+    if replay_weights_BxTxLxK is not None:
+        moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
     b, t = tokens_BxT.shape
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
     router_dtype = (dtype_of(numerics.router_dtype) if numerics.router_dtype
@@ -168,7 +174,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     experts = _experts_fn(cfg, gmm, mesh)
 
     def layer(x_BxTxD, xs):
-        p, layer_idx, replay_BxTxK, kv = xs
+        p, layer_idx, replay_BxTxK, replay_w_BxTxK, kv = xs
         h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
         a, stored = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics,
                               dtype, kv, index)
@@ -179,16 +185,18 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                                    preferred_element_type=nx.accum_dtype(router_dtype))
         router_logits = router_logits + nx.router_noise(numerics, layer_idx, positions_BxT,
                                                         tokens_BxT, cfg.num_experts)
-        replay_TxK = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
+        flat = lambda r: None if r is None else r.reshape(b * t, -1)
         idx_TxK, w_TxK, probs_TxE = moe.route(router_logits.reshape(b * t, -1), cfg.top_k,
-                                              replay_TxK)
+                                              flat(replay_BxTxK), flat(replay_w_BxTxK),
+                                              normalize=cfg.norm_topk_prob)
         h_TxD = nx.act_quant(h.reshape(b * t, -1), numerics)
         y = experts(h_TxD, idx_TxK, w_TxK, p["w_gate"].astype(dtype),
                     p["w_up"].astype(dtype), p["w_down"].astype(dtype))
         x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
         load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, router_logits.reshape(b * t, -1),
                                               mask_BxT.reshape(-1))
-        ys = (idx_TxK.reshape(b, t, -1), load_E, z, balance, stored if kv is not None else None)
+        ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance,
+              stored if kv is not None else None)
         return x_BxTxD, ys
 
     if cfg.remat == "full":
@@ -197,14 +205,15 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         layer = jax.checkpoint(layer, prevent_cse=False,
                                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     kv = None if cache is None else (cache["k"], cache["v"])
-    replay_LxBxTxK = (None if replay_BxTxLxK is None
-                      else jnp.transpose(replay_BxTxLxK, (2, 0, 1, 3)))
-    xs = (params["layers"], jnp.arange(cfg.num_layers), replay_LxBxTxK, kv)
+    layer_major = lambda r: None if r is None else jnp.transpose(r, (2, 0, 1, 3))
+    xs = (params["layers"], jnp.arange(cfg.num_layers), layer_major(replay_BxTxLxK),
+          layer_major(replay_weights_BxTxLxK), kv)
     x = params["embed"][tokens_BxT].astype(dtype)
-    x, (routes_LxBxTxK, load, z, balance, stored) = jax.lax.scan(layer, x, xs)
+    x, (routes_LxBxTxK, weights_LxBxTxK, load, z, balance, stored) = jax.lax.scan(layer, x, xs)
     hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
         "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),
+        "route_weights": jnp.transpose(weights_LxBxTxK, (1, 2, 0, 3)),
         "expert_load": load,
         "router_z_loss": z,
         "load_balance_loss": balance,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stablerl_jax import distributed
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig
@@ -65,6 +66,15 @@ def make_mesh(mesh_shape: tuple, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(*mesh_shape, devices=devices[:n])
 
 
+def param_shardings(cfg: ExperimentConfig, devices=None, params_like=None) -> dict:
+    """The params' shardings on the mesh of `cfg.mesh`, as `Engine.create` builds them
+    (so a checkpoint loaded onto them is placed once, where the engine wants it)."""
+    mesh = make_mesh(cfg.mesh, devices)
+    shapes = params_like if params_like is not None else jax.eval_shape(
+        lambda: tf.init_params(jax.random.key(0), cfg.model))
+    return sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
+
+
 @dataclasses.dataclass(frozen=True)
 class Engine:
     """The steps of one experiment bound to a mesh and an optimizer."""
@@ -93,7 +103,7 @@ class Engine:
         optimizer = make_optimizer(optim, total_steps)
         shapes = params_like if params_like is not None else jax.eval_shape(
             lambda: tf.init_params(jax.random.key(0), cfg.model))
-        p_sh = sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
+        p_sh = param_shardings(cfg, devices, shapes)
         rep = sharding.replicated(mesh)
         # Optimizer moments mirror the params they belong to; counts are replicated.
         opt_sh = optax.tree_map_params(optimizer, lambda _, s: s,
@@ -139,8 +149,14 @@ class Engine:
         return cls(cfg, mesh, optimizer, p_sh, state_sh, batch, jitted)
 
     def _call(self, name: str, *args):
+        """Run step `name` with each argument placed on its input sharding. In a
+        multi-process run a host batch argument is this process's block of rows and any
+        other host argument a full copy (distributed.to_global)."""
         fn, in_shardings = self._jitted[name]
-        return fn(*jax.device_put(args, in_shardings))
+        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+        place = lambda sh, sub: jax.tree.map(
+            lambda x: distributed.to_global(x, sh, batch=sh is self.batch_sharding), sub)
+        return fn(*jax.tree.map(place, in_shardings, args, is_leaf=is_sharding))
 
     def lower(self, name: str, *args):
         """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs of

@@ -13,6 +13,10 @@ One global step, every hop a call from here into one module and back:
     6. diagnostics    reduce_metrics: the step's monitors as floats
     7. metrics_io     the metrics row (and every eval_every steps, avg@k on held-out data)
 
+With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
+rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
+such as vLLM or SGLang: interop/rollouts.py); everything from hop 4 on is unchanged.
+
 Everything random is derived from (seed, step), so a run resumed from its last complete
 checkpoint reproduces the uninterrupted run bit for bit on CPU.
 """
@@ -25,13 +29,17 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from stablerl_jax import distributed
 from stablerl_jax.checkpoint import Checkpointer
+from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
 from stablerl_jax.diagnostics import reduce_metrics
+from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import steps
+from stablerl_jax.rl import preflight, steps
 from stablerl_jax.rl.engine import Engine
 
 
@@ -40,30 +48,61 @@ def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
     return np.random.default_rng([seed, step, 1]).permutation(responses)
 
 
-def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int):
+def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
+    """(this process's rows of the step's rollout, their rewards, the file's response
+    indices of the whole step) of global step `step`."""
+    b = cfg.rl.prompts_per_step * cfg.rl.group_size
+    rows = np.arange(step * b, (step + 1) * b)
+    rollout, rewards_B, answers = offline.batch(
+        rows, max_prompt_len=cfg.task.max_prompt_len,
+        max_new_tokens=cfg.sampling.max_new_tokens, pad_id=data.tokenizer.pad_id,
+        num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
+        num_experts=cfg.model.num_experts)
+    mine = distributed.rows_of_process(b)
+    if rewards_B is None:
+        rewards_B = data.reward(rollout, list(answers)[mine])
+    else:
+        rewards_B = np.asarray(rewards_B)[mine]
+    return jax.tree.map(lambda x: np.asarray(x)[mine], rollout), rewards_B, rows
+
+
+def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+                offline: OfflineRollouts | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition).
 
     The composition is {"prompts": train-split indices of the step's prompts,
-    "minibatches": response indices per mini-batch}; response r answers prompt r // G.
+    "minibatches": response indices per mini-batch, "skipped": 1 for each mini-batch whose
+    update was skipped as non-finite}; response r answers prompt r // G. With `offline`, the
+    step's responses come from that file and "responses" lists their indices in it instead
+    of "prompts".
     """
     rl = engine.cfg.rl
-    prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-    tokens, mask, answers = data.prompt_batch([data.train[i] for i in prompt_idx],
-                                              rl.group_size)
-    key = jax.random.fold_in(jax.random.key(rl.seed), step)
-    rollout = engine.sample(state.params, tokens, mask, key)
-    rewards_B = data.reward(rollout, answers)
-    batch, score_metrics = engine.score(state.params, rollout, rewards_B)
+    if offline is None:
+        prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
+        mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
+        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
+                                                  rl.group_size)
+        key = jax.random.fold_in(jax.random.key(rl.seed), step)
+        rollout = engine.sample(state.params, tokens, mask, key)
+        rewards_mine = data.reward(rollout, answers)
+        source = {"prompts": [int(i) for i in prompt_idx]}
+    else:
+        rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
+        source = {"responses": [int(i) for i in rows]}
+    batch, score_metrics = engine.score(state.params, rollout, rewards_mine)
+    rewards_B = distributed.gather(rewards_mine)
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
     update_metrics = []
     for rows in minibatches:
         state, m = engine.update(state, engine.select(batch, rows))
-        update_metrics.append(m)
+        update_metrics.append(jax.tree.map(distributed.host, m))
+    lengths_B = distributed.gather(distributed.local_rows(rollout.lengths_B))
     metrics = {"reward": float(np.mean(rewards_B)),
-               "response_length": float(np.mean(np.asarray(rollout.lengths_B)))}
-    metrics.update(reduce_metrics([score_metrics]))
+               "response_length": float(np.mean(lengths_B))}
+    metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
-    composition = {"prompts": [int(i) for i in prompt_idx], "minibatches": minibatches.tolist()}
+    composition = {**source, "minibatches": minibatches.tolist(),
+                   "skipped": [int(steps.skipped(m)) for m in update_metrics]}
     return state, metrics, composition
 
 
@@ -76,54 +115,113 @@ def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
     return {"eval/accuracy": res["avg@k"], "eval/pass_at_k": res["pass@k"]}
 
 
+def task_data(cfg, workdir: str) -> TaskData:
+    """The task's data under `<workdir>/data`, built by the first process while the others
+    wait (on a shared filesystem they then only read it)."""
+    path = os.path.join(workdir, "data")
+    if distributed.is_main():
+        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+    distributed.barrier("task data")
+    if not distributed.is_main():
+        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+    return data
+
+
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
-        progress: bool = True) -> dict:
-    """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
-    os.makedirs(workdir, exist_ok=True)
-    data = data or TaskData.create(cfg.task, cfg.model.vocab_size,
-                                   os.path.join(workdir, "data"))
+        progress: bool = True, allow_config_change=(), export_hf: str = "") -> dict:
+    """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
+
+    A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
+    `allow_config_change` names the changed fields ("section.field"). `export_hf`: also
+    write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
+    tokenizer's special ids, and its files when task.tokenizer_dir is set). In a
+    multi-process run every process calls this; the first writes metrics, logs, plots and
+    the summary, and every one writes its part of the checkpoints.
+    """
+    preflight.check_workdir(workdir)
+    preflight.check_processes(cfg, export_hf)
+    main = distributed.is_main()
+    if main:
+        os.makedirs(workdir, exist_ok=True)
+    data = data or task_data(cfg, workdir)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    offline = None
+    if cfg.rl.offline_rollouts:
+        offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
+        offline.check(group_size=cfg.rl.group_size,
+                      responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
+                      steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
+                      top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
+                      need_weights=cfg.rl.replay_weights)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
-    writer = MetricsWriter(workdir)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
     start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
+    had_checkpoints = bool(ckpt.all_steps())
+    try:
+        restored = ckpt.restore_latest(state._asdict(), check_meta=lambda meta: (
+            preflight.check_resumed_config(meta.get("config"), cfg, allow_config_change,
+                                           workdir)))
+    except Exception:
+        ckpt.close()
+        raise
+    if had_checkpoints and restored is None:
+        ckpt.close()
+        raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
+                         "<step>.corrupt, see the log); run again to start from scratch")
+    writer = MetricsWriter(workdir, enabled=main)
+    if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
-        restored, _ = ckpt.restore(latest, state._asdict())
-        state = steps.TrainState(**restored)
+        latest, state_dict, _ = restored
+        state = steps.TrainState(**state_dict)
         start = latest
         writer.truncate_after(latest)
-        truncate_jsonl(minibatch_log, latest)
+        if main:
+            truncate_jsonl(minibatch_log, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
-        truncate_jsonl(minibatch_log, -1)
+        if main:
+            truncate_jsonl(minibatch_log, -1)
         writer.write(0, evaluate(engine, state.params, data, 0))
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
-               disable=not progress, desc=cfg.name)
-    for step in bar:
-        state, metrics, composition = global_step(engine, state, data, step)
-        append_jsonl(minibatch_log, {"step": step + 1, **composition})
-        if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
-            metrics.update(evaluate(engine, state.params, data, step + 1))
-        writer.write(step + 1, metrics)
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}",
-                        kl=f"{metrics['kl/train_infer_k1']:.1e}",
-                        acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
-        if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
-            ckpt.save(step + 1, state._asdict(), {"step": step + 1})
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+               disable=not (progress and main), desc=cfg.name)
+    skips = 0
+    meta = {"config": flat_dict(cfg)}
+    try:
+        for step in bar:
+            state, metrics, composition = global_step(engine, state, data, step, offline)
+            if main:
+                append_jsonl(minibatch_log, {"step": step + 1, **composition})
+            if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
+                metrics.update(evaluate(engine, state.params, data, step + 1))
+            writer.write(step + 1, metrics)
+            skips = steps.count_skips(skips, composition["skipped"],
+                                      cfg.rl.max_consecutive_skips, "rl")
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}",
+                            kl=f"{metrics['kl/train_infer_k1']:.1e}",
+                            acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
+            if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
+                ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
+    finally:  # an error still finishes the saves already started
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+    if export_hf:
+        tok = data.tokenizer
+        save_qwen3_moe(state.params, cfg.model, export_hf,
+                       config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+                                     "bos_token_id": tok.bos_id},
+                       tokenizer_dir=cfg.task.tokenizer_dir)
+    skipped = int(distributed.host(state.skipped))
+    distributed.barrier("run end")
+    if not main:
+        return {"steps": cfg.rl.steps, "skipped_updates": skipped}
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
-    summary = summarize(records, int(state.skipped))
+    summary = summarize(records, skipped)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

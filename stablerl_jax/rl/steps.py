@@ -18,6 +18,8 @@ Replay per mode (PAPER.md §3), chosen once in `score`:
 - r2:   score routes live and records the training engine's routes (θ_old); every update
         replays them.
 - r3:   score and every update replay the sampler's routes (routes_mu).
+- r3 with rl.replay_weights (beyond the paper): score and every update also replay the
+        sampler's recorded combine weights (route_weights_mu), held fixed.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class TrainBatch(NamedTuple):
     old_logp_BxT: jax.Array       # log π_old (training engine at θ_old)
     advantages_B: jax.Array       # Â per response
     replay_BxTxLxK: jax.Array | None  # routes every update replays; None: route live
+    replay_weights_BxTxLxK: jax.Array | None = None  # their recorded weights (weight replay)
 
 
 class TrainState(NamedTuple):
@@ -70,27 +73,35 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
+    replay_w = None
+    if rl.replay_weights:
+        if rollout.route_weights_mu_BxSxLxK is None:
+            raise ValueError("rl.replay_weights: the rollout has no route_weights_mu_BxSxLxK;"
+                             " record the sampler's weights or set rl.replay_weights=false")
+        replay_w = rollout.route_weights_mu_BxSxLxK[:, :-1]
     attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
     rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
 
     def forward(rows):
-        tokens_BxS, attn_BxS, replay_BxTxLxK = rows
+        tokens_BxS, attn_BxS, replay_BxTxLxK, replay_w_BxTxLxK = rows
         logp, entropy, aux = policy_logprobs(
             params, tokens_BxS, attn_BxS, cfg.model, replay_BxTxLxK=replay_BxTxLxK,
-            temperature=cfg.sampling.temperature, impl=rl.logprob_impl, mesh=mesh)
+            replay_weights_BxTxLxK=replay_w_BxTxLxK, temperature=cfg.sampling.temperature,
+            impl=rl.logprob_impl, mesh=mesh)
         return logp, entropy, aux["routes"]
 
     logp_BxT, entropy_BxT, routes_BxTxLxK = slices.map_slices(
         forward, (rollout.tokens_BxS, attn_BxS,
-                  routes_mu_BxTxLxK if rl.replay == "r3" else None), n_slices, "score slices")
+                  routes_mu_BxTxLxK if rl.replay == "r3" else None, replay_w),
+        n_slices, "score slices")
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routed_BxT = attn_BxS[:, :-1]
     routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
-                       advantages_B.astype(jnp.float32), replay)
+                       advantages_B.astype(jnp.float32), replay, replay_w)
     metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
                                       routes_old_BxTxLxK, routed_BxT)
     metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
@@ -132,8 +143,9 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
     micro-batch's share of it), plus the router loss: (loss, metrics as pairs)."""
     logp_BxT, entropy_BxT, aux = policy_logprobs(
         params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
-        replay_BxTxLxK=batch.replay_BxTxLxK, temperature=cfg.sampling.temperature,
-        impl=cfg.rl.logprob_impl, mesh=mesh)
+        replay_BxTxLxK=batch.replay_BxTxLxK,
+        replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
+        temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl, mesh=mesh)
     loss_batch = losses_lib.LossBatch(batch.old_logp_BxT, batch.rollout_logp_BxT,
                                       batch.mask_BxT, advantages_B=batch.advantages_B,
                                       totals=None if totals is None else totals.loss)
@@ -199,3 +211,23 @@ def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.Gradient
     metrics["grad_norm"] = (jnp.where(ok, grad_norm, 0.0), ok.astype(jnp.float32))
     metrics["skipped_updates"] = ((~ok).astype(jnp.float32), jnp.ones(()))
     return new_state, metrics
+
+
+def skipped(metrics) -> bool:
+    """Whether the update that returned `metrics` was skipped."""
+    return float(metrics["skipped_updates"][0]) > 0
+
+
+def count_skips(consecutive: int, skipped_flags, limit: int, section: str) -> int:
+    """Updates skipped in a row, after updates with these skipped flags; raises
+    FloatingPointError once `limit` is reached."""
+    for flag in skipped_flags:
+        consecutive = consecutive + 1 if flag else 0
+        if consecutive >= limit:
+            raise FloatingPointError(
+                f"{consecutive} updates in a row had a non-finite loss, gradient or result "
+                "and were skipped (the parameters are those of the last good update, and "
+                "checkpoints of completed steps are intact): the run diverged. Lower "
+                f"{section}.optim.learning_rate, check the data and rewards, or raise "
+                f"{section}.max_consecutive_skips.")
+    return consecutive

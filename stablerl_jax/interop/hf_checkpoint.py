@@ -1,0 +1,363 @@
+"""Hugging Face Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`) and out
+(`save_qwen3_moe`).
+
+Letters: L layers, V vocab, D model, H heads, KV kv heads, Dh head width, E experts,
+F expert FFN width. HF `nn.Linear` weights are [out, in] (y = x Wᵀ); ours are [in, out].
+Prefix `model.layers.{l}.` on every per-layer name:
+
+    ours                 HF tensor(s)                                  how
+    embed      V×D       model.embed_tokens.weight         V×D        as is
+    unembed    D×V       lm_head.weight                    V×D        transposed (untied only)
+    final_norm D         model.norm.weight                 D          as is
+    attn_norm  L×D       input_layernorm.weight            D          stacked over l
+    mlp_norm   L×D       post_attention_layernorm.weight   D          stacked over l
+    wq         L×D×H×Dh  self_attn.q_proj.weight           (H·Dh)×D   transposed, split heads
+    wk, wv     L×D×KV×Dh self_attn.{k,v}_proj.weight       (KV·Dh)×D  transposed, split heads
+    wo         L×H×Dh×D  self_attn.o_proj.weight           D×(H·Dh)   transposed, split heads
+    q_norm, k_norm L×Dh  self_attn.{q,k}_norm.weight       Dh         stacked over l
+    router     L×D×E     mlp.gate.weight                   E×D        transposed
+    w_gate     L×E×D×F   mlp.experts.{e}.gate_proj.weight  F×D        per expert, transposed
+                         or mlp.experts.gate_up_proj       E×2F×D     rows [0, F), transposed
+    w_up       L×E×D×F   mlp.experts.{e}.up_proj.weight    F×D        per expert, transposed
+                         or mlp.experts.gate_up_proj       E×2F×D     rows [F, 2F), transposed
+    w_down     L×E×F×D   mlp.experts.{e}.down_proj.weight  D×F        per expert, transposed
+                         or mlp.experts.down_proj          E×D×F      transposed
+
+The per-expert layout is what the released Qwen3-MoE checkpoints hold (and what
+transformers 5 writes back); the fused `gate_up_proj` / `down_proj` is the in-memory
+layout of transformers 5, found in some converted checkpoints. Both load; the saver
+writes either (`experts=`).
+
+Loading never builds a host copy of the model: each parameter is a
+`jax.make_array_from_callback` on its sharding, and the callback reads, for one device's
+block of the global array, only that block's rows of the HF tensors it comes from
+(`safe_open(...).get_slice`, memory-mapped), stacking layers and experts on the fly.
+Every tensor of the checkpoint must be used: an unexpected one (a bias, an FP8 scale, a
+dense MLP) is an error naming it, never silently dropped. Saving gathers one layer at a
+time to the host and writes one safetensors file per layer plus
+`model.safetensors.index.json` (single process; a multi-host job would gather each layer
+with `jax.experimental.multihost_utils.process_allgather` first).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from stablerl_jax import sharding
+from stablerl_jax.config import ExperimentConfig, ModelConfig
+from stablerl_jax.interop.hf_config import hf_config_from_model, model_config_from_hf
+from stablerl_jax.model import transformer as tf
+from stablerl_jax.model.numerics import dtype_of
+
+_L = "model.layers.{l}."
+# Per-layer leaves: (HF name, how ours is read from it; see _read).
+_LAYER = {
+    "attn_norm": ("input_layernorm.weight", "as_is"),
+    "mlp_norm": ("post_attention_layernorm.weight", "as_is"),
+    "wq": ("self_attn.q_proj.weight", "in_heads"),
+    "wk": ("self_attn.k_proj.weight", "in_heads"),
+    "wv": ("self_attn.v_proj.weight", "in_heads"),
+    "wo": ("self_attn.o_proj.weight", "heads_in"),
+    "q_norm": ("self_attn.q_norm.weight", "as_is"),
+    "k_norm": ("self_attn.k_norm.weight", "as_is"),
+    "router": ("mlp.gate.weight", "transposed"),
+}
+_PER_EXPERT = {"w_gate": "mlp.experts.{e}.gate_proj.weight",
+               "w_up": "mlp.experts.{e}.up_proj.weight",
+               "w_down": "mlp.experts.{e}.down_proj.weight"}
+_FUSED = {"w_gate": ("mlp.experts.gate_up_proj", "gate_half"),
+          "w_up": ("mlp.experts.gate_up_proj", "up_half"),
+          "w_down": ("mlp.experts.down_proj", "transposed")}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "generation_config.json")
+# Buffers some exporters write that carry no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class _Checkpoint:
+    """Name → file of a checkpoint directory, with lazily opened memory-mapped readers."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = json.load(f)["weight_map"]
+            self.where = {n: os.path.join(path, fn) for n, fn in files.items()}
+        else:
+            paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not paths:
+                raise FileNotFoundError(f"{path}: no *.safetensors files and no "
+                                        "model.safetensors.index.json")
+            self.where = {}
+            for p in paths:
+                with safe_open(p, "numpy") as f:
+                    self.where.update({n: p for n in f.keys()})
+        self._open: dict = {}
+        self.used: set = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def slice(self, name: str):
+        if name not in self.where:
+            raise KeyError(f"checkpoint: tensor {name!r} is missing")
+        p = self.where[name]
+        if p not in self._open:
+            self._open[p] = safe_open(p, "numpy")
+        self.used.add(name)
+        return self._open[p].get_slice(name)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.slice(name).get_shape())
+
+
+def _rng(s: slice, n: int) -> range:
+    return range(*s.indices(n))
+
+
+def _sl(r: range) -> slice:
+    return slice(r.start, r.stop)
+
+
+def _read(ts, how: str, idx: tuple, shape: tuple, cfg: ModelConfig) -> np.ndarray:
+    """The block `idx` (slices of our inner axes, whose sizes are `shape`) of our array,
+    read from the HF tensor slice `ts` without reading rows outside it."""
+    r = [_rng(s, n) for s, n in zip(idx, shape)]
+    if how == "as_is":
+        return ts[tuple(_sl(x) for x in r)]
+    if how == "transposed":  # ours [..., i, j] = hf [..., j, i]
+        block = ts[tuple(_sl(x) for x in r[:-2]) + (_sl(r[-1]), _sl(r[-2]))]
+        return np.swapaxes(block, -1, -2)
+    dh = cfg.head_dim
+    if how == "in_heads":  # ours [D, H, Dh] from hf [H·Dh, D]
+        rows = slice(r[1].start * dh, r[1].stop * dh)
+        block = ts[rows, _sl(r[0])].reshape(len(r[1]), dh, len(r[0]))
+        return block[:, _sl(r[2])].transpose(2, 0, 1)
+    if how == "heads_in":  # ours [H, Dh, D] from hf [D, H·Dh]
+        cols = slice(r[0].start * dh, r[0].stop * dh)
+        block = ts[_sl(r[2]), cols].reshape(len(r[2]), len(r[0]), dh)
+        return block[:, :, _sl(r[1])].transpose(1, 2, 0)
+    # gate_half / up_half: ours [E, D, F] from rows [0, F) / [F, 2F) of hf [E, 2F, D]
+    off = 0 if how == "gate_half" else cfg.expert_ffn_dim
+    block = ts[_sl(r[0]), off + r[2].start:off + r[2].stop, _sl(r[1])]
+    return block.transpose(0, 2, 1)
+
+
+def _fused(ckpt: _Checkpoint) -> bool:
+    """Which expert layout the checkpoint holds (its shapes are checked with the rest)."""
+    return _L.format(l=0) + "mlp.experts.gate_up_proj" in ckpt
+
+
+def _sources(ckpt: _Checkpoint, cfg: ModelConfig) -> dict:
+    """For each params leaf: (HF name template, how, stacked axes: 'l' / 'le' / '')."""
+    src = {"embed": ("model.embed_tokens.weight", "as_is", ""),
+           "final_norm": ("model.norm.weight", "as_is", "")}
+    if not cfg.tie_embeddings:
+        src["unembed"] = ("lm_head.weight", "transposed", "")
+    layers = {k: (_L + n, how, "l") for k, (n, how) in _LAYER.items()}
+    if _fused(ckpt):
+        layers.update({k: (_L + n, how, "l") for k, (n, how) in _FUSED.items()})
+    else:
+        layers.update({k: (_L + n, "transposed", "le") for k, n in _PER_EXPERT.items()})
+    return {**src, "layers": layers}
+
+
+def _check_shapes(ckpt, sources, shapes, cfg) -> None:
+    """Each HF tensor's shape must be what config.json implies (read from the header)."""
+    def want(leaf, how, stacked):
+        inner = leaf.shape[len(stacked):]
+        if how == "transposed":
+            return inner[:-2] + (inner[-1], inner[-2])
+        if how == "in_heads":
+            return (inner[1] * inner[2], inner[0])
+        if how == "heads_in":
+            return (inner[2], inner[0] * inner[1])
+        if how in ("gate_half", "up_half"):
+            return (inner[0], 2 * inner[2], inner[1])
+        return inner
+
+    for key, (tmpl, how, stacked), leaf in _flat(sources, shapes):
+        names = [tmpl.format(l=l, e=e) for l in range(cfg.num_layers if stacked else 1)
+                 for e in range(cfg.num_experts if stacked == "le" else 1)]
+        for n in names:
+            if ckpt.shape(n) != want(leaf, how, stacked):
+                raise ValueError(f"checkpoint: {n} has shape {ckpt.shape(n)}, expected "
+                                 f"{want(leaf, how, stacked)} for {key} "
+                                 f"{tuple(leaf.shape)}; does config.json match the weights?")
+
+
+def _flat(sources: dict, shapes: dict):
+    for k, v in sources.items():
+        if k == "layers":
+            for lk, lv in v.items():
+                yield f"layers.{lk}", lv, shapes["layers"][lk]
+        else:
+            yield k, v, shapes[k]
+
+
+def read_config(path: str, **overrides) -> ModelConfig:
+    """The ModelConfig of the checkpoint directory `path` (its config.json);
+    `overrides` replace ModelConfig fields (see `hf_config.model_config_from_hf`)."""
+    with open(os.path.join(path, "config.json")) as f:
+        return model_config_from_hf(json.load(f), **overrides)
+
+
+# ModelConfig fields config.json does not set: how to compute, not what the model is.
+_RUN_FIELDS = ("compute_dtype", "remat", "dispatch", "moe_tile", "router_z_loss_weight",
+               "init_std", "gmm_impl", "expert_parallel", "attention_impl",
+               "attention_chunk")
+
+
+def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentConfig:
+    """`cfg` with its model section read from the checkpoint directory `path` (the
+    architecture and parameter dtype from config.json; `_RUN_FIELDS` kept from
+    cfg.model), and the checkpoint's tokenizer when it ships a tokenizer.json
+    (task.tokenizer_dir = path, unless already set; without one, the task's SentencePiece
+    tokenizer, e.g. for a checkpoint this project exported)."""
+    model = read_config(path, **{f: getattr(cfg.model, f) for f in _RUN_FIELDS})
+    task = cfg.task
+    if not task.tokenizer_dir and os.path.exists(os.path.join(path, "tokenizer.json")):
+        task = task.replace(tokenizer_dir=path)
+    return cfg.replace(model=model, task=task)
+
+
+def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
+    """The params of the checkpoint at `path`, in `cfg.param_dtype`, each placed on its
+    sharding (a params-shaped tree of `jax.sharding.Sharding`, e.g. `Engine.param_shardings`;
+    default: the first device). Each device reads only its own block from disk."""
+    ckpt = _Checkpoint(path)
+    shapes = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg))
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes)
+    sources = _sources(ckpt, cfg)
+    _check_shapes(ckpt, sources, shapes, cfg)
+    dtype = dtype_of(cfg.param_dtype)
+
+    def build(tmpl, how, stacked, leaf, sh):
+        inner = leaf.shape[len(stacked):]
+
+        def block(index):
+            inner_idx = index[len(stacked):]
+            if not stacked:
+                return _read(ckpt.slice(tmpl), how, inner_idx, inner, cfg).astype(dtype)
+            rows = []
+            for l in _rng(index[0], cfg.num_layers):
+                if stacked == "le":
+                    rows.append(np.stack([
+                        _read(ckpt.slice(tmpl.format(l=l, e=e)), how, inner_idx, inner, cfg)
+                        for e in _rng(index[1], cfg.num_experts)]))
+                else:
+                    rows.append(_read(ckpt.slice(tmpl.format(l=l)), how, inner_idx, inner,
+                                      cfg))
+            return np.stack(rows).astype(dtype)
+
+        return jax.make_array_from_callback(leaf.shape, sh, block)
+
+    params = {}
+    for key, (tmpl, how, stacked), leaf in _flat(sources, shapes):
+        sh = shardings["layers"][key[7:]] if key.startswith("layers.") else shardings[key]
+        arr = build(tmpl, how, stacked, leaf, sh)
+        if key.startswith("layers."):
+            params.setdefault("layers", {})[key[7:]] = arr
+        else:
+            params[key] = arr
+    # A tied checkpoint may still hold lm_head (equal to the embedding): nothing to read.
+    unused = sorted(n for n in ckpt.where if n not in ckpt.used
+                    and not n.endswith(_IGNORED_SUFFIXES)
+                    and not (cfg.tie_embeddings and n == "lm_head.weight"))
+    if unused:
+        raise ValueError(f"checkpoint: {len(unused)} tensor(s) this model has no place for, "
+                         f"e.g. {unused[:3]}: biases, quantization scales or dense MLP layers "
+                         "are not supported; convert the checkpoint to plain Qwen3-MoE "
+                         "weights")
+    return params
+
+
+def load_qwen3_moe(path: str, *, mesh=None, **overrides) -> tuple[dict, ModelConfig]:
+    """(params, ModelConfig) of the Qwen3-MoE checkpoint directory `path` (config.json
+    and model.safetensors, or shards with model.safetensors.index.json).
+
+    mesh: a `sharding.make_mesh` mesh: each parameter is placed by the logical rules
+    table (`sharding.RULES`), as `Engine.create` places them; None: the first device.
+    overrides: ModelConfig fields replacing config.json's (max_seq_len, param_dtype, …).
+    """
+    cfg = read_config(path, **overrides)
+    shardings = None
+    if mesh is not None:
+        shapes = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg))
+        shardings = sharding.tree_shardings(tf.param_logical_axes(cfg), shapes, mesh)
+    return load_params(path, cfg, shardings), cfg
+
+
+def _to_hf(x: np.ndarray, how: str, cfg: ModelConfig) -> np.ndarray:
+    """Inverse of `_read` for a whole (unstacked) tensor."""
+    if how == "as_is":
+        return x
+    if how == "transposed":
+        return np.swapaxes(x, -1, -2)
+    if how == "in_heads":  # [D, H, Dh] -> [H·Dh, D]
+        return x.transpose(1, 2, 0).reshape(-1, x.shape[0])
+    if how == "heads_in":  # [H, Dh, D] -> [D, H·Dh]
+        return x.transpose(2, 0, 1).reshape(x.shape[2], -1)
+    raise ValueError(how)
+
+
+def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = "per_expert",
+                   config_extra: dict | None = None, tokenizer_dir: str = "") -> None:
+    """Write `params` as a Qwen3MoeForCausalLM checkpoint directory: config.json
+    (`hf_config.hf_config_from_model(cfg, **config_extra)`), one safetensors file for
+    the embeddings and final norm, one per layer, and model.safetensors.index.json.
+    Tensors keep their dtype, so `load_qwen3_moe` returns the params bit for bit.
+
+    experts: 'per_expert' (mlp.experts.{e}.*_proj.weight, the released checkpoints'
+    layout) or 'fused' (mlp.experts.gate_up_proj / down_proj). tokenizer_dir: copy the
+    tokenizer files found there (tokenizer.json, tokenizer_config.json, …) alongside, so
+    the directory is servable as is."""
+    if experts not in ("per_expert", "fused"):
+        raise ValueError(f"experts={experts!r} must be 'per_expert' or 'fused'")
+    os.makedirs(path, exist_ok=True)
+    n_files = cfg.num_layers + 1
+    fname = lambda i: f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+    weight_map, total = {}, 0
+
+    def write(i, tensors):
+        nonlocal total
+        tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        save_file(tensors, os.path.join(path, fname(i)), metadata={"format": "pt"})
+        weight_map.update({k: fname(i) for k in tensors})
+        total += sum(v.nbytes for v in tensors.values())
+
+    host = lambda x: np.asarray(jax.device_get(x))
+    top = {"model.embed_tokens.weight": host(params["embed"]),
+           "model.norm.weight": host(params["final_norm"])}
+    if not cfg.tie_embeddings:
+        top["lm_head.weight"] = host(params["unembed"]).T
+    write(0, top)
+    for l in range(cfg.num_layers):
+        layer = {k: host(v[l]) for k, v in params["layers"].items()}
+        out = {_L.format(l=l) + n: _to_hf(layer[k], how, cfg) for k, (n, how) in _LAYER.items()}
+        if experts == "fused":
+            out[_L.format(l=l) + "mlp.experts.gate_up_proj"] = np.concatenate(
+                [layer["w_gate"].transpose(0, 2, 1), layer["w_up"].transpose(0, 2, 1)], axis=1)
+            out[_L.format(l=l) + "mlp.experts.down_proj"] = layer["w_down"].transpose(0, 2, 1)
+        else:
+            for k, n in _PER_EXPERT.items():
+                for e in range(cfg.num_experts):
+                    out[(_L + n).format(l=l, e=e)] = layer[k][e].T
+        write(l + 1, out)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_from_model(cfg, **(config_extra or {})), f, indent=2)
+    for name in _TOKENIZER_FILES if tokenizer_dir else ():
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))

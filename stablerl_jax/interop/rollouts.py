@@ -1,0 +1,272 @@
+"""Rollouts recorded by an external inference engine (vLLM, SGLang): their routes as our
+replay tensor, and an offline rollout file the trainer can train on (`rl.offline_rollouts`).
+
+Letters: R responses in a file, B responses in a batch, P prompt slots
+(task.max_prompt_len), N completion slots (sampling.max_new_tokens), S = P + N slots,
+L layers, K top-k, E experts; P_b / C_b the prompt / completion length of response b.
+
+Engine routes. vLLM (`enable_return_routed_experts`, `CompletionOutput.routed_experts`)
+and SGLang (`return_routed_experts`, `meta_info["routed_experts"]`) return, per request,
+the experts of every token the engine *processed*: the P_b prompt tokens, then each
+sampled token it fed back, i.e. all but the last sampled token: [P_b + C_b − 1, L, K]
+(int16 in vLLM). Our `rollout.Rollout` keeps routes per token slot with the prompt
+left-padded to P slots:
+
+    routes_mu_BxSxLxK[b, P − P_b + i]   = routed[b, i]          i < P_b      (prompt)
+    routes_mu_BxSxLxK[b, P + j]         = routed[b, P_b + j]    j < C_b − 1  (completion)
+    -1 elsewhere: left padding, the last sampled token (never processed), padding after
+
+`engine_routes_to_replay` does that for a right-padded batch [B, M, L, K] (row b valid
+in its first P_b + C_b − 1 entries; what follows is padding and never read).
+
+Offline rollout file (`.npz`, no pickles; ragged fields concatenated over responses in
+order, with per-response lengths):
+
+    prompt_ids      int   [Σ P_b]              prompt token ids
+    prompt_lens     int   [R]
+    completion_ids  int   [Σ C_b]              sampled tokens, EOS included if emitted
+    completion_lens int   [R]
+    logp_mu         float [Σ C_b]              the sampler's log-prob of each sampled token
+    routes          int   [Σ (P_b + C_b − 1), L, K]   optional (needed for R3)
+    route_weights   float [Σ (P_b + C_b − 1), L, K]   optional (needed for weight replay)
+    rewards         float [R]                  or `answers` (str [R]: scored by the task)
+    group_size      int   []                   responses g·G … g·G + G − 1 share a prompt
+
+Global step s trains on responses [s·B, (s + 1)·B), B = rl.prompts_per_step · G. The
+sampler's temperature must be `sampling.temperature` (the trainer scores π_old at it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from stablerl_jax.rollout import Rollout
+
+
+def _check_routes(routed, field: str, num_layers: int, top_k: int):
+    if routed.ndim != 4 or routed.shape[2:] != (num_layers, top_k):
+        raise ValueError(f"{field}: shape {routed.shape} must be [responses, tokens, "
+                         f"num_layers={num_layers}, top_k={top_k}]; check that the engine "
+                         "served this model (all its layers are MoE layers)")
+    if not np.issubdtype(routed.dtype, np.integer):
+        raise ValueError(f"{field}: dtype {routed.dtype} must be integer expert ids")
+
+
+def engine_routes_to_replay(routed_BxMxLxK, prompt_lens_B, completion_lens_B, *,
+                            max_prompt_len: int, max_new_tokens: int, num_layers: int,
+                            top_k: int, num_experts: int, weights_BxMxLxK=None):
+    """An engine's per-token routes (right-padded [B, M, L, K], see the module docstring)
+    as our `routes_mu_BxSxLxK` (int32, -1 where nothing was processed), and, given the
+    engine's combine weights in the same layout, `route_weights_mu_BxSxLxK` (float32, 0
+    there). num_layers / top_k / num_experts are the model's. Raises ValueError naming
+    the field for anything that is not a recording of these sequences by this model."""
+    routed = np.asarray(routed_BxMxLxK)
+    p_b = np.asarray(prompt_lens_B, np.int64)
+    c_b = np.asarray(completion_lens_B, np.int64)
+    _check_routes(routed, "routed_experts", num_layers, top_k)
+    b = routed.shape[0]
+    if p_b.shape != (b,) or c_b.shape != (b,):
+        raise ValueError(f"prompt_lens / completion_lens: shapes {p_b.shape} / {c_b.shape} "
+                         f"must be [B]=[{b}], one length per row of routed_experts")
+    if b and (p_b.min() < 1 or p_b.max() > max_prompt_len):
+        raise ValueError(f"prompt_lens: must be in [1, max_prompt_len={max_prompt_len}], got "
+                         f"{p_b.min()}..{p_b.max()}; raise task.max_prompt_len")
+    if b and (c_b.min() < 1 or c_b.max() > max_new_tokens):
+        raise ValueError(f"completion_lens: must be in [1, max_new_tokens={max_new_tokens}],"
+                         f" got {c_b.min()}..{c_b.max()}; raise sampling.max_new_tokens")
+    processed_B = p_b + c_b - 1
+    if b and processed_B.max() > routed.shape[1]:
+        r = int(np.argmax(processed_B - routed.shape[1]))
+        raise ValueError(f"routed_experts: row {r} needs {processed_B[r]} recorded tokens "
+                         f"(prompt {p_b[r]} + completion {c_b[r]} − 1: every token but the "
+                         f"last sampled one) but the array holds {routed.shape[1]}")
+    if weights_BxMxLxK is not None:
+        weights = np.asarray(weights_BxMxLxK)
+        if weights.shape != routed.shape or not np.issubdtype(weights.dtype, np.floating):
+            raise ValueError(f"route_weights: shape {weights.shape} dtype {weights.dtype} "
+                             f"must be float with routed_experts' shape {routed.shape}")
+    s = max_prompt_len + max_new_tokens
+    routes_BxSxLxK = np.full((b, s, num_layers, top_k), -1, np.int32)
+    weights_BxSxLxK = np.zeros((b, s, num_layers, top_k), np.float32)
+    for r in range(b):
+        valid = routed[r, :processed_B[r]]
+        if valid.size and (valid.min() < 0 or valid.max() >= num_experts):
+            raise ValueError(f"routed_experts: row {r} holds expert ids outside [0, "
+                             f"num_experts={num_experts}): min {valid.min()} max "
+                             f"{valid.max()}")
+        srt = np.sort(valid, axis=-1)
+        if (srt[..., 1:] == srt[..., :-1]).any():
+            raise ValueError(f"routed_experts: row {r} repeats an expert within a token's "
+                             "top-k; a recording holds K distinct experts")
+        slots = np.concatenate([np.arange(max_prompt_len - p_b[r], max_prompt_len),
+                                max_prompt_len + np.arange(c_b[r] - 1)])
+        routes_BxSxLxK[r, slots] = valid
+        if weights_BxMxLxK is not None:
+            weights_BxSxLxK[r, slots] = weights[r, :processed_B[r]]
+    return routes_BxSxLxK, (weights_BxSxLxK if weights_BxMxLxK is not None else None)
+
+
+_REQUIRED = ("prompt_ids", "prompt_lens", "completion_ids", "completion_lens", "logp_mu",
+             "group_size")
+
+
+def write_rollouts(path: str, responses: list[dict], group_size: int) -> None:
+    """Write an offline rollout file from per-response dicts with keys prompt_ids,
+    completion_ids, logp_mu (one per completion token), and optionally routes
+    ([P_b + C_b − 1, L, K], as the engine returns them), route_weights, reward or answer."""
+    cat = lambda key, dt: np.concatenate([np.asarray(r[key], dt) for r in responses])
+    out = {"prompt_ids": cat("prompt_ids", np.int32),
+           "prompt_lens": np.array([len(r["prompt_ids"]) for r in responses], np.int32),
+           "completion_ids": cat("completion_ids", np.int32),
+           "completion_lens": np.array([len(r["completion_ids"]) for r in responses],
+                                       np.int32),
+           "logp_mu": cat("logp_mu", np.float32),
+           "group_size": np.array(group_size, np.int32)}
+    for key, dt in (("routes", np.int32), ("route_weights", np.float32)):
+        if all(key in r for r in responses):
+            out[key] = cat(key, dt)
+    if all("reward" in r for r in responses):
+        out["rewards"] = np.array([r["reward"] for r in responses], np.float32)
+    elif all("answer" in r for r in responses):
+        out["answers"] = np.array([str(r["answer"]) for r in responses])
+    with open(path, "wb") as f:
+        np.savez(f, **out)
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineRollouts:
+    """The arrays of an offline rollout file (module docstring), validated on load."""
+
+    arrays: dict
+    path: str
+
+    @classmethod
+    def load(cls, path: str) -> "OfflineRollouts":
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        missing = [k for k in _REQUIRED if k not in arrays]
+        if missing:
+            raise ValueError(f"{path}: missing field(s) {missing}; see "
+                             "stablerl_jax/interop/rollouts.py for the format")
+        if "rewards" not in arrays and "answers" not in arrays:
+            raise ValueError(f"{path}: needs 'rewards' [R] or 'answers' [R]")
+        out = cls(arrays, path)
+        out._check_lengths()
+        return out
+
+    @property
+    def num_responses(self) -> int:
+        return int(self.arrays["prompt_lens"].shape[0])
+
+    @property
+    def group_size(self) -> int:
+        return int(self.arrays["group_size"])
+
+    def _check_lengths(self) -> None:
+        a, r = self.arrays, self.num_responses
+        p, c = a["prompt_lens"], a["completion_lens"]
+        want = {"prompt_ids": (int(p.sum()),), "completion_lens": (r,),
+                "completion_ids": (int(c.sum()),), "logp_mu": (int(c.sum()),)}
+        want.update({k: (r,) for k in ("rewards", "answers") if k in a})
+        want.update({k: (int((p + c - 1).sum()),) for k in ("routes", "route_weights")
+                     if k in a})
+        for k, shp in want.items():
+            if a[k].shape[:1] != shp:
+                raise ValueError(f"{self.path}: {k} has {a[k].shape[:1]} entries, the "
+                                 f"lengths say {shp}; rewrite the file with write_rollouts")
+        if r % self.group_size:
+            raise ValueError(f"{self.path}: {r} responses are not whole groups of "
+                             f"group_size={self.group_size}")
+
+    def check(self, *, group_size: int, responses_per_step: int, steps: int,
+              num_layers: int, top_k: int, need_routes: bool, need_weights: bool) -> None:
+        """Refuse a file that cannot feed `steps` global steps of this config."""
+        a = self.arrays
+        if self.group_size != group_size:
+            raise ValueError(f"rl.group_size={group_size} must equal the file's group_size="
+                             f"{self.group_size} ({self.path})")
+        have = self.num_responses // responses_per_step
+        if have < steps:
+            raise ValueError(f"rl.steps={steps}: {self.path} holds {self.num_responses} "
+                             f"responses = {have} global steps of {responses_per_step}; "
+                             f"lower rl.steps to {have} or record more rollouts")
+        for key, need, why in (("routes", need_routes, "rl.replay=r3"),
+                               ("route_weights", need_weights, "rl.replay_weights")):
+            if need and key not in a:
+                raise ValueError(f"{why} replays the sampler's {key}, which {self.path} "
+                                 "does not hold; record them or change the setting")
+            if key in a and a[key].shape[1:] != (num_layers, top_k):
+                raise ValueError(f"{self.path}: {key} is [tokens, {a[key].shape[1:]}], the "
+                                 f"model needs [tokens, num_layers={num_layers}, "
+                                 f"top_k={top_k}]")
+
+    def batch(self, rows, *, max_prompt_len: int, max_new_tokens: int, pad_id: int,
+              num_layers: int, top_k: int, num_experts: int):
+        """(Rollout, rewards [B] or None, answers or None) of responses `rows`, in the
+        slot layout of `rollout.Rollout` (module docstring)."""
+        a = self.arrays
+        rows = np.asarray(rows)
+        p_b, c_b = a["prompt_lens"][rows], a["completion_lens"][rows]
+        if p_b.max() > max_prompt_len or c_b.max() > max_new_tokens:
+            raise ValueError(f"{self.path}: prompts up to {p_b.max()} / completions up to "
+                             f"{c_b.max()} tokens exceed task.max_prompt_len={max_prompt_len}"
+                             f" / sampling.max_new_tokens={max_new_tokens}; raise them")
+        po, co = _offsets(a["prompt_lens"]), _offsets(a["completion_lens"])
+        ro = _offsets(a["prompt_lens"] + a["completion_lens"] - 1)
+        b, P, s = len(rows), max_prompt_len, max_prompt_len + max_new_tokens
+        tokens = np.full((b, s), pad_id, np.int32)
+        prompt_mask = np.zeros((b, s), bool)
+        completion_mask = np.zeros((b, s), bool)
+        logp = np.zeros((b, s), np.float32)
+        m = int((p_b + c_b - 1).max())
+        routed = np.zeros((b, m, num_layers, top_k), np.int32)
+        weights = np.zeros((b, m, num_layers, top_k), np.float32)
+        for i, r in enumerate(rows):
+            tokens[i, P - p_b[i]:P] = a["prompt_ids"][po[r]:po[r + 1]]
+            tokens[i, P:P + c_b[i]] = a["completion_ids"][co[r]:co[r + 1]]
+            prompt_mask[i, P - p_b[i]:P] = True
+            completion_mask[i, P:P + c_b[i]] = True
+            logp[i, P:P + c_b[i]] = a["logp_mu"][co[r]:co[r + 1]]
+            if "routes" in a:
+                routed[i, :ro[r + 1] - ro[r]] = a["routes"][ro[r]:ro[r + 1]]
+            if "route_weights" in a:
+                weights[i, :ro[r + 1] - ro[r]] = a["route_weights"][ro[r]:ro[r + 1]]
+        if "routes" in a:
+            routes, w = engine_routes_to_replay(
+                routed, p_b, c_b, max_prompt_len=P, max_new_tokens=max_new_tokens,
+                num_layers=num_layers, top_k=top_k, num_experts=num_experts,
+                weights_BxMxLxK=weights if "route_weights" in a else None)
+        else:
+            routes, w = np.full((b, s, num_layers, top_k), -1, np.int32), None
+        rollout = Rollout(tokens, prompt_mask, completion_mask, c_b.astype(np.int32), logp,
+                          routes, w)
+        rewards = a["rewards"][rows].astype(np.float32) if "rewards" in a else None
+        answers = [str(x) for x in a["answers"][rows]] if "answers" in a else None
+        return rollout, rewards, answers
+
+
+def responses_from_rollout(rollout: Rollout, rewards_B) -> list[dict]:
+    """Our sampler's rollout as per-response records in the engine's convention (the
+    inverse of `OfflineRollouts.batch`): routes of the processed tokens only, prompt
+    then completion. For recording rollouts to a file with `write_rollouts`."""
+    r = {k: np.asarray(v) for k, v in rollout._asdict().items() if v is not None}
+    out = []
+    for b in range(r["tokens_BxS"].shape[0]):
+        prompt, comp = r["prompt_mask_BxS"][b], r["completion_mask_BxS"][b]
+        # Processed slots: the prompt, then every completion token but the last.
+        processed = prompt.copy()
+        processed[np.flatnonzero(comp)[:-1]] = True
+        rec = {"prompt_ids": r["tokens_BxS"][b, prompt],
+               "completion_ids": r["tokens_BxS"][b, comp],
+               "logp_mu": r["logp_mu_BxS"][b, comp],
+               "routes": r["routes_mu_BxSxLxK"][b, processed],
+               "reward": float(np.asarray(rewards_B)[b])}
+        if "route_weights_mu_BxSxLxK" in r:
+            rec["route_weights"] = r["route_weights_mu_BxSxLxK"][b, processed]
+        out.append(rec)
+    return out

@@ -1,0 +1,70 @@
+"""Checks that run before any work: the workdir, the devices and processes a config needs,
+and whether a resumed run still has the config it was trained with."""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from stablerl_jax import distributed
+from stablerl_jax.config import changed_fields, flat_dict
+
+# Fields a resumed run may change without asking: how long it runs and how it reports, not
+# what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
+RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_problems",
+               "rl.checkpoint_every", "rl.keep_checkpoints", "rl.async_checkpoints",
+               "rl.max_consecutive_skips")
+
+
+def check_workdir(workdir: str) -> None:
+    """A clear error for a workdir that cannot hold a run (before any work starts)."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
+    parent = workdir if os.path.isdir(workdir) else os.path.dirname(os.path.abspath(workdir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"workdir {workdir!r}: {parent!r} is not writable; fix its "
+                              "permissions or choose another --workdir")
+
+
+def check(cfg, workdir: str, devices=None) -> None:
+    """The checks an entry point runs before any work (before the cold start): the
+    workdir can hold a run, the mesh fits the visible devices, the batches split over the
+    processes."""
+    check_workdir(workdir)
+    check_processes(cfg)
+    n = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
+    have = len(jax.devices() if devices is None else devices)
+    if n > have:
+        raise ValueError(f"mesh={cfg.mesh} needs {n} devices, only {have} are visible; "
+                         "shrink the mesh (override mesh=data,fsdp,expert)")
+
+
+def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
+    if saved is None:
+        return  # written before configs were stored
+    changed = [k for k in changed_fields(saved, cfg)
+               if k not in RUN_CONTROL and not k.startswith("sft.") and k not in allow]
+    if changed:
+        now = flat_dict(cfg)
+        diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+        raise ValueError(
+            f"{where}: the run being resumed was trained with another config ({diffs}). "
+            f"Resume with the same settings, pass --allow-config-change {','.join(changed)} "
+            "to continue with the new ones, or use a new workdir.")
+
+
+def check_processes(cfg, export_hf: str = "") -> None:
+    """What a multi-process run needs of the batch sizes (distributed.py): every process
+    holds whole groups of the RL batch, and its block of the eval and SFT batches."""
+    if jax.process_count() == 1:
+        return
+    rl = cfg.rl
+    distributed.check_rows(rl.prompts_per_step * rl.group_size, rl.group_size,
+                           "rl.prompts_per_step × rl.group_size")
+    distributed.check_rows(rl.eval_problems, 1, "rl.eval_problems")
+    distributed.check_rows(cfg.sft.batch_size, 1, "sft.batch_size")
+    if export_hf:
+        raise ValueError("--export-hf writes from one process; export a checkpoint of this "
+                         "run from a single process instead")

@@ -1,0 +1,112 @@
+"""Hugging Face Qwen3-MoE checkpoints: save → load is bit-exact in both expert layouts,
+tied and untied, float32 and bfloat16; a load sharded over a 2×2×2 mesh equals the
+unsharded one and lands on the rules table's shardings; a checkpoint this model cannot
+hold is refused naming the tensor. (Logit parity with transformers: hf_parity_test.py.)"""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import cpu_devices
+from safetensors.numpy import load_file, save_file
+
+from stablerl_jax import sharding
+from stablerl_jax.config import ModelConfig
+from stablerl_jax.interop import hf_checkpoint as hc
+from stablerl_jax.model import transformer as tf
+
+CFG = ModelConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=16, max_seq_len=64)
+
+
+def _assert_same(a, b):
+    """Bit-exact: same tree, dtypes and values."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("experts,tied,dtype", [("per_expert", False, "float32"),
+                                                ("fused", True, "bfloat16")])
+def test_save_then_load_is_bit_exact(tmp_path, experts, tied, dtype):
+    cfg = CFG.replace(tie_embeddings=tied, param_dtype=dtype, norm_topk_prob=not tied)
+    params = tf.init_params(jax.random.key(0), cfg)
+    hc.save_qwen3_moe(params, cfg, str(tmp_path), experts=experts)
+    loaded, cfg2 = hc.load_qwen3_moe(str(tmp_path))
+    # Every field config.json carries comes back; the others are run settings.
+    assert cfg2 == cfg
+    _assert_same(loaded, params)
+    names = json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"]
+    fused = "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert fused == (experts == "fused")
+    assert ("lm_head.weight" in names) == (not tied)
+
+
+def test_loading_a_saved_checkpoint_and_saving_it_again_reproduces_its_files(tmp_path):
+    params = tf.init_params(jax.random.key(1), CFG)
+    hc.save_qwen3_moe(params, CFG, str(tmp_path / "a"))
+    loaded, cfg = hc.load_qwen3_moe(str(tmp_path / "a"))
+    hc.save_qwen3_moe(loaded, cfg, str(tmp_path / "b"))
+    for name in sorted(os.listdir(tmp_path / "a")):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_sharded_load_equals_unsharded_and_uses_the_rules_table(tmp_path):
+    params = tf.init_params(jax.random.key(2), CFG)
+    hc.save_qwen3_moe(params, CFG, str(tmp_path))
+    mesh = sharding.make_mesh(2, 2, 2, devices=cpu_devices())
+    loaded, _ = hc.load_qwen3_moe(str(tmp_path), mesh=mesh)
+    want = sharding.tree_shardings(tf.param_logical_axes(CFG), params, mesh)
+    for x, sh in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
+        assert x.sharding == sh
+    assert loaded["layers"]["w_gate"].sharding.spec == jax.sharding.PartitionSpec(
+        None, "expert", "fsdp", None)
+    _assert_same(jax.device_get(loaded), jax.device_get(params))
+
+
+def test_a_single_file_checkpoint_loads_too(tmp_path):
+    params = tf.init_params(jax.random.key(3), CFG)
+    hc.save_qwen3_moe(params, CFG, str(tmp_path / "sharded"))
+    merged = {}
+    for name in sorted(os.listdir(tmp_path / "sharded")):
+        if name.endswith(".safetensors"):
+            merged.update(load_file(str(tmp_path / "sharded" / name)))
+    os.makedirs(tmp_path / "one")
+    save_file(merged, str(tmp_path / "one" / "model.safetensors"))
+    (tmp_path / "one" / "config.json").write_text(
+        (tmp_path / "sharded" / "config.json").read_text())
+    loaded, _ = hc.load_qwen3_moe(str(tmp_path / "one"))
+    _assert_same(loaded, params)
+
+
+def _rewrite(path, change):
+    """Apply `change(tensors)` to the single-file copy of the checkpoint at path."""
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, name)))
+            os.remove(os.path.join(path, name))
+    os.remove(os.path.join(path, "model.safetensors.index.json"))
+    change(tensors)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def test_unusable_checkpoints_are_refused_naming_the_tensor(tmp_path):
+    params = tf.init_params(jax.random.key(4), CFG)
+    for case in ("bias", "missing", "shape"):
+        d = str(tmp_path / case)
+        hc.save_qwen3_moe(params, CFG, d)
+        if case == "bias":
+            _rewrite(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias":
+                                            np.zeros(32, np.float32)}))
+            with pytest.raises(ValueError, match="q_proj.bias"):
+                hc.load_qwen3_moe(d)
+        elif case == "missing":
+            _rewrite(d, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+            with pytest.raises(KeyError, match="experts.3.up_proj"):
+                hc.load_qwen3_moe(d)
+        else:
+            with pytest.raises(ValueError, match="q_proj.weight has shape"):
+                hc.load_qwen3_moe(d, num_heads=2, num_kv_heads=2)
