@@ -111,19 +111,20 @@ def test_accumulated_rl_update_equals_one_batch(x64):
     and a router z-loss (weighted by each slice's share of the routed tokens)."""
     cfg, params, _, batch = _scored()
     cfg = cfg.replace(loss=LossConfig(aggregation="token_mean"))
-    loss = functools.partial(steps.rl_loss, cfg=cfg)
-    one = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch, None)
-    totals = steps.totals_of(batch)
-    acc = jax.jit(lambda p, b: accumulate.value_and_grad(
-        lambda q, part: loss(q, part, totals), p, b, N))(params, batch)
-    _compare(one, acc, cfg, batch)
+    _compare_one_and_accumulated(steps.rl_loss, cfg, params, batch)
 
 
 def test_accumulated_sft_update_equals_one_batch(x64):
     cfg, params, ro, _ = _scored()
     attn = ro.prompt_mask_BxS | ro.completion_mask_BxS
     batch = SFTBatch(ro.tokens_BxS, attn, ro.completion_mask_BxS[:, 1:].astype(jnp.float64))
-    loss = functools.partial(steps.sft_loss, cfg=cfg)
+    _compare_one_and_accumulated(steps.sft_loss, cfg, params, batch)
+
+
+def _compare_one_and_accumulated(loss_fn, cfg, params, batch):
+    """`loss_fn` on the whole batch vs accumulated over N micro-batches, each slice's
+    loss written with the whole batch's totals."""
+    loss = functools.partial(loss_fn, cfg=cfg)
     one = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch, None)
     totals = steps.totals_of(batch)
     acc = jax.jit(lambda p, b: accumulate.value_and_grad(

@@ -165,13 +165,7 @@ def test_chunked_attention_equals_naive(x64, chunk):
     in value and gradient; with a KV cache (prefill into S > T slots) as well."""
     params, tokens, mask = _setup(cfg=CFG64)
     chunked = CFG64.replace(attention_impl="chunked", attention_chunk=chunk, remat="full")
-
-    def loss(p, cfg):
-        h, _ = tf.forward(p, tokens, cfg, attention_mask_BxT=mask)
-        return _probe(h, mask), h
-
-    step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg=cfg),
-                                                  has_aux=True))
+    step = _probe_step(tokens, mask)
     (v0, h0), g0 = step(CFG64)(params)
     (v1, _), g1 = step(chunked)(params)
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
@@ -208,15 +202,19 @@ def _grouped_matmul_agrees(impl):
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
 
 
-def test_dense_and_grouped_models_agree(x64):
-    params, tokens, mask = _setup(cfg=CFG64)
-
+def _probe_step(tokens, mask):
+    """cfg → jitted value_and_grad of the probe loss of the model under cfg (aux: h)."""
     def loss(p, cfg):
         h, _ = tf.forward(p, tokens, cfg, attention_mask_BxT=mask)
         return _probe(h, mask), h
 
-    step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg=cfg),
+    return lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg=cfg),
                                                   has_aux=True))
+
+
+def test_dense_and_grouped_models_agree(x64):
+    params, tokens, mask = _setup(cfg=CFG64)
+    step = _probe_step(tokens, mask)
     (v0, h0), g0 = step(CFG64)(params)
     (v1, _), g1 = step(CFG64.replace(dispatch="dense"))(params)
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
