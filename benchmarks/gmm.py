@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import median_seconds
+from benchmarks.timing import matmul_peak, median_seconds
 from stablerl_jax.kernels import gmm_pallas
 from stablerl_jax.model.gmm import gmm as loop_gmm
 
@@ -47,13 +47,6 @@ def group_sizes(m: int, e: int, tile: int, seed: int = 0) -> np.ndarray:
     popularity = rng.dirichlet(np.full(e, 2.0))
     counts = rng.multinomial(m, popularity)
     return (-(-counts // tile) * tile).astype(np.int32)
-
-
-def matmul_peak(dtype, n: int = 8192, reps: int = 10) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype))
-    return 2 * n**3 / median_seconds(f, a, b, reps=reps)
 
 
 def ragged(lhs, rhs, sizes, tile, precision=None):
@@ -100,10 +93,6 @@ def main():
           f"M {args.m} (buffer {rows}, routed+padding {int(sizes_np.sum())}), D {args.d}, "
           f"F {args.f}, E {args.e}, tile {args.tile}; measured {args.dtype} matmul peak "
           f"{peak / 1e12:.0f} TFLOP/s; median of {args.reps}", flush=True)
-
-    def pallas(block):
-        return functools.partial(gmm_pallas.gmm, tile=args.tile, block=block,
-                                 target=args.target, interpret=args.interpret)
 
     want = jax.jit(lambda a, b, s: ragged(a, b, s, args.tile))(lhs, rhs, sizes)
 
@@ -154,6 +143,8 @@ def main():
                   flush=True)
             if t_r < tbest[0]:
                 tbest = (t_r, (r, c, d, w, st))
+        if best[1] is None or tbest[1] is None:
+            raise SystemExit("every block size of the sweep was refused (see above)")
         (r, c, d, w, st), (tr, tc, td, tw, ts) = best[1], tbest[1]
         block = gmm_pallas.BlockSizes(rows=r, cols=c, depth=d, num_warps=w, num_stages=st,
                                       t_rows=tr, t_cols=tc, t_depth=td, t_num_warps=tw,

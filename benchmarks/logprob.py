@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import median_seconds
+from benchmarks.timing import matmul_peak, median_seconds
 from stablerl_jax.kernels.fused_logprob import BlockSizes, fused_logprob
 
 # The benchmark chooses how Pallas runs: interpreted on a CPU, compiled for the backend.
@@ -42,13 +42,6 @@ def _row(impl, block, args, reps):
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
     return (median_seconds(fwd, *args, reps=reps), median_seconds(bwd, *args, reps=reps),
             _temp_mb(fwd, args), _temp_mb(bwd, args))
-
-
-def matmul_peak_tflops(dtype, n=8192, reps=10) -> float:
-    """Measured dense matmul rate at this dtype (random data), TFLOP/s."""
-    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
-    return 2 * n**3 / median_seconds(jax.jit(jnp.dot), a, b, reps=reps) / 1e12
 
 
 def _block(spec: str, chunk: int) -> BlockSizes:
@@ -72,7 +65,7 @@ def main():
     print(f"jax {jax.__version__}, backend {jax.default_backend()} "
           f"({jax.devices()[0].device_kind}), {dtype.name}, chunk {args.chunk}, "
           f"median of {args.reps}")
-    peak = None if on_cpu else matmul_peak_tflops(dtype)
+    peak = None if on_cpu else matmul_peak(dtype) / 1e12  # TFLOP/s
     if peak:
         print(f"measured {dtype.name} matmul peak: {peak:.0f} TFLOP/s (8192^3)")
     print("| T | D | V | impl | fwd s | fwd+bwd s | fwd temp MiB | fwd+bwd temp MiB | "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -17,3 +18,12 @@ def median_seconds(fn, *args, reps: int = 3) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def matmul_peak(dtype, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of a bare n×n×n `jnp.dot` of random `dtype` matrices (float32 accumulation,
+    output in `dtype`): the measured peak the benchmarks report rates against."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype))
+    return 2 * n**3 / median_seconds(f, a, b, reps=reps)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import median_seconds
+from benchmarks.timing import matmul_peak
 from stablerl_jax import presets
 from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.model import transformer as tf
@@ -53,7 +53,7 @@ def small() -> ExperimentConfig:
 def moe1b_cpu() -> ExperimentConfig:
     """presets.moe1b on one device: 4 responses of 256 tokens, bf16 parameters."""
     base = presets.moe1b()
-    model = base.model.replace(param_dtype="bfloat16", gmm_impl="loop")
+    model = base.model.replace(param_dtype="bfloat16")
     rl = base.rl.replace(prompts_per_step=1, group_size=4, microbatches=1)
     return base.replace(model=model, rl=rl, mesh=(1, 1, 1), sft=base.sft.replace(
         batch_size=4, microbatches=1), sampling=base.sampling.replace(max_batch=0))
@@ -71,13 +71,6 @@ def moe1b_gpu() -> ExperimentConfig:
 # (config, sequence length)
 PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256), "moe1b": (moe1b_cpu, 256),
            "moe1b_gpu": (moe1b_gpu, 1024)}
-
-
-def matmul_peak(dtype, n: int = 4096, reps: int = 3) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=dtype))
-    return 2 * n ** 3 / median_seconds(f, a, b, reps=reps)
 
 
 def synthetic_rollout(cfg, batch: int, seq: int) -> tuple[Rollout, np.ndarray]:
@@ -149,7 +142,7 @@ def main():
             r = bench(n, args.reps, d)
             dt = r["dtype"]
             if dt not in peaks:
-                peaks[dt] = matmul_peak(jnp.dtype(dt))
+                peaks[dt] = matmul_peak(jnp.dtype(dt), n=4096, reps=3)
             rate = r["flops"] / r["sec"]
             print(f"| {n} | {d} | {r['params'] / 1e6:.2f}M | {r['batch']} × {r['seq']} | "
                   f"{dt} | {r['sec']:.3f} | {r['flops'] / 1e9:.1f} | {rate / 1e9:.1f} | "

@@ -67,8 +67,11 @@ def _checksum(x):
 
 def checksums(state) -> dict[str, list[int]]:
     """{leaf path: [sum, weighted sum]} of a pytree of arrays (module docstring)."""
-    return {k: [int(v) for v in distributed.host(_checksum(x))]
-            for k, x in _leaves(state).items()}
+    sums = _checksums_jit(_leaves(state))  # one program for every leaf
+    return {k: [int(v) for v in distributed.host(x)] for k, x in sums.items()}
+
+
+_checksums_jit = jax.jit(lambda leaves: jax.tree.map(_checksum, leaves))
 
 
 def _key_name(k) -> str:

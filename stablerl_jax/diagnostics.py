@@ -237,29 +237,43 @@ def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
     return out
 
 
+def combine_pairs(stacked: dict, xp=jnp) -> dict:
+    """(num, den) pairs stacked over parts (mini-batches, micro-batches: [n, ...] each) ->
+    one pair per key: numerators and denominators summed, except `*_max` / `*_min` keys,
+    which take the extreme numerator over the parts whose denominator is nonzero (value 0,
+    denominator 0 when none counted). `xp`: jnp inside a jitted step, np on the host."""
+    out = {}
+    for key, (num, den) in stacked.items():
+        if key.endswith(("_max", "_min")):
+            counted = den > 0
+            fill = -xp.inf if key.endswith("_max") else xp.inf
+            pick = xp.max if key.endswith("_max") else xp.min
+            value = pick(xp.where(counted, num, fill), axis=0)
+            out[key] = (xp.where(xp.any(counted, axis=0), value, 0.0), xp.max(den, axis=0))
+        else:
+            out[key] = (xp.sum(num, axis=0), xp.sum(den, axis=0))
+    return out
+
+
 def reduce_metrics(metric_dicts) -> dict:
     """Combine (num, den) metrics of several mini-batches / devices into floats.
 
-    Sums numerators and denominators, then divides (NaN when every denominator is 0: there
-    was nothing to average). `*_max` / `*_min` keys take the max / min of the numerators
-    whose denominator is nonzero. Vector pairs (per-layer) reduce elementwise to a numpy
-    array. Derived keys: `*_std` = sqrt(sqmean − mean²) for every `*_sqmean`/`*_mean`
-    pair, and `is/ess` = mean(w)² / mean(w²), the normalized effective sample size of the
-    applied IS weights.
+    `combine_pairs`, then num / den (NaN when every denominator is 0: there was nothing
+    to average; for `*_max` / `*_min` the extreme itself, NaN when nothing counted).
+    Vector pairs (per-layer) reduce elementwise to a numpy array. Derived keys: `*_std` =
+    sqrt(sqmean − mean²) for every `*_sqmean`/`*_mean` pair, and `is/ess` = mean(w)² /
+    mean(w²), the normalized effective sample size of the applied IS weights.
     """
     metric_dicts = list(metric_dicts)
     if not metric_dicts:
         raise ValueError("reduce_metrics: got no metric dicts")
+    stacked = {key: tuple(np.stack([np.asarray(d[key][i], np.float64) for d in metric_dicts])
+                          for i in range(2)) for key in metric_dicts[0]}
     out = {}
-    for key in metric_dicts[0]:
-        pairs = [(np.asarray(d[key][0], np.float64), np.asarray(d[key][1], np.float64))
-                 for d in metric_dicts]
+    for key, (num, den) in combine_pairs(stacked, np).items():
         if key.endswith(("_max", "_min")):
-            vals = [float(n) for n, d in pairs if d > 0]
-            pick = max if key.endswith("_max") else min
-            out[key] = pick(vals) if vals else float("nan")
+            out[key] = float(num) if den > 0 else float("nan")
             continue
-        num, den = sum(n for n, _ in pairs), sum(d for _, d in pairs)
         with np.errstate(invalid="ignore", divide="ignore"):
             value = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
         out[key] = float(value) if value.ndim == 0 else value

@@ -73,7 +73,7 @@ def _compare(one, acc, cfg, batch):
 def test_accumulated_losses_equal_one_batch(x64, name):
     """Every loss under every aggregation: a per-row 'model' (a table of log-probs, one
     row per response) makes the loss itself the whole computation, so this isolates the
-    algebra of the totals and of `combine`."""
+    algebra of the totals and of `diagnostics.combine_pairs`."""
     b, t = 8, 6
     k = jax.random.split(jax.random.key(3), 4)
     mask = (jax.random.uniform(k[0], (b, t)) < 0.7).astype(jnp.float64).at[3].set(0.0)

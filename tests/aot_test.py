@@ -42,7 +42,7 @@ CI_OVERRIDES = ["model.num_layers=2", "mesh=1,2,2", "rl.prompts_per_step=4",
 
 @pytest.mark.tpu
 def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
-    pytest.importorskip("libtpu")
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES)
     engine = aot.engine_for(cfg, topo)
@@ -62,7 +62,7 @@ def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
 
 @pytest.mark.tpu
 def test_pallas_kernels_compile_for_v5p_8():
-    pytest.importorskip("libtpu")
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
     cfg = presets.preset("paper", CI_OVERRIDES)
     for c in aot.compile_kernels(cfg, aot.topology("v5p-8")):
-        assert c.total_gib <= 95.74, c
+        assert c.total_gib <= aot.topology("v5p-8").hbm_gib, c

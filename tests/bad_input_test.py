@@ -13,7 +13,7 @@ from rl_helpers import tiny_cfg
 
 from experiments import quickstart
 from stablerl_jax import losses, presets
-from stablerl_jax.config import ConfigError, LossConfig, TaskConfig, flat_dict
+from stablerl_jax.config import ConfigError, LossConfig, TaskConfig
 from stablerl_jax.data import gsm8k
 from stablerl_jax.data.task import load_split
 from stablerl_jax.model import moe
@@ -175,9 +175,7 @@ def test_a_cold_start_with_other_settings_is_refused(tmp_path):
     (workdir / "sft").mkdir(parents=True)
     (workdir / "sft" / "commit_success.txt").write_text("")
     other = cfg.replace(model=cfg.model.replace(d_model=48))
-    saved = {k: v for k, v in flat_dict(other).items()
-             if k.startswith(("model.", "task.", "sft.")) and k != "sft.max_consecutive_skips"}
-    (workdir / "sft.json").write_text(json.dumps(saved))
+    (workdir / "sft.json").write_text(json.dumps(sft.sft_settings(other)))
     with pytest.raises(ValueError, match=r"sft was trained with other settings \(model.d_model\)"):
         sft.cold_start(cfg, data=None, workdir=str(workdir), progress=False)
 

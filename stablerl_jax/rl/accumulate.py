@@ -8,14 +8,14 @@ i holds rows i, i + n, i + 2n, …, so every micro-batch is spread over the whol
 cutting them moves no data between devices).
 
 Exactness. Each slice's loss is written with the mini-batch's denominators
-(`losses.Totals`: its B and Σ mask, passed in by the caller), so
+(`losses.Totals`: its B, Σ mask and non-empty rows, passed in by the caller), so
 
     loss(batch) = Σ_i loss_i,      ∇loss(batch) = Σ_i ∇loss_i
 
 in exact arithmetic under every aggregation (token-mean divides each slice's token sum by
 the mini-batch's token count, not the slice's). Metrics are (num, den) pairs: sums add,
 `*_max` / `*_min` pairs take the max / min over the slices that counted anything
-(`combine`), exactly as `diagnostics.reduce_metrics` combines mini-batches. The scan
+(`diagnostics.combine_pairs`, the rule `reduce_metrics` applies to mini-batches). The scan
 carries one gradient accumulator (float32 or wider), so activation memory is that of one
 micro-batch while the optimizer still takes one step per mini-batch.
 """
@@ -24,24 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from stablerl_jax import diagnostics as dg
 from stablerl_jax import slices
-
-
-def combine(metrics_n: dict) -> dict:
-    """Pairs stacked over micro-batches ([n, ...] numerators and denominators) -> one pair
-    each: sums, or for `*_max` / `*_min` keys the extreme over slices whose denominator is
-    nonzero (the value stays 0 and the denominator 0 when none counted)."""
-    out = {}
-    for key, (num, den) in metrics_n.items():
-        if key.endswith(("_max", "_min")):
-            counted = den > 0
-            fill = -jnp.inf if key.endswith("_max") else jnp.inf
-            pick = jnp.max if key.endswith("_max") else jnp.min
-            value = pick(jnp.where(counted, num, fill), axis=0)
-            out[key] = (jnp.where(jnp.any(counted, axis=0), value, 0.0), jnp.max(den, axis=0))
-        else:
-            out[key] = (jnp.sum(num, axis=0), jnp.sum(den, axis=0))
-    return out
 
 
 def value_and_grad(loss_fn, params, batch, n: int):
@@ -58,4 +42,4 @@ def value_and_grad(loss_fn, params, batch, n: int):
     grads, (losses_n, metrics_n) = jax.lax.scan(body, zeros,
                                                    slices.split(batch, n, "micro-batches"))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return (jnp.sum(losses_n), combine(metrics_n)), grads
+    return (jnp.sum(losses_n), dg.combine_pairs(metrics_n)), grads

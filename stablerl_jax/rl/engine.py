@@ -148,25 +148,27 @@ class Engine:
         }
         return cls(cfg, mesh, optimizer, p_sh, state_sh, batch, jitted)
 
+    def _place(self, name: str, args, leaf):
+        """(step, args with each leaf mapped by leaf(x, its input sharding))."""
+        fn, in_shardings = self._jitted[name]
+        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+        place = lambda sh, sub: jax.tree.map(lambda x: leaf(x, sh), sub)
+        return fn, jax.tree.map(place, in_shardings, args, is_leaf=is_sharding)
+
     def _call(self, name: str, *args):
         """Run step `name` with each argument placed on its input sharding. In a
         multi-process run a host batch argument is this process's block of rows and any
         other host argument a full copy (distributed.to_global)."""
-        fn, in_shardings = self._jitted[name]
-        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
-        place = lambda sh, sub: jax.tree.map(
-            lambda x: distributed.to_global(x, sh, batch=sh is self.batch_sharding), sub)
-        return fn(*jax.tree.map(place, in_shardings, args, is_leaf=is_sharding))
+        fn, placed = self._place(name, args, lambda x, sh: distributed.to_global(
+            x, sh, batch=sh is self.batch_sharding))
+        return fn(*placed)
 
     def lower(self, name: str, *args):
         """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs of
         the step's arguments, e.g. from stablerl_jax/aot.py), placed on the step's input
         shardings: what `.compile()` turns into the program this Engine would run."""
-        fn, in_shardings = self._jitted[name]
-        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
-        place = lambda sh, sub: jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub)
-        abstract = jax.tree.map(place, in_shardings, args, is_leaf=is_sharding)
+        fn, abstract = self._place(name, args, lambda a, sh: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=sh))
         return fn.lower(*abstract)
 
     def init_state(self, params) -> steps.TrainState:

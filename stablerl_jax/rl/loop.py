@@ -85,9 +85,11 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         key = jax.random.fold_in(jax.random.key(rl.seed), step)
         rollout = engine.sample(state.params, tokens, mask, key)
         rewards_mine = data.reward(rollout, answers)
+        lengths_mine = distributed.local_rows(rollout.lengths_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
-    else:
+    else:  # already this process's rows, on the host
         rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
+        lengths_mine = rollout.lengths_B
         source = {"responses": [int(i) for i in rows]}
     batch, score_metrics = engine.score(state.params, rollout, rewards_mine)
     rewards_B = distributed.gather(rewards_mine)
@@ -96,7 +98,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     for rows in minibatches:
         state, m = engine.update(state, engine.select(batch, rows))
         update_metrics.append(jax.tree.map(distributed.host, m))
-    lengths_B = distributed.gather(distributed.local_rows(rollout.lengths_B))
+    lengths_B = distributed.gather(lengths_mine)
     metrics = {"reward": float(np.mean(rewards_B)),
                "response_length": float(np.mean(lengths_B))}
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))

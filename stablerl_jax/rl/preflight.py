@@ -8,6 +8,7 @@ import jax
 
 from stablerl_jax import distributed
 from stablerl_jax.config import changed_fields, flat_dict
+from stablerl_jax.rl.engine import make_mesh
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
 # what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
@@ -34,11 +35,7 @@ def check(cfg, workdir: str, devices=None) -> None:
     processes."""
     check_workdir(workdir)
     check_processes(cfg)
-    n = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
-    have = len(jax.devices() if devices is None else devices)
-    if n > have:
-        raise ValueError(f"mesh={cfg.mesh} needs {n} devices, only {have} are visible; "
-                         "shrink the mesh (override mesh=data,fsdp,expert)")
+    make_mesh(cfg.mesh, devices)  # raises when the mesh needs more devices than there are
 
 
 def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:

@@ -46,8 +46,19 @@ def train_sft(cfg, data, *, progress: bool = True, devices=None):
     return state.params, losses
 
 
-# The settings that determine the cold-start parameters (compared when they are reused).
+# The settings that determine the cold-start parameters (compared when they are reused),
+# less those that change how a step computes or how long a run may misbehave, not what
+# it learns (remat, expert paths, micro-batching, the skip limit).
 _SFT_SECTIONS = ("model.", "task.", "sft.")
+_SFT_RUN_FIELDS = ("model.remat", "model.dispatch", "model.gmm_impl", "model.expert_parallel",
+                   "model.attention_impl", "model.attention_chunk", "sft.microbatches",
+                   "sft.max_consecutive_skips")
+
+
+def sft_settings(cfg) -> dict:
+    """The flat settings a cold start is stored with and compared on (`<workdir>/sft.json`)."""
+    return {k: v for k, v in flat_dict(cfg).items()
+            if k.startswith(_SFT_SECTIONS) and k not in _SFT_RUN_FIELDS}
 
 
 def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
@@ -59,8 +70,7 @@ def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
     run every process calls this (the workdir is on a filesystem they share)."""
     path = os.path.join(os.path.abspath(workdir), "sft")
     config_path = path + ".json"
-    wanted = {k: v for k, v in flat_dict(cfg).items()
-              if k.startswith(_SFT_SECTIONS) and k != "sft.max_consecutive_skips"}
+    wanted = sft_settings(cfg)
     if distributed.is_main() and os.path.isdir(path) and not is_complete(path):
         logging.warning("%s was not completely written; moved to %s and training again",
                         path, set_aside(path, ".incomplete"))
@@ -69,7 +79,8 @@ def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
         if os.path.exists(config_path):
             with open(config_path) as f:
                 saved = json.load(f)
-            changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+            changed = sorted(k for k in set(saved) | set(wanted)
+                             if k not in _SFT_RUN_FIELDS and saved.get(k) != wanted.get(k))
             if changed:
                 raise ValueError(
                     f"{path} was trained with other settings ({', '.join(changed[:8])}); "
@@ -81,11 +92,13 @@ def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
                             jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model)))
         return load_params(path, like), None
     params, losses = train_sft(cfg, data, progress=progress, devices=devices)
-    save_params(path, params)
+    # The settings first: a kill between the two leaves an incomplete sft/ (set aside and
+    # trained again), never a complete one without its settings.
     if distributed.is_main():
         tmp = config_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(wanted, f, indent=1)
         os.replace(tmp, config_path)
+    save_params(path, params)
     distributed.barrier("sft saved")
     return params, losses
