@@ -1,0 +1,127 @@
+"""Wall time of the RL loop's global step at the experiments' tiny scale, on this machine.
+
+    python -m benchmarks.global_step [--steps 40] [--workdir /tmp/bench_global_step]
+        [--only onpolicy,offpolicy-N8] [key=value ...]
+
+For each setting (on-policy: one update of 128 responses; off-policy N = 8: eight updates
+of 32) it prints two tables:
+
+- hops: the median milliseconds of each hop of a global step (sample, reward, score,
+  the N updates, the metrics pulled to the host), each waited for so that its own time is
+  measured, over the last `--steps` steps of a run started from the cold start; and the
+  first call of each (compile included). `eval` is one avg@k evaluation.
+- end to end: `rl.loop.run` for `--steps` global steps in a fresh workdir (eval every 10
+  steps, two checkpoints, metrics and logs written: an experiment's run), in this process
+  twice: `first` pays every compile (or reads them from the persistent compilation
+  cache when `--cache` names one, as the experiment modules do), `again` is a second run
+  with everything compiled. seconds per global step = wall / steps.
+
+The cold start (SFT, 300 steps) is trained once and cached under the workdir.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+
+from experiments import common, offpolicy, onpolicy
+from stablerl_jax import distributed
+from stablerl_jax.config import apply_overrides
+from stablerl_jax.diagnostics import reduce_metrics
+from stablerl_jax.rl import loop
+from stablerl_jax.rl.engine import Engine
+
+SETTINGS = {
+    "onpolicy": lambda: onpolicy.tiny_base(),
+    "offpolicy-N8": lambda: apply_overrides(offpolicy.tiny_base(), [
+        "rl.num_minibatches=8", "rl.prompts_per_step=32", "rl.replay=r2"]),
+}
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0
+
+
+def hop_times(cfg, data, params, steps: int) -> dict:
+    """{hop: (first call s, median s over the following steps)} of `steps` global steps."""
+    engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    state = engine.init_state(params)
+    rl = cfg.rl
+    times: dict[str, list[float]] = {}
+    for step in range(steps + 1):
+        t_step = time.perf_counter()
+        idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
+        tokens, mask, answers = data.prompt_batch([data.train[i] for i in idx], rl.group_size)
+        key = jax.random.fold_in(jax.random.key(rl.seed), step)
+        rollout, t = _timed(lambda: engine.sample(state.params, tokens, mask, key))
+        times.setdefault("sample", []).append(t)
+        rewards, t = _timed(lambda: data.reward(rollout, answers))
+        times.setdefault("reward", []).append(t)
+        (batch, score_metrics), t = _timed(lambda: engine.score(state.params, rollout, rewards))
+        times.setdefault("score", []).append(t)
+        t0 = time.perf_counter()
+        order = loop.minibatch_order(rl.seed, step, len(rewards)).reshape(rl.num_minibatches, -1)
+        update_metrics = []
+        for rows in order:
+            state, m = engine.update(state, engine.select(batch, rows))
+            update_metrics.append(m)
+        jax.block_until_ready(state)
+        times.setdefault(f"{rl.num_minibatches} update(s)", []).append(time.perf_counter() - t0)
+        _, t = _timed(lambda: (reduce_metrics([jax.tree.map(distributed.host, score_metrics)]),
+                               reduce_metrics([jax.tree.map(distributed.host, m)
+                                               for m in update_metrics])))
+        times.setdefault("metrics to host", []).append(t)
+        times.setdefault("global step (sum)", []).append(time.perf_counter() - t_step)
+    for _ in range(3):
+        _, t = _timed(lambda: loop.evaluate(engine, state.params, data, 0))
+        times.setdefault("eval (avg@k)", []).append(t)
+    return {k: (v[0], float(np.median(v[1:]))) for k, v in times.items()}
+
+
+def end_to_end(cfg, data, params, workdir: str) -> float:
+    shutil.rmtree(workdir, ignore_errors=True)
+    t0 = time.perf_counter()
+    loop.run(cfg, workdir, init_params=params, data=data, progress=False)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--workdir", default="/tmp/bench_global_step")
+    ap.add_argument("--only", default=",".join(SETTINGS))
+    ap.add_argument("--cache", default="",
+                    help="persistent compilation cache directory (default: none)")
+    ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
+    args = ap.parse_args(argv)
+    if args.cache:
+        jax.config.update("jax_compilation_cache_dir", args.cache)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    for name in args.only.split(","):
+        cfg = apply_overrides(SETTINGS[name](), [f"rl.steps={args.steps}", "rl.eval_every=10",
+                                                 f"rl.checkpoint_every={args.steps // 2}",
+                                                 *args.overrides])
+        data, params = common.cold_start(cfg, args.workdir, progress=False)
+        hops = hop_times(cfg, data, params, args.steps)
+        print(f"\n{name}: rl.num_minibatches={cfg.rl.num_minibatches}, "
+              f"{cfg.rl.prompts_per_step * cfg.rl.group_size} responses per step\n")
+        print("| hop | first call ms | median ms |\n|---|---|---|")
+        for hop, (first, med) in hops.items():
+            print(f"| {hop} | {first * 1e3:.1f} | {med * 1e3:.1f} |")
+        run_dir = os.path.join(args.workdir, "run_" + name)
+        first = end_to_end(cfg, data, params, run_dir)
+        again = end_to_end(cfg, data, params, run_dir)
+        print(f"\n| end to end ({args.steps} steps) | wall s | s per global step |\n"
+              "|---|---|---|")
+        for label, wall in (("first", first), ("again", again)):
+            print(f"| {label} | {wall:.1f} | {wall / args.steps:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
