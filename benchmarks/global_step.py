@@ -63,6 +63,9 @@ def hop_times(cfg, data, params, steps: int) -> dict:
         times.setdefault("sample", []).append(t)
         rewards, t = _timed(lambda: data.reward(rollout, answers))
         times.setdefault("reward", []).append(t)
+        if rl.trim_bucket:
+            rollout, t = _timed(lambda: engine.trim(rollout, rl.trim_bucket))
+            times.setdefault("trim", []).append(t)
         (batch, score_metrics), t = _timed(lambda: engine.score(state.params, rollout, rewards))
         times.setdefault("score", []).append(t)
         t0 = time.perf_counter()

@@ -10,7 +10,8 @@ top of the base) and a list of seeds. `run` trains the SFT cold start once (cach
 Command line of every module:
 
     python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
-        [--only VARIANT,...] [--dry-run] [--quiet] [section.field=value ...]
+        [--only VARIANT,...] [--dry-run] [--quiet] [--compile-cache DIR]
+        [section.field=value ...]
 
 Overrides apply to every run (e.g. `sampling.numerics=bf16 sampling.router_noise_std=0.5`,
 the mismatch knobs); `--dry-run` prints each run's resolved settings and exits (the way to
@@ -28,7 +29,8 @@ import time
 
 import numpy as np
 
-from stablerl_jax import distributed
+from experiments import stats
+from stablerl_jax import compile_cache, distributed
 from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
 from stablerl_jax.metrics_io import plot_comparison, read_metrics
 from stablerl_jax.rl import loop, preflight, sft
@@ -91,7 +93,9 @@ def _window(records: list[dict], key: str, part: slice) -> float | None:
 
 
 def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
-    """Per variant, seed-averaged: held-out accuracy at start / best / end, training reward,
+    """Per variant, seed-averaged: held-out accuracy at start / best / final (the mean of
+    the last evaluations, stats.final_accuracy), how many seeds collapsed and the mean
+    collapse step (stats.collapse_step, censored at the run length + 1), training reward,
     entropy and training–inference KL over the first and last fifth of the steps, routing
     mismatch, the mean square of Eq. 5's two log factors, clip fraction and the fraction of
     updates skipped (non-finite loss or gradient)."""
@@ -103,10 +107,13 @@ def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
             fifth = max(1, len(steps_) // 5)
             first, last = slice(0, fifth), slice(-fifth, None)
             evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+            collapse = stats.collapse_step(records)
             per_seed.append({
                 "acc_start": evals[0] if evals else None,
                 "acc_best": max(evals) if evals else None,
-                "acc_end": evals[-1] if evals else None,
+                "acc_end": stats.final_accuracy(records),
+                "collapse": collapse,
+                "collapsed": float(collapse <= len(steps_)),
                 "reward_first": _window(steps_, "reward", first),
                 "reward_last": _window(steps_, "reward", last),
                 "entropy_first": _window(steps_, "entropy", first),
@@ -122,7 +129,7 @@ def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
         row = {"variant": name, "seeds": len(per_seed)}
         for k in per_seed[0]:
             vals = [s[k] for s in per_seed if s[k] is not None]
-            row[k] = float(np.mean(vals)) if vals else None
+            row[k] = float((np.sum if k == "collapsed" else np.mean)(vals)) if vals else None
             if k == "acc_end" and len(vals) > 1:
                 row["acc_end_sd"] = float(np.std(vals, ddof=1))
         out.append(row)
@@ -132,6 +139,7 @@ def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
 _COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"),
             ("acc_start", "acc@0", "{:.3f}"), ("acc_best", "best acc", "{:.3f}"),
             ("acc_end", "final acc", "{:.3f}"), ("acc_end_sd", "± sd", "{:.3f}"),
+            ("collapsed", "seeds collapsed", "{:.0f}"), ("collapse", "collapse step", "{:.0f}"),
             ("reward_first", "reward first⅕", "{:.3f}"), ("reward_last", "reward last⅕", "{:.3f}"),
             ("entropy_first", "entropy first⅕", "{:.3f}"),
             ("entropy_last", "entropy last⅕", "{:.3f}"),
@@ -183,19 +191,28 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
     return runs
 
 
-def report(runs: dict, workdir: str, title: str, command: str, groups=None) -> str:
+def report(runs: dict, workdir: str, title: str, command: str, groups=None,
+           comparisons=(), seeds=()) -> str:
     """Write comparison.png (or comparison_<group>.png per group of variant names) and
-    summary.md (+ summary.json); return the markdown table."""
+    summary.md (+ summary.json): the per-variant table, then for each (A, B) of
+    `comparisons` the seed-paired differences (stats.compare); return the markdown."""
     for group, names in (groups or {"": list(runs)}).items():
         plot_comparison({k: seed_mean(runs[k]) for k in names if k in runs},
                         os.path.join(workdir, f"comparison{'_' + group if group else ''}.png"),
                         COMPARISON_PANELS)
     rows = summary_rows(runs)
     table = markdown_table(rows)
+    by_seed = {k: dict(zip(seeds, v)) for k, v in runs.items()}
+    compared = [r for a, b in comparisons for r in stats.compare(by_seed, a, b)]
+    if compared:
+        table += ("\n\nDifferences, seed by seed (experiments/stats.py: final accuracy is "
+                  f"the mean of the last {stats.FINAL_EVALS} evaluations; collapse: the "
+                  f"{stats.WINDOW}-step mean reward below {stats.COLLAPSE_FRACTION:g} × its "
+                  "best so far, censored at steps + 1):\n\n" + stats.markdown(compared))
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(f"# {title}\n\n```\n{command}\n```\n\n{table}\n")
     with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(rows, f, indent=2)
+        json.dump({"variants": rows, "comparisons": compared}, f, indent=2)
     return table
 
 
@@ -216,6 +233,7 @@ def parser(description: str, presets: dict, default_workdir: str) -> argparse.Ar
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     distributed.add_arguments(ap)
+    compile_cache.add_argument(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
     return ap
 
@@ -260,7 +278,7 @@ def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
 
 
 def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=None,
-         cold_start_per_variant: bool = False) -> dict:
+         comparisons=None, cold_start_per_variant: bool = False) -> dict:
     """The command line of an experiment module: parse, validate, (dry-)run, report.
 
     groups(variant names) -> {figure suffix: names} splits the comparison figure.
@@ -274,6 +292,7 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
         distributed.initialize_from(args)
     except ValueError as e:
         ap.error(str(e))
+    compile_cache.enable(args.compile_cache)
     exp = presets[args.preset]()
     variants, seeds = select(exp, args, ap)
     if args.dry_run:
@@ -300,7 +319,9 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
                                   args.workdir, progress)
         runs = run(data=data, params=params, variants=variants)
     if distributed.is_main():
+        names = [v.name for v in variants]
         table = report(runs, args.workdir, title, command(module, argv),
-                       groups([v.name for v in variants]) if groups else None)
+                       groups(names) if groups else None,
+                       comparisons(names) if comparisons else (), seeds)
         print(table)
     return runs

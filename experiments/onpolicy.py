@@ -32,8 +32,8 @@ def tiny_base() -> ExperimentConfig:
     """The quickstart model and task; FP8 sampling plus router logit noise (σ = 0.3) puts
     the training–inference k1 KL near 1e-2, inside the paper's range."""
     base = presets.tiny()
-    rl = base.rl.replace(steps=60, prompts_per_step=16, group_size=8, num_minibatches=1,
-                         eval_every=10, eval_k=4, eval_problems=64, checkpoint_every=30,
+    rl = base.rl.replace(steps=300, prompts_per_step=16, group_size=8, num_minibatches=1,
+                         eval_every=20, eval_k=4, eval_problems=64, checkpoint_every=100,
                          optim=base.rl.optim.replace(learning_rate=1e-4))
     sampling = base.sampling.replace(numerics="fp8", router_noise_std=0.3)
     return base.replace(name="onpolicy", rl=rl, sampling=sampling)

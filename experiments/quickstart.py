@@ -22,7 +22,7 @@ import time
 
 from flax import traverse_util
 
-from stablerl_jax import distributed, presets
+from stablerl_jax import compile_cache, distributed, presets
 from stablerl_jax.config import ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
@@ -39,10 +39,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
     ap.add_argument("--export-hf", default="", help="write the final policy here (HF format)")
     distributed.add_arguments(ap)
+    compile_cache.add_argument(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     args = ap.parse_args(argv)
     try:
         distributed.initialize_from(args)
+        compile_cache.enable(args.compile_cache)
         cfg = presets.preset(args.preset, args.overrides)
         preflight.check(cfg, args.workdir)
     except (ConfigError, ValueError, PermissionError) as e:

@@ -34,7 +34,7 @@ ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
-GMM_IMPLS = ("loop", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
+GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
 TASK_KINDS = ("arithmetic", "gsm8k")
 STYLES = ("steps", "rewrite", "terse")
@@ -112,7 +112,9 @@ class ModelConfig(_Replace):
         (every expert on every token, the reference).
       moe_tile: rows per tile of the grouped path (groups are padded to a multiple).
       gmm_impl: the grouped matmul of the grouped path (GMM_IMPLS): 'loop' (pure JAX, the
-        reference and the CPU default), 'ragged_dot' (jax.lax.ragged_dot), 'pallas_gpu' /
+        reference and the CPU default), 'tiles' (pure JAX, every tile in one batched
+        matmul against its gathered expert weight: fewer, larger ops, for small models on
+        CPU, at the memory of one weight copy per tile), 'ragged_dot' (jax.lax.ragged_dot), 'pallas_gpu' /
         'pallas_tpu' (this project's Pallas kernel compiled by Triton / Mosaic),
         'megablox' (jax's TPU megablox gmm). The preset chooses; layers never look at
         the platform.
@@ -121,6 +123,8 @@ class ModelConfig(_Replace):
         over the `expert` mesh axis, each device runs its own experts and the partial
         outputs are reduce-scattered back (model/expert_parallel.py). False: every device
         gathers all experts' weights layer by layer and keeps its own tokens.
+      unroll_layers: unroll the scan over layers (no per-layer slicing of stacked weights
+        and residuals: faster for a few small layers, compile time grows with depth).
       attention_impl: 'naive' (one [T, S] score matrix per head) or 'chunked' (a scan over
         query chunks of `attention_chunk` rows, each rematerialized: memory O(chunk · S)
         instead of O(T · S), the same function).
@@ -151,6 +155,7 @@ class ModelConfig(_Replace):
     moe_tile: int = 64
     gmm_impl: str = "loop"
     expert_parallel: bool = False
+    unroll_layers: bool = False
     attention_impl: str = "naive"
     attention_chunk: int = 512
     router_z_loss_weight: float = 0.0
@@ -184,7 +189,7 @@ class ModelConfig(_Replace):
         check_choice(self, "attention_impl", ATTENTION_IMPLS)
         check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
               "needs dispatch='grouped' (the dense path runs every expert on every token)")
-        check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob")
+        check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob", "unroll_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +263,10 @@ class SamplingConfig(_Replace):
         sequence of slices of this many rows (its KV cache is the memory that bounds a
         pod's sampling batch). 0: every row at once. A row's sample does not depend on
         the slicing (each row draws from its own key).
+      dispatch: the engine's own expert dispatch ('grouped' or 'dense', the same function
+        up to float reassociation, as an inference server's MoE kernels differ from the
+        trainer's); '' = the model's (model.dispatch). 'dense' decodes a small model on
+        CPU faster (a decode step routes few tokens).
     EOS and padding ids are the tokenizer's.
     """
 
@@ -269,6 +278,7 @@ class SamplingConfig(_Replace):
     router_noise_std: float = 0.0
     act_fp8: bool = False
     max_batch: int = 0
+    dispatch: str = ""
 
     def __post_init__(self):
         check_positive_int(self, "max_new_tokens")
@@ -286,6 +296,8 @@ class SamplingConfig(_Replace):
         check(_finite(self.router_noise_std) and self.router_noise_std >= 0,
               "router_noise_std", f"must be a finite number >= 0, got {self.router_noise_std}")
         check_bool(self, "act_fp8")
+        check(self.dispatch in ("", "grouped", "dense"), "dispatch",
+              f"must be '', 'grouped' or 'dense', got {self.dispatch!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,6 +431,12 @@ class RLConfig(_Replace):
       Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
       with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
       'chunked' 1.4×; docs/benchmarks.md).
+    trim_bucket: before scoring, cut each step's rollout to the slots some row used (the
+      longest prompt's first slot to the longest completion's end), the width rounded up
+      to a multiple of this many slots, so score and updates skip the all-padding slots
+      (a step's result is unchanged: positions count real tokens, masked slots add
+      nothing). Each distinct width compiles its own score and update programs, once.
+      0: off (every step at the full max_prompt_len + max_new_tokens).
     seed: every random choice of the run derives from (seed, step).
     max_consecutive_skips: the run stops with an error after this many updates in a row
       were skipped as non-finite (a diverged run should not exit 0).
@@ -433,6 +451,7 @@ class RLConfig(_Replace):
     replay_weights: bool = False
     offline_rollouts: str = ""
     logprob_impl: str = "chunked"
+    trim_bucket: int = 0
     eval_every: int = 10
     eval_k: int = 4
     eval_problems: int = 64
@@ -462,6 +481,8 @@ class RLConfig(_Replace):
               f"{minibatch}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
+        check(_is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
+              f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
         check_bool(self, "async_checkpoints", "replay_weights")
         check(not self.replay_weights or self.replay == "r3", "replay_weights",
               f"replays the sampler's recorded weights, so it needs replay='r3', got "

@@ -38,14 +38,17 @@ def tiny() -> ExperimentConfig:
     # band where RL has signal; 'medium' starts near 10 % (docs/benchmarks.md).
     return ExperimentConfig(
         name="tiny",
+        # Speed on 2 CPU cores (benchmarks/global_step.py): batched-tile grouped matmul,
+        # unrolled layers, a dense-dispatch sampler, rollouts trimmed to used slots.
         model=ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64,
-                          max_seq_len=64, moe_tile=16),
+                          max_seq_len=64, moe_tile=64, gmm_impl="tiles", unroll_layers=True),
         task=task("easy", style="steps", max_prompt_len=16, max_solution_len=40),
-        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, numerics="fp8"),
+        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, numerics="fp8",
+                                dispatch="dense"),
         loss=LossConfig(),
         rl=RLConfig(steps=200, eval_every=20, checkpoint_every=20, eval_problems=128,
-                    optim=OptimConfig(learning_rate=1e-4)),
+                    trim_bucket=8, optim=OptimConfig(learning_rate=1e-4)),
         sft=SFTConfig())
 
 

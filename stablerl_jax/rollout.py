@@ -66,6 +66,27 @@ class Rollout(NamedTuple):
     route_weights_mu_BxSxLxK: jax.Array | None = None  # float32, 0 where routes are -1
 
 
+def used_window(used_S, bucket: int) -> tuple[int, int]:
+    """The slots [lo, hi) of a rollout that `trim` keeps: from the first to the last slot
+    that any row uses (`used_S`: [S] bool, prompt or completion in some row), widened to
+    a multiple of `bucket` slots (to the left first, as prompts are left-padded), at most
+    all S."""
+    used = np.flatnonzero(np.asarray(used_S))
+    s = len(used_S)
+    if not len(used):
+        return 0, s
+    lo, hi = int(used[0]), int(used[-1]) + 1
+    width = min(-(-(hi - lo) // bucket) * bucket, s)
+    lo = max(0, hi - width)
+    return lo, lo + width
+
+
+def trim(rollout: Rollout, lo: int, hi: int) -> Rollout:
+    """The rollout restricted to slots [lo, hi) (every [B, S, ...] leaf). Positions count
+    real tokens, so slots where no row has one change nothing for the rows' scores."""
+    return Rollout(*[x if x is None or x.ndim == 1 else x[:, lo:hi] for x in rollout])
+
+
 def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
     """log of the distribution actually sampled: float32 logits / temperature, then
     top-k, then top-p on what is left, renormalized. Excluded tokens get −inf."""

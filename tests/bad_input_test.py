@@ -67,7 +67,7 @@ OVERRIDES = [
 def test_bad_overrides_write_nothing(tmp_path, capsys, case, overrides, needles):
     workdir = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        quickstart.main(["--workdir", str(workdir), "--quiet", *overrides])
+        quickstart.main(["--workdir", str(workdir), "--quiet", "--compile-cache=", *overrides])
     assert e.value.code == 2
     err = capsys.readouterr().err
     for needle in needles:
@@ -79,7 +79,7 @@ def test_a_workdir_that_is_a_file(tmp_path, capsys):
     path = tmp_path / "file"
     path.write_text("x")
     with pytest.raises(SystemExit):
-        quickstart.main(["--workdir", str(path), "--quiet"])
+        quickstart.main(["--workdir", str(path), "--quiet", "--compile-cache="])
     assert "is a file" in capsys.readouterr().err and path.read_text() == "x"
 
 
@@ -88,7 +88,7 @@ def test_a_read_only_workdir(tmp_path, monkeypatch, capsys):
     # is exercised: os.access says the parent is not writable.
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(SystemExit):
-        quickstart.main(["--workdir", str(tmp_path / "run"), "--quiet"])
+        quickstart.main(["--workdir", str(tmp_path / "run"), "--quiet", "--compile-cache="])
     assert "not writable" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 

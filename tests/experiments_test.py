@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import coldstart, common, offpolicy, onpolicy
+from experiments import coldstart, common, mismatch_sweep, offpolicy, onpolicy, stats
 from tolerance import bound
 
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
@@ -28,7 +28,7 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(np.isfinite(records[-1][k]) for k in ("reward", "entropy", "kl/train_infer_k1"))
     assert list(tmp_path.glob("comparison*.png"))
-    rows = json.loads((tmp_path / "summary.json").read_text())
+    rows = json.loads((tmp_path / "summary.json").read_text())["variants"]
     assert rows[0]["variant"] == only and rows[0]["seeds"] == 1
     assert only in (tmp_path / "summary.md").read_text()
 
@@ -80,9 +80,53 @@ def test_seed_mean_and_summary_rows():
     assert mean[1] == {"step": 1, "reward": approx(0.3), "entropy": approx(1.5)}
     assert mean[2]["reward"] == approx(0.3)  # only one seed has a value
     (row,) = common.summary_rows({"v": [a, b]})
+    # Final accuracy: the mean of each seed's last evaluations (0.3 and 0.3).
     assert row["acc_start"] == approx(0.3) and row["acc_end"] == approx(0.3)
     assert row["acc_best"] == approx(0.4)  # per-seed best 0.4 and 0.4
-    assert row["acc_end_sd"] == approx(np.std([0.4, 0.2], ddof=1), n=9)
+    assert row["acc_end_sd"] == pytest.approx(0.0, abs=bound(9, "float64"))
+    assert row["collapsed"] == 0 and row["collapse"] == 3  # too short: censored at 2 + 1
     assert row["reward_first"] == approx(0.3) and row["entropy_last"] == approx(1.0)
     table = common.markdown_table([row])
     assert table.splitlines()[2].startswith("| v | 2 | 0.300 | 0.400 | 0.300 |")
+
+
+def _records(rewards, evals=()):
+    recs = [{"step": 0}] + [{"step": i + 1, "reward": r} for i, r in enumerate(rewards)]
+    for step, acc in evals:
+        recs[step]["eval/accuracy"] = acc
+    return recs
+
+
+def test_collapse_step_and_final_accuracy():
+    steady = [0.4] * 30
+    # After step 20 the reward drops to 0.1: a 10-step mean holding k of those is
+    # 0.4 − 0.03·k, below half the best (0.2) from k = 7 on (0.19; k = 6 gives 0.22),
+    # the window ending at step 27.
+    crash = [0.4] * 20 + [0.1] * 10
+    assert stats.collapse_step(_records(steady)) == 31  # never: censored at 30 + 1
+    assert stats.collapse_step(_records(crash)) == 27
+    recs = _records(steady, [(0, 0.1), (10, 0.2), (20, 0.3), (30, 0.7)])
+    assert stats.final_accuracy(recs) == pytest.approx(0.4, rel=bound(4, "float64"))
+
+
+def test_intervals_paired_and_welch():
+    a, b = [0.5, 0.6, 0.7, 0.8], [0.4, 0.45, 0.65, 0.7]
+    d = np.subtract(a, b)  # 0.1, 0.15, 0.05, 0.1: sd 0.0408, t(0.975, 3) = 3.182446
+    diff, lo, hi = stats.interval(a, b, paired=True)
+    half = 3.182446305284263 * np.std(d, ddof=1) / 2
+    assert diff == pytest.approx(0.1) and (lo, hi) == pytest.approx((0.1 - half, 0.1 + half))
+    _, wlo, whi = stats.interval(a, b, paired=False)
+    assert wlo < lo and whi > hi  # the unpaired interval ignores the shared seeds: wider
+    rows = stats.compare({"A": dict(enumerate(_records([0.5] * 12, [(12, x)] ) for x in a)),
+                          "B": dict(enumerate(_records([0.5] * 12, [(12, x)]) for x in b))},
+                         "A", "B")
+    acc = next(r for r in rows if r["outcome"] == "final accuracy")
+    assert acc["verdict"] == "A > B" and acc["seeds"] == 4
+    assert "| A | B | final accuracy | 4 |" in stats.markdown(rows)
+
+
+def test_mismatch_sweep_compares_each_level():
+    names = [v.name for v in mismatch_sweep.VARIANTS]
+    pairs = mismatch_sweep.comparisons(names)
+    assert len(pairs) == len(mismatch_sweep.LEVELS)
+    assert all(a.endswith("-noIS") and b in names for a, b in pairs)

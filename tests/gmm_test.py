@@ -1,11 +1,11 @@
-"""The pure-JAX grouped matmul equals a per-row reference in value and gradient (float64:
-two algorithms for one function, see tests/tolerance.py)."""
+"""The pure-JAX grouped matmuls (tile loop, batched tiles) equal a per-row reference in
+value and gradient (float64: two algorithms for one function, see tests/tolerance.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stablerl_jax.model.gmm import gmm
+from stablerl_jax.model.gmm import gmm, gmm_tiles
 from tolerance import assert_close
 
 
@@ -16,8 +16,9 @@ def _reference(lhs, rhs, sizes, tile):
     return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype).at[:rows].set(out)
 
 
+@pytest.mark.parametrize("impl", [gmm, gmm_tiles])
 @pytest.mark.parametrize("sizes", [[8, 0, 16, 8], [0, 0, 0, 32], [0, 0, 0, 0], [8, 8, 8, 8]])
-def test_value_and_grad_match_reference(x64, sizes):
+def test_value_and_grad_match_reference(x64, sizes, impl):
     tile, d, f = 8, 5, 7
     rows = 40  # > Σ sizes: trailing rows must come back zero
     sizes = np.array(sizes, np.int32)
@@ -25,11 +26,11 @@ def test_value_and_grad_match_reference(x64, sizes):
     lhs = jax.random.normal(k1, (rows, d), jnp.float64)
     rhs = jax.random.normal(k2, (len(sizes), d, f), jnp.float64)
     cot = jax.random.normal(k3, (rows, f), jnp.float64)
-    got = jax.jit(gmm, static_argnums=3)(lhs, rhs, jnp.asarray(sizes), tile)
+    got = jax.jit(impl, static_argnums=3)(lhs, rhs, jnp.asarray(sizes), tile)
     want = _reference(lhs, rhs, sizes, tile)
     # Norm-wise (a dot over d = 5 can cancel): d roundings.
     assert_close(got, want, n=d, dtype="float64", scale="max")
-    g_got = jax.grad(lambda a, b: jnp.sum(gmm(a, b, jnp.asarray(sizes), tile) * cot),
+    g_got = jax.grad(lambda a, b: jnp.sum(impl(a, b, jnp.asarray(sizes), tile) * cot),
                      argnums=(0, 1))(lhs, rhs)
     g_want = jax.grad(lambda a, b: jnp.sum(_reference(a, b, sizes, tile) * cot),
                       argnums=(0, 1))(lhs, rhs)
@@ -40,6 +41,8 @@ def test_value_and_grad_match_reference(x64, sizes):
 
 def test_shape_errors_name_values():
     lhs, rhs = jnp.zeros((12, 4)), jnp.zeros((2, 4, 3))
+    with pytest.raises(ValueError, match="tile=8"):
+        gmm_tiles(lhs, rhs, jnp.array([8, 0]), 8)
     with pytest.raises(ValueError, match="tile=8"):
         gmm(lhs, rhs, jnp.array([8, 0]), 8)
     with pytest.raises(ValueError, match="lhs width"):

@@ -184,3 +184,77 @@ def test_consecutive_skips_stop_the_run():
     assert count_skips(0, [True, False, True], 2, "rl") == 1  # a success resets the count
     with pytest.raises(FloatingPointError, match="rl.optim.learning_rate"):
         count_skips(1, [True, True], 3, "rl")
+
+
+def test_used_window_covers_used_slots_in_bucket_multiples():
+    from stablerl_jax.rollout import used_window
+    used = np.zeros(24, bool)
+    used[9:] = True
+    assert used_window(used, 1) == (9, 24)
+    assert used_window(used, 8) == (8, 24)    # widened to the left
+    used = np.zeros(24, bool)
+    used[3:12] = True
+    assert used_window(used, 8) == (0, 16)    # widened right once the left edge is hit
+    assert used_window(used, 64) == (0, 24)   # never wider than the rollout
+    assert used_window(np.zeros(5, bool), 8) == (0, 5)
+
+
+def test_trimmed_rollout_scores_and_updates_like_the_padded_one(x64):
+    """A rollout with 6 all-padding slots on each side (a longer prompt budget and a
+    completion budget no row reached) trims back to its used slots, and score + update on
+    it equal those on the padded rollout (float64: only summation order differs)."""
+    from stablerl_jax import rollout as rollout_lib
+    cfg, params, ro = _rollout()
+    f64 = lambda t: jax.tree.map(
+        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+    params, ro = f64(params), f64(ro)
+    fill = {"tokens_BxS": PAD_ID, "prompt_mask_BxS": False, "completion_mask_BxS": False,
+            "logp_mu_BxS": 0.0, "routes_mu_BxSxLxK": -1, "route_weights_mu_BxSxLxK": 0.0}
+    pad = lambda x, v: jnp.concatenate([jnp.full((x.shape[0], 6, *x.shape[2:]), v, x.dtype),
+                                        x, jnp.full((x.shape[0], 6, *x.shape[2:]), v, x.dtype)],
+                                       axis=1)
+    wide = ro._replace(**{k: pad(getattr(ro, k), v) for k, v in fill.items()})
+    model = cfg.model.replace(param_dtype="float64", compute_dtype="float64",
+                              max_seq_len=cfg.model.max_seq_len + 12)
+    cfg = tiny_cfg(replay="r2", num_minibatches=1).replace(model=model)
+    eng = _engine(cfg)
+    trimmed = eng.trim(wide, 1)
+    s = ro.tokens_BxS.shape[1]
+    np.testing.assert_array_equal(trimmed.tokens_BxS, ro.tokens_BxS)  # bucket 1: exact window
+    assert eng.trim(wide, 8).tokens_BxS.shape[1] == -(-s // 8) * 8
+    results = []
+    for rollout in (wide, trimmed):
+        batch, score_metrics = eng.score(params, rollout, REWARDS)
+        state, metrics = eng.update(eng.init_state(params), batch)
+        results.append((jax.tree.map(np.asarray, state.params),
+                        {k: np.asarray(v) for k, v in {**score_metrics, **metrics}.items()},
+                        np.asarray(batch.old_logp_BxT) * np.asarray(batch.mask_BxT)))
+    (p0, m0, l0), (p1, m1, l1) = results  # log π_old where it is used (completions)
+    tokens = int(np.asarray(ro.prompt_mask_BxS | ro.completion_mask_BxS).sum())
+    n = backward_chain(cfg.model, s + 12, tokens) + 16  # + AdamW
+    assert_close(l1, l0[:, 6:-6], n=n, dtype="float64", scale="max")
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
+        assert_close(a, b, n=n, dtype="float64", cond=tokens, scale="max")
+    term = cfg.loss.max_log_ratio ** 2
+    for k in m0:
+        for i in range(2):
+            assert_close(m1[k][i], m0[k][i], n=n, dtype="float64",
+                         scale=term * max(float(m0[k][1]), 1.0), err_msg=k)
+
+
+def test_sampler_with_its_own_dense_dispatch_samples_like_the_grouped_one():
+    """sampling.dispatch='dense' changes the engine's kernels, not its distribution: the
+    same tokens and routes, log μ within the float32 reassociation bound."""
+    cfg, params, _ = _rollout()
+    prompts = jax.random.randint(jax.random.key(1), (8, 8), 4, 60)
+    mask = jnp.ones((8, 8), bool).at[:2, :3].set(False)
+    out = []
+    for dispatch in ("", "dense"):
+        c = cfg.replace(sampling=cfg.sampling.replace(numerics="exact", dispatch=dispatch))
+        out.append(_engine(c).sample(params, jnp.where(mask, prompts, 0), mask,
+                                     jax.random.key(2)))
+    grouped, dense = out
+    np.testing.assert_array_equal(dense.tokens_BxS, grouped.tokens_BxS)
+    np.testing.assert_array_equal(dense.routes_mu_BxSxLxK, grouped.routes_mu_BxSxLxK)
+    assert_close(dense.logp_mu_BxS, grouped.logp_mu_BxS, lam=LAMBDA,
+                 n=engine_chain(cfg.model, grouped.tokens_BxS.shape[1]), scale="max")

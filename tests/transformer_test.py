@@ -176,7 +176,7 @@ def test_chunked_attention_equals_naive(x64, chunk):
                  n=forward_chain(CFG, T + 6), dtype="float64", scale="max")
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["tiles", "ragged_dot", "pallas_tpu", "pallas_gpu"])
 def test_grouped_matmul_implementations_agree_in_the_model(x64, impl):
     """The model with each grouped matmul (the Pallas kernels interpreted, on CPU devices
     whatever the default backend: float64 has no Triton lowering; the compiled kernels
@@ -212,11 +212,12 @@ def _probe_step(tokens, mask):
                                                   has_aux=True))
 
 
-def test_dense_and_grouped_models_agree(x64):
+@pytest.mark.parametrize("variant", [{"dispatch": "dense"}, {"unroll_layers": True}])
+def test_dense_dispatch_and_unrolled_layers_agree_with_the_scan(x64, variant):
     params, tokens, mask = _setup(cfg=CFG64)
     step = _probe_step(tokens, mask)
     (v0, h0), g0 = step(CFG64)(params)
-    (v1, _), g1 = step(CFG64.replace(dispatch="dense"))(params)
+    (v1, _), g1 = step(CFG64.replace(**variant))(params)
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
 
 

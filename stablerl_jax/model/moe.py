@@ -19,7 +19,8 @@ Two dispatch paths compute the same function, chosen by argument:
   of each expert against that expert's weights. No token is ever dropped: a capacity
   limit would make the trainer's function differ from the sampler's, which is exactly the
   mismatch this project studies. The grouped matmul is chosen by name (`gmm_of`,
-  ModelConfig.gmm_impl): the pure-JAX loop (reference, CPU), `lax.ragged_dot`, this
+  ModelConfig.gmm_impl): the pure-JAX loop (reference, CPU), the pure-JAX batched tiles
+  (small models on CPU), `lax.ragged_dot`, this
   project's Pallas kernel for GPU or TPU (kernels/gmm_pallas.py), or megablox (TPU).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 from stablerl_jax.config import GMM_IMPLS
 from stablerl_jax.kernels import gmm_pallas
 from stablerl_jax.model.gmm import gmm as _gmm_loop
+from stablerl_jax.model.gmm import gmm_tiles as _gmm_tiles
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int, jax.lax.Precision], jax.Array]
@@ -248,6 +250,8 @@ def gmm_of(impl: str) -> GroupedMatmul:
     """The grouped matmul named by `ModelConfig.gmm_impl` (config.GMM_IMPLS)."""
     if impl == "loop":
         return _gmm_loop
+    if impl == "tiles":
+        return _gmm_tiles
     if impl == "ragged_dot":
         return _ragged_dot
     if impl == "megablox":

@@ -209,7 +209,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     xs = (params["layers"], jnp.arange(cfg.num_layers), layer_major(replay_BxTxLxK),
           layer_major(replay_weights_BxTxLxK), kv)
     x = params["embed"][tokens_BxT].astype(dtype)
-    x, (routes_LxBxTxK, weights_LxBxTxK, load, z, balance, stored) = jax.lax.scan(layer, x, xs)
+    x, (routes_LxBxTxK, weights_LxBxTxK, load, z, balance, stored) = jax.lax.scan(
+        layer, x, xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
     hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
         "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),

@@ -115,8 +115,14 @@ class Engine:
         # The expert FFN shards itself (shard_map) only where there is more than one device.
         model_mesh = mesh if mesh.size > 1 else None
 
+        sample_model = cfg.model
+        if cfg.sampling.dispatch not in ("", cfg.model.dispatch):  # the engine's own kernels
+            sample_model = cfg.model.replace(
+                dispatch=cfg.sampling.dispatch,
+                expert_parallel=cfg.model.expert_parallel and cfg.sampling.dispatch == "grouped")
+
         def sample(params, prompts_BxP, mask_BxP, key):
-            return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, cfg.model,
+            return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,
                                       cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id,
                                       mesh=model_mesh)
 
@@ -138,6 +144,10 @@ class Engine:
                               out_shardings=(batch, rep)), (p_sh, batch, batch)),
             "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
                                out_shardings=batch), (batch, rep)),
+            "used_slots": (jax.jit(lambda r: jnp.any(r.prompt_mask_BxS | r.completion_mask_BxS,
+                                                     axis=0), out_shardings=rep), (batch,)),
+            "trim": (jax.jit(rollout_lib.trim, static_argnums=(1, 2), out_shardings=batch),
+                     (batch,)),
             "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches),
                                donate_argnums=0, out_shardings=(state_sh, rep)),
                        (state_sh, batch)),
@@ -178,6 +188,16 @@ class Engine:
     def sample(self, params, prompts_BxP, mask_BxP, key) -> rollout_lib.Rollout:
         """The sampling engine on left-padded prompts (rollout.sample)."""
         return self._call("sample", params, prompts_BxP, mask_BxP, key)
+
+    def trim(self, rollout: rollout_lib.Rollout, bucket: int) -> rollout_lib.Rollout:
+        """The rollout (placed on the batch sharding) cut to the slots some row uses,
+        the width a multiple of `bucket` (rollout.used_window; rl.trim_bucket)."""
+        fn, (placed,) = self._place("used_slots", (rollout,), lambda x, sh: (
+            distributed.to_global(x, sh, batch=True)))
+        lo, hi = rollout_lib.used_window(distributed.host(fn(placed)), bucket)
+        if (lo, hi) == (0, placed.tokens_BxS.shape[1]):
+            return placed
+        return self._jitted["trim"][0](placed, lo, hi)
 
     def score(self, params, rollout: rollout_lib.Rollout, rewards_B):
         """(TrainBatch, monitor pairs): the π_old pass (steps.score)."""

@@ -7,7 +7,8 @@ One global step, every hop a call from here into one module and back:
 
     1. data.task      the step's prompts, left-padded, G rows each
     2. rl.engine      sample(θ_old): the sampling engine's rollout (tokens, logp_mu, routes_mu)
-    3. data.task      rewards of the decoded completions
+    3. data.task      rewards of the decoded completions (then, with rl.trim_bucket, the
+                      rollout is cut to the slots some row uses: rl.engine trim)
     4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
@@ -91,6 +92,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
         lengths_mine = rollout.lengths_B
         source = {"responses": [int(i) for i in rows]}
+    if rl.trim_bucket:
+        rollout = engine.trim(rollout, rl.trim_bucket)
     batch, score_metrics = engine.score(state.params, rollout, rewards_mine)
     rewards_B = distributed.gather(rewards_mine)
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
