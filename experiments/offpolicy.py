@@ -6,9 +6,9 @@
 
 The mini-batch size is fixed and the global batch grows with N (B = N × mini-batch), as
 in the paper; the k-th update of a step is k−1 optimizer steps stale. Variants at each N:
-MiniRL without clipping; + R2 without clipping; + R2 (clipping); + R3 (clipping). The
-tiny preset (2 seeds × 4 variants × N ∈ {2, 4, 8} × 25 steps) takes about 23 minutes on
-2 CPU cores. Figures: comparison_N2.png, comparison_N4.png, comparison_N8.png.
+MiniRL without clipping; MiniRL (clipping, no replay: the control); + R2 without
+clipping; + R2 (clipping); + R3 (clipping). The tiny preset runs 4 seeds × 5 variants ×
+N ∈ {2, 4, 8} × 100 global steps (800 optimizer steps at N = 8). Figures: comparison_N2.png, comparison_N4.png, comparison_N8.png.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ NS = (2, 4, 8)
 NO_CLIP = "loss.clip=false"
 BASE_VARIANTS = (
     Variant("minirl-noclip", (NO_CLIP,)),
+    Variant("minirl", ()),  # clipping without replay: the control claim 6 needs
     Variant("minirl+R2-noclip", ("rl.replay=r2", NO_CLIP)),
     Variant("minirl+R2", ("rl.replay=r2",)),
     Variant("minirl+R3", ("rl.replay=r3",)),
@@ -38,13 +39,13 @@ def tiny_base() -> ExperimentConfig:
     mini-batch."""
     from experiments.onpolicy import tiny_base as onpolicy_base
     base = onpolicy_base()
-    rl = base.rl.replace(steps=25, prompts_per_step=8, num_minibatches=2, eval_every=5,
-                         checkpoint_every=25)
+    rl = base.rl.replace(steps=100, prompts_per_step=8, num_minibatches=2, eval_every=10,
+                         checkpoint_every=50)
     return base.replace(name="offpolicy", rl=rl)
 
 
 PRESETS = {
-    "tiny": lambda: Experiment(tiny_base(), variants(4), seeds=(0, 1)),
+    "tiny": lambda: Experiment(tiny_base(), variants(4), seeds=(0, 1, 2, 3)),
     # Paper §5: 1,024 responses (64 prompts × 16) per mini-batch, B = N × 1,024.
     "paper": lambda: Experiment(presets.paper(), variants(64), seeds=(0, 1, 2)),
 }
@@ -56,9 +57,18 @@ def figure_groups(names: list[str]) -> dict:
     return {g: m for g, m in groups.items() if m}
 
 
+def comparisons(names: list[str]) -> list[tuple[str, str]]:
+    """At each N: clipping with and without replay (claim 6), R3 against R2 (claims 7, 8),
+    and clipping's effect with R2."""
+    pairs = [("minirl+R3", "minirl+R2"), ("minirl+R2", "minirl"), ("minirl", "minirl-noclip"),
+             ("minirl+R2", "minirl+R2-noclip")]
+    return [(f"N{n}-{a}", f"N{n}-{b}") for n in NS for a, b in pairs
+            if f"N{n}-{a}" in names and f"N{n}-{b}" in names]
+
+
 def main(argv=None) -> dict:
     return common.main("offpolicy", __doc__, PRESETS, "Off-policy (fixed mini-batch, N updates)",
-                       argv, groups=figure_groups)
+                       argv, groups=figure_groups, comparisons=comparisons)
 
 
 if __name__ == "__main__":
