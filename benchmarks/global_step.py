@@ -11,10 +11,11 @@ of 32) it prints two tables:
   measured, over the last `--steps` steps of a run started from the cold start; and the
   first call of each (compile included). `eval` is one avg@k evaluation.
 - end to end: `rl.loop.run` for `--steps` global steps in a fresh workdir (eval every 10
-  steps, two checkpoints, metrics and logs written: an experiment's run), in this process
-  twice: `first` pays every compile (or reads them from the persistent compilation
-  cache when `--cache` names one, as the experiment modules do), `again` is a second run
-  with everything compiled. seconds per global step = wall / steps.
+  steps, two checkpoints, metrics, logs and plots written: an experiment's run), run
+  first, twice in this process: `first` pays every compile, `again` compiles again
+  (a new Engine) unless `--cache DIR` turns on the persistent compilation cache, as the
+  experiment modules do (start from an empty DIR to see both). seconds per global step =
+  wall / steps.
 
 The cold start (SFT, 300 steps) is trained once and cached under the workdir.
 """
@@ -111,15 +112,15 @@ def main(argv=None) -> None:
                                                  f"rl.checkpoint_every={args.steps // 2}",
                                                  *args.overrides])
         data, params = common.cold_start(cfg, args.workdir, progress=False)
+        run_dir = os.path.join(args.workdir, "run_" + name)
+        first = end_to_end(cfg, data, params, run_dir)
+        again = end_to_end(cfg, data, params, run_dir)
         hops = hop_times(cfg, data, params, args.steps)
         print(f"\n{name}: rl.num_minibatches={cfg.rl.num_minibatches}, "
               f"{cfg.rl.prompts_per_step * cfg.rl.group_size} responses per step\n")
         print("| hop | first call ms | median ms |\n|---|---|---|")
-        for hop, (first, med) in hops.items():
-            print(f"| {hop} | {first * 1e3:.1f} | {med * 1e3:.1f} |")
-        run_dir = os.path.join(args.workdir, "run_" + name)
-        first = end_to_end(cfg, data, params, run_dir)
-        again = end_to_end(cfg, data, params, run_dir)
+        for hop, (first_call, med) in hops.items():
+            print(f"| {hop} | {first_call * 1e3:.1f} | {med * 1e3:.1f} |")
         print(f"\n| end to end ({args.steps} steps) | wall s | s per global step |\n"
               "|---|---|---|")
         for label, wall in (("first", first), ("again", again)):
