@@ -10,12 +10,13 @@ top of the base) and a list of seeds. `run` trains the SFT cold start once (cach
 Command line of every module:
 
     python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
-        [--only VARIANT,...] [--dry-run] [--quiet] [--compile-cache DIR]
+        [--only VARIANT,...] [--dry-run] [--report] [--quiet] [--compile-cache DIR]
         [section.field=value ...]
 
 Overrides apply to every run (e.g. `sampling.numerics=bf16 sampling.router_noise_std=0.5`,
 the mismatch knobs); `--dry-run` prints each run's resolved settings and exits (the way to
-read the `paper` preset, which is a TPU-pod job).
+read the `paper` preset, which is a TPU-pod job); `--report` rebuilds the figures and
+summary.md from the finished runs' stored metrics without running anything.
 """
 from __future__ import annotations
 
@@ -191,6 +192,22 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
     return runs
 
 
+def finished_runs(workdir: str, variants, seeds):
+    """({variant: [records per seed]}, seeds) of the runs that finished (wrote their
+    summary.json), over the seeds every listed variant finished; what is missing is
+    printed."""
+    done = {v.name: {s for s in seeds if os.path.exists(
+        os.path.join(workdir, v.name, f"seed{s}", "summary.json"))} for v in variants}
+    common_seeds = tuple(s for s in seeds if all(s in d for d in done.values() if d))
+    for name, d in done.items():
+        missing = sorted(set(seeds) - d)
+        if missing:
+            print(f"{name}: seeds {missing} not finished" + ("" if d else "; left out"))
+    runs = {name: [read_metrics(os.path.join(workdir, name, f"seed{s}"))
+                   for s in common_seeds] for name, d in done.items() if d}
+    return runs, common_seeds
+
+
 def report(runs: dict, workdir: str, title: str, command: str, groups=None,
            comparisons=(), seeds=()) -> str:
     """Write comparison.png (or comparison_<group>.png per group of variant names) and
@@ -229,6 +246,9 @@ def parser(description: str, presets: dict, default_workdir: str) -> argparse.Ar
     ap.add_argument("--seeds", default=None, help="comma-separated; default: the preset's")
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--dry-run", action="store_true", help="print the runs' settings and exit")
+    ap.add_argument("--report", action="store_true",
+                    help="only rebuild the figures and summary.md from the finished runs' "
+                         "stored metrics (runs not finished are left out and listed)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
@@ -298,6 +318,13 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
     if args.dry_run:
         dry_run(exp, variants, seeds, args.overrides)
         return {}
+    if args.report:
+        runs, seeds = finished_runs(args.workdir, variants, seeds)
+        names = list(runs)
+        print(report(runs, args.workdir, title, command(module, argv),
+                     groups(names) if groups else None,
+                     comparisons(names) if comparisons else (), seeds))
+        return runs
     try:  # what this machine must offer, before any work starts
         for v in variants:
             preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)

@@ -31,6 +31,12 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
     rows = json.loads((tmp_path / "summary.json").read_text())["variants"]
     assert rows[0]["variant"] == only and rows[0]["seeds"] == 1
     assert only in (tmp_path / "summary.md").read_text()
+    # --report rebuilds the same summary from the stored metrics, running nothing.
+    (tmp_path / "summary.md").unlink()
+    again = module.main(["--workdir", str(tmp_path), "--seeds", "0,1", "--only", only,
+                         "--report", *FAST, *extra])
+    assert again == runs  # seed 1 never ran: left out
+    assert only in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.parametrize("module", [onpolicy, offpolicy, coldstart])
