@@ -193,33 +193,33 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
 
 
 def finished_runs(workdir: str, variants, seeds):
-    """({variant: [records per seed]}, seeds) of the runs that finished (wrote their
-    summary.json), over the seeds every listed variant finished; what is missing is
-    printed."""
-    done = {v.name: {s for s in seeds if os.path.exists(
-        os.path.join(workdir, v.name, f"seed{s}", "summary.json"))} for v in variants}
-    common_seeds = tuple(s for s in seeds if all(s in d for d in done.values() if d))
+    """({variant: [records per finished seed]}, {variant: its finished seeds}) of the runs
+    that finished (wrote their summary.json); what is missing is printed."""
+    done = {v.name: tuple(s for s in seeds if os.path.exists(
+        os.path.join(workdir, v.name, f"seed{s}", "summary.json"))) for v in variants}
     for name, d in done.items():
-        missing = sorted(set(seeds) - d)
+        missing = sorted(set(seeds) - set(d))
         if missing:
             print(f"{name}: seeds {missing} not finished" + ("" if d else "; left out"))
-    runs = {name: [read_metrics(os.path.join(workdir, name, f"seed{s}"))
-                   for s in common_seeds] for name, d in done.items() if d}
-    return runs, common_seeds
+    runs = {name: [read_metrics(os.path.join(workdir, name, f"seed{s}")) for s in d]
+            for name, d in done.items() if d}
+    return runs, {name: d for name, d in done.items() if d}
 
 
 def report(runs: dict, workdir: str, title: str, command: str, groups=None,
            comparisons=(), seeds=()) -> str:
     """Write comparison.png (or comparison_<group>.png per group of variant names) and
     summary.md (+ summary.json): the per-variant table, then for each (A, B) of
-    `comparisons` the seed-paired differences (stats.compare); return the markdown."""
+    `comparisons` the seed-paired differences (stats.compare) over the seeds both ran
+    (`seeds`: the seeds of every variant, or {variant: its seeds}); return the markdown."""
     for group, names in (groups or {"": list(runs)}).items():
         plot_comparison({k: seed_mean(runs[k]) for k in names if k in runs},
                         os.path.join(workdir, f"comparison{'_' + group if group else ''}.png"),
                         COMPARISON_PANELS)
     rows = summary_rows(runs)
     table = markdown_table(rows)
-    by_seed = {k: dict(zip(seeds, v)) for k, v in runs.items()}
+    by_seed = {k: dict(zip(seeds[k] if isinstance(seeds, dict) else seeds, v))
+               for k, v in runs.items()}
     compared = [r for a, b in comparisons for r in stats.compare(by_seed, a, b)]
     if compared:
         table += ("\n\nDifferences, seed by seed (experiments/stats.py: final accuracy is "

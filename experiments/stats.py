@@ -15,7 +15,7 @@ Comparisons. Runs of the same seed share their prompts and the sampler's random 
 two variants are compared seed by seed: for outcome y, d_s = y_A,s − y_B,s and the 95 %
 interval is the paired t interval mean(d) ± t_{0.975, n−1} · sd(d)/√n. The Welch interval
 (unpaired, unequal variances) is given beside it. A difference is resolved when the paired
-interval excludes 0.
+interval excludes 0 and there are at least MIN_SEEDS seeds.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from scipy import stats as sps
 
 FINAL_EVALS = 3
 WINDOW = 10
+MIN_SEEDS = 3  # two seeds can agree by chance to a zero-width interval
 COLLAPSE_FRACTION = 0.5
 
 
@@ -97,8 +98,12 @@ def compare(runs: dict, a: str, b: str) -> list[dict]:
             continue
         diff, lo, hi = interval(ya, yb, paired=True)
         _, wlo, whi = interval(ya, yb, paired=False)
-        verdict = ("not resolved" if not (lo > 0 or hi < 0) or np.isnan(lo)
-                   else f"{a} {'>' if lo > 0 else '<'} {b}")
+        if len(seeds) < MIN_SEEDS:
+            verdict = f"fewer than {MIN_SEEDS} seeds"
+        elif lo > 0 or hi < 0:
+            verdict = f"{a} {'>' if lo > 0 else '<'} {b}"
+        else:
+            verdict = "not resolved"
         rows.append({"a": a, "b": b, "outcome": name, "seeds": len(seeds),
                      "mean_a": float(np.mean(ya)), "mean_b": float(np.mean(yb)),
                      "diff": diff, "paired_ci": [lo, hi], "welch_ci": [wlo, whi],
