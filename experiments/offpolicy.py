@@ -58,10 +58,10 @@ def figure_groups(names: list[str]) -> dict:
 
 
 def comparisons(names: list[str]) -> list[tuple[str, str]]:
-    """At each N: clipping with and without replay (claim 6), R3 against R2 (claims 7, 8),
-    and clipping's effect with R2."""
-    pairs = [("minirl+R3", "minirl+R2"), ("minirl+R2", "minirl"), ("minirl", "minirl-noclip"),
-             ("minirl+R2", "minirl+R2-noclip")]
+    """At each N: R3 against R2 (claims 7, 8); each replay against none, both clipped,
+    and clipping against none, without and with R2 (claim 6)."""
+    pairs = [("minirl+R3", "minirl+R2"), ("minirl+R2", "minirl"), ("minirl+R3", "minirl"),
+             ("minirl", "minirl-noclip"), ("minirl+R2", "minirl+R2-noclip")]
     return [(f"N{n}-{a}", f"N{n}-{b}") for n in NS for a, b in pairs
             if f"N{n}-{a}" in names and f"N{n}-{b}" in names]
 
