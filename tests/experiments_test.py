@@ -22,6 +22,7 @@ FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
 ])
 def test_tiny_preset_smoke(tmp_path, module, only, extra):
     runs = module.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",
+                        "--compile-cache=",
                         *FAST, *extra])
     assert list(runs) == [only] and len(runs[only]) == 1
     records = runs[only][0]
