@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from experiments import common, offpolicy, onpolicy
-from stablerl_jax import distributed
+from stablerl_jax import compile_cache, distributed
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.diagnostics import reduce_metrics
 from stablerl_jax.rl import loop
@@ -104,8 +104,7 @@ def main(argv=None) -> None:
                     help="persistent compilation cache directory (default: none)")
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
     args = ap.parse_args(argv)
-    if args.cache:
-        jax.config.update("jax_compilation_cache_dir", args.cache)
+    compile_cache.enable(args.cache)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
     for name in args.only.split(","):
         cfg = apply_overrides(SETTINGS[name](), [f"rl.steps={args.steps}", "rl.eval_every=10",

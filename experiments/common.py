@@ -207,19 +207,18 @@ def finished_runs(workdir: str, variants, seeds):
 
 
 def report(runs: dict, workdir: str, title: str, command: str, groups=None,
-           comparisons=(), seeds=()) -> str:
+           comparisons=(), seeds=None) -> str:
     """Write comparison.png (or comparison_<group>.png per group of variant names) and
     summary.md (+ summary.json): the per-variant table, then for each (A, B) of
     `comparisons` the seed-paired differences (stats.compare) over the seeds both ran
-    (`seeds`: the seeds of every variant, or {variant: its seeds}); return the markdown."""
+    (`seeds`: {variant: the seeds of its runs, in order}); return the markdown."""
     for group, names in (groups or {"": list(runs)}).items():
         plot_comparison({k: seed_mean(runs[k]) for k in names if k in runs},
                         os.path.join(workdir, f"comparison{'_' + group if group else ''}.png"),
                         COMPARISON_PANELS)
     rows = summary_rows(runs)
     table = markdown_table(rows)
-    by_seed = {k: dict(zip(seeds[k] if isinstance(seeds, dict) else seeds, v))
-               for k, v in runs.items()}
+    by_seed = {k: dict(zip(seeds[k], v)) for k, v in runs.items()} if seeds else {}
     compared = [r for a, b in comparisons for r in stats.compare(by_seed, a, b)]
     if compared:
         table += ("\n\nDifferences, seed by seed (experiments/stats.py: final accuracy is "
@@ -349,6 +348,7 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
         names = [v.name for v in variants]
         table = report(runs, args.workdir, title, command(module, argv),
                        groups(names) if groups else None,
-                       comparisons(names) if comparisons else (), seeds)
+                       comparisons(names) if comparisons else (),
+                       {n: seeds for n in names})
         print(table)
     return runs
