@@ -437,6 +437,11 @@ class RLConfig(_Replace):
       (a step's result is unchanged: positions count real tokens, masked slots add
       nothing). Each distinct width compiles its own score and update programs, once.
       0: off (every step at the full max_prompt_len + max_new_tokens).
+    score_in_update: when a step has one mini-batch (on-policy), take log π_old from the
+      update's own forward (stop-gradient) instead of a separate score pass at the same
+      θ_old: the same step for one forward less (rl/steps.py). The rollout's monitors then
+      come from that forward, and are 0 for a step whose update was skipped as
+      non-finite. With num_minibatches > 1 the score pass runs as usual.
     seed: every random choice of the run derives from (seed, step).
     max_consecutive_skips: the run stops with an error after this many updates in a row
       were skipped as non-finite (a diverged run should not exit 0).
@@ -452,6 +457,7 @@ class RLConfig(_Replace):
     offline_rollouts: str = ""
     logprob_impl: str = "chunked"
     trim_bucket: int = 0
+    score_in_update: bool = False
     eval_every: int = 10
     eval_k: int = 4
     eval_problems: int = 64
@@ -483,7 +489,7 @@ class RLConfig(_Replace):
               f"must be an int >= 0, got {self.seed!r}")
         check(_is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
               f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
-        check_bool(self, "async_checkpoints", "replay_weights")
+        check_bool(self, "async_checkpoints", "replay_weights", "score_in_update")
         check(not self.replay_weights or self.replay == "r3", "replay_weights",
               f"replays the sampler's recorded weights, so it needs replay='r3', got "
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")

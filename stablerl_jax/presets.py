@@ -39,7 +39,8 @@ def tiny() -> ExperimentConfig:
     return ExperimentConfig(
         name="tiny",
         # Speed on 2 CPU cores (benchmarks/global_step.py): batched-tile grouped matmul,
-        # unrolled layers, a dense-dispatch sampler, rollouts trimmed to used slots.
+        # unrolled layers, a dense-dispatch sampler, rollouts trimmed to used slots, π_old
+        # from the update's own forward when a step has one mini-batch.
         model=ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64,
                           max_seq_len=64, moe_tile=64, gmm_impl="tiles", unroll_layers=True),
@@ -48,7 +49,8 @@ def tiny() -> ExperimentConfig:
                                 dispatch="dense"),
         loss=LossConfig(),
         rl=RLConfig(steps=200, eval_every=20, checkpoint_every=20, eval_problems=128,
-                    trim_bucket=8, optim=OptimConfig(learning_rate=1e-4)),
+                    trim_bucket=8, score_in_update=True,
+                    optim=OptimConfig(learning_rate=1e-4)),
         sft=SFTConfig())
 
 

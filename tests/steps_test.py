@@ -258,3 +258,71 @@ def test_sampler_with_its_own_dense_dispatch_samples_like_the_grouped_one():
     np.testing.assert_array_equal(dense.routes_mu_BxSxLxK, grouped.routes_mu_BxSxLxK)
     assert_close(dense.logp_mu_BxS, grouped.logp_mu_BxS, lam=LAMBDA,
                  n=engine_chain(cfg.model, grouped.tokens_BxS.shape[1]), scale="max")
+
+
+@pytest.mark.parametrize("replay,microbatches", [("none", 1), ("r2", 2), ("r3", 1)])
+def test_score_in_update_equals_a_separate_score_pass(x64, replay, microbatches):
+    """rl.score_in_update (one mini-batch): π_old from the update's own forward gives the
+    update and every monitor of a separate score pass + update (float64: the two paths
+    differ only in summation order), and the score step then runs no forward."""
+    cfg, params, ro = _rollout()
+    f64 = lambda t: jax.tree.map(
+        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+    params, ro = f64(params), f64(ro)
+    model = cfg.model.replace(param_dtype="float64", compute_dtype="float64")
+    results = []
+    for fused in (False, True):
+        c = tiny_cfg(replay=replay, num_minibatches=1, microbatches=microbatches,
+                     score_in_update=fused).replace(model=model)
+        eng = _engine(c)
+        batch, score_metrics = eng.score(params, ro, REWARDS)
+        assert (batch.old_logp_BxT is None) == fused and (score_metrics == {}) == fused
+        state, metrics = eng.update(eng.init_state(params), batch)
+        results.append((jax.tree.map(np.asarray, state.params),
+                        {k: np.asarray(v) for k, v in {**score_metrics, **metrics}.items()}))
+    assert set(results[0][1]) == set(results[1][1])
+    s = ro.tokens_BxS.shape[1]
+    tokens = int(np.asarray(ro.prompt_mask_BxS | ro.completion_mask_BxS).sum())
+    _assert_same_update(*results, cfg=cfg, n=backward_chain(cfg.model, s, tokens) + 16,
+                        tokens=tokens)
+    # The monitors see the same routing: R3 replays μ's routes, none / R2 route live.
+    flips = results[1][1]["routing/mismatch_rate"]
+    assert (flips[0] == 0) == (replay == "r3") and flips[1] > 0
+
+
+def test_score_in_update_is_ignored_with_several_minibatches():
+    cfg, params, ro = _rollout()
+    batch, metrics = _engine(tiny_cfg(num_minibatches=2, score_in_update=True)).score(
+        params, ro, REWARDS)
+    assert batch.old_logp_BxT is not None and "kl/train_infer_k1" in metrics
+
+
+def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
+    """Engine.create builds a step from program_config(cfg): a variant's seeds (and step
+    counts, eval / checkpoint cadence) reuse one set of traced and compiled steps, while
+    the router-noise seed, which the sampler does read, keeps them apart. The loop-only
+    fields really are unread: steps built from two configs that differ in all of them
+    trace to the same programs."""
+    from stablerl_jax.rl import engine as engine_lib
+    cfg = tiny_cfg()
+    other = cfg.replace(name="other", rl=cfg.rl.replace(
+        seed=7, steps=9, eval_every=3, eval_k=2, eval_problems=4, checkpoint_every=3,
+        keep_checkpoints=5, async_checkpoints=False, max_consecutive_skips=3,
+        offline_rollouts="x.jsonl"))
+    assert set(engine_lib.LOOP_ONLY) <= set(type(cfg.rl).__dataclass_fields__)
+    a, b = _engine(cfg), _engine(other, total_steps=cfg.rl.steps * 2, optim=cfg.rl.optim)
+    assert a._jitted is b._jitted and a.cfg.rl.seed == 0 and b.cfg.rl.seed == 7
+    noisy = lambda seed: cfg.replace(sampling=cfg.sampling.replace(router_noise_std=0.5),
+                                     rl=cfg.rl.replace(seed=seed))
+    assert _engine(noisy(0))._jitted is not _engine(noisy(1))._jitted
+    _, params, ro = _rollout()
+    state = a.init_state(params)
+    batch, _ = a.score(params, ro, REWARDS)
+    args = {"sample": (params, ro.tokens_BxS[:, :8], ro.prompt_mask_BxS[:, :8],
+                       jax.random.key(0)),
+            "score": (params, ro, REWARDS), "update": (state, batch)}
+    built = [engine_lib._steps(c, EOS_ID, PAD_ID, cfg.rl.optim, 4, 0, None)[-1]
+             for c in (cfg, other)]
+    for name, xs in args.items():
+        first, second = (str(jax.make_jaxpr(j[name][0])(*xs)) for j in built)
+        assert first == second, name

@@ -96,15 +96,30 @@ def _chunked(attend, q_BxTxKVxGxDh, query_slots_T, chunk: int):
     return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
 
 
+def _write(cache: jax.Array, x: jax.Array, at: tuple) -> jax.Array:
+    """cache with x written at index `at` (dynamic_update_slice), in place. A 16-bit float
+    cache is written through its bits: XLA's CPU backend otherwise widens a bfloat16
+    update to float32, i.e. converts and copies the whole cache on every decode step."""
+    x = x.astype(cache.dtype)
+    if cache.dtype.itemsize != 2:
+        return jax.lax.dynamic_update_slice(cache, x, at)
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(bits(cache), bits(x), at),
+                                        cache.dtype)
+
+
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
               query_slots_T: jax.Array, cfg, numerics: nx.Numerics, dtype,
-              cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None):
-    """One attention block (no residual). Returns (out_BxTxD, (k, v) to store).
+              cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None,
+              layer=None):
+    """One attention block (no residual). Returns (out_BxTxD, cache_kv updated or None).
 
-    Without a cache, keys are this call's tokens (S = T). With `cache_kv` =
-    (k_BxSxKVxDh, v_BxSxKVxDh), this call's keys/values are written at slots
-    [cache_index, cache_index + T) and attention runs over all S slots. Letters here:
-    KV kv heads, G = H / KV query heads per kv head.
+    Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
+    cache (k_LxBxSxKVxDh, v_LxBxSxKVxDh), this call's keys/values are written into layer
+    `layer` at slots [cache_index, cache_index + T) and attention runs over that layer's
+    S slots. The cache is returned whole, updated where it was written, so a caller that
+    carries it through a loop updates it in place. Letters here: L layers, KV kv heads,
+    G = H / KV query heads per kv head.
     """
     b, t, _ = x_BxTxD.shape
     kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -116,10 +131,13 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     k_BxTxKVxDh = rope(rms_norm(k_BxTxKVxDh, p["k_norm"], cfg.norm_eps), positions_BxT,
                        cfg.rope_theta)
     if cache_kv is not None:
-        k_BxSxKVxDh = jax.lax.dynamic_update_slice_in_dim(
-            cache_kv[0], k_BxTxKVxDh.astype(cache_kv[0].dtype), cache_index, 1)
-        v_BxSxKVxDh = jax.lax.dynamic_update_slice_in_dim(
-            cache_kv[1], v_BxTxKVxDh.astype(cache_kv[1].dtype), cache_index, 1)
+        zero = jnp.zeros((), jnp.int32)
+        at = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(cache_index, jnp.int32),
+              zero, zero)
+        cache_kv = tuple(_write(c, x[None], at)
+                         for c, x in zip(cache_kv, (k_BxTxKVxDh, v_BxTxKVxDh)))
+        k_BxSxKVxDh, v_BxSxKVxDh = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+                                    for c in cache_kv)
     else:
         k_BxSxKVxDh, v_BxSxKVxDh = k_BxTxKVxDh, v_BxTxKVxDh
     q_BxTxKVxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
@@ -131,4 +149,4 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
         o_BxTxKVxGxDh = attend(q_BxTxKVxGxDh, query_slots_T)
     o_BxTxHxDh = o_BxTxKVxGxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
     out_BxTxD = _proj("bthk,hkd->btd", o_BxTxHxDh, p["wo"], numerics, dtype)
-    return out_BxTxD, (k_BxSxKVxDh, v_BxSxKVxDh)
+    return out_BxTxD, cache_kv

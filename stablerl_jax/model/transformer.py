@@ -11,8 +11,8 @@ Per-layer weights are stacked on a leading L axis and the decoder is one `lax.sc
 layers. Route tensors are batch-major at the interface (`replay_BxTxLxK` in,
 aux["routes"] [B, T, L, K] out, like every other batch tensor, so one batch sharding
 covers them); inside, the replay is transposed to layer-major and scanned alongside the
-weights and the KV cache, so Routing Replay works with scanned and rematerialized layers
-alike.
+weights, so Routing Replay works with scanned and rematerialized layers alike. The KV
+cache rides in the scan's carry and each layer writes its slots in place.
 
 `forward` returns hidden states, not logits: log-probs are computed from them by a fused
 op that never builds [B, T, V] logits (stablerl_jax/logprobs.py). `logits` exists for
@@ -173,11 +173,12 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         positions_BxT = positions_from_mask(mask_BxT, offset_B)
     experts = _experts_fn(cfg, gmm, mesh)
 
-    def layer(x_BxTxD, xs):
-        p, layer_idx, replay_BxTxK, replay_w_BxTxK, kv = xs
+    def layer(carry, xs):
+        x_BxTxD, kv = carry
+        p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
         h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
-        a, stored = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics,
-                              dtype, kv, index)
+        a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics, dtype,
+                          kv, index, layer_idx)
         x_BxTxD = x_BxTxD + a
         h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
         router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),
@@ -195,22 +196,23 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
         load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, router_logits.reshape(b * t, -1),
                                               mask_BxT.reshape(-1))
-        ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance,
-              stored if kv is not None else None)
-        return x_BxTxD, ys
+        ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
+        return (x_BxTxD, kv), ys
 
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
     elif cfg.remat == "dots":
         layer = jax.checkpoint(layer, prevent_cse=False,
                                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    # The KV cache is carried (each layer writes its slots in place), not scanned: a
+    # scanned cache would be re-stacked across layers on every decode step.
     kv = None if cache is None else (cache["k"], cache["v"])
     layer_major = lambda r: None if r is None else jnp.transpose(r, (2, 0, 1, 3))
     xs = (params["layers"], jnp.arange(cfg.num_layers), layer_major(replay_BxTxLxK),
-          layer_major(replay_weights_BxTxLxK), kv)
+          layer_major(replay_weights_BxTxLxK))
     x = params["embed"][tokens_BxT].astype(dtype)
-    x, (routes_LxBxTxK, weights_LxBxTxK, load, z, balance, stored) = jax.lax.scan(
-        layer, x, xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
+    (x, kv), (routes_LxBxTxK, weights_LxBxTxK, load, z, balance) = jax.lax.scan(
+        layer, (x, kv), xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
     hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
         "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),
@@ -222,7 +224,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                         + cfg.router_aux_loss_weight * jnp.mean(balance)),
     }
     if cache is not None:
-        aux["cache"] = {"k": stored[0], "v": stored[1], "mask": key_mask_BxS,
+        aux["cache"] = {"k": kv[0], "v": kv[1], "mask": key_mask_BxS,
                         "index": index + t}
     return hidden_BxTxD, aux
 

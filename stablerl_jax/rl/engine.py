@@ -31,7 +31,7 @@ import optax
 from stablerl_jax import distributed
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import sharding
-from stablerl_jax.config import ExperimentConfig, OptimConfig
+from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
@@ -96,67 +96,20 @@ class Engine:
         eos_id / pad_id: the tokenizer's. optim / total_steps: the optimizer of the
         updates (default: cfg.rl.optim over rl.steps × rl.num_minibatches updates; the
         SFT cold start passes cfg.sft.optim and sft.steps).
+
+        Engines whose configs differ only in fields no step reads (`LOOP_ONLY`: the seed,
+        step counts, eval and checkpoint cadence) share one set of jitted steps in a
+        process, so the next seed of a variant traces and compiles nothing again.
         """
-        mesh = make_mesh(cfg.mesh, devices)
         if optim is None:
             optim, total_steps = cfg.rl.optim, cfg.rl.steps * cfg.rl.num_minibatches
-        optimizer = make_optimizer(optim, total_steps)
-        shapes = params_like if params_like is not None else jax.eval_shape(
-            lambda: tf.init_params(jax.random.key(0), cfg.model))
-        p_sh = param_shardings(cfg, devices, shapes)
-        rep = sharding.replicated(mesh)
-        # Optimizer moments mirror the params they belong to; counts are replicated.
-        opt_sh = optax.tree_map_params(optimizer, lambda _, s: s,
-                                       jax.eval_shape(optimizer.init, shapes), p_sh,
-                                       transform_non_params=lambda _: rep)
-        state_sh = steps.TrainState(p_sh, opt_sh, rep, rep)
-        batch = sharding.batch_sharding(mesh)
-        numerics = nx.of_sampling(cfg.sampling, cfg.rl.seed)
-        # The expert FFN shards itself (shard_map) only where there is more than one device.
-        model_mesh = mesh if mesh.size > 1 else None
-
-        sample_model = cfg.model
-        if cfg.sampling.dispatch not in ("", cfg.model.dispatch):  # the engine's own kernels
-            sample_model = cfg.model.replace(
-                dispatch=cfg.sampling.dispatch,
-                expert_parallel=cfg.model.expert_parallel and cfg.sampling.dispatch == "grouped")
-
-        def sample(params, prompts_BxP, mask_BxP, key):
-            return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,
-                                      cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id,
-                                      mesh=model_mesh)
-
-        def init_state(params):
-            zero = jnp.zeros((), jnp.int32)
-            return steps.TrainState(params, optimizer.init(params), zero, zero)
-
-        def update(loss_fn, microbatches, state, batch_):
-            return steps.apply_gradients(
-                state, functools.partial(loss_fn, cfg=cfg, mesh=model_mesh), batch_,
-                optimizer, microbatches)
-
-        score_slices = cfg.rl.num_minibatches * cfg.rl.microbatches
-        jitted = {
-            "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh,)),
-            "sample": (jax.jit(sample, out_shardings=batch), (p_sh, batch, batch, rep)),
-            "score": (jax.jit(functools.partial(steps.score, cfg=cfg, n_slices=score_slices,
-                                                mesh=model_mesh),
-                              out_shardings=(batch, rep)), (p_sh, batch, batch)),
-            "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
-                               out_shardings=batch), (batch, rep)),
-            "used_slots": (jax.jit(lambda r: jnp.any(r.prompt_mask_BxS | r.completion_mask_BxS,
-                                                     axis=0), out_shardings=rep), (batch,)),
-            "trim": (jax.jit(rollout_lib.trim, static_argnums=(1, 2), out_shardings=batch),
-                     (batch,)),
-            "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches),
-                               donate_argnums=0, out_shardings=(state_sh, rep)),
-                       (state_sh, batch)),
-            "sft_update": (jax.jit(functools.partial(update, steps.sft_loss,
-                                                     cfg.sft.microbatches),
-                                   donate_argnums=0, out_shardings=(state_sh, rep)),
-                           (state_sh, batch)),
-        }
-        return cls(cfg, mesh, optimizer, p_sh, state_sh, batch, jitted)
+        # The seed enters a step only as the seed of the sampler's router noise.
+        noise_seed = cfg.rl.seed if cfg.sampling.router_noise_std > 0 else 0
+        args = (program_config(cfg), eos_id, pad_id, optim, total_steps, noise_seed,
+                None if devices is None else tuple(devices))
+        if params_like is None:
+            return cls(cfg, *_shared_steps(*args))
+        return cls(cfg, *_steps(*args, params_like))
 
     def _place(self, name: str, args, leaf):
         """(step, args with each leaf mapped by leaf(x, its input sharding))."""
@@ -200,7 +153,8 @@ class Engine:
         return self._jitted["trim"][0](placed, lo, hi)
 
     def score(self, params, rollout: rollout_lib.Rollout, rewards_B):
-        """(TrainBatch, monitor pairs): the π_old pass (steps.score)."""
+        """(TrainBatch, monitor pairs): the π_old pass (steps.score; with
+        rl.score_in_update no forward, and the update returns the monitors)."""
         return self._call("score", params, rollout, rewards_B)
 
     def select(self, batch, rows_M):
@@ -215,3 +169,84 @@ class Engine:
         """One supervised optimizer step; `state` is donated."""
         return self._call("sft_update", state, batch)
 
+
+# RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them.
+LOOP_ONLY = ("steps", "eval_every", "eval_k", "eval_problems", "checkpoint_every",
+             "keep_checkpoints", "async_checkpoints", "max_consecutive_skips", "seed",
+             "offline_rollouts")
+
+
+def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` with the run's name and the `LOOP_ONLY` fields at their defaults: what the
+    jitted steps are built from (Engine.create passes the seed's one use, the sampler's
+    noise seed, and the optimizer's step count on their own)."""
+    default = RLConfig()
+    return cfg.replace(name="", rl=cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY}))
+
+
+def _steps(cfg: ExperimentConfig, eos_id: int, pad_id: int, optim: OptimConfig,
+           total_steps: int, noise_seed: int, devices, params_like=None):
+    """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
+    mesh = make_mesh(cfg.mesh, devices)
+    optimizer = make_optimizer(optim, total_steps)
+    shapes = params_like if params_like is not None else jax.eval_shape(
+        lambda: tf.init_params(jax.random.key(0), cfg.model))
+    p_sh = param_shardings(cfg, devices, shapes)
+    rep = sharding.replicated(mesh)
+    # Optimizer moments mirror the params they belong to; counts are replicated.
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s,
+                                   jax.eval_shape(optimizer.init, shapes), p_sh,
+                                   transform_non_params=lambda _: rep)
+    state_sh = steps.TrainState(p_sh, opt_sh, rep, rep)
+    batch = sharding.batch_sharding(mesh)
+    numerics = nx.of_sampling(cfg.sampling, noise_seed)
+    # The expert FFN shards itself (shard_map) only where there is more than one device.
+    model_mesh = mesh if mesh.size > 1 else None
+
+    sample_model = cfg.model
+    if cfg.sampling.dispatch not in ("", cfg.model.dispatch):  # the engine's own kernels
+        sample_model = cfg.model.replace(
+            dispatch=cfg.sampling.dispatch,
+            expert_parallel=cfg.model.expert_parallel and cfg.sampling.dispatch == "grouped")
+
+    def sample(params, prompts_BxP, mask_BxP, key):
+        return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,
+                                  cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id,
+                                  mesh=model_mesh)
+
+    def init_state(params):
+        zero = jnp.zeros((), jnp.int32)
+        return steps.TrainState(params, optimizer.init(params), zero, zero)
+
+    def update(loss_fn, microbatches, state, batch_):
+        return steps.apply_gradients(
+            state, functools.partial(loss_fn, cfg=cfg, mesh=model_mesh), batch_,
+            optimizer, microbatches)
+
+    score_slices = cfg.rl.num_minibatches * cfg.rl.microbatches
+    onpolicy_fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
+    jitted = {
+        "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh,)),
+        "sample": (jax.jit(sample, out_shardings=batch), (p_sh, batch, batch, rep)),
+        "score": (jax.jit(functools.partial(steps.score, cfg=cfg, n_slices=score_slices,
+                                            mesh=model_mesh,
+                                            forward=not onpolicy_fused),
+                          out_shardings=(batch, rep)), (p_sh, batch, batch)),
+        "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
+                           out_shardings=batch), (batch, rep)),
+        "used_slots": (jax.jit(lambda r: jnp.any(r.prompt_mask_BxS | r.completion_mask_BxS,
+                                                 axis=0), out_shardings=rep), (batch,)),
+        "trim": (jax.jit(rollout_lib.trim, static_argnums=(1, 2), out_shardings=batch),
+                 (batch,)),
+        "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches),
+                           donate_argnums=0, out_shardings=(state_sh, rep)),
+                   (state_sh, batch)),
+        "sft_update": (jax.jit(functools.partial(update, steps.sft_loss,
+                                                 cfg.sft.microbatches),
+                               donate_argnums=0, out_shardings=(state_sh, rep)),
+                       (state_sh, batch)),
+    }
+    return mesh, optimizer, p_sh, state_sh, batch, jitted
+
+
+_shared_steps = functools.lru_cache(maxsize=16)(_steps)

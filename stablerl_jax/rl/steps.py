@@ -13,6 +13,14 @@ normalized by the mini-batch's totals (`losses.Totals`), then takes one optimize
 `score(..., n_slices=n)` runs its forward in n slices (`lax.map`). n = 1 is the unsliced
 program itself.
 
+On-policy shortcut (`rl.score_in_update`, one mini-batch only): the only update runs at
+θ_old, so π_old is that update's own forward. `score(..., forward=False)` then skips its
+forward and leaves `old_logp_BxT` None; `rl_loss` takes log π_old as the stop-gradient of
+its log π_θ (the ratio is 1 with the gradient of log π_θ, as with a separate pass, up to
+the float rounding two passes would differ by) and computes the rollout's monitors from
+the same forward. With R2 the update routes live, which at θ_old picks the routes R2
+would record.
+
 Replay per mode (PAPER.md §3), chosen once in `score`:
 - none: route live in every pass.
 - r2:   score routes live and records the training engine's routes (θ_old); every update
@@ -47,10 +55,13 @@ class TrainBatch(NamedTuple):
     attn_BxS: jax.Array           # bool, real tokens (prompt or completion)
     mask_BxT: jax.Array           # float32, 1 on the completion tokens scored
     rollout_logp_BxT: jax.Array   # log μ_old of those tokens (sampling engine)
-    old_logp_BxT: jax.Array       # log π_old (training engine at θ_old)
+    old_logp_BxT: jax.Array | None  # log π_old (training engine at θ_old); None: on-policy,
+                                    # π_old is the update's own forward (module docstring)
     advantages_B: jax.Array       # Â per response
     replay_BxTxLxK: jax.Array | None  # routes every update replays; None: route live
     replay_weights_BxTxLxK: jax.Array | None = None  # their recorded weights (weight replay)
+    routes_mu_BxTxLxK: jax.Array | None = None  # the sampler's routes, for the monitors an
+                                                # on-policy update computes (else None)
 
 
 class TrainState(NamedTuple):
@@ -60,16 +71,30 @@ class TrainState(NamedTuple):
     skipped: jax.Array   # updates skipped for a non-finite loss, gradient or result (int32)
 
 
+def rollout_monitors(rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK,
+                     routes_BxTxLxK, routed_BxT) -> tuple[dict, jax.Array]:
+    """(the rollout's monitors as pairs, π_old's routes with -1 where nothing was routed):
+    the training–inference mismatch (`diagnostics.train_infer_mismatch`) and the
+    full-vocabulary entropy of π_old on the sampled prefixes."""
+    # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
+    routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
+    metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
+                                      routes_old_BxTxLxK, routed_BxT)
+    metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
+    return metrics, routes_old_BxTxLxK
+
+
 def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
-          cfg: ExperimentConfig, n_slices: int = 1, mesh=None) -> tuple[TrainBatch, dict]:
+          cfg: ExperimentConfig, n_slices: int = 1, mesh=None,
+          forward: bool = True) -> tuple[TrainBatch, dict]:
     """The π_old pass at θ_old: a rollout and its rewards in, the update's batch out.
 
     Computes the group advantages, log π_old (replaying routes_mu under R3) and the
-    monitors of the rollout as (num, den) pairs: the training–inference mismatch
-    (`diagnostics.train_infer_mismatch`) and the full-vocabulary entropy of π_old on the
-    sampled prefixes. The returned batch carries the one replay tensor the updates use.
-    The forward runs in `n_slices` strided slices of the rows (rows are independent, so
-    the result is the same); `mesh`: the devices the expert FFN is sharded over.
+    rollout's monitors (`rollout_monitors`). The returned batch carries the one replay
+    tensor the updates use. The forward runs in `n_slices` strided slices of the rows
+    (rows are independent, so the result is the same); `mesh`: the devices the expert FFN
+    is sharded over. `forward=False` (rl.score_in_update): no forward; the batch leaves
+    log π_old to the one on-policy update (module docstring) and the monitors are {}.
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
@@ -83,7 +108,15 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
     rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
 
-    def forward(rows):
+    advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
+    advantages_B = advantages_B.astype(jnp.float32)
+    if not forward:
+        # Under R2 the one update routes live at θ_old: the routes R2 would replay.
+        replay = routes_mu_BxTxLxK if rl.replay == "r3" else None
+        return TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, None,
+                          advantages_B, replay, replay_w, routes_mu_BxTxLxK), {}
+
+    def forward_(rows):
         tokens_BxS, attn_BxS, replay_BxTxLxK, replay_w_BxTxLxK = rows
         logp, entropy, aux = policy_logprobs(
             params, tokens_BxS, attn_BxS, cfg.model, replay_BxTxLxK=replay_BxTxLxK,
@@ -92,19 +125,15 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         return logp, entropy, aux["routes"]
 
     logp_BxT, entropy_BxT, routes_BxTxLxK = slices.map_slices(
-        forward, (rollout.tokens_BxS, attn_BxS,
-                  routes_mu_BxTxLxK if rl.replay == "r3" else None, replay_w),
+        forward_, (rollout.tokens_BxS, attn_BxS,
+                   routes_mu_BxTxLxK if rl.replay == "r3" else None, replay_w),
         n_slices, "score slices")
-    # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
-    routed_BxT = attn_BxS[:, :-1]
-    routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
+    metrics, routes_old_BxTxLxK = rollout_monitors(
+        rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
+        attn_BxS[:, :-1])
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
-    advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
-                       advantages_B.astype(jnp.float32), replay, replay_w)
-    metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
-                                      routes_old_BxTxLxK, routed_BxT)
-    metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
+                       advantages_B, replay, replay_w)
     return batch, metrics
 
 
@@ -146,10 +175,19 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
         replay_BxTxLxK=batch.replay_BxTxLxK,
         replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
         temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl, mesh=mesh)
-    loss_batch = losses_lib.LossBatch(batch.old_logp_BxT, batch.rollout_logp_BxT,
+    old_logp_BxT = batch.old_logp_BxT
+    monitors = {}
+    if old_logp_BxT is None:  # on-policy: this forward is π_old (module docstring)
+        old_logp_BxT = jax.lax.stop_gradient(logp_BxT)
+        monitors, _ = rollout_monitors(batch.rollout_logp_BxT, old_logp_BxT,
+                                       jax.lax.stop_gradient(entropy_BxT), batch.mask_BxT,
+                                       batch.routes_mu_BxTxLxK, aux["routes"],
+                                       batch.attn_BxS[:, :-1])
+    loss_batch = losses_lib.LossBatch(old_logp_BxT, batch.rollout_logp_BxT,
                                       batch.mask_BxT, advantages_B=batch.advantages_B,
                                       totals=None if totals is None else totals.loss)
     loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
+    metrics.update(monitors)
     metrics["update/entropy"] = dg.masked_mean_pair(entropy_BxT, batch.mask_BxT)
     router, metrics["router_loss"] = _router_loss(aux, batch, totals)
     return loss + router, metrics
