@@ -171,9 +171,9 @@ class Engine:
 
 
 # RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them.
-LOOP_ONLY = ("steps", "eval_every", "eval_k", "eval_problems", "checkpoint_every",
-             "keep_checkpoints", "async_checkpoints", "max_consecutive_skips", "seed",
-             "offline_rollouts")
+# (The eval batch size is left out: it is checked against the sampler's slices.)
+LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
+             "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
