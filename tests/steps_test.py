@@ -38,6 +38,15 @@ def _rollout(seed=0):
     return cfg, params, ro
 
 
+def _rollout64():
+    """`_rollout()` with float64 params and rollout, and the float64 model config."""
+    cfg, params, ro = _rollout()
+    f64 = lambda t: jax.tree.map(
+        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+    model = cfg.model.replace(param_dtype="float64", compute_dtype="float64")
+    return cfg, f64(params), f64(ro), model
+
+
 def test_score_builds_the_update_batch_with_its_replay():
     cfg, params, ro = _rollout()
     for mode in ("none", "r2", "r3"):
@@ -128,11 +137,7 @@ def test_update_ascends_the_advantage_weighted_log_likelihood():
 def test_sharded_update_equals_unsharded(x64):
     """Score + update on one CPU device and on a 2×2×2 mesh of CPU devices, in float64 (the
     test is about the sharded program, not float32 summation order)."""
-    cfg, params, ro = _rollout()
-    f64 = lambda t: jax.tree.map(
-        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-    params, ro = f64(params), f64(ro)
-    model = cfg.model.replace(param_dtype="float64", compute_dtype="float64")
+    cfg, params, ro, model = _rollout64()
     results = []
     for mesh in [(1, 1, 1), (2, 2, 2)]:
         # One mini-batch of 8 rows: the batch is split over all 8 devices.
@@ -211,10 +216,7 @@ def test_trimmed_rollout_scores_and_updates_like_the_padded_one(x64):
     completion budget no row reached) trims back to its used slots, and score + update on
     it equal those on the padded rollout (float64: only summation order differs)."""
     from stablerl_jax import rollout as rollout_lib
-    cfg, params, ro = _rollout()
-    f64 = lambda t: jax.tree.map(
-        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-    params, ro = f64(params), f64(ro)
+    cfg, params, ro, _ = _rollout64()
     fill = {"tokens_BxS": PAD_ID, "prompt_mask_BxS": False, "completion_mask_BxS": False,
             "logp_mu_BxS": 0.0, "routes_mu_BxSxLxK": -1, "route_weights_mu_BxSxLxK": 0.0}
     pad = lambda x, v: jnp.concatenate([jnp.full((x.shape[0], 6, *x.shape[2:]), v, x.dtype),
@@ -266,11 +268,7 @@ def test_score_in_update_equals_a_separate_score_pass(x64, replay, microbatches)
     """rl.score_in_update (one mini-batch): π_old from the update's own forward gives the
     update and every monitor of a separate score pass + update (float64: the two paths
     differ only in summation order), and the score step then runs no forward."""
-    cfg, params, ro = _rollout()
-    f64 = lambda t: jax.tree.map(
-        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-    params, ro = f64(params), f64(ro)
-    model = cfg.model.replace(param_dtype="float64", compute_dtype="float64")
+    cfg, params, ro, model = _rollout64()
     results = []
     for fused in (False, True):
         c = tiny_cfg(replay=replay, num_minibatches=1, microbatches=microbatches,
