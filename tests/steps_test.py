@@ -263,7 +263,8 @@ def test_sampler_with_its_own_dense_dispatch_samples_like_the_grouped_one():
                  n=engine_chain(cfg.model, grouped.tokens_BxS.shape[1]), scale="max")
 
 
-@pytest.mark.parametrize("replay,microbatches", [("r2", 2), ("r3", 1)])
+@pytest.mark.parametrize("replay,microbatches",
+                         [("r2", 2), pytest.param("r3", 1, marks=pytest.mark.slow)])
 def test_score_in_update_equals_a_separate_score_pass(x64, replay, microbatches):
     """rl.score_in_update (one mini-batch): π_old from the update's own forward gives the
     update and every monitor of a separate score pass + update (float64: the two paths
