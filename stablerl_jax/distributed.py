@@ -137,8 +137,8 @@ def to_global(x, sharding, batch: bool) -> jax.Array:
     """A host or process-local value as a global array on `sharding`: with `batch`, `x`
     is this process's block of rows (`rows_of_process`); otherwise it is a full copy that
     every process holds (parameters read by each host, a key)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return x  # already global
+    if isinstance(x, jax.Array) and (not x.is_fully_addressable or x.sharding == sharding):
+        return x  # already global, or already where it goes
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
