@@ -9,13 +9,16 @@ of 32) it prints two tables:
 - hops: the median milliseconds of each hop of a global step (sample, reward, score,
   the N updates, the metrics pulled to the host), each waited for so that its own time is
   measured, over the last `--steps` steps of a run started from the cold start; and the
-  first call of each (compile included). `eval` is one avg@k evaluation.
+  first call of each (after the end-to-end runs, so the programs already exist in this
+  process: what is left is the first call's own overhead). `eval` is one avg@k
+  evaluation.
 - end to end: `rl.loop.run` for `--steps` global steps in a fresh workdir (eval every 10
   steps, two checkpoints, metrics, logs and plots written: an experiment's run), run
-  first, twice in this process: `first` pays every compile, `again` compiles again
-  (a new Engine) unless `--cache DIR` turns on the persistent compilation cache, as the
-  experiment modules do (start from an empty DIR to see both). seconds per global step =
-  wall / steps.
+  first, twice in this process: `first` traces and compiles every program (or loads it,
+  with `--cache DIR`, the persistent compilation cache the experiment modules turn on;
+  start from an empty DIR to see a machine's first run), `again` is the next run of the
+  same configuration in the process, which reuses the Engine's steps as the next seed of
+  a variant does (rl/engine.program_config). seconds per global step = wall / steps.
 
 The cold start (SFT, 300 steps) is trained once and cached under the workdir.
 """
