@@ -146,6 +146,28 @@ def test_grouped_is_dropless_when_all_tokens_pick_one_expert(x64):
                  moe.experts_dense(x, idx, w, *ws), n=N_FFN, dtype="float64", scale="max")
 
 
+def test_plan_counts_and_sorts_to_the_same_rows(monkeypatch):
+    # Both ways of placing assignments (a one-hot cumsum for small A·E, a stable sort
+    # otherwise) give each assignment the same buffer row: groups in expert order, each
+    # padded to the tile, assignments in their order within a group; every row distinct.
+    ids = jax.random.randint(jax.random.key(3), (300,), 0, 6)
+    ids = ids.at[:40].set(6)  # another device's experts (id ≥ E): not counted
+    counted = moe._plan(ids, 6, 8)
+    monkeypatch.setattr(moe, "_COUNTING_PLAN_MAX", 0)
+    sorted_ = moe._plan(ids, 6, 8)
+    mine = np.asarray(ids) < 6
+    np.testing.assert_array_equal(counted[1], sorted_[1])
+    np.testing.assert_array_equal(np.asarray(counted[0])[mine], np.asarray(sorted_[0])[mine])
+    ids_np, rows = np.asarray(ids)[mine], np.asarray(counted[0])[mine]
+    sizes = np.bincount(ids_np, minlength=6)
+    np.testing.assert_array_equal(counted[1], -(-sizes // 8) * 8)
+    starts = np.cumsum(counted[1]) - counted[1]
+    want = np.concatenate([starts[e] + np.arange(n) for e, n in enumerate(sizes)])
+    np.testing.assert_array_equal(np.sort(rows), np.sort(want))
+    for e in range(6):
+        np.testing.assert_array_equal(rows[ids_np == e], starts[e] + np.arange(sizes[e]))
+
+
 def test_padded_rows_bound():
     assert moe.padded_rows(10, 4, 8) == 40  # 10 + 4·7 = 38 → 40
     assert moe.padded_rows(16, 2, 1) == 16

@@ -169,20 +169,30 @@ def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
     return -(-worst // tile) * tile
 
 
-def _sort_plan(expert_A, num_experts: int, tile: int):
-    """Where each of the A assignments goes in the sorted, tile-padded buffer:
-    (order_A: sorted slot -> assignment, dest_A: buffer row of each sorted slot,
-    padded_E: each group's padded size). Ids ≥ num_experts (another device's experts)
-    sort last and are not counted in any group."""
-    order_A = jnp.argsort(expert_A, stable=True)         # sorted slot -> assignment
+# Largest A·E for which the plan counts ranks with an [A, E] one-hot cumsum instead of
+# sorting (the same rows; a sort of A ids costs more than the cumsum on small inputs).
+_COUNTING_PLAN_MAX = 1 << 22
+
+
+def _plan(expert_A, num_experts: int, tile: int):
+    """Where each of the A assignments goes in the expert-sorted, tile-padded buffer:
+    (row_A: buffer row of each assignment, padded_E: each group's padded size). Within a
+    group, rows keep the assignments' order. Ids ≥ num_experts (another device's experts)
+    are not counted in any group and their rows are meaningless (the caller drops them)."""
+    a = expert_A.shape[0]
     sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
     padded_E = (sizes_E + tile - 1) // tile * tile
-    start_E = jnp.cumsum(sizes_E) - sizes_E
     padded_start_E = jnp.cumsum(padded_E) - padded_E
-    sorted_expert_A = expert_A[order_A]
-    rank_A = jnp.arange(expert_A.shape[0]) - start_E[sorted_expert_A]
-    dest_A = padded_start_E[sorted_expert_A] + rank_A    # row of each sorted slot
-    return order_A, dest_A, padded_E
+    group_A = jnp.minimum(expert_A, num_experts - 1)
+    if a * num_experts <= _COUNTING_PLAN_MAX:
+        onehot_AxE = (expert_A[:, None] == jnp.arange(num_experts)).astype(jnp.int32)
+        rank_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=1) - 1
+        return padded_start_E[group_A] + rank_A, padded_E
+    order_A = jnp.argsort(expert_A, stable=True)         # sorted slot -> assignment
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    sorted_group_A = group_A[order_A]
+    dest_A = padded_start_E[sorted_group_A] + jnp.arange(a) - start_E[sorted_group_A]
+    return jnp.zeros_like(dest_A).at[order_A].set(dest_A, unique_indices=True), padded_E
 
 
 def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
@@ -203,22 +213,22 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
         local_A = expert_A - expert_offset
         mine_A = (local_A >= 0) & (local_A < num_experts)
         expert_A = jnp.where(mine_A, local_A, num_experts)
-    order_A, dest_A, padded_E = _sort_plan(expert_A, num_experts, tile)
+    row_A, padded_E = _plan(expert_A, num_experts, tile)
     rows = padded_rows(expert_A.shape[0], num_experts, tile)
-    if mine_A is not None:  # other devices' assignments sort last: write them nowhere
-        dest_A = jnp.where(mine_A[order_A], dest_A, rows)
-    x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[dest_A].set(
-        x_TxD[order_A // k], unique_indices=True, mode=None if mine_A is None else "drop")
+    if mine_A is not None:  # other devices' assignments: written nowhere, read as 0
+        row_A = jnp.where(mine_A, row_A, rows)
+    x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[row_A].set(
+        jnp.repeat(x_TxD, k, axis=0), unique_indices=True,
+        mode=None if mine_A is None else "drop")
     gate_PxF = gmm(x_PxD, w_gate_ExDxF, padded_E, tile, PRECISION)
     up_PxF = gmm(x_PxD, w_up_ExDxF, padded_E, tile, PRECISION)
     acc = accum_dtype(dt)
     h_PxF = _swiglu(gate_PxF.astype(acc), up_PxF.astype(acc)).astype(dt)
     y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile, PRECISION)
-    row_of_assignment_A = jnp.zeros_like(dest_A).at[order_A].set(dest_A, unique_indices=True)
     if mine_A is None:
-        y_TxKxD = y_PxD[row_of_assignment_A].reshape(num_tokens, k, -1)
+        y_TxKxD = y_PxD[row_A].reshape(num_tokens, k, -1)
     else:  # rows past the buffer read as 0 (not every gmm zeroes unused rows)
-        y_AxD = jnp.take(y_PxD, row_of_assignment_A, axis=0, mode="fill", fill_value=0)
+        y_AxD = jnp.take(y_PxD, row_A, axis=0, mode="fill", fill_value=0)
         y_TxKxD = jnp.where(mine_A[:, None], y_AxD, 0).reshape(num_tokens, k, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
                        precision=PRECISION)
