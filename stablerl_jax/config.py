@@ -36,6 +36,7 @@ LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
 GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
+KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]
 TASK_KINDS = ("arithmetic", "gsm8k")
 STYLES = ("steps", "rewrite", "terse")
 OPERATORS = ("+-", "+")
@@ -129,6 +130,10 @@ class ModelConfig(_Replace):
         query chunks of `attention_chunk` rows, each rematerialized: memory O(chunk · S)
         instead of O(T · S), the same function).
       attention_chunk: query rows per chunk of the 'chunked' attention.
+      kv_cache_layout: the sampler's KV cache, per layer (KV_CACHE_LAYOUTS): 'bskd'
+        ([B, S, KV, Dh]) or 'bksd' ([B, KV, S, Dh]: each (row, kv head) a contiguous
+        [S, Dh] block, so a decode step's products read the cache without transposing it:
+        faster on CPU; on TPU the `paper` sampler's temp memory is lower with 'bskd').
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
     """
@@ -158,6 +163,7 @@ class ModelConfig(_Replace):
     unroll_layers: bool = False
     attention_impl: str = "naive"
     attention_chunk: int = 512
+    kv_cache_layout: str = "bskd"
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
 
@@ -187,6 +193,7 @@ class ModelConfig(_Replace):
               f"must be one of {REMAT_POLICIES} ('full' was remat=true), got {self.remat!r}")
         check_choice(self, "gmm_impl", GMM_IMPLS)
         check_choice(self, "attention_impl", ATTENTION_IMPLS)
+        check_choice(self, "kv_cache_layout", KV_CACHE_LAYOUTS)
         check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
               "needs dispatch='grouped' (the dense path runs every expert on every token)")
         check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob", "unroll_layers")

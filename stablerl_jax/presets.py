@@ -39,11 +39,13 @@ def tiny() -> ExperimentConfig:
     return ExperimentConfig(
         name="tiny",
         # Speed on 2 CPU cores (benchmarks/global_step.py): batched-tile grouped matmul,
-        # unrolled layers, a dense-dispatch sampler, rollouts trimmed to used slots, π_old
-        # from the update's own forward when a step has one mini-batch.
+        # unrolled layers, a dense-dispatch sampler with a head-major KV cache, rollouts
+        # trimmed to used slots, π_old from the update's own forward when a step has one
+        # mini-batch.
         model=ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64,
-                          max_seq_len=64, moe_tile=64, gmm_impl="tiles", unroll_layers=True),
+                          max_seq_len=64, moe_tile=64, gmm_impl="tiles", unroll_layers=True,
+                          kv_cache_layout="bksd"),
         task=task("easy", style="steps", max_prompt_len=16, max_solution_len=40),
         sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, numerics="fp8",
                                 dispatch="dense"),

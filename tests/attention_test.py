@@ -32,6 +32,20 @@ def test_rope_scores_depend_only_on_relative_position():
     assert_close(jnp.linalg.norm(rope(q, jnp.array([[7]]), 1e4)), jnp.linalg.norm(q), n=15)
 
 
+def test_rope_is_the_half_split_rotation():
+    # HF Qwen3 rotate_half: [x1, x2] -> [x1·cos − x2·sin, x2·cos + x1·sin], angle
+    # position · θ^(−i/half). Positions 0 and 1 keep angles ≤ 1 rad; each component is as
+    # in the test above (≤ 7 relative to |x1| + |x2|), taken norm-wise.
+    x = jax.random.normal(jax.random.key(2), (2, 3, 2, 8))
+    pos = jnp.array([[0, 1, 1], [1, 0, 1]])
+    xd, half = np.asarray(x, np.float64), 4
+    angle = np.asarray(pos, np.float64)[..., None, None] * 1e4 ** (-np.arange(half) / half)
+    x1, x2 = xd[..., :half], xd[..., half:]
+    want = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                           x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+    assert_close(rope(x, pos, 1e4), want, n=7, scale=float(np.max(np.abs(x1) + np.abs(x2))))
+
+
 def test_rms_norm_by_hand():
     x = jnp.array([[3.0, 4.0]])  # mean square 12.5
     # Mean square (3), rsqrt (2: ≤ 2 ulp on a GPU), two products (2).

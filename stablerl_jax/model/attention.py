@@ -67,17 +67,26 @@ def _proj(eq, x, w, numerics, dtype):
     return _dot(eq, nx.act_quant(x, numerics), w, dtype).astype(dtype)
 
 
-def _attend(q_BxTxKVxGxDh, k_BxSxKVxDh, v_BxSxKVxDh, query_slots_T, key_mask_BxS,
-            head_dim: int, dtype):
-    """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T` (module docstring)."""
-    s = k_BxSxKVxDh.shape[1]
-    scores_BxKVxGxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxGxDh, k_BxSxKVxDh,
-                             dtype) * head_dim**-0.5
+def _attend(q_BxTxKVxGxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dtype,
+            keys: str = "bskd"):
+    """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T` (module docstring).
+    k, v: [B, S, KV, Dh] (keys="bskd", this call's own keys) or [B, KV, S, Dh]
+    (keys="bksd", the KV cache's layout)."""
+    s = k.shape[keys.index("s")]
+    if keys == "bksd":  # batch dims leading on both sides: no transpose of the cache
+        q = jnp.transpose(q_BxTxKVxGxDh, (0, 2, 3, 1, 4))
+        scores_BxKVxGxTxS = _dot("bkgtd,bksd->bkgts", q, k, dtype)
+    else:
+        scores_BxKVxGxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxGxDh, k, dtype)
+    scores_BxKVxGxTxS = scores_BxKVxGxTxS * head_dim**-0.5
     allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
         key_mask_BxS[:, None, :].astype(bool))
     scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS, _NEG)
     probs_BxKVxGxTxS = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(dtype)
-    return _dot("bkgts,bskd->btkgd", probs_BxKVxGxTxS, v_BxSxKVxDh, dtype).astype(dtype)
+    if keys == "bksd":
+        o = _dot("bkgts,bksd->bkgtd", probs_BxKVxGxTxS, v, dtype)
+        return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dtype)
+    return _dot("bkgts,bskd->btkgd", probs_BxKVxGxTxS, v, dtype).astype(dtype)
 
 
 def _chunked(attend, q_BxTxKVxGxDh, query_slots_T, chunk: int):
@@ -115,11 +124,12 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     """One attention block (no residual). Returns (out_BxTxD, cache_kv updated or None).
 
     Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
-    cache (k_LxBxSxKVxDh, v_LxBxSxKVxDh), this call's keys/values are written into layer
-    `layer` at slots [cache_index, cache_index + T) and attention runs over that layer's
-    S slots. The cache is returned whole, updated where it was written, so a caller that
-    carries it through a loop updates it in place. Letters here: L layers, KV kv heads,
-    G = H / KV query heads per kv head.
+    cache (k, v: [L, B, S, KV, Dh], or [L, B, KV, S, Dh] with cfg.kv_cache_layout
+    'bksd'), this call's keys/values are written into layer `layer` at slots
+    [cache_index, cache_index + T) and attention runs over that layer's S slots. The cache
+    is returned whole, updated where it was written, so a caller that carries it through
+    a loop updates it in place. Letters here: L layers, KV kv heads, G = H / KV query
+    heads per kv head.
     """
     b, t, _ = x_BxTxD.shape
     kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -131,18 +141,18 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     k_BxTxKVxDh = rope(rms_norm(k_BxTxKVxDh, p["k_norm"], cfg.norm_eps), positions_BxT,
                        cfg.rope_theta)
     if cache_kv is not None:
+        keys = cfg.kv_cache_layout
         zero = jnp.zeros((), jnp.int32)
-        at = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(cache_index, jnp.int32),
-              zero, zero)
-        cache_kv = tuple(_write(c, x[None], at)
+        at = (jnp.asarray(layer, jnp.int32),
+              *(jnp.asarray(cache_index, jnp.int32) if a == "s" else zero for a in keys))
+        to_cache = (lambda x: x) if keys == "bskd" else (lambda x: jnp.swapaxes(x, 1, 2))
+        cache_kv = tuple(_write(c, to_cache(x)[None], at)
                          for c, x in zip(cache_kv, (k_BxTxKVxDh, v_BxTxKVxDh)))
-        k_BxSxKVxDh, v_BxSxKVxDh = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
-                                    for c in cache_kv)
+        k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache_kv)
     else:
-        k_BxSxKVxDh, v_BxSxKVxDh = k_BxTxKVxDh, v_BxTxKVxDh
+        k, v, keys = k_BxTxKVxDh, v_BxTxKVxDh, "bskd"
     q_BxTxKVxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
-    attend = lambda q, slots: _attend(q, k_BxSxKVxDh, v_BxSxKVxDh, slots, key_mask_BxS,
-                                      cfg.head_dim, dtype)
+    attend = lambda q, slots: _attend(q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys)
     if cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
         o_BxTxKVxGxDh = _chunked(attend, q_BxTxKVxGxDh, query_slots_T, cfg.attention_chunk)
     else:

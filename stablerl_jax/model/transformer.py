@@ -95,11 +95,13 @@ def logits(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
-    """An empty KV cache of `length` slots: k/v [L, B, S, KV, Dh], slot mask, write index."""
+    """An empty KV cache of `length` slots: k/v [L, B, S, KV, Dh] (or [L, B, KV, S, Dh],
+    cfg.kv_cache_layout 'bksd'), slot mask, write index."""
     if length > cfg.max_seq_len:
         raise ValueError(f"cache length {length} exceeds max_seq_len={cfg.max_seq_len}; "
                          "raise ModelConfig.max_seq_len or shorten prompt + max_new_tokens")
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    layer = {"b": batch, "s": length, "k": cfg.num_kv_heads, "d": cfg.head_dim}
+    shape = (cfg.num_layers, *(layer[a] for a in cfg.kv_cache_layout))
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
             "mask": jnp.zeros((batch, length), bool), "index": jnp.zeros((), jnp.int32)}
 

@@ -50,9 +50,9 @@ def train_sft(cfg, data, *, progress: bool = True, devices=None):
 # less those that change how a step computes or how long a run may misbehave, not what
 # it learns (remat, expert paths, micro-batching, the skip limit).
 _SFT_SECTIONS = ("model.", "task.", "sft.")
-_SFT_RUN_FIELDS = ("model.remat", "model.dispatch", "model.moe_tile", "model.gmm_impl", "model.expert_parallel",
-                   "model.attention_impl", "model.attention_chunk", "model.unroll_layers",
-                   "sft.microbatches",
+_SFT_RUN_FIELDS = ("model.remat", "model.dispatch", "model.moe_tile", "model.gmm_impl",
+                   "model.expert_parallel", "model.attention_impl", "model.attention_chunk",
+                   "model.unroll_layers", "model.kv_cache_layout", "sft.microbatches",
                    "sft.max_consecutive_skips")
 
 
