@@ -1,14 +1,17 @@
 """The sampling path: exactness of the 'exact' preset, slot alignment of logp_mu and
-routes_mu, EOS handling, keys, batch and padding invariance, truncation, bad inputs."""
+routes_mu, EOS handling, keys, batch and padding invariance, truncation, bad inputs, KV
+cache layouts."""
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cpu_devices
 from tolerance import LAMBDA, assert_close, engine_chain
 
 from stablerl_jax import rollout as ro
+from stablerl_jax import sharding
 from stablerl_jax.config import ConfigError, ModelConfig, SamplingConfig
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import moe
@@ -65,6 +68,24 @@ def test_exact_preset_matches_training_path():
     rec = routes_mu[:, :-1] >= 0
     assert rec.sum() > 0
     np.testing.assert_array_equal(np.where(rec, aux["routes"], -1), routes_mu[:, :-1])
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_kv_cache_layouts_sample_the_same_rows(on_mesh):
+    # The head-major cache ('bksd') changes where the sampler keeps keys and values, not
+    # what it computes: the same tokens, log μ, routes and weights bit for bit as 'bskd',
+    # with the FP8 engine's bfloat16 cache, on one device and on a 2×2×2 mesh of CPU
+    # devices (experts under shard_map, the batch sharded).
+    params, prompts, mask = _setup()
+    mesh = sharding.make_mesh(2, 2, 2, devices=cpu_devices()) if on_mesh else None
+    if mesh is not None:
+        params = jax.device_put(params, sharding.replicated(mesh))
+        prompts, mask = jax.device_put((prompts, mask), sharding.batch_sharding(mesh))
+    out = [ro.sample(params, prompts, mask, jax.random.key(4), CFG.replace(kv_cache_layout=lay),
+                     SAMPLING, nx.preset("fp8"), eos_id=EOS, pad_id=PAD, mesh=mesh)
+           for lay in ("bskd", "bksd")]
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_routes_mu_is_aligned_and_a_valid_replay():
