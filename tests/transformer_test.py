@@ -162,7 +162,8 @@ def test_remat_equal_values_and_gradients(x64, with_replay, remat):
 @pytest.mark.parametrize("chunk", [5, 4])  # T = 12: a ragged last chunk, and an even split
 def test_chunked_attention_equals_naive(x64, chunk):
     """Query chunks (padded, rematerialized) compute every real row like the naive path,
-    in value and gradient; with a KV cache (prefill into S > T slots) as well."""
+    in value and gradient; with a KV cache (prefill into S > T slots, either layout) as
+    well."""
     params, tokens, mask = _setup(cfg=CFG64)
     chunked = CFG64.replace(attention_impl="chunked", attention_chunk=chunk, remat="full")
     step = _probe_step(tokens, mask)
@@ -172,8 +173,10 @@ def test_chunked_attention_equals_naive(x64, chunk):
     prefill = lambda cfg: tf.forward(params, tokens, cfg, attention_mask_BxT=mask,
                                      cache=tf.init_cache(cfg, B, T + 6, jnp.float64))[0]
     m = mask[..., None]
-    assert_close(jnp.where(m, prefill(chunked), 0), jnp.where(m, prefill(CFG64), 0),
-                 n=forward_chain(CFG, T + 6), dtype="float64", scale="max")
+    for layout in KV_CACHE_LAYOUTS:
+        assert_close(jnp.where(m, prefill(chunked.replace(kv_cache_layout=layout)), 0),
+                     jnp.where(m, prefill(CFG64), 0), n=forward_chain(CFG, T + 6),
+                     dtype="float64", scale="max")
 
 
 @pytest.mark.parametrize("impl", ["tiles", "ragged_dot", "pallas_tpu", "pallas_gpu"])
