@@ -63,3 +63,11 @@ ADVANTAGES = {
     "group_norm": group_norm,
     "leave_one_out": leave_one_out,
 }
+
+
+def compute(name: str, rewards_B, group_size: int, std_ddof: int = 0):
+    """Â under the baseline `name` (a key of ADVANTAGES); `std_ddof` reaches group_norm's
+    std (LossConfig.advantage_std_ddof) and nothing else."""
+    if name == "group_norm":
+        return group_norm(rewards_B, group_size, ddof=std_ddof)
+    return ADVANTAGES[name](rewards_B, group_size)

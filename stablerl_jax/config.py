@@ -326,6 +326,14 @@ class LossConfig(_Replace):
         seq_mean_token_mean; CISPO, DAPO: token_mean); or one of AGGREGATIONS.
         MiniRL "+ length normalization" is aggregation='seq_mean_token_mean'.
       advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
+      advantage_std_ddof: the std of advantage='group_norm' divides by G − ddof. 0 (the
+        default, the population std: the paper's "std of the group") keeps this
+        project's stored results; verl and tunix use the sample std, ddof=1, whose
+        advantages are √((G−1)/G) as large (×0.935 at G = 8).
+      clip_ratio_c: verl's dual-clip for the PPO-clip losses (grpo, dapo): on tokens with
+        Â < 0 the clipped term is bounded below by c·Â, so a token whose ratio r exceeds
+        c contributes the constant c·Â and no gradient. 0 = off; verl's default when on
+        is 3.0; must be > 1 + eps_high.
       max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
       gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
       gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
@@ -345,6 +353,8 @@ class LossConfig(_Replace):
     cap_target: str = "full"
     aggregation: str | None = None
     advantage: str = "group_mean"
+    advantage_std_ddof: int = 0
+    clip_ratio_c: float = 0.0
     max_log_ratio: float = 20.0
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
@@ -375,6 +385,17 @@ class LossConfig(_Replace):
               f"must be in (0, 40] so exp(2·max_log_ratio) fits float32, got {self.max_log_ratio}")
         check(_finite(self.gspo_max_log_ratio) and 0 < self.gspo_max_log_ratio <= 40,
               "gspo_max_log_ratio", f"must be in (0, 40], got {self.gspo_max_log_ratio}")
+        check(_is_int(self.advantage_std_ddof) and self.advantage_std_ddof in (0, 1),
+              "advantage_std_ddof",
+              f"must be 0 (population std) or 1 (sample std, verl / tunix), got "
+              f"{self.advantage_std_ddof!r}")
+        check(_finite(self.clip_ratio_c)
+              and (self.clip_ratio_c == 0 or self.clip_ratio_c > 1 + self.eps_high),
+              "clip_ratio_c", f"must be 0 (off) or > 1 + eps_high = {1 + self.eps_high} "
+              f"(verl uses 3.0), got {self.clip_ratio_c}")
+        check(self.clip_ratio_c == 0 or self.name in ("grpo", "dapo"), "clip_ratio_c",
+              f"dual-clip applies to the PPO-clip losses 'grpo' and 'dapo', not "
+              f"{self.name!r}; set loss.clip_ratio_c=0")
         check(_is_int(self.norm_length) and self.norm_length >= 0, "norm_length",
               f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
         check_bool(self, "clip", "use_is")

@@ -271,10 +271,16 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
         term = jnp.minimum(r * p.adv, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * p.adv)
     else:
         term = r * p.adv
+    # verl's dual-clip: with Â < 0 the term is at least c·Â, a constant for r > c.
+    dual = (p.adv < 0) & (r > cfg.clip_ratio_c) & (cfg.clip_ratio_c > 0)
+    term = jnp.where(dual, cfg.clip_ratio_c * p.adv, term)
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length,
                       batch.totals)
     hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
-    return _finish(p, batch, cfg, loss, w, altered, hi, lo)
+    loss, metrics = _finish(p, batch, cfg, loss, w, altered, hi, lo)
+    if cfg.clip_ratio_c > 0:
+        metrics["clip/frac_dual"] = dg.masked_mean_pair(dual.astype(p.m.dtype), p.m)
+    return loss, metrics
 
 
 def grpo(logp_BxT, batch, cfg: LossConfig):
@@ -286,6 +292,8 @@ def grpo(logp_BxT, batch, cfg: LossConfig):
     engine factor (w ≡ 1): that is use_is=False. With use_is=True (the LossConfig default)
     w = is_weight(π_old/μ_old) under is_correction, e.g. the decoupled token TIS
     sg[min(π_old/μ_old, C)]. No KL penalty term (App. A drops it, as does this code).
+    With clip_ratio_c = c > 0 (verl's dual-clip), a token with Â < 0 contributes
+    max(min(r Â, clip(r) Â), c Â): the constant c Â, without gradient, where r > c.
     """
     return _ppo(logp_BxT, batch, cfg, "seq_mean_token_mean")
 

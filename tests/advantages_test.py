@@ -30,6 +30,16 @@ def test_group_norm_by_hand_and_zero_variance_group():
     assert_close(adv.group_norm([1, 0], 2, ddof=1), want, n=N + 6)
 
 
+def test_compute_passes_the_std_ddof_to_group_norm_only():
+    r = [1, 0, 0, 0]
+    assert_close(adv.compute("group_norm", r, 4, std_ddof=1), adv.group_norm(r, 4, ddof=1), n=0)
+    assert_close(adv.compute("group_norm", r, 4), adv.group_norm(r, 4), n=0)
+    # Sample vs population std at G = 4: the advantages differ by √((G−1)/G).
+    assert_close(adv.compute("group_norm", r, 4, std_ddof=1),
+                 np.asarray(adv.group_norm(r, 4)) * (3 / 4) ** 0.5, n=N + 6)
+    assert_close(adv.compute("group_mean", r, 4, std_ddof=1), adv.group_mean(r, 4), n=0)
+
+
 def test_equal_rewards_give_exactly_zero():
     # 0.1 is not exact in binary: R − mean would be ±1 ulp, and /(std + eps) would blow it up.
     r = np.full(6, 0.1, np.float32)

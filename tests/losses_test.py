@@ -150,6 +150,27 @@ def test_grpo_and_dapo_by_hand():
     assert_close(g, [[-0.5, -1 / 3], [0.0, 0.0]], n=N)
 
 
+def test_dual_clip_by_hand():
+    # One response, Â = −1, μ = π_old, r = [4, 2]. Without dual-clip both tokens take the
+    # unclipped branch min(rÂ, clip(r)Â) = rÂ: J = (−4 − 2)/2, d(−J)/d log π = −rÂ/2.
+    # With c = 3 token 0 (r > c) contributes the constant cÂ = −3 and no gradient.
+    logp, batch = _batch([[0.8, 0.4]], [[0.2, 0.2]], [[0.2, 0.2]], [-1.0], [[1, 1]])
+    base = LossConfig(name="grpo", use_is=False)
+    v, g = _value_and_grad("grpo", base, logp, batch)
+    assert_close(v, 3.0, n=N)
+    assert_close(g, [[2.0, 1.0]], n=N)
+    dual = base.replace(clip_ratio_c=3.0)
+    v, g = _value_and_grad("grpo", dual, logp, batch)
+    assert_close(v, 2.5, n=N)
+    assert_close(g, [[0.0, 1.0]], n=N)
+    (_, metrics), _ = _vg("grpo", dual, logp, batch)
+    assert float(metrics["clip/frac_dual"][0] / metrics["clip/frac_dual"][1]) == 0.5
+    # A positive advantage is never dual-clipped: the value is the ordinary PPO-clip one.
+    logp, batch = _batch([[0.8, 0.4]], [[0.2, 0.2]], [[0.2, 0.2]], [1.0], [[1, 1]])
+    assert_close(_value_and_grad("grpo", dual, logp, batch)[0],
+                 _value_and_grad("grpo", base, logp, batch)[0], n=N)
+
+
 def test_grpo_with_engine_tis_by_hand():
     # On BATCH: engine factor π_old/μ = [2, 1 | 1]; r = [1, 0.8 | 0.5].
     # ε_low = 0.25 keeps r = 0.8 strictly inside the clip range [0.75, 1.2]: at r = 1 − ε
@@ -508,6 +529,10 @@ def test_config_errors_name_fields():
                       ({"is_low": 2.0}, "is_low"), ({"advantage": "z"}, "advantage"),
                       ({"max_log_ratio": 0.0}, "max_log_ratio"),
                       ({"max_log_ratio": 100.0}, "max_log_ratio"),
-                      ({"norm_length": -1}, "norm_length"), ({"clip": "yes"}, "clip")]:
+                      ({"norm_length": -1}, "norm_length"), ({"clip": "yes"}, "clip"),
+                      ({"advantage_std_ddof": 2}, "advantage_std_ddof"),
+                      ({"advantage_std_ddof": True}, "advantage_std_ddof"),
+                      ({"name": "grpo", "clip_ratio_c": 1.1}, "clip_ratio_c"),
+                      ({"clip_ratio_c": 3.0}, "clip_ratio_c")]:
         with pytest.raises(ConfigError, match=f"^{field}:"):
             LossConfig(**kw)

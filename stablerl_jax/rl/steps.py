@@ -108,7 +108,8 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
     rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
 
-    advantages_B = adv_lib.ADVANTAGES[cfg.loss.advantage](rewards_B, rl.group_size)
+    advantages_B = adv_lib.compute(cfg.loss.advantage, rewards_B, rl.group_size,
+                                   cfg.loss.advantage_std_ddof)
     advantages_B = advantages_B.astype(jnp.float32)
     if not forward:
         # Under R2 the one update routes live at θ_old: the routes R2 would replay.
