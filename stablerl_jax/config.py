@@ -32,6 +32,7 @@ IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
 AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
+OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on
 LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
 GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
@@ -452,6 +453,19 @@ class RLConfig(_Replace):
     seed: every random choice of the run derives from (seed, step).
     max_consecutive_skips: the run stops with an error after this many updates in a row
       were skipped as non-finite (a diverged run should not exit 0).
+    overlong: what a truncated response (max_new_tokens reached without a stop id) trains
+      on (OVERLONG_MODES): 'keep' (as a finished one, scored from its cut text), 'mask'
+      (no gradient: its tokens leave the loss and every denominator of it; advantages are
+      computed over the whole group first, as verl / DAPO do), 'penalty' (DAPO's soft
+      overlong punishment added to every reward: 0 up to max_new_tokens −
+      overlong_buffer tokens, then falling linearly to −overlong_penalty_factor at
+      max_new_tokens, `overlong.length_penalty`).
+    overlong_buffer: L_buf of 'penalty', in tokens (0 < L_buf <= sampling.max_new_tokens).
+    overlong_penalty_factor: the penalty at max_new_tokens (> 0; DAPO: 1.0).
+    log_samples: decoded prompt / response / reward rows written to samples.jsonl and
+      TensorBoard text at every eval (and every log_samples_every steps); 0: none.
+    log_samples_every: also log training samples every this many global steps (0: only
+      at evals).
     """
 
     steps: int = 60
@@ -473,9 +487,25 @@ class RLConfig(_Replace):
     async_checkpoints: bool = True
     seed: int = 0
     max_consecutive_skips: int = 16
+    overlong: str = "keep"
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    log_samples: int = 4
+    log_samples_every: int = 0
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
+        check_choice(self, "overlong", OVERLONG_MODES)
+        check(_is_int(self.overlong_buffer) and self.overlong_buffer >= 0
+              and (self.overlong != "penalty" or self.overlong_buffer > 0), "overlong_buffer",
+              f"must be an int > 0 with rl.overlong=penalty (the tokens before max_new_tokens "
+              f"over which the penalty ramps), >= 0 otherwise, got {self.overlong_buffer!r}")
+        check(_finite(self.overlong_penalty_factor) and self.overlong_penalty_factor > 0,
+              "overlong_penalty_factor", f"must be a number > 0 (DAPO: 1.0), got "
+              f"{self.overlong_penalty_factor!r}")
+        for f in ("log_samples", "log_samples_every"):
+            check(_is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
+                  f"must be an int >= 0 (0 = off), got {getattr(self, f)!r}")
         check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
                            "microbatches", "eval_every", "eval_k", "eval_problems",
                            "checkpoint_every", "keep_checkpoints", "max_consecutive_skips")
@@ -551,10 +581,9 @@ class ExperimentConfig(_Replace):
         dp = self.mesh[0] * self.mesh[1] * self.mesh[2]
         rl = self.rl
         minibatch = rl.prompts_per_step * rl.group_size // rl.num_minibatches
+        # The eval batch is padded to the mesh and sampler multiple (rl/loop.py).
         for what, rows in [("the RL micro-batch (rl.prompts_per_step*rl.group_size/"
                             "rl.num_minibatches/rl.microbatches)", minibatch // rl.microbatches),
-                           ("the eval batch (rl.eval_problems*rl.eval_k)",
-                            rl.eval_problems * rl.eval_k),
                            ("the SFT micro-batch (sft.batch_size/sft.microbatches)",
                             self.sft.batch_size // self.sft.microbatches)]:
             check(rows % dp == 0, "mesh",
@@ -567,11 +596,12 @@ class ExperimentConfig(_Replace):
         if rows:
             check(rows % dp == 0, "sampling.max_batch",
                   f"must be a multiple of data*fsdp*expert = {dp}, got {rows}")
-            for what, n in [("rl.prompts_per_step*rl.group_size",
-                             rl.prompts_per_step * rl.group_size),
-                            ("rl.eval_problems*rl.eval_k", rl.eval_problems * rl.eval_k)]:
-                check(n % rows == 0, "sampling.max_batch",
-                      f"must divide {what} = {n}, got {rows}")
+            n = rl.prompts_per_step * rl.group_size
+            check(n % rows == 0, "sampling.max_batch",
+                  f"must divide rl.prompts_per_step*rl.group_size = {n}, got {rows}")
+        check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
+              f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
+              f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
 
 
 def _parse(value: str, current, key: str):

@@ -84,6 +84,22 @@ class MetricsWriter:
         self.tb.flush()
         return row
 
+    def text(self, step: int, tag: str, rows: list[dict]) -> None:
+        """TensorBoard text under `tag`: one markdown section per row (its fields as
+        `key: value` lines, multi-line values in code blocks)."""
+        if not self.enabled:
+            return
+        parts = []
+        for i, row in enumerate(rows):
+            lines = [f"**{i}**"]
+            for k, v in row.items():
+                v = str(v)
+                lines.append(f"{k}:\n```\n{v}\n```" if "\n" in v or len(v) > 80 else
+                             f"{k}: `{v}`")
+            parts.append("\n\n".join(lines))
+        self.tb.add_text(tag, "\n\n---\n\n".join(parts), int(step))
+        self.tb.flush()
+
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (step=-1 empties the file), atomically."""
         if not self.enabled:

@@ -173,10 +173,13 @@ class Engine:
         return self._call("sft_update", state, batch)
 
 
-# RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them.
-# (The eval batch size is left out: it is checked against the sampler's slices.)
+# RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them (the
+# eval batch is padded to the mesh and sampler multiple, the overlong penalty is added to
+# the rewards on the host).
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts")
+             "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts",
+             "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
+             "log_samples", "log_samples_every")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:

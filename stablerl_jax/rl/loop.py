@@ -12,7 +12,8 @@ One global step, every hop a call from here into one module and back:
     4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
-    7. metrics_io     the metrics row (and every eval_every steps, avg@k on held-out data)
+    7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
+                      rl.evals), decoded samples (samples.jsonl)
 
 With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
 rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
@@ -30,7 +31,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, overlong
+from stablerl_jax import rollout as rollout_lib
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
@@ -40,7 +42,7 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import preflight, steps
+from stablerl_jax.rl import evals, preflight, steps
 from stablerl_jax.rl.engine import Engine
 
 
@@ -60,6 +62,10 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
         num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
         num_experts=cfg.model.num_experts)
     mine = distributed.rows_of_process(b)
+    if rollout.truncated_B is None:  # a file's rows: no stop id within max_new_tokens
+        rollout = rollout._replace(truncated_B=rollout_lib.truncated_rows(
+            rollout.tokens_BxS, rollout.completion_mask_BxS, stop_ids(data.tokenizer),
+            cfg.sampling.max_new_tokens))
     if rewards_B is None:
         rewards_B = data.reward(rollout, list(answers)[mine])
     else:
@@ -67,9 +73,20 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
     return jax.tree.map(lambda x: np.asarray(x)[mine], rollout), rewards_B, rows
 
 
+def stop_ids(tokenizer) -> tuple:
+    """The ids a response stops on: the tokenizer's `stop_ids` (a checkpoint's
+    generation_config.json eos ids and its eos token), else its eos id."""
+    return tuple(getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,))
+
+
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                offline: OfflineRollouts | None = None):
-    """One global step; returns (state, metrics dict of floats, mini-batch composition).
+                offline: OfflineRollouts | None = None, log_samples: int = 0):
+    """One global step; returns (state, metrics dict of floats, mini-batch composition,
+    decoded samples: this process's first `log_samples` rows, evals.sample_rows).
+
+    Under rl.overlong=penalty the rewards the advantages use include DAPO's length
+    penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
+    comparable across modes (`reward/overlong_penalty` is the mean penalty).
 
     The composition is {"prompts": train-split indices of the step's prompts,
     "minibatches": response indices per mini-batch, "skipped": 1 for each mini-batch whose
@@ -87,14 +104,22 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         rollout = engine.sample(state.params, tokens, mask, key)
         rewards_mine = data.reward(rollout, answers)
         lengths_mine = distributed.local_rows(rollout.lengths_B)
+        truncated_mine = distributed.local_rows(rollout.truncated_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
+        samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
+                                    log_samples, split="train")
     else:  # already this process's rows, on the host
         rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
-        lengths_mine = rollout.lengths_B
+        lengths_mine, truncated_mine = rollout.lengths_B, rollout.truncated_B
         source = {"responses": [int(i) for i in rows]}
+        samples = []
+    penalty_mine = np.zeros_like(rewards_mine)
+    if rl.overlong == "penalty":
+        penalty_mine = overlong.length_penalty(lengths_mine, engine.cfg.sampling.max_new_tokens,
+                                               rl.overlong_buffer, rl.overlong_penalty_factor)
     if rl.trim_bucket:
         rollout = engine.trim(rollout, rl.trim_bucket)
-    batch, score_metrics = engine.score(state.params, rollout, rewards_mine)
+    batch, score_metrics = engine.score(state.params, rollout, rewards_mine + penalty_mine)
     rewards_B = distributed.gather(rewards_mine)
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
     update_metrics = []
@@ -103,21 +128,42 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         update_metrics.append(jax.tree.map(distributed.host, m))
     lengths_B = distributed.gather(lengths_mine)
     metrics = {"reward": float(np.mean(rewards_B)),
-               "response_length": float(np.mean(lengths_B))}
+               "response_length": float(np.mean(lengths_B)),
+               **overlong.response_stats(lengths_B, distributed.gather(truncated_mine),
+                                         engine.cfg.sampling.max_new_tokens)}
+    if rl.overlong == "penalty":
+        metrics["reward/overlong_penalty"] = float(np.mean(distributed.gather(penalty_mine)))
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
     composition = {**source, "minibatches": minibatches.tolist(),
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
-    return state, metrics, composition
+    return state, metrics, composition, samples
 
 
-def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
-    """avg@k accuracy on the held-out split with the sampling path (inference numerics)."""
+def eval_sets(data: TaskData) -> dict:
+    """{name: records} of the run's eval sets (`TaskData.evals`; the test split alone
+    when the data names none)."""
+    return getattr(data, "evals", None) or {"test": data.test}
+
+
+def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
+    """(metrics, samples): avg@k, pass@k, mean length and truncated fraction of every
+    eval set and their means (rl/evals.py), with the sampling path (inference numerics)."""
     rl = engine.cfg.rl
     key = jax.random.fold_in(jax.random.key(rl.seed + 1), step)
-    res = data.evaluate(lambda t, m, k: engine.sample(params, t, m, k), key,
-                        rl.eval_problems, rl.eval_k)
-    return {"eval/accuracy": res["avg@k"], "eval/pass_at_k": res["pass@k"]}
+    return evals.evaluate_sets(lambda t, m, k: engine.sample(params, t, m, k), data,
+                               eval_sets(data), key, rl.eval_problems, rl.eval_k,
+                               evals.batch_multiple(engine.cfg), log_samples)
+
+
+def log_samples(writer: MetricsWriter, path: str, step: int, samples: list[dict]) -> None:
+    """Append decoded samples to samples.jsonl (one row each, with the step) and to
+    TensorBoard text (process 0 only: the writer of other processes is disabled)."""
+    if not (writer.enabled and samples):
+        return
+    for row in samples:
+        append_jsonl(path, {"step": int(step), **row})
+    writer.text(step, "samples", samples)
 
 
 def task_data(cfg, workdir: str) -> TaskData:
@@ -149,7 +195,8 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     if main:
         os.makedirs(workdir, exist_ok=True)
     data = data or task_data(cfg, workdir)
-    engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id,
+                           stop_ids=stop_ids(data.tokenizer))
     offline = None
     if cfg.rl.offline_rollouts:
         offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
@@ -161,6 +208,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
+    samples_log = os.path.join(workdir, "samples.jsonl")
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
@@ -185,24 +233,35 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         start = latest
         writer.truncate_after(latest)
         if main:
-            truncate_jsonl(minibatch_log, latest)
+            for log in (minibatch_log, samples_log):
+                truncate_jsonl(log, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         if main:
-            truncate_jsonl(minibatch_log, -1)
-        writer.write(0, evaluate(engine, state.params, data, 0))
+            for log in (minibatch_log, samples_log):
+                truncate_jsonl(log, -1)
+        metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
+        writer.write(0, metrics)
+        log_samples(writer, samples_log, 0, samples)
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not (progress and main), desc=cfg.name)
     skips = 0
     meta = {"config": flat_dict(cfg)}
     try:
         for step in bar:
-            state, metrics, composition = global_step(engine, state, data, step, offline)
+            every = cfg.rl.log_samples_every
+            train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
+            state, metrics, composition, samples = global_step(engine, state, data, step,
+                                                               offline, train_samples)
             if main:
                 append_jsonl(minibatch_log, {"step": step + 1, **composition})
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
-                metrics.update(evaluate(engine, state.params, data, step + 1))
+                eval_metrics, eval_samples = evaluate(engine, state.params, data, step + 1,
+                                                      cfg.rl.log_samples)
+                metrics.update(eval_metrics)
+                samples += eval_samples
             writer.write(step + 1, metrics)
+            log_samples(writer, samples_log, step + 1, samples)
             skips = steps.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
             bar.set_postfix(reward=f"{metrics['reward']:.3f}",
