@@ -42,6 +42,7 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.rl import evals, preflight, steps
 from stablerl_jax.rl.engine import Engine
 
@@ -179,13 +180,16 @@ def task_data(cfg, workdir: str) -> TaskData:
 
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
-        progress: bool = True, allow_config_change=(), export_hf: str = "") -> dict:
+        progress: bool = True, allow_config_change=(), export_hf: str = "",
+        export_dtype: str = "") -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
     A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
     `allow_config_change` names the changed fields ("section.field"). `export_hf`: also
     write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
-    tokenizer's special ids, and its files when task.tokenizer_dir is set). In a
+    tokenizer's special ids, and its files when task.tokenizer_dir is set), its tensors
+    in `export_dtype` ('' = model.param_dtype; e.g. the dtype of the checkpoint the run
+    started from, while the run trains float32 master weights). In a
     multi-process run every process calls this; the first writes metrics, logs, plots and
     the summary, and every one writes its part of the checkpoints.
     """
@@ -275,7 +279,9 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         writer.close()
     if export_hf:
         tok = data.tokenizer
-        save_qwen3_moe(state.params, cfg.model, export_hf,
+        dtype = export_dtype or cfg.model.param_dtype
+        save_qwen3_moe(jax.tree.map(lambda x: x.astype(dtype_of(dtype)), state.params),
+                       cfg.model.replace(param_dtype=dtype), export_hf,
                        config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                                      "bos_token_id": tok.bos_id},
                        tokenizer_dir=cfg.task.tokenizer_dir)
