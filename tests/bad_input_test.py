@@ -14,7 +14,7 @@ from rl_helpers import tiny_cfg
 from experiments import quickstart
 from stablerl_jax import losses, presets
 from stablerl_jax.config import ConfigError, LossConfig, TaskConfig
-from stablerl_jax.data import gsm8k
+from stablerl_jax.data import jsonl
 from stablerl_jax.data.task import load_split
 from stablerl_jax.model import moe
 from stablerl_jax.model import transformer as tf
@@ -102,7 +102,7 @@ JSONL = [
     ("an answer math-verify cannot read", b'{"question": "q", "answer": "x #### banana"}\n',
      "'banana' is not a number"),
     ("invalid UTF-8", b'{"question": "\xff\xfe", "answer": "#### 2"}\n', "utf-8"),
-    ("a huge line", b'{"question": "' + b"9" * (gsm8k.MAX_LINE_BYTES + 10)
+    ("a huge line", b'{"question": "' + b"9" * (jsonl.MAX_LINE_BYTES + 10)
      + b'", "answer": "#### 2"}\n', "MAX_LINE_BYTES"),
     ("an empty file", b"", "no records"),
 ]
@@ -113,14 +113,14 @@ def test_bad_jsonl_names_file_and_line(tmp_path, case, content, needle):
     path = tmp_path / "train.jsonl"
     path.write_bytes(content)
     with pytest.raises(ValueError) as e:
-        gsm8k.parse_jsonl(str(path))
+        jsonl.parse_jsonl(str(path))
     msg = str(e.value)
     assert needle in msg and str(path) in msg, msg
     if content:
         assert f"{path}:1" in msg  # the line
         # skip_malformed skips it (and the split, left empty, is then an error itself).
         with pytest.raises(ValueError, match="no records"):
-            gsm8k.parse_jsonl(str(path), skip_malformed=True)
+            jsonl.parse_jsonl(str(path), skip_malformed=True)
 
 
 def test_a_missing_data_dir(tmp_path):
