@@ -63,7 +63,7 @@ class HFTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         stop_ids = tuple(dict.fromkeys((eos_id, *stop_ids)))  # eos first, no duplicates
         for name, v in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id),
-                        *((f"stop id {i}", i) for i in stop_ids)):
+                        *(("a stop id", i) for i in stop_ids)):
             if v is not None and not (type(v) is int and 0 <= v < self.vocab_size):
                 raise ValueError(f"{name}={v!r} must be a token id in [0, "
                                  f"{self.vocab_size}) of this tokenizer")
