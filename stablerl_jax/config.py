@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
@@ -38,7 +39,9 @@ REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward
 GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
 KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]
-TASK_KINDS = ("arithmetic", "gsm8k")
+TASK_KINDS = ("arithmetic", "jsonl", "gsm8k")  # 'gsm8k': the former name of 'jsonl'
+DATA_FORMATS = ("auto", "gsm8k", "math", "dapo", "aime", "prompt_answer", "custom")
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 STYLES = ("steps", "rewrite", "terse")
 OPERATORS = ("+-", "+")
 
@@ -204,19 +207,30 @@ class ModelConfig(_Replace):
 class TaskConfig(_Replace):
     """The RL task: data and prompt/solution token budgets.
 
-    kind: 'arithmetic' (data/synthetic.py) or 'gsm8k' (a local JSONL dir, data/gsm8k.py).
+    kind: 'arithmetic' (data/synthetic.py) or 'jsonl' (local JSONL math data,
+      data/jsonl.py; 'gsm8k' is the same, its former name).
     num_operands / max_digits / operators / modulus: arithmetic difficulty.
     style: worked-solution style used for SFT: 'steps', 'rewrite' or 'terse'.
     num_train / num_test: records per split (arithmetic only; JSONL files set their own).
     test_fraction: share of the problem space hashed into the test split.
     seed: the generator's seed.
-    max_prompt_len / max_solution_len: token budgets (longer records are an error).
-    jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
+    max_prompt_len / max_solution_len: token budgets. A prompt whose rendered (templated)
+      token count exceeds max_prompt_len is dropped when the data loads, and counted.
+    jsonl_dir: kind='jsonl': a directory holding train.jsonl and/or test.jsonl, or one
+      .jsonl file (an eval-only test split).
+    format: how a JSONL record maps to (question, answer): 'auto' (the one named format
+      whose fields the file has), 'gsm8k', 'math', 'dapo', 'aime', 'prompt_answer', or
+      'custom' with prompt_field / answer_field (/ solution_field). data/formats.py.
     tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
       tokenizer_config.json): use that tokenizer and its special ids; '' trains the
       SentencePiece tokenizer on the task (the default).
-    skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
+    skip_malformed: kind='jsonl' only: skip (and count) malformed JSONL lines instead of
       failing on the first one.
+    chat_template: render prompts with the tokenizer_dir's jinja chat template
+      (data/chat_template.py); needs tokenizer_dir.
+    system_prompt: a system message ('' = none; needs chat_template).
+    prompt_template: the user message, "{question}" replaced by the question.
+    enable_thinking / add_generation_prompt: passed to the chat template.
     """
 
     kind: str = "arithmetic"
@@ -234,6 +248,15 @@ class TaskConfig(_Replace):
     jsonl_dir: str = ""
     tokenizer_dir: str = ""
     skip_malformed: bool = False
+    format: str = "auto"
+    prompt_field: str = ""
+    answer_field: str = ""
+    solution_field: str = ""
+    chat_template: bool = False
+    system_prompt: str = ""
+    prompt_template: str = "{question}"
+    enable_thinking: bool = True
+    add_generation_prompt: bool = True
 
     def __post_init__(self):
         check_choice(self, "kind", TASK_KINDS)
@@ -249,9 +272,34 @@ class TaskConfig(_Replace):
               f"must be in (0, 1), got {self.test_fraction}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
-        check(self.kind != "gsm8k" or bool(self.jsonl_dir), "jsonl_dir",
-              "must name the directory holding train.jsonl / test.jsonl when kind='gsm8k'")
-        check_bool(self, "skip_malformed")
+        check(self.kind == "arithmetic" or bool(self.jsonl_dir), "jsonl_dir",
+              f"must name the directory holding train.jsonl / test.jsonl (or one .jsonl "
+              f"file) when kind={self.kind!r}")
+        check_bool(self, "skip_malformed", "chat_template", "enable_thinking",
+                   "add_generation_prompt")
+        check_choice(self, "format", DATA_FORMATS)
+        custom = ("prompt_field", "answer_field", "solution_field")
+        for name in custom + ("system_prompt", "prompt_template"):
+            check(isinstance(getattr(self, name), str), name,
+                  f"must be a string, got {getattr(self, name)!r}")
+        if self.format == "custom":
+            check(bool(self.prompt_field) and bool(self.answer_field), "format",
+                  "'custom' needs task.prompt_field and task.answer_field (the JSONL keys "
+                  "of the question and the answer)")
+        else:
+            for name in custom:
+                check(not getattr(self, name), name,
+                      f"is only read with task.format=custom, got format={self.format!r}; "
+                      "set task.format=custom or drop it")
+        check("{question}" in self.prompt_template, "prompt_template",
+              f"must contain '{{question}}' (where the question goes), got "
+              f"{self.prompt_template!r}")
+        check(not self.chat_template or bool(self.tokenizer_dir), "chat_template",
+              "renders the checkpoint's template, so it needs task.tokenizer_dir (the "
+              "directory with tokenizer_config.json); set it or chat_template=false")
+        check(not self.system_prompt or self.chat_template, "system_prompt",
+              "is a chat message, so it needs task.chat_template=true; set it or drop the "
+              "system prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +481,9 @@ class RLConfig(_Replace):
     replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
       recorded routing (combine) weights, held fixed, instead of recomputing them from the
       live router; the router then gets no gradient through the combine.
+    eval_sets: named held-out sets, "name:path,name:path" (each path a JSONL file or a
+      directory holding test.jsonl, read like the task's data); '' = the task's own test
+      split, as one set named 'test'.
     offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
       vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
     logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
@@ -482,6 +533,7 @@ class RLConfig(_Replace):
     eval_every: int = 10
     eval_k: int = 4
     eval_problems: int = 64
+    eval_sets: str = ""
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     async_checkpoints: bool = True
@@ -532,6 +584,26 @@ class RLConfig(_Replace):
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
         check(isinstance(self.offline_rollouts, str), "offline_rollouts",
               f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
+        parse_eval_sets(self.eval_sets)
+
+
+def parse_eval_sets(spec) -> dict[str, str]:
+    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for '').
+    Names are unique and [A-Za-z0-9_-]+; paths are non-empty (the first ':' splits, so a
+    path may hold ':')."""
+    check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
+    sets = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        name, sep, path = item.partition(":")
+        name, path = name.strip(), path.strip()
+        check(bool(sep) and bool(path), "eval_sets",
+              f"entry {item!r} must be name:path, e.g. aime24:/data/aime24.jsonl")
+        check(bool(EVAL_SET_NAME.fullmatch(name)), "eval_sets",
+              f"set name {name!r} must be letters, digits, '_' or '-'")
+        check(name not in sets, "eval_sets", f"set name {name!r} appears twice; names "
+              "must be unique")
+        sets[name] = path
+    return sets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ checkpoint reproduces the uninterrupted run bit for bit on CPU.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -171,11 +172,13 @@ def task_data(cfg, workdir: str) -> TaskData:
     """The task's data under `<workdir>/data`, built by the first process while the others
     wait (on a shared filesystem they then only read it)."""
     path = os.path.join(workdir, "data")
+    create = functools.partial(TaskData.create, cfg.task, cfg.model.vocab_size, path,
+                               cfg.rl.eval_sets, require_train=not cfg.rl.offline_rollouts)
     if distributed.is_main():
-        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+        data = create()
     distributed.barrier("task data")
     if not distributed.is_main():
-        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+        data = create()
     return data
 
 
