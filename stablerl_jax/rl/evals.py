@@ -48,7 +48,7 @@ def evaluate_set(sample, data, records, key, k: int, multiple: int):
     """(summary, this process's rows): `records` each sampled k times by `sample(tokens,
     mask, key) -> Rollout` and scored with `data.reward`. summary holds the module
     docstring's four numbers; the rows are (prompt tokens, mask, rollout, rewards,
-    answers) of this process's rows, for `sample_rows`."""
+    answers, answer extractors) of this process's rows, for `sample_rows`."""
     n = len(records)
     if not n:
         raise ValueError("evaluate_set: the eval set is empty")
@@ -57,14 +57,14 @@ def evaluate_set(sample, data, records, key, k: int, multiple: int):
     mine = padded[distributed.rows_of_process(n_pad)]
     tokens, mask, answers = data.prompt_batch(mine, k)
     rollout = sample(tokens, mask, key)
-    rewards_mine = data.reward(rollout, answers)
+    rewards_mine, extractors = data.reward_with_source(rollout, answers)
     per_row = [rewards_mine, distributed.local_rows(rollout.lengths_B),
                distributed.local_rows(rollout.truncated_B)]
     r_nxk, len_nxk, trunc_nxk = (distributed.gather(np.asarray(x, np.float64))
                                  .reshape(n_pad, k)[:n] for x in per_row)
     summary = summarize(r_nxk)
     summary.update(length_mean=float(len_nxk.mean()), truncated_frac=float(trunc_nxk.mean()))
-    return summary, (tokens, mask, rollout, rewards_mine, answers)
+    return summary, (tokens, mask, rollout, rewards_mine, answers, extractors)
 
 
 def evaluate_sets(sample, data, sets: dict, key, num_problems: int, k: int,
@@ -83,11 +83,12 @@ def evaluate_sets(sample, data, sets: dict, key, num_problems: int, k: int,
     return metrics, samples
 
 
-def sample_rows(data, tokens_BxP, mask_BxP, rollout, rewards_B, answers, count: int,
-                split: str) -> list[dict]:
+def sample_rows(data, tokens_BxP, mask_BxP, rollout, rewards_B, answers, extractors,
+                count: int, split: str) -> list[dict]:
     """The first `count` of this process's rows as {split, prompt, response, answer,
-    reward, length, truncated} (the prompt decoded from its tokens, so it shows the chat
-    template as the model saw it)."""
+    reward, extractor, length, truncated} (the prompt decoded from its tokens, so it shows
+    the chat template as the model saw it; `extractor`: which final-answer rule the reward
+    read, data/answers.py)."""
     count = min(count, len(answers))
     if not count:
         return []
@@ -98,5 +99,6 @@ def sample_rows(data, tokens_BxP, mask_BxP, rollout, rewards_B, answers, count: 
     return [{"split": split,
              "prompt": data.tokenizer.decode(tokens_BxP[b][mask_BxP[b]].tolist()),
              "response": responses[b], "answer": str(answers[b]),
-             "reward": float(rewards_B[b]), "length": int(lengths[b]),
+             "reward": float(rewards_B[b]), "extractor": str(extractors[b]),
+             "length": int(lengths[b]),
              "truncated": bool(truncated[b])} for b in range(count)]

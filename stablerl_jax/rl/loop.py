@@ -13,7 +13,7 @@ One global step, every hop a call from here into one module and back:
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
     7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
-                      rl.evals), decoded samples (samples.jsonl)
+                      rl/evals.py), decoded samples (samples.jsonl)
 
 With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
 rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
@@ -66,19 +66,13 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
     mine = distributed.rows_of_process(b)
     if rollout.truncated_B is None:  # a file's rows: no stop id within max_new_tokens
         rollout = rollout._replace(truncated_B=rollout_lib.truncated_rows(
-            rollout.tokens_BxS, rollout.completion_mask_BxS, stop_ids(data.tokenizer),
+            rollout.tokens_BxS, rollout.completion_mask_BxS, data.tokenizer.stop_ids,
             cfg.sampling.max_new_tokens))
     if rewards_B is None:
         rewards_B = data.reward(rollout, list(answers)[mine])
     else:
         rewards_B = np.asarray(rewards_B)[mine]
     return jax.tree.map(lambda x: np.asarray(x)[mine], rollout), rewards_B, rows
-
-
-def stop_ids(tokenizer) -> tuple:
-    """The ids a response stops on: the tokenizer's `stop_ids` (a checkpoint's
-    generation_config.json eos ids and its eos token), else its eos id."""
-    return tuple(getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,))
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
@@ -104,12 +98,12 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                                                   rl.group_size)
         key = jax.random.fold_in(jax.random.key(rl.seed), step)
         rollout = engine.sample(state.params, tokens, mask, key)
-        rewards_mine = data.reward(rollout, answers)
+        rewards_mine, extractors = data.reward_with_source(rollout, answers)
         lengths_mine = distributed.local_rows(rollout.lengths_B)
         truncated_mine = distributed.local_rows(rollout.truncated_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
         samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
-                                    log_samples, split="train")
+                                    extractors, log_samples, split="train")
     else:  # already this process's rows, on the host
         rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
         lengths_mine, truncated_mine = rollout.lengths_B, rollout.truncated_B
@@ -142,19 +136,13 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     return state, metrics, composition, samples
 
 
-def eval_sets(data: TaskData) -> dict:
-    """{name: records} of the run's eval sets (`TaskData.evals`; the test split alone
-    when the data names none)."""
-    return getattr(data, "evals", None) or {"test": data.test}
-
-
 def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
     """(metrics, samples): avg@k, pass@k, mean length and truncated fraction of every
     eval set and their means (rl/evals.py), with the sampling path (inference numerics)."""
     rl = engine.cfg.rl
     key = jax.random.fold_in(jax.random.key(rl.seed + 1), step)
     return evals.evaluate_sets(lambda t, m, k: engine.sample(params, t, m, k), data,
-                               eval_sets(data), key, rl.eval_problems, rl.eval_k,
+                               data.evals, key, rl.eval_problems, rl.eval_k,
                                evals.batch_multiple(engine.cfg), log_samples)
 
 
@@ -203,7 +191,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         os.makedirs(workdir, exist_ok=True)
     data = data or task_data(cfg, workdir)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id,
-                           stop_ids=stop_ids(data.tokenizer))
+                           stop_ids=data.tokenizer.stop_ids)
     offline = None
     if cfg.rl.offline_rollouts:
         offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
