@@ -227,7 +227,8 @@ class TaskConfig(_Replace):
     skip_malformed: kind='jsonl' only: skip (and count) malformed JSONL lines instead of
       failing on the first one.
     chat_template: render prompts with the tokenizer_dir's jinja chat template
-      (data/chat_template.py); needs tokenizer_dir.
+      (data/chat_template.py); needs tokenizer_dir when the data loads (a preset may
+      leave it to `experiments.quickstart --hf`, which sets it to the checkpoint).
     system_prompt: a system message ('' = none; needs chat_template).
     prompt_template: the user message, "{question}" replaced by the question.
     enable_thinking / add_generation_prompt: passed to the chat template.
@@ -294,9 +295,6 @@ class TaskConfig(_Replace):
         check("{question}" in self.prompt_template, "prompt_template",
               f"must contain '{{question}}' (where the question goes), got "
               f"{self.prompt_template!r}")
-        check(not self.chat_template or bool(self.tokenizer_dir), "chat_template",
-              "renders the checkpoint's template, so it needs task.tokenizer_dir (the "
-              "directory with tokenizer_config.json); set it or chat_template=false")
         check(not self.system_prompt or self.chat_template, "system_prompt",
               "is a chat message, so it needs task.chat_template=true; set it or drop the "
               "system prompt")

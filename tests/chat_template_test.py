@@ -98,7 +98,7 @@ def test_a_missing_template_and_config_errors(tmp_path):
     with pytest.raises(ChatTemplateError, match="no chat_template"):
         prompt_renderer(_task(tmp_path))
     with pytest.raises(ConfigError, match="chat_template.*task.tokenizer_dir"):
-        TaskConfig(chat_template=True)
+        prompt_renderer(TaskConfig(chat_template=True))
     with pytest.raises(ConfigError, match="system_prompt.*chat_template=true"):
         TaskConfig(system_prompt="Be brief.")
     with pytest.raises(ConfigError, match=r"prompt_template.*\{question\}"):

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Callable
 
-from stablerl_jax.config import TaskConfig
+from stablerl_jax.config import TaskConfig, check
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                  "cls_token", "mask_token")
@@ -118,6 +118,10 @@ def prompt_renderer(task: TaskConfig) -> Callable[[str], str]:
 
     if not task.chat_template:
         return user_text
+    check(bool(task.tokenizer_dir), "task.chat_template",
+          "renders the checkpoint's template, so it needs task.tokenizer_dir (the "
+          "directory with tokenizer_config.json; `experiments.quickstart --hf DIR` sets "
+          "it); set it or task.chat_template=false")
     template = ChatTemplate.from_dir(task.tokenizer_dir)
     system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
 

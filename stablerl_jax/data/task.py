@@ -75,13 +75,22 @@ def load_split(task: TaskConfig, split: str, data_dir: str) -> list[dict]:
     return _read(_builder(task, data_dir), task, split)
 
 
-def _eval_file(path: str) -> str:
-    if os.path.isdir(path):
-        path = os.path.join(path, "test.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"rl.eval_sets: {path}: no such file; each set is a JSONL "
-                                "file or a directory holding test.jsonl")
-    return path
+def _eval_file(path: str, jsonl_dir: str = "") -> str:
+    """An eval set's JSONL file: `path`, or its test.jsonl when it is a directory. A
+    relative path is looked up in task.jsonl_dir first (so a preset can name
+    `aime24:aime24.jsonl` beside the training data), then in the working directory."""
+    tried = []
+    base = jsonl_dir if os.path.isdir(jsonl_dir) else os.path.dirname(jsonl_dir)
+    in_dir = [os.path.join(base, path)] if base and not os.path.isabs(path) else []
+    for cand in in_dir + [path]:
+        if os.path.isdir(cand):
+            cand = os.path.join(cand, "test.jsonl")
+        if os.path.isfile(cand):
+            return cand
+        tried.append(cand)
+    raise FileNotFoundError(f"rl.eval_sets: {path}: no such file (tried {', '.join(tried)}); "
+                            "each set is a JSONL file or a directory holding test.jsonl, a "
+                            "relative path taken in task.jsonl_dir or the working directory")
 
 
 def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bool
@@ -108,7 +117,7 @@ def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bo
     evals = {}
     eval_mapping = mapping(task) if task.format == "custom" else Mapping("auto")
     for name, path in named.items():
-        sources[name] = path = _eval_file(path)
+        sources[name] = path = _eval_file(path, task.jsonl_dir)
         parsed = jsonl.parse_jsonl(path, task.skip_malformed, name, eval_mapping)
         if distributed.is_main():
             print(f"data: eval set {name!r}: {path} read as format {parsed.format!r} "
