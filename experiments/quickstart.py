@@ -1,11 +1,12 @@
 """SFT cold start, then MiniRL on the synthetic arithmetic task, with FP8 inference.
 
     python -m experiments.quickstart [--workdir runs/quickstart] [--preset tiny]
-        [--hf CHECKPOINT_DIR] [--export-hf OUT_DIR] [key=value ...]
+        [--hf CHECKPOINT_DIR] [--export-hf OUT_DIR] [--export-dtype DTYPE] [key=value ...]
 
 e.g. `rl.steps=20 rl.replay=r3`. Writes to the workdir: sft/ (cold-start params),
-checkpoints/, metrics.jsonl, tb/ (TensorBoard), plots/*.png and summary.json; prints the
-start and end held-out accuracy. Re-running resumes from the last complete checkpoint.
+checkpoints/, metrics.jsonl, samples.jsonl (decoded samples), tb/ (TensorBoard),
+plots/*.png and summary.json; prints the start and end held-out accuracy. Re-running
+resumes from the last complete checkpoint.
 
 --hf: start RL from a Hugging Face Qwen3-MoE checkpoint instead of the SFT cold start
 (the architecture and the tokenizer come from the checkpoint, every other model field from

@@ -183,6 +183,8 @@ def test_metrics_samples_and_eval_sets(run):
             assert rows[2][f"eval/{s}/{k}"] is not None and rows[0][f"eval/{s}/{k}"] is not None
     assert rows[2]["eval/accuracy"] == pytest.approx(
         (rows[2]["eval/aime24/avg@k"] + rows[2]["eval/hmmt25/avg@k"]) / 2)
+    assert run["summary"]["end_accuracy_by_set"] == {
+        s: rows[2][f"eval/{s}/avg@k"] for s in ("aime24", "hmmt25")}
     samples = read_metrics(f"{run['work']}/samples.jsonl")
     assert {(s["step"], s["split"]) for s in samples} == {
         (st, sp) for st in (0, 2) for sp in ("eval/aime24", "eval/hmmt25")}
