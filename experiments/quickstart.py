@@ -13,8 +13,9 @@ resumes from the last complete checkpoint.
 the preset and the command line; parameters are read onto the mesh shard by shard, as
 model.param_dtype: float32 master weights by default whatever the checkpoint stores).
 --export-hf: write the final policy as a Hugging Face checkpoint, in the --hf
-checkpoint's dtype unless --export-dtype names another. `rl.offline_rollouts=FILE.npz` trains on rollouts recorded by an external
-engine instead of sampling (stablerl_jax/interop/rollouts.py).
+checkpoint's dtype unless --export-dtype names another. `rl.offline_rollouts=FILE.npz`
+trains on rollouts recorded by an external engine instead of sampling
+(stablerl_jax/interop/rollouts.py).
 """
 from __future__ import annotations
 
