@@ -292,15 +292,15 @@ def summarize(records: list[dict], skipped: int) -> dict:
     """The run's summary.json: start / end held-out accuracy (`eval/accuracy`, the mean
     over eval sets) and each set's end avg@k, start / end reward (means of the first /
     last fifth of the steps), steps and skipped updates."""
-    evals = [r for r in records if r.get("eval/accuracy") is not None]
-    last = evals[-1] if evals else {}
+    evaluated = [r for r in records if r.get("eval/accuracy") is not None]
+    last = evaluated[-1] if evaluated else {}
     sets = {k[len("eval/"):-len("/avg@k")]: v for k, v in last.items()
             if k.startswith("eval/") and k.endswith("/avg@k")}
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     w = max(1, len(rewards) // 5)
     return {
-        "start_accuracy": evals[0]["eval/accuracy"] if evals else None,
-        "end_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "start_accuracy": evaluated[0]["eval/accuracy"] if evaluated else None,
+        "end_accuracy": last.get("eval/accuracy"),
         "end_accuracy_by_set": sets,
         "start_reward": float(np.mean(rewards[:w])) if rewards else None,
         "end_reward": float(np.mean(rewards[-w:])) if rewards else None,
