@@ -36,7 +36,6 @@ from stablerl_jax.config import TaskConfig, check, parse_eval_sets
 from stablerl_jax.data import batching, jsonl, rewards, synthetic
 from stablerl_jax.data.answers import opens_think
 from stablerl_jax.data.chat_template import prompt_renderer
-from stablerl_jax.data.evaluation import scores, summarize
 from stablerl_jax.data.formats import Mapping
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
@@ -222,22 +221,3 @@ class TaskData:
         for recs in batching.epochs(self.train, batch_size, seed):
             yield batching.sft_batch(recs[rows], self.tokenizer, self.cfg.max_prompt_len,
                                      self.cfg.max_solution_len)
-
-    def evaluate(self, sample_tokens, key, num_problems: int, k: int,
-                 eval_set: str | None = None) -> dict:
-        """avg@k / pass@k on the first `num_problems` problems of an eval set (default:
-        the first) (each process samples and scores its block of them; the scores are
-        gathered)."""
-        records = self.evals[eval_set or next(iter(self.evals))]
-        problems = records[:num_problems][distributed.rows_of_process(num_problems)]
-        by_prompt = {r["prompt"]: r for r in problems}
-
-        def sample_fn(prompts: list[str]) -> list[str]:
-            recs = [by_prompt[p] for p in prompts]
-            tokens, mask, _ = batching.prompt_batch(recs, self.tokenizer, 1,
-                                                    self.cfg.max_prompt_len)
-            return self.scored_texts(self.completions(sample_tokens(tokens, mask, key)))
-
-        r_nxk = scores(sample_fn, [r["prompt"] for r in problems],
-                       [r["answer"] for r in problems], k, rewards.REWARDS[self.reward_kind])
-        return summarize(distributed.gather(r_nxk))
