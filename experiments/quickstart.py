@@ -1,17 +1,21 @@
 """SFT cold start, then MiniRL on the synthetic arithmetic task, with FP8 inference.
 
     python -m experiments.quickstart [--workdir runs/quickstart] [--preset tiny]
-        [--hf CHECKPOINT_DIR] [--export-hf OUT_DIR] [key=value ...]
+        [--hf CHECKPOINT_DIR] [--export-hf OUT_DIR] [--export-dtype DTYPE] [key=value ...]
 
 e.g. `rl.steps=20 rl.replay=r3`. Writes to the workdir: sft/ (cold-start params),
-checkpoints/, metrics.jsonl, tb/ (TensorBoard), plots/*.png and summary.json; prints the
-start and end held-out accuracy. Re-running resumes from the last complete checkpoint.
+checkpoints/, metrics.jsonl, samples.jsonl (decoded samples), tb/ (TensorBoard),
+plots/*.png and summary.json; prints the start and end held-out accuracy. Re-running
+resumes from the last complete checkpoint.
 
 --hf: start RL from a Hugging Face Qwen3-MoE checkpoint instead of the SFT cold start
-(the model section and the tokenizer come from the checkpoint; parameters are read onto
-the mesh shard by shard). --export-hf: write the final policy as a Hugging Face
-checkpoint. `rl.offline_rollouts=FILE.npz` trains on rollouts recorded by an external
-engine instead of sampling (stablerl_jax/interop/rollouts.py).
+(the architecture and the tokenizer come from the checkpoint, every other model field from
+the preset and the command line; parameters are read onto the mesh shard by shard, as
+model.param_dtype: float32 master weights by default whatever the checkpoint stores).
+--export-hf: write the final policy as a Hugging Face checkpoint, in the --hf
+checkpoint's dtype unless --export-dtype names another. `rl.offline_rollouts=FILE.npz`
+trains on rollouts recorded by an external engine instead of sampling
+(stablerl_jax/interop/rollouts.py).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 from flax import traverse_util
 
 from stablerl_jax import compile_cache, distributed, presets
-from stablerl_jax.config import ConfigError
+from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.rl.engine import param_shardings
@@ -38,6 +42,9 @@ def main(argv=None) -> dict:
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
     ap.add_argument("--export-hf", default="", help="write the final policy here (HF format)")
+    ap.add_argument("--export-dtype", default="", choices=("", *DTYPES),
+                    help="the exported tensors' dtype (default: the --hf checkpoint's, else "
+                         "model.param_dtype)")
     distributed.add_arguments(ap)
     compile_cache.add_argument(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value")
@@ -51,8 +58,10 @@ def main(argv=None) -> dict:
         ap.error(str(e))
     t0 = time.time()
     main_process = distributed.is_main()
+    export_dtype = args.export_dtype
     if args.hf:
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
+        export_dtype = export_dtype or hf_checkpoint.checkpoint_dtype(args.hf)
     data = loop.task_data(cfg, args.workdir)
     if args.hf:
         # Straight onto the Engine's mesh and shardings: no host copy of the model.
@@ -69,6 +78,7 @@ def main(argv=None) -> dict:
                   f"{len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
+                       export_dtype=export_dtype,
                        allow_config_change=[f for f in args.allow_config_change.split(",") if f])
     summary["wall_seconds"] = round(time.time() - t0, 1)
     if main_process:

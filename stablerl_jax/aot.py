@@ -108,7 +108,8 @@ def step_inputs(cfg: ExperimentConfig, name: str, params_like, state_like=None) 
         rollout = Rollout(sds((b, s), jnp.int32), sds((b, s), jnp.bool_),
                           sds((b, s), jnp.bool_), sds((b,), jnp.int32),
                           sds((b, s), jnp.float32),
-                          sds((b, s, mc.num_layers, mc.top_k), jnp.int32))
+                          sds((b, s, mc.num_layers, mc.top_k), jnp.int32),
+                          truncated_B=sds((b,), jnp.bool_))
         return (params_like, rollout, sds((b,), jnp.float32))
     if name == "update":
         m = b // rl.num_minibatches

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
@@ -32,12 +33,15 @@ IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
 AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
+OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on
 LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
 GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
 KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]
-TASK_KINDS = ("arithmetic", "gsm8k")
+TASK_KINDS = ("arithmetic", "jsonl", "gsm8k")  # 'gsm8k': the former name of 'jsonl'
+DATA_FORMATS = ("auto", "gsm8k", "math", "dapo", "aime", "prompt_answer", "custom")
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 STYLES = ("steps", "rewrite", "terse")
 OPERATORS = ("+-", "+")
 
@@ -203,19 +207,31 @@ class ModelConfig(_Replace):
 class TaskConfig(_Replace):
     """The RL task: data and prompt/solution token budgets.
 
-    kind: 'arithmetic' (data/synthetic.py) or 'gsm8k' (a local JSONL dir, data/gsm8k.py).
+    kind: 'arithmetic' (data/synthetic.py) or 'jsonl' (local JSONL math data,
+      data/jsonl.py; 'gsm8k' is the same, its former name).
     num_operands / max_digits / operators / modulus: arithmetic difficulty.
     style: worked-solution style used for SFT: 'steps', 'rewrite' or 'terse'.
     num_train / num_test: records per split (arithmetic only; JSONL files set their own).
     test_fraction: share of the problem space hashed into the test split.
     seed: the generator's seed.
-    max_prompt_len / max_solution_len: token budgets (longer records are an error).
-    jsonl_dir: manual directory with train.jsonl / test.jsonl for kind='gsm8k'.
+    max_prompt_len / max_solution_len: token budgets. A prompt whose rendered (templated)
+      token count exceeds max_prompt_len is dropped when the data loads, and counted.
+    jsonl_dir: kind='jsonl': a directory holding train.jsonl and/or test.jsonl, or one
+      .jsonl file (an eval-only test split).
+    format: how a JSONL record maps to (question, answer): 'auto' (the one named format
+      whose fields the file has), 'gsm8k', 'math', 'dapo', 'aime', 'prompt_answer', or
+      'custom' with prompt_field / answer_field (/ solution_field). data/formats.py.
     tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
       tokenizer_config.json): use that tokenizer and its special ids; '' trains the
       SentencePiece tokenizer on the task (the default).
-    skip_malformed: kind='gsm8k' only: skip (and count) malformed JSONL lines instead of
+    skip_malformed: kind='jsonl' only: skip (and count) malformed JSONL lines instead of
       failing on the first one.
+    chat_template: render prompts with the tokenizer_dir's jinja chat template
+      (data/chat_template.py); needs tokenizer_dir when the data loads (a preset may
+      leave it to `experiments.quickstart --hf`, which sets it to the checkpoint).
+    system_prompt: a system message ('' = none; needs chat_template).
+    prompt_template: the user message, "{question}" replaced by the question.
+    enable_thinking / add_generation_prompt: passed to the chat template.
     """
 
     kind: str = "arithmetic"
@@ -233,6 +249,15 @@ class TaskConfig(_Replace):
     jsonl_dir: str = ""
     tokenizer_dir: str = ""
     skip_malformed: bool = False
+    format: str = "auto"
+    prompt_field: str = ""
+    answer_field: str = ""
+    solution_field: str = ""
+    chat_template: bool = False
+    system_prompt: str = ""
+    prompt_template: str = "{question}"
+    enable_thinking: bool = True
+    add_generation_prompt: bool = True
 
     def __post_init__(self):
         check_choice(self, "kind", TASK_KINDS)
@@ -248,9 +273,31 @@ class TaskConfig(_Replace):
               f"must be in (0, 1), got {self.test_fraction}")
         check(_is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
-        check(self.kind != "gsm8k" or bool(self.jsonl_dir), "jsonl_dir",
-              "must name the directory holding train.jsonl / test.jsonl when kind='gsm8k'")
-        check_bool(self, "skip_malformed")
+        check(self.kind == "arithmetic" or bool(self.jsonl_dir), "jsonl_dir",
+              f"must name the directory holding train.jsonl / test.jsonl (or one .jsonl "
+              f"file) when kind={self.kind!r}")
+        check_bool(self, "skip_malformed", "chat_template", "enable_thinking",
+                   "add_generation_prompt")
+        check_choice(self, "format", DATA_FORMATS)
+        custom = ("prompt_field", "answer_field", "solution_field")
+        for name in custom + ("system_prompt", "prompt_template"):
+            check(isinstance(getattr(self, name), str), name,
+                  f"must be a string, got {getattr(self, name)!r}")
+        if self.format == "custom":
+            check(bool(self.prompt_field) and bool(self.answer_field), "format",
+                  "'custom' needs task.prompt_field and task.answer_field (the JSONL keys "
+                  "of the question and the answer)")
+        else:
+            for name in custom:
+                check(not getattr(self, name), name,
+                      f"is only read with task.format=custom, got format={self.format!r}; "
+                      "set task.format=custom or drop it")
+        check("{question}" in self.prompt_template, "prompt_template",
+              f"must contain '{{question}}' (where the question goes), got "
+              f"{self.prompt_template!r}")
+        check(not self.system_prompt or self.chat_template, "system_prompt",
+              "is a chat message, so it needs task.chat_template=true; set it or drop the "
+              "system prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +500,9 @@ class RLConfig(_Replace):
     replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
       recorded routing (combine) weights, held fixed, instead of recomputing them from the
       live router; the router then gets no gradient through the combine.
+    eval_sets: named held-out sets, "name:path,name:path" (each path a JSONL file or a
+      directory holding test.jsonl, read like the task's data); '' = the task's own test
+      split, as one set named 'test'.
     offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
       vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
     logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
@@ -473,6 +523,19 @@ class RLConfig(_Replace):
     seed: every random choice of the run derives from (seed, step).
     max_consecutive_skips: the run stops with an error after this many updates in a row
       were skipped as non-finite (a diverged run should not exit 0).
+    overlong: what a truncated response (max_new_tokens reached without a stop id) trains
+      on (OVERLONG_MODES): 'keep' (as a finished one, scored from its cut text), 'mask'
+      (no gradient: its tokens leave the loss and every denominator of it; advantages are
+      computed over the whole group first, as verl / DAPO do), 'penalty' (DAPO's soft
+      overlong punishment added to every reward: 0 up to max_new_tokens −
+      overlong_buffer tokens, then falling linearly to −overlong_penalty_factor at
+      max_new_tokens, `overlong.length_penalty`).
+    overlong_buffer: L_buf of 'penalty', in tokens (0 < L_buf <= sampling.max_new_tokens).
+    overlong_penalty_factor: the penalty at max_new_tokens (> 0; DAPO: 1.0).
+    log_samples: decoded prompt / response / reward rows written to samples.jsonl and
+      TensorBoard text at every eval (and every log_samples_every steps); 0: none.
+    log_samples_every: also log training samples every this many global steps (0: only
+      at evals).
     """
 
     steps: int = 60
@@ -489,14 +552,31 @@ class RLConfig(_Replace):
     eval_every: int = 10
     eval_k: int = 4
     eval_problems: int = 64
+    eval_sets: str = ""
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     async_checkpoints: bool = True
     seed: int = 0
     max_consecutive_skips: int = 16
+    overlong: str = "keep"
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    log_samples: int = 4
+    log_samples_every: int = 0
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
+        check_choice(self, "overlong", OVERLONG_MODES)
+        check(_is_int(self.overlong_buffer) and self.overlong_buffer >= 0
+              and (self.overlong != "penalty" or self.overlong_buffer > 0), "overlong_buffer",
+              f"must be an int > 0 with rl.overlong=penalty (the tokens before max_new_tokens "
+              f"over which the penalty ramps), >= 0 otherwise, got {self.overlong_buffer!r}")
+        check(_finite(self.overlong_penalty_factor) and self.overlong_penalty_factor > 0,
+              "overlong_penalty_factor", f"must be a number > 0 (DAPO: 1.0), got "
+              f"{self.overlong_penalty_factor!r}")
+        for f in ("log_samples", "log_samples_every"):
+            check(_is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
+                  f"must be an int >= 0 (0 = off), got {getattr(self, f)!r}")
         check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
                            "microbatches", "eval_every", "eval_k", "eval_problems",
                            "checkpoint_every", "keep_checkpoints", "max_consecutive_skips")
@@ -523,6 +603,26 @@ class RLConfig(_Replace):
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
         check(isinstance(self.offline_rollouts, str), "offline_rollouts",
               f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
+        parse_eval_sets(self.eval_sets)
+
+
+def parse_eval_sets(spec) -> dict[str, str]:
+    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for '').
+    Names are unique and [A-Za-z0-9_-]+; paths are non-empty (the first ':' splits, so a
+    path may hold ':')."""
+    check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
+    sets = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        name, sep, path = item.partition(":")
+        name, path = name.strip(), path.strip()
+        check(bool(sep) and bool(path), "eval_sets",
+              f"entry {item!r} must be name:path, e.g. aime24:/data/aime24.jsonl")
+        check(bool(EVAL_SET_NAME.fullmatch(name)), "eval_sets",
+              f"set name {name!r} must be letters, digits, '_' or '-'")
+        check(name not in sets, "eval_sets", f"set name {name!r} appears twice; names "
+              "must be unique")
+        sets[name] = path
+    return sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,10 +672,9 @@ class ExperimentConfig(_Replace):
         dp = self.mesh[0] * self.mesh[1] * self.mesh[2]
         rl = self.rl
         minibatch = rl.prompts_per_step * rl.group_size // rl.num_minibatches
+        # The eval batch is padded to the mesh and sampler multiple (rl/loop.py).
         for what, rows in [("the RL micro-batch (rl.prompts_per_step*rl.group_size/"
                             "rl.num_minibatches/rl.microbatches)", minibatch // rl.microbatches),
-                           ("the eval batch (rl.eval_problems*rl.eval_k)",
-                            rl.eval_problems * rl.eval_k),
                            ("the SFT micro-batch (sft.batch_size/sft.microbatches)",
                             self.sft.batch_size // self.sft.microbatches)]:
             check(rows % dp == 0, "mesh",
@@ -588,11 +687,12 @@ class ExperimentConfig(_Replace):
         if rows:
             check(rows % dp == 0, "sampling.max_batch",
                   f"must be a multiple of data*fsdp*expert = {dp}, got {rows}")
-            for what, n in [("rl.prompts_per_step*rl.group_size",
-                             rl.prompts_per_step * rl.group_size),
-                            ("rl.eval_problems*rl.eval_k", rl.eval_problems * rl.eval_k)]:
-                check(n % rows == 0, "sampling.max_batch",
-                      f"must divide {what} = {n}, got {rows}")
+            n = rl.prompts_per_step * rl.group_size
+            check(n % rows == 0, "sampling.max_batch",
+                  f"must divide rl.prompts_per_step*rl.group_size = {n}, got {rows}")
+        check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
+              f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
+              f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
 
 
 def _parse(value: str, current, key: str):

@@ -21,14 +21,14 @@ tunix and verl do):
     e_t = π_old/μ_old training–inference (engine) factor
 
 Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
-    response_sum             (1/B) Σ_b Σ_t m ℓ          (MiniRL: no 1/|y|)
-    seq_mean_token_mean      (1/B') Σ_b (1/|y_b|) Σ_t m ℓ  (GRPO, GSPO; MiniRL + length norm;
-                                                          B' = responses with a token)
+    response_sum             (1/B') Σ_b Σ_t m ℓ         (MiniRL: no 1/|y|)
+    seq_mean_token_mean      (1/B') Σ_b (1/|y_b|) Σ_t m ℓ  (GRPO, GSPO; MiniRL + length norm)
     token_mean               Σ m ℓ / Σ m                 (CISPO, DAPO)
-    seq_mean_token_sum_norm  Σ m ℓ / (B · T_norm)        (Dr. GRPO; T_norm = cfg.norm_length,
+    seq_mean_token_sum_norm  Σ m ℓ / (B' · T_norm)       (Dr. GRPO; T_norm = cfg.norm_length,
                                                           or the padded T when it is 0)
-Empty responses contribute 0 (and count in B, except in seq_mean_token_mean, as in tunix and
-verl); a fully masked batch gives loss 0. A non-finite log π_old, log μ_old or Â on a
+B' = the responses with a scored token. An empty response (a row the trainer masked out,
+e.g. a truncated one under rl.overlong=mask) contributes 0 and counts in no denominator,
+so the loss is the loss of the other rows alone; a fully masked batch gives loss 0. A non-finite log π_old, log μ_old or Â on a
 counted token makes the loss NaN, so the trainer skips the update rather than letting
 NaN comparisons slip past the clipping mask.
 
@@ -138,21 +138,21 @@ def _clip(x, cfg: LossConfig):
 def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
               totals: Totals | None = None):
     """Reduce a per-token term to a scalar objective (formulas in the module docstring);
-    B and Σ m are `totals`' when given (a micro-batch's share of its mini-batch)."""
-    b, t = m_BxT.shape
+    B' and Σ m are `totals`' when given (a micro-batch's share of its mini-batch)."""
+    t = m_BxT.shape[1]
     length_B = jnp.sum(m_BxT, axis=1)
     tokens, responses = jnp.sum(length_B), jnp.sum(length_B > 0).astype(m_BxT.dtype)
     if totals is not None:
-        b, tokens, responses = (x.astype(m_BxT.dtype) for x in totals)
+        tokens, responses = (x.astype(m_BxT.dtype) for x in totals[1:])
     s = jnp.sum(jnp.where(m_BxT > 0, term_BxT, 0.0), axis=1)
     if mode == "response_sum":
-        return jnp.sum(s) / b
+        return jnp.sum(s) / jnp.maximum(responses, 1.0)
     if mode == "seq_mean_token_mean":
         return jnp.sum(s / jnp.maximum(length_B, 1.0)) / jnp.maximum(responses, 1.0)
     if mode == "token_mean":
         return jnp.sum(s) / jnp.maximum(tokens, 1.0)
     if mode == "seq_mean_token_sum_norm":
-        return jnp.sum(s) / (b * (norm_length or t))
+        return jnp.sum(s) / (jnp.maximum(responses, 1.0) * (norm_length or t))
     raise ValueError(f"aggregation: unknown mode {mode!r}")
 
 

@@ -34,8 +34,21 @@ PANELS = [
     ("loss", ["loss"], False),
     ("skipped updates", ["skipped_updates"], False),
     ("gradient norm", ["grad_norm"], True),
-    ("response length", ["response_length"], False),
+    ("response length", ["response_length", "response/length_max"], False),
+    ("truncated responses", ["response/truncated_frac", "response/clip_ratio",
+                             "eval/truncated_frac"], False),
 ]
+_EVAL_SET = re.compile(r"eval/([^/]+)/avg@k")
+
+
+def eval_set_panels(records: list[dict]) -> list:
+    """One panel per eval set the records hold (`eval/<set>/avg@k`, rl/evals.py): its
+    avg@k and pass@k, and one of every set's mean response length."""
+    names = sorted({m.group(1) for r in records for k in r if (m := _EVAL_SET.fullmatch(k))})
+    if not names:
+        return []
+    return ([(f"eval {n}", [f"eval/{n}/avg@k", f"eval/{n}/pass@k"], False) for n in names]
+            + [("eval response length", [f"eval/{n}/length_mean" for n in names], False)])
 
 
 def _to_float(key: str, v) -> float | None:
@@ -83,6 +96,22 @@ class MetricsWriter:
                 self.tb.add_scalar(k, v, row["step"])
         self.tb.flush()
         return row
+
+    def text(self, step: int, tag: str, rows: list[dict]) -> None:
+        """TensorBoard text under `tag`: one markdown section per row (its fields as
+        `key: value` lines, multi-line values in code blocks)."""
+        if not self.enabled:
+            return
+        parts = []
+        for i, row in enumerate(rows):
+            lines = [f"**{i}**"]
+            for k, v in row.items():
+                v = str(v)
+                lines.append(f"{k}:\n```\n{v}\n```" if "\n" in v or len(v) > 80 else
+                             f"{k}: `{v}`")
+            parts.append("\n\n".join(lines))
+        self.tb.add_text(tag, "\n\n---\n\n".join(parts), int(step))
+        self.tb.flush()
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (step=-1 empties the file), atomically."""
@@ -173,14 +202,15 @@ def _slug(title: str) -> str:
 
 def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = None, *,
                  panels: list | None = None) -> list[str]:
-    """One PNG per panel with data; returns their paths. Default panels: PANELS. `keys`
-    instead draws one panel per key (log scale where PANELS puts that key on one)."""
+    """One PNG per panel with data; returns their paths. Default panels: PANELS and
+    `eval_set_panels`. `keys` instead draws one panel per key (log scale where PANELS
+    puts that key on one)."""
     if keys is not None:
         log_keys = {k for _, ks, log in PANELS if log for k in ks}
         panels = [(k, [k], k in log_keys) for k in keys]
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for title, panel_keys, log in panels or PANELS:
+    for title, panel_keys, log in panels or PANELS + eval_set_panels(records):
         if not _present({"run": records}, panel_keys):
             continue
         fig = Figure(figsize=(5, 3.2))

@@ -56,16 +56,31 @@ def tiny() -> ExperimentConfig:
         sft=SFTConfig())
 
 
+# The paper's recipe as launched (docs/recipe.md): the user turn of the chat template, and
+# the three eval sets, each a JSONL file in task.jsonl_dir (relative eval paths are looked
+# up there first).
+BOXED_PROMPT = ("{question}\nPlease reason step by step, and put your final answer within "
+                "\\boxed{}.")
+PAPER_EVAL_SETS = "aime24:aime24.jsonl,aime25:aime25.jsonl,hmmt25:hmmt25.jsonl"
+
+
 def paper() -> ExperimentConfig:
     """PAPER.md §5 at full scale, for a TPU pod (not runnable on a CPU).
 
     Qwen3-30B-A3B-shaped MoE (48 layers, 128 experts, top-8), FP8 inference vs a
     bf16-compute training engine, G = 16, 64 prompts = 1,024 responses per mini-batch
     (N = 1; set rl.prompts_per_step=64*N and rl.num_minibatches=N for the off-policy
-    runs), 32k-token responses, avg@32 evaluation. The task is a local JSONL of 4,096
-    verified math problems (task.jsonl_dir). Start from the real checkpoint with
-    `experiments.quickstart --preset paper --hf DIR`: its weights, and its own tokenizer
-    for the 151,936-entry vocabulary (task.tokenizer_dir, data/hf_tokenizer.py).
+    runs), 32k-token responses, avg@32 evaluation on AIME24, AIME25 and HMMT25. The task
+    is a local JSONL of 4,096 verified math problems (task.jsonl_dir, any of the named
+    formats: data/formats.py), beside aime24.jsonl, aime25.jsonl and hmmt25.jsonl (the
+    eval sets). Start from the real checkpoint with
+    `experiments.quickstart --preset paper --hf DIR`: its weights (read into float32
+    master weights), its own tokenizer for the 151,936-entry vocabulary
+    (task.tokenizer_dir, data/hf_tokenizer.py), its chat template around the boxed-answer
+    instruction, and its stop ids (generation_config.json). Truncated responses (32k
+    tokens, no stop id) get no gradient (rl.overlong=mask, DAPO's overlong filtering):
+    their reward, read from cut text, is not the verified outcome the objective is about,
+    and a length penalty would change the paper's binary reward.
 
     Pod layout, chosen so that every step fits a v5p-256 (128 chips, 95.7 GiB HBM each;
     the compiled table is in docs/benchmarks.md): mesh (data, fsdp, expert) =
@@ -84,13 +99,15 @@ def paper() -> ExperimentConfig:
                           gmm_impl="megablox", expert_parallel=True,
                           attention_impl="chunked", attention_chunk=512,
                           router_aux_loss_weight=0.0),
-        task=TaskConfig(kind="gsm8k", jsonl_dir="data/math_4096", num_train=4096,
-                        num_test=512, max_prompt_len=1024, max_solution_len=32_768),
+        task=TaskConfig(kind="jsonl", jsonl_dir="data/math_4096", num_train=4096,
+                        num_test=512, max_prompt_len=1024, max_solution_len=32_768,
+                        chat_template=True, prompt_template=BOXED_PROMPT),
         sampling=SamplingConfig(max_new_tokens=32_768, temperature=1.0, numerics="fp8",
                                 max_batch=512),
         loss=LossConfig(),
         rl=RLConfig(steps=1000, prompts_per_step=64, group_size=16, num_minibatches=1,
                     microbatches=8, eval_every=20, eval_k=32, eval_problems=512,
+                    eval_sets=PAPER_EVAL_SETS, overlong="mask",
                     checkpoint_every=10, optim=OptimConfig(learning_rate=1e-6)),
         sft=SFTConfig(steps=2000, batch_size=256, microbatches=2,
                       optim=OptimConfig(learning_rate=1e-5, schedule="cosine",

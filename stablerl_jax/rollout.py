@@ -6,8 +6,13 @@ L layers, K top-k.
 It differs from the training path on purpose, in two ways: its `Numerics` (e.g. FP8
 weights, bf16 activations; weights converted once per call by `prepare_params`) and its
 algorithm (one prefill over the prompt, then one token at a time against a KV cache of S
-slots, in a `lax.while_loop` that stops once every row has emitted EOS), versus the
+slots, in a `lax.while_loop` that stops once every row has emitted a stop id), versus the
 trainer's single full-sequence pass.
+
+Stop ids: a row stops on the first token of its stop set, `{eos_id} ∪ stop_ids` (a
+checkpoint's generation_config.json may list several, e.g. Qwen3's `<|im_end|>` and
+`<|endoftext|>`). Below, "EOS" means whichever stop id ended the row. A row that emits
+none in N tokens is *truncated* (`truncated_B`).
 
 Alignment (the trainer relies on it). The model's hidden state at slot s predicts the
 token at slot s + 1, so:
@@ -26,6 +31,7 @@ token at slot s + 1, so:
 - completion_mask_BxS / lengths_B: sampled tokens up to and *including* EOS. The EOS
   token is part of the completion (it is an action the policy took, and its log-prob
   gets the gradient that teaches the policy to stop); nothing after it is.
+- truncated_B: the row reached max_new_tokens without a stop id (its text is cut).
 
 Truncation and IS weights: with top-k / top-p on, logp_mu is the log-prob under the
 *truncated*, renormalized distribution μ_trunc, while the trainer scores the full softmax
@@ -64,6 +70,7 @@ class Rollout(NamedTuple):
     logp_mu_BxS: jax.Array          # float32, 0 outside the completion
     routes_mu_BxSxLxK: jax.Array    # int32, -1 where nothing was processed
     route_weights_mu_BxSxLxK: jax.Array | None = None  # float32, 0 where routes are -1
+    truncated_B: jax.Array | None = None  # bool, no stop id in max_new_tokens
 
 
 def used_window(used_S, bucket: int) -> tuple[int, int]:
@@ -105,7 +112,26 @@ def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
     return jax.nn.log_softmax(z, axis=-1)
 
 
-def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id, pad_id):
+def stop_set(eos_id: int, stop_ids=()) -> tuple[int, ...]:
+    """The sorted stop ids of a sampler: `eos_id` (-1: none) and every id of `stop_ids`,
+    each once (a static tuple, so one compiled sampler per set)."""
+    return tuple(sorted({int(i) for i in (eos_id, *stop_ids) if int(i) >= 0}))
+
+
+def truncated_rows(tokens_BxS, completion_mask_BxS, stop_ids, max_new_tokens: int):
+    """[B] bool (numpy): rows whose completion has max_new_tokens tokens and does not end
+    on a stop id, for rollouts that do not carry `truncated_B` (offline rollout files)."""
+    tokens_BxS, comp_BxS = np.asarray(tokens_BxS), np.asarray(completion_mask_BxS, bool)
+    lengths_B = comp_BxS.sum(axis=1)
+    last_B = np.where(comp_BxS.any(axis=1),
+                      tokens_BxS[np.arange(len(tokens_BxS)),
+                                 comp_BxS.shape[1] - 1 - np.argmax(comp_BxS[:, ::-1], axis=1)],
+                      -1)
+    return (lengths_B >= max_new_tokens) & ~np.isin(last_B, list(stop_ids))
+
+
+def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id, pad_id,
+              stop_ids=()):
     if prompts.ndim != 2 or tuple(mask.shape) != tuple(prompts.shape):
         raise ValueError(f"prompt_tokens / prompt_mask: must both be [B, P], got "
                          f"{tuple(prompts.shape)} and {tuple(mask.shape)}")
@@ -117,7 +143,8 @@ def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id,
                          f"{sampling.max_new_tokens} = {need} exceeds the cache "
                          f"(ModelConfig.max_seq_len={cfg.max_seq_len}); shorten the prompt, "
                          "lower SamplingConfig.max_new_tokens or raise max_seq_len")
-    for name, v, lowest in (("eos_id", eos_id, -1), ("pad_id", pad_id, 0)):
+    for name, v, lowest in (("eos_id", eos_id, -1), ("pad_id", pad_id, 0),
+                            *((f"stop_ids[{i}]", v, 0) for i, v in enumerate(stop_ids))):
         if not (isinstance(v, (int, np.integer)) and lowest <= v < cfg.vocab_size):
             raise ValueError(f"{name}={v!r} must be a token id of the vocabulary "
                              f"[0, vocab_size={cfg.vocab_size}) (eos_id may be -1: no EOS, "
@@ -148,40 +175,45 @@ def _row_keys(key, b: int):
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int,
-           pad_id: int, mesh=None) -> Rollout:
+           pad_id: int, stop_ids=(), mesh=None) -> Rollout:
     """Sample completions of left-padded prompts with the inference engine.
 
     Validates the inputs, then runs a jitted prefill + decode (cfg, sampling, numerics and
-    the tokenizer's eos / pad ids are static). A row stops after emitting `eos_id` (-1:
-    never, every row decodes max_new_tokens); `pad_id` fills the slots after it. See the
+    the tokenizer's stop / pad ids are static). A row stops after emitting `eos_id` or
+    any id of `stop_ids` (`stop_set`; none at all: every row decodes max_new_tokens);
+    `pad_id` fills the slots after it. See the
     module docstring for the alignment of the result. With `sampling.max_batch` smaller
     than the batch, rows are decoded in strided slices of that many rows (`lax.map`; each
     row's sample is the same). `mesh`: the devices the expert FFN is sharded over.
     """
-    _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id)
+    _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id,
+              tuple(stop_ids))
     b = prompt_tokens_BxP.shape[0]
     if sampling.max_batch and b % sampling.max_batch:
         raise ValueError(f"sampling.max_batch={sampling.max_batch} must divide the batch of "
                          f"{b} rows")
     return _sample(params, prompt_tokens_BxP.astype(jnp.int32),
-                   prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics, int(eos_id),
-                   int(pad_id), mesh)
+                   prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics,
+                   stop_set(eos_id, stop_ids), int(pad_id), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "eos_id", "pad_id",
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
                                              "mesh"))
-def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id, mesh):
+def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id, mesh):
     b = prompts.shape[0]
     n = b // sampling.max_batch if sampling.max_batch else 1
     params = nx.prepare_params(params, numerics)
-    decode = lambda rows: _decode(params, *rows, cfg, sampling, numerics, eos_id, pad_id,
+    decode = lambda rows: _decode(params, *rows, cfg, sampling, numerics, stops, pad_id,
                                   mesh)
     return slices.map_slices(decode, (prompts, pmask, _row_keys(key, b)), n,
                              "sampling.max_batch")
 
 
-def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, pad_id, mesh):
-    """Prefill + decode of one batch of rows (weights already prepared)."""
+def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pad_id, mesh):
+    """Prefill + decode of one batch of rows (weights already prepared); `stops`: the
+    sorted stop ids (`stop_set`)."""
+    stops_Z = jnp.asarray(stops, jnp.int32)  # Z stop ids (may be 0)
+    is_stop = lambda tok_B: jnp.any(tok_B[:, None] == stops_Z[None, :], axis=1)
     b, p = prompts.shape
     n, s = sampling.max_new_tokens, p + sampling.max_new_tokens
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
@@ -218,9 +250,10 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
         live = ~st["done"]
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_BxV, tok[:, None], axis=1)[:, 0]
-        # Feed the token back unless it is EOS or padding. The N-th token is fed too (one
-        # shape for every step) but nothing reads its output, so its routes are -1.
-        fed = live & (tok != eos_id)
+        # Feed the token back unless it is a stop id or padding. The N-th token is fed too
+        # (one shape for every step) but nothing reads its output, so its routes are -1.
+        stop = is_stop(tok)
+        fed = live & ~stop
         h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=st["cache"], mesh=mesh)
         recorded_Bx1x1 = fed[:, None, None] & (i + 1 < n)
@@ -233,7 +266,7 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
                     completion=st["completion"].at[:, slot].set(live),
                     routes=st["routes"].at[:, slot].set(step_routes_BxLxK),
                     route_weights=st["route_weights"].at[:, slot].set(step_weights_BxLxK),
-                    done=st["done"] | (tok == eos_id))
+                    done=st["done"] | (live & stop))
 
     st = jax.lax.while_loop(lambda st: (st["i"] < n) & ~jnp.all(st["done"]), body, state)
     completion = st["completion"]
@@ -243,4 +276,5 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
                    lengths_B=jnp.sum(completion, axis=1, dtype=jnp.int32),
                    logp_mu_BxS=st["logp"],
                    routes_mu_BxSxLxK=st["routes"],
-                   route_weights_mu_BxSxLxK=st["route_weights"])
+                   route_weights_mu_BxSxLxK=st["route_weights"],
+                   truncated_B=~st["done"])

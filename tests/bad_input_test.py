@@ -14,7 +14,7 @@ from rl_helpers import tiny_cfg
 from experiments import quickstart
 from stablerl_jax import losses, presets
 from stablerl_jax.config import ConfigError, LossConfig, TaskConfig
-from stablerl_jax.data import gsm8k
+from stablerl_jax.data import jsonl
 from stablerl_jax.data.task import load_split
 from stablerl_jax.model import moe
 from stablerl_jax.model import transformer as tf
@@ -55,8 +55,15 @@ OVERRIDES = [
     ("mesh not ints", ["mesh=a,b"], ["mesh", "comma-separated ints"]),
     ("mesh of two axes", ["mesh=2,2"], ["mesh", "three positive ints"]),
     ("mesh larger than the devices", ["mesh=1,1,16"], ["mesh=(1, 1, 16)", "devices"]),
-    ("eval batch the mesh does not divide", ["mesh=8,1,1", "rl.eval_problems=3",
-                                             "rl.eval_k=1"], ["mesh", "eval batch"]),
+    ("unknown overlong mode", ["rl.overlong=drop"], ["rl.overlong", "'mask'"]),
+    ("overlong penalty without a buffer", ["rl.overlong=penalty"],
+     ["rl.overlong_buffer", "> 0 with rl.overlong=penalty"]),
+    ("overlong buffer beyond the response", ["rl.overlong=penalty",
+                                             "rl.overlong_buffer=1000"],
+     ["rl.overlong_buffer", "<= sampling.max_new_tokens"]),
+    ("zero overlong penalty", ["rl.overlong_penalty_factor=0"],
+     ["rl.overlong_penalty_factor", "> 0"]),
+    ("negative sample count", ["rl.log_samples=-1"], ["rl.log_samples", ">= 0"]),
     ("sequence longer than the model", ["sampling.max_new_tokens=100"],
      ["model.max_seq_len", "max_new_tokens"]),
     ("gsm8k without its directory", ["task.kind=gsm8k"], ["task.jsonl_dir"]),
@@ -95,14 +102,20 @@ def test_a_read_only_workdir(tmp_path, monkeypatch, capsys):
 
 # JSONL data: (case, file content, the message must contain)
 JSONL = [
-    ("missing field", b'{"question": "1+1?"}\n', "missing field 'answer'"),
+    ("no format fits", b'{"question": "1+1?"}\n', "no known format fits the fields "
+     "['question']"),
+    ("missing field", b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n',
+     "missing field 'answer'"),
     ("not an object", b'[1, 2]\n', "expected a JSON object"),
     ("bad JSON", b'{"question": \n', "malformed record"),
-    ("no final answer line", b'{"question": "q", "answer": "two"}\n', "#### N"),
+    ("no final answer line", b'{"question": "q", "answer": "#### 2"}\n'
+     b'{"question": "q", "answer": "two"}\n', "#### N"),
+    ("an undefined answer", b'{"question": "q", "answer": "#### \\\\frac{1}{0}"}\n',
+     "or is undefined"),
     ("an answer math-verify cannot read", b'{"question": "q", "answer": "x #### banana"}\n',
      "'banana' is not a number"),
     ("invalid UTF-8", b'{"question": "\xff\xfe", "answer": "#### 2"}\n', "utf-8"),
-    ("a huge line", b'{"question": "' + b"9" * (gsm8k.MAX_LINE_BYTES + 10)
+    ("a huge line", b'{"question": "' + b"9" * (jsonl.MAX_LINE_BYTES + 10)
      + b'", "answer": "#### 2"}\n', "MAX_LINE_BYTES"),
     ("an empty file", b"", "no records"),
 ]
@@ -113,14 +126,16 @@ def test_bad_jsonl_names_file_and_line(tmp_path, case, content, needle):
     path = tmp_path / "train.jsonl"
     path.write_bytes(content)
     with pytest.raises(ValueError) as e:
-        gsm8k.parse_jsonl(str(path))
+        jsonl.parse_jsonl(str(path))
     msg = str(e.value)
     assert needle in msg and str(path) in msg, msg
     if content:
-        assert f"{path}:1" in msg  # the line
-        # skip_malformed skips it (and the split, left empty, is then an error itself).
-        with pytest.raises(ValueError, match="no records"):
-            gsm8k.parse_jsonl(str(path), skip_malformed=True)
+        lines = content.count(b"\n")
+        assert f"{path}:{lines}" in msg  # the line
+        if lines == 1:
+            # skip_malformed skips it (and the split, left empty, is then an error itself).
+            with pytest.raises(ValueError, match="no records"):
+                jsonl.parse_jsonl(str(path), skip_malformed=True)
 
 
 def test_a_missing_data_dir(tmp_path):
@@ -220,3 +235,58 @@ def test_config_errors_are_config_errors():
     # One class of error for every setting, so a caller can catch them all at once.
     with pytest.raises(ConfigError):
         presets.preset("tiny", ["rl.steps=0"])
+
+
+def _jsonl_cfg(path, **task):
+    cfg = tiny_cfg()
+    return cfg.replace(task=cfg.task.replace(kind="jsonl", jsonl_dir=str(path), **task))
+
+
+def _only_data_written(workdir):
+    return sorted(os.listdir(workdir)) == ["data"]  # the data cache; no run was started
+
+
+def test_a_set_whose_every_answer_is_unreadable_is_refused_with_the_count(tmp_path):
+    manual = tmp_path / "m"
+    manual.mkdir()
+    bad = "".join(json.dumps({"question": f"q{i}", "answer": "#### \\frac{1}{0}"}) + "\n"
+                  for i in range(3))
+    (manual / "train.jsonl").write_text(bad)
+    (manual / "test.jsonl").write_text(bad)
+    with pytest.raises(ValueError) as e:
+        loop.task_data(_jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run"))
+    msg = str(e.value)
+    assert "train.jsonl: no records (3 malformed line(s) skipped)" in msg
+    assert "math-verify can read" in msg and _only_data_written(tmp_path / "run")
+
+
+def test_a_huge_question_is_filtered_and_counted_and_a_bom_accepted(tmp_path, capsys):
+    manual = tmp_path / "m"
+    manual.mkdir()
+    ok = json.dumps({"question": "1 + 2 = ?", "answer": "#### 3"}) + "\n"
+    # A million characters the tokenizer covers (uncovered ones would merge into one unk).
+    huge = json.dumps({"question": "1 + 2 = ?" * 111_112, "answer": "#### 9"}) + "\n"
+    (manual / "train.jsonl").write_bytes(b"\xef\xbb\xbf" + (ok + huge + ok).encode())
+    (manual / "test.jsonl").write_text(ok)
+    data = loop.task_data(_jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run"))
+    assert data.filtered == {"train": 1, "test": 0} and len(data.train) == 2
+    assert "train: dropped 1 of 3 prompts longer than task.max_prompt_len=16" in \
+        capsys.readouterr().out
+    # Every prompt left fits a batch: no step can meet an over-long one.
+    tokens, _, _ = data.prompt_batch(data.train, group_size=2)
+    assert tokens.shape == (4, 16)
+
+
+def test_a_split_left_empty_by_the_length_filter_is_refused(tmp_path):
+    manual = tmp_path / "m"
+    manual.mkdir()
+    (manual / "train.jsonl").write_text(json.dumps({"question": "1 + 2 = ?",
+                                                    "answer": "#### 3"}) + "\n")
+    (manual / "test.jsonl").write_text(json.dumps({"question": "1 + 2 + 3 + 4 + 5 = ?",
+                                                   "answer": "#### 15"}) + "\n")
+    with pytest.raises(ValueError) as e:
+        loop.task_data(_jsonl_cfg(manual, max_prompt_len=8), str(tmp_path / "run"))
+    msg = str(e.value)
+    assert "every one of the 1 test prompts is longer than task.max_prompt_len=8" in msg
+    assert "raise task.max_prompt_len" in msg and str(manual) in msg
+    assert _only_data_written(tmp_path / "run")

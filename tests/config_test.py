@@ -48,3 +48,45 @@ def test_weight_replay_needs_r3():
     for mode in ("none", "r2"):
         with pytest.raises(ConfigError, match="replay_weights: .* needs replay='r3'"):
             RLConfig(replay=mode, replay_weights=True)
+
+
+def test_eval_sets_parse_and_validate():
+    from stablerl_jax.config import RLConfig, parse_eval_sets
+    assert parse_eval_sets("") == {}
+    assert parse_eval_sets("aime24:/d/a.jsonl, hmmt_25:/d/h") == {"aime24": "/d/a.jsonl",
+                                                                "hmmt_25": "/d/h"}
+    assert parse_eval_sets("c:C:/x/t.jsonl") == {"c": "C:/x/t.jsonl"}  # the first ':' splits
+    for spec, needle in [("aime", "must be name:path"), ("a:", "must be name:path"),
+                         ("a b:/x", "letters, digits"), ("a:/x,a:/y", "appears twice")]:
+        with pytest.raises(ConfigError, match=f"eval_sets: .*{needle}"):
+            RLConfig(eval_sets=spec)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"format": "csv"}, "format: must be one of"),
+    ({"format": "custom", "prompt_field": "q"}, "format: 'custom' needs"),
+    ({"prompt_field": "q"}, "prompt_field: is only read with task.format=custom"),
+    ({"chat_template": 1}, "chat_template: must be true or false"),
+    ({"kind": "jsonl"}, "jsonl_dir: must name"),
+])
+def test_task_data_fields_are_checked(kw, needle):
+    from stablerl_jax.config import TaskConfig
+    with pytest.raises(ConfigError, match=needle):
+        TaskConfig(**kw)
+
+
+def test_new_task_and_eval_fields_survive_overrides():
+    from stablerl_jax import presets
+    cfg = presets.preset("tiny", [
+        "task.kind=jsonl", "task.jsonl_dir=/d", "task.format=custom", "task.prompt_field=Q",
+        "task.answer_field=A", "task.solution_field=S", "task.tokenizer_dir=/t",
+        "task.chat_template=true", "task.system_prompt=Be brief.",
+        "task.prompt_template={question} Put the answer in \\boxed{}.",
+        "task.enable_thinking=false", "task.add_generation_prompt=false",
+        "rl.eval_sets=aime24:/a,hmmt:/h.jsonl"])
+    t = cfg.task
+    assert (t.format, t.prompt_field, t.answer_field, t.solution_field) == ("custom", "Q", "A",
+                                                                             "S")
+    assert t.chat_template and not t.enable_thinking and not t.add_generation_prompt
+    assert t.prompt_template == "{question} Put the answer in \\boxed{}."
+    assert t.system_prompt == "Be brief." and cfg.rl.eval_sets == "aime24:/a,hmmt:/h.jsonl"

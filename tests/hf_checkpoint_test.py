@@ -110,3 +110,33 @@ def test_unusable_checkpoints_are_refused_naming_the_tensor(tmp_path):
         else:
             with pytest.raises(ValueError, match="q_proj.weight has shape"):
                 hc.load_qwen3_moe(d, num_heads=2, num_kv_heads=2)
+
+
+def test_every_model_field_is_read_from_config_json_or_kept(tmp_path):
+    """experiment_with_checkpoint: each ModelConfig field (enumerated, so a new field is
+    covered) is either one config.json defines (hf_config.checkpoint_fields), taken from
+    the checkpoint, or kept from the run's config, param_dtype (the master weights) among
+    them. The run's config sets every kept field to a value the checkpoint's differs from."""
+    import dataclasses
+
+    from stablerl_jax.config import ExperimentConfig
+    from stablerl_jax.interop import hf_config
+    # The checkpoint's own run fields (dense dispatch) never reach config.json.
+    ckpt = CFG.replace(param_dtype="bfloat16", norm_topk_prob=False, rope_theta=5e5,
+                       dispatch="dense")
+    hf = hf_config.hf_config_from_model(ckpt)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    run_model = ModelConfig(
+        param_dtype="float32", compute_dtype="bfloat16", init_std=0.05, remat="dots",
+        dispatch="grouped", moe_tile=16, gmm_impl="tiles", expert_parallel=True,
+        unroll_layers=True, attention_impl="chunked", attention_chunk=8,
+        kv_cache_layout="bksd", router_z_loss_weight=1e-3)
+    from_json = set(hf_config.checkpoint_fields(hf))
+    kept = {f.name for f in dataclasses.fields(ModelConfig)} - from_json | set(hc.RUN_CHOSEN)
+    assert all(getattr(run_model, f) != getattr(ckpt, f) for f in kept), \
+        "give every kept field a value here that differs from the checkpoint's"
+    got = hc.experiment_with_checkpoint(ExperimentConfig(model=run_model), str(tmp_path)).model
+    for f in dataclasses.fields(ModelConfig):
+        want = run_model if f.name in kept else ckpt
+        assert getattr(got, f.name) == getattr(want, f.name), f.name
+    assert got.param_dtype == "float32" and hc.checkpoint_dtype(str(tmp_path)) == "bfloat16"

@@ -5,10 +5,12 @@ import json
 
 import numpy as np
 import pytest
+from hf_fixtures import write_qwen_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from stablerl_jax.data import batching
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
+from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
 TEXTS = ["What is 12 + 7?", "The answer is 19.", "Let's think step by step: 3 * 4 = 12.",
          "#### 42"]
@@ -70,3 +72,23 @@ def test_fallbacks_overrides_and_errors(tmp_path):
         HFTokenizer.from_dir(str(tmp_path), pad_token="<nope>")
     with pytest.raises(FileNotFoundError, match="tokenizer_dir"):
         HFTokenizer.from_dir(str(tmp_path / "missing"))
+
+
+def test_stop_ids_are_eos_and_generation_configs_list(tmp_path):
+    raw = write_qwen_tokenizer(tmp_path)
+    im_end, endoftext = raw.token_to_id("<|im_end|>"), raw.token_to_id("<|endoftext|>")
+    assert HFTokenizer.from_dir(str(tmp_path)).stop_ids == (im_end, endoftext)
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": [endoftext, im_end, endoftext]}))
+    assert HFTokenizer.from_dir(str(tmp_path)).stop_ids == (im_end, endoftext)  # eos first
+    gen.write_text(json.dumps({"eos_token_id": im_end}))  # an int, not a list
+    assert HFTokenizer.from_dir(str(tmp_path)).stop_ids == (im_end,)
+    gen.unlink()  # no generation_config.json: the tokenizer's eos alone
+    assert HFTokenizer.from_dir(str(tmp_path)).stop_ids == (im_end,)
+    gen.write_text(json.dumps({"eos_token_id": [im_end, 10**6]}))
+    with pytest.raises(ValueError, match="a stop id=1000000 must be a token id"):
+        HFTokenizer.from_dir(str(tmp_path))
+    gen.write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+        HFTokenizer.from_dir(str(tmp_path))
+    assert SentencePieceTokenizer.stop_ids == (SentencePieceTokenizer.eos_id,)

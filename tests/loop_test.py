@@ -56,6 +56,13 @@ def test_few_steps_end_to_end_and_exact_resume(tmp_path):
         assert len(c["minibatches"]) == cfg.rl.num_minibatches
         assert sorted(sum(c["minibatches"], [])) == list(range(responses))
     assert comp[0]["minibatches"] != comp[1]["minibatches"]
+    # Decoded samples at every eval (steps 0, 2, 4), cut back on resume like the metrics.
+    samples = read_metrics(f"{full}/samples.jsonl")
+    assert read_metrics(f"{part}/samples.jsonl") == samples
+    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4
+    assert {s["split"] for s in samples} == {"eval/test"}
+    assert rows[2]["eval/test/avg@k"] == rows[2]["eval/accuracy"]
+    assert 0 <= rows[1]["response/truncated_frac"] <= rows[1]["response/clip_ratio"] <= 1
     resumed, _ = _final_state(cfg, part)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  resumed, state)

@@ -147,3 +147,20 @@ def test_plot_comparison_one_line_per_run(tmp_path):
     assert _is_png(out)
     with pytest.raises(ValueError, match="none of the panel keys"):
         mio.plot_comparison(runs, str(tmp_path / "x.png"), [("absent", ["nope"], False)])
+
+
+def test_eval_sets_get_their_panels_and_samples_reach_tensorboard_text(tmp_path):
+    records = [{"step": s, "eval/aime24/avg@k": 0.1 * s, "eval/aime24/pass@k": 0.2 * s,
+                "eval/aime24/length_mean": 10.0 + s, "eval/hmmt25/avg@k": 0.05 * s,
+                "eval/hmmt25/pass@k": 0.1 * s, "eval/hmmt25/length_mean": 12.0}
+               for s in (0, 2)]
+    names = sorted(p.split("/")[-1] for p in mio.plot_metrics(records, str(tmp_path / "p")))
+    assert names == ["eval_aime24.png", "eval_hmmt25.png", "eval_response_length.png"]
+    w = mio.MetricsWriter(str(tmp_path / "run"))
+    w.text(3, "samples", [{"prompt": "What is 2+2?", "response": "line 1\nline 2",
+                           "reward": 1.0}])
+    w.close()
+    texts = [(e.step, v.tensor.string_val[0].decode()) for _, e in _events(w.tb_dir)
+             for v in e.summary.value if v.tag.startswith("samples")]
+    assert len(texts) == 1 and texts[0][0] == 3
+    assert "prompt: `What is 2+2?`" in texts[0][1] and "line 1\nline 2" in texts[0][1]

@@ -6,19 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stablerl_jax.data import answers as ans
 from stablerl_jax.data import rewards as rw
 
 
 def test_parse_by_hand():
-    assert rw.parse_final_answer("3+4=7 #### 7") == "7"
-    assert rw.parse_final_answer("#### 1\n#### -12") == "-12"
-    assert rw.parse_final_answer("#### 1,000.") == "1000"
-    assert rw.parse_final_answer("no answer") is None
-    assert rw.parse_final_answer("####   ") is None
-    assert rw.parse_final_answer(None) is None
-    assert rw.parse_final_answer(b"#### 3") is None
-    assert rw.parse_final_answer("####\n5") is None  # the answer must be on the '####' line
-    assert rw.parse_final_answer("#### 5 #### 6") == "5 #### 6"  # not an integer: no reward
+    assert ans.parse_final_answer("3+4=7 #### 7") == "7"
+    assert ans.parse_final_answer("#### 1\n#### -12") == "-12"
+    assert ans.parse_final_answer("#### 1,000.") == "1000"
+    assert ans.parse_final_answer("no answer") is None
+    assert ans.parse_final_answer("####   ") is None
+    assert ans.parse_final_answer(None) is None
+    assert ans.parse_final_answer(b"#### 3") is None
+    assert ans.parse_final_answer("####\n5") is None  # the answer must be on the '####' line
+    assert ans.parse_final_answer("#### 5 #### 6") == "5 #### 6"  # not an integer: no reward
 
 
 def test_exact_match_by_hand():
@@ -66,8 +67,9 @@ def test_math_verify_by_hand_and_off_the_main_thread():
 @given(st.one_of(st.text(), st.text(alphabet="0123456789#+-= \n,.")),
        st.integers(-10**6, 10**6))
 def test_parser_never_raises_and_never_rewards_a_wrong_answer(text, answer):
-    parsed = rw.parse_final_answer(text)
+    parsed, source = ans.extract_answer(text)
     assert parsed is None or isinstance(parsed, str)
+    assert source in ans.SOURCES and (source == "none") == (parsed is None)
     r = rw.exact_match_reward(text, str(answer))
     assert r in (0.0, 1.0)
     if r == 1.0:
@@ -89,3 +91,66 @@ def test_a_wrong_final_line_is_never_rewarded(answer, wrong, prefix):
 @given(st.integers(-10**6, 10**6), st.text(alphabet="0123456789 +-=abc"))
 def test_correct_answer_line_is_rewarded(answer, prefix):
     assert rw.exact_match_reward(prefix.replace("#", "") + f" #### {answer}", str(answer)) == 1.0
+
+
+# Real-looking Qwen3 outputs: (case, response, reference, extracted answer, source, reward)
+QWEN3 = [
+    ("boxed after thinking",
+     "<think>\nLet me add: 12 + 7 = 19.\n</think>\n\nThe sum is $\\boxed{19}$.", "19",
+     "19", "boxed", 1.0),
+    ("boxed fraction vs a decimal reference",
+     "<think>half of one</think>\n\nSo the probability is \\boxed{\\frac{1}{2}}.", "0.5",
+     "\\frac{1}{2}", "boxed", 1.0),
+    ("decimal vs a boxed-fraction reference", "The answer is $0.5$.", "\\frac{1}{2}",
+     "0.5", "answer_is", 1.0),
+    ("nested braces", "</think>\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}",
+     "\\frac{\\sqrt{3}}{2}", "boxed", 1.0),
+    ("the last box wins", "First \\boxed{3}, no wait: \\boxed{4}", "4", "4", "boxed", 1.0),
+    ("an unclosed last box falls back to the one before",
+     "\\boxed{4} and then \\boxed{\\frac{1}{", "4", "4", "boxed", 1.0),
+    ("fbox", "Hence \\fbox{12}.", "12", "12", "boxed", 1.0),
+    ("boxed with a space", "so \\boxed 7 is it", "7", "7", "boxed", 1.0),
+    ("dfrac reference", "\\boxed{0.75}", "\\dfrac{3}{4}", "0.75", "boxed", 1.0),
+    ("a box inside the think block only", "<think>maybe \\boxed{5}</think>\nI am not sure.",
+     "5", None, "none", 0.0),
+    ("truncated thinking with a hash line", "<think>so #### 27 ... wait, let me recheck",
+     "27", None, "none", 0.0),
+    ("truncated thinking after a closed one", "<think>a</think> x <think> #### 27", "27",
+     None, "none", 0.0),
+    ("hash after thinking", "<think>9*3</think>\n#### 27", "27", "27", "hash", 1.0),
+    ("the answer is, last one, any case",
+     "The answer is 3. Hmm, no. THE ANSWER IS 4.", "4", "4", "answer_is", 1.0),
+    ("the final answer is:", "The final answer is: 1,024", "1024", "1024", "answer_is", 1.0),
+    ("box preferred to a hash line", "\\boxed{8}\n#### 9", "8", "8", "boxed", 1.0),
+    ("a wrong boxed answer", "<think>hmm</think>\\boxed{20}", "19", "20", "boxed", 0.0),
+    ("no answer at all", "<think>x</think>I give up.", "1", None, "none", 0.0),
+    ("no think tags (thinking off)", "12 + 7 = 19, so \\boxed{19}", "19", "19", "boxed", 1.0),
+]
+
+
+@pytest.mark.parametrize("case, text, ref, want, source, reward", QWEN3,
+                         ids=[c[0] for c in QWEN3])
+def test_qwen3_outputs(case, text, ref, want, source, reward):
+    assert ans.extract_answer(text) == (want, source)
+    assert rw.math_verify_reward(text, ref) == reward
+    assert rw.format_reward(text) == float(want is not None)
+
+
+def test_rewards_report_their_extractor():
+    texts = ["\\boxed{2}", "#### 2", "the answer is 2", "<think>\\boxed{2}", "\\boxed{3}"]
+    r, sources = rw.rewards_with_source(texts, ["2"] * 5, "math_verify")
+    np.testing.assert_array_equal(r, [1, 1, 1, 0, 0])
+    assert sources == ["boxed", "hash", "answer_is", "none", "boxed"]
+    assert rw.source_fractions(sources) == {"answer/boxed_frac": 0.4, "answer/hash_frac": 0.2,
+                                            "answer/answer_is_frac": 0.2,
+                                            "answer/none_frac": 0.2}
+    assert rw.source_fractions([]) == {}
+
+
+def test_reference_answers_read_like_responses():
+    assert ans.readable_answer("\\dfrac{3}{4}") and ans.readable_answer("27")
+    assert ans.readable_answer("(-\\infty, 2]")
+    assert not ans.readable_answer("\\frac{1}{0}")  # undefined: every reward would be 0
+    assert not ans.readable_answer("banana")
+    assert ans.opens_think("<|im_start|>assistant\n<think>\n")
+    assert not ans.opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")

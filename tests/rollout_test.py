@@ -216,3 +216,62 @@ def test_invalid_inputs_name_the_field():
         sample(prompts, mask, key=jax.random.split(jax.random.key(0), 3))
     with pytest.raises(ValueError, match="^prompt_tokens:"):
         sample(prompts.astype(jnp.float32), mask)
+
+
+def test_any_stop_id_ends_a_row():
+    # A second stop id X: a token some rows emit before EOS. Row keys fix each row's draws,
+    # so with stop set {EOS, X} every row is the EOS-only rollout cut after its first EOS
+    # or X: mask, lengths, log-probs and routes follow the first stop id.
+    params, prompts, mask = _setup()
+    r1 = _rollout()
+    toks1 = np.asarray(r1.tokens_BxS)
+    comp1 = np.asarray(r1.completion_mask_BxS)
+    # The most frequent completion token that occurs before an EOS: it ends some rows early.
+    before_eos = np.concatenate([toks1[b, P:P + int(r1.lengths_B[b]) - 1] for b in range(B)])
+    x = int(np.bincount(before_eos[before_eos != EOS]).argmax())
+    r2 = ro.sample(params, prompts, mask, jax.random.key(2), CFG, SAMPLING, nx.preset("exact"),
+                   eos_id=EOS, pad_id=PAD, stop_ids=(x,))
+    shortened = 0
+    for b in range(B):
+        n1 = int(r1.lengths_B[b])
+        hits = np.nonzero(np.isin(toks1[b, P:P + n1], (EOS, x)))[0]
+        n2 = int(hits[0]) + 1 if len(hits) else SAMPLING.max_new_tokens
+        shortened += n2 < n1
+        assert int(r2.lengths_B[b]) == n2, b
+        end = P + n2
+        np.testing.assert_array_equal(r2.tokens_BxS[b, :end], toks1[b, :end])
+        assert (np.asarray(r2.tokens_BxS[b, end:]) == PAD).all()
+        np.testing.assert_array_equal(r2.completion_mask_BxS[b, :end], comp1[b, :end])
+        assert not np.asarray(r2.completion_mask_BxS[b, end:]).any()
+        np.testing.assert_array_equal(r2.logp_mu_BxS[b, :end], r1.logp_mu_BxS[b, :end])
+        assert (np.asarray(r2.logp_mu_BxS[b, end:]) == 0).all()
+        # Routes as recorded up to the stop token, which is never fed back (-1 from it on).
+        np.testing.assert_array_equal(r2.routes_mu_BxSxLxK[b, :end - 1],
+                                      r1.routes_mu_BxSxLxK[b, :end - 1])
+        assert (np.asarray(r2.routes_mu_BxSxLxK[b, end - 1:]) == -1).all()
+        assert bool(r2.truncated_B[b]) == (not len(hits)), b
+    assert shortened > 0, "X should end some rows before their EOS"
+    np.testing.assert_array_equal(
+        r2.truncated_B, ro.truncated_rows(r2.tokens_BxS, r2.completion_mask_BxS, (EOS, x),
+                                          SAMPLING.max_new_tokens))
+
+
+def test_a_model_forced_to_emit_a_second_stop_id_stops_there():
+    # Unembedding columns 5 = +1e5·e_0 and 6 = −1e5·e_0, all others 0: every step one of
+    # 5 / 6 has logit 1e5·|ĥ_0| > 0 and takes all the mass. With stop ids {EOS, 5, 6}
+    # every row stops on its first token (length 1, not truncated, no route recorded in
+    # the completion); with EOS alone the same model never stops and every row is
+    # truncated at max_new_tokens.
+    params, prompts, mask = _setup()
+    col = jnp.zeros((CFG.d_model,)).at[0].set(1e5)
+    unembed = jnp.zeros_like(params["unembed"]).at[:, 5].set(col).at[:, 6].set(-col)
+    forced = dict(params, unembed=unembed)
+    n = SAMPLING.max_new_tokens
+    for stop_ids, length in (((5, 6), 1), ((), n)):
+        r = ro.sample(forced, prompts, mask, jax.random.key(3), CFG, SAMPLING,
+                      nx.preset("exact"), eos_id=EOS, pad_id=PAD, stop_ids=stop_ids)
+        np.testing.assert_array_equal(r.lengths_B, length)
+        np.testing.assert_array_equal(r.truncated_B, length == n)
+        assert np.isin(np.asarray(r.tokens_BxS[:, P:P + length]), (5, 6)).all()
+        assert (np.asarray(r.tokens_BxS[:, P + length:]) == PAD).all()
+        assert (np.asarray(r.routes_mu_BxSxLxK[:, P + length - 1:]) == -1).all()

@@ -1,9 +1,15 @@
 """Data for RL on verifiable tasks, all host-side (numpy, no TensorFlow).
 
-    synthetic.py   TaskConfig, difficulty PRESETS, the arithmetic TFDS builder, load_split
-    gsm8k.py       TFDS builder over local GSM8K-style JSONL files (never downloaded)
-    tokenizer.py   Tokenizer protocol; SentencePiece trained in-process, saved and reused
-    batching.py    left-padded prompt groups for RL, SFT batches, seeded epoch order
-    rewards.py     final-answer parser; exact-match, math-verify and format rewards
-    evaluation.py  avg@k / pass@k on held-out problems given any sampler
+    task.py          the front door: load_split, TaskData (splits, eval sets, tokenizer,
+                     rendering, length filter, batches, rewards)
+    synthetic.py     difficulty PRESETS, the arithmetic TFDS builder
+    jsonl.py         TFDS builder over local math JSONL files (never downloaded)
+    formats.py       JSONL layouts (gsm8k, math, dapo, aime, prompt_answer, custom)
+    chat_template.py the checkpoint's jinja chat template, rendered as transformers does
+    tokenizer.py     Tokenizer protocol; SentencePiece trained in-process, saved and reused
+    hf_tokenizer.py  a checkpoint's tokenizer.json, its special and stop ids
+    batching.py      left-padded prompt groups for RL, SFT batches, seeded epoch order
+    answers.py       final-answer extraction (after </think>; boxed, ####, "the answer is")
+    rewards.py       exact-match, math-verify and format rewards, with the extractor used
+    evaluation.py    avg@k / pass@k on held-out problems given any sampler
 """

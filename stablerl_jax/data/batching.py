@@ -45,6 +45,19 @@ def _bos(tok: Tokenizer) -> list[int]:
     return [] if tok.bos_id is None else [tok.bos_id]
 
 
+def prompt_len(tok: Tokenizer, text: str) -> int:
+    """Slots a prompt takes in a batch row: BOS (if the tokenizer has one) + its tokens."""
+    return len(_bos(tok)) + len(tok.encode(text))
+
+
+def split_by_length(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int
+                    ) -> tuple[list[dict], int]:
+    """(records whose prompt fits in max_prompt_len slots, number of those that do not):
+    the filter applied when data loads, so no batch ever meets an over-long prompt."""
+    kept = [r for r in records if prompt_len(tok, r["prompt"]) <= max_prompt_len]
+    return kept, len(records) - len(kept)
+
+
 def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
                  max_prompt_len: int) -> PromptBatch:
     """Left-padded prompt tokens [B·G, P] (BOS first), mask, and answers, each prompt

@@ -12,6 +12,10 @@ convention (pad 0, bos 2, eos 3):
     bos_id  tokenizer_config.json "bos_token", or None: Qwen3 has no BOS, and prompts
             then start with their first text token
 
+    stop_ids eos_id, then every id of generation_config.json's "eos_token_id" (an int or
+            a list; Qwen3 lists <|im_end|> and <|endoftext|>) when that file exists,
+            in order, without duplicates: a response ends at the first of any of them
+
 An explicit `eos_token=` / `pad_token=` / `bos_token=` (token strings) overrides each.
 `encode` adds no special tokens (the batching adds BOS where the tokenizer has one);
 `decode` drops pad/bos/eos, every special token, and ids the tokenizer does not have
@@ -41,18 +45,30 @@ def _token_text(v) -> str | None:
     return v
 
 
+def _id_list(v, file: str) -> tuple[int, ...]:
+    """An "eos_token_id" entry (absent, an int or a list of ints) as a tuple of ids."""
+    ids = () if v is None else tuple(v) if isinstance(v, list) else (v,)
+    if not all(type(i) is int for i in ids):
+        raise ValueError(f"{file}: eos_token_id={v!r} must be a token id or a list of "
+                         "token ids; fix the file")
+    return ids
+
+
 class HFTokenizer:
     """`tokenizer.json` + the special tokens of its directory (see the module docstring)."""
 
     def __init__(self, tokenizer: _HFTokenizer, *, eos_id: int, pad_id: int,
-                 bos_id: int | None):
+                 bos_id: int | None, stop_ids: tuple[int, ...] = ()):
         self.tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        for name, v in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
-            if v is not None and not (isinstance(v, int) and 0 <= v < self.vocab_size):
+        stop_ids = tuple(dict.fromkeys((eos_id, *stop_ids)))  # eos first, no duplicates
+        for name, v in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id),
+                        *(("a stop id", i) for i in stop_ids)):
+            if v is not None and not (type(v) is int and 0 <= v < self.vocab_size):
                 raise ValueError(f"{name}={v!r} must be a token id in [0, "
                                  f"{self.vocab_size}) of this tokenizer")
         self.eos_id, self.pad_id, self.bos_id = eos_id, pad_id, bos_id
+        self.stop_ids = stop_ids
         specials = {t.content for t in tokenizer.get_added_tokens_decoder().values()
                     if t.special}
         self._skip = {i for i in (eos_id, pad_id, bos_id) if i is not None}
@@ -77,23 +93,25 @@ class HFTokenizer:
                                  f"{field}= with one of its special tokens")
             return i
 
+        gen_file = os.path.join(path, "generation_config.json")
+        gen_stops = _id_list(_read_json(gen_file).get("eos_token_id"), gen_file)
         eos = eos_token or _token_text(tcfg.get("eos_token"))
         if eos is not None:
             eos_id = id_of(eos, "eos_token")
         else:
-            gen = {**_read_json(os.path.join(path, "config.json")),
-                   **_read_json(os.path.join(path, "generation_config.json"))}
-            eos_id = gen.get("eos_token_id")
-            eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-            if eos_id is None:
+            model_file = os.path.join(path, "config.json")
+            eos_ids = gen_stops or _id_list(_read_json(model_file).get("eos_token_id"),
+                                            model_file)
+            if not eos_ids:
                 raise ValueError(f"{path}: no eos_token in tokenizer_config.json and no "
                                  "eos_token_id in generation_config.json / config.json; "
                                  "pass eos_token=")
+            eos_id = eos_ids[0]
         pad = pad_token or _token_text(tcfg.get("pad_token"))
         pad_id = id_of(pad, "pad_token") if pad is not None else eos_id
         bos = bos_token or _token_text(tcfg.get("bos_token"))
         bos_id = id_of(bos, "bos_token") if bos is not None else None
-        return cls(tok, eos_id=int(eos_id), pad_id=pad_id, bos_id=bos_id)
+        return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, stop_ids=gen_stops)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)

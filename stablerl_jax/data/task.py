@@ -1,12 +1,28 @@
-"""The task as the trainer sees it: splits, tokenizer, prompt batches, rewards, eval.
+"""The task as the trainer sees it: splits, eval sets, tokenizer, prompt batches, rewards.
 
 Letters: B responses (rows), G responses per prompt, P prompt slots, S rollout slots.
 
 The front door of `data/`: `load_split` dispatches on `TaskConfig.kind` to the arithmetic
-builder (synthetic.py) or the JSONL builder (gsm8k.py) and reads the split through its
-array_record data source; `TaskData` adds the tokenizer, trained once on the train split
-with at most `vocab_size` pieces (the model's), or a checkpoint's own tokenizer.json
-(`task.tokenizer_dir`), and the batches the loop needs.
+builder (synthetic.py) or the JSONL builder (jsonl.py) and reads a split through its
+array_record data source. `TaskData.create` then, in order:
+
+  1. loads the train split and the eval sets: `rl.eval_sets` ("name:path,…", each a JSONL
+     file or a directory holding test.jsonl, parsed directly, format auto-detected; under
+     task.format=custom read with the same custom fields), or the task's own test split
+     as one set named 'test';
+  2. builds the tokenizer: a checkpoint's own tokenizer.json (`task.tokenizer_dir`), or
+     SentencePiece trained once on the train split with at most `vocab_size` pieces;
+  3. renders every prompt to its final text (data/chat_template.py: task.prompt_template,
+     and the checkpoint's chat template when task.chat_template is on), so batches
+     tokenize `record["prompt"]` as is;
+  4. drops prompts longer than task.max_prompt_len tokens (BOS included), counting them
+     per split in `TaskData.filtered` and printing the count; a split left empty is an
+     error naming it, its file and the fix, raised here, before any training.
+
+Records are {id, prompt, solution, answer}, all str. `TaskData.evals` maps set names to
+records, in the order named. A task directory without train.jsonl (an eval-only set)
+loads with `require_train=False` (offline rollouts carry their own prompts); otherwise a
+missing train split is an error.
 """
 from __future__ import annotations
 
@@ -16,9 +32,11 @@ import os
 import numpy as np
 
 from stablerl_jax import distributed
-from stablerl_jax.config import TaskConfig, check
-from stablerl_jax.data import batching, gsm8k, rewards, synthetic
-from stablerl_jax.data.evaluation import scores, summarize
+from stablerl_jax.config import TaskConfig, check, parse_eval_sets
+from stablerl_jax.data import batching, jsonl, rewards, synthetic
+from stablerl_jax.data.answers import opens_think
+from stablerl_jax.data.chat_template import prompt_renderer
+from stablerl_jax.data.formats import Mapping
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
 
@@ -31,40 +49,137 @@ def read_source(source) -> list[dict]:
     return sorted(recs, key=lambda r: r["id"])
 
 
+def mapping(task: TaskConfig) -> Mapping:
+    """The task's JSONL field mapping (data/formats.py)."""
+    return Mapping(task.format, task.prompt_field, task.answer_field, task.solution_field)
+
+
+def _builder(task: TaskConfig, data_dir: str):
+    if task.kind == "arithmetic":
+        return synthetic.builder(task, data_dir)
+    return jsonl.builder(task.jsonl_dir, data_dir, task.skip_malformed, mapping(task))
+
+
+def _read(b, task: TaskConfig, split: str) -> list[dict]:
+    if split not in b.info.splits:
+        raise FileNotFoundError(f"{task.jsonl_dir}: no {split}.jsonl; put one in "
+                                f"task.jsonl_dir (a single .jsonl file is a test split)")
+    return read_source(b.as_data_source()[split])
+
+
 def load_split(task: TaskConfig, split: str, data_dir: str) -> list[dict]:
     """Build the task's dataset (once) and read a split: records {id, prompt, solution,
-    answer} of str, sorted by id."""
+    answer} of str, sorted by id; the prompt is the raw question (no template)."""
     check(split in ("train", "test"), "split", f"must be 'train' or 'test', got {split!r}")
-    if task.kind == "gsm8k":
-        b = gsm8k.builder(task.jsonl_dir, data_dir, task.skip_malformed)
+    return _read(_builder(task, data_dir), task, split)
+
+
+def _eval_file(path: str, jsonl_dir: str = "") -> str:
+    """An eval set's JSONL file: `path`, or its test.jsonl when it is a directory. A
+    relative path is looked up in task.jsonl_dir first (so a preset can name
+    `aime24:aime24.jsonl` beside the training data), then in the working directory."""
+    tried = []
+    base = jsonl_dir if os.path.isdir(jsonl_dir) else os.path.dirname(jsonl_dir)
+    in_dir = [os.path.join(base, path)] if base and not os.path.isabs(path) else []
+    for cand in in_dir + [path]:
+        if os.path.isdir(cand):
+            cand = os.path.join(cand, "test.jsonl")
+        if os.path.isfile(cand):
+            return cand
+        tried.append(cand)
+    raise FileNotFoundError(f"rl.eval_sets: {path}: no such file (tried {', '.join(tried)}); "
+                            "each set is a JSONL file or a directory holding test.jsonl, a "
+                            "relative path taken in task.jsonl_dir or the working directory")
+
+
+def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bool
+              ) -> tuple[list[dict], dict[str, list[dict]], dict[str, str]]:
+    """(train records, {eval set: records}, {split or set: its source}) with raw
+    questions as prompts (step 1 of the module docstring)."""
+    b = _builder(task, data_dir)
+    where = task.jsonl_dir or f"the {task.kind} task"
+    sources = {s: where for s in b.info.splits}
+    if "train" in b.info.splits:
+        train = read_source(b.as_data_source()["train"])
+    elif require_train:
+        raise FileNotFoundError(f"{task.jsonl_dir}: no train.jsonl, and a training run "
+                                "needs one; add it, or train on rl.offline_rollouts")
     else:
-        b = synthetic.builder(task, data_dir)
-    return read_source(b.as_data_source()[split])
+        train = []
+    if task.kind != "arithmetic" and distributed.is_main():
+        formats = b.info.metadata.get("formats", {})
+        print(f"data: {where}: " + ", ".join(f"{s} read as format {f!r}"
+                                             for s, f in formats.items()), flush=True)
+    named = parse_eval_sets(eval_sets)
+    if not named:
+        return train, {"test": _read(b, task, "test")}, sources
+    evals = {}
+    eval_mapping = mapping(task) if task.format == "custom" else Mapping("auto")
+    for name, path in named.items():
+        sources[name] = path = _eval_file(path, task.jsonl_dir)
+        parsed = jsonl.parse_jsonl(path, task.skip_malformed, name, eval_mapping)
+        if distributed.is_main():
+            print(f"data: eval set {name!r}: {path} read as format {parsed.format!r} "
+                  f"({len(parsed.records)} problems, {parsed.skipped} malformed skipped)",
+                  flush=True)
+        evals[name] = parsed.records
+    return train, evals, sources
+
+
+def _tokenizer(cfg: TaskConfig, vocab_size: int, data_dir: str, corpus) -> Tokenizer:
+    if cfg.tokenizer_dir:
+        tok = HFTokenizer.from_dir(cfg.tokenizer_dir)
+        check(tok.vocab_size <= vocab_size, "task.tokenizer_dir",
+              f"the tokenizer has {tok.vocab_size} tokens > model.vocab_size="
+              f"{vocab_size}; use the checkpoint's own tokenizer")
+        return tok
+    name = f"spm_{cfg.kind}_{vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
+    return SentencePieceTokenizer.load_or_train(os.path.join(data_dir, name), corpus,
+                                                vocab_size)
+
+
+def _fit(records: list[dict], render, tok: Tokenizer, cfg: TaskConfig, name: str,
+         source: str) -> tuple[list[dict], int]:
+    """Rendered records that fit task.max_prompt_len, and how many did not (step 4)."""
+    rendered = [{**r, "prompt": render(r["prompt"])} for r in records]
+    kept, dropped = batching.split_by_length(rendered, tok, cfg.max_prompt_len)
+    if dropped and distributed.is_main():
+        print(f"data: {name}: dropped {dropped} of {len(rendered)} prompts longer than "
+              f"task.max_prompt_len={cfg.max_prompt_len} tokens (template included)",
+              flush=True)
+    if rendered and not kept:
+        raise ValueError(f"{source}: every one of the {len(rendered)} {name} prompts is "
+                         f"longer than task.max_prompt_len={cfg.max_prompt_len} tokens once "
+                         "rendered; raise task.max_prompt_len (or shorten the template)")
+    return kept, dropped
 
 
 @dataclasses.dataclass
 class TaskData:
     cfg: TaskConfig
     train: list
-    test: list
+    evals: dict            # {set name: records}, in the order named
     tokenizer: Tokenizer
+    filtered: dict         # {split or set name: prompts dropped as over-long}
+    response_prefix: str = ""  # "<think>" when the rendered prompt opens a think block
 
     @classmethod
-    def create(cls, cfg: TaskConfig, vocab_size: int, data_dir: str) -> "TaskData":
-        """Build the splits (once) and train the tokenizer (once) under data_dir."""
-        train = load_split(cfg, "train", data_dir)
-        test = load_split(cfg, "test", data_dir)
-        if cfg.tokenizer_dir:
-            tok = HFTokenizer.from_dir(cfg.tokenizer_dir)
-            check(tok.vocab_size <= vocab_size, "task.tokenizer_dir",
-                  f"the tokenizer has {tok.vocab_size} tokens > model.vocab_size="
-                  f"{vocab_size}; use the checkpoint's own tokenizer")
-            return cls(cfg, train, test, tok)
-        corpus = [r["prompt"] + " " + r["solution"] for r in train]
-        name = f"spm_{cfg.kind}_{vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
-        tok = SentencePieceTokenizer.load_or_train(os.path.join(data_dir, name), corpus,
-                                                   vocab_size)
-        return cls(cfg, train, test, tok)
+    def create(cls, cfg: TaskConfig, vocab_size: int, data_dir: str, eval_sets: str = "",
+               require_train: bool = True) -> "TaskData":
+        """Load, tokenize, render and filter (module docstring) under data_dir."""
+        train, evals, sources = load_sets(cfg, data_dir, eval_sets, require_train)
+        render = prompt_renderer(cfg)
+        corpus_recs = train or [r for recs in evals.values() for r in recs]
+        tok = _tokenizer(cfg, vocab_size, data_dir,
+                         [render(r["prompt"]) + " " + r["solution"] for r in corpus_recs])
+        filtered = {}
+        train, filtered["train"] = _fit(train, render, tok, cfg, "train",
+                                        sources.get("train", ""))
+        for name in evals:
+            evals[name], filtered[name] = _fit(evals[name], render, tok, cfg, name,
+                                               sources.get(name, sources.get("test", "")))
+        prefix = "<think>" if opens_think(render("?")) else ""
+        return cls(cfg, train, evals, tok, filtered, prefix)
 
     @property
     def reward_kind(self) -> str:
@@ -84,9 +199,20 @@ class TaskData:
         comp = distributed.local_rows(rollout.completion_mask_BxS)
         return [self.tokenizer.decode(t[c]) for t, c in zip(toks, comp)]
 
+    def scored_texts(self, completions) -> list[str]:
+        """Completions as the reward reads them: behind `response_prefix`, so a response
+        to a prompt that opened `<think>` is not scored from inside its think block."""
+        return [self.response_prefix + c for c in completions]
+
+    def reward_with_source(self, rollout, answers) -> tuple[np.ndarray, list[str]]:
+        """(rewards, answer extractor) of this process's rows; `answers` are those rows'
+        reference answers."""
+        return rewards.rewards_with_source(self.scored_texts(self.completions(rollout)),
+                                           answers, self.reward_kind)
+
     def reward(self, rollout, answers) -> np.ndarray:
         """Rewards of this process's rows; `answers` are those rows' reference answers."""
-        return rewards.rewards(self.completions(rollout), answers, self.reward_kind)
+        return self.reward_with_source(rollout, answers)[0]
 
     def sft_batches(self, batch_size: int, seed: int):
         """Endless seeded epochs of `batching.SFTBatch`es (numpy): this process's block of
@@ -95,19 +221,3 @@ class TaskData:
         for recs in batching.epochs(self.train, batch_size, seed):
             yield batching.sft_batch(recs[rows], self.tokenizer, self.cfg.max_prompt_len,
                                      self.cfg.max_solution_len)
-
-    def evaluate(self, sample_tokens, key, num_problems: int, k: int) -> dict:
-        """avg@k / pass@k on the first `num_problems` test problems (each process samples
-        and scores its block of them; the scores are gathered)."""
-        problems = self.test[:num_problems][distributed.rows_of_process(num_problems)]
-        by_prompt = {r["prompt"]: r for r in problems}
-
-        def sample_fn(prompts: list[str]) -> list[str]:
-            recs = [by_prompt[p] for p in prompts]
-            tokens, mask, _ = batching.prompt_batch(recs, self.tokenizer, 1,
-                                                    self.cfg.max_prompt_len)
-            return self.completions(sample_tokens(tokens, mask, key))
-
-        r_nxk = scores(sample_fn, [r["prompt"] for r in problems],
-                       [r["answer"] for r in problems], k, rewards.REWARDS[self.reward_kind])
-        return summarize(distributed.gather(r_nxk))

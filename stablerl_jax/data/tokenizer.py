@@ -21,11 +21,14 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 class Tokenizer(Protocol):
     """What the trainer needs of a tokenizer: this SentencePiece model, or a checkpoint's
-    own `tokenizer.json` (data/hf_tokenizer.py). bos_id None: prompts get no BOS."""
+    own `tokenizer.json` (data/hf_tokenizer.py). bos_id None: prompts get no BOS.
+    stop_ids: every id that ends a response (eos_id first, no duplicates); the sampler
+    stops a row on any of them, and SFT solutions end with eos_id."""
 
     pad_id: int
     bos_id: int | None
     eos_id: int
+    stop_ids: tuple[int, ...]
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -37,6 +40,7 @@ class SentencePieceTokenizer:
     """A SentencePiece model with this project's fixed special ids."""
 
     pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    stop_ids = (EOS_ID,)
 
     def __init__(self, model_proto: bytes):
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)

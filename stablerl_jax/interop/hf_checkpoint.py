@@ -53,6 +53,7 @@ from safetensors.numpy import save_file
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
+from stablerl_jax.interop import hf_config
 from stablerl_jax.interop.hf_config import hf_config_from_model, model_config_from_hf
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
@@ -210,19 +211,33 @@ def read_config(path: str, **overrides) -> ModelConfig:
         return model_config_from_hf(json.load(f), **overrides)
 
 
-# ModelConfig fields config.json does not set: how to compute, not what the model is.
-_RUN_FIELDS = ("compute_dtype", "remat", "dispatch", "moe_tile", "router_z_loss_weight",
-               "init_std", "gmm_impl", "expert_parallel", "attention_impl",
-               "attention_chunk")
+# Fields config.json defines that a run still chooses: the master weights' dtype
+# (parameters and optimizer state; float32 by default whatever the checkpoint's dtype, so
+# an lr-1e-6 update is not rounded away by bf16 weights). `--export-hf` writes the
+# checkpoint's own dtype back (`checkpoint_dtype`).
+RUN_CHOSEN = ("param_dtype",)
+
+
+def _hf_json(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def checkpoint_dtype(path: str) -> str:
+    """The parameter dtype the checkpoint directory `path` stores (config.json)."""
+    return hf_config.checkpoint_fields(_hf_json(path))["param_dtype"]
 
 
 def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentConfig:
-    """`cfg` with its model section read from the checkpoint directory `path` (the
-    architecture and parameter dtype from config.json; `_RUN_FIELDS` kept from
-    cfg.model), and the checkpoint's tokenizer when it ships a tokenizer.json
+    """`cfg` with its model section read from the checkpoint directory `path`: every field
+    config.json defines (`hf_config.checkpoint_fields`: the architecture) from it, every
+    other field (how to compute: compute_dtype, remat, dispatch, unroll_layers,
+    kv_cache_layout, …) and `RUN_CHOSEN` kept from cfg.model (the preset and the command
+    line); and the checkpoint's tokenizer when it ships a tokenizer.json
     (task.tokenizer_dir = path, unless already set; without one, the task's SentencePiece
     tokenizer, e.g. for a checkpoint this project exported)."""
-    model = read_config(path, **{f: getattr(cfg.model, f) for f in _RUN_FIELDS})
+    arch = hf_config.checkpoint_fields(_hf_json(path))
+    model = cfg.model.replace(**{k: v for k, v in arch.items() if k not in RUN_CHOSEN})
     task = cfg.task
     if not task.tokenizer_dir and os.path.exists(os.path.join(path, "tokenizer.json")):
         task = task.replace(tokenizer_dir=path)

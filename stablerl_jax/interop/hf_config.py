@@ -68,6 +68,13 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """The ModelConfig of a Qwen3-MoE config.json (a dict); `overrides` replace any
     ModelConfig field afterwards (e.g. max_seq_len=4096, compute_dtype='bfloat16',
     param_dtype='float32' to upcast on load, dispatch='dense')."""
+    return ModelConfig(**{**checkpoint_fields(hf), **overrides})
+
+
+def checkpoint_fields(hf: dict) -> dict:
+    """{ModelConfig field: value} of every field a Qwen3-MoE config.json defines (the
+    table in the module docstring), checked; every other field is how to compute, not
+    what the model is, and config.json says nothing about it."""
     _refuse(hf.get("model_type", "qwen3_moe") != "qwen3_moe", "model_type",
             f"must be 'qwen3_moe', got {hf.get('model_type')!r}")
     _refuse(bool(hf.get("attention_bias", False)), "attention_bias",
@@ -108,8 +115,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         param_dtype=dtype,
         router_aux_loss_weight=aux * top_k if hf.get("output_router_logits") else 0.0,
     )
-    kw.update(overrides)
-    return ModelConfig(**kw)
+    return kw
 
 
 def hf_config_from_model(cfg: ModelConfig, **extra) -> dict:

@@ -88,12 +88,14 @@ class Engine:
     _jitted: dict
 
     @classmethod
-    def create(cls, cfg: ExperimentConfig, *, eos_id: int, pad_id: int,
+    def create(cls, cfg: ExperimentConfig, *, eos_id: int, pad_id: int, stop_ids=(),
                optim: OptimConfig | None = None, total_steps: int | None = None,
                devices=None, params_like=None) -> "Engine":
         """Build the mesh, the shardings and every jitted step.
 
-        eos_id / pad_id: the tokenizer's. optim / total_steps: the optimizer of the
+        eos_id / pad_id: the tokenizer's; the sampler stops a row on eos_id or any id of
+        `stop_ids` (the tokenizer's `stop_ids`: generation_config.json's eos ids).
+        optim / total_steps: the optimizer of the
         updates (default: cfg.rl.optim over rl.steps × rl.num_minibatches updates; the
         SFT cold start passes cfg.sft.optim and sft.steps).
 
@@ -105,7 +107,8 @@ class Engine:
             optim, total_steps = cfg.rl.optim, cfg.rl.steps * cfg.rl.num_minibatches
         # The seed enters a step only as the seed of the sampler's router noise.
         noise_seed = cfg.rl.seed if cfg.sampling.router_noise_std > 0 else 0
-        args = (program_config(cfg), eos_id, pad_id, optim, total_steps, noise_seed,
+        args = (program_config(cfg), rollout_lib.stop_set(eos_id, stop_ids), pad_id, optim,
+                total_steps, noise_seed,
                 None if devices is None else tuple(devices))
         if params_like is None:
             return cls(cfg, *_shared_steps(*args))
@@ -170,10 +173,13 @@ class Engine:
         return self._call("sft_update", state, batch)
 
 
-# RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them.
-# (The eval batch size is left out: it is checked against the sampler's slices.)
+# RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them (the
+# eval batch is padded to the mesh and sampler multiple, the overlong penalty is added to
+# the rewards on the host).
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts")
+             "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts",
+             "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
+             "log_samples", "log_samples_every")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -184,7 +190,7 @@ def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg.replace(name="", rl=cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY}))
 
 
-def _steps(cfg: ExperimentConfig, eos_id: int, pad_id: int, optim: OptimConfig,
+def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
            total_steps: int, noise_seed: int, devices, params_like=None):
     """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
     mesh = make_mesh(cfg.mesh, devices)
@@ -211,7 +217,8 @@ def _steps(cfg: ExperimentConfig, eos_id: int, pad_id: int, optim: OptimConfig,
 
     def sample(params, prompts_BxP, mask_BxP, key):
         return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,
-                                  cfg.sampling, numerics, eos_id=eos_id, pad_id=pad_id,
+                                  cfg.sampling, numerics, eos_id=-1, stop_ids=stops,
+                                  pad_id=pad_id,
                                   mesh=model_mesh)
 
     def init_state(params):

@@ -12,7 +12,8 @@ One global step, every hop a call from here into one module and back:
     4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
-    7. metrics_io     the metrics row (and every eval_every steps, avg@k on held-out data)
+    7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
+                      rl/evals.py), decoded samples (samples.jsonl)
 
 With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
 rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
@@ -23,6 +24,7 @@ checkpoint reproduces the uninterrupted run bit for bit on CPU.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -30,7 +32,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, overlong
+from stablerl_jax import rollout as rollout_lib
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
@@ -40,7 +43,8 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import preflight, steps
+from stablerl_jax.model.numerics import dtype_of
+from stablerl_jax.rl import evals, preflight, steps
 from stablerl_jax.rl.engine import Engine
 
 
@@ -60,6 +64,10 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
         num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
         num_experts=cfg.model.num_experts)
     mine = distributed.rows_of_process(b)
+    if rollout.truncated_B is None:  # a file's rows: no stop id within max_new_tokens
+        rollout = rollout._replace(truncated_B=rollout_lib.truncated_rows(
+            rollout.tokens_BxS, rollout.completion_mask_BxS, data.tokenizer.stop_ids,
+            cfg.sampling.max_new_tokens))
     if rewards_B is None:
         rewards_B = data.reward(rollout, list(answers)[mine])
     else:
@@ -68,8 +76,13 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                offline: OfflineRollouts | None = None):
-    """One global step; returns (state, metrics dict of floats, mini-batch composition).
+                offline: OfflineRollouts | None = None, log_samples: int = 0):
+    """One global step; returns (state, metrics dict of floats, mini-batch composition,
+    decoded samples: this process's first `log_samples` rows, evals.sample_rows).
+
+    Under rl.overlong=penalty the rewards the advantages use include DAPO's length
+    penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
+    comparable across modes (`reward/overlong_penalty` is the mean penalty).
 
     The composition is {"prompts": train-split indices of the step's prompts,
     "minibatches": response indices per mini-batch, "skipped": 1 for each mini-batch whose
@@ -85,16 +98,24 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                                                   rl.group_size)
         key = jax.random.fold_in(jax.random.key(rl.seed), step)
         rollout = engine.sample(state.params, tokens, mask, key)
-        rewards_mine = data.reward(rollout, answers)
+        rewards_mine, extractors = data.reward_with_source(rollout, answers)
         lengths_mine = distributed.local_rows(rollout.lengths_B)
+        truncated_mine = distributed.local_rows(rollout.truncated_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
+        samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
+                                    extractors, log_samples, split="train")
     else:  # already this process's rows, on the host
         rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
-        lengths_mine = rollout.lengths_B
+        lengths_mine, truncated_mine = rollout.lengths_B, rollout.truncated_B
         source = {"responses": [int(i) for i in rows]}
+        samples = []
+    penalty_mine = np.zeros_like(rewards_mine)
+    if rl.overlong == "penalty":
+        penalty_mine = overlong.length_penalty(lengths_mine, engine.cfg.sampling.max_new_tokens,
+                                               rl.overlong_buffer, rl.overlong_penalty_factor)
     if rl.trim_bucket:
         rollout = engine.trim(rollout, rl.trim_bucket)
-    batch, score_metrics = engine.score(state.params, rollout, rewards_mine)
+    batch, score_metrics = engine.score(state.params, rollout, rewards_mine + penalty_mine)
     rewards_B = distributed.gather(rewards_mine)
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
     update_metrics = []
@@ -103,43 +124,63 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         update_metrics.append(jax.tree.map(distributed.host, m))
     lengths_B = distributed.gather(lengths_mine)
     metrics = {"reward": float(np.mean(rewards_B)),
-               "response_length": float(np.mean(lengths_B))}
+               "response_length": float(np.mean(lengths_B)),
+               **overlong.response_stats(lengths_B, distributed.gather(truncated_mine),
+                                         engine.cfg.sampling.max_new_tokens)}
+    if rl.overlong == "penalty":
+        metrics["reward/overlong_penalty"] = float(np.mean(distributed.gather(penalty_mine)))
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
     composition = {**source, "minibatches": minibatches.tolist(),
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
-    return state, metrics, composition
+    return state, metrics, composition, samples
 
 
-def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
-    """avg@k accuracy on the held-out split with the sampling path (inference numerics)."""
+def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
+    """(metrics, samples): avg@k, pass@k, mean length and truncated fraction of every
+    eval set and their means (rl/evals.py), with the sampling path (inference numerics)."""
     rl = engine.cfg.rl
     key = jax.random.fold_in(jax.random.key(rl.seed + 1), step)
-    res = data.evaluate(lambda t, m, k: engine.sample(params, t, m, k), key,
-                        rl.eval_problems, rl.eval_k)
-    return {"eval/accuracy": res["avg@k"], "eval/pass_at_k": res["pass@k"]}
+    return evals.evaluate_sets(lambda t, m, k: engine.sample(params, t, m, k), data,
+                               data.evals, key, rl.eval_problems, rl.eval_k,
+                               evals.batch_multiple(engine.cfg), log_samples)
+
+
+def log_samples(writer: MetricsWriter, path: str, step: int, samples: list[dict]) -> None:
+    """Append decoded samples to samples.jsonl (one row each, with the step) and to
+    TensorBoard text (process 0 only: the writer of other processes is disabled)."""
+    if not (writer.enabled and samples):
+        return
+    for row in samples:
+        append_jsonl(path, {"step": int(step), **row})
+    writer.text(step, "samples", samples)
 
 
 def task_data(cfg, workdir: str) -> TaskData:
     """The task's data under `<workdir>/data`, built by the first process while the others
     wait (on a shared filesystem they then only read it)."""
     path = os.path.join(workdir, "data")
+    create = functools.partial(TaskData.create, cfg.task, cfg.model.vocab_size, path,
+                               cfg.rl.eval_sets, require_train=not cfg.rl.offline_rollouts)
     if distributed.is_main():
-        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+        data = create()
     distributed.barrier("task data")
     if not distributed.is_main():
-        data = TaskData.create(cfg.task, cfg.model.vocab_size, path)
+        data = create()
     return data
 
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
-        progress: bool = True, allow_config_change=(), export_hf: str = "") -> dict:
+        progress: bool = True, allow_config_change=(), export_hf: str = "",
+        export_dtype: str = "") -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
     A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
     `allow_config_change` names the changed fields ("section.field"). `export_hf`: also
     write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
-    tokenizer's special ids, and its files when task.tokenizer_dir is set). In a
+    tokenizer's special ids, and its files when task.tokenizer_dir is set), its tensors
+    in `export_dtype` ('' = model.param_dtype; e.g. the dtype of the checkpoint the run
+    started from, while the run trains float32 master weights). In a
     multi-process run every process calls this; the first writes metrics, logs, plots and
     the summary, and every one writes its part of the checkpoints.
     """
@@ -149,7 +190,8 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     if main:
         os.makedirs(workdir, exist_ok=True)
     data = data or task_data(cfg, workdir)
-    engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id,
+                           stop_ids=data.tokenizer.stop_ids)
     offline = None
     if cfg.rl.offline_rollouts:
         offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
@@ -161,6 +203,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
+    samples_log = os.path.join(workdir, "samples.jsonl")
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
@@ -185,24 +228,35 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         start = latest
         writer.truncate_after(latest)
         if main:
-            truncate_jsonl(minibatch_log, latest)
+            for log in (minibatch_log, samples_log):
+                truncate_jsonl(log, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         if main:
-            truncate_jsonl(minibatch_log, -1)
-        writer.write(0, evaluate(engine, state.params, data, 0))
+            for log in (minibatch_log, samples_log):
+                truncate_jsonl(log, -1)
+        metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
+        writer.write(0, metrics)
+        log_samples(writer, samples_log, 0, samples)
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not (progress and main), desc=cfg.name)
     skips = 0
     meta = {"config": flat_dict(cfg)}
     try:
         for step in bar:
-            state, metrics, composition = global_step(engine, state, data, step, offline)
+            every = cfg.rl.log_samples_every
+            train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
+            state, metrics, composition, samples = global_step(engine, state, data, step,
+                                                               offline, train_samples)
             if main:
                 append_jsonl(minibatch_log, {"step": step + 1, **composition})
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
-                metrics.update(evaluate(engine, state.params, data, step + 1))
+                eval_metrics, eval_samples = evaluate(engine, state.params, data, step + 1,
+                                                      cfg.rl.log_samples)
+                metrics.update(eval_metrics)
+                samples += eval_samples
             writer.write(step + 1, metrics)
+            log_samples(writer, samples_log, step + 1, samples)
             skips = steps.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
             bar.set_postfix(reward=f"{metrics['reward']:.3f}",
@@ -216,7 +270,9 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         writer.close()
     if export_hf:
         tok = data.tokenizer
-        save_qwen3_moe(state.params, cfg.model, export_hf,
+        dtype = export_dtype or cfg.model.param_dtype
+        save_qwen3_moe(jax.tree.map(lambda x: x.astype(dtype_of(dtype)), state.params),
+                       cfg.model.replace(param_dtype=dtype), export_hf,
                        config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                                      "bos_token_id": tok.bos_id},
                        tokenizer_dir=cfg.task.tokenizer_dir)
@@ -233,12 +289,19 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
 
 
 def summarize(records: list[dict], skipped: int) -> dict:
-    evals = [r for r in records if r.get("eval/accuracy") is not None]
+    """The run's summary.json: start / end held-out accuracy (`eval/accuracy`, the mean
+    over eval sets) and each set's end avg@k, start / end reward (means of the first /
+    last fifth of the steps), steps and skipped updates."""
+    evaluated = [r for r in records if r.get("eval/accuracy") is not None]
+    last = evaluated[-1] if evaluated else {}
+    sets = {k[len("eval/"):-len("/avg@k")]: v for k, v in last.items()
+            if k.startswith("eval/") and k.endswith("/avg@k")}
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     w = max(1, len(rewards) // 5)
     return {
-        "start_accuracy": evals[0]["eval/accuracy"] if evals else None,
-        "end_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "start_accuracy": evaluated[0]["eval/accuracy"] if evaluated else None,
+        "end_accuracy": last.get("eval/accuracy"),
+        "end_accuracy_by_set": sets,
         "start_reward": float(np.mean(rewards[:w])) if rewards else None,
         "end_reward": float(np.mean(rewards[-w:])) if rewards else None,
         "steps": records[-1]["step"] if records else 0,

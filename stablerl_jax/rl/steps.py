@@ -90,7 +90,8 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     """The π_old pass at θ_old: a rollout and its rewards in, the update's batch out.
 
     Computes the group advantages, log π_old (replaying routes_mu under R3) and the
-    rollout's monitors (`rollout_monitors`). The returned batch carries the one replay
+    rollout's monitors (`rollout_monitors`). Under rl.overlong=mask the truncated rows'
+    mask is zeroed after the advantages are computed over every row (overlong.py). The returned batch carries the one replay
     tensor the updates use. The forward runs in `n_slices` strided slices of the rows
     (rows are independent, so the result is the same); `mesh`: the devices the expert FFN
     is sharded over. `forward=False` (rl.score_in_update): no forward; the batch leaves
@@ -106,6 +107,11 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         replay_w = rollout.route_weights_mu_BxSxLxK[:, :-1]
     attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     mask_BxT = rollout.completion_mask_BxS[:, 1:].astype(jnp.float32)
+    if rl.overlong == "mask":  # a truncated response gets no gradient (overlong.py)
+        if rollout.truncated_B is None:
+            raise ValueError("rl.overlong=mask: the rollout has no truncated_B; fill it "
+                             "with rollout.truncated_rows")
+        mask_BxT = mask_BxT * (~rollout.truncated_B)[:, None].astype(jnp.float32)
     rollout_logp_BxT = rollout.logp_mu_BxS[:, 1:]
 
     advantages_B = adv_lib.compute(cfg.loss.advantage, rewards_B, rl.group_size,

@@ -1,0 +1,134 @@
+"""Prompts as the checkpoint expects them: its own jinja chat template, rendered as
+Hugging Face transformers renders it (`apply_chat_template`), plus the task's wording.
+
+A question becomes the final prompt text in two steps:
+
+    user    = task.prompt_template with "{question}" replaced by the question
+              (plain replacement: `\\boxed{}` in the wording needs no escaping)
+    prompt  = chat_template(messages=[{system: task.system_prompt}?, {user: user}],
+              add_generation_prompt=task.add_generation_prompt,
+              enable_thinking=task.enable_thinking, <the tokenizer's special tokens>)
+
+when `task.chat_template` is on; otherwise the prompt is `user` itself (the synthetic
+task and the SentencePiece tokenizer have no template). The template is the directory's
+`chat_template.jinja` if present, else tokenizer_config.json's "chat_template" (a string,
+or a list of {name, template} from which "default" is taken), as transformers reads it.
+
+Rendering matches transformers': a sandboxed `ImmutableSandboxedEnvironment` with
+trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson` filter that does not
+escape HTML, and the globals `raise_exception` and `strftime_now`. The rendered text holds
+special tokens (`<|im_start|>`, …) that the tokenizer encodes as single ids. A template
+that fails to compile or render is an error naming the file, raised when the data loads.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Callable
+
+from stablerl_jax.config import TaskConfig, check
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                 "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """A chat template is missing, does not compile, or fails to render."""
+
+
+def _environment():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _token_text(v) -> str | None:
+    return v.get("content") if isinstance(v, dict) else v
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may refer to."""
+
+    def __init__(self, source: str, special_tokens: dict, origin: str):
+        self.origin = origin
+        self.special_tokens = dict(special_tokens)
+        try:
+            self.template = _environment().from_string(source)
+        except Exception as e:  # noqa: BLE001 - any jinja error: name the file
+            raise ChatTemplateError(f"{origin}: the chat template does not compile ({e}); "
+                                    "fix the template or set task.chat_template=false"
+                                    ) from None
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ChatTemplate":
+        """The template of a tokenizer directory (module docstring)."""
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        tcfg = {}
+        if os.path.exists(cfg_file):
+            with open(cfg_file) as f:
+                tcfg = json.load(f)
+        special = {k: _token_text(tcfg[k]) for k in _SPECIAL_KEYS if tcfg.get(k)}
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_file):
+            with open(jinja_file) as f:
+                return cls(f.read(), special, jinja_file)
+        source = tcfg.get("chat_template")
+        if isinstance(source, list):  # [{name, template}, …]: transformers takes "default"
+            source = {t.get("name"): t.get("template") for t in source
+                      if isinstance(t, dict)}.get("default")
+        if not isinstance(source, str) or not source:
+            raise ChatTemplateError(f"{cfg_file}: no chat_template (and no "
+                                    f"{jinja_file}); use the checkpoint's own tokenizer "
+                                    "files or set task.chat_template=false")
+        return cls(source, special, cfg_file)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               **kwargs) -> str:
+        """The template's text for `messages`; kwargs (e.g. enable_thinking) override the
+        special tokens, as in transformers."""
+        try:
+            return self.template.render(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **{**self.special_tokens, **kwargs})
+        except Exception as e:  # noqa: BLE001 - any render error: name the file
+            raise ChatTemplateError(f"{self.origin}: the chat template failed to render "
+                                    f"({type(e).__name__}: {e}); fix the template or set "
+                                    "task.chat_template=false") from None
+
+
+def prompt_renderer(task: TaskConfig) -> Callable[[str], str]:
+    """question -> final prompt text (module docstring). The template is loaded and
+    rendered once here, so a broken one fails when the data loads."""
+    def user_text(question: str) -> str:
+        return task.prompt_template.replace("{question}", question)
+
+    if not task.chat_template:
+        return user_text
+    check(bool(task.tokenizer_dir), "task.chat_template",
+          "renders the checkpoint's template, so it needs task.tokenizer_dir (the "
+          "directory with tokenizer_config.json; `experiments.quickstart --hf DIR` sets "
+          "it); set it or task.chat_template=false")
+    template = ChatTemplate.from_dir(task.tokenizer_dir)
+    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
+
+    def render(question: str) -> str:
+        return template.render(system + [{"role": "user", "content": user_text(question)}],
+                               add_generation_prompt=task.add_generation_prompt,
+                               enable_thinking=task.enable_thinking)
+
+    render("1 + 1 = ?")
+    return render

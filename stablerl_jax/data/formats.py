@@ -1,0 +1,161 @@
+"""JSONL record layouts of math data sets, and how each maps to (question, solution,
+answer). Pure functions of one parsed JSON object; data/jsonl.py reads the files.
+
+    format         fields read                                  answer
+    gsm8k          question, answer ending in a '#### N' line   N (the '####' line)
+    math           problem, solution with \\boxed{…} [, answer]  answer if present, else
+                                                                the solution's last box
+    dapo           prompt: [{role, content}, …] (the last user   reward_model.ground_truth
+                   message is the question), reward_model
+    aime           problem or question, answer (a plain answer)  answer
+    prompt_answer  prompt (a string), answer                    answer
+    custom         task.prompt_field, task.answer_field [,      answer_field
+                   task.solution_field]
+
+Every answer is normalized the same way: a '#### N' line gives N, else the last
+`\\boxed{…}` gives its content, else the stripped text; ints (AIME files often store
+them as numbers) become their decimal string. The solution (the SFT target) is the
+solution text where the format has one (GSM8K's '<<48/2=24>>' calculator annotations
+removed), else ''.
+
+`task.format=auto` picks the one named format whose fields the file's first record has
+(`detect`); none or several is an error naming the file, the fields present and the fix.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, NamedTuple
+
+from stablerl_jax.data.answers import last_boxed, parse_final_answer
+
+_CALCULATOR = re.compile(r"<<[^<>\n]*>>")
+
+
+class Mapping(NamedTuple):
+    """How records are read: a format name and, for 'custom', the field names."""
+
+    format: str
+    prompt_field: str = ""
+    answer_field: str = ""
+    solution_field: str = ""
+
+
+def _text(obj: dict, field: str) -> str:
+    """obj[field], a string; KeyError / TypeError otherwise."""
+    v = obj[field]
+    if not isinstance(v, str):
+        raise TypeError(f"field '{field}' must be a string, got {type(v).__name__}")
+    return v
+
+
+def _answer(obj: dict, field: str) -> str | None:
+    """The normalized answer in obj[field] (a string, or an int as AIME files have)."""
+    v = obj[field]
+    return normalize_answer(str(v) if type(v) is int else _text(obj, field))
+
+
+def normalize_answer(text: str) -> str | None:
+    """The final answer of a reference answer text (module docstring), None if empty."""
+    if "####" in text:
+        return parse_final_answer(text)
+    boxed = last_boxed(text) if "\\boxed" in text or "\\fbox" in text else None
+    return (boxed if boxed is not None else text.strip()) or None
+
+
+def _gsm8k(obj, _):
+    solution = _text(obj, "answer")
+    answer = parse_final_answer(solution)
+    if answer is None:
+        raise ValueError("'answer' has no final '#### N' line")
+    return _text(obj, "question"), _CALCULATOR.sub("", solution), answer
+
+
+def _math(obj, _):
+    solution = _text(obj, "solution")
+    answer = _answer(obj, "answer") if "answer" in obj else last_boxed(solution)
+    if answer is None:
+        raise ValueError("'solution' has no \\boxed{…} answer (and there is no 'answer' "
+                         "field)")
+    return _text(obj, "problem"), solution, answer
+
+
+def _dapo(obj, _):
+    chat = obj["prompt"]
+    users = [m.get("content") for m in chat if isinstance(m, dict) and m.get("role") == "user"] \
+        if isinstance(chat, list) else []
+    if not users or not isinstance(users[-1], str):
+        raise TypeError("'prompt' must be a chat list holding a user message "
+                        "{'role': 'user', 'content': str}")
+    rm = obj["reward_model"]
+    if not isinstance(rm, dict):
+        raise TypeError("'reward_model' must be an object with 'ground_truth'")
+    return users[-1], "", _answer(rm, "ground_truth")
+
+
+def _aime(obj, _):
+    question = _text(obj, "problem" if "problem" in obj else "question")
+    return question, "", _answer(obj, "answer")
+
+
+def _prompt_answer(obj, _):
+    return _text(obj, "prompt"), "", _answer(obj, "answer")
+
+
+def _custom(obj, m: Mapping):
+    solution = _text(obj, m.solution_field) if m.solution_field else ""
+    return _text(obj, m.prompt_field), solution, _answer(obj, m.answer_field)
+
+
+def _fits(obj: dict) -> dict[str, bool]:
+    """Which named formats a record's fields fit."""
+    has = obj.keys().__contains__
+    hash_answer = isinstance(obj.get("answer"), str) and "####" in obj["answer"]
+    return {
+        "gsm8k": has("question") and hash_answer,
+        "math": has("problem") and has("solution"),
+        "dapo": isinstance(obj.get("prompt"), list) and isinstance(obj.get("reward_model"),
+                                                                   dict),
+        "aime": has("answer") and not hash_answer and (
+            (has("problem") and not has("solution")) or has("question")),
+        "prompt_answer": isinstance(obj.get("prompt"), str) and has("answer"),
+    }
+
+
+READERS: dict[str, Callable] = {"gsm8k": _gsm8k, "math": _math, "dapo": _dapo,
+                                "aime": _aime, "prompt_answer": _prompt_answer,
+                                "custom": _custom}
+NAMED = tuple(k for k in READERS if k != "custom")
+
+
+class NoFormatError(ValueError):
+    """No named format, or more than one, fits a record's fields."""
+
+
+def detect(obj: dict, path: str) -> str:
+    """The one named format a record fits (module docstring); ValueError naming the
+    file, the fields present and the fix otherwise."""
+    fits = [name for name, ok in _fits(obj).items() if ok]
+    if len(fits) == 1:
+        return fits[0]
+    fields = sorted(obj)
+    if not fits:
+        raise NoFormatError(
+            f"{path}: no known format fits the fields {fields} (gsm8k: question + answer "
+            "with '#### N'; math: problem + solution; dapo: prompt chat list + "
+            "reward_model.ground_truth; aime: problem|question + answer; prompt_answer: "
+            "prompt + answer); set task.format=custom task.prompt_field=<field> "
+            "task.answer_field=<field>")
+    raise NoFormatError(f"{path}: the fields {fields} fit several formats {fits}; name one "
+                     "with task.format=<format>")
+
+
+def read_record(obj, mapping: Mapping) -> tuple[str, str, str]:
+    """(question, solution, answer) of one parsed JSON line under `mapping` (a named or
+    'custom' format, never 'auto'); KeyError / TypeError / ValueError when it does not
+    fit."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
+    question, solution, answer = READERS[mapping.format](obj, mapping)
+    if answer is None:
+        raise ValueError("the answer is empty")
+    return question, solution, answer

@@ -1,0 +1,194 @@
+"""The `paper` recipe end to end, scaled down to CPU (marker `interop`: transformers and
+torch build the checkpoint).
+
+A tiny random Qwen3MoeForCausalLM is saved in bfloat16 with a Qwen-style tokenizer (chat
+template, two stop ids in generation_config.json: tests/hf_fixtures.py), beside
+MATH-format training data with boxed answers and two AIME-format eval sets named by
+relative paths, as the preset names its own. `experiments.quickstart --preset paper --hf`
+trains two steps at lr 1e-6 and exports the policy. Then: the prompts carry the template;
+a hand-made boxed completion earns reward 1 through the run's reward path; the sampler
+stops on either stop id; truncated rows are masked out of the loss (rl.overlong=mask);
+the float32 master weights moved; samples.jsonl and the per-set eval metrics exist; the
+export is in the checkpoint's dtype.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_fixtures import write_qwen_tokenizer
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch) is not installed")
+transformers = pytest.importorskip("transformers",
+                                   reason="the interop extra (transformers) is not installed")
+
+from experiments import quickstart  # noqa: E402
+from stablerl_jax import presets  # noqa: E402
+from stablerl_jax.checkpoint import Checkpointer  # noqa: E402
+from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
+from stablerl_jax.metrics_io import read_metrics  # noqa: E402
+from stablerl_jax.rl import loop  # noqa: E402
+from stablerl_jax.rl.engine import Engine  # noqa: E402
+from stablerl_jax.rollout import Rollout  # noqa: E402
+
+pytestmark = pytest.mark.interop
+N_NEW = 8  # response budget: short, so that some responses are truncated
+
+OVERRIDES = [
+    "mesh=1,1,1", "model.compute_dtype=float32", "model.remat=none",
+    "model.gmm_impl=tiles", "model.expert_parallel=false", "model.attention_impl=naive",
+    "model.unroll_layers=true", "task.max_prompt_len=64", "task.max_solution_len=32",
+    f"sampling.max_new_tokens={N_NEW}", "sampling.max_batch=0", "sampling.dispatch=dense",
+    "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.microbatches=1",
+    "rl.score_in_update=true", "rl.eval_every=2", "rl.eval_k=2", "rl.eval_problems=2",
+    "rl.checkpoint_every=2",
+    "rl.log_samples=2", "rl.eval_sets=aime24:aime24.jsonl,hmmt25:hmmt25.jsonl",
+    "rl.optim.learning_rate=1e-6",
+    # A random model earns no reward, so every group advantage and the policy gradient
+    # are 0; a small router z-loss gives every weight below the last routers a gradient,
+    # which is what the master weights' precision is tested with.
+    "model.router_z_loss_weight=1e-3"]
+
+
+def _checkpoint(path, tok):
+    """A random Qwen3-MoE in bfloat16 whose unembedding rows of the two stop ids are
+    both 2.5·e_0: where the final hidden state has ĥ_0 > 0 both get the logit 2.5·ĥ_0: a
+    row stops on either one with even odds, or runs out of budget
+    (truncated)."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+        max_position_embeddings=128, rope_theta=10_000.0, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[tok.token_to_id("<|im_end|>")] = 0.0
+        head[tok.token_to_id("<|endoftext|>")] = 0.0
+        head[tok.token_to_id("<|im_end|>"), 0] = 2.5
+        head[tok.token_to_id("<|endoftext|>"), 0] = 2.5
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe")
+    ckpt, data, work = root / "ckpt", root / "data", root / "run"
+    ckpt.mkdir()
+    data.mkdir()
+    tok = write_qwen_tokenizer(ckpt)
+    _checkpoint(ckpt, tok)
+    write_qwen_tokenizer(ckpt)  # save_pretrained wrote its own generation_config.json
+    _write_jsonl(data / "train.jsonl", [
+        {"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}, so the "
+         f"answer is $\\boxed{{{a + b}}}$.", "level": "Level 1", "type": "Algebra"}
+        for a, b in [(3, 4), (12, 7), (2, 2), (5, 6)]])
+    # Both sets (3 problems, capped at rl.eval_problems=2; and 1 problem, padded to 2)
+    # sample k·2 = 4 rows, the training batch's size: one sampler program for all.
+    _write_jsonl(data / "aime24.jsonl", [{"problem": f"Find {a} * 3.", "answer": str(3 * a)}
+                                         for a in (1, 2, 3)])
+    _write_jsonl(data / "hmmt25.jsonl", [{"problem": "Find x if 2x + 3 = 11.", "answer": "4"}])
+    overrides = OVERRIDES + [f"task.jsonl_dir={data}"]
+    summary = quickstart.main(["--workdir", str(work), "--preset", "paper", "--hf", str(ckpt),
+                               "--export-hf", str(root / "export"), "--quiet",
+                               "--compile-cache=", *overrides])
+    cfg = hc.experiment_with_checkpoint(presets.preset("paper", overrides), str(ckpt))
+    stops = (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
+    return {"root": root, "ckpt": str(ckpt), "work": str(work), "cfg": cfg, "stops": stops,
+            "summary": summary, "data": loop.task_data(cfg, str(work))}
+
+
+def test_prompts_carry_the_chat_template_and_a_boxed_answer_scores(run):
+    data, cfg = run["data"], run["cfg"]
+    assert cfg.task.chat_template and cfg.task.tokenizer_dir == run["ckpt"]
+    prompt = data.train[0]["prompt"]
+    assert prompt.startswith("<|im_start|>user\nWhat is") and "\\boxed{}" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    # A hand-made completion through the run's reward path (tokens → decode → reward).
+    rec = data.train[0]
+    tokens, mask, answers = data.prompt_batch([rec], 2)
+    texts = [f"<think>\nadd them</think>\nThe sum is \\boxed{{{rec['answer']}}}.<|im_end|>",
+             "<think>\nthe answer is \\boxed{0} ... wait"]  # truncated inside <think>
+    comp = [data.tokenizer.encode(t) for t in texts]
+    width = max(map(len, comp))
+    toks = np.concatenate([tokens, [c + [data.tokenizer.pad_id] * (width - len(c))
+                                    for c in comp]], 1)
+    cmask = np.concatenate([np.zeros_like(mask), [[i < len(c) for i in range(width)]
+                                                   for c in comp]], 1)
+    ro = Rollout(toks, np.concatenate([mask, np.zeros((2, width), bool)], 1), cmask,
+                 cmask.sum(1), np.zeros(toks.shape, np.float32), None)
+    np.testing.assert_array_equal(data.reward(ro, answers), [1.0, 0.0])
+
+
+def test_the_sampler_stops_on_either_stop_id_and_truncated_rows_are_masked(run):
+    cfg, data = run["cfg"], run["data"]
+    tok = data.tokenizer
+    assert tuple(tok.stop_ids) == run["stops"]  # <|im_end|> (eos) and <|endoftext|>
+    eng = Engine.create(cfg, eos_id=tok.eos_id, pad_id=tok.pad_id, stop_ids=tok.stop_ids)
+    params = hc.load_params(run["ckpt"], cfg.model)
+    tokens, mask, answers = data.prompt_batch(data.train[:2], cfg.rl.group_size)
+    ended, masked = set(), 0
+    for seed in range(8):  # the run's batch shape: its sampler program, drawn 8 times
+        ro = jax.tree.map(np.asarray, eng.sample(params, tokens, mask, jax.random.key(seed)))
+        last = ro.tokens_BxS[np.arange(len(tokens)), tokens.shape[1] + ro.lengths_B - 1]
+        np.testing.assert_array_equal(ro.truncated_B, ~np.isin(last, tok.stop_ids))
+        assert np.all(ro.lengths_B[ro.truncated_B] == N_NEW)
+        ended |= set(last[~ro.truncated_B].tolist())
+        if ro.truncated_B.any() and not masked:
+            batch, _ = eng.score(params, ro, np.arange(len(tokens), dtype=np.float32) % 2)
+            m = np.asarray(batch.mask_BxT)
+            assert not m[ro.truncated_B].any()
+            assert m[~ro.truncated_B].sum(1).tolist() == ro.lengths_B[~ro.truncated_B].tolist()
+            masked += 1
+    assert ended == set(tok.stop_ids), "rows should end on each of the two stop ids"
+    assert masked, "some row should be truncated"
+
+
+def test_float32_master_weights_moved_and_the_export_keeps_the_checkpoint_dtype(run):
+    cfg = run["cfg"]
+    assert cfg.model.param_dtype == "float32" and hc.checkpoint_dtype(run["ckpt"]) == "bfloat16"
+    start = hc.load_params(run["ckpt"], cfg.model)
+    eng = Engine.create(cfg, eos_id=0, pad_id=0)
+    state, meta = Checkpointer(f"{run['work']}/checkpoints").restore(
+        None, eng.init_state(start)._asdict())
+    assert meta["step"] == 2
+    leaves = list(zip(jax.tree.leaves(start), jax.tree.leaves(state["params"])))
+    assert all(b.dtype == jnp.float32 for _, b in leaves)
+    changed = sum(int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in leaves)
+    # What bfloat16 weights would have kept of the same update: it rounds 1e-6 away.
+    kept_in_bf16 = sum(int(np.sum(np.asarray(a) != np.asarray(b.astype(jnp.bfloat16),
+                                                               np.float32)))
+                       for a, b in leaves)
+    total = sum(a.size for a, _ in leaves)
+    assert changed > total // 3 and kept_in_bf16 < changed // 20, (changed, kept_in_bf16,
+                                                                   total)
+    exported = json.loads((run["root"] / "export" / "config.json").read_text())
+    assert exported["torch_dtype"] == "bfloat16"
+
+
+def test_metrics_samples_and_eval_sets(run):
+    rows = read_metrics(run["work"])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("response/truncated_frac", "response/length_mean", "response/length_max",
+                "response/clip_ratio"):
+        assert all(r[key] is not None for r in rows[1:]), key
+    for s in ("aime24", "hmmt25"):
+        for k in ("avg@k", "pass@k", "length_mean", "truncated_frac"):
+            assert rows[2][f"eval/{s}/{k}"] is not None and rows[0][f"eval/{s}/{k}"] is not None
+    assert rows[2]["eval/accuracy"] == pytest.approx(
+        (rows[2]["eval/aime24/avg@k"] + rows[2]["eval/hmmt25/avg@k"]) / 2)
+    assert run["summary"]["end_accuracy_by_set"] == {
+        s: rows[2][f"eval/{s}/avg@k"] for s in ("aime24", "hmmt25")}
+    samples = read_metrics(f"{run['work']}/samples.jsonl")
+    assert {(s["step"], s["split"]) for s in samples} == {
+        (st, sp) for st in (0, 2) for sp in ("eval/aime24", "eval/hmmt25")}
+    assert all("<|im_start|>" not in s["prompt"] or "assistant" in s["prompt"]
+               for s in samples)
+    assert all("Please reason step by step" in s["prompt"] for s in samples)
+    assert {"response", "reward", "truncated", "extractor", "answer"} <= set(samples[0])
