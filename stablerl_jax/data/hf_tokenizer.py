@@ -17,8 +17,11 @@ convention (pad 0, bos 2, eos 3):
             in order, without duplicates: a response ends at the first of any of them
 
 An explicit `eos_token=` / `pad_token=` / `bos_token=` (token strings) overrides each.
-`encode` adds no special tokens (the batching adds BOS where the tokenizer has one);
-`decode` drops pad/bos/eos, every special token, and ids the tokenizer does not have
+`encode` adds no special tokens (the batching adds BOS where the tokenizer has one), and
+splits the tokenizer's added tokens out of the text, so a rendered chat template's
+`<|im_start|>` is one id. `decode` drops pad/bos/eos, every special token (Qwen3's
+`<think>` / `</think>` are added but not special, so they stay and the reward can find
+the think block), and ids the tokenizer does not have
 (a model's embedding may have more rows than the tokenizer has tokens: Qwen3-30B-A3B has
 151,936 rows for 151,669 tokens), so decoding model output never raises.
 """
