@@ -146,3 +146,12 @@ def test_the_loop_passes_eval_sets_and_needs_no_train_split_offline(tmp_path, qw
     with pytest.raises(FileNotFoundError, match="no train.jsonl"):
         loop.task_data(cfg.replace(rl=cfg.rl.replace(offline_rollouts="")),
                        str(tmp_path / "run"))
+
+
+def test_a_train_only_directory_needs_named_eval_sets(tmp_path, qwen_task):
+    task, sets = qwen_task
+    os.remove(os.path.join(task.jsonl_dir, "test.jsonl"))
+    with pytest.raises(FileNotFoundError, match="no test.jsonl.*rl.eval_sets"):
+        TaskData.create(task, 512, str(tmp_path / "d"))
+    data = TaskData.create(task, 512, str(tmp_path / "d"), sets)
+    assert len(data.train) == 5 and list(data.evals) == ["aime24", "hmmt"]
