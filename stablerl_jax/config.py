@@ -13,7 +13,7 @@ Every check raises `ConfigError` naming the field, the bad value and what to cha
 Nothing is silently fixed: a config either describes exactly what runs or is refused.
 `apply_overrides` applies `section.field=value` strings (nested: `rl.optim.learning_rate`)
 all at once, then validates once, so overrides that only make sense together (e.g.
-`task.kind=gsm8k task.jsonl_dir=…`) are accepted in any order.
+`task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
 
 This module is a leaf: it imports nothing from the model, data or training code. Special
 token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's

@@ -1,12 +1,12 @@
 """The Hugging Face tokenizer.json tokenizer behind the `Tokenizer` protocol: special ids
 from the directory's config files (Qwen3's layout: no BOS), round trip, decoding that
-never raises, and clear errors. The tokenizer is a tiny byte-level BPE trained here."""
+never raises, stop ids, and clear errors. The tokenizer is the tiny byte-level BPE of
+tests/hf_fixtures.py."""
 import json
 
 import numpy as np
 import pytest
 from hf_fixtures import write_qwen_tokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from stablerl_jax.data import batching
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
@@ -14,20 +14,16 @@ from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
 TEXTS = ["What is 12 + 7?", "The answer is 19.", "Let's think step by step: 3 * 4 = 12.",
          "#### 42"]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _write(path, tokenizer_config=None):
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS, trainer)
-    tok.save(str(path / "tokenizer.json"))
+    """The Qwen3-style fixture's tokenizer.json with only `tokenizer_config` beside it."""
+    raw = write_qwen_tokenizer(path)
+    (path / "generation_config.json").unlink()
+    (path / "tokenizer_config.json").unlink()
     if tokenizer_config is not None:
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return tok
+    return raw
 
 
 def test_special_ids_come_from_the_directory_like_qwen3(tmp_path):

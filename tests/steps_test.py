@@ -308,7 +308,9 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
     other = cfg.replace(name="other", rl=cfg.rl.replace(
         seed=7, steps=9, eval_every=3, checkpoint_every=3,
         keep_checkpoints=5, async_checkpoints=False, max_consecutive_skips=3,
-        offline_rollouts="x.jsonl"))
+        offline_rollouts="x.jsonl", eval_k=3, eval_problems=5, eval_sets="a:/x.jsonl",
+        overlong_buffer=4, overlong_penalty_factor=0.5, log_samples=2,
+        log_samples_every=3))
     assert set(engine_lib.LOOP_ONLY) <= set(type(cfg.rl).__dataclass_fields__)
     for name in presets.PRESETS:  # valid for every preset (no cross-section check trips)
         engine_lib.program_config(presets.preset(name))
@@ -323,7 +325,7 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
     args = {"sample": (params, ro.tokens_BxS[:, :8], ro.prompt_mask_BxS[:, :8],
                        jax.random.key(0)),
             "score": (params, ro, REWARDS), "update": (state, batch)}
-    built = [engine_lib._steps(c, EOS_ID, PAD_ID, cfg.rl.optim, 4, 0, None)[-1]
+    built = [engine_lib._steps(c, (EOS_ID,), PAD_ID, cfg.rl.optim, 4, 0, None)[-1]
              for c in (cfg, other)]
     for name, xs in args.items():
         first, second = (str(jax.make_jaxpr(j[name][0])(*xs)) for j in built)

@@ -130,3 +130,28 @@ def test_a_prompt_that_opens_think_is_scored_after_it(tmp_path, qwen_task):
     assert data.response_prefix == "<think>"
     texts = data.scored_texts(["still thinking \\boxed{2}", "ok</think>\n\\boxed{2}"])
     assert rewards.rewards(texts, ["2", "2"], data.reward_kind).tolist() == [0.0, 1.0]
+
+
+def test_the_loop_passes_eval_sets_and_needs_no_train_split_offline(tmp_path, qwen_task):
+    from rl_helpers import tiny_cfg
+
+    from stablerl_jax.rl import loop
+    task, sets = qwen_task
+    os.remove(os.path.join(task.jsonl_dir, "train.jsonl"))
+    cfg = tiny_cfg()
+    cfg = cfg.replace(model=cfg.model.replace(vocab_size=512, max_seq_len=128), task=task,
+                      rl=cfg.rl.replace(eval_sets=sets, offline_rollouts="rollouts.npz"))
+    data = loop.task_data(cfg, str(tmp_path / "run"))
+    assert data.train == [] and list(data.evals) == ["aime24", "hmmt"]
+    with pytest.raises(FileNotFoundError, match="no train.jsonl"):
+        loop.task_data(cfg.replace(rl=cfg.rl.replace(offline_rollouts="")),
+                       str(tmp_path / "run"))
+
+
+def test_a_train_only_directory_needs_named_eval_sets(tmp_path, qwen_task):
+    task, sets = qwen_task
+    os.remove(os.path.join(task.jsonl_dir, "test.jsonl"))
+    with pytest.raises(FileNotFoundError, match="no test.jsonl.*rl.eval_sets"):
+        TaskData.create(task, 512, str(tmp_path / "d"))
+    data = TaskData.create(task, 512, str(tmp_path / "d"), sets)
+    assert len(data.train) == 5 and list(data.evals) == ["aime24", "hmmt"]

@@ -11,8 +11,9 @@ wins, and its name is reported (`SOURCES`) so a run can log how its answers were
     boxed      the last complete `\\boxed{…}` / `\\fbox{…}` (nested braces balanced), or
                `\\boxed 5`; the MATH / Qwen3 convention
     hash       the text after the last `####` on its line (GSM8K's convention)
-    answer_is  the text after the last "the answer is" (any case) up to the end of its
-               sentence (". " or the line's end), `$…$` removed
+    answer_is  the text after the last "the answer is" or line-leading "Answer:" (any
+               case; DAPO-Math asks for the latter) up to the end of its sentence (". "
+               or the line's end), `$…$` removed
     none       no answer: reward 0
 
 Reference answers and extracted answers are read by the same `parse_math`: math-verify's
@@ -27,9 +28,10 @@ import re
 
 SOURCES = ("boxed", "hash", "answer_is", "none")
 _HASH = re.compile(r"####[ \t]*([^\n]*)")
-# The answer runs to the end of its sentence: a period followed by a space or the line's end.
-_ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is\s*:?[ \t]*(\$[^$\n]*\$|[^\n]*?)"
-                        r"(?=\.\s|\.?$)", re.IGNORECASE | re.MULTILINE)
+# "the answer is X" or a line "Answer: X" (DAPO-Math's instruction); the answer runs to
+# the end of its sentence: a period followed by a space, or the line's end.
+_ANSWER_IS = re.compile(r"(?:the\s+(?:final\s+)?answer\s+is\s*:?|^[ \t]*answer[ \t]*:)[ \t]*"
+                        r"(\$[^$\n]*\$|[^\n]*?)(?=\.\s|\.?$)", re.IGNORECASE | re.MULTILINE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\b")
 _LATEX_HINT = re.compile(r"[\\^_{}]")
 # Longer answers are not answers; the cap also bounds math_verify's sympy work.

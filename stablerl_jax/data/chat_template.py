@@ -28,6 +28,7 @@ import os
 from typing import Callable
 
 from stablerl_jax.config import TaskConfig, check
+from stablerl_jax.data.hf_tokenizer import read_json, token_text
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                  "cls_token", "mask_token")
@@ -56,10 +57,6 @@ def _environment():
     return env
 
 
-def _token_text(v) -> str | None:
-    return v.get("content") if isinstance(v, dict) else v
-
-
 class ChatTemplate:
     """A compiled chat template and the special tokens it may refer to."""
 
@@ -77,11 +74,8 @@ class ChatTemplate:
     def from_dir(cls, path: str) -> "ChatTemplate":
         """The template of a tokenizer directory (module docstring)."""
         cfg_file = os.path.join(path, "tokenizer_config.json")
-        tcfg = {}
-        if os.path.exists(cfg_file):
-            with open(cfg_file) as f:
-                tcfg = json.load(f)
-        special = {k: _token_text(tcfg[k]) for k in _SPECIAL_KEYS if tcfg.get(k)}
+        tcfg = read_json(cfg_file)
+        special = {k: token_text(tcfg[k]) for k in _SPECIAL_KEYS if tcfg.get(k)}
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file) as f:

@@ -17,8 +17,11 @@ convention (pad 0, bos 2, eos 3):
             in order, without duplicates: a response ends at the first of any of them
 
 An explicit `eos_token=` / `pad_token=` / `bos_token=` (token strings) overrides each.
-`encode` adds no special tokens (the batching adds BOS where the tokenizer has one);
-`decode` drops pad/bos/eos, every special token, and ids the tokenizer does not have
+`encode` adds no special tokens (the batching adds BOS where the tokenizer has one), and
+splits the tokenizer's added tokens out of the text, so a rendered chat template's
+`<|im_start|>` is one id. `decode` drops pad/bos/eos, every special token (Qwen3's
+`<think>` / `</think>` are added but not special, so they stay and the reward can find
+the think block), and ids the tokenizer does not have
 (a model's embedding may have more rows than the tokenizer has tokens: Qwen3-30B-A3B has
 151,936 rows for 151,669 tokens), so decoding model output never raises.
 """
@@ -31,14 +34,19 @@ from typing import Iterable
 from tokenizers import Tokenizer as _HFTokenizer
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """A tokenizer directory's JSON file, {} when absent; a clear error when corrupt."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({e}); restore the checkpoint's file"
+                         ) from None
 
 
-def _token_text(v) -> str | None:
+def token_text(v) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": …}."""
     if isinstance(v, dict):
         return v.get("content")
@@ -84,7 +92,7 @@ class HFTokenizer:
             raise FileNotFoundError(f"{file}: not found; point task.tokenizer_dir at a "
                                     "directory holding the model's tokenizer.json")
         tok = _HFTokenizer.from_file(file)
-        tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        tcfg = read_json(os.path.join(path, "tokenizer_config.json"))
 
         def id_of(text, field):
             i = tok.token_to_id(text)
@@ -94,22 +102,22 @@ class HFTokenizer:
             return i
 
         gen_file = os.path.join(path, "generation_config.json")
-        gen_stops = _id_list(_read_json(gen_file).get("eos_token_id"), gen_file)
-        eos = eos_token or _token_text(tcfg.get("eos_token"))
+        gen_stops = _id_list(read_json(gen_file).get("eos_token_id"), gen_file)
+        eos = eos_token or token_text(tcfg.get("eos_token"))
         if eos is not None:
             eos_id = id_of(eos, "eos_token")
         else:
             model_file = os.path.join(path, "config.json")
-            eos_ids = gen_stops or _id_list(_read_json(model_file).get("eos_token_id"),
+            eos_ids = gen_stops or _id_list(read_json(model_file).get("eos_token_id"),
                                             model_file)
             if not eos_ids:
                 raise ValueError(f"{path}: no eos_token in tokenizer_config.json and no "
                                  "eos_token_id in generation_config.json / config.json; "
                                  "pass eos_token=")
             eos_id = eos_ids[0]
-        pad = pad_token or _token_text(tcfg.get("pad_token"))
+        pad = pad_token or token_text(tcfg.get("pad_token"))
         pad_id = id_of(pad, "pad_token") if pad is not None else eos_id
-        bos = bos_token or _token_text(tcfg.get("bos_token"))
+        bos = bos_token or token_text(tcfg.get("bos_token"))
         bos_id = id_of(bos, "bos_token") if bos is not None else None
         return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, stop_ids=gen_stops)
 

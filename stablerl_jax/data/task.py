@@ -63,7 +63,9 @@ def _builder(task: TaskConfig, data_dir: str):
 def _read(b, task: TaskConfig, split: str) -> list[dict]:
     if split not in b.info.splits:
         raise FileNotFoundError(f"{task.jsonl_dir}: no {split}.jsonl; put one in "
-                                f"task.jsonl_dir (a single .jsonl file is a test split)")
+                                "task.jsonl_dir (a single .jsonl file is a test split)"
+                                + (", or name eval sets with rl.eval_sets"
+                                   if split == "test" else ""))
     return read_source(b.as_data_source()[split])
 
 
@@ -107,9 +109,11 @@ def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bo
     else:
         train = []
     if task.kind != "arithmetic" and distributed.is_main():
-        formats = b.info.metadata.get("formats", {})
-        print(f"data: {where}: " + ", ".join(f"{s} read as format {f!r}"
-                                             for s, f in formats.items()), flush=True)
+        meta = b.info.metadata
+        skipped = meta.get("skipped_counts", {})
+        print(f"data: {where}: " + ", ".join(
+            f"{s} read as format {f!r} ({skipped.get(s, 0)} malformed skipped)"
+            for s, f in meta.get("formats", {}).items()), flush=True)
     named = parse_eval_sets(eval_sets)
     if not named:
         return train, {"test": _read(b, task, "test")}, sources

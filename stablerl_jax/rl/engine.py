@@ -179,7 +179,7 @@ class Engine:
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
              "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts",
              "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
-             "log_samples", "log_samples_every")
+             "log_samples", "log_samples_every", "eval_sets")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -13,8 +13,9 @@ from stablerl_jax.rl.engine import make_mesh
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
 # what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
 RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_problems",
-               "rl.checkpoint_every", "rl.keep_checkpoints", "rl.async_checkpoints",
-               "rl.max_consecutive_skips")
+               "rl.eval_sets", "rl.checkpoint_every", "rl.keep_checkpoints",
+               "rl.async_checkpoints", "rl.max_consecutive_skips", "rl.log_samples",
+               "rl.log_samples_every")
 
 
 def check_workdir(workdir: str) -> None:
