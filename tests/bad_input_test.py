@@ -19,6 +19,7 @@ from stablerl_jax.data.task import load_split
 from stablerl_jax.model import moe
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop, sft
+from stablerl_jax.workdir import LOCK_FILE
 
 # (case, overrides, the message must contain these)
 OVERRIDES = [
@@ -139,8 +140,10 @@ def finished_run(tmp_path_factory):
 
 
 def _snapshot(path):
+    """Every file's name, size and mtime; but the lock file, which a refused run also
+    takes and releases (stablerl_jax/workdir.py)."""
     return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in path.rglob("*"))
+                  for p in path.rglob("*") if p.name != LOCK_FILE)
 
 
 def test_resuming_with_another_model_config_is_refused(finished_run):

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, workdir as workdir_lock
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
@@ -40,7 +40,7 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import preflight, steps
+from stablerl_jax.rl import preflight, resume, steps
 from stablerl_jax.rl.engine import Engine
 
 
@@ -141,14 +141,21 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
     tokenizer's special ids, and its files when task.tokenizer_dir is set). In a
     multi-process run every process calls this; the first writes metrics, logs, plots and
-    the summary, and every one writes its part of the checkpoints.
+    the summary, and every one writes its part of the checkpoints. The first also holds
+    the workdir's lock (workdir.py) for the whole run: a second run there is refused.
     """
     preflight.check_workdir(workdir)
     preflight.check_processes(cfg, export_hf)
+    with workdir_lock.Lock(workdir, enabled=distributed.is_main()):
+        return _run(cfg, workdir, init_params=init_params, data=data, progress=progress,
+                    allow_config_change=allow_config_change, export_hf=export_hf)
+
+
+def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
+         export_hf) -> dict:
     main = distributed.is_main()
-    if main:
-        os.makedirs(workdir, exist_ok=True)
     data = data or task_data(cfg, workdir)
+    preflight.check_eval_problems(cfg, data)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
     offline = None
     if cfg.rl.offline_rollouts:
@@ -166,10 +173,13 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     state = engine.init_state(init_params)
     start = 0
     had_checkpoints = bool(ckpt.all_steps())
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    logged = [r["step"] for r in read_metrics(metrics_path)]
     try:
+        resume.choose(workdir, ckpt.all_steps(), logged)
         restored = ckpt.restore_latest(state._asdict(), check_meta=lambda meta: (
             preflight.check_resumed_config(meta.get("config"), cfg, allow_config_change,
-                                           workdir)))
+                                           workdir)), usable=resume.unusable(logged))
     except Exception:
         ckpt.close()
         raise
@@ -183,9 +193,12 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         latest, state_dict, _ = restored
         state = steps.TrainState(**state_dict)
         start = latest
+        if main:
+            resume.report_torn(metrics_path)
         writer.truncate_after(latest)
         if main:
             truncate_jsonl(minibatch_log, latest)
+            resume.check_rows(metrics_path, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         if main:
@@ -197,6 +210,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     meta = {"config": flat_dict(cfg)}
     try:
         for step in bar:
+            ckpt.check_saves()  # a failed background save stops the run here
             state, metrics, composition = global_step(engine, state, data, step, offline)
             if main:
                 append_jsonl(minibatch_log, {"step": step + 1, **composition})
@@ -211,9 +225,11 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
                 ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
     finally:  # an error still finishes the saves already started
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
+        try:
+            ckpt.wait()  # raises CheckpointSaveError if the last save failed
+        finally:
+            ckpt.close()
+            writer.close()
     if export_hf:
         tok = data.tokenizer
         save_qwen3_moe(state.params, cfg.model, export_hf,

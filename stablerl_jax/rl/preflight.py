@@ -7,7 +7,7 @@ import os
 import jax
 
 from stablerl_jax import distributed
-from stablerl_jax.config import changed_fields, flat_dict
+from stablerl_jax.config import ConfigError, changed_fields, flat_dict
 from stablerl_jax.rl.engine import make_mesh
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
@@ -50,6 +50,25 @@ def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
             f"{where}: the run being resumed was trained with another config ({diffs}). "
             f"Resume with the same settings, pass --allow-config-change {','.join(changed)} "
             "to continue with the new ones, or use a new workdir.")
+
+
+def check_allowed_changes(allow, cfg) -> None:
+    """Every `--allow-config-change` name must be a field of the config."""
+    known = flat_dict(cfg)
+    unknown = [f for f in allow if f not in known]
+    if unknown:
+        raise ConfigError(
+            f"--allow-config-change: unknown field(s) {unknown}; name section.field paths "
+            f"of the config, e.g. {', '.join(sorted(known)[:3])}")
+
+
+def check_eval_problems(cfg, data) -> None:
+    """rl.eval_problems must not exceed the test split (evaluating fewer problems than
+    asked would change what the reported accuracy means)."""
+    have = len(data.test)
+    if cfg.rl.eval_problems > have:
+        raise ConfigError(f"rl.eval_problems={cfg.rl.eval_problems}: the test split holds "
+                          f"{have} problems; set rl.eval_problems={have} or fewer")
 
 
 def check_processes(cfg, export_hf: str = "") -> None:
