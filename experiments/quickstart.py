@@ -65,6 +65,7 @@ def _train(args, cfg, main_process: bool) -> dict:
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
     data = loop.task_data(cfg, args.workdir)
     preflight.check_eval_problems(cfg, data)  # before the cold start trains
+    loop.open_offline(cfg)  # likewise: a bad rollout file is refused before any training
     if args.hf:
         # Straight onto the Engine's mesh and shardings: no host copy of the model.
         params = hf_checkpoint.load_params(args.hf, cfg.model, param_shardings(cfg))

@@ -209,7 +209,10 @@ class Checkpointer:
             raise ValueError(f"checkpoint meta must be JSON-serializable: {e}") from None
         _abstract(state)  # rejects typed PRNG keys before anything is written
         meta = {**meta, _CHECKSUMS: checksums(state), _STEP: int(step)}
+        # Orbax waits for the previous save before starting this one anyway; waiting
+        # here names the step whose save failed, if one did.
         self.check_saves()
+        self.wait()
         try:
             started = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),

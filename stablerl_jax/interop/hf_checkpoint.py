@@ -53,6 +53,7 @@ from safetensors.numpy import save_file
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
+from stablerl_jax.interop import hf_validate
 from stablerl_jax.interop.hf_config import hf_config_from_model, model_config_from_hf
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
@@ -185,13 +186,37 @@ def _check_shapes(ckpt, sources, shapes, cfg) -> None:
         return inner
 
     for key, (tmpl, how, stacked), leaf in _flat(sources, shapes):
-        names = [tmpl.format(l=l, e=e) for l in range(cfg.num_layers if stacked else 1)
-                 for e in range(cfg.num_experts if stacked == "le" else 1)]
-        for n in names:
+        for n in _names(tmpl, stacked, cfg):
             if ckpt.shape(n) != want(leaf, how, stacked):
                 raise ValueError(f"checkpoint: {n} has shape {ckpt.shape(n)}, expected "
                                  f"{want(leaf, how, stacked)} for {key} "
                                  f"{tuple(leaf.shape)}; does config.json match the weights?")
+
+
+def _names(tmpl: str, stacked: str, cfg: ModelConfig) -> list[str]:
+    """The HF tensor names one of our leaves is read from, layer-major then expert."""
+    return [tmpl.format(l=l, e=e) for l in range(cfg.num_layers if stacked else 1)
+            for e in range(cfg.num_experts if stacked == "le" else 1)]
+
+
+def _check_finite(params: dict, sources: dict, shapes: dict, ckpt, cfg, path: str) -> None:
+    """Refuse NaN / inf anywhere in the loaded params, naming the HF tensor and file."""
+    flat = {key: (params["layers"][key[7:]] if key.startswith("layers.") else params[key],
+                  len(stacked), tmpl, stacked)
+            for key, (tmpl, _, stacked), _ in _flat(sources, shapes)}
+    bad = hf_validate.nonfinite({k: v[0] for k, v in flat.items()},
+                                {k: v[1] for k, v in flat.items()})
+    names = []
+    for key, blocks in bad.items():
+        for ix in blocks:  # (layer, expert) of a stacked leaf, () of an unstacked one
+            l, e = (ix + (0, 0))[:2]
+            names.append(flat[key][2].format(l=l, e=e))
+    if names:
+        raise ValueError(
+            f"checkpoint {path}: tensor {names[0]} in {os.path.basename(ckpt.where[names[0]])}"
+            f" holds NaN or inf" + (f" (and {len(names) - 1} more tensors)"
+                                    if len(names) > 1 else "")
+            + "; the weights are damaged: re-download or re-export the checkpoint")
 
 
 def _flat(sources: dict, shapes: dict):
@@ -240,6 +265,8 @@ def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
         shardings = jax.tree.map(lambda _: one, shapes)
     sources = _sources(ckpt, cfg)
     _check_shapes(ckpt, sources, shapes, cfg)
+    hf_validate.check_dtypes(ckpt, [n for _, (tmpl, _, st), _ in _flat(sources, shapes)
+                                    for n in _names(tmpl, st, cfg)], path)
     dtype = dtype_of(cfg.param_dtype)
 
     def build(tmpl, how, stacked, leaf, sh):
@@ -279,6 +306,7 @@ def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
                          f"e.g. {unused[:3]}: biases, quantization scales or dense MLP layers "
                          "are not supported; convert the checkpoint to plain Qwen3-MoE "
                          "weights")
+    _check_finite(params, sources, shapes, ckpt, cfg, path)
     return params
 
 

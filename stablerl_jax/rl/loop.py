@@ -120,6 +120,23 @@ def evaluate(engine: Engine, params, data: TaskData, step: int) -> dict:
     return {"eval/accuracy": res["avg@k"], "eval/pass_at_k": res["pass@k"]}
 
 
+def open_offline(cfg) -> OfflineRollouts | None:
+    """The run's offline rollout file (rl.offline_rollouts), checked whole against the
+    config (None without one): a bad file is refused before any training."""
+    if not cfg.rl.offline_rollouts:
+        return None
+    offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
+    offline.check(group_size=cfg.rl.group_size,
+                  responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
+                  steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
+                  top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
+                  need_weights=cfg.rl.replay_weights)
+    offline.check_values(vocab_size=cfg.model.vocab_size, num_experts=cfg.model.num_experts,
+                         max_prompt_len=cfg.task.max_prompt_len,
+                         max_new_tokens=cfg.sampling.max_new_tokens)
+    return offline
+
+
 def task_data(cfg, workdir: str) -> TaskData:
     """The task's data under `<workdir>/data`, built by the first process while the others
     wait (on a shared filesystem they then only read it)."""
@@ -157,14 +174,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     data = data or task_data(cfg, workdir)
     preflight.check_eval_problems(cfg, data)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
-    offline = None
-    if cfg.rl.offline_rollouts:
-        offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
-        offline.check(group_size=cfg.rl.group_size,
-                      responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
-                      steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
-                      top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
-                      need_weights=cfg.rl.replay_weights)
+    offline = open_offline(cfg)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
