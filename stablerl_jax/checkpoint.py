@@ -225,8 +225,8 @@ class Checkpointer:
     def _save_error(self, step, e: BaseException) -> CheckpointSaveError:
         where = os.path.join(self.directory, str(step))
         cause = " ".join(f"{type(e).__name__}: {e}".split())
-        if len(cause) > 400:
-            cause = cause[:400] + "…"
+        if len(cause) > 400:  # TensorStore puts the OS error (e.g. "File too large") last
+            cause = cause[:150] + " … " + cause[-250:]
         self._failed = CheckpointSaveError(
             f"checkpoint {where} could not be saved ({cause}); free disk space, raise the "
             "file-size limit or fix the permissions of the checkpoint directory, then run "

@@ -1,7 +1,7 @@
 """A training process the reliability tests start, kill and resume (not a test module).
 
     python tests/reliability_child.py WORKDIR DATADIR [--die-in-save STEP]
-        [--fsize-limit-at STEP] [--traceback]
+        [--fsize-limit-at STEP] [--wait-in-save STEP FILE] [--traceback]
 
 Runs the tiny RL config of rl_helpers for STEPS global steps in WORKDIR (task data cached
 in DATADIR), behind the entry points' one-line errors (exit 2). With --die-in-save STEP
@@ -9,12 +9,15 @@ the process SIGKILLs itself right after the checkpoint save of STEP has started 
 files half written), the way a preempted job dies mid-write. With --fsize-limit-at STEP
 the process may write no file larger than FSIZE_LIMIT bytes from the save of STEP on
 (RLIMIT_FSIZE, as `ulimit -f` sets it): the checkpoint's data file no longer fits, the
-metrics rows still do, the way a disk fills up during a save.
+metrics rows still do, the way a disk fills up during a save. With --wait-in-save STEP
+FILE it waits, once the save of STEP has started, until FILE exists (a run still
+training while another one starts).
 """
 import os
 import resource
 import signal
 import sys
+import time
 
 import jax
 
@@ -60,6 +63,15 @@ def main(argv):
         _hook_save(int(argv[argv.index("--fsize-limit-at") + 1]),
                    before=lambda: resource.setrlimit(
                        resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY)))
+    if "--wait-in-save" in argv:
+        i = argv.index("--wait-in-save")
+        flag = argv[i + 2]
+
+        def wait_for_flag():
+            deadline = time.time() + 600
+            while not os.path.exists(flag) and time.time() < deadline:
+                time.sleep(0.05)
+        _hook_save(int(argv[i + 1]), after=wait_for_flag)
     cache = os.environ.get("STABLERL_TEST_JAX_CACHE")
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)

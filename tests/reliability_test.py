@@ -190,17 +190,19 @@ def _one_line_error(out: str, *needles):
 
 def test_a_second_run_in_the_same_workdir_is_refused(tmp_path, reference):
     full, data, cache = reference
-    workdir = tmp_path / "run"
-    first = _start(workdir, data, cache)
-    deadline = time.time() + 300
-    lock = workdir / LOCK_FILE
-    while not (lock.exists() and lock.read_text().strip()) and time.time() < deadline:
+    workdir, go_on = tmp_path / "run", tmp_path / "go_on"
+    # The first run waits in step 2's save (mid-run, lock held) until the second is done.
+    first = _start(workdir, data, cache, "--wait-in-save", "2", str(go_on))
+    deadline = time.time() + 600
+    while not (workdir / "checkpoints" / "1").exists() and time.time() < deadline:
         assert first.poll() is None, _finish(first)[1][-2000:]
-        time.sleep(0.02)
-    rc, out = _finish(_start(workdir, data, cache))  # while the first one trains
+        time.sleep(0.05)
+    rc, out = _finish(_start(workdir, data, cache))
+    go_on.touch()
     assert rc == 2, out[-3000:]
     _one_line_error(out, f"workdir {str(workdir)!r} is in use by pid {first.pid}",
                     "another --workdir")
+    lock = workdir / LOCK_FILE
     rc, out = _finish(first)
     assert rc == 0, out[-3000:]
     _assert_same_run(full, workdir)  # metrics steps 0..N once each, the same parameters

@@ -138,6 +138,16 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
 
 
+def _refuse(path: str, field: str, bad, what: str, lens=None):
+    """Raise naming the first bad record: `bad` is a boolean mask over the field's first
+    axis; `lens` (per-response entry counts) maps a token entry to its response."""
+    pos = int(np.argmax(bad))
+    rec = pos if lens is None else int(np.searchsorted(_offsets(lens), pos, side="right") - 1)
+    raise ValueError(f"{path}: record {rec} (response index), field {field!r}: {what} "
+                     f"({int(np.sum(bad))} bad entries in the file); fix or drop those "
+                     "records")
+
+
 @dataclasses.dataclass(frozen=True)
 class OfflineRollouts:
     """The arrays of an offline rollout file (module docstring), validated on load."""
@@ -170,6 +180,9 @@ class OfflineRollouts:
     def _check_lengths(self) -> None:
         a, r = self.arrays, self.num_responses
         p, c = a["prompt_lens"], a["completion_lens"]
+        for field, lo in (("prompt_lens", 1), ("completion_lens", 0)):
+            if (bad := a[field] < lo).any():  # before the totals, which they make wrong
+                _refuse(self.path, field, bad, f"{a[field][np.argmax(bad)]} is below {lo}")
         want = {"prompt_ids": (int(p.sum()),), "completion_lens": (r,),
                 "completion_ids": (int(c.sum()),), "logp_mu": (int(c.sum()),)}
         want.update({k: (r,) for k in ("rewards", "answers") if k in a})
@@ -215,19 +228,14 @@ class OfflineRollouts:
         finite and ≤ 0; rewards finite; routes in [0, num_experts), K distinct per token
         and layer; route_weights finite."""
         a, p = self.arrays, self.path
-        lens = {"prompt_ids": a["prompt_lens"], "completion_ids": a["completion_lens"],
+        lens = {"prompt_lens": None, "completion_lens": None, "rewards": None,
+                "prompt_ids": a["prompt_lens"], "completion_ids": a["completion_lens"],
                 "logp_mu": a["completion_lens"],
                 "routes": a["prompt_lens"] + a["completion_lens"] - 1,
                 "route_weights": a["prompt_lens"] + a["completion_lens"] - 1}
 
         def refuse(field, bad, what):
-            """bad: a boolean mask over the field's first axis."""
-            pos = int(np.argmax(bad))
-            rec = pos if field in ("prompt_lens", "completion_lens", "rewards") else int(
-                np.searchsorted(_offsets(lens[field]), pos, side="right") - 1)
-            raise ValueError(f"{p}: record {rec} (response index), field {field!r}: {what} "
-                             f"({int(bad.sum())} bad entries in the file); fix or drop "
-                             "those records")
+            _refuse(p, field, bad, what, lens.get(field))
 
         for field in ("prompt_lens", "completion_lens", "prompt_ids", "completion_ids",
                       "routes"):
