@@ -132,10 +132,11 @@ def _check_matches(saved_meta, target, where: str) -> None:
 
 
 def _check_step(meta: dict, step: int) -> None:
-    """A step directory must hold the step it is named for (a copy does not)."""
-    stored = [meta[k] for k in (_STEP, "step") if k in meta]
-    if any(s != step for s in stored):
-        raise ValueError(f"it holds the state of step {stored[0]}, not {step} (a copied or "
+    """A step directory must hold the step it is named for (a copy does not). Checkpoints
+    written before `save` stored it are judged by the training loop's "step" entry."""
+    stored = meta.get(_STEP, meta.get("step"))
+    if stored is not None and stored != step:
+        raise ValueError(f"it holds the state of step {stored}, not {step} (a copied or "
                          "renamed step directory)")
 
 
@@ -270,6 +271,7 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         meta = dict(out.meta)
+        meta.pop(_STEP, None)
         saved = meta.pop(_CHECKSUMS, None)
         if saved is not None:
             got = checksums(out.state)
@@ -280,10 +282,14 @@ class Checkpointer:
         return out.state, meta
 
     def read_meta(self, step: int) -> dict:
-        """The meta dict of a complete step, without restoring its state."""
+        """The meta dict of a complete step, without restoring its state (checked to
+        hold that step)."""
         self.wait()
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out.meta)
+        meta = dict(out.meta)
+        _check_step(meta, step)
+        meta.pop(_STEP, None)
+        return meta
 
     def restore_latest(self, target_state, check_meta=None,
                        usable=None) -> tuple[int, Any, dict] | None:
@@ -302,7 +308,6 @@ class Checkpointer:
                 continue
             try:
                 meta = self.read_meta(step)
-                _check_step(meta, step)
             except Exception as e:  # noqa: BLE001 (orbax / TensorStore / JSON raise many)
                 self._corrupt(step, e)
                 continue
@@ -310,7 +315,6 @@ class Checkpointer:
                 check_meta(meta)
             try:
                 state, meta = self.restore(step, target_state)
-                meta.pop(_STEP, None)
                 return step, state, meta
             except Exception as e:  # noqa: BLE001
                 if "does not match the target state" in str(e):

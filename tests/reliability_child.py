@@ -39,15 +39,16 @@ def config():
 
 
 def _hook_save(step_at: int, before=None, after=None) -> None:
-    """Call `before()` / `after()` around the start of the checkpoint save of `step_at`."""
+    """Call `before(checkpointer)` / `after(checkpointer)` around the start of the
+    checkpoint save of `step_at`."""
     save = checkpoint.Checkpointer.save
 
     def hooked(self, step, state, meta, **kw):
         if step == step_at and before:
-            before()
+            before(self)
         started = save(self, step, state, meta, **kw)
         if step == step_at and after:
-            after()
+            after(self)
         return started
 
     checkpoint.Checkpointer.save = hooked
@@ -58,16 +59,17 @@ def main(argv):
     workdir, data_dir = argv[0], argv[1]
     if "--die-in-save" in argv:
         _hook_save(int(argv[argv.index("--die-in-save") + 1]),
-                   after=lambda: os.kill(os.getpid(), signal.SIGKILL))
+                   after=lambda _: os.kill(os.getpid(), signal.SIGKILL))
     if "--fsize-limit-at" in argv:
-        _hook_save(int(argv[argv.index("--fsize-limit-at") + 1]),
-                   before=lambda: resource.setrlimit(
-                       resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY)))
+        def limit(ckpt):
+            ckpt.wait()  # the earlier saves complete: only this one meets the limit
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY))
+        _hook_save(int(argv[argv.index("--fsize-limit-at") + 1]), before=limit)
     if "--wait-in-save" in argv:
         i = argv.index("--wait-in-save")
         flag = argv[i + 2]
 
-        def wait_for_flag():
+        def wait_for_flag(_):
             deadline = time.time() + 600
             while not os.path.exists(flag) and time.time() < deadline:
                 time.sleep(0.05)

@@ -41,6 +41,16 @@ def _finish(proc, timeout=600):
     return proc.returncode, out.decode(errors="replace")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(an uninterrupted 4-step run, task data dir, JAX cache dir): what every case
+    below must end equal to."""
+    root = tmp_path_factory.mktemp("reference")
+    data, cache = root / "data", root / "jax_cache"
+    _run(root / "full", data, cache)
+    return root / "full", data, cache
+
+
 def _run(workdir, data_dir, cache, *extra):
     rc, out = _finish(_start(workdir, data_dir, cache, *extra))
     assert rc == 0, out[-3000:]
@@ -80,10 +90,8 @@ def _assert_same_run(a, b):
     jax.tree.map(np.testing.assert_array_equal, _final_params(b), _final_params(a))
 
 
-def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path):
-    data, cache = tmp_path / "data", tmp_path / "jax_cache"
-    full = tmp_path / "full"
-    _run(full, data, cache)
+def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
+    full, data, cache = reference
     # Determinism: the same command twice writes the same metrics, bit for bit.
     again = tmp_path / "again"
     _run(again, data, cache)
@@ -130,18 +138,18 @@ def _damage(ckdir, damage):
         meta.write_text("{not json")
 
 
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog,
+                                                                   reference):
     """Whatever is wrong with the newest step (truncated, zero-filled, a flipped byte, a
     missing file, garbage metadata), the resume uses the newest step that restores with
     matching checksums, says so, and moves the bad step aside."""
-    data, cache = tmp_path / "data", tmp_path / "jax_cache"
-    _run(tmp_path / "finished", data, cache)
+    full = reference[0]
     cfg = config()
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     like = eng.init_state(tf.init_params(jax.random.key(0), cfg.model))._asdict()
     for damage in ("truncate", "zero", "flip", "delete", "metadata"):
         ckpts = tmp_path / damage
-        shutil.copytree(tmp_path / "finished" / "checkpoints", ckpts)
+        shutil.copytree(full / "checkpoints", ckpts)
         _damage(ckpts / str(STEPS), damage)
         ck = Checkpointer(str(ckpts))
         caplog.clear()
@@ -154,17 +162,8 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
 
 
 # Workdir integrity: one writer, a metrics log with each step once, step directories that
-# hold their step, a failed save that stops the run. Each case resumes from a copy of one
-# finished run and must end equal to it, or be refused with one line and change nothing.
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """(finished 4-step run, task data dir, JAX cache dir), shared by the cases below."""
-    root = tmp_path_factory.mktemp("reference")
-    data, cache = root / "data", root / "jax_cache"
-    _run(root / "full", data, cache)
-    return root / "full", data, cache
-
-
+# hold their step, a failed save that stops the run. Each case resumes from a copy of the
+# reference run and must end equal to it, or be refused with one line and change nothing.
 def _copy(reference, dest):
     shutil.copytree(reference, dest)
     (dest / LOCK_FILE).unlink(missing_ok=True)
@@ -183,7 +182,7 @@ def _one_line_error(out: str, *needles):
     last = out.strip().splitlines()[-1]
     assert last.startswith("reliability_child.py: error: "), out[-3000:]
     for needle in needles:
-        assert needle in last, (needle, last)
+        assert needle in last, f"{needle!r} is not in the last line {last!r}"
     assert "sys.meta_path is None" not in out
     return last
 
