@@ -283,10 +283,6 @@ def select(exp: Experiment, args, ap) -> tuple[tuple[Variant, ...], tuple[int, .
     return variants, seeds
 
 
-def _allowed(args) -> list[str]:
-    return [f for f in args.allow_config_change.split(",") if f]
-
-
 def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
     for v in variants:
         cfg = exp.config(v, seeds[0], overrides)
@@ -336,8 +332,8 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
     try:  # what this machine must offer, before any work starts
         for v in variants:
             preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)
-            preflight.check_allowed_changes(_allowed(args), exp.config(v, seeds[0],
-                                                                       args.overrides))
+            preflight.allowed_changes(args.allow_config_change,
+                                      exp.config(v, seeds[0], args.overrides))
     except (ValueError, PermissionError) as e:
         ap.error(str(e))
     with workdir.Lock(args.workdir, enabled=distributed.is_main()):
@@ -349,7 +345,7 @@ def _train(exp, args, module, title, variants, seeds, groups, comparisons,
            cold_start_per_variant, argv) -> dict:
     """main's training part, under the workdir's lock."""
     progress = not args.quiet
-    allow = _allowed(args)
+    allow = [f for f in args.allow_config_change.split(",") if f]  # checked in main
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
                             overrides=args.overrides, progress=progress,
                             allow_config_change=allow)

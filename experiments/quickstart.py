@@ -51,15 +51,15 @@ def main(argv=None) -> dict:
         compile_cache.enable(args.compile_cache)
         cfg = presets.preset(args.preset, args.overrides)
         preflight.check(cfg, args.workdir)
-        preflight.check_allowed_changes(_allowed(args), cfg)
+        allow = preflight.allowed_changes(args.allow_config_change, cfg)
     except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
     main_process = distributed.is_main()
     with workdir.Lock(args.workdir, enabled=main_process):  # before the cold start writes
-        return _train(args, cfg, main_process)
+        return _train(args, cfg, allow, main_process)
 
 
-def _train(args, cfg, main_process: bool) -> dict:
+def _train(args, cfg, allow, main_process: bool) -> dict:
     t0 = time.time()
     if args.hf:
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
@@ -81,16 +81,12 @@ def _train(args, cfg, main_process: bool) -> dict:
                   f"{len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
-                       allow_config_change=_allowed(args))
+                       allow_config_change=allow)
     summary["wall_seconds"] = round(time.time() - t0, 1)
     if main_process:
         print(json.dumps(summary, indent=2))
         print(f"plots: {os.path.join(args.workdir, 'plots')}")
     return summary
-
-
-def _allowed(args) -> list[str]:
-    return [f for f in args.allow_config_change.split(",") if f]
 
 
 if __name__ == "__main__":

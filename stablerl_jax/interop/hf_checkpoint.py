@@ -33,7 +33,8 @@ Loading never builds a host copy of the model: each parameter is a
 block of the global array, only that block's rows of the HF tensors it comes from
 (`safe_open(...).get_slice`, memory-mapped), stacking layers and experts on the fly.
 Every tensor of the checkpoint must be used: an unexpected one (a bias, an FP8 scale, a
-dense MLP) is an error naming it, never silently dropped. Saving gathers one layer at a
+dense MLP) is an error naming it, never silently dropped; so is a tensor whose dtype is not
+config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py). Saving gathers one layer at a
 time to the host and writes one safetensors file per layer plus
 `model.safetensors.index.json` (single process; a multi-host job would gather each layer
 with `jax.experimental.multihost_utils.process_allgather` first).

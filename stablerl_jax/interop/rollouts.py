@@ -32,6 +32,9 @@ order, with per-response lengths):
     rewards         float [R]                  or `answers` (str [R]: scored by the task)
     group_size      int   []                   responses g·G … g·G + G − 1 share a prompt
 
+Every value is checked when the trainer opens the file (`OfflineRollouts.check_values`),
+before any training: an error names the record (response index) and the field.
+
 Global step s trains on responses [s·B, (s + 1)·B), B = rl.prompts_per_step · G. The
 sampler's temperature must be `sampling.temperature` (the trainer scores π_old at it).
 """

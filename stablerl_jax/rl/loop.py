@@ -196,7 +196,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     if had_checkpoints and restored is None:
         ckpt.close()
         raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
-                         "<step>.corrupt, see the log); run again to start from scratch")
+                         "<step>.corrupt or <step>.unusable, see the log); run again to "
+                         "start from scratch")
     writer = MetricsWriter(workdir, enabled=main)
     if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.

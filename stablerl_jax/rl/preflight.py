@@ -52,14 +52,16 @@ def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
             "to continue with the new ones, or use a new workdir.")
 
 
-def check_allowed_changes(allow, cfg) -> None:
-    """Every `--allow-config-change` name must be a field of the config."""
+def allowed_changes(arg: str, cfg) -> list[str]:
+    """The fields of `--allow-config-change a.b,c.d`; each must be a field of the config."""
+    allow = [f for f in arg.split(",") if f]
     known = flat_dict(cfg)
     unknown = [f for f in allow if f not in known]
     if unknown:
         raise ConfigError(
             f"--allow-config-change: unknown field(s) {unknown}; name section.field paths "
             f"of the config, e.g. {', '.join(sorted(known)[:3])}")
+    return allow
 
 
 def check_eval_problems(cfg, data) -> None:
