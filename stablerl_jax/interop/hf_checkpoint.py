@@ -200,24 +200,25 @@ def _names(tmpl: str, stacked: str, cfg: ModelConfig) -> list[str]:
             for e in range(cfg.num_experts if stacked == "le" else 1)]
 
 
-def _check_finite(params: dict, sources: dict, shapes: dict, ckpt, cfg, path: str) -> None:
+def _check_finite(params: dict, sources: dict, shapes: dict, ckpt, path: str) -> None:
     """Refuse NaN / inf anywhere in the loaded params, naming the HF tensor and file."""
-    flat = {key: (params["layers"][key[7:]] if key.startswith("layers.") else params[key],
-                  len(stacked), tmpl, stacked)
-            for key, (tmpl, _, stacked), _ in _flat(sources, shapes)}
-    bad = hf_validate.nonfinite({k: v[0] for k, v in flat.items()},
-                                {k: v[1] for k, v in flat.items()})
+    leaves, stacked, templates = {}, {}, {}
+    for key, (tmpl, _, st), _ in _flat(sources, shapes):
+        leaves[key] = (params["layers"][key[7:]] if key.startswith("layers.")
+                       else params[key])
+        stacked[key], templates[key] = len(st), tmpl
     names = []
-    for key, blocks in bad.items():
+    for key, blocks in hf_validate.nonfinite(leaves, stacked).items():
         for ix in blocks:  # (layer, expert) of a stacked leaf, () of an unstacked one
             l, e = (ix + (0, 0))[:2]
-            names.append(flat[key][2].format(l=l, e=e))
+            names.append(templates[key].format(l=l, e=e))
+    names = list(dict.fromkeys(names))  # w_gate and w_up share a fused gate_up_proj
     if names:
+        more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
         raise ValueError(
             f"checkpoint {path}: tensor {names[0]} in {os.path.basename(ckpt.where[names[0]])}"
-            f" holds NaN or inf" + (f" (and {len(names) - 1} more tensors)"
-                                    if len(names) > 1 else "")
-            + "; the weights are damaged: re-download or re-export the checkpoint")
+            f" holds NaN or inf{more}; the weights are damaged: re-download or re-export "
+            "the checkpoint")
 
 
 def _flat(sources: dict, shapes: dict):
@@ -307,7 +308,7 @@ def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
                          f"e.g. {unused[:3]}: biases, quantization scales or dense MLP layers "
                          "are not supported; convert the checkpoint to plain Qwen3-MoE "
                          "weights")
-    _check_finite(params, sources, shapes, ckpt, cfg, path)
+    _check_finite(params, sources, shapes, ckpt, path)
     return params
 
 
