@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from experiments.cli_errors import one_line_errors
 from stablerl_jax import aot, presets
 
 
@@ -40,6 +41,7 @@ HEADER = ("| step | argument GiB | output GiB | temp GiB | total GiB | HBM GiB |
           "reduce-scatter | all-reduce |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+@one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="paper", choices=sorted(presets.PRESETS))
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
                     help="comma-separated, of sample, score, update, sft_update; or none")
     ap.add_argument("--kernels", action="store_true",
                     help="also compile the Pallas kernels inside shard_map")
+    ap.add_argument("--traceback", action="store_true",
+                    help="on an error, print the full traceback (default: one line, exit 2)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     aot.quiet_libtpu()

@@ -31,7 +31,8 @@ import time
 import numpy as np
 
 from experiments import stats
-from stablerl_jax import compile_cache, distributed
+from experiments.cli_errors import one_line_errors
+from stablerl_jax import compile_cache, distributed, workdir
 from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
 from stablerl_jax.metrics_io import plot_comparison, read_metrics
 from stablerl_jax.rl import loop, preflight, sft
@@ -164,6 +165,7 @@ def markdown_table(rows: list[dict]) -> str:
 def cold_start(cfg, workdir: str, progress: bool):
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
     data = loop.task_data(cfg, workdir)
+    preflight.check_eval_problems(cfg, data)  # before the cold start trains
     params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
     if losses and distributed.is_main():
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
@@ -251,6 +253,8 @@ def parser(description: str, presets: dict, default_workdir: str) -> argparse.Ar
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
+    ap.add_argument("--traceback", action="store_true",
+                    help="on an error, print the full traceback (default: one line, exit 2)")
     distributed.add_arguments(ap)
     compile_cache.add_argument(ap)
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
@@ -296,6 +300,7 @@ def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
               f"  loss {cfg.loss}")
 
 
+@one_line_errors
 def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=None,
          comparisons=None, cold_start_per_variant: bool = False) -> dict:
     """The command line of an experiment module: parse, validate, (dry-)run, report.
@@ -327,10 +332,20 @@ def main(module: str, doc: str, presets: dict, title: str, argv=None, *, groups=
     try:  # what this machine must offer, before any work starts
         for v in variants:
             preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)
+            preflight.allowed_changes(args.allow_config_change,
+                                      exp.config(v, seeds[0], args.overrides))
     except (ValueError, PermissionError) as e:
         ap.error(str(e))
+    with workdir.Lock(args.workdir, enabled=distributed.is_main()):
+        return _train(exp, args, module, title, variants, seeds, groups, comparisons,
+                      cold_start_per_variant, argv)
+
+
+def _train(exp, args, module, title, variants, seeds, groups, comparisons,
+           cold_start_per_variant, argv) -> dict:
+    """main's training part, under the workdir's lock."""
     progress = not args.quiet
-    allow = [f for f in args.allow_config_change.split(",") if f]
+    allow = [f for f in args.allow_config_change.split(",") if f]  # checked in main
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
                             overrides=args.overrides, progress=progress,
                             allow_config_change=allow)

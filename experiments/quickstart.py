@@ -26,13 +26,15 @@ import time
 
 from flax import traverse_util
 
-from stablerl_jax import compile_cache, distributed, presets
+from experiments.cli_errors import one_line_errors
+from stablerl_jax import compile_cache, distributed, presets, workdir
 from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.rl.engine import param_shardings
 
 
+@one_line_errors
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="runs/quickstart")
@@ -47,6 +49,8 @@ def main(argv=None) -> dict:
                          "model.param_dtype)")
     distributed.add_arguments(ap)
     compile_cache.add_argument(ap)
+    ap.add_argument("--traceback", action="store_true",
+                    help="on an error, print the full traceback (default: one line, exit 2)")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     args = ap.parse_args(argv)
     try:
@@ -54,15 +58,23 @@ def main(argv=None) -> dict:
         compile_cache.enable(args.compile_cache)
         cfg = presets.preset(args.preset, args.overrides)
         preflight.check(cfg, args.workdir)
+        allow = preflight.allowed_changes(args.allow_config_change, cfg)
     except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
-    t0 = time.time()
     main_process = distributed.is_main()
+    with workdir.Lock(args.workdir, enabled=main_process):  # before the cold start writes
+        return _train(args, cfg, allow, main_process)
+
+
+def _train(args, cfg, allow, main_process: bool) -> dict:
+    t0 = time.time()
     export_dtype = args.export_dtype
     if args.hf:
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
         export_dtype = export_dtype or hf_checkpoint.checkpoint_dtype(args.hf)
     data = loop.task_data(cfg, args.workdir)
+    preflight.check_eval_problems(cfg, data)  # before the cold start trains
+    loop.open_offline(cfg)  # likewise: a bad rollout file is refused before any training
     if args.hf:
         # Straight onto the Engine's mesh and shardings: no host copy of the model.
         params = hf_checkpoint.load_params(args.hf, cfg.model, param_shardings(cfg))
@@ -78,13 +90,13 @@ def main(argv=None) -> dict:
                   f"{len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
-                       export_dtype=export_dtype,
-                       allow_config_change=[f for f in args.allow_config_change.split(",") if f])
+                       export_dtype=export_dtype, allow_config_change=allow)
     summary["wall_seconds"] = round(time.time() - t0, 1)
     if main_process:
         print(json.dumps(summary, indent=2))
         print(f"plots: {os.path.join(args.workdir, 'plots')}")
     return summary
+
 
 if __name__ == "__main__":
     main()

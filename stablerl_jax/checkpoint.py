@@ -27,6 +27,16 @@ the complete steps newest first and falls back past any that does not restore (t
 zero-filled, missing files, garbage metadata, a checksum mismatch), saying which and why,
 and moves each such step aside to `<step>.corrupt` (kept, never deleted) so that later
 saves of that step are not skipped.
+
+Step numbers. `save` also stores the step in the meta (`checkpoint_step`), and
+`restore_latest` treats a step directory whose stored step differs from its name (a
+copied `<step>` directory) as corrupt: falls back past it, says so, moves it aside.
+
+Failed saves. An async save that fails in the background (disk full, a file-size limit,
+permissions) leaves only its `*.orbax-checkpoint-tmp` directory, never a step; `check_saves`
+(non-blocking, once per training step) and `wait` turn that failure into one
+`CheckpointSaveError` naming the step, the cause and the fix, so the run stops at its next
+step instead of training on without checkpoints.
 """
 from __future__ import annotations
 
@@ -44,6 +54,11 @@ from stablerl_jax import distributed
 
 _COMMIT_FILE = "commit_success.txt"
 _CHECKSUMS = "checksums"
+_STEP = "checkpoint_step"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed; its message names the step, the cause and the fix."""
 
 
 def _words_u32(x):
@@ -116,6 +131,15 @@ def _check_matches(saved_meta, target, where: str) -> None:
             "with, or start a fresh run in a new directory.")
 
 
+def _check_step(meta: dict, step: int) -> None:
+    """A step directory must hold the step it is named for (a copy does not). Checkpoints
+    written before `save` stored it are judged by the training loop's "step" entry."""
+    stored = meta.get(_STEP, meta.get("step"))
+    if stored is not None and stored != step:
+        raise ValueError(f"it holds the state of step {stored}, not {step} (a copied or "
+                         "renamed step directory)")
+
+
 def set_aside(path: str, suffix: str) -> str:
     """Rename `path` to `path + suffix` (or `…suffix<n>` if taken); returns the new path.
     Nothing is deleted: a bad checkpoint stays for inspection."""
@@ -154,6 +178,8 @@ class Checkpointer:
         distributed.barrier("checkpoint directory")
         self.directory = directory
         self.keep, self.async_ = keep, async_
+        self._pending: int | None = None  # the step of the last save started
+        self._failed: CheckpointSaveError | None = None  # reported once, then kept
         self.manager = self._manager()
 
     def _manager(self):
@@ -183,9 +209,48 @@ class Checkpointer:
         except TypeError as e:
             raise ValueError(f"checkpoint meta must be JSON-serializable: {e}") from None
         _abstract(state)  # rejects typed PRNG keys before anything is written
-        meta = {**meta, _CHECKSUMS: checksums(state)}
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+        meta = {**meta, _CHECKSUMS: checksums(state), _STEP: int(step)}
+        # Orbax waits for the previous save before starting this one anyway; waiting
+        # here names the step whose save failed, if one did.
+        self.check_saves()
+        self.wait()
+        try:
+            started = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force)
+        except Exception as e:  # noqa: BLE001 (a synchronous save fails here)
+            raise self._save_error(step, e) from e
+        self._pending = step
+        return started
+
+    def _save_error(self, step, e: BaseException) -> CheckpointSaveError:
+        where = os.path.join(self.directory, str(step))
+        cause = " ".join(f"{type(e).__name__}: {e}".split())
+        if len(cause) > 400:  # TensorStore puts the OS error (e.g. "File too large") last
+            cause = cause[:150] + " … " + cause[-250:]
+        self._failed = CheckpointSaveError(
+            f"checkpoint {where} could not be saved ({cause}); free disk space, raise the "
+            "file-size limit or fix the permissions of the checkpoint directory, then run "
+            "the same command again: it resumes from the last complete checkpoint")
+        return self._failed
+
+    def check_saves(self) -> None:
+        """Raise CheckpointSaveError if a background save has failed (without waiting
+        for one still in flight)."""
+        if self._failed is not None:
+            raise self._failed
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until pending async saves (and keep-N deletions) are on disk; raise
+        CheckpointSaveError (once) if one failed."""
+        if self._failed is not None:
+            return  # reported already; nothing more will be written by that save
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 (orbax / TensorStore raise many kinds)
+            raise self._save_error(self._pending, e) from e
 
     def restore(self, step: int | None, target_state) -> tuple[Any, dict]:
         """(state, meta) of `step` (None: the latest complete one). `target_state` (arrays or
@@ -206,6 +271,7 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         meta = dict(out.meta)
+        meta.pop(_STEP, None)
         saved = meta.pop(_CHECKSUMS, None)
         if saved is not None:
             got = checksums(out.state)
@@ -216,18 +282,30 @@ class Checkpointer:
         return out.state, meta
 
     def read_meta(self, step: int) -> dict:
-        """The meta dict of a complete step, without restoring its state."""
+        """The meta dict of a complete step, without restoring its state (checked to
+        hold that step)."""
         self.wait()
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out.meta)
+        meta = dict(out.meta)
+        _check_step(meta, step)
+        meta.pop(_STEP, None)
+        return meta
 
-    def restore_latest(self, target_state, check_meta=None) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, target_state, check_meta=None,
+                       usable=None) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest complete step that restores, or None if there
-        is none. Steps that fail (module docstring) are logged and moved aside.
-        `check_meta(meta)` runs before a step's state is restored; what it raises (e.g. a
-        changed config) propagates: that is the caller's error, not corruption."""
+        is none. Steps that fail (module docstring), or whose stored step is not their
+        directory's name, are logged and moved aside. `check_meta(meta)` runs before a
+        step's state is restored; what it raises (e.g. a changed config) propagates: that
+        is the caller's error, not corruption. `usable(step)` -> None, or why a sound step
+        may not be resumed from (e.g. the metrics log stops before it): such steps are
+        moved aside to `<step>.unusable`, so that the resumed run saves them again."""
         self.wait()
         for step in reversed(self.all_steps()):
+            why = usable(step) if usable is not None else None
+            if why:
+                self._set_aside(step, ".unusable", why)
+                continue
             try:
                 meta = self.read_meta(step)
             except Exception as e:  # noqa: BLE001 (orbax / TensorStore / JSON raise many)
@@ -247,21 +325,24 @@ class Checkpointer:
     def _corrupt(self, step: int, e: Exception) -> None:
         """Log why `step` does not restore and move it aside (a later save may then write
         that step again)."""
+        self._set_aside(step, ".corrupt", f"does not restore ({type(e).__name__}: "
+                        f"{str(e)[:300]}); falling back to an earlier step")
+
+    def _set_aside(self, step: int, suffix: str, why: str) -> None:
         path = os.path.join(self.directory, str(step))
-        logging.warning("checkpoint %s does not restore (%s: %s); falling back to an "
-                        "earlier step", path, type(e).__name__, str(e)[:300])
+        logging.warning("checkpoint %s %s", path, why)
         if distributed.is_main():
-            logging.warning("moved %s to %s", path, set_aside(path, ".corrupt"))
-        distributed.barrier("corrupt checkpoint")
+            logging.warning("moved %s to %s", path, set_aside(path, suffix))
+        distributed.barrier("checkpoint set aside")
         self.manager.close()
         self.manager = self._manager()
 
-    def wait(self) -> None:
-        """Block until pending async saves (and keep-N deletions) are on disk."""
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        except Exception:  # noqa: BLE001
+            if self._failed is None:  # a failure nobody reported yet
+                raise
 
 
 def save_params(path: str, params) -> None:

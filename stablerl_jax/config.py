@@ -665,6 +665,11 @@ class ExperimentConfig(_Replace):
         check(need <= self.model.max_seq_len, "model.max_seq_len",
               f"must be >= task.max_prompt_len + sampling.max_new_tokens = {need}, "
               f"got {self.model.max_seq_len}")
+        # The arithmetic test split holds exactly task.num_test problems (a JSONL split's
+        # size is known once it is read: rl/preflight.check_eval_problems).
+        check(self.task.kind != "arithmetic" or self.rl.eval_problems <= self.task.num_test,
+              "rl.eval_problems", f"must be <= task.num_test={self.task.num_test} (the test "
+              f"problems there are), got {self.rl.eval_problems}")
         check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
               and all(_is_int(m) and m > 0 for m in self.mesh), "mesh",
               f"must be three positive ints (data, fsdp, expert), got {self.mesh!r}")
@@ -698,6 +703,11 @@ class ExperimentConfig(_Replace):
 def _parse(value: str, current, key: str):
     """`value` (a command-line string) as the type of the field's current value."""
     low = value.strip().lower()
+    if isinstance(current, (bool, int, float, tuple)) and not value.isascii():
+        # int() and float() read any Unicode digit ('٣', full-width '３'): a typo's
+        # lookalike would pass as a number.
+        raise ConfigError(f"override {key!r}: {value!r} is not ASCII; write numbers with "
+                          "the digits 0-9")
     if isinstance(current, bool):
         if low not in ("true", "false", "1", "0"):
             raise ConfigError(f"override {key!r}: expected true/false, got {value!r}")

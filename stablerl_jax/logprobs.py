@@ -22,9 +22,10 @@ from __future__ import annotations
 
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from stablerl_jax import sharding
+from stablerl_jax import input_checks, sharding
 from stablerl_jax.kernels.fused_logprob import TPU_BLOCKS, BlockSizes, fused_logprob
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -72,7 +73,7 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
 def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=None,
                     replay_weights_BxTxLxK=None, numerics: nx.Numerics = nx.TRAIN,
                     temperature: float = 1.0, impl: str = "chunked",
-                    interpret: bool = False, mesh=None):
+                    interpret: bool = False, mesh=None, checks: bool | None = None):
     """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
 
     One full-sequence forward over inputs = tokens[:, :-1] (attention mask attn[:, :-1]),
@@ -81,13 +82,20 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     their recorded combine weights too (weight replay). `aux` is the forward's
     (aux["routes"] [B, T, L, K]). Weights are converted for `numerics` (identity for
     "train"). `mesh`: the devices the expert FFN is sharded over (`transformer.forward`).
+    Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})
+    under `checks` (stablerl_jax/input_checks.py).
     """
+    input_checks.tokens(tokens_BxS, cfg.vocab_size, checks=checks)
+    input_checks.mask(attn_BxS, jnp.shape(tokens_BxS), name="attn_BxS", checks=checks)
+    if jnp.shape(tokens_BxS)[1] < 2:
+        raise ValueError(f"tokens_BxS: shape {jnp.shape(tokens_BxS)} has no next token to "
+                         "score; pass at least 2 positions")
     weights = nx.prepare_params(params, numerics)
     hidden_BxTxD, aux = tf.forward(weights, tokens_BxS[:, :-1], cfg,
                                    attention_mask_BxT=attn_BxS[:, :-1],
                                    replay_BxTxLxK=replay_BxTxLxK,
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
-                                   numerics=numerics, mesh=mesh)
+                                   numerics=numerics, mesh=mesh, checks=checks)
     logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, tf.unembed_matrix(weights, cfg),
                                            tokens_BxS[:, 1:], impl=impl,
                                            temperature=temperature, interpret=interpret,

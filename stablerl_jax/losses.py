@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from stablerl_jax import diagnostics as dg
+from stablerl_jax import input_checks
 from stablerl_jax.config import LossConfig
 
 sg = jax.lax.stop_gradient
@@ -102,10 +103,17 @@ class _Parts(typing.NamedTuple):
 
 def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
     shape = jnp.shape(logp_BxT)
+    input_checks.nonempty(shape, "logp_BxT")
     for name in ("old_logp_BxT", "rollout_logp_BxT", "mask_BxT"):
         if jnp.shape(getattr(batch, name)) != shape:
             raise ValueError(f"batch.{name}: shape {jnp.shape(getattr(batch, name))} must "
                              f"equal logp_BxT's {shape}")
+    for name in ("old_logp_BxT", "rollout_logp_BxT"):
+        if not jnp.issubdtype(jnp.result_type(getattr(batch, name)), jnp.floating):
+            raise ValueError(f"batch.{name}: dtype {jnp.result_type(getattr(batch, name))} "
+                             "must be floating (log-probabilities)")
+    # The mask's values (0 / 1) only under input_checks.checking(): no sync per step.
+    input_checks.mask(batch.mask_BxT, shape, name="batch.mask_BxT")
     # float32 arithmetic, or float64 for float64 log-probs (reference runs under x64).
     acc = jnp.promote_types(jnp.result_type(logp_BxT), jnp.float32)
     if batch.advantages_BxT is not None:

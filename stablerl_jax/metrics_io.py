@@ -165,6 +165,26 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
+def torn_tail(path: str) -> int:
+    """Bytes of a torn last line of a JSONL file (no newline and not a JSON object: a
+    write cut short), 0 if there is none or no file."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 1))
+        if size == 0 or f.read(1) == b"\n":
+            return 0
+        f.seek(0)
+        last = f.read().rsplit(b"\n", 1)[-1]
+    try:
+        json.loads(last)
+    except ValueError:
+        return len(last)
+    return 0
+
+
 def _series(records: list[dict], key: str, log: bool):
     pts = [(r["step"], r[key]) for r in records
            if r.get(key) is not None and (not log or r[key] > 0)]

@@ -4,21 +4,29 @@ command line run `experiments.quickstart` and check that the workdir was not cre
 import dataclasses
 import json
 import os
+import shutil
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 from rl_helpers import tiny_cfg
+from safetensors.numpy import load_file, save_file
 
 from experiments import quickstart
-from stablerl_jax import losses, presets
+from stablerl_jax import input_checks, losses, presets
 from stablerl_jax.config import ConfigError, LossConfig, TaskConfig
 from stablerl_jax.data import jsonl
 from stablerl_jax.data.task import load_split
+from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+from stablerl_jax.interop.rollouts import write_rollouts
+from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import moe
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import loop, sft
+from stablerl_jax.rl import loop, preflight, sft
+from stablerl_jax.workdir import LOCK_FILE
 
 # (case, overrides, the message must contain these)
 OVERRIDES = [
@@ -67,6 +75,13 @@ OVERRIDES = [
     ("sequence longer than the model", ["sampling.max_new_tokens=100"],
      ["model.max_seq_len", "max_new_tokens"]),
     ("gsm8k without its directory", ["task.kind=gsm8k"], ["task.jsonl_dir"]),
+    ("Arabic-Indic digits", ["rl.steps=٣"], ["rl.steps", "not ASCII", "digits 0-9"]),
+    ("full-width digits", ["rl.optim.learning_rate=１e-3"],
+     ["rl.optim.learning_rate", "not ASCII"]),
+    ("more eval problems than the test split", ["rl.eval_problems=100000"],
+     ["rl.eval_problems", "must be <= task.num_test="]),
+    ("unknown fields allowed to change", ["--allow-config-change", "rl.bogus_field,zz.top"],
+     ["--allow-config-change", "['rl.bogus_field', 'zz.top']"]),
 ]
 
 
@@ -154,8 +169,10 @@ def finished_run(tmp_path_factory):
 
 
 def _snapshot(path):
+    """Every file's name, size and mtime; but the lock file, which a refused run also
+    takes and releases (stablerl_jax/workdir.py)."""
     return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in path.rglob("*"))
+                  for p in path.rglob("*") if p.name != LOCK_FILE)
 
 
 def test_resuming_with_another_model_config_is_refused(finished_run):
@@ -173,7 +190,6 @@ def test_resuming_with_another_model_config_is_refused(finished_run):
 def test_the_only_checkpoint_corrupted_is_refused(finished_run, tmp_path):
     cfg, workdir = finished_run
     copy = tmp_path / "run"
-    import shutil
     shutil.copytree(workdir, copy)
     step_dir = copy / "checkpoints" / "1"
     data = max((p for p in step_dir.rglob("*") if p.is_file() and "state" in p.parts),
@@ -214,8 +230,59 @@ def test_model_inputs_name_the_field():
     tokens = jnp.zeros((2, 5), jnp.int32)
     with pytest.raises(ValueError, match="replay: shape"):
         tf.forward(params, tokens, cfg, replay_BxTxLxK=jnp.zeros((2, 5, 1, 2), jnp.int32))
-    with pytest.raises(ValueError, match="vocab_size=64"):
-        tf.forward(params, tokens.at[0, 0].set(99), cfg)
+    # Host (numpy) ids are checked always; device arrays' values under checks=True.
+    host = np.zeros((2, 5), np.int32)
+    host[0, 0] = 99
+    with pytest.raises(ValueError, match=r"vocab_size=64\), got min=0 max=99"):
+        tf.forward(params, host, cfg)
+    with pytest.raises(ValueError, match=r"vocab_size=64\), got min=0 max=99"):
+        tf.forward(params, tokens.at[0, 0].set(99), cfg, checks=True)
+    with pytest.raises(ValueError, match=r"got min=-1 max=0"):
+        tf.forward(params, tokens.at[1, 4].set(-1), cfg, checks=True)
+    with pytest.raises(ValueError, match="tokens: must be an integer"):
+        tf.forward(params, tokens.astype(jnp.float32), cfg)
+    with pytest.raises(ValueError, match=r"tokens: empty batch, shape \(0, 5\)"):
+        tf.forward(params, jnp.zeros((0, 5), jnp.int32), cfg)
+    with pytest.raises(ValueError, match="attention_mask: values must be 0 or 1, got min=1 "
+                                         "max=2"):
+        tf.forward(params, tokens, cfg, attention_mask_BxT=jnp.ones((2, 5), jnp.int32)
+                   .at[0, 0].set(2), checks=True)
+
+
+def test_value_checks_under_jit_through_checkify():
+    cfg = tiny_cfg().model
+    params = tf.init_params(jax.random.key(0), cfg)
+    tokens = jnp.zeros((2, 6), jnp.int32)
+    attn = jnp.ones((2, 6), bool)
+    f = checkify.checkify(jax.jit(lambda p, t, a: policy_logprobs(p, t, a, cfg,
+                                                                   checks=True)[0]))
+    err, logp = f(params, tokens, attn)
+    err.throw()  # valid inputs: no error
+    assert logp.shape == (2, 5)
+    err, _ = f(params, tokens.at[1, 3].set(64), attn)
+    with pytest.raises(ValueError, match=r"tokens: ids must be in \[0, vocab_size=64\)"):
+        err.throw()
+    with pytest.raises(ValueError, match="attn_BxS: shape"):
+        policy_logprobs(params, tokens, attn[:, :5], cfg)
+
+
+def test_loss_batch_values_and_emptiness():
+    logp = jnp.full((2, 3), -1.0)
+    ok = losses.LossBatch(jnp.full((2, 3), -1.0), jnp.full((2, 3), -1.0), jnp.ones((2, 3)),
+                          advantages_B=jnp.ones(2))
+    with input_checks.checking():
+        losses.minirl(logp, ok, LossConfig())  # valid: no error
+        for m in (2.0, -1.0):
+            with pytest.raises(ValueError, match="batch.mask_BxT: values must be 0 or 1"):
+                losses.minirl(logp, ok._replace(mask_BxT=ok.mask_BxT.at[0, 1].set(m)),
+                              LossConfig())
+    empty = losses.LossBatch(jnp.zeros((0, 3)), jnp.zeros((0, 3)), jnp.ones((0, 3)),
+                             advantages_B=jnp.zeros(0))
+    with pytest.raises(ValueError, match=r"logp_BxT: empty batch, shape \(0, 3\)"):
+        losses.minirl(jnp.zeros((0, 3)), empty, LossConfig())
+    with pytest.raises(ValueError, match="batch.old_logp_BxT: dtype int32 must be floating"):
+        losses.minirl(logp, ok._replace(old_logp_BxT=jnp.zeros((2, 3), jnp.int32)),
+                      LossConfig())
 
 
 def test_loss_inputs_of_mismatched_shapes():
@@ -290,3 +357,146 @@ def test_a_split_left_empty_by_the_length_filter_is_refused(tmp_path):
     assert "every one of the 1 test prompts is longer than task.max_prompt_len=8" in msg
     assert "raise task.max_prompt_len" in msg and str(manual) in msg
     assert _only_data_written(tmp_path / "run")
+def test_eval_problems_beyond_a_jsonl_test_split_are_refused():
+    # A JSONL split's size is known once it is read: checked then, before any training.
+    data = SimpleNamespace(evals={"test": [{"prompt": "q", "answer": "1"}] * 3})
+    cfg = tiny_cfg().replace(task=TaskConfig(kind="gsm8k", jsonl_dir="x"))
+    with pytest.raises(ConfigError, match=r"rl.eval_problems=8: the test split holds 3 "
+                                          r"problems; set rl.eval_problems=3 or fewer"):
+        preflight.check_eval_problems(cfg, data)
+    preflight.check_eval_problems(cfg, SimpleNamespace(evals={"test": [{}] * 8}))  # enough
+
+
+def test_named_eval_sets_smaller_than_the_cap_are_evaluated_whole_and_said_so(capsys):
+    # A benchmark is its own size (AIME: 30 problems); rl.eval_problems only caps it.
+    data = SimpleNamespace(evals={"aime24": [{}] * 30, "big": [{}] * 100})
+    cfg = tiny_cfg().replace(task=TaskConfig(kind="gsm8k", jsonl_dir="x"))
+    cfg = cfg.replace(rl=cfg.rl.replace(eval_sets="aime24:a.jsonl,big:b.jsonl"))
+    preflight.check_eval_problems(cfg, data)
+    assert ("eval sets: aime24 30 of 30 problems, big 64 of 100 problems"
+            in capsys.readouterr().out)
+
+
+# Entry points: a user error is one line on stderr and exit status 2; --traceback shows
+# the full traceback instead.
+def _one_line(capsys, argv, *needles):
+    with pytest.raises(SystemExit) as e:
+        quickstart.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert "--traceback for the full traceback" in err
+    return err
+
+
+def test_a_corrupt_cold_start_settings_file_is_one_line(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    (workdir / "sft").mkdir(parents=True)
+    (workdir / "sft" / "commit_success.txt").write_text("")
+    (workdir / "sft.json").write_text('{"model.d_model": 6')
+    argv = ["--workdir", str(workdir), "--quiet", "--compile-cache="]
+    _one_line(capsys, argv, f"{workdir / 'sft.json'}: not valid JSON", "delete it")
+    with pytest.raises(ValueError, match="sft.json: not valid JSON"):
+        quickstart.main([*argv, "--traceback"])
+    assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The tiny preset's model as a Hugging Face checkpoint (random weights, float32)."""
+    path = tmp_path_factory.mktemp("hf") / "ckpt"
+    cfg = presets.preset("tiny").model
+    save_qwen3_moe(tf.init_params(jax.random.key(3), cfg), cfg, str(path),
+                   config_extra={"eos_token_id": 3, "pad_token_id": 0, "bos_token_id": 2})
+    return path
+
+
+def _damaged(src, dest, change):
+    """A copy of the checkpoint `src` with one tensor of layer 1 changed."""
+    shutil.copytree(src, dest)
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.5.up_proj.weight"
+    file = dest / index["weight_map"][name]
+    tensors = load_file(str(file))
+    tensors[name] = change(tensors[name])
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return dest, name, file.name
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "float16", "int32"])
+def test_bad_hf_weights_are_refused_naming_tensor_and_file(tmp_path, capsys, hf_dir, case):
+    def change(w):
+        if case in ("nan", "inf"):
+            w = w.copy()
+            w[3, 2] = np.nan if case == "nan" else -np.inf
+            return w
+        return w.astype(case)
+    path, name, file = _damaged(hf_dir, tmp_path / "ckpt", change)
+    workdir = tmp_path / "run"
+    needles = ([f"tensor {name} in {file} holds NaN or inf"] if case in ("nan", "inf") else
+               [f"tensor {name} in {file} is {case}", "torch_dtype is float32"])
+    _one_line(capsys, ["--workdir", str(workdir), "--quiet", "--compile-cache=",
+                       "--hf", str(path)], *needles)
+    assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
+
+
+def test_a_read_only_checkpoint_directory_is_one_line(tmp_path, capsys, monkeypatch,
+                                                      hf_dir):
+    workdir = tmp_path / "run"
+    access = os.access  # root ignores permission bits: make the check itself say no
+    monkeypatch.setattr(os, "access", lambda p, mode: not str(p).endswith("checkpoints")
+                        and access(p, mode))
+    _one_line(capsys, ["--workdir", str(workdir), "--quiet", "--compile-cache=",
+                       "--hf", str(hf_dir)], "checkpoints' is not writable")
+    assert not (workdir / "metrics.jsonl").exists()
+
+
+# Offline rollout files: every value is checked when the file is opened.
+ROLLOUT_CASES = [  # (case, change(arrays), record, field, the message must contain)
+    ("token id beyond the vocabulary", lambda a: a["completion_ids"].__setitem__(
+        slice(9, 10), 64), "completion_ids", "token id 64 is outside [0, model.vocab_size=64)"),
+    ("negative prompt token", lambda a: a["prompt_ids"].__setitem__(slice(20, 21), -1),
+     "prompt_ids", "token id -1"),
+    ("NaN logp_mu", lambda a: a["logp_mu"].__setitem__(slice(9, 10), np.nan), "logp_mu",
+     "nan is not a log-probability"),
+    ("positive logp_mu", lambda a: a["logp_mu"].__setitem__(slice(9, 10), 0.5), "logp_mu",
+     "0.5 is not a log-probability"),
+    ("NaN reward", lambda a: a["rewards"].__setitem__(slice(1, 2), np.nan), "rewards",
+     "nan is not finite"),
+    ("negative completion length", lambda a: a["completion_lens"].__setitem__(
+        slice(1, 2), -1), "completion_lens", "-1 is below 0"),
+    ("completion longer than the slots", "long", "completion_lens", "17 is not in [1, 16]"),
+    ("expert id beyond the experts", lambda a: a["routes"].__setitem__(
+        (slice(30, 31), 1, 0), 8), "routes", "outside [0, model.num_experts=8)"),
+    ("expert id -2", lambda a: a["routes"].__setitem__((slice(30, 31), 0, 1), -2),
+     "routes", "outside [0, model.num_experts=8)"),
+]
+
+
+@pytest.mark.parametrize("case, change, field, needle", ROLLOUT_CASES,
+                         ids=[c[0] for c in ROLLOUT_CASES])
+def test_bad_offline_rollouts_are_refused_at_open(tmp_path, case, change, field, needle):
+    cfg = tiny_cfg(replay="r3", steps=1)
+    rng = np.random.default_rng(0)
+    recs = [{"prompt_ids": rng.integers(4, 60, 5), "completion_ids": rng.integers(4, 60, c),
+             "logp_mu": -rng.uniform(0.1, 2, c),
+             "routes": np.stack([rng.permutation(8)[:2] for _ in range(4 + c) for _ in "LL"])
+             .reshape(4 + c, 2, 2), "reward": float(i % 2)}
+            for i, c in enumerate([4, 17 if change == "long" else 4] + [4] * 6)]
+    path = tmp_path / "rollouts.npz"
+    write_rollouts(str(path), recs, group_size=2)
+    if change != "long":
+        arrays = dict(np.load(path))
+        change(arrays)
+        np.savez(path, **arrays)
+    cfg = cfg.replace(rl=cfg.rl.replace(offline_rollouts=str(path)))
+    with pytest.raises(ValueError) as e:
+        loop.open_offline(cfg)
+    msg = str(e.value)
+    assert str(path) in msg and f"field {field!r}" in msg and needle in msg, msg
+    # The record: response 1 for per-response fields; entries 9, 20 and 30 fall in
+    # responses 2, 4 and 3 (4 completion, 5 prompt and 8 route tokens per response).
+    record = {"completion_ids": 2, "prompt_ids": 4, "logp_mu": 2, "routes": 3}.get(field, 1)
+    assert f"record {record} (response index)" in msg, msg

@@ -1,26 +1,33 @@
 """A run survives being killed: SIGKILL mid-run and mid-checkpoint-write, then the same
 command again, ends with the same parameters and the same metrics rows as a run never
-interrupted; two runs with one seed write identical metrics. The child process is
-tests/reliability_child.py."""
+interrupted; two runs with one seed write identical metrics. Its workdir stays whole: a
+second run there is refused (a dead one's lock taken over), a torn or shortened metrics
+log, a copied step directory and a failed save each end in the same run or in a one-line
+refusal (exit 2) that changes nothing. The child process is tests/reliability_child.py."""
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
+import pytest
 from reliability_child import STEPS, config
 from rl_helpers import EOS_ID, PAD_ID
 
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.model import transformer as tf
+from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.workdir import LOCK_FILE, WorkdirBusy
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reliability_child.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _start(workdir, data_dir, cache, *extra):
@@ -32,6 +39,16 @@ def _start(workdir, data_dir, cache, *extra):
 def _finish(proc, timeout=600):
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(an uninterrupted 4-step run, task data dir, JAX cache dir): what every case
+    below must end equal to."""
+    root = tmp_path_factory.mktemp("reference")
+    data, cache = root / "data", root / "jax_cache"
+    _run(root / "full", data, cache)
+    return root / "full", data, cache
 
 
 def _run(workdir, data_dir, cache, *extra):
@@ -73,10 +90,8 @@ def _assert_same_run(a, b):
     jax.tree.map(np.testing.assert_array_equal, _final_params(b), _final_params(a))
 
 
-def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path):
-    data, cache = tmp_path / "data", tmp_path / "jax_cache"
-    full = tmp_path / "full"
-    _run(full, data, cache)
+def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
+    full, data, cache = reference
     # Determinism: the same command twice writes the same metrics, bit for bit.
     again = tmp_path / "again"
     _run(again, data, cache)
@@ -123,18 +138,18 @@ def _damage(ckdir, damage):
         meta.write_text("{not json")
 
 
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog,
+                                                                   reference):
     """Whatever is wrong with the newest step (truncated, zero-filled, a flipped byte, a
     missing file, garbage metadata), the resume uses the newest step that restores with
     matching checksums, says so, and moves the bad step aside."""
-    data, cache = tmp_path / "data", tmp_path / "jax_cache"
-    _run(tmp_path / "finished", data, cache)
+    full = reference[0]
     cfg = config()
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     like = eng.init_state(tf.init_params(jax.random.key(0), cfg.model))._asdict()
     for damage in ("truncate", "zero", "flip", "delete", "metadata"):
         ckpts = tmp_path / damage
-        shutil.copytree(tmp_path / "finished" / "checkpoints", ckpts)
+        shutil.copytree(full / "checkpoints", ckpts)
         _damage(ckpts / str(STEPS), damage)
         ck = Checkpointer(str(ckpts))
         caplog.clear()
@@ -144,3 +159,130 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
         assert step == STEPS - 1, damage
         assert (ckpts / f"{STEPS}.corrupt").is_dir()
         assert "does not restore" in caplog.text, damage
+
+
+# Workdir integrity: one writer, a metrics log with each step once, step directories that
+# hold their step, a failed save that stops the run. Each case resumes from a copy of the
+# reference run and must end equal to it, or be refused with one line and change nothing.
+def _copy(reference, dest):
+    shutil.copytree(reference, dest)
+    (dest / LOCK_FILE).unlink(missing_ok=True)
+    return dest
+
+
+def _snapshot(path):
+    """Names, sizes and contents' mtimes of every file but the lock (a refused run takes
+    and releases it)."""
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in path.rglob("*") if p.is_file() and p.name != LOCK_FILE)
+
+
+def _one_line_error(out: str, *needles):
+    """The output ends with the entry point's one-line error holding every needle."""
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("reliability_child.py: error: "), out[-3000:]
+    for needle in needles:
+        assert needle in last, f"{needle!r} is not in the last line {last!r}"
+    assert "sys.meta_path is None" not in out
+    return last
+
+
+def test_a_second_run_in_the_same_workdir_is_refused(tmp_path, reference):
+    full, data, cache = reference
+    workdir, go_on = tmp_path / "run", tmp_path / "go_on"
+    # The first run waits in step 2's save (mid-run, lock held) until the second is done.
+    first = _start(workdir, data, cache, "--wait-in-save", "2", str(go_on))
+    deadline = time.time() + 600
+    while not (workdir / "checkpoints" / "1").exists() and time.time() < deadline:
+        assert first.poll() is None, _finish(first)[1][-2000:]
+        time.sleep(0.05)
+    rc, out = _finish(_start(workdir, data, cache))
+    go_on.touch()
+    assert rc == 2, out[-3000:]
+    _one_line_error(out, f"workdir {str(workdir)!r} is in use by pid {first.pid}",
+                    "another --workdir")
+    lock = workdir / LOCK_FILE
+    rc, out = _finish(first)
+    assert rc == 0, out[-3000:]
+    _assert_same_run(full, workdir)  # metrics steps 0..N once each, the same parameters
+    assert lock.read_text() == ""  # released
+
+
+def test_a_lock_of_a_dead_run_is_taken_over(tmp_path, caplog):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from stablerl_jax import workdir; "
+         "workdir.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+         str(tmp_path)], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert holder.stdout.readline().strip() == b"held"
+    with pytest.raises(WorkdirBusy, match=f"in use by pid {holder.pid} on host "
+                                          f"'{socket.gethostname()}' \\(started 20"):
+        workdir_lock.acquire(str(tmp_path))
+    holder.kill()
+    holder.wait()
+    with caplog.at_level("WARNING"):
+        path = workdir_lock.acquire(str(tmp_path))
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    assert "that process is gone" in caplog.text
+    assert json.loads(open(path).read())["pid"] == os.getpid()
+    assert workdir_lock.acquire(str(tmp_path)) == path  # re-entrant within a process
+    workdir_lock.release(path)
+    assert json.loads(open(path).read())["pid"] == os.getpid()  # still held once
+    workdir_lock.release(path)
+    assert open(path).read() == ""
+
+
+def _cut_metrics(workdir, row):
+    """Cut metrics.jsonl in the middle of row `row` (what follows is lost)."""
+    path = workdir / "metrics.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join(lines[:row]) + b"\n" + lines[row][: len(lines[row]) // 2])
+
+
+def test_a_torn_metrics_row_is_repaired_and_written_again(tmp_path, reference):
+    full, data, cache = reference
+    torn = _copy(full, tmp_path / "torn")
+    _cut_metrics(torn, STEPS)  # the last row, torn; the checkpoint of that step exists
+    rc, out = _finish(_start(torn, data, cache))
+    assert rc == 0, out[-3000:]
+    assert "was cut short mid-write; dropped it" in out
+    assert f"checkpoints/{STEPS} is ahead of the metrics log, which lacks the rows of " \
+           f"steps {STEPS}" in out
+    assert (torn / "checkpoints" / f"{STEPS}.unusable").is_dir()
+    _assert_same_run(full, torn)  # steps 0..N once each, bit for bit
+
+
+def test_metrics_rows_lost_before_every_checkpoint_are_refused(tmp_path, reference):
+    full, data, cache = reference
+    lost = _copy(full, tmp_path / "lost")
+    _cut_metrics(lost, 2)  # rows 2.. lost; the checkpoints are of steps 3 and 4
+    before = _snapshot(lost)
+    rc, out = _finish(_start(lost, data, cache))
+    assert rc == 2, out[-3000:]
+    _one_line_error(out, "metrics.jsonl lacks the rows of steps 2..3",
+                    "restore metrics.jsonl from a copy")
+    assert _snapshot(lost) == before  # nothing written, nothing moved
+
+
+def test_a_copied_step_directory_is_not_trusted(tmp_path, reference):
+    full, data, cache = reference
+    copied = _copy(full, tmp_path / "copied")
+    ckpts = copied / "checkpoints"
+    shutil.rmtree(ckpts / str(STEPS))
+    shutil.copytree(ckpts / str(STEPS - 1), ckpts / str(STEPS))  # cp -r 3 4
+    rc, out = _finish(_start(copied, data, cache))
+    assert rc == 0, out[-3000:]
+    assert f"holds the state of step {STEPS - 1}, not {STEPS}" in out
+    assert (ckpts / f"{STEPS}.corrupt").is_dir()
+    _assert_same_run(full, copied)  # resumed from step 3, step 4 trained again
+
+
+def test_a_failed_save_stops_the_run_and_the_resume_is_exact(tmp_path, reference):
+    full, data, cache = reference
+    workdir = tmp_path / "full_disk"
+    rc, out = _finish(_start(workdir, data, cache, "--fsize-limit-at", "3"))
+    assert rc == 2, out[-3000:]
+    _one_line_error(out, f"checkpoint {workdir / 'checkpoints' / '3'} could not be saved",
+                    "File too large", "free disk space", "run the same command again")
+    assert not (workdir / "checkpoints" / "3").exists()  # never a half-written step
+    _run(workdir, data, cache)  # the same command, with room on the disk
+    _assert_same_run(full, workdir)

@@ -260,8 +260,9 @@ def test_logits_and_tied_embeddings():
 
 def test_input_errors():
     params, tokens, mask = _setup()
+    # Values of device arrays only under checks=True (no device sync otherwise).
     with pytest.raises(ValueError, match="vocab_size=64"):
-        tf.forward(params, tokens.at[0, 0].set(64), CFG)
+        tf.forward(params, tokens.at[0, 0].set(64), CFG, checks=True)
     with pytest.raises(ValueError, match=r"integer \[B, T\]"):
         tf.forward(params, tokens.astype(jnp.float32), CFG)
     with pytest.raises(ValueError, match="attention_mask"):

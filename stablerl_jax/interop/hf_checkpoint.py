@@ -33,7 +33,8 @@ Loading never builds a host copy of the model: each parameter is a
 block of the global array, only that block's rows of the HF tensors it comes from
 (`safe_open(...).get_slice`, memory-mapped), stacking layers and experts on the fly.
 Every tensor of the checkpoint must be used: an unexpected one (a bias, an FP8 scale, a
-dense MLP) is an error naming it, never silently dropped. Saving gathers one layer at a
+dense MLP) is an error naming it, never silently dropped; so is a tensor whose dtype is not
+config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py). Saving gathers one layer at a
 time to the host and writes one safetensors file per layer plus
 `model.safetensors.index.json` (single process; a multi-host job would gather each layer
 with `jax.experimental.multihost_utils.process_allgather` first).
@@ -53,7 +54,7 @@ from safetensors.numpy import save_file
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
-from stablerl_jax.interop import hf_config
+from stablerl_jax.interop import hf_config, hf_validate
 from stablerl_jax.interop.hf_config import hf_config_from_model, model_config_from_hf
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
@@ -186,13 +187,38 @@ def _check_shapes(ckpt, sources, shapes, cfg) -> None:
         return inner
 
     for key, (tmpl, how, stacked), leaf in _flat(sources, shapes):
-        names = [tmpl.format(l=l, e=e) for l in range(cfg.num_layers if stacked else 1)
-                 for e in range(cfg.num_experts if stacked == "le" else 1)]
-        for n in names:
+        for n in _names(tmpl, stacked, cfg):
             if ckpt.shape(n) != want(leaf, how, stacked):
                 raise ValueError(f"checkpoint: {n} has shape {ckpt.shape(n)}, expected "
                                  f"{want(leaf, how, stacked)} for {key} "
                                  f"{tuple(leaf.shape)}; does config.json match the weights?")
+
+
+def _names(tmpl: str, stacked: str, cfg: ModelConfig) -> list[str]:
+    """The HF tensor names one of our leaves is read from, layer-major then expert."""
+    return [tmpl.format(l=l, e=e) for l in range(cfg.num_layers if stacked else 1)
+            for e in range(cfg.num_experts if stacked == "le" else 1)]
+
+
+def _check_finite(params: dict, sources: dict, shapes: dict, ckpt, path: str) -> None:
+    """Refuse NaN / inf anywhere in the loaded params, naming the HF tensor and file."""
+    leaves, stacked, templates = {}, {}, {}
+    for key, (tmpl, _, st), _ in _flat(sources, shapes):
+        leaves[key] = (params["layers"][key[7:]] if key.startswith("layers.")
+                       else params[key])
+        stacked[key], templates[key] = len(st), tmpl
+    names = []
+    for key, blocks in hf_validate.nonfinite(leaves, stacked).items():
+        for ix in blocks:  # (layer, expert) of a stacked leaf, () of an unstacked one
+            l, e = (ix + (0, 0))[:2]
+            names.append(templates[key].format(l=l, e=e))
+    names = list(dict.fromkeys(names))  # w_gate and w_up share a fused gate_up_proj
+    if names:
+        more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+        raise ValueError(
+            f"checkpoint {path}: tensor {names[0]} in {os.path.basename(ckpt.where[names[0]])}"
+            f" holds NaN or inf{more}; the weights are damaged: re-download or re-export "
+            "the checkpoint")
 
 
 def _flat(sources: dict, shapes: dict):
@@ -255,6 +281,8 @@ def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
         shardings = jax.tree.map(lambda _: one, shapes)
     sources = _sources(ckpt, cfg)
     _check_shapes(ckpt, sources, shapes, cfg)
+    hf_validate.check_dtypes(ckpt, [n for _, (tmpl, _, st), _ in _flat(sources, shapes)
+                                    for n in _names(tmpl, st, cfg)], path)
     dtype = dtype_of(cfg.param_dtype)
 
     def build(tmpl, how, stacked, leaf, sh):
@@ -294,6 +322,7 @@ def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
                          f"e.g. {unused[:3]}: biases, quantization scales or dense MLP layers "
                          "are not supported; convert the checkpoint to plain Qwen3-MoE "
                          "weights")
+    _check_finite(params, sources, shapes, ckpt, path)
     return params
 
 

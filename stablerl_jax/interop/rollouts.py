@@ -32,6 +32,9 @@ order, with per-response lengths):
     rewards         float [R]                  or `answers` (str [R]: scored by the task)
     group_size      int   []                   responses g·G … g·G + G − 1 share a prompt
 
+Every value is checked when the trainer opens the file (`OfflineRollouts.check_values`),
+before any training: an error names the record (response index) and the field.
+
 Global step s trains on responses [s·B, (s + 1)·B), B = rl.prompts_per_step · G. The
 sampler's temperature must be `sampling.temperature` (the trainer scores π_old at it).
 """
@@ -138,6 +141,16 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
 
 
+def _refuse(path: str, field: str, bad, what: str, lens=None):
+    """Raise naming the first bad record: `bad` is a boolean mask over the field's first
+    axis; `lens` (per-response entry counts) maps a token entry to its response."""
+    pos = int(np.argmax(bad))
+    rec = pos if lens is None else int(np.searchsorted(_offsets(lens), pos, side="right") - 1)
+    raise ValueError(f"{path}: record {rec} (response index), field {field!r}: {what} "
+                     f"({int(np.sum(bad))} bad entries in the file); fix or drop those "
+                     "records")
+
+
 @dataclasses.dataclass(frozen=True)
 class OfflineRollouts:
     """The arrays of an offline rollout file (module docstring), validated on load."""
@@ -170,6 +183,9 @@ class OfflineRollouts:
     def _check_lengths(self) -> None:
         a, r = self.arrays, self.num_responses
         p, c = a["prompt_lens"], a["completion_lens"]
+        for field, lo in (("prompt_lens", 1), ("completion_lens", 0)):
+            if (bad := a[field] < lo).any():  # before the totals, which they make wrong
+                _refuse(self.path, field, bad, f"{a[field][np.argmax(bad)]} is below {lo}")
         want = {"prompt_ids": (int(p.sum()),), "completion_lens": (r,),
                 "completion_ids": (int(c.sum()),), "logp_mu": (int(c.sum()),)}
         want.update({k: (r,) for k in ("rewards", "answers") if k in a})
@@ -204,6 +220,65 @@ class OfflineRollouts:
                 raise ValueError(f"{self.path}: {key} is [tokens, {a[key].shape[1:]}], the "
                                  f"model needs [tokens, num_layers={num_layers}, "
                                  f"top_k={top_k}]")
+
+    def check_values(self, *, vocab_size: int, num_experts: int, max_prompt_len: int,
+                     max_new_tokens: int) -> None:
+        """Refuse a file holding a value this model cannot train on, naming the first
+        bad record (response index) and field: all of it, when it is opened, rather than
+        at the step that reads it (after a checkpoint) or never (an update skipped as
+        non-finite). Token ids in [0, vocab_size); lengths in [1, max_prompt_len] and
+        [0, max_new_tokens] (≥ 1 with routes: the engine processed ≥ 1 token); logp_mu
+        finite and ≤ 0; rewards finite; routes in [0, num_experts), K distinct per token
+        and layer; route_weights finite."""
+        a, p = self.arrays, self.path
+        lens = {"prompt_lens": None, "completion_lens": None, "rewards": None,
+                "prompt_ids": a["prompt_lens"], "completion_ids": a["completion_lens"],
+                "logp_mu": a["completion_lens"],
+                "routes": a["prompt_lens"] + a["completion_lens"] - 1,
+                "route_weights": a["prompt_lens"] + a["completion_lens"] - 1}
+
+        def refuse(field, bad, what):
+            _refuse(p, field, bad, what, lens.get(field))
+
+        for field in ("prompt_lens", "completion_lens", "prompt_ids", "completion_ids",
+                      "routes"):
+            if field in a and not np.issubdtype(a[field].dtype, np.integer):
+                raise ValueError(f"{p}: field {field!r} has dtype {a[field].dtype}; it must "
+                                 "hold integers")
+        for field in ("logp_mu", "rewards", "route_weights"):
+            if field in a and not np.issubdtype(a[field].dtype, np.floating):
+                raise ValueError(f"{p}: field {field!r} has dtype {a[field].dtype}; it must "
+                                 "hold floats")
+        c_min = 1 if "routes" in a else 0
+        for field, lo, hi, where in (
+                ("prompt_lens", 1, max_prompt_len, "task.max_prompt_len"),
+                ("completion_lens", c_min, max_new_tokens, "sampling.max_new_tokens")):
+            bad = (a[field] < lo) | (a[field] > hi)
+            if bad.any():
+                refuse(field, bad, f"{a[field][np.argmax(bad)]} is not in [{lo}, {hi}] "
+                       f"({where}={hi})")
+        for field in ("prompt_ids", "completion_ids"):
+            bad = (a[field] < 0) | (a[field] >= vocab_size)
+            if bad.any():
+                refuse(field, bad, f"token id {a[field][np.argmax(bad)]} is outside "
+                       f"[0, model.vocab_size={vocab_size})")
+        logp = a["logp_mu"]
+        if (bad := ~np.isfinite(logp)).any() or (bad := logp > 0).any():
+            refuse("logp_mu", bad, f"{logp[np.argmax(bad)]} is not a log-probability "
+                   "(finite and <= 0)")
+        if "rewards" in a and (bad := ~np.isfinite(a["rewards"])).any():
+            refuse("rewards", bad, f"{a['rewards'][np.argmax(bad)]} is not finite")
+        if "routes" in a:
+            r = a["routes"]
+            if (bad := ((r < 0) | (r >= num_experts)).any(axis=(1, 2))).any():
+                refuse("routes", bad, f"an expert id outside [0, model.num_experts="
+                       f"{num_experts})")
+            srt = np.sort(r, axis=-1)
+            if (bad := (srt[..., 1:] == srt[..., :-1]).any(axis=(1, 2))).any():
+                refuse("routes", bad, "an expert repeated within a token's top-k")
+        if "route_weights" in a and (bad := ~np.isfinite(a["route_weights"]).all(
+                axis=(1, 2))).any():
+            refuse("route_weights", bad, "a weight that is not finite")
 
     def batch(self, rows, *, max_prompt_len: int, max_new_tokens: int, pad_id: int,
               num_layers: int, top_k: int, num_experts: int):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from stablerl_jax import input_checks
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import expert_parallel, moe
 from stablerl_jax.model import numerics as nx
@@ -106,18 +106,11 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> 
             "mask": jnp.zeros((batch, length), bool), "index": jnp.zeros((), jnp.int32)}
 
 
-def _check_inputs(tokens_BxT, cfg, replay, mask):
-    if tokens_BxT.ndim != 2 or not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
-        raise ValueError(f"tokens: must be an integer [B, T] array, got shape "
-                         f"{tokens_BxT.shape} dtype {tokens_BxT.dtype}")
-    if not isinstance(tokens_BxT, jax.core.Tracer):
-        t = np.asarray(tokens_BxT)
-        if t.size and (t.min() < 0 or t.max() >= cfg.vocab_size):
-            raise ValueError(f"tokens: ids must be in [0, vocab_size={cfg.vocab_size}), got "
-                             f"min={t.min()} max={t.max()}")
-    if mask is not None and mask.shape != tokens_BxT.shape:
-        raise ValueError(f"attention_mask: shape {mask.shape} must equal tokens shape "
-                         f"{tokens_BxT.shape}")
+def _check_inputs(tokens_BxT, cfg, replay, mask, checks=None):
+    """Shapes and dtypes always; values under `checks` (input_checks.py)."""
+    input_checks.tokens(tokens_BxT, cfg.vocab_size, checks=checks)
+    if mask is not None:
+        input_checks.mask(mask, tokens_BxT.shape, name="attention_mask", checks=checks)
     if replay is not None:
         moe.validate_replay(replay, tokens_BxT.shape + (cfg.num_layers,), cfg.top_k,
                             cfg.num_experts)
@@ -131,7 +124,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             numerics: nx.Numerics = nx.TRAIN,
             cache: dict | None = None,
             gmm: moe.GroupedMatmul | None = None,
-            mesh=None):
+            mesh=None, checks: bool | None = None):
     """Run the decoder. Returns (hidden_BxTxD, aux).
 
     Args:
@@ -149,12 +142,14 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       mesh: the device mesh the caller's jit shards over. With more than one device, the
         grouped expert FFN runs under shard_map on each device's own tokens
         (model/expert_parallel.py); None: no mesh, nothing sharded by hand.
+      checks: also check the values of the inputs (token ids in [0, V), the mask in
+        {0, 1}); shapes and dtypes are always checked (stablerl_jax/input_checks.py).
 
     aux: routes [B,T,L,K] int32 (the experts used), route_weights [B,T,L,K] (their combine
     weights), expert_load [L,E], router_z_loss [L],
     load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
     """
-    _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT)
+    _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT, checks)
     if replay_weights_BxTxLxK is not None:
         moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
     b, t = tokens_BxT.shape

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from stablerl_jax import distributed, overlong
 from stablerl_jax import rollout as rollout_lib
+from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
@@ -44,7 +45,7 @@ from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, 
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.rl import evals, preflight, steps
+from stablerl_jax.rl import evals, preflight, resume, steps
 from stablerl_jax.rl.engine import Engine
 
 
@@ -156,6 +157,23 @@ def log_samples(writer: MetricsWriter, path: str, step: int, samples: list[dict]
     writer.text(step, "samples", samples)
 
 
+def open_offline(cfg) -> OfflineRollouts | None:
+    """The run's offline rollout file (rl.offline_rollouts), checked whole against the
+    config (None without one): a bad file is refused before any training."""
+    if not cfg.rl.offline_rollouts:
+        return None
+    offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
+    offline.check(group_size=cfg.rl.group_size,
+                  responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
+                  steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
+                  top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
+                  need_weights=cfg.rl.replay_weights)
+    offline.check_values(vocab_size=cfg.model.vocab_size, num_experts=cfg.model.num_experts,
+                         max_prompt_len=cfg.task.max_prompt_len,
+                         max_new_tokens=cfg.sampling.max_new_tokens)
+    return offline
+
+
 def task_data(cfg, workdir: str) -> TaskData:
     """The task's data under `<workdir>/data`, built by the first process while the others
     wait (on a shared filesystem they then only read it)."""
@@ -182,24 +200,25 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     in `export_dtype` ('' = model.param_dtype; e.g. the dtype of the checkpoint the run
     started from, while the run trains float32 master weights). In a
     multi-process run every process calls this; the first writes metrics, logs, plots and
-    the summary, and every one writes its part of the checkpoints.
+    the summary, and every one writes its part of the checkpoints. The first also holds
+    the workdir's lock (workdir.py) for the whole run: a second run there is refused.
     """
     preflight.check_workdir(workdir)
     preflight.check_processes(cfg, export_hf)
+    with workdir_lock.Lock(workdir, enabled=distributed.is_main()):
+        return _run(cfg, workdir, init_params=init_params, data=data, progress=progress,
+                    allow_config_change=allow_config_change, export_hf=export_hf,
+                    export_dtype=export_dtype)
+
+
+def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
+         export_hf, export_dtype) -> dict:
     main = distributed.is_main()
-    if main:
-        os.makedirs(workdir, exist_ok=True)
     data = data or task_data(cfg, workdir)
+    preflight.check_eval_problems(cfg, data)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id,
                            stop_ids=data.tokenizer.stop_ids)
-    offline = None
-    if cfg.rl.offline_rollouts:
-        offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
-        offline.check(group_size=cfg.rl.group_size,
-                      responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
-                      steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
-                      top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
-                      need_weights=cfg.rl.replay_weights)
+    offline = open_offline(cfg)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     minibatch_log = os.path.join(workdir, "minibatches.jsonl")
@@ -209,27 +228,34 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     state = engine.init_state(init_params)
     start = 0
     had_checkpoints = bool(ckpt.all_steps())
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    logged = [r["step"] for r in read_metrics(metrics_path)]
     try:
+        resume.choose(workdir, ckpt.all_steps(), logged)
         restored = ckpt.restore_latest(state._asdict(), check_meta=lambda meta: (
             preflight.check_resumed_config(meta.get("config"), cfg, allow_config_change,
-                                           workdir)))
+                                           workdir)), usable=resume.unusable(logged))
     except Exception:
         ckpt.close()
         raise
     if had_checkpoints and restored is None:
         ckpt.close()
         raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
-                         "<step>.corrupt, see the log); run again to start from scratch")
+                         "<step>.corrupt or <step>.unusable, see the log); run again to "
+                         "start from scratch")
     writer = MetricsWriter(workdir, enabled=main)
     if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
         latest, state_dict, _ = restored
         state = steps.TrainState(**state_dict)
         start = latest
+        if main:
+            resume.report_torn(metrics_path)
         writer.truncate_after(latest)
         if main:
             for log in (minibatch_log, samples_log):
                 truncate_jsonl(log, latest)
+            resume.check_rows(metrics_path, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         if main:
@@ -244,6 +270,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     meta = {"config": flat_dict(cfg)}
     try:
         for step in bar:
+            ckpt.check_saves()  # a failed background save stops the run here
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
             state, metrics, composition, samples = global_step(engine, state, data, step,
@@ -265,9 +292,11 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
                 ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
     finally:  # an error still finishes the saves already started
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
+        try:
+            ckpt.wait()  # raises CheckpointSaveError if the last save failed
+        finally:
+            ckpt.close()
+            writer.close()
     if export_hf:
         tok = data.tokenizer
         dtype = export_dtype or cfg.model.param_dtype

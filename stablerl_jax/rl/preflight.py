@@ -7,7 +7,7 @@ import os
 import jax
 
 from stablerl_jax import distributed
-from stablerl_jax.config import changed_fields, flat_dict
+from stablerl_jax.config import ConfigError, changed_fields, flat_dict
 from stablerl_jax.rl.engine import make_mesh
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
@@ -51,6 +51,37 @@ def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
             f"{where}: the run being resumed was trained with another config ({diffs}). "
             f"Resume with the same settings, pass --allow-config-change {','.join(changed)} "
             "to continue with the new ones, or use a new workdir.")
+
+
+def allowed_changes(arg: str, cfg) -> list[str]:
+    """The fields of `--allow-config-change a.b,c.d`; each must be a field of the config."""
+    allow = [f for f in arg.split(",") if f]
+    known = flat_dict(cfg)
+    unknown = [f for f in allow if f not in known]
+    if unknown:
+        raise ConfigError(
+            f"--allow-config-change: unknown field(s) {unknown}; name section.field paths "
+            f"of the config, e.g. {', '.join(sorted(known)[:3])}")
+    return allow
+
+
+def check_eval_problems(cfg, data) -> None:
+    """rl.eval_problems caps every eval set (its first n problems). Without rl.eval_sets
+    the one set is the task's test split, and asking for more problems than it holds is
+    refused (the reported accuracy would mean something else than asked). Named sets
+    (rl.eval_sets) are benchmarks of their own size (AIME: 30 problems): one smaller than
+    the cap is evaluated whole, and each set's count is printed once here."""
+    sizes = {name: len(records) for name, records in data.evals.items()}
+    cap = cfg.rl.eval_problems
+    if not cfg.rl.eval_sets:
+        have = sizes.get("test", 0)
+        if cap > have:
+            raise ConfigError(f"rl.eval_problems={cap}: the test split holds {have} "
+                              f"problems; set rl.eval_problems={have} or fewer")
+        return
+    if distributed.is_main():
+        print("eval sets: " + ", ".join(f"{name} {min(n, cap)} of {n} problems"
+                                        for name, n in sizes.items()))
 
 
 def check_processes(cfg, export_hf: str = "") -> None:

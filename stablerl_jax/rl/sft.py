@@ -79,7 +79,12 @@ def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
     if os.path.isdir(path):
         if os.path.exists(config_path):
             with open(config_path) as f:
-                saved = json.load(f)
+                try:
+                    saved = json.load(f)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{config_path}: not valid JSON ({e}); delete it and {path} to "
+                        "train the cold start again, or use another workdir") from None
             changed = sorted(k for k in set(saved) | set(wanted)
                              if k not in _SFT_RUN_FIELDS and saved.get(k) != wanted.get(k))
             if changed:
