@@ -665,11 +665,6 @@ class ExperimentConfig(_Replace):
         check(need <= self.model.max_seq_len, "model.max_seq_len",
               f"must be >= task.max_prompt_len + sampling.max_new_tokens = {need}, "
               f"got {self.model.max_seq_len}")
-        # The arithmetic test split holds exactly task.num_test problems (a JSONL split's
-        # size is known once it is read: rl/preflight.check_eval_problems).
-        check(self.task.kind != "arithmetic" or self.rl.eval_problems <= self.task.num_test,
-              "rl.eval_problems", f"must be <= task.num_test={self.task.num_test} (the test "
-              f"problems there are), got {self.rl.eval_problems}")
         check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
               and all(_is_int(m) and m > 0 for m in self.mesh), "mesh",
               f"must be three positive ints (data, fsdp, expert), got {self.mesh!r}")

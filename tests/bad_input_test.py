@@ -371,7 +371,8 @@ def test_named_eval_sets_smaller_than_the_cap_are_evaluated_whole_and_said_so(ca
     # A benchmark is its own size (AIME: 30 problems); rl.eval_problems only caps it.
     data = SimpleNamespace(evals={"aime24": [{}] * 30, "big": [{}] * 100})
     cfg = tiny_cfg().replace(task=TaskConfig(kind="gsm8k", jsonl_dir="x"))
-    cfg = cfg.replace(rl=cfg.rl.replace(eval_sets="aime24:a.jsonl,big:b.jsonl"))
+    cfg = cfg.replace(rl=cfg.rl.replace(eval_sets="aime24:a.jsonl,big:b.jsonl",
+                                        eval_problems=64))
     preflight.check_eval_problems(cfg, data)
     assert ("eval sets: aime24 30 of 30 problems, big 64 of 100 problems"
             in capsys.readouterr().out)

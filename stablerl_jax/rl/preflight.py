@@ -36,6 +36,13 @@ def check(cfg, workdir: str, devices=None) -> None:
     processes."""
     check_workdir(workdir)
     check_processes(cfg)
+    # The arithmetic test split holds exactly task.num_test problems (a JSONL split's size
+    # is known once it is read: check_eval_problems). Not a config invariant: the steps'
+    # program config sets the loop-only rl.eval_problems to its default.
+    if cfg.task.kind == "arithmetic" and not cfg.rl.eval_sets:
+        if cfg.rl.eval_problems > cfg.task.num_test:
+            raise ConfigError(f"rl.eval_problems: must be <= task.num_test={cfg.task.num_test}"
+                              f" (the test problems there are), got {cfg.rl.eval_problems}")
     make_mesh(cfg.mesh, devices)  # raises when the mesh needs more devices than there are
 
 
