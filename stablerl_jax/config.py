@@ -36,6 +36,7 @@ LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
 GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
+SAMPLER_LAYOUTS = ("train", "serve")  # SamplingConfig.layout
 KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]
 TASK_KINDS = ("arithmetic", "gsm8k")
 STYLES = ("steps", "rewrite", "terse")
@@ -274,6 +275,14 @@ class SamplingConfig(_Replace):
         up to float reassociation, as an inference server's MoE kernels differ from the
         trainer's); '' = the model's (model.dispatch). 'dense' decodes a small model on
         CPU faster (a decode step routes few tokens).
+      layout: where the decode loop's weights live (SAMPLER_LAYOUTS). 'train': the
+        trainer's shardings (FSDP-sharded weights, all-gathered again in every layer of
+        every decode step). 'serve': resharded once per sample call into the serving
+        layout of sharding.SERVE_RULES (attention, router and embeddings replicated,
+        experts spread over every chip; the FP8 engine keeps its weights as e4m3 values
+        with per-channel scales), so a decode step moves only activations. The prefill
+        runs in the training layout either way (one pass per slice, compute bound). Same
+        tokens, log μ and routes as 'train' up to float reassociation.
     EOS and padding ids are the tokenizer's.
     """
 
@@ -286,9 +295,11 @@ class SamplingConfig(_Replace):
     act_fp8: bool = False
     max_batch: int = 0
     dispatch: str = ""
+    layout: str = "train"
 
     def __post_init__(self):
         check_positive_int(self, "max_new_tokens")
+        check_choice(self, "layout", SAMPLER_LAYOUTS)
         check(_is_int(self.max_batch) and self.max_batch >= 0, "max_batch",
               f"must be an int >= 0 (0 = every row at once), got {self.max_batch!r}")
         check(_finite(self.temperature) and self.temperature > 0, "temperature",

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import slices
+from stablerl_jax import sharding, slices
 from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -171,17 +171,49 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "eos_id", "pad_id",
                                              "mesh"))
 def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id, mesh):
+    params_in = params
     b = prompts.shape[0]
     n = b // sampling.max_batch if sampling.max_batch else 1
     params = nx.prepare_params(params, numerics)
+    layout = serving_layout(params_in, cfg, numerics, mesh) if sampling.layout == "serve" \
+        else None
     decode = lambda rows: _decode(params, *rows, cfg, sampling, numerics, eos_id, pad_id,
-                                  mesh)
+                                  mesh, layout)
     return slices.map_slices(decode, (prompts, pmask, _row_keys(key, b)), n,
                              "sampling.max_batch")
 
 
-def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, pad_id, mesh):
-    """Prefill + decode of one batch of rows (weights already prepared)."""
+def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
+    """(weights, rules) of the decode loop in the serving layout (SamplingConfig.layout):
+    the engine's weights (`prepare_params`; the FP8 engine's as e4m3 values + scales)
+    constrained to the shardings of `sharding.serve_rules`, so the compiler reshards
+    them once, before the loop. No mesh: the weights alone, rules None."""
+    weights = nx.prepare_params(params, numerics, store_fp8=True)
+    if mesh is None:
+        return weights, None
+    rules = sharding.serve_rules(cfg.expert_parallel)
+    axes = tf.param_logical_axes(cfg)
+    # A quantized weight's values and scales share its axes (the scales' contraction
+    # dims are 1, which sharding.spec leaves replicated).
+    axes["layers"] = {k: ({"e4m3": a, "scale": a} if nx.is_quantized(weights["layers"][k])
+                          else a) for k, a in axes["layers"].items()}
+    # In steps the partitioner does without replicating a weight: each added expert
+    # axis first moves from the weight's embed dim onto its expert dim (an all-to-all
+    # for `fsdp`), or splits experts that were replicated over it (`data`: a slice).
+    ex = rules["experts"] or ()
+    for i in range(1, len(ex) + 1):
+        step = {**rules, "experts": ex[:i]}
+        weights = jax.lax.with_sharding_constraint(
+            weights, sharding.tree_shardings(axes, weights, mesh, step))
+    return jax.lax.with_sharding_constraint(
+        weights, sharding.tree_shardings(axes, weights, mesh, rules)), rules
+
+
+def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, pad_id, mesh,
+            layout=None):
+    """Prefill + decode of one batch of rows (weights already prepared). `layout`: the
+    decode loop's own (weights, sharding rules) (`serving_layout`); None: `params`."""
+    d_params, d_rules = layout if layout is not None else (params, None)
     b, p = prompts.shape
     n, s = sampling.max_new_tokens, p + sampling.max_new_tokens
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
@@ -221,13 +253,13 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, p
         # Feed the token back unless it is EOS or padding. The N-th token is fed too (one
         # shape for every step) but nothing reads its output, so its routes are -1.
         fed = live & (tok != eos_id)
-        h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
-                          numerics=numerics, cache=st["cache"], mesh=mesh)
+        h, a = tf.forward(d_params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
+                          numerics=numerics, cache=st["cache"], mesh=mesh, rules=d_rules)
         recorded_Bx1x1 = fed[:, None, None] & (i + 1 < n)
         step_routes_BxLxK = jnp.where(recorded_Bx1x1, a["routes"][:, 0], -1)
         step_weights_BxLxK = jnp.where(recorded_Bx1x1, a["route_weights"][:, 0], 0)
         return dict(st, i=i + 1, cache=a["cache"],
-                    logits=tf.logits(params, h, cfg)[:, 0],
+                    logits=tf.logits(d_params, h, cfg)[:, 0],
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),
