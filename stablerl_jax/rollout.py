@@ -34,6 +34,20 @@ Truncation and IS weights: with top-k / top-p on, logp_mu is the log-prob under 
 (on a token inside it, π/μ_trunc = π(support) · π/μ_full), and the estimator never sees
 the excluded tokens at all. Leave truncation off for RL unless that bias is studied.
 
+Layouts (SamplingConfig.layout). 'train' decodes with the weights where the trainer
+keeps them: FSDP-sharded, so every layer of every decode step all-gathers its weights
+again (the unembedding too), a weight's bytes per chip per generated token. 'serve'
+reshards them once per call into the serving layout of `sharding.SERVE_RULES`
+(`serving_layout`: attention, router, norms and embeddings replicated, the experts split
+over every device, the FP8 engine's weights stored as e4m3 values + per-channel scales
+and widened one layer at a time), so a decode step moves only activations: the expert
+FFN all-gathers the step's B tokens and reduce-scatters their outputs
+(model/expert_parallel.py). The prefill keeps the training layout in both: it runs once
+per slice over P tokens a row, where gathering each layer's weights is amortized, and an
+expert exchange of all prompt tokens over every device would need a buffer of every
+device's tokens. The two layouts sample the same tokens, log μ and routes
+(tests/serve_layout_test.py).
+
 Randomness: row b draws its token at decode step i from fold_in(key_b, i), where key_b is
 row b's own key (pass [B] keys, or one key that is split into B). With per-row keys a
 row's sample depends only on its key, its prompt and the weights, not on the other rows
@@ -157,6 +171,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
     module docstring for the alignment of the result. With `sampling.max_batch` smaller
     than the batch, rows are decoded in strided slices of that many rows (`lax.map`; each
     row's sample is the same). `mesh`: the devices the expert FFN is sharded over.
+    `sampling.layout='serve'`: the decode loop runs on the weights of `serving_layout`
+    (resharded once per call); the prefill keeps the training layout.
     """
     _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id)
     b = prompt_tokens_BxP.shape[0]
@@ -192,21 +208,25 @@ def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
     if mesh is None:
         return weights, None
     rules = sharding.serve_rules(cfg.expert_parallel)
+    # In steps the partitioner does without replicating a weight: each added expert
+    # axis first moves from the weight's embed dim onto its expert dim (an all-to-all
+    # for `fsdp`), or splits experts that were replicated over it (`data`: a slice).
+    ex = rules["experts"] or ()
+    for step in [{**rules, "experts": ex[:i]} for i in range(1, len(ex) + 1)] or [rules]:
+        weights = jax.lax.with_sharding_constraint(
+            weights, serving_shardings(weights, cfg, mesh, step))
+    return weights, rules
+
+
+def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
+    """NamedShardings of the engine's weights (arrays or ShapeDtypeStructs, as
+    `prepare_params` returns them) under the sharding `rules`."""
     axes = tf.param_logical_axes(cfg)
     # A quantized weight's values and scales share its axes (the scales' contraction
     # dims are 1, which sharding.spec leaves replicated).
     axes["layers"] = {k: ({"e4m3": a, "scale": a} if nx.is_quantized(weights["layers"][k])
                           else a) for k, a in axes["layers"].items()}
-    # In steps the partitioner does without replicating a weight: each added expert
-    # axis first moves from the weight's embed dim onto its expert dim (an all-to-all
-    # for `fsdp`), or splits experts that were replicated over it (`data`: a slice).
-    ex = rules["experts"] or ()
-    for i in range(1, len(ex) + 1):
-        step = {**rules, "experts": ex[:i]}
-        weights = jax.lax.with_sharding_constraint(
-            weights, sharding.tree_shardings(axes, weights, mesh, step))
-    return jax.lax.with_sharding_constraint(
-        weights, sharding.tree_shardings(axes, weights, mesh, rules)), rules
+    return sharding.tree_shardings(axes, weights, mesh, rules)
 
 
 def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, eos_id, pad_id, mesh,

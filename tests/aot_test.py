@@ -66,3 +66,43 @@ def test_pallas_kernels_compile_for_v5p_8():
     cfg = presets.preset("paper", CI_OVERRIDES)
     for c in aot.compile_kernels(cfg, aot.topology("v5p-8")):
         assert c.total_gib <= aot.topology("v5p-8").hbm_gib, c
+
+
+def _weight_shapes(cfg, expert_shards: int):
+    """Each weight's shape, one layer's slice of it, and one layer's experts on one
+    expert shard of the training layout: the shapes a weight all-gather yields."""
+    from stablerl_jax.model import transformer as tf
+    import jax
+    shapes = []
+    for leaf in jax.tree.leaves(jax.eval_shape(
+            lambda: tf.init_params(jax.random.key(0), cfg.model))):
+        shapes += [leaf.shape, leaf.shape[1:]]
+        if len(leaf.shape) == 4 and leaf.shape[1] == cfg.model.num_experts:
+            shapes.append((cfg.model.num_experts // expert_shards, *leaf.shape[2:]))
+    return shapes
+
+
+@pytest.mark.tpu
+def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
+    """The sample step of the 2-layer paper preset under the serving layout, compiled for
+    a v5p-8: no loop body of the decode loop (the decode step, its layer loop) all-gathers
+    a weight, and its collectives per decode step stay within the activations' bytes."""
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+    from stablerl_jax import hlo_loops
+    topo = aot.topology("v5p-8")
+    # Short sequences: the layout, not the KV cache's size, is under test.
+    cfg = presets.preset("paper", CI_OVERRIDES + [
+        "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64"])
+    c = aot.compile_step(aot.engine_for(cfg, topo), "sample")
+    module = hlo_loops.Module(c.hlo)
+    loop = hlo_loops.decode_loop(module)
+    body = module.instructions_under(loop.body)
+    assert hlo_loops.param_gathers(body, _weight_shapes(cfg, cfg.mesh[2])) == []
+    # Per decode step and layer the expert exchange moves every row's hidden state in
+    # (B × D) and the partial outputs back (B × D, float32), the routes and weights
+    # (B × K each), at most 4 bytes a value: B = the pass's rows, all of which the
+    # expert shards see. Everything else (attention, logits) is local to a row.
+    mc, b = cfg.model, cfg.sampling.max_batch
+    bound = mc.num_layers * b * (2 * mc.d_model + 2 * mc.top_k + mc.num_experts) * 4
+    per_step = sum(module.collective_bytes(loop.body).values())
+    assert 0 < per_step <= bound, (per_step, bound)
