@@ -574,6 +574,13 @@ class ExperimentConfig(_Replace):
         check(not self.model.expert_parallel or self.model.num_experts % self.mesh[2] == 0,
               "model.expert_parallel", f"needs the mesh's expert axis ({self.mesh[2]}) to "
               f"divide num_experts={self.model.num_experts}; change the mesh or set it false")
+        # The serving layout splits the experts over every device (sharding.SERVE_RULES).
+        sampler_ep = (self.model.expert_parallel
+                      and (self.sampling.dispatch or self.model.dispatch) == "grouped")
+        check(self.sampling.layout != "serve" or not sampler_ep
+              or self.model.num_experts % dp == 0, "sampling.layout",
+              f"'serve' puts num_experts={self.model.num_experts} on data*fsdp*expert = "
+              f"{dp} devices, which must divide it; use layout 'train' or another mesh")
         rows = self.sampling.max_batch
         if rows:
             check(rows % dp == 0, "sampling.max_batch",

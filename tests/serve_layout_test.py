@@ -120,3 +120,14 @@ def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
     per_step = sum(module.collective_bytes(loop.body).values())
     bound = CFG.num_layers * B * (2 * CFG.d_model + 2 * CFG.top_k + CFG.num_experts) * 4
     assert 0 < per_step <= bound, (per_step, bound)
+
+
+def test_serve_layout_needs_the_experts_to_split_over_every_device():
+    from stablerl_jax import presets
+    from stablerl_jax.config import ConfigError
+    # 256 devices (micro-batches of 256 rows), 128 experts.
+    big = ["mesh=1,32,8", "rl.microbatches=4", "sft.microbatches=1"]
+    with pytest.raises(ConfigError, match="sampling.layout"):
+        presets.preset("paper", big)
+    # The training layout only needs the expert axis to divide them.
+    assert presets.preset("paper", big + ["sampling.layout=train"]).mesh[1] == 32
