@@ -57,9 +57,11 @@ def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
           f"{chip.source}):\n\n| per iteration | collective MiB / chip | HBM GiB / chip | "
           f"GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n|---|---|---|---|---|---|")
     for what, c in (("one layer of a decode step", layer), ("one decode step", step)):
+        # XLA's TPU cost model may answer a negative time; such a value says nothing.
+        opt = (f"{c.optimal_seconds * 1e3:.3f}" if c.optimal_seconds >= 0
+               else f"invalid ({c.optimal_seconds:.1f} s)")
         print(f"| {what} | {c.collective_bytes / 2**20:.2f} | {c.hbm_bytes / aot.GIB:.3f} | "
-              f"{c.flops / 1e9:.1f} | {c.optimal_seconds * 1e3:.3f} | "
-              f"{c.seconds(chip) * 1e3:.3f} |", flush=True)
+              f"{c.flops / 1e9:.1f} | {opt} | {c.seconds(chip) * 1e3:.3f} |", flush=True)
     est = {"sample": sample}
     for name in ("score", "update"):
         if name in compiled:
