@@ -78,6 +78,7 @@ class Loop:
     body: str
     trip: int | None     # XLA's known trip count; None: data dependent
     op_name: str         # the JAX source path of the loop (metadata)
+    function: str = ""   # the Python function whose code made the loop (stack frame)
 
 
 class Module:
@@ -86,8 +87,21 @@ class Module:
     def __init__(self, hlo_text: str):
         self.computations: dict[str, list[Instr]] = {}
         self.entry = None
+        # The module's source tables: stack frame -> file location -> function name.
+        tables = {"FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+        table = None
         current = None
         for line in hlo_text.splitlines():
+            if line in tables or line == "FileNames":
+                table = tables.get(line, {})
+                continue
+            if table is not None and line and not line.startswith("%") \
+                    and not line.startswith("ENTRY") and not line.startswith("HloModule"):
+                key, _, value = line.partition(" ")
+                if key.isdigit():
+                    table[int(key)] = value
+                    continue
+            table = None
             h = _HEADER.match(line)
             if h:
                 current = self.computations.setdefault(h.group(1), [])
@@ -105,6 +119,19 @@ class Module:
                         break
                 current.append(Instr(m.group(1), m.group(3), m.group(2), rest[:cut],
                                      rest[cut + 1:]))
+        self._tables = tables
+
+    def function_of(self, ins: Instr) -> str:
+        """The Python function an instruction comes from (its innermost stack frame),
+        or '' where the module has no source tables."""
+        frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+        t = self._tables
+        try:
+            loc = re.search(r"file_location_id=(\d+)", t["StackFrames"][int(frame.group(1))])
+            fn = re.search(r"function_name_id=(\d+)", t["FileLocations"][int(loc.group(1))])
+            return t["FunctionNames"][int(fn.group(1))].strip('"')
+        except (AttributeError, KeyError):
+            return ""
 
     def callees(self, ins: Instr) -> list[str]:
         """Computations an instruction calls (fusions, calls, branches, async bodies),
@@ -122,7 +149,7 @@ class Module:
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
                 op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
                 out.append(Loop(ins.name, comp, body, int(trip.group(1)) if trip else None,
-                                op_name.group(1) if op_name else ""))
+                                op_name.group(1) if op_name else "", self.function_of(ins)))
         return out
 
     def collective_bytes(self, comp: str, trips: dict | None = None) -> dict:
@@ -169,12 +196,25 @@ class Module:
 
 
 def decode_loop(module: Module) -> Loop:
-    """The sampler's decode loop (rollout._decode's while_loop): the outermost loop
-    without a known trip count (its condition reads the rows' EOS flags)."""
-    cands = [lp for lp in module.loops() if lp.trip is None]
+    """The sampler's decode loop: the while loop made by `rollout._decode` (read from
+    the module's stack frames; without them, the outermost loop without a known trip
+    count, as its condition reads the rows' EOS flags)."""
+    loops = module.loops()
+    named = [lp for lp in loops if lp.function == "_decode"]
+    if len(named) == 1:
+        return named[0]
+    cands = [lp for lp in loops if lp.trip is None]
     if not cands:
         raise ValueError("no data-dependent while loop in this module: not a sample step")
     return min(cands, key=lambda lp: (lp.op_name.count("/"), lp.op_name))
+
+
+def trips_by_function(module: Module, counts: dict) -> dict:
+    """{loop name: trip count} for the loops without a known one that `counts` names by
+    the function that made them (e.g. {"forward": L}: XLA's TPU programs record no trip
+    count for the layer scan)."""
+    return {lp.name: counts[lp.function] for lp in module.loops()
+            if lp.trip is None and lp.function in counts}
 
 
 def param_gathers(instrs, param_shapes) -> list[str]:

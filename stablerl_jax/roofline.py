@@ -197,15 +197,18 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
     chip's peak, every collective outside the decode loop)."""
     from stablerl_jax.model.flops import forward_flops
     cfg = engine.cfg
+    b = cfg.rl.prompts_per_step * cfg.rl.group_size
+    passes = b // rows_per_pass(cfg)
     module = hlo_loops.Module(sample_hlo)
     loop = hlo_loops.decode_loop(module)
-    per_step_coll = sum(module.collective_bytes(loop.body).values())
-    once_coll = sum(module.collective_bytes(module.entry, {loop.name: 0}).values())
+    # Loops XLA gives no trip count: the layer scans (L), the sampler's slices (passes).
+    trips = hlo_loops.trips_by_function(module, {"forward": cfg.model.num_layers,
+                                                 "map_slices": passes})
+    per_step_coll = sum(module.collective_bytes(loop.body, trips).values())
+    once_coll = sum(module.collective_bytes(module.entry, {**trips, loop.name: 0}).values())
     layer, step = decode_step_cost(engine)
     # The loop's own collectives (the compiled sample step) replace the program's.
     step = dataclasses.replace(step, collective_bytes=per_step_coll)
-    b = cfg.rl.prompts_per_step * cfg.rl.group_size
-    passes = b // rows_per_pass(cfg)
     n = cfg.sampling.max_new_tokens
     chips = engine.mesh.size
     prefill_s = forward_flops(cfg.model, b, cfg.task.max_prompt_len) / chips / chip.peak_flops
@@ -223,7 +226,12 @@ def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops:
     (loops at their trip counts)."""
     flops = model_flops * (4 / 3 if name == "update" and cfg.model.remat == "full" else 1)
     module = hlo_loops.Module(hlo)
-    coll = sum(module.collective_bytes(module.entry).values())
+    rl = cfg.rl
+    # Loops XLA gives no trip count: the layer scans and the micro-batch / slice loops.
+    trips = hlo_loops.trips_by_function(module, {
+        "forward": cfg.model.num_layers, "map_slices": rl.num_minibatches * rl.microbatches,
+        "value_and_grad": rl.microbatches})
+    coll = sum(module.collective_bytes(module.entry, trips).values())
     t = flops / chip.peak_flops + coll / chip.ici_bw
     return StepEstimate(name, t, f"{flops / 1e12:.0f} TFLOP at peak "
                                  f"{flops / chip.peak_flops:.1f} s + collectives "

@@ -179,5 +179,6 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
     # expert shards see. Everything else (attention, logits) is local to a row.
     mc, b = cfg.model, cfg.sampling.max_batch
     bound = mc.num_layers * b * (2 * mc.d_model + 2 * mc.top_k + mc.num_experts) * 4
-    per_step = sum(module.collective_bytes(loop.body).values())
+    trips = hlo_loops.trips_by_function(module, {"forward": mc.num_layers})
+    per_step = sum(module.collective_bytes(loop.body, trips).values())
     assert 0 < per_step <= bound, (per_step, bound)
