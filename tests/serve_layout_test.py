@@ -100,7 +100,9 @@ def _decode_body(layout):
     # The programs of the fp8 equality test above (float32 params: under x64 the
     # float64 inputs would be another program).
     module = hlo_loops.Module(_compiled(layout, "fp8", "float32", True, 0)[1])
-    return module, hlo_loops.decode_loop(module)
+    loop = hlo_loops.decode_loop(module)
+    assert loop.function == "_decode", loop  # found by its stack frame
+    return module, loop
 
 
 def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
@@ -117,7 +119,8 @@ def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
     # of every row's hidden state (B × D), routes and weights (B × K each), a
     # reduce-scatter of the partial outputs (B × D), at most 4 bytes a value (B = all
     # rows: the experts' shards see every row); plus the router's B × E.
-    per_step = sum(module.collective_bytes(loop.body).values())
+    trips = hlo_loops.trips_by_function(module, {"forward": CFG.num_layers})
+    per_step = sum(module.collective_bytes(loop.body, trips).values())
     bound = CFG.num_layers * B * (2 * CFG.d_model + 2 * CFG.top_k + CFG.num_experts) * 4
     assert 0 < per_step <= bound, (per_step, bound)
 
