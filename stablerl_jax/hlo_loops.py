@@ -217,6 +217,24 @@ def trips_by_function(module: Module, counts: dict) -> dict:
             if lp.trip is None and lp.function in counts}
 
 
+def weight_shapes(params_like, num_experts: int, expert_shards: int) -> list[tuple]:
+    """The shapes a gather of a weight yields, for `param_gathers`: each weight's full
+    shape, one layer's slice of a layer-stacked one, and one layer's experts on one of
+    `expert_shards` expert shards ([E / shards, ...])."""
+    shapes = []
+    for leaf in _leaves(params_like):
+        shapes += [tuple(leaf.shape), tuple(leaf.shape[1:])]
+        if len(leaf.shape) == 4 and leaf.shape[1] == num_experts:
+            shapes.append((num_experts // expert_shards, *leaf.shape[2:]))
+    return shapes
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _leaves(v)]
+    return [tree]
+
+
 def param_gathers(instrs, param_shapes) -> list[str]:
     """All-gathers among `instrs` whose result is a weight: its dims (size-1 dims
     dropped) equal those of one of `param_shapes` (pass each weight's full shape, one

@@ -56,7 +56,8 @@ _HLO = """HloModule m
 %layer_body (p: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {
   %w = bf16[2,4]{1,0} parameter(0)
   %ag = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %w), dimensions={0}
-  ROOT %loop = (s32[], f32[2]) while((s32[], f32[2]) %t), condition=%inner_cond, body=%inner_body, metadata={op_name="jit(f)/while/body/while"}
+  ROOT %loop = (s32[], f32[2]) while((s32[], f32[2]) %t), condition=%inner_cond, \
+body=%inner_body, metadata={op_name="jit(f)/while/body/while"}
 }
 
 %layer_cond (p: (s32[], bf16[8,4])) -> pred[] {
@@ -65,7 +66,9 @@ _HLO = """HloModule m
 
 ENTRY %main (a: s32[4]) -> s32[4] {
   %a = s32[4]{0} parameter(0)
-  %l = (s32[], bf16[8,4]) while((s32[], bf16[8,4]) %t0), condition=%layer_cond, body=%layer_body, metadata={op_name="jit(f)/while"}, backend_config={"known_trip_count":{"n":"3"}}
+  %l = (s32[], bf16[8,4]) while((s32[], bf16[8,4]) %t0), condition=%layer_cond, \
+body=%layer_body, metadata={op_name="jit(f)/while"}, \
+backend_config={"known_trip_count":{"n":"3"}}
   ROOT %x = s32[4]{0} all-to-all(s32[4]{0} %a), dimensions={0}
 }
 """
@@ -143,20 +146,6 @@ def test_pallas_kernels_compile_for_v5p_8():
         assert c.total_gib <= aot.topology("v5p-8").hbm_gib, c
 
 
-def _weight_shapes(cfg, expert_shards: int):
-    """Each weight's shape, one layer's slice of it, and one layer's experts on one
-    expert shard of the training layout: the shapes a weight all-gather yields."""
-    from stablerl_jax.model import transformer as tf
-    import jax
-    shapes = []
-    for leaf in jax.tree.leaves(jax.eval_shape(
-            lambda: tf.init_params(jax.random.key(0), cfg.model))):
-        shapes += [leaf.shape, leaf.shape[1:]]
-        if len(leaf.shape) == 4 and leaf.shape[1] == cfg.model.num_experts:
-            shapes.append((cfg.model.num_experts // expert_shards, *leaf.shape[2:]))
-    return shapes
-
-
 @pytest.mark.tpu
 def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
     """The sample step of the 2-layer paper preset under the serving layout, compiled for
@@ -172,7 +161,11 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
     module = hlo_loops.Module(c.hlo)
     loop = hlo_loops.decode_loop(module)
     body = module.instructions_under(loop.body)
-    assert hlo_loops.param_gathers(body, _weight_shapes(cfg, cfg.mesh[2])) == []
+    import jax
+    from stablerl_jax.model import transformer as tf
+    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model))
+    shapes = hlo_loops.weight_shapes(params_like, cfg.model.num_experts, cfg.mesh[2])
+    assert hlo_loops.param_gathers(body, shapes) == []
     # Per decode step and layer the expert exchange moves every row's hidden state in
     # (B × D) and the partial outputs back (B × D, float32), the routes and weights
     # (B × K each), at most 4 bytes a value: B = the pass's rows, all of which the

@@ -84,18 +84,6 @@ def test_serve_layout_samples_what_the_train_layout_samples(x64, preset, dtype, 
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
 
 
-def _weight_shapes(cfg):
-    """Each weight's shape, one layer's slice, and one device's experts in the train
-    layout (E / expert axis)."""
-    shapes = []
-    for leaf in jax.tree.leaves(jax.eval_shape(lambda: tf.init_params(jax.random.key(0),
-                                                                      cfg))):
-        shapes += [leaf.shape, leaf.shape[1:]]
-        if len(leaf.shape) == 4 and leaf.shape[1] == cfg.num_experts:
-            shapes += [(cfg.num_experts // 2, *leaf.shape[2:])]
-    return shapes
-
-
 def _decode_body(layout):
     # The programs of the fp8 equality test above (float32 params: under x64 the
     # float64 inputs would be another program).
@@ -109,8 +97,11 @@ def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
     gathered = {}
     for layout in ("train", "serve"):
         module, loop = _decode_body(layout)
+        params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), CFG))
+        # The train layout splits the experts over the expert axis (2 shards).
+        shapes = hlo_loops.weight_shapes(params_like, CFG.num_experts, 2)
         gathered[layout] = hlo_loops.param_gathers(module.instructions_under(loop.body),
-                                                   _weight_shapes(CFG))
+                                                   shapes)
     # The train layout all-gathers its FSDP-sharded weights inside the decode loop
     # (so the check can see a gather); the serving layout gathers none.
     assert gathered["train"], "the train layout should gather weights per decode step"
