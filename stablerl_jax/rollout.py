@@ -187,13 +187,12 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "eos_id", "pad_id",
                                              "mesh"))
 def _sample(params, prompts, pmask, key, cfg, sampling, numerics, eos_id, pad_id, mesh):
-    params_in = params
     b = prompts.shape[0]
     n = b // sampling.max_batch if sampling.max_batch else 1
-    params = nx.prepare_params(params, numerics)
-    layout = serving_layout(params_in, cfg, numerics, mesh) if sampling.layout == "serve" \
+    prepared = nx.prepare_params(params, numerics)
+    layout = serving_layout(params, cfg, numerics, mesh) if sampling.layout == "serve" \
         else None
-    decode = lambda rows: _decode(params, *rows, cfg, sampling, numerics, eos_id, pad_id,
+    decode = lambda rows: _decode(prepared, *rows, cfg, sampling, numerics, eos_id, pad_id,
                                   mesh, layout)
     return slices.map_slices(decode, (prompts, pmask, _row_keys(key, b)), n,
                              "sampling.max_batch")
@@ -208,9 +207,10 @@ def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
     if mesh is None:
         return weights, None
     rules = sharding.serve_rules(cfg.expert_parallel)
-    # In steps the partitioner does without replicating a weight: each added expert
-    # axis first moves from the weight's embed dim onto its expert dim (an all-to-all
-    # for `fsdp`), or splits experts that were replicated over it (`data`: a slice).
+    # In steps the partitioner takes without replicating a whole expert weight (one
+    # jump makes it replicate first): the first step unshards the embed dim (each
+    # device gathers only its `expert` shard's experts), each later one adds a mesh
+    # axis to the expert dim, a local slice.
     ex = rules["experts"] or ()
     for step in [{**rules, "experts": ex[:i]} for i in range(1, len(ex) + 1)] or [rules]:
         weights = jax.lax.with_sharding_constraint(
