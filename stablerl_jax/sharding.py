@@ -44,8 +44,8 @@ RULES = {
 # its tokens' activations, model/expert_parallel.py); rows and their KV cache stay split
 # over every axis, as in training. The experts split over `expert` first, then `fsdp`:
 # each chip's serving experts are then among the E / expert it already holds a slice of
-# in training, so the reshard is an all-to-all within each fsdp group (the other order
-# makes the partitioner replicate whole expert weights first).
+# in training, so the reshard gathers only those (the other order makes the partitioner
+# replicate whole expert weights first).
 SERVE_RULES = {**RULES, "embed": None, "experts": ("expert", "fsdp", "data")}
 
 
