@@ -19,10 +19,11 @@ and the grouped matmul (forward and backward). Exits 1 if any step does not fit.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import aot, presets
+from stablerl_jax import aot, presets, roofline
 
 
 def _row(c: aot.Compiled, hbm: float) -> str:
@@ -41,6 +42,42 @@ HEADER = ("| step | argument GiB | output GiB | temp GiB | total GiB | HBM GiB |
           "reduce-scatter | all-reduce |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
+    """Rows per pass and the roofline time estimates (stablerl_jax/roofline.py)."""
+    cfg, chip = engine.cfg, roofline.chip_of(topo.name)
+    rows = roofline.rows_per_pass(cfg)
+    kv = roofline.kv_bytes_per_row(cfg) / aot.GIB
+    fit = roofline.rows_that_fit(cfg, compiled["sample"].total_gib, topo.hbm_gib, topo.chips)
+    print(f"\nsampler layout {cfg.sampling.layout!r}: {rows} rows per pass "
+          f"({rows / topo.chips:g} per chip); KV cache {kv:.3f} GiB per row "
+          f"(+{roofline.row_state_bytes(cfg) / aot.GIB:.3f} GiB of row state); "
+          f"≈{fit} rows fit per chip in {topo.hbm_gib} GiB", flush=True)
+    sample, step, layer, pass_s = roofline.sample_estimate(engine, compiled["sample"].hlo,
+                                                           chip)
+    print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
+          f"{chip.source}):\n\n| per iteration | collective MiB / chip | HBM GiB / chip | "
+          f"GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n|---|---|---|---|---|---|")
+    for what, c in (("one layer of a decode step", layer), ("one decode step", step)):
+        # XLA's TPU cost model may answer a negative time; such a value says nothing.
+        opt = (f"{c.optimal_seconds * 1e3:.3f}" if c.optimal_seconds >= 0
+               else f"invalid ({c.optimal_seconds:.1f} s)")
+        print(f"| {what} | {c.collective_bytes / 2**20:.2f} | {c.hbm_bytes / aot.GIB:.3f} | "
+              f"{c.flops / 1e9:.1f} | {opt} | {c.seconds(chip) * 1e3:.3f} |", flush=True)
+    est = {"sample": sample}
+    for name in ("score", "update"):
+        if name in compiled:
+            est[name] = roofline.train_step_estimate(cfg, name, compiled[name].hlo,
+                                                     compiled[name].model_flops, chip)
+    print("\n| step | estimated s | how |\n|---|---|---|")
+    for e in est.values():
+        print(f"| {e.step} | {e.seconds:.1f} | {e.detail} |", flush=True)
+    if {"score", "update"} <= set(est):
+        total, parts = roofline.global_step(cfg, est, pass_s)
+        print(f"\nestimated global step of {cfg.name} on {topo.name}: {total:.0f} s ("
+              + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items())
+              + "); compiler / roofline estimates, not measurements", flush=True)
+
+
 @one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -52,6 +89,8 @@ def main(argv=None) -> int:
                     help="also compile the Pallas kernels inside shard_map")
     ap.add_argument("--traceback", action="store_true",
                     help="on an error, print the full traceback (default: one line, exit 2)")
+    ap.add_argument("--save-hlo", default="", metavar="DIR",
+                    help="also write each step's optimized HLO to DIR/<step>.hlo.txt")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     aot.quiet_libtpu()
@@ -62,8 +101,17 @@ def main(argv=None) -> int:
           flush=True)
     print(HEADER, flush=True)
     steps = [] if args.steps == "none" else args.steps.split(",")
-    results = aot.compile_steps(cfg, topo, steps,
-                                on_done=lambda c: print(_row(c, topo.hbm_gib), flush=True))
+    engine = aot.engine_for(cfg, topo) if steps else None
+    results = []
+    for name in steps:
+        results.append(aot.compile_step(engine, name))
+        print(_row(results[-1], topo.hbm_gib), flush=True)
+        if args.save_hlo:
+            os.makedirs(args.save_hlo, exist_ok=True)
+            with open(os.path.join(args.save_hlo, f"{name}.hlo.txt"), "w") as f:
+                f.write(results[-1].hlo)
+    if "sample" in steps:
+        _estimates(engine, topo, {c.step: c for c in results})
     if args.kernels:
         for c in aot.compile_kernels(cfg, topo):
             results.append(c)

@@ -30,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from stablerl_jax import hlo_loops
 from stablerl_jax.config import ExperimentConfig
 
 GIB = 2**30
@@ -128,8 +129,7 @@ def step_inputs(cfg: ExperimentConfig, name: str, params_like, state_like=None) 
     raise ValueError(f"step {name!r}: one of sample, score, update, sft_update")
 
 
-_COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
-                "collective-permute")
+_COLLECTIVES = hlo_loops.COLLECTIVES
 
 
 def collectives(hlo_text: str) -> dict:

@@ -38,6 +38,7 @@ LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
 GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
+SAMPLER_LAYOUTS = ("train", "serve")  # SamplingConfig.layout
 KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]
 TASK_KINDS = ("arithmetic", "jsonl", "gsm8k")  # 'gsm8k': the former name of 'jsonl'
 DATA_FORMATS = ("auto", "gsm8k", "math", "dapo", "aime", "prompt_answer", "custom")
@@ -321,6 +322,14 @@ class SamplingConfig(_Replace):
         up to float reassociation, as an inference server's MoE kernels differ from the
         trainer's); '' = the model's (model.dispatch). 'dense' decodes a small model on
         CPU faster (a decode step routes few tokens).
+      layout: where the decode loop's weights live (SAMPLER_LAYOUTS). 'train': the
+        trainer's shardings (FSDP-sharded weights, all-gathered again in every layer of
+        every decode step). 'serve': resharded once per sample call into the serving
+        layout of sharding.SERVE_RULES (attention, router and embeddings replicated,
+        experts spread over every chip; the FP8 engine keeps its weights as e4m3 values
+        with per-channel scales), so a decode step moves only activations. The prefill
+        runs in the training layout either way (one pass per slice, compute bound). Same
+        tokens, log μ and routes as 'train' up to float reassociation.
     EOS and padding ids are the tokenizer's.
     """
 
@@ -333,9 +342,11 @@ class SamplingConfig(_Replace):
     act_fp8: bool = False
     max_batch: int = 0
     dispatch: str = ""
+    layout: str = "train"
 
     def __post_init__(self):
         check_positive_int(self, "max_new_tokens")
+        check_choice(self, "layout", SAMPLER_LAYOUTS)
         check(_is_int(self.max_batch) and self.max_batch >= 0, "max_batch",
               f"must be an int >= 0 (0 = every row at once), got {self.max_batch!r}")
         check(_finite(self.temperature) and self.temperature > 0, "temperature",
@@ -683,6 +694,13 @@ class ExperimentConfig(_Replace):
         check(not self.model.expert_parallel or self.model.num_experts % self.mesh[2] == 0,
               "model.expert_parallel", f"needs the mesh's expert axis ({self.mesh[2]}) to "
               f"divide num_experts={self.model.num_experts}; change the mesh or set it false")
+        # The serving layout splits the experts over every device (sharding.SERVE_RULES).
+        sampler_ep = (self.model.expert_parallel
+                      and (self.sampling.dispatch or self.model.dispatch) == "grouped")
+        check(self.sampling.layout != "serve" or not sampler_ep
+              or self.model.num_experts % dp == 0, "sampling.layout",
+              f"'serve' puts num_experts={self.model.num_experts} on data*fsdp*expert = "
+              f"{dp} devices, which must divide it; use layout 'train' or another mesh")
         rows = self.sampling.max_batch
         if rows:
             check(rows % dp == 0, "sampling.max_batch",

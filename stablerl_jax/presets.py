@@ -86,9 +86,12 @@ def paper() -> ExperimentConfig:
     the compiled table is in docs/benchmarks.md): mesh (data, fsdp, expert) =
     (1, 16, 8), batch split over all 128 chips; the update accumulates over 8
     micro-batches of 128 responses (one 33k-token response per chip at a time), the
-    score step runs in the same slices, the sampler decodes 512 rows at a time (4 per
-    chip); every layer rematerialized, attention in 512-query chunks, the grouped matmul
-    is megablox (TPU), the experts sharded over `expert` (expert parallelism).
+    score step runs in the same slices; the sampler decodes all 1,024 rows in one pass
+    (8 per chip, 3.1 GiB of bf16 KV cache each; the eval's 16,384 rows in 16 passes) in
+    the serving layout (sampling.layout='serve': FP8 weights resident, one expert per
+    chip, so a decode step moves only activations); every layer rematerialized,
+    attention in 512-query chunks, the grouped matmul is megablox (TPU), the experts
+    sharded over `expert` (expert parallelism).
     """
     return ExperimentConfig(
         name="paper",
@@ -103,7 +106,7 @@ def paper() -> ExperimentConfig:
                         num_test=512, max_prompt_len=1024, max_solution_len=32_768,
                         chat_template=True, prompt_template=BOXED_PROMPT),
         sampling=SamplingConfig(max_new_tokens=32_768, temperature=1.0, numerics="fp8",
-                                max_batch=512),
+                                max_batch=1024, layout="serve"),
         loss=LossConfig(),
         rl=RLConfig(steps=1000, prompts_per_step=64, group_size=16, num_minibatches=1,
                     microbatches=8, eval_every=20, eval_k=32, eval_problems=512,
@@ -118,7 +121,8 @@ def paper() -> ExperimentConfig:
 def moe1b() -> ExperimentConfig:
     """A ≈1B-parameter MoE (16 layers, d_model 1024, 32 experts top-4) in bf16 on one
     accelerator host: the benchmark size of benchmarks/train_step.py and the v5e-8 AOT
-    table (docs/benchmarks.md). 2k-token sequences, 64 responses per mini-batch."""
+    table (docs/benchmarks.md). 2k-token sequences, 64 responses per mini-batch, the
+    sampler in the serving layout (4 experts per chip, weights resident)."""
     return ExperimentConfig(
         name="moe1b",
         model=ModelConfig(vocab_size=32_768, d_model=1024, num_layers=16, num_heads=16,
@@ -128,7 +132,7 @@ def moe1b() -> ExperimentConfig:
                           attention_impl="chunked", attention_chunk=512),
         task=TaskConfig(kind="gsm8k", jsonl_dir="data/math_4096", max_prompt_len=512,
                         max_solution_len=1536),
-        sampling=SamplingConfig(max_new_tokens=1536, numerics="fp8"),
+        sampling=SamplingConfig(max_new_tokens=1536, numerics="fp8", layout="serve"),
         loss=LossConfig(),
         rl=RLConfig(steps=100, prompts_per_step=8, group_size=8, microbatches=2,
                     eval_problems=64, eval_k=4, optim=OptimConfig(learning_rate=1e-6)),

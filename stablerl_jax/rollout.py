@@ -40,6 +40,20 @@ Truncation and IS weights: with top-k / top-p on, logp_mu is the log-prob under 
 (on a token inside it, π/μ_trunc = π(support) · π/μ_full), and the estimator never sees
 the excluded tokens at all. Leave truncation off for RL unless that bias is studied.
 
+Layouts (SamplingConfig.layout). 'train' decodes with the weights where the trainer
+keeps them: FSDP-sharded, so every layer of every decode step all-gathers its weights
+again (the unembedding too), a weight's bytes per chip per generated token. 'serve'
+reshards them once per call into the serving layout of `sharding.SERVE_RULES`
+(`serving_layout`: attention, router, norms and embeddings replicated, the experts split
+over every device, the FP8 engine's weights stored as e4m3 values + per-channel scales
+and widened one layer at a time), so a decode step moves only activations: the expert
+FFN all-gathers the step's B tokens and reduce-scatters their outputs
+(model/expert_parallel.py). The prefill keeps the training layout in both: it runs once
+per slice over P tokens a row, where gathering each layer's weights is amortized, and an
+expert exchange of all prompt tokens over every device would need a buffer of every
+device's tokens. The two layouts sample the same tokens, log μ and routes
+(tests/serve_layout_test.py).
+
 Randomness: row b draws its token at decode step i from fold_in(key_b, i), where key_b is
 row b's own key (pass [B] keys, or one key that is split into B). With per-row keys a
 row's sample depends only on its key, its prompt and the weights, not on the other rows
@@ -54,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import slices
+from stablerl_jax import sharding, slices
 from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -185,6 +199,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
     module docstring for the alignment of the result. With `sampling.max_batch` smaller
     than the batch, rows are decoded in strided slices of that many rows (`lax.map`; each
     row's sample is the same). `mesh`: the devices the expert FFN is sharded over.
+    `sampling.layout='serve'`: the decode loop runs on the weights of `serving_layout`
+    (resharded once per call); the prefill keeps the training layout.
     """
     _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id,
               tuple(stop_ids))
@@ -202,16 +218,52 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
 def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id, mesh):
     b = prompts.shape[0]
     n = b // sampling.max_batch if sampling.max_batch else 1
-    params = nx.prepare_params(params, numerics)
-    decode = lambda rows: _decode(params, *rows, cfg, sampling, numerics, stops, pad_id,
-                                  mesh)
+    prepared = nx.prepare_params(params, numerics)
+    layout = serving_layout(params, cfg, numerics, mesh) if sampling.layout == "serve" \
+        else None
+    decode = lambda rows: _decode(prepared, *rows, cfg, sampling, numerics, stops, pad_id,
+                                  mesh, layout)
     return slices.map_slices(decode, (prompts, pmask, _row_keys(key, b)), n,
                              "sampling.max_batch")
 
 
-def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pad_id, mesh):
+def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
+    """(weights, rules) of the decode loop in the serving layout (SamplingConfig.layout):
+    the engine's weights (`prepare_params`; the FP8 engine's as e4m3 values + scales)
+    constrained to the shardings of `sharding.serve_rules`, so the compiler reshards
+    them once, before the loop. No mesh: the weights alone, rules None."""
+    weights = nx.prepare_params(params, numerics, store_fp8=True)
+    if mesh is None:
+        return weights, None
+    rules = sharding.serve_rules(cfg.expert_parallel)
+    # In steps the partitioner takes without replicating a whole expert weight (one
+    # jump makes it replicate first): the first step unshards the embed dim (each
+    # device gathers only its `expert` shard's experts), each later one adds a mesh
+    # axis to the expert dim, a local slice.
+    ex = rules["experts"] or ()
+    for step in [{**rules, "experts": ex[:i]} for i in range(1, len(ex) + 1)] or [rules]:
+        weights = jax.lax.with_sharding_constraint(
+            weights, serving_shardings(weights, cfg, mesh, step))
+    return weights, rules
+
+
+def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
+    """NamedShardings of the engine's weights (arrays or ShapeDtypeStructs, as
+    `prepare_params` returns them) under the sharding `rules`."""
+    axes = tf.param_logical_axes(cfg)
+    # A quantized weight's values and scales share its axes (the scales' contraction
+    # dims are 1, which sharding.spec leaves replicated).
+    axes["layers"] = {k: ({"e4m3": a, "scale": a} if nx.is_quantized(weights["layers"][k])
+                          else a) for k, a in axes["layers"].items()}
+    return sharding.tree_shardings(axes, weights, mesh, rules)
+
+
+def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pad_id, mesh,
+            layout=None):
     """Prefill + decode of one batch of rows (weights already prepared); `stops`: the
-    sorted stop ids (`stop_set`)."""
+    sorted stop ids (`stop_set`). `layout`: the decode loop's own (weights, sharding
+    rules) (`serving_layout`); None: `params`."""
+    d_params, d_rules = layout if layout is not None else (params, None)
     stops_Z = jnp.asarray(stops, jnp.int32)  # Z stop ids (may be 0)
     is_stop = lambda tok_B: jnp.any(tok_B[:, None] == stops_Z[None, :], axis=1)
     b, p = prompts.shape
@@ -254,13 +306,13 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pa
         # (one shape for every step) but nothing reads its output, so its routes are -1.
         stop = is_stop(tok)
         fed = live & ~stop
-        h, a = tf.forward(params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
-                          numerics=numerics, cache=st["cache"], mesh=mesh)
+        h, a = tf.forward(d_params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
+                          numerics=numerics, cache=st["cache"], mesh=mesh, rules=d_rules)
         recorded_Bx1x1 = fed[:, None, None] & (i + 1 < n)
         step_routes_BxLxK = jnp.where(recorded_Bx1x1, a["routes"][:, 0], -1)
         step_weights_BxLxK = jnp.where(recorded_Bx1x1, a["route_weights"][:, 0], 0)
         return dict(st, i=i + 1, cache=a["cache"],
-                    logits=tf.logits(params, h, cfg)[:, 0],
+                    logits=tf.logits(d_params, h, cfg)[:, 0],
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),

@@ -36,6 +36,24 @@ RULES = {
     "seq": None,
 }
 
+# The sampler's serving layout (SamplingConfig.layout='serve'; rollout.py): what the
+# decode loop holds resident so that it moves only activations. Every weight but the
+# experts' is replicated (attention, router, norms, embedding and unembedding: no
+# all-gather per token or per layer); the experts are spread over every mesh axis
+# (E / devices per chip, expert parallel over the whole mesh: each decode step exchanges
+# its tokens' activations, model/expert_parallel.py); rows and their KV cache stay split
+# over every axis, as in training. The experts split over `expert` first, then `fsdp`:
+# each chip's serving experts are then among the E / expert it already holds a slice of
+# in training, so the reshard gathers only those (the other order makes the partitioner
+# replicate whole expert weights first).
+SERVE_RULES = {**RULES, "embed": None, "experts": ("expert", "fsdp", "data")}
+
+
+def serve_rules(expert_parallel: bool) -> dict:
+    """SERVE_RULES for a model whose expert FFN is expert parallel; without expert
+    parallelism (every device runs every expert) the experts are replicated too."""
+    return SERVE_RULES if expert_parallel else {**SERVE_RULES, "experts": None}
+
 
 def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, expert) mesh with Auto axes (the compiler propagates shardings)."""

@@ -3,7 +3,7 @@
     python tests/multihost_child.py WORKDIR STEPS PROCESS_ID NUM_PROCESSES PORT
 
 Runs the tiny RL config (float64, mesh data=2 × fsdp=2 × expert=2 over 8 CPU devices in
-all) for STEPS global steps in WORKDIR, as process PROCESS_ID of NUM_PROCESSES (one
+all, expert parallel, the sampler in its serving layout) for STEPS global steps in WORKDIR, as process PROCESS_ID of NUM_PROCESSES (one
 process: no jax.distributed). The environment sets the CPU device count per process.
 """
 import os
@@ -16,7 +16,11 @@ def config(steps: int):
     from rl_helpers import tiny_cfg
     cfg = tiny_cfg(mesh=(2, 2, 2), steps=steps, num_minibatches=1, eval_every=1,
                    eval_problems=8, eval_k=1, checkpoint_every=1)
-    return cfg.replace(model=cfg.model.replace(param_dtype="float64", compute_dtype="float64"))
+    # The sampler in the serving layout with expert parallelism: its weights resharded
+    # across processes once per call, one expert per device.
+    return cfg.replace(model=cfg.model.replace(param_dtype="float64", compute_dtype="float64",
+                                               expert_parallel=True),
+                       sampling=cfg.sampling.replace(layout="serve"))
 
 
 def main(argv):

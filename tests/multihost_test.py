@@ -1,6 +1,7 @@
 """One experiment across processes (jax.distributed, Gloo on CPU): 2 processes × 4 CPU
-devices run the tiny preset on a (data=2, fsdp=2, expert=2) mesh and end where one process
-with 8 devices ends; a 2-process run resumes from its checkpoint; a process whose peer dies
+devices run the tiny preset on a (data=2, fsdp=2, expert=2) mesh (expert parallel, the
+sampler in its serving layout: weights resharded across the processes once per sample
+call) and end where one process with 8 devices ends; a 2-process run resumes from its checkpoint; a process whose peer dies
 stops with a clear error instead of hanging. The runs are float64 so that the comparison
 is about the program, not about the order of float32 sums in the two collectives."""
 import json

@@ -48,10 +48,10 @@ def _axes(part) -> tuple:
     return () if part is None else (part if isinstance(part, tuple) else (part,))
 
 
-def _gather(w, spec: P, keep_axis: str | None):
-    """All-gather `w` over the mesh axes of every dim of `spec`, except `keep_axis`."""
+def _gather(w, spec: P, keep_axes: tuple):
+    """All-gather `w` over the mesh axes of every dim of `spec`, except `keep_axes`."""
     for dim, part in enumerate(spec):
-        axes = tuple(a for a in _axes(part) if a != keep_axis)
+        axes = tuple(a for a in _axes(part) if a not in keep_axes)
         if axes:
             w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
     return w
@@ -59,13 +59,17 @@ def _gather(w, spec: P, keep_axis: str | None):
 
 def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.RULES):
     """`experts_fn(x_TxD, idx_TxK, w_TxK, w_gate, w_up, w_down)` (moe.experts_grouped with
-    its tile and gmm bound, accepting `expert_offset=`) run under shard_map over `mesh`."""
-    expert_axis = rules["experts"]
-    ep = cfg.expert_parallel and expert_axis is not None and mesh.shape[expert_axis] > 1
+    its tile and gmm bound, accepting `expert_offset=`) run under shard_map over `mesh`.
+    `rules["experts"]` may name several mesh axes (the sampler's serving layout spreads
+    the experts over every axis): the expert shards are then their product, and tokens
+    are exchanged over all of them."""
     batch_axes = tuple(a for a in _axes(rules["batch"]) if mesh.shape[a] > 1)
-    if ep and expert_axis not in batch_axes:
+    expert_axes = tuple(a for a in _axes(rules["experts"]) if mesh.shape[a] > 1)
+    ep = cfg.expert_parallel and bool(expert_axes)
+    if ep and not set(expert_axes) <= set(batch_axes):
         raise ValueError("expert_parallel: the batch must be split over the expert mesh "
-                         f"axis {expert_axis!r} (sharding.RULES['batch'])")
+                         f"axes {expert_axes} (sharding.RULES['batch'])")
+    n_shards = math.prod(mesh.shape[a] for a in expert_axes)
     rows = P(batch_axes or None, None)
 
     def run(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
@@ -77,19 +81,21 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
         weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
         specs = [sharding.spec(_W_AXES[name], w.shape, mesh, rules)
                  for name, w in zip(_W_AXES, weights)]
-        if ep and specs[0][0] != expert_axis:
+        if ep and not set(expert_axes) <= set(_axes(specs[0][0])):
             raise ValueError(f"expert_parallel: num_experts={w_gate_ExDxF.shape[0]} must "
-                             f"be a multiple of the {expert_axis!r} mesh axis "
-                             f"({mesh.shape[expert_axis]})")
+                             f"be a multiple of the {expert_axes} mesh axes ({n_shards} "
+                             "shards)")
 
         def local(x, idx, w, *ws):
-            ws = [_gather(wi, sp, expert_axis if ep else None) for wi, sp in zip(ws, specs)]
+            ws = [_gather(wi, sp, expert_axes if ep else ()) for wi, sp in zip(ws, specs)]
             if not ep:
                 return experts_fn(x, idx, w, *ws)
-            gather = lambda a: jax.lax.all_gather(a, expert_axis, axis=0, tiled=True)
-            offset = jax.lax.axis_index(expert_axis) * ws[0].shape[0]
+            # The expert shard's index over its axes, in the order the spec splits them.
+            ex_axes = tuple(a for a in _axes(specs[0][0]) if a in expert_axes)
+            gather = lambda a: jax.lax.all_gather(a, ex_axes, axis=0, tiled=True)
+            offset = jax.lax.axis_index(ex_axes) * ws[0].shape[0]
             y_all = experts_fn(gather(x), gather(idx), gather(w), *ws, expert_offset=offset)
-            y = jax.lax.psum_scatter(y_all, expert_axis, scatter_dimension=0, tiled=True)
+            y = jax.lax.psum_scatter(y_all, ex_axes, scatter_dimension=0, tiled=True)
             return y.astype(x.dtype)
 
         # check_vma=False: the grouped matmuls' loops start from fresh zeros (and Pallas

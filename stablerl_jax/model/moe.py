@@ -201,8 +201,10 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
 
     expert_offset (expert parallelism, model/expert_parallel.py): the weights are the E
     experts [offset, offset + E) of a larger set and `idx_TxK` holds global ids; only
-    assignments to these experts are computed (the buffer is still sized for all T·K,
-    the worst case of a dropless router), the others contribute 0.
+    assignments to these experts are computed, the others contribute 0. The buffer is
+    sized for the dropless worst case: T·min(K, E) assignments, as a token's K experts
+    are distinct (a repeated one is an invalid route, `route` makes its weights NaN), so
+    at most min(K, E) of them are among these E.
     """
     num_tokens, k = idx_TxK.shape
     num_experts = w_gate_ExDxF.shape[0]
@@ -214,7 +216,8 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
         mine_A = (local_A >= 0) & (local_A < num_experts)
         expert_A = jnp.where(mine_A, local_A, num_experts)
     row_A, padded_E = _plan(expert_A, num_experts, tile)
-    rows = padded_rows(expert_A.shape[0], num_experts, tile)
+    local_max = expert_A.shape[0] if mine_A is None else num_tokens * min(k, num_experts)
+    rows = padded_rows(local_max, num_experts, tile)
     if mine_A is not None:  # other devices' assignments: written nowhere, read as 0
         row_A = jnp.where(mine_A, row_A, rows)
     x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[row_A].set(

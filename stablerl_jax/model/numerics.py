@@ -134,8 +134,9 @@ def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):
     return dtype_of(numerics.compute_dtype or cfg_compute_dtype)
 
 
-def fake_quant_e4m3(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Round x to e4m3 with one float32 scale per slice over `axes`; returns float32.
+def quantize_e4m3(x: jax.Array, axes: tuple[int, ...]) -> dict:
+    """x as {"e4m3": e4m3 values, "scale": one float32 scale per slice over `axes`}
+    (kept dims of size 1), x ≈ e4m3 · scale.
 
     Scale = amax / 448 so the largest element maps to e4m3's largest finite value. The
     e4m3 values pass an optimization barrier: XLA's GPU compiler otherwise folds a
@@ -146,15 +147,39 @@ def fake_quant_e4m3(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     q = jax.lax.optimization_barrier((x32 / scale).astype(jnp.float8_e4m3fn))
-    return q.astype(jnp.float32) * scale
+    return {"e4m3": q, "scale": scale}
 
 
-def prepare_params(params: dict, numerics: Numerics) -> dict:
+def dequantize(w) -> jax.Array:
+    """A weight as the FP8 engine computes with it: bfloat16(e4m3 · scale) for a
+    `quantize_e4m3` dict (the same rounding as `fake_quant_e4m3`, so both storage forms
+    give bit-identical matmul inputs), any other array unchanged."""
+    if not is_quantized(w):
+        return w
+    return (w["e4m3"].astype(jnp.float32) * w["scale"]).astype(jnp.bfloat16)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, dict) and set(w) == {"e4m3", "scale"}
+
+
+def fake_quant_e4m3(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """Round x to e4m3 with one float32 scale per slice over `axes`; returns float32."""
+    q = quantize_e4m3(x, axes)
+    return q["e4m3"].astype(jnp.float32) * q["scale"]
+
+
+def prepare_params(params: dict, numerics: Numerics, *, store_fp8: bool = False) -> dict:
     """The weights as this engine holds them. Identity for 'native'.
 
     Called once per rollout (outside the decode loop), as an inference engine converts
     its weights once at load time. The converted weights pass an optimization barrier, so
     a compiler cannot fuse the rounding into their consumers and skip it.
+
+    store_fp8 (the FP8 engine's serving layout, rollout.py): each quantized layer weight
+    is kept as a `quantize_e4m3` dict (1 byte per value plus per-channel scales) and
+    `dequantize`d inside the layer that uses it, instead of stored as its bfloat16
+    rounding (2 bytes); the matmul inputs are the same bits either way.
     """
     if numerics.weights == "native":
         return params
@@ -163,7 +188,8 @@ def prepare_params(params: dict, numerics: Numerics) -> dict:
     if numerics.weights == "fp8":
         layers = dict(out["layers"])
         for name, axes in _QUANT_AXES.items():
-            layers[name] = bf16(fake_quant_e4m3(params["layers"][name], axes))
+            q = quantize_e4m3(params["layers"][name], axes)
+            layers[name] = q if store_fp8 else dequantize(q)
         out["layers"] = layers
     return jax.lax.optimization_barrier(out)
 

@@ -124,7 +124,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             numerics: nx.Numerics = nx.TRAIN,
             cache: dict | None = None,
             gmm: moe.GroupedMatmul | None = None,
-            mesh=None, checks: bool | None = None):
+            mesh=None, rules: dict | None = None, checks: bool | None = None):
     """Run the decoder. Returns (hidden_BxTxD, aux).
 
     Args:
@@ -168,11 +168,14 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B)
-    experts = _experts_fn(cfg, gmm, mesh)
+    experts = _experts_fn(cfg, gmm, mesh, rules)
 
     def layer(carry, xs):
         x_BxTxD, kv = carry
         p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
+        # FP8-stored weights (numerics.prepare_params(store_fp8=True)) are widened here,
+        # one layer at a time, so only their e4m3 bytes stay resident.
+        p = {k: nx.dequantize(w) for k, w in p.items()}
         h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
         a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics, dtype,
                           kv, index, layer_idx)
@@ -226,11 +229,13 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     return hidden_BxTxD, aux
 
 
-def _experts_fn(cfg: ModelConfig, gmm, mesh):
+def _experts_fn(cfg: ModelConfig, gmm, mesh, rules):
     if cfg.dispatch == "dense":
         return moe.experts_dense
     kw = {"tile": cfg.moe_tile, "gmm": gmm if gmm is not None else moe.gmm_of(cfg.gmm_impl)}
     fn = lambda *a, **k: moe.experts_grouped(*a, **kw, **k)
     if mesh is None or mesh.size == 1:
         return fn
-    return expert_parallel.sharded_experts(fn, mesh, cfg)
+    if rules is None:
+        return expert_parallel.sharded_experts(fn, mesh, cfg)
+    return expert_parallel.sharded_experts(fn, mesh, cfg, rules)

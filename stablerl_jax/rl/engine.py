@@ -190,6 +190,16 @@ def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg.replace(name="", rl=cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY}))
 
 
+def sampler_model(cfg: ExperimentConfig):
+    """The ModelConfig the sampler runs: the model with the engine's own expert dispatch
+    (sampling.dispatch) where it names one."""
+    if cfg.sampling.dispatch in ("", cfg.model.dispatch):
+        return cfg.model
+    return cfg.model.replace(
+        dispatch=cfg.sampling.dispatch,
+        expert_parallel=cfg.model.expert_parallel and cfg.sampling.dispatch == "grouped")
+
+
 def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
            total_steps: int, noise_seed: int, devices, params_like=None):
     """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
@@ -209,11 +219,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
     # The expert FFN shards itself (shard_map) only where there is more than one device.
     model_mesh = mesh if mesh.size > 1 else None
 
-    sample_model = cfg.model
-    if cfg.sampling.dispatch not in ("", cfg.model.dispatch):  # the engine's own kernels
-        sample_model = cfg.model.replace(
-            dispatch=cfg.sampling.dispatch,
-            expert_parallel=cfg.model.expert_parallel and cfg.sampling.dispatch == "grouped")
+    sample_model = sampler_model(cfg)
 
     def sample(params, prompts_BxP, mask_BxP, key):
         return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,

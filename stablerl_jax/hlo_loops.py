@@ -1,0 +1,252 @@
+"""Loops and collectives of an optimized HLO module (the text of `Compiled.as_text()`).
+
+XLA's own cost analysis counts a while-loop body once, however often it runs. This
+module reads the loop structure instead: every computation, the while loops in it with
+their trip counts (the `known_trip_count` XLA records; a data-dependent loop such as the
+sampler's decode loop has none, and the caller says how often it runs), and the bytes
+each collective instruction moves, so that a step's collective traffic can be stated
+per loop iteration (one decode step, one layer, one micro-batch) and in total, nested
+loops multiplied by their trip counts.
+
+Bytes of a collective, per chip (the buffer that crosses the interconnect, up to the
+(n − 1)/n a ring leaves on the chip): all-gather its result, reduce-scatter its
+operand, all-to-all and collective-permute their result, all-reduce twice its result
+(a reduce-scatter then an all-gather). An async start/done pair counts once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
+               "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2,
+          "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+          "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype.startswith("f8") or dtype.startswith("f4"):
+        return 1 if dtype.startswith("f8") else 0.5
+    return _BYTES.get(dtype, 0)
+
+
+def arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a shape's text (a tuple lists several)."""
+    return [(t, tuple(int(d) for d in dims.split(",") if d))
+            for t, dims in _ARRAY.findall(shape_text) if dtype_bytes(t)]
+
+
+def nbytes(shape_text: str) -> float:
+    return sum(dtype_bytes(t) * math.prod(d) for t, d in arrays(shape_text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    opcode: str
+    shape: str      # the result's shape text
+    operands: str   # the text inside the opcode's parentheses
+    attrs: str      # everything after them
+
+    @property
+    def collective(self) -> str | None:
+        """The collective kind, for a collective or the start of an async one."""
+        op = self.opcode.removesuffix("-start").removeprefix("ragged-")
+        return op if op in COLLECTIVES and not self.opcode.endswith("-done") else None
+
+    def collective_bytes(self) -> float:
+        kind = self.collective
+        if kind is None:
+            return 0.0
+        out = max((dtype_bytes(t) * math.prod(d) for t, d in arrays(self.shape)),
+                  default=0.0)  # an async start's tuple holds (operand, result)
+        if kind == "reduce-scatter":
+            return max(out, nbytes(self.operands))
+        return 2 * out if kind == "all-reduce" else out
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    name: str            # the while instruction
+    parent: str          # the computation it is in
+    body: str
+    trip: int | None     # XLA's known trip count; None: data dependent
+    op_name: str         # the JAX source path of the loop (metadata)
+    function: str = ""   # the Python function whose code made the loop (stack frame)
+
+
+class Module:
+    """The computations of an optimized HLO module and the loops among them."""
+
+    def __init__(self, hlo_text: str):
+        self.computations: dict[str, list[Instr]] = {}
+        self.entry = None
+        # The module's source tables: stack frame -> file location -> function name.
+        tables = {"FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+        table = None
+        current = None
+        for line in hlo_text.splitlines():
+            if line in tables or line == "FileNames":
+                table = tables.get(line, {})
+                continue
+            if table is not None and line and not line.startswith("%") \
+                    and not line.startswith("ENTRY") and not line.startswith("HloModule"):
+                key, _, value = line.partition(" ")
+                if key.isdigit():
+                    table[int(key)] = value
+                    continue
+            table = None
+            h = _HEADER.match(line)
+            if h:
+                current = self.computations.setdefault(h.group(1), [])
+                if line.startswith("ENTRY"):
+                    self.entry = h.group(1)
+                continue
+            m = _INSTR.match(line) if current is not None else None
+            if m:
+                rest = m.group(4)
+                depth, cut = 1, len(rest)
+                for i, ch in enumerate(rest):
+                    depth += (ch == "(") - (ch == ")")
+                    if depth == 0:
+                        cut = i
+                        break
+                current.append(Instr(m.group(1), m.group(3), m.group(2), rest[:cut],
+                                     rest[cut + 1:]))
+        self._tables = tables
+
+    def function_of(self, ins: Instr) -> str:
+        """The Python function an instruction comes from (its innermost stack frame),
+        or '' where the module has no source tables."""
+        frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+        t = self._tables
+        try:
+            loc = re.search(r"file_location_id=(\d+)", t["StackFrames"][int(frame.group(1))])
+            fn = re.search(r"function_name_id=(\d+)", t["FileLocations"][int(loc.group(1))])
+            return t["FunctionNames"][int(fn.group(1))].strip('"')
+        except (AttributeError, KeyError):
+            return ""
+
+    def callees(self, ins: Instr) -> list[str]:
+        """Computations an instruction calls (fusions, calls, branches, async bodies),
+        its while condition excepted."""
+        names = re.findall(r"%([\w.\-]+)", re.sub(r"condition=%[\w.\-]+", "", ins.attrs))
+        return [n for n in names if n in self.computations]
+
+    def loops(self) -> list[Loop]:
+        out = []
+        for comp, instrs in self.computations.items():
+            for ins in instrs:
+                if ins.opcode != "while":
+                    continue
+                body = re.search(r"body=%([\w.\-]+)", ins.attrs).group(1)
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+                op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
+                out.append(Loop(ins.name, comp, body, int(trip.group(1)) if trip else None,
+                                op_name.group(1) if op_name else "", self.function_of(ins)))
+        return out
+
+    def collective_bytes(self, comp: str, trips: dict | None = None) -> dict:
+        """Bytes by collective kind of one run of computation `comp`, with everything
+        it calls: a nested loop's body counted trip-count times (`trips`: loop name ->
+        count, for loops without a known one, else 1)."""
+        trips = trips or {}
+        loops = {lp.name: lp for lp in self.loops()}
+
+        @functools.lru_cache(maxsize=None)
+        def walk(name: str) -> tuple:
+            total = dict.fromkeys(COLLECTIVES, 0.0)
+            for ins in self.computations[name]:
+                if ins.collective:
+                    total[ins.collective] += ins.collective_bytes()
+                times = 1
+                if ins.opcode == "while":
+                    lp = loops[ins.name]
+                    times = lp.trip if lp.trip is not None else trips.get(lp.name, 1)
+                for callee in self.callees(ins):
+                    for k, v in walk(callee):
+                        total[k] += times * v
+            return tuple(total.items())
+
+        return dict(walk(comp))
+
+    def instructions_under(self, comp: str) -> list[Instr]:
+        """Every instruction of `comp` and of the computations it calls, transitively
+        (nested loop bodies included), each once."""
+        seen, order, stack = set(), [], [comp]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for ins in self.computations[name]:
+                order.append(ins)
+                stack.extend(self.callees(ins))
+                if ins.opcode == "while":
+                    cond = re.search(r"condition=%([\w.\-]+)", ins.attrs)
+                    if cond:
+                        stack.append(cond.group(1))
+        return order
+
+
+def decode_loop(module: Module) -> Loop:
+    """The sampler's decode loop: the while loop made by `rollout._decode` (read from
+    the module's stack frames; without them, the outermost loop without a known trip
+    count, as its condition reads the rows' EOS flags)."""
+    loops = module.loops()
+    named = [lp for lp in loops if lp.function == "_decode"]
+    if len(named) == 1:
+        return named[0]
+    cands = [lp for lp in loops if lp.trip is None]
+    if not cands:
+        raise ValueError("no data-dependent while loop in this module: not a sample step")
+    return min(cands, key=lambda lp: (lp.op_name.count("/"), lp.op_name))
+
+
+def trips_by_function(module: Module, counts: dict) -> dict:
+    """{loop name: trip count} for the loops without a known one that `counts` names by
+    the function that made them (e.g. {"forward": L}: XLA's TPU programs record no trip
+    count for the layer scan)."""
+    return {lp.name: counts[lp.function] for lp in module.loops()
+            if lp.trip is None and lp.function in counts}
+
+
+def weight_shapes(params_like, num_experts: int, expert_shards: int) -> list[tuple]:
+    """The shapes a gather of a weight yields, for `param_gathers`: each weight's full
+    shape, one layer's slice of a layer-stacked one, and one layer's experts on one of
+    `expert_shards` expert shards ([E / shards, ...])."""
+    shapes = []
+    for leaf in _leaves(params_like):
+        shapes += [tuple(leaf.shape), tuple(leaf.shape[1:])]
+        if len(leaf.shape) == 4 and leaf.shape[1] == num_experts:
+            shapes.append((num_experts // expert_shards, *leaf.shape[2:]))
+    return shapes
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _leaves(v)]
+    return [tree]
+
+
+def param_gathers(instrs, param_shapes) -> list[str]:
+    """All-gathers among `instrs` whose result is a weight: its dims (size-1 dims
+    dropped) equal those of one of `param_shapes` (pass each weight's full shape, one
+    layer's slice of a layer-stacked one, and any per-device slice that a layout may
+    gather, e.g. one expert shard's experts). Shapes are how the weight is recognized,
+    as in aot.expert_weight_gathers: an activation of the same dims would count too."""
+    want = {tuple(d for d in s if d != 1) for s in param_shapes}
+    found = []
+    for ins in instrs:
+        if ins.collective != "all-gather":
+            continue
+        for _, dims in arrays(ins.shape):
+            if tuple(d for d in dims if d != 1) in want:
+                found.append(f"%{ins.name} = {ins.shape} {ins.opcode}"[:200])
+    return found

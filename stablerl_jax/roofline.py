@@ -1,0 +1,250 @@
+"""Time estimates of a step from its compiled TPU programs: compiler / roofline
+estimates, not measurements (nothing here runs on a TPU).
+
+Letters: B rows of a sample pass, P prompt slots, N = max_new_tokens, S = P + N, L
+layers, KV key/value heads, Dh head width.
+
+A program's time on one chip is estimated as
+
+    max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth
+
+with the chip constants of `CHIP_SPECS` (compute and memory overlap; collectives are
+counted as if nothing hid them, so the estimate is pessimistic about communication).
+
+Where the numbers come from. XLA's cost analysis counts a while-loop body once, and its
+TPU cost model (`optimal_seconds`) is only meaningful for a loop-free program. So the
+per-iteration costs come from loop-free programs compiled on their own: one decode step
+(a one-token forward against the KV cache, the logits and the sampled distribution) at
+1 and at 2 layers with the layer loop unrolled; their difference is one layer, and one
+decode step of L layers is c(1) + (L − 1)·(c(2) − c(1)). Collective bytes of a whole
+step come from its optimized HLO with every loop counted trip-count times
+(stablerl_jax/hlo_loops.py). The score and update steps are estimated from their model
+FLOPs (model/flops.py; the update's rematerialized forward added) and their collective
+bytes; their HBM traffic is not modeled (33k-token micro-batches are compute bound).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from stablerl_jax import hlo_loops, sharding
+from stablerl_jax.config import ExperimentConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    peak_flops: float   # bf16 FLOP/s per chip
+    hbm_bw: float       # HBM bytes/s per chip
+    ici_bw: float       # inter-chip interconnect bytes/s per chip (one direction)
+    source: str
+
+
+# Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/<v>).
+# ICI: the stated per-chip interconnect bandwidth in Gbps / 8; v4's page states none, so
+# its all-reduce bandwidth per pod (1.1 PB/s) is divided by the pod's 4,096 chips.
+CHIP_SPECS = {
+    "v5p": ChipSpec(459e12, 2765e9, 4800e9 / 8,
+                    "tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM, ICI 4,800 Gbps"),
+    "v5e": ChipSpec(197e12, 819e9, 1600e9 / 8,
+                    "tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM, ICI 1,600 Gbps"),
+    "v6e": ChipSpec(918e12, 1640e9, 3584e9 / 8,
+                    "tpu/docs/v6e: 918 TFLOP/s bf16, 1,640 GB/s HBM, ICI 3,584 Gbps"),
+    "v4": ChipSpec(275e12, 1200e9, 1.1e15 / 4096,
+                   "tpu/docs/v4: 275 TFLOP/s bf16, 1,200 GB/s HBM, all-reduce 1.1 PB/s "
+                   "per 4,096-chip pod"),
+}
+
+
+def chip_of(topology_name: str) -> ChipSpec:
+    return CHIP_SPECS[topology_name.split("-")[0]]
+
+
+@dataclasses.dataclass
+class Cost:
+    """One chip's work in one program run (or one loop iteration)."""
+
+    flops: float
+    hbm_bytes: float
+    collective_bytes: float
+    optimal_seconds: float = math.nan  # XLA's TPU cost model, loop-free programs only
+
+    def seconds(self, chip: ChipSpec) -> float:
+        """The roofline estimate (module docstring)."""
+        return (max(self.flops / chip.peak_flops, self.hbm_bytes / chip.hbm_bw)
+                + self.collective_bytes / chip.ici_bw)
+
+    def __add__(self, o: "Cost") -> "Cost":
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                            dataclasses.astuple(o))))
+
+    def scale(self, k: float) -> "Cost":
+        return Cost(*(k * a for a in dataclasses.astuple(self)))
+
+
+def of_compiled(compiled) -> Cost:
+    """Cost of a compiled program: XLA's FLOPs, bytes accessed and optimal_seconds, and
+    the collective bytes of its HLO (loops at their trip counts)."""
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    module = hlo_loops.Module(compiled.as_text())
+    coll = sum(module.collective_bytes(module.entry).values())
+    return Cost(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), coll,
+                float(cost.get("optimal_seconds", math.nan)))
+
+
+def rows_per_pass(cfg: ExperimentConfig) -> int:
+    """Rows the sampler decodes at once (sampling.max_batch, else the whole step)."""
+    return cfg.sampling.max_batch or cfg.rl.prompts_per_step * cfg.rl.group_size
+
+
+def kv_bytes_per_row(cfg: ExperimentConfig) -> int:
+    """KV cache bytes of one sampled row: L × 2 (keys, values) × S × KV × Dh in the
+    engine's compute dtype."""
+    from stablerl_jax.model import numerics as nx
+    mc = cfg.model
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    dtype = nx.compute_dtype(nx.preset(cfg.sampling.numerics), mc.compute_dtype)
+    return mc.num_layers * 2 * s * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize
+
+
+def row_state_bytes(cfg: ExperimentConfig) -> int:
+    """Per-row bytes of the sampler besides its KV cache: the S-slot tokens, log μ,
+    masks, routes and route weights (int32 / float32 per layer and expert), and the
+    float32 logits over the vocabulary."""
+    mc = cfg.model
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    return s * (4 + 4 + 2 + 8 * mc.num_layers * mc.top_k) + 4 * mc.vocab_size
+
+
+def decode_step_program(engine, num_layers: int):
+    """The jitted, compilable program of one decode step of the Engine's sampler at
+    `num_layers` layers (layer loop unrolled, so loop-free): (function, abstract args).
+    It takes the engine's weights already in the decode loop's layout (the serving
+    layout's e4m3 + scales and shardings, or the training shardings), one token per row
+    of a pass and the KV cache, and returns the sampled distribution and the cache."""
+    from stablerl_jax import rollout
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.rl.engine import sampler_model
+    cfg, mesh = engine.cfg, engine.mesh
+    model = sampler_model(cfg).replace(num_layers=num_layers, unroll_layers=True)
+    numerics = nx.of_sampling(cfg.sampling, 0)
+    model_mesh = mesh if mesh.size > 1 else None
+    serve = cfg.sampling.layout == "serve"
+    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), model))
+    weights_like = jax.eval_shape(
+        lambda p: nx.prepare_params(p, numerics, store_fp8=serve), params_like)
+    rules = sharding.serve_rules(model.expert_parallel) if serve else sharding.RULES
+    w_sh = rollout.serving_shardings(weights_like, model, mesh, rules)
+    b = rows_per_pass(cfg)
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    cache_like = jax.eval_shape(lambda: tf.init_cache(
+        model, b, s, nx.compute_dtype(numerics, model.compute_dtype)))
+    rows = sharding.RULES["batch"]
+    kv_sh = NamedSharding(mesh, P(None, rows))  # [L, B, ...] in either cache layout
+    cache_sh = {"k": kv_sh, "v": kv_sh, "mask": NamedSharding(mesh, P(rows)),
+                "index": sharding.replicated(mesh)}
+    batch = sharding.batch_sharding(mesh)
+
+    def step(weights, tok_B, cache):
+        h, aux = tf.forward(weights, tok_B[:, None], model,
+                            attention_mask_BxT=jnp.ones((b, 1), bool), numerics=numerics,
+                            cache=cache, mesh=model_mesh,
+                            rules=rules if serve and model_mesh else None)
+        logp = rollout.sampling_logprobs(tf.logits(weights, h, model)[:, 0], cfg.sampling)
+        return logp, aux["cache"], aux["routes"]
+
+    fn = jax.jit(step, in_shardings=(w_sh, batch, cache_sh),
+                 out_shardings=(batch, cache_sh, batch), donate_argnums=2)
+    return fn, (weights_like, jax.ShapeDtypeStruct((b,), jnp.int32), cache_like)
+
+
+def decode_step_cost(engine) -> tuple[Cost, Cost]:
+    """(one layer, one decode step of all L layers) from the 1- and 2-layer programs."""
+    costs = []
+    for n in (1, 2):
+        fn, args = decode_step_program(engine, n)
+        costs.append(of_compiled(fn.lower(*args).compile()))
+    layer = costs[1] + costs[0].scale(-1)
+    return layer, costs[0] + layer.scale(engine.cfg.model.num_layers - 1)
+
+
+def rows_that_fit(cfg: ExperimentConfig, sample_total_gib: float, hbm_gib: float,
+                  chips: int) -> int:
+    """Rows per chip whose KV cache and row state fit in `hbm_gib`, given the compiled
+    sample step's per-chip total at its own rows per chip (the rest is taken as fixed:
+    weights, buffers of the program)."""
+    per_row = (kv_bytes_per_row(cfg) + row_state_bytes(cfg)) / 2**30
+    fixed = sample_total_gib - rows_per_pass(cfg) / chips * per_row
+    return int((hbm_gib - fixed) // per_row)
+
+
+@dataclasses.dataclass
+class StepEstimate:
+    step: str
+    seconds: float
+    detail: str
+
+
+def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
+    """(StepEstimate of one sample step, decode-step Cost, one-layer Cost, seconds of
+    one pass). Time = passes × N × decode step + what runs once (the prefill at the
+    chip's peak, every collective outside the decode loop)."""
+    from stablerl_jax.model.flops import forward_flops
+    cfg = engine.cfg
+    b = cfg.rl.prompts_per_step * cfg.rl.group_size
+    passes = b // rows_per_pass(cfg)
+    module = hlo_loops.Module(sample_hlo)
+    loop = hlo_loops.decode_loop(module)
+    # Loops XLA gives no trip count: the layer scans (L), the sampler's slices (passes).
+    trips = hlo_loops.trips_by_function(module, {"forward": cfg.model.num_layers,
+                                                 "map_slices": passes})
+    per_step_coll = sum(module.collective_bytes(loop.body, trips).values())
+    once_coll = sum(module.collective_bytes(module.entry, {**trips, loop.name: 0}).values())
+    layer, step = decode_step_cost(engine)
+    # The loop's own collectives (the compiled sample step) replace the program's.
+    step = dataclasses.replace(step, collective_bytes=per_step_coll)
+    n = cfg.sampling.max_new_tokens
+    chips = engine.mesh.size
+    prefill_s = forward_flops(cfg.model, b, cfg.task.max_prompt_len) / chips / chip.peak_flops
+    once_s = prefill_s + once_coll / chip.ici_bw
+    total = passes * n * step.seconds(chip) + once_s
+    detail = (f"{passes} pass(es) × {n} decode steps × {step.seconds(chip) * 1e3:.2f} ms "
+              f"+ prefill and reshard {once_s:.1f} s")
+    return StepEstimate("sample", total, detail), step, layer, total / passes
+
+
+def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops: float,
+                        chip: ChipSpec) -> StepEstimate:
+    """Score / update: model FLOPs at the chip's peak (the update's rematerialized
+    forward added: + 1/3 of forward + backward) plus every collective of the program
+    (loops at their trip counts)."""
+    flops = model_flops * (4 / 3 if name == "update" and cfg.model.remat == "full" else 1)
+    module = hlo_loops.Module(hlo)
+    rl = cfg.rl
+    # Loops XLA gives no trip count: the layer scans and the micro-batch / slice loops.
+    trips = hlo_loops.trips_by_function(module, {
+        "forward": cfg.model.num_layers, "map_slices": rl.num_minibatches * rl.microbatches,
+        "value_and_grad": rl.microbatches})
+    coll = sum(module.collective_bytes(module.entry, trips).values())
+    t = flops / chip.peak_flops + coll / chip.ici_bw
+    return StepEstimate(name, t, f"{flops / 1e12:.0f} TFLOP at peak "
+                                 f"{flops / chip.peak_flops:.1f} s + collectives "
+                                 f"{coll / 2**30:.1f} GiB {coll / chip.ici_bw:.1f} s")
+
+
+def global_step(cfg: ExperimentConfig, est: dict, pass_seconds: float) -> tuple[float, dict]:
+    """(seconds, by part) of one global step: sample + score + num_minibatches updates,
+    plus the evaluation (eval_problems × eval_k rows, decoded in passes of the same
+    rows as a sample pass) every eval_every steps, amortized."""
+    rl = cfg.rl
+    eval_passes = -(-rl.eval_problems * rl.eval_k // rows_per_pass(cfg))
+    parts = {"sample": est["sample"].seconds, "score": est["score"].seconds,
+             "update": rl.num_minibatches * est["update"].seconds,
+             "eval (amortized)": eval_passes * pass_seconds / rl.eval_every}
+    return sum(parts.values()), parts
