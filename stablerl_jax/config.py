@@ -818,6 +818,9 @@ def flat_dict(cfg) -> dict:
 
 
 def changed_fields(saved: dict, cfg) -> list[str]:
-    """Paths whose value in `cfg` differs from a stored `flat_dict` (or that one lacks)."""
-    now = flat_dict(cfg)
-    return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    """Paths whose value in `cfg` differs from a stored `flat_dict`. A field the stored
+    dict lacks (added to the code after that run was saved) counts as changed only when
+    `cfg` sets it away from its default: a new field's default keeps the old behaviour."""
+    now, default = flat_dict(cfg), flat_dict(type(cfg)())
+    return sorted(k for k in set(saved) | set(now)
+                  if saved.get(k, default.get(k)) != now.get(k))

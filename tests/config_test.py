@@ -1,7 +1,8 @@
 """Every ModelConfig validation error names its field."""
 import pytest
 
-from stablerl_jax.config import ConfigError, ModelConfig
+from stablerl_jax.config import (ConfigError, ExperimentConfig, ModelConfig, changed_fields,
+                                 flat_dict)
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -90,3 +91,14 @@ def test_new_task_and_eval_fields_survive_overrides():
     assert t.chat_template and not t.enable_thinking and not t.add_generation_prompt
     assert t.prompt_template == "{question} Put the answer in \\boxed{}."
     assert t.system_prompt == "Be brief." and cfg.rl.eval_sets == "aime24:/a,hmmt:/h.jsonl"
+
+
+def test_a_field_added_after_a_run_was_saved_is_unchanged_at_its_default():
+    cfg = ExperimentConfig()
+    saved = flat_dict(cfg)
+    del saved["rl.overlong"]  # a run saved before the field existed
+    assert changed_fields(saved, cfg) == []
+    assert changed_fields(saved, cfg.replace(rl=cfg.rl.replace(overlong="mask"))) == [
+        "rl.overlong"]
+    saved["rl.removed_field"] = 1  # a field the code no longer has is a change
+    assert changed_fields(saved, cfg) == ["rl.removed_field"]
