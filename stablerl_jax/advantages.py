@@ -2,7 +2,7 @@
 
 Letters: B responses (a multiple of G), G group size.
 
-    group_mean     Â_i = R_i − mean_g R                          (MiniRL, PAPER.md §4)
+    group_mean     Â_i = R_i − mean_g R                          (MiniRL, docs/method.md §4)
     group_norm     Â_i = (R_i − mean_g R) / (std_g R + eps)       (GRPO, App. A)
     leave_one_out  Â_i = R_i − mean_{j≠i} R_j = G/(G−1) · (R_i − mean_g R)   (RLOO)
 

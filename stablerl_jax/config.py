@@ -367,7 +367,7 @@ class SamplingConfig(_Replace):
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig(_Replace):
-    """Surrogate loss settings. Defaults are MiniRL exactly (PAPER.md §4, Eq. 7).
+    """Surrogate loss settings. Defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
 
     Attributes:
       name: one of LOSS_NAMES (keys of `losses.LOSSES`).
@@ -500,10 +500,10 @@ class OptimConfig(_Replace):
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig(_Replace):
-    """The global-step loop (PAPER.md §1): B/G prompts × G responses = B responses per
+    """The global-step loop (docs/method.md §1): B/G prompts × G responses = B responses per
     step, N mini-batches (= optimizer steps) per step, evaluation and checkpoint cadence.
 
-    replay: 'none' | 'r2' | 'r3' (PAPER.md §3).
+    replay: 'none' | 'r2' | 'r3' (docs/method.md §3).
     microbatches: each mini-batch's update accumulates gradients over this many slices
       of it inside one jitted step (one optimizer update; losses and metrics equal one
       big batch's, rl/accumulate.py); the score step runs its batch in slices of the

@@ -105,7 +105,7 @@ def weight_stats(weights_BxT, altered_BxT, mask_BxT) -> dict:
 
 def clip_fractions(logp_BxT, old_logp_BxT, advantages, mask_BxT, eps_low: float,
                    eps_high: float):
-    """Fractions of tokens the decoupled-PPO mask drops (PAPER.md §4), by side, on
+    """Fractions of tokens the decoupled-PPO mask drops (docs/method.md §4), by side, on
     r = π_θ/π_old: high = [Â > 0 and r > 1+ε_high], low = [Â < 0 and r < 1−ε_low].
 
     `advantages` is [B] (per response) or [B, T]. Returns a dict of two (num, den) pairs.
@@ -140,7 +140,7 @@ def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
 
 def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
     """Per response (a [B] vector): Π_t ρ_t − (1 + Σ_t (ρ_t − 1)), the error of the
-    first-order approximation of PAPER.md §2 (ρ_t = 1 + δ_t).
+    first-order approximation of docs/method.md §2 (ρ_t = 1 + δ_t).
 
     Stable form, free of cancellation: with P_t = Π_{s≤t} ρ_s − 1 the residual obeys
     R_t = R_{t−1} + P_{t−1} δ_t, so R = Σ_t expm1(Σ_{s<t} x_s) · expm1(x_t) with
@@ -207,7 +207,7 @@ def routing_mismatch(routes_a_BxTxLxK, routes_b_BxTxLxK, mask_BxT) -> dict:
 
 def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
                          routes_pi_BxTxLxK, routed_BxT, *, per_layer: bool = False) -> dict:
-    """The training–inference mismatch of one rollout batch as pairs (PAPER.md §5):
+    """The training–inference mismatch of one rollout batch as pairs (docs/method.md §6):
 
       kl/train_infer_k1, kl/train_infer_k3   KL(μ_old‖π_old) on the sampled tokens
       mismatch/abs_logp_gap, …_max           |log μ − log π| per completion token

@@ -1,4 +1,4 @@
-"""First-order surrogate losses (PAPER.md §2, §4). Each returns the quantity to MINIMIZE.
+"""First-order surrogate losses (docs/method.md §2, §4). Each returns the quantity to MINIMIZE.
 
 Letters: B responses in the (mini-)batch, T token positions.
 
@@ -242,7 +242,7 @@ def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered,
 
 
 def minirl(logp_BxT, batch, cfg: LossConfig):
-    """MiniRL, Eq. 7 (PAPER.md §4); loss = −J with
+    """MiniRL, Eq. 7 (docs/method.md §4); loss = −J with
 
         J = (1/B) Σ_b Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â_b · log π_θ(y_t)
 
@@ -292,7 +292,7 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
 
 
 def grpo(logp_BxT, batch, cfg: LossConfig):
-    """GRPO (PAPER.md App. A form); loss = −J with
+    """GRPO (the paper's App. A form, docs/method.md §5); loss = −J with
 
         J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(r_t Â_i, clip(r_t, 1−ε_low, 1+ε_high) Â_i)
 
@@ -319,7 +319,7 @@ def dapo(logp_BxT, batch, cfg: LossConfig):
 
 
 def cispo(logp_BxT, batch, cfg: LossConfig):
-    """CISPO (PAPER.md App. A form); loss = −J with
+    """CISPO (the paper's App. A form, docs/method.md §5); loss = −J with
 
         J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t · clip(r_t, 1−ε_low, 1+ε_high)] · Â · log π_θ(y_t)
 
@@ -392,7 +392,7 @@ LOSSES = {
     "dapo": dapo,
 }
 
-# Named settings of the paper's runs and of the namesake methods (PAPER.md §4, App. A).
+# Named settings of the paper's runs and of the namesake methods (docs/method.md §4, §5).
 PRESETS = {
     "minirl": LossConfig(),
     "minirl_length_norm": LossConfig(aggregation="seq_mean_token_mean"),

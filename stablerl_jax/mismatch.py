@@ -5,7 +5,7 @@ Letters: B rows, S rollout slots, T = S − 1 scored positions, L layers.
 The training path re-scores the sampled sequences with `logprobs.policy_logprobs` (its own
 numerics, "train" by default, live routing: no replay) at the sampling temperature, and
 is compared with the sampler's `logp_mu` on the completion tokens y ~ μ (π = π_old of
-PAPER.md §1, the training–inference factor of Eq. 5), by
+docs/method.md §2, the training–inference factor of Eq. 5), by
 `diagnostics.train_infer_mismatch`, the same monitor the trainer's score step logs:
 
     k1   = E_μ[log μ − log π]                  (can be negative on a finite batch)

@@ -65,7 +65,7 @@ PAPER_EVAL_SETS = "aime24:aime24.jsonl,aime25:aime25.jsonl,hmmt25:hmmt25.jsonl"
 
 
 def paper() -> ExperimentConfig:
-    """PAPER.md §5 at full scale, for a TPU pod (not runnable on a CPU).
+    """The paper's setup (docs/method.md §7) at full scale, for a TPU pod (not runnable on a CPU).
 
     Qwen3-30B-A3B-shaped MoE (48 layers, 128 experts, top-8), FP8 inference vs a
     bf16-compute training engine, G = 16, 64 prompts = 1,024 responses per mini-batch

@@ -1,4 +1,4 @@
-"""The global-step loop (PAPER.md §1), with eval, checkpoints and logs.
+"""The global-step loop (docs/method.md §1), with eval, checkpoints and logs.
 
 Letters: B responses per step (rl.prompts_per_step × G), G responses per prompt,
 N mini-batches, M = B/N responses per mini-batch.

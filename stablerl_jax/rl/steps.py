@@ -21,7 +21,7 @@ the float rounding two passes would differ by) and computes the rollout's monito
 the same forward. With R2 the update routes live, which at θ_old picks the routes R2
 would record.
 
-Replay per mode (PAPER.md §3), chosen once in `score`:
+Replay per mode (docs/method.md §3), chosen once in `score`:
 - none: route live in every pass.
 - r2:   score routes live and records the training engine's routes (θ_old); every update
         replays them.
