@@ -251,6 +251,7 @@ def test_a_torn_metrics_row_is_repaired_and_written_again(tmp_path, reference):
     _assert_same_run(full, torn)  # steps 0..N once each, bit for bit
 
 
+@pytest.mark.slow  # a subprocess run; the default suite keeps the kill, lock and torn-row cases
 def test_metrics_rows_lost_before_every_checkpoint_are_refused(tmp_path, reference):
     full, data, cache = reference
     lost = _copy(full, tmp_path / "lost")
@@ -263,6 +264,7 @@ def test_metrics_rows_lost_before_every_checkpoint_are_refused(tmp_path, referen
     assert _snapshot(lost) == before  # nothing written, nothing moved
 
 
+@pytest.mark.slow  # a subprocess run; the default suite keeps the kill, lock and torn-row cases
 def test_a_copied_step_directory_is_not_trusted(tmp_path, reference):
     full, data, cache = reference
     copied = _copy(full, tmp_path / "copied")
@@ -276,6 +278,7 @@ def test_a_copied_step_directory_is_not_trusted(tmp_path, reference):
     _assert_same_run(full, copied)  # resumed from step 3, step 4 trained again
 
 
+@pytest.mark.slow  # a subprocess run; the default suite keeps the kill, lock and torn-row cases
 def test_a_failed_save_stops_the_run_and_the_resume_is_exact(tmp_path, reference):
     full, data, cache = reference
     workdir = tmp_path / "full_disk"
