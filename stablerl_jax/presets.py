@@ -2,7 +2,7 @@
 
 - `TASKS`: difficulty presets of the synthetic arithmetic task.
 - `tiny`: SFT + RL on 2 CPU cores in minutes.
-- `paper`: the settings of arXiv 2512.01374 §5 (Qwen3-30B-A3B-sized MoE, FP8 inference,
+- `paper`: the settings of arXiv 2512.01374 §4.2 (Qwen3-30B-A3B-sized MoE, FP8 inference,
   G = 16, 1,024 responses per mini-batch, 32k responses) for a TPU pod (v5p-256); stated
   and AOT-compiled (experiments/aot_compile.py), not run here.
 - `moe1b`: a ≈1B-parameter bf16 MoE for one accelerator host (benchmarks, v5e-8 AOT).

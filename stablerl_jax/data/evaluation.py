@@ -3,7 +3,7 @@
 Letters: n problems, k samples per problem.
 
     r_ij   = reward_fn(completion j of problem i, answer_i) ∈ {0, 1}
-    avg@k  = mean_ij r_ij                       (the paper's metric, §5: avg@32)
+    avg@k  = mean_ij r_ij                       (the paper's metric, §4.2: avg@32)
     pass@k = mean_i max_j r_ij                  (the empirical pass@k of these k samples,
                                                  not the unbiased estimator from n > k)
     stderr = std_i(mean_j r_ij) / sqrt(n)       (sampling noise of avg@k across problems)
