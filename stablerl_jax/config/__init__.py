@@ -1,0 +1,50 @@
+"""Every setting of an experiment: frozen dataclasses, validated on construction.
+
+    ExperimentConfig                            (experiment.py)
+      model     ModelConfig     the Qwen3-MoE decoder (vocab_size is stated here only)
+      task      TaskConfig      data and token budgets                    (task.py)
+      sampling  SamplingConfig  the inference engine: decoding and its numerics (model.py)
+      loss      LossConfig      the surrogate loss (MiniRL by default)    (training.py)
+      rl        RLConfig        the global-step loop, its cadence and `rl.optim`
+      sft       SFTConfig       the cold start and `sft.optim`
+      mesh                      (data, fsdp, expert) device mesh of every jitted step
+
+The allowed values of every choice field (dtypes, losses, the kernel implementations
+`LOGPROB_IMPLS` and `GMM_IMPLS`, …) are in choices.py; `ConfigError` and the checks in
+checks.py. Every name is importable from `stablerl_jax.config`.
+
+Every check raises `ConfigError` naming the field, the bad value and what to change.
+Nothing is silently fixed: a config either describes exactly what runs or is refused.
+`apply_overrides` applies `section.field=value` strings (nested: `rl.optim.learning_rate`)
+all at once, then validates once, so overrides that only make sense together (e.g.
+`task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
+
+This package is a leaf: it imports nothing from the model, data or training code. Special
+token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
+(`model.numerics.dtype_of`).
+"""
+from stablerl_jax.config.checks import (ConfigError, Section, check, check_bool, check_choice,
+                                        check_positive_int, is_finite, is_int)
+from stablerl_jax.config.choices import (ADVANTAGE_NAMES, AGGREGATIONS, ATTENTION_IMPLS,
+                                         DATA_FORMATS, DTYPES, EVAL_SET_NAME, GMM_IMPLS,
+                                         INFERENCE_NUMERICS, IS_CORRECTIONS, KV_CACHE_LAYOUTS,
+                                         LOGPROB_IMPLS, LOSS_NAMES, OPERATORS, OVERLONG_MODES,
+                                         REMAT_POLICIES, REPLAY_MODES, SAMPLER_LAYOUTS, STYLES,
+                                         TASK_KINDS)
+from stablerl_jax.config.experiment import (ExperimentConfig, apply_overrides, changed_fields,
+                                            flat_dict)
+from stablerl_jax.config.model import ModelConfig, SamplingConfig
+from stablerl_jax.config.task import TaskConfig
+from stablerl_jax.config.training import (LossConfig, OptimConfig, RLConfig, SFTConfig,
+                                          parse_eval_sets)
+
+__all__ = [
+    "ADVANTAGE_NAMES", "AGGREGATIONS", "ATTENTION_IMPLS", "ConfigError", "DATA_FORMATS",
+    "DTYPES", "EVAL_SET_NAME", "ExperimentConfig", "GMM_IMPLS", "INFERENCE_NUMERICS",
+    "IS_CORRECTIONS", "KV_CACHE_LAYOUTS", "LOGPROB_IMPLS", "LOSS_NAMES", "LossConfig",
+    "ModelConfig", "OPERATORS", "OVERLONG_MODES", "OptimConfig", "REMAT_POLICIES",
+    "REPLAY_MODES", "RLConfig", "SAMPLER_LAYOUTS", "SFTConfig", "STYLES", "SamplingConfig",
+    "Section", "TASK_KINDS", "TaskConfig", "apply_overrides", "changed_fields", "check",
+    "check_bool", "check_choice", "check_positive_int", "flat_dict", "is_finite", "is_int",
+    "parse_eval_sets",
+]

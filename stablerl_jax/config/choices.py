@@ -1,0 +1,23 @@
+"""The allowed values of every choice field, in one place: the config sections validate
+against these tuples and the rest of the package reads them from here."""
+import re
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
+INFERENCE_NUMERICS = ("exact", "bf16", "fp8")  # presets of model.numerics for the sampler
+LOSS_NAMES = ("minirl", "grpo", "cispo", "gspo", "gspo_token", "dapo")
+IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
+AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
+REPLAY_MODES = ("none", "r2", "r3")
+OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on
+LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
+REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
+GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
+ATTENTION_IMPLS = ("naive", "chunked")
+SAMPLER_LAYOUTS = ("train", "serve")  # SamplingConfig.layout
+KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]
+TASK_KINDS = ("arithmetic", "jsonl", "gsm8k")  # 'gsm8k': the former name of 'jsonl'
+DATA_FORMATS = ("auto", "gsm8k", "math", "dapo", "aime", "prompt_answer", "custom")
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+STYLES = ("steps", "rewrite", "terse")
+OPERATORS = ("+-", "+")

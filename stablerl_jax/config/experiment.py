@@ -1,0 +1,179 @@
+"""`ExperimentConfig` (every section of one run, validated together) and the
+command-line overrides: `apply_overrides`, `flat_dict`, `changed_fields`."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from stablerl_jax.config.checks import ConfigError, check, is_int, Section
+from stablerl_jax.config.model import ModelConfig, SamplingConfig
+from stablerl_jax.config.task import TaskConfig
+from stablerl_jax.config.training import LossConfig, RLConfig, SFTConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig(Section):
+    """One run: every section, plus the name and the device mesh."""
+
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    loss: LossConfig = LossConfig()
+    rl: RLConfig = RLConfig()
+    sft: SFTConfig = SFTConfig()
+    mesh: tuple = (1, 1, 1)
+
+    def __post_init__(self):
+        need = self.task.max_prompt_len + self.sampling.max_new_tokens
+        check(need <= self.model.max_seq_len, "model.max_seq_len",
+              f"must be >= task.max_prompt_len + sampling.max_new_tokens = {need}, "
+              f"got {self.model.max_seq_len}")
+        check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
+              and all(is_int(m) and m > 0 for m in self.mesh), "mesh",
+              f"must be three positive ints (data, fsdp, expert), got {self.mesh!r}")
+        # Batches are split over every mesh axis (sharding.RULES["batch"]).
+        dp = self.mesh[0] * self.mesh[1] * self.mesh[2]
+        rl = self.rl
+        minibatch = rl.prompts_per_step * rl.group_size // rl.num_minibatches
+        # The eval batch is padded to the mesh and sampler multiple (rl/loop.py).
+        for what, rows in [("the RL micro-batch (rl.prompts_per_step*rl.group_size/"
+                            "rl.num_minibatches/rl.microbatches)", minibatch // rl.microbatches),
+                           ("the SFT micro-batch (sft.batch_size/sft.microbatches)",
+                            self.sft.batch_size // self.sft.microbatches)]:
+            check(rows % dp == 0, "mesh",
+                  f"data*fsdp*expert = {dp} must divide {what} = {rows}; change the mesh or "
+                  "the batch")
+        check(not self.model.expert_parallel or self.model.num_experts % self.mesh[2] == 0,
+              "model.expert_parallel", f"needs the mesh's expert axis ({self.mesh[2]}) to "
+              f"divide num_experts={self.model.num_experts}; change the mesh or set it false")
+        # The serving layout splits the experts over every device (sharding.SERVE_RULES).
+        sampler_ep = (self.model.expert_parallel
+                      and (self.sampling.dispatch or self.model.dispatch) == "grouped")
+        check(self.sampling.layout != "serve" or not sampler_ep
+              or self.model.num_experts % dp == 0, "sampling.layout",
+              f"'serve' puts num_experts={self.model.num_experts} on data*fsdp*expert = "
+              f"{dp} devices, which must divide it; use layout 'train' or another mesh")
+        rows = self.sampling.max_batch
+        if rows:
+            check(rows % dp == 0, "sampling.max_batch",
+                  f"must be a multiple of data*fsdp*expert = {dp}, got {rows}")
+            n = rl.prompts_per_step * rl.group_size
+            check(n % rows == 0, "sampling.max_batch",
+                  f"must divide rl.prompts_per_step*rl.group_size = {n}, got {rows}")
+        check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
+              f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
+              f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
+
+
+def _parse(value: str, current, key: str):
+    """`value` (a command-line string) as the type of the field's current value."""
+    low = value.strip().lower()
+    if isinstance(current, (bool, int, float, tuple)) and not value.isascii():
+        # int() and float() read any Unicode digit ('٣', full-width '３'): a typo's
+        # lookalike would pass as a number.
+        raise ConfigError(f"override {key!r}: {value!r} is not ASCII; write numbers with "
+                          "the digits 0-9")
+    if isinstance(current, bool):
+        if low not in ("true", "false", "1", "0"):
+            raise ConfigError(f"override {key!r}: expected true/false, got {value!r}")
+        return low in ("true", "1")
+    if isinstance(current, tuple):
+        try:
+            return tuple(int(v) for v in value.strip("()").split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"override {key!r}: expected comma-separated ints like 2,2,2, "
+                              f"got {value!r}") from None
+    if current is None:  # an optional string field (LossConfig.aggregation)
+        return None if low == "none" else value
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"override {key!r}: cannot parse {value!r} as a number") \
+                from None
+    if isinstance(current, int):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"override {key!r}: cannot parse {value!r} as an int") from None
+    return value
+
+
+def _field_names(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: typing.Sequence[str]) -> ExperimentConfig:
+    """Apply `path=value` overrides (`name=x`, `mesh=2,2,2`, `rl.num_minibatches=4`,
+    `rl.optim.learning_rate=3e-4`): every override is parsed first, then each config is
+    rebuilt once with all its changes, so validation sees the final values together."""
+    changes: dict = {}  # nested {field: value or {sub-field: ...}}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected section.field=value")
+        path = key.strip().split(".")
+        node, tree = cfg, changes
+        for i, name in enumerate(path):
+            names = _field_names(node)
+            if name not in names:
+                where = ".".join(path[:i]) or "the experiment config"
+                hint = ("use section.field=value with section in "
+                        f"{[n for n in names if dataclasses.is_dataclass(getattr(node, n))]}"
+                        if i == 0 else f"{where} has {names}")
+                raise ConfigError(f"override {key!r}: unknown field {name!r}; {hint}")
+            child = getattr(node, name)
+            if i == len(path) - 1:
+                if dataclasses.is_dataclass(child):
+                    raise ConfigError(f"override {key!r}: {key} is a section; set one of its "
+                                      f"fields, e.g. {key}.{_field_names(child)[0]}=...")
+                tree[name] = _parse(value, child, key)
+            else:
+                if not dataclasses.is_dataclass(child):
+                    raise ConfigError(f"override {key!r}: {'.'.join(path[:i + 1])} is not a "
+                                      "section")
+                tree = tree.setdefault(name, {})
+                node = child
+    return _rebuild(cfg, changes)
+
+
+def _rebuild(obj, changes: dict):
+    """dataclasses.replace with nested changes, innermost first; a ConfigError from a
+    nested config is prefixed with its section path."""
+    kw = {}
+    for name, change in changes.items():
+        if isinstance(change, dict):
+            try:
+                kw[name] = _rebuild(getattr(obj, name), change)
+            except ConfigError as e:
+                raise ConfigError(f"{name}.{e}" if not str(e).startswith(f"{name}.") else
+                                  str(e)) from None
+        else:
+            kw[name] = change
+    try:
+        return dataclasses.replace(obj, **kw)
+    except TypeError as e:  # a value of the wrong type reached a comparison
+        raise ConfigError(f"{type(obj).__name__}: {e}") from None
+
+
+def flat_dict(cfg) -> dict:
+    """{"section.field": value} of a config, JSON-ready (tuples as lists): what a
+    checkpoint stores, and what `changed_fields` compares."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update({f"{f.name}.{k}": x for k, x in flat_dict(v).items()})
+        else:
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def changed_fields(saved: dict, cfg) -> list[str]:
+    """Paths whose value in `cfg` differs from a stored `flat_dict`. A field the stored
+    dict lacks (added to the code after that run was saved) counts as changed only when
+    `cfg` sets it away from its default: a new field's default keeps the old behaviour."""
+    now, default = flat_dict(cfg), flat_dict(type(cfg)())
+    return sorted(k for k in set(saved) | set(now)
+                  if saved.get(k, default.get(k)) != now.get(k))

@@ -1,0 +1,305 @@
+"""The training sections: `LossConfig` (the surrogate loss), `OptimConfig`, `RLConfig`
+(the global-step loop; `parse_eval_sets` reads its `eval_sets`) and `SFTConfig` (the cold
+start)."""
+from __future__ import annotations
+
+import dataclasses
+
+from stablerl_jax.config.checks import (check, is_int, check_positive_int, check_choice,
+                                        check_bool, is_finite, Section)
+from stablerl_jax.config.choices import (LOSS_NAMES, IS_CORRECTIONS, AGGREGATIONS,
+                                         ADVANTAGE_NAMES, REPLAY_MODES, OVERLONG_MODES,
+                                         LOGPROB_IMPLS, EVAL_SET_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig(Section):
+    """Surrogate loss settings. Defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
+
+    Attributes:
+      name: one of LOSS_NAMES (keys of `losses.LOSSES`).
+      eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
+      clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
+      use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
+      is_correction: how the IS weight is formed: 'none' (weight 1), 'tis' truncates at
+        tis_cap, 'mis' drops tokens with ratio > is_high, 'icepop' drops outside [is_low, is_high],
+        'seq_product' / 'seq_geomean' use one sequence-level weight (truncated at tis_cap).
+      tis_cap: C, the truncation of the token IS weight.
+      cap_target: 'full' caps π_θ/μ_old (MiniRL decision); 'engine' caps only π_old/μ_old
+        and multiplies by the uncapped staleness ratio.
+      aggregation: None = the loss's own (MiniRL: response_sum; GRPO, GSPO:
+        seq_mean_token_mean; CISPO, DAPO: token_mean); or one of AGGREGATIONS.
+        MiniRL "+ length normalization" is aggregation='seq_mean_token_mean'.
+      advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
+      advantage_std_ddof: the std of advantage='group_norm' divides by G − ddof. 0 (the
+        default, the population std: the paper's "std of the group") keeps this
+        project's stored results; verl and tunix use the sample std, ddof=1, whose
+        advantages are √((G−1)/G) as large (×0.935 at G = 8).
+      clip_ratio_c: verl's dual-clip for the PPO-clip losses (grpo, dapo): on tokens with
+        Â < 0 the clipped term is bounded below by c·Â, so a token whose ratio r exceeds
+        c contributes the constant c·Â and no gradient. 0 = off; verl's default when on
+        is 3.0; must be > 1 + eps_high.
+      max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
+      gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
+      gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
+      norm_length: the constant T_norm of aggregation 'seq_mean_token_sum_norm' (Dr. GRPO
+        divides by the generation budget); 0 = the padded width T of the batch.
+    """
+
+    name: str = "minirl"
+    eps_low: float = 0.2
+    eps_high: float = 0.27
+    clip: bool = True
+    use_is: bool = True
+    is_correction: str = "tis"
+    tis_cap: float = 5.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    cap_target: str = "full"
+    aggregation: str | None = None
+    advantage: str = "group_mean"
+    advantage_std_ddof: int = 0
+    clip_ratio_c: float = 0.0
+    max_log_ratio: float = 20.0
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    gspo_max_log_ratio: float = 10.0
+    norm_length: int = 0
+
+    def __post_init__(self):
+        check_choice(self, "name", LOSS_NAMES)
+        check_choice(self, "is_correction", IS_CORRECTIONS)
+        check(self.aggregation is None or self.aggregation in AGGREGATIONS, "aggregation",
+              f"must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
+        check_choice(self, "advantage", ADVANTAGE_NAMES)
+        check(self.cap_target in ("full", "engine"), "cap_target",
+              f"must be 'full' or 'engine', got {self.cap_target!r}")
+        for f in ("eps_low", "gspo_eps_low"):
+            v = getattr(self, f)
+            check(is_finite(v) and 0 <= v < 1, f, f"must be in [0, 1), got {v}")
+        for f in ("eps_high", "gspo_eps_high"):
+            v = getattr(self, f)
+            check(is_finite(v) and v >= 0, f, f"must be a finite number >= 0, got {v}")
+        check(is_finite(self.tis_cap) and self.tis_cap >= 1, "tis_cap",
+              f"must be a finite number >= 1, got {self.tis_cap}")
+        check(is_finite(self.is_low) and is_finite(self.is_high)
+              and 0 <= self.is_low < 1 < self.is_high, "is_low",
+              f"need 0 <= is_low < 1 < is_high, got is_low={self.is_low}, is_high={self.is_high}")
+        # exp(±max) and the squared weights of the metrics must stay finite in float32.
+        check(is_finite(self.max_log_ratio) and 0 < self.max_log_ratio <= 40, "max_log_ratio",
+              f"must be in (0, 40] so exp(2·max_log_ratio) fits float32, got {self.max_log_ratio}")
+        check(is_finite(self.gspo_max_log_ratio) and 0 < self.gspo_max_log_ratio <= 40,
+              "gspo_max_log_ratio", f"must be in (0, 40], got {self.gspo_max_log_ratio}")
+        check(is_int(self.advantage_std_ddof) and self.advantage_std_ddof in (0, 1),
+              "advantage_std_ddof",
+              f"must be 0 (population std) or 1 (sample std, verl / tunix), got "
+              f"{self.advantage_std_ddof!r}")
+        check(is_finite(self.clip_ratio_c)
+              and (self.clip_ratio_c == 0 or self.clip_ratio_c > 1 + self.eps_high),
+              "clip_ratio_c", f"must be 0 (off) or > 1 + eps_high = {1 + self.eps_high} "
+              f"(verl uses 3.0), got {self.clip_ratio_c}")
+        check(self.clip_ratio_c == 0 or self.name in ("grpo", "dapo"), "clip_ratio_c",
+              f"dual-clip applies to the PPO-clip losses 'grpo' and 'dapo', not "
+              f"{self.name!r}; set loss.clip_ratio_c=0")
+        check(is_int(self.norm_length) and self.norm_length >= 0, "norm_length",
+              f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
+        check_bool(self, "clip", "use_is")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(Section):
+    """Global-norm gradient clipping, then AdamW, with a learning-rate schedule.
+
+    schedule: 'constant' (after `warmup_frac` of the steps of linear warmup from 0) or
+    'cosine' (warmup, then cosine decay to end_lr_frac · learning_rate).
+    """
+
+    learning_rate: float = 1e-4
+    schedule: str = "constant"
+    warmup_frac: float = 0.0
+    end_lr_frac: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        check(is_finite(self.learning_rate) and self.learning_rate > 0, "learning_rate",
+              f"must be a finite number > 0, got {self.learning_rate}")
+        check(self.schedule in ("constant", "cosine"), "schedule",
+              f"must be 'constant' or 'cosine', got {self.schedule!r}")
+        for f in ("warmup_frac", "end_lr_frac"):
+            v = getattr(self, f)
+            check(is_finite(v) and 0 <= v <= 1, f, f"must be in [0, 1], got {v}")
+        for f in ("b1", "b2"):
+            v = getattr(self, f)
+            check(is_finite(v) and 0 <= v < 1, f,
+                  f"must be in [0, 1) (1 never forgets the first gradient), got {v}")
+        # AdamW divides by sqrt(v) + eps: below ~1e-30 a zero second moment overflows.
+        check(is_finite(self.eps) and self.eps >= 1e-30, "eps",
+              f"must be a finite number >= 1e-30, got {self.eps}")
+        check(is_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+              f"must be a finite number >= 0, got {self.weight_decay}")
+        check(is_finite(self.grad_clip) and self.grad_clip > 0, "grad_clip",
+              f"must be a finite number > 0, got {self.grad_clip}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(Section):
+    """The global-step loop (docs/method.md §1): B/G prompts × G responses = B responses per
+    step, N mini-batches (= optimizer steps) per step, evaluation and checkpoint cadence.
+
+    replay: 'none' | 'r2' | 'r3' (docs/method.md §3).
+    microbatches: each mini-batch's update accumulates gradients over this many slices
+      of it inside one jitted step (one optimizer update; losses and metrics equal one
+      big batch's, rl/accumulate.py); the score step runs its batch in slices of the
+      same size. Memory of a step scales with the slice, not the mini-batch.
+    replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
+      recorded routing (combine) weights, held fixed, instead of recomputing them from the
+      live router; the router then gets no gradient through the combine.
+    eval_sets: named held-out sets, "name:path,name:path" (each path a JSONL file or a
+      directory holding test.jsonl, read like the task's data); '' = the task's own test
+      split, as one set named 'test'.
+    offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
+      vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
+    logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
+      Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
+      with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
+      'chunked' 1.4×; docs/benchmarks.md).
+    trim_bucket: before scoring, cut each step's rollout to the slots some row used (the
+      longest prompt's first slot to the longest completion's end), the width rounded up
+      to a multiple of this many slots, so score and updates skip the all-padding slots
+      (a step's result is unchanged: positions count real tokens, masked slots add
+      nothing). Each distinct width compiles its own score and update programs, once.
+      0: off (every step at the full max_prompt_len + max_new_tokens).
+    score_in_update: when a step has one mini-batch (on-policy), take log π_old from the
+      update's own forward (stop-gradient) instead of a separate score pass at the same
+      θ_old: the same step for one forward less (rl/steps.py). The rollout's monitors then
+      come from that forward, and are 0 for a step whose update was skipped as
+      non-finite. With num_minibatches > 1 the score pass runs as usual.
+    seed: every random choice of the run derives from (seed, step).
+    max_consecutive_skips: the run stops with an error after this many updates in a row
+      were skipped as non-finite (a diverged run should not exit 0).
+    overlong: what a truncated response (max_new_tokens reached without a stop id) trains
+      on (OVERLONG_MODES): 'keep' (as a finished one, scored from its cut text), 'mask'
+      (no gradient: its tokens leave the loss and every denominator of it; advantages are
+      computed over the whole group first, as verl / DAPO do), 'penalty' (DAPO's soft
+      overlong punishment added to every reward: 0 up to max_new_tokens −
+      overlong_buffer tokens, then falling linearly to −overlong_penalty_factor at
+      max_new_tokens, `overlong.length_penalty`).
+    overlong_buffer: L_buf of 'penalty', in tokens (0 < L_buf <= sampling.max_new_tokens).
+    overlong_penalty_factor: the penalty at max_new_tokens (> 0; DAPO: 1.0).
+    log_samples: decoded prompt / response / reward rows written to samples.jsonl and
+      TensorBoard text at every eval (and every log_samples_every steps); 0: none.
+    log_samples_every: also log training samples every this many global steps (0: only
+      at evals).
+    """
+
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 8
+    num_minibatches: int = 1
+    microbatches: int = 1
+    replay: str = "none"
+    replay_weights: bool = False
+    offline_rollouts: str = ""
+    logprob_impl: str = "chunked"
+    trim_bucket: int = 0
+    score_in_update: bool = False
+    eval_every: int = 10
+    eval_k: int = 4
+    eval_problems: int = 64
+    eval_sets: str = ""
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    async_checkpoints: bool = True
+    seed: int = 0
+    max_consecutive_skips: int = 16
+    overlong: str = "keep"
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    log_samples: int = 4
+    log_samples_every: int = 0
+    optim: OptimConfig = OptimConfig()
+
+    def __post_init__(self):
+        check_choice(self, "overlong", OVERLONG_MODES)
+        check(is_int(self.overlong_buffer) and self.overlong_buffer >= 0
+              and (self.overlong != "penalty" or self.overlong_buffer > 0), "overlong_buffer",
+              f"must be an int > 0 with rl.overlong=penalty (the tokens before max_new_tokens "
+              f"over which the penalty ramps), >= 0 otherwise, got {self.overlong_buffer!r}")
+        check(is_finite(self.overlong_penalty_factor) and self.overlong_penalty_factor > 0,
+              "overlong_penalty_factor", f"must be a number > 0 (DAPO: 1.0), got "
+              f"{self.overlong_penalty_factor!r}")
+        for f in ("log_samples", "log_samples_every"):
+            check(is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
+                  f"must be an int >= 0 (0 = off), got {getattr(self, f)!r}")
+        check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
+                           "microbatches", "eval_every", "eval_k", "eval_problems",
+                           "checkpoint_every", "keep_checkpoints", "max_consecutive_skips")
+        check_choice(self, "replay", REPLAY_MODES)
+        check_choice(self, "logprob_impl", LOGPROB_IMPLS)
+        check(self.group_size >= 2, "group_size",
+              f"must be >= 2, got {self.group_size}: every baseline is a group baseline, and "
+              "the baseline of a one-response group is that response, so every advantage "
+              "would be 0 and nothing would be learned")
+        responses = self.prompts_per_step * self.group_size
+        check(responses % self.num_minibatches == 0, "num_minibatches",
+              f"must divide prompts_per_step*group_size = {responses}")
+        minibatch = responses // self.num_minibatches
+        check(minibatch % self.microbatches == 0, "microbatches",
+              f"must divide the mini-batch prompts_per_step*group_size/num_minibatches = "
+              f"{minibatch}")
+        check(is_int(self.seed) and self.seed >= 0, "seed",
+              f"must be an int >= 0, got {self.seed!r}")
+        check(is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
+              f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
+        check_bool(self, "async_checkpoints", "replay_weights", "score_in_update")
+        check(not self.replay_weights or self.replay == "r3", "replay_weights",
+              f"replays the sampler's recorded weights, so it needs replay='r3', got "
+              f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
+        check(isinstance(self.offline_rollouts, str), "offline_rollouts",
+              f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
+        parse_eval_sets(self.eval_sets)
+
+
+def parse_eval_sets(spec) -> dict[str, str]:
+    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for '').
+    Names are unique and [A-Za-z0-9_-]+; paths are non-empty (the first ':' splits, so a
+    path may hold ':')."""
+    check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
+    sets = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        name, sep, path = item.partition(":")
+        name, path = name.strip(), path.strip()
+        check(bool(sep) and bool(path), "eval_sets",
+              f"entry {item!r} must be name:path, e.g. aime24:/data/aime24.jsonl")
+        check(bool(EVAL_SET_NAME.fullmatch(name)), "eval_sets",
+              f"set name {name!r} must be letters, digits, '_' or '-'")
+        check(name not in sets, "eval_sets", f"set name {name!r} appears twice; names "
+              "must be unique")
+        sets[name] = path
+    return sets
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(Section):
+    """Cold-start supervised fine-tuning on the task's worked solutions (the run stops with
+    an error after `max_consecutive_skips` non-finite updates in a row). `microbatches`:
+    gradient accumulation over that many slices of each batch (as rl.microbatches)."""
+
+    steps: int = 300
+    batch_size: int = 32
+    microbatches: int = 1
+    seed: int = 0
+    max_consecutive_skips: int = 16
+    optim: OptimConfig = OptimConfig(learning_rate=3e-3, schedule="cosine", warmup_frac=0.1,
+                                     weight_decay=0.01)
+
+    def __post_init__(self):
+        check_positive_int(self, "steps", "batch_size", "microbatches", "max_consecutive_skips")
+        check(self.batch_size % self.microbatches == 0, "microbatches",
+              f"must divide batch_size = {self.batch_size}")
+        check(is_int(self.seed) and self.seed >= 0, "seed",
+              f"must be an int >= 0, got {self.seed!r}")
