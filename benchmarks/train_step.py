@@ -1,7 +1,7 @@
 """Model FLOP/s of the jitted `update_step` vs this machine's measured matmul peak.
 
-    python -m benchmarks.train_step [--presets tiny,small] [--reps 3]
-    python -m benchmarks.train_step --presets moe1b --dispatch loop,ragged_dot,dense --reps 1
+    python -m benchmarks.train_step [--sizes tiny,small] [--reps 3]
+    python -m benchmarks.train_step --sizes moe1b --dispatch loop,ragged_dot,dense --reps 1
 
 For each preset: a synthetic rollout of full-length sequences (prompt + completion,
 random tokens), scored by the Engine's score step (R2: the update replays the routes it
@@ -68,9 +68,9 @@ def moe1b_gpu() -> ExperimentConfig:
                         microbatches=1), sampling=base.sampling.replace(max_batch=0))
 
 
-# (config, sequence length)
-PRESETS = {"tiny": (presets.tiny, 64), "small": (small, 256), "moe1b": (moe1b_cpu, 256),
-           "moe1b_gpu": (moe1b_gpu, 1024)}
+# The benchmarked sizes: (config, sequence length).
+MODEL_SIZES = {"tiny": (presets.tiny, 64), "small": (small, 256), "moe1b": (moe1b_cpu, 256),
+               "moe1b_gpu": (moe1b_gpu, 1024)}
 
 
 def synthetic_rollout(cfg, batch: int, seq: int) -> tuple[Rollout, np.ndarray]:
@@ -90,7 +90,7 @@ def synthetic_rollout(cfg, batch: int, seq: int) -> tuple[Rollout, np.ndarray]:
 
 
 def bench(name: str, reps: int, dispatch: str = "loop") -> dict:
-    make, seq = PRESETS[name]
+    make, seq = MODEL_SIZES[name]
     cfg = make()
     path = ({"dispatch": "dense"} if dispatch == "dense"
             else {"dispatch": "grouped", "gmm_impl": dispatch})
@@ -120,16 +120,16 @@ def bench(name: str, reps: int, dispatch: str = "loop") -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", default="tiny,small")
+    ap.add_argument("--sizes", default="tiny,small")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dispatch", default="loop",
                     help="comma-separated expert paths: loop, ragged_dot, pallas_gpu, "
                          "pallas_tpu, megablox (grouped gmm_impl) or dense")
     args = ap.parse_args()
-    names = args.presets.split(",")
+    names = args.sizes.split(",")
     for n in names:
-        if n not in PRESETS:
-            raise SystemExit(f"--presets: unknown {n!r}; choose from {sorted(PRESETS)}")
+        if n not in MODEL_SIZES:
+            raise SystemExit(f"--sizes: unknown {n!r}; choose from {sorted(MODEL_SIZES)}")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
           f"{jax.device_count()} device(s), update step with R2 replay, "
           f"median of {args.reps} after warm-up")

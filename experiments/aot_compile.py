@@ -81,7 +81,7 @@ def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
 @one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="paper", choices=sorted(presets.PRESETS))
+    ap.add_argument("--preset", default="paper", choices=sorted(presets.EXPERIMENT_PRESETS))
     ap.add_argument("--topology", default="v5p-256", help="e.g. v5p-256, v5e-8, v6e-64")
     ap.add_argument("--steps", default="sample,score,update",
                     help="comma-separated, of sample, score, update, sft_update; or none")
@@ -93,7 +93,6 @@ def main(argv=None) -> int:
                     help="also write each step's optimized HLO to DIR/<step>.hlo.txt")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
-    aot.quiet_libtpu()
     topo = aot.topology(args.topology)
     cfg = presets.preset(args.preset, args.overrides)
     print(f"{args.preset} on {topo.name} ({topo.jax_name}, {topo.chips} chips, "

@@ -11,8 +11,8 @@ global steps (300 optimizer steps).
 """
 from __future__ import annotations
 
-from experiments import common
-from experiments.common import Experiment, Variant
+from experiments import cli
+from experiments.runner import Experiment, Variant
 from stablerl_jax import presets
 from stablerl_jax.config import STYLES, ExperimentConfig, apply_overrides
 
@@ -28,7 +28,7 @@ def tiny_base() -> ExperimentConfig:
     return base.replace(name="coldstart", rl=rl)
 
 
-PRESETS = {
+EXPERIMENTS = {
     "tiny": lambda: Experiment(tiny_base(), VARIANTS, seeds=(0, 1, 2, 3)),
     # Paper §5: three cold starts distilled from different teachers; MiniRL + R2 at N = 2
     # with 1,024 responses per mini-batch (B = 2,048).
@@ -38,8 +38,8 @@ PRESETS = {
 
 
 def main(argv=None) -> dict:
-    return common.main("coldstart", __doc__, PRESETS, "Cold starts → MiniRL + R2 (N = 2)", argv,
-                       cold_start_per_variant=True)
+    return cli.main("coldstart", __doc__, EXPERIMENTS, "Cold starts → MiniRL + R2 (N = 2)", argv,
+                    cold_start_per_variant=True)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ preset runs 300 global steps per run.
 """
 from __future__ import annotations
 
-from experiments import common, onpolicy
-from experiments.common import Experiment, Variant
+from experiments import cli, onpolicy
+from experiments.runner import Experiment, Variant
 
 LEVELS = (("s0", ("sampling.router_noise_std=0.0",)),
           ("s0.3", ("sampling.router_noise_std=0.3",)),
@@ -24,7 +24,7 @@ VARIANTS = tuple(Variant(f"{level}-{name}", (*knobs, *extra))
                  for level, knobs in LEVELS
                  for name, extra in (("minirl", ()), ("minirl-noIS", (onpolicy.NO_IS,))))
 
-PRESETS = {"tiny": lambda: Experiment(onpolicy.tiny_base(), VARIANTS, seeds=(0, 1))}
+EXPERIMENTS = {"tiny": lambda: Experiment(onpolicy.tiny_base(), VARIANTS, seeds=(0, 1))}
 
 
 def comparisons(names: list[str]) -> list[tuple[str, str]]:
@@ -34,9 +34,9 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> dict:
-    return common.main("mismatch_sweep", __doc__, PRESETS,
-                       "On-policy mismatch sweep (MiniRL with and without the IS weight)", argv,
-                       comparisons=comparisons)
+    return cli.main("mismatch_sweep", __doc__, EXPERIMENTS,
+                    "On-policy mismatch sweep (MiniRL with and without the IS weight)", argv,
+                    comparisons=comparisons)
 
 
 if __name__ == "__main__":

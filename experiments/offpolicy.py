@@ -12,8 +12,8 @@ N ∈ {2, 4, 8} × 100 global steps (800 optimizer steps at N = 8). Figures: com
 """
 from __future__ import annotations
 
-from experiments import common
-from experiments.common import Experiment, Variant
+from experiments import cli
+from experiments.runner import Experiment, Variant
 from stablerl_jax import presets
 from stablerl_jax.config import ExperimentConfig
 
@@ -44,7 +44,7 @@ def tiny_base() -> ExperimentConfig:
     return base.replace(name="offpolicy", rl=rl)
 
 
-PRESETS = {
+EXPERIMENTS = {
     "tiny": lambda: Experiment(tiny_base(), variants(4), seeds=(0, 1, 2, 3)),
     # Paper §5: 1,024 responses (64 prompts × 16) per mini-batch, B = N × 1,024.
     "paper": lambda: Experiment(presets.paper(), variants(64), seeds=(0, 1, 2)),
@@ -67,8 +67,8 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> dict:
-    return common.main("offpolicy", __doc__, PRESETS, "Off-policy (fixed mini-batch, N updates)",
-                       argv, groups=figure_groups, comparisons=comparisons)
+    return cli.main("offpolicy", __doc__, EXPERIMENTS, "Off-policy (fixed mini-batch, N updates)",
+                    argv, groups=figure_groups, comparisons=comparisons)
 
 
 if __name__ == "__main__":

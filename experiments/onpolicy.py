@@ -10,8 +10,8 @@ preset runs 4 seeds × 6 variants × 300 global steps.
 """
 from __future__ import annotations
 
-from experiments import common
-from experiments.common import Experiment, Variant
+from experiments import cli
+from experiments.runner import Experiment, Variant
 from stablerl_jax import presets
 from stablerl_jax.config import ExperimentConfig
 
@@ -39,7 +39,7 @@ def tiny_base() -> ExperimentConfig:
     return base.replace(name="onpolicy", rl=rl, sampling=sampling)
 
 
-PRESETS = {
+EXPERIMENTS = {
     "tiny": lambda: Experiment(tiny_base(), VARIANTS, seeds=(0, 1, 2, 3)),
     # Paper §5: Qwen3-30B-A3B-shaped MoE, FP8 inference, 64 prompts × 16 = 1,024
     # responses per step and per update (N = 1), lr 1e-6 (see presets.paper).
@@ -54,8 +54,8 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> dict:
-    return common.main("onpolicy", __doc__, PRESETS, "On-policy (N = 1)", argv,
-                       comparisons=comparisons)
+    return cli.main("onpolicy", __doc__, EXPERIMENTS, "On-policy (N = 1)", argv,
+                    comparisons=comparisons)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from stablerl_jax.config import LossConfig
 # A synthetic batch of 8 responses × 12 tokens (ragged lengths). μ_old and π_old differ by
 # a small engine mismatch; π_θ has moved away from π_old by a larger staleness step, as in
 # the later mini-batches of an off-policy step. The loss settings are the library's named
-# presets (`losses.PRESETS`), the ones the experiments run.
+# presets (`losses.LOSS_PRESETS`), the ones the experiments run.
 
 # %%
 B, T = 8, 12
@@ -42,7 +42,7 @@ adv = jnp.array([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25])
 batch = losses.LossBatch(old_logp_BxT=old_logp, rollout_logp_BxT=rollout_logp,
                          mask_BxT=mask, advantages_B=adv)
 
-CONFIGS = {label: losses.PRESETS[name] for label, name in [
+CONFIGS = {label: losses.LOSS_PRESETS[name] for label, name in [
     ("MiniRL", "minirl"), ("MiniRL + length norm", "minirl_length_norm"),
     ("MiniRL w/o IS", "minirl_no_is"), ("MiniRL no clip", "minirl_no_clip"),
     ("GRPO", "grpo"), ("CISPO", "cispo"), ("GSPO", "gspo")]}
@@ -123,13 +123,15 @@ plt.show()
 # ## The clipping mask
 # Tokens that MiniRL drops are exactly those where its weight is zero but the unclipped
 # loss's is not: Â > 0 with r = π_θ/π_old > 1 + ε_high, or Â < 0 with r < 1 − ε_low.
-# `diagnostics.clip_fractions`, the monitor the trainer logs, must count the same tokens.
+# `diagnostics.clip_fractions`, the monitor the trainer logs, counts the tokens of the
+# loss's clip mask (`losses.clip_sides`); it must count exactly the dropped ones.
 
 # %%
 dropped = (results["MiniRL"][2] == 0) & (results["MiniRL no clip"][2] != 0)
 minirl = CONFIGS["MiniRL"]
-fractions = diagnostics.reduce_metrics([diagnostics.clip_fractions(
-    logp, old_logp, adv, mask, minirl.eps_low, minirl.eps_high)])
+hi, lo = losses.clip_sides(adv[:, None], logp - old_logp, 1 - minirl.eps_low,
+                           1 + minirl.eps_high, minirl.clip)
+fractions = diagnostics.reduce_metrics([diagnostics.clip_fractions(hi, lo, mask)])
 frac = fractions["clip/frac_high"] + fractions["clip/frac_low"]
 print(f"dropped tokens: {int(dropped.sum())} of {int(mask.sum())}; "
       f"diagnostics.clip_fractions says {frac:.3f} of tokens")

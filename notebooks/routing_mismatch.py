@@ -23,7 +23,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from stablerl_jax import diagnostics, mismatch, rollout
-from stablerl_jax.config import ExperimentConfig, ModelConfig, RLConfig, SamplingConfig
+from stablerl_jax.config import (INFERENCE_NUMERICS, ExperimentConfig, ModelConfig, RLConfig,
+                                 SamplingConfig)
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -47,9 +48,8 @@ prompt_mask = jnp.ones((B, P), bool)
 # differ.
 
 # %%
-PRESETS = ("exact", "bf16", "fp8")
 rollouts, stats = {}, {}
-for name in PRESETS:
+for name in INFERENCE_NUMERICS:
     rollouts[name] = rollout.sample(params, prompts, prompt_mask, jax.random.key(2), cfg,
                                     sampling, nx.preset(name), eos_id=EOS, pad_id=PAD)
     stats[name] = mismatch.measure_mismatch(params, rollouts[name], cfg)
@@ -61,12 +61,12 @@ for name in PRESETS:
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(9, 3))
 x = np.arange(cfg.num_layers)
-for i, name in enumerate(PRESETS):
+for i, name in enumerate(INFERENCE_NUMERICS):
     axes[0].bar(x + 0.25 * i, stats[name]["routing_mismatch_per_layer"], width=0.25, label=name)
 axes[0].set_xticks(x + 0.25, [f"layer {i}" for i in x])
 axes[0].set_title("routing mismatch per layer (fraction of expert slots)", fontsize=9)
 axes[0].legend()
-axes[1].bar(PRESETS, [max(stats[n]["kl_k3"], 1e-16) for n in PRESETS])
+axes[1].bar(INFERENCE_NUMERICS, [max(stats[n]["kl_k3"], 1e-16) for n in INFERENCE_NUMERICS])
 axes[1].set_yscale("log")
 axes[1].set_title("training–inference KL(μ‖π), k3 estimate", fontsize=9)
 fig.tight_layout()

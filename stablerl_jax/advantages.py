@@ -28,10 +28,10 @@ def _groups(rewards_B, group_size: int):
     return rewards_B.reshape(-1, group_size)
 
 
-def _centered(r_NxG):
+def _centered(r_QxG):
     """R − group mean, forced to exactly 0 in groups of equal rewards."""
-    flat = jnp.max(r_NxG, axis=1, keepdims=True) == jnp.min(r_NxG, axis=1, keepdims=True)
-    return jnp.where(flat, 0.0, r_NxG - r_NxG.mean(axis=1, keepdims=True)), flat
+    flat = jnp.max(r_QxG, axis=1, keepdims=True) == jnp.min(r_QxG, axis=1, keepdims=True)
+    return jnp.where(flat, 0.0, r_QxG - r_QxG.mean(axis=1, keepdims=True)), flat
 
 
 def group_mean(rewards_B, group_size: int):

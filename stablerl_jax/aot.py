@@ -1,8 +1,8 @@
 """Ahead-of-time compilation for a TPU pod from any host: topology names, abstract step
 inputs, per-chip memory, FLOPs and collectives of the compiled programs.
 
-Letters: B responses of a step, M responses of a mini-batch, P prompt slots, S = P + N
-slots, T = S − 1, L layers, K top-k.
+Letters: B responses of a step, M responses of a mini-batch, P prompt slots, C completion slots,
+S = P + C slots, T = S − 1, L layers, K top-k.
 
 With libtpu installed (`pip install -e '.[tpu]'`),
 `jax.experimental.topologies.get_topology_desc` returns the devices of a TPU slice
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import time
 
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from stablerl_jax import hlo_loops
+from stablerl_jax.libtpu_env import quiet_libtpu
 from stablerl_jax.config import ExperimentConfig
 
 GIB = 2**30
@@ -39,15 +39,6 @@ GIB = 2**30
 # are their nominal 32 GiB.
 CHIPS = {"v4": ("v4", 2, 3, 32.0), "v5p": ("v5p", 2, 3, 95.74), "v5e": ("v5e", 1, 2, 15.75),
          "v6e": ("v6e", 1, 2, 32.0)}
-
-
-def quiet_libtpu() -> None:
-    """Tell libtpu not to look for TPU hardware (no metadata server, one fake worker), so
-    the CPU backend starts quietly and topologies can be described on any host. Only
-    defaults: variables already set win. Call before jax starts a backend."""
-    for k, v in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", "v5p-8"),
-                 ("TPU_WORKER_HOSTNAMES", "localhost")):
-        os.environ.setdefault(k, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +74,7 @@ def topology(name: str) -> Topology:
 def devices(topo: Topology) -> list:
     """The (abstract) TPU devices of `topo`."""
     from jax.experimental import topologies
-    quiet_libtpu()
+    quiet_libtpu()  # no TPU here: describe one without looking for hardware
     return list(topologies.get_topology_desc(topology_name=topo.jax_name,
                                              platform="tpu").devices)
 
@@ -138,23 +129,6 @@ def collectives(hlo_text: str) -> dict:
     ops = re.findall(r"\s(all-gather|all-to-all|ragged-all-to-all|reduce-scatter|"
                      r"all-reduce|collective-permute)(?:-start)?\(", hlo_text)
     return {k: sum(o == k or o == "ragged-" + k for o in ops) for k in _COLLECTIVES}
-
-
-def expert_weight_gathers(hlo_text: str, num_experts: int, ffn_dim: int) -> list[str]:
-    """All-gathers in an optimized HLO module whose result holds every one of the E
-    experts of an expert weight: a shape of 3 or more dims with both E and the expert FFN
-    width F among them. Under expert parallelism there is none (each device gathers its
-    own E/n experts' weights over the FSDP axes only)."""
-    found = []
-    for line in hlo_text.splitlines():
-        m = re.search(r"\sall-gather(?:-start)?\(", line)
-        if not m:
-            continue
-        for dims in re.findall(r"\[([\d,]+)\]", line[:m.start()]):
-            d = [int(x) for x in dims.split(",") if x]
-            if len(d) >= 3 and num_experts in d and ffn_dim in d:
-                found.append(line.strip()[:200])
-    return found
 
 
 @dataclasses.dataclass
@@ -297,49 +271,3 @@ def compile_kernels(cfg: ExperimentConfig, topo: Topology) -> list[Compiled]:
     gm = smap(gmm, (data, rep, data, data), (data, data, rep))
     return [compile_lowered("logprob fwd+bwd (pallas)", lambda: lp.lower(*lp_args)),
             compile_lowered("gmm fwd+bwd (pallas)", lambda: gm.lower(*gm_args))]
-
-
-def update_memory_bound(cfg: ExperimentConfig, engine) -> dict:
-    """An analytic per-chip account of the update step (bytes), to check a compiled
-    program against:
-
-      state        params + AdamW moments, each leaf's own shard (exact: the Engine's
-                   shardings; what the step's arguments must hold)
-      grads        the float32 gradient accumulator and one micro-batch's gradient
-      batch        one mini-batch's per-chip rows of the TrainBatch
-      activations  one micro-batch (t tokens per chip) under full remat: the L layer
-                   inputs the scan saves, plus the working set of one layer's backward:
-                   its gathered weights, attention (q/k/v/o and one query chunk's
-                   [chunk, S] scores per head, three times: scores, probs, gradient), the
-                   MoE buffers (P sorted rows of D and 3F in and out, twice for the
-                   gradient, plus float32 partial outputs) and the fused log-prob's
-                   [t, C] chunk; each counted at 4 bytes and twice over for the
-                   compiler's double buffering.
-    `bound` is their sum. Under remat="none" the activation term is not a bound."""
-    from stablerl_jax.model import transformer as tf
-    from stablerl_jax.model.moe import padded_rows
-    mc, rl = cfg.model, cfg.rl
-    n_dev = math.prod(cfg.mesh)
-    shard = lambda tree, sh: sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                                 for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
-    params = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), mc))
-    p_bytes = shard(params, engine.param_shardings)
-    rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches
-    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
-    t = max(rows // rl.microbatches // n_dev, 1) * (s - 1)
-    d, f, h, kv, dh = mc.d_model, mc.expert_ffn_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim
-    ep = cfg.mesh[2] if mc.expert_parallel else 1
-    e_loc = mc.num_experts // ep
-    t_moe = t * ep
-    p_rows = padded_rows(t_moe * mc.top_k, e_loc, mc.moe_tile)
-    chunk = mc.attention_chunk if mc.attention_impl == "chunked" else s
-    layer_w = (e_loc * 3 * d * f + 2 * (h + kv) * dh * d + d * mc.num_experts) * 4
-    attention = (t * (2 * h + 2 * kv) * dh + 3 * h * min(chunk, s) * s) * 4
-    moe = 2 * p_rows * (2 * d + 3 * f) * 4 + 2 * t_moe * d * 4
-    logprob = 3 * t * 2048 * 4 + t * d * 4
-    activations = 2 * (mc.num_layers * t * d * 4 + layer_w + attention + moe + logprob)
-    out = {"state": 3 * p_bytes, "grads": 2 * p_bytes,
-           "batch": (rows // n_dev) * s * (4 * 5 + 4 * mc.num_layers * mc.top_k),
-           "activations": activations}
-    out["bound"] = sum(out.values())
-    return out

@@ -25,12 +25,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-MAX_LOG_RATIO = 20.0  # exp(±20) and its square stay far inside float32 range
+from stablerl_jax.config import LossConfig
+from stablerl_jax.model.numerics import accum_dtype
 
-
-def _acc(*xs):
-    """float32, or float64 when an input is float64 (reference runs under x64)."""
-    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+# A log-ratio is clipped to ±max_log_ratio before exp; the default is the loss's
+# (LossConfig.max_log_ratio), one value for the monitors and the losses.
+_MAX_LOG_RATIO = LossConfig.max_log_ratio
 
 
 def _m(mask_BxT):
@@ -39,7 +39,7 @@ def _m(mask_BxT):
 
 def _log_ratio(logp_num_BxT, logp_den_BxT, m_BxT, max_log_ratio):
     """Clipped log(num/den), 0 on masked tokens (whatever padding holds there)."""
-    acc = _acc(logp_num_BxT, logp_den_BxT)
+    acc = accum_dtype(jnp.result_type(logp_num_BxT, logp_den_BxT))
     x = jnp.asarray(logp_num_BxT, acc) - jnp.asarray(logp_den_BxT, acc)
     return jnp.where(m_BxT > 0, jnp.clip(x, -max_log_ratio, max_log_ratio), 0.0)
 
@@ -74,12 +74,12 @@ def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
     """k1 estimate of KL(μ‖π): E_μ[log μ − log π] (the paper's training–inference KL with
     π = π_old). (num, den) pair. Not clipped: it is a plain difference of log-probs."""
     m = _m(mask_BxT)
-    acc = _acc(logp_mu_BxT, logp_pi_BxT)
+    acc = accum_dtype(jnp.result_type(logp_mu_BxT, logp_pi_BxT))
     d = jnp.asarray(logp_mu_BxT, acc) - jnp.asarray(logp_pi_BxT, acc)
     return masked_mean_pair(d, m)
 
 
-def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_RATIO):
     """k3 estimate of KL(μ‖π): E_μ[ρ − 1 − log ρ], ρ = π/μ. (num, den) pair.
 
     The per-token term stays accurate when ρ ≈ 1, where it is ≈ x²/2 (`expm1_minus_x`)."""
@@ -103,25 +103,19 @@ def weight_stats(weights_BxT, altered_BxT, mask_BxT) -> dict:
     }
 
 
-def clip_fractions(logp_BxT, old_logp_BxT, advantages, mask_BxT, eps_low: float,
-                   eps_high: float):
-    """Fractions of tokens the decoupled-PPO mask drops (docs/method.md §4), by side, on
-    r = π_θ/π_old: high = [Â > 0 and r > 1+ε_high], low = [Â < 0 and r < 1−ε_low].
-
-    `advantages` is [B] (per response) or [B, T]. Returns a dict of two (num, den) pairs.
-    """
-    m = _m(mask_BxT)
-    adv = jnp.asarray(advantages, jnp.float32)
-    adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, m.shape)
-    log_r = _log_ratio(logp_BxT, old_logp_BxT, m, MAX_LOG_RATIO)
-    hi = (adv > 0) & (log_r > jnp.log1p(eps_high))
-    lo = (adv < 0) & (log_r < jnp.log1p(-eps_low))
-    return {"clip/frac_high": masked_mean_pair(hi.astype(jnp.float32), m),
-            "clip/frac_low": masked_mean_pair(lo.astype(jnp.float32), m)}
+def clip_fractions(hi_BxT, lo_BxT, mask_BxT) -> dict:
+    """The clip monitor every loss logs: the fractions of counted tokens where the clip
+    binds, by side (`clip/frac_high`, `clip/frac_low`), from the loss's own masks
+    (`losses.clip_sides`: for the PPO family high = [Â > 0 and r > 1+ε_high], low =
+    [Â < 0 and r < 1−ε_low], r = π_θ/π_old; docs/method.md §4). Two (num, den) pairs."""
+    m = jnp.asarray(mask_BxT)
+    dt = m.dtype if jnp.issubdtype(m.dtype, jnp.floating) else jnp.float32
+    return {"clip/frac_high": masked_mean_pair(jnp.asarray(hi_BxT).astype(dt), m),
+            "clip/frac_low": masked_mean_pair(jnp.asarray(lo_BxT).astype(dt), m)}
 
 
 def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
-                max_log_ratio: float = MAX_LOG_RATIO):
+                max_log_ratio: float = _MAX_LOG_RATIO):
     """Eq. 5 in logs: log(π_θ/μ_old) = log(π_old/μ_old) [engine] + log(π_θ/π_old) [staleness].
 
     Returns (num, den) pairs of the mean and mean square of each log factor; after
@@ -138,7 +132,7 @@ def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
     }
 
 
-def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_RATIO):
     """Per response (a [B] vector): Π_t ρ_t − (1 + Σ_t (ρ_t − 1)), the error of the
     first-order approximation of docs/method.md §2 (ρ_t = 1 + δ_t).
 
@@ -155,7 +149,7 @@ def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG
     return jnp.sum(jnp.expm1(prefix) * jnp.expm1(x), axis=1)
 
 
-def first_order_residual(log_rho_BxT, mask_BxT, max_log_ratio: float = MAX_LOG_RATIO):
+def first_order_residual(log_rho_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_RATIO):
     """Mean |first_order_residual_B| over responses with at least one token: (num, den)."""
     m = _m(mask_BxT)
     r_B = first_order_residual_B(log_rho_BxT, m, max_log_ratio)
@@ -220,7 +214,7 @@ def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
     it is a plain difference of log-probs.
     """
     m = _m(mask_BxT)
-    acc = _acc(logp_mu_BxT, logp_pi_BxT)
+    acc = accum_dtype(jnp.result_type(logp_mu_BxT, logp_pi_BxT))
     gap_BxT = jnp.abs(jnp.asarray(logp_mu_BxT, acc) - jnp.asarray(logp_pi_BxT, acc))
     routing = routing_mismatch(routes_mu_BxTxLxK, routes_pi_BxTxLxK, routed_BxT)
     num_L, den_L = routing["mismatch_pair"]

@@ -239,8 +239,8 @@ def param_gathers(instrs, param_shapes) -> list[str]:
     """All-gathers among `instrs` whose result is a weight: its dims (size-1 dims
     dropped) equal those of one of `param_shapes` (pass each weight's full shape, one
     layer's slice of a layer-stacked one, and any per-device slice that a layout may
-    gather, e.g. one expert shard's experts). Shapes are how the weight is recognized,
-    as in aot.expert_weight_gathers: an activation of the same dims would count too."""
+    gather, e.g. one expert shard's experts). Shapes are how the weight is recognized:
+    an activation of the same dims would count too."""
     want = {tuple(d for d in s if d != 1) for s in param_shapes}
     found = []
     for ins in instrs:

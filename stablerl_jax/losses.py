@@ -48,7 +48,7 @@ factors in logs); eq5/first_order_residual_abs (mean over responses of
 |Π ρ_t − 1 − Σ(ρ_t − 1)|). `diagnostics.reduce_metrics` adds *_std and is/ess. The
 training–inference KL is the score step's monitor (`diagnostics.train_infer_mismatch`):
 π_old does not change between the updates of a step.
-`PRESETS` names the paper's runs and the namesake methods as LossConfigs.
+`LOSS_PRESETS` names the paper's runs and the namesake methods as LossConfigs.
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ import jax.numpy as jnp
 
 from stablerl_jax import diagnostics as dg
 from stablerl_jax import input_checks
-from stablerl_jax.config import LossConfig
+from stablerl_jax.config import IS_CORRECTIONS, LossConfig
+from stablerl_jax.model.numerics import accum_dtype
 
 sg = jax.lax.stop_gradient
 
@@ -73,7 +74,7 @@ class Totals(typing.NamedTuple):
     responses: jax.Array  # its non-empty rows (seq_mean_token_mean's denominator)
 
 
-def totals_of(mask_BxT) -> Totals:
+def mask_totals(mask_BxT) -> Totals:
     """The `Totals` of a (mini-)batch from its mask."""
     m = jnp.asarray(mask_BxT).astype(jnp.float32)
     return Totals(jnp.asarray(m.shape[0], jnp.float32), jnp.sum(m),
@@ -115,7 +116,7 @@ def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
     # The mask's values (0 / 1) only under input_checks.checking(): no sync per step.
     input_checks.mask(batch.mask_BxT, shape, name="batch.mask_BxT")
     # float32 arithmetic, or float64 for float64 log-probs (reference runs under x64).
-    acc = jnp.promote_types(jnp.result_type(logp_BxT), jnp.float32)
+    acc = accum_dtype(jnp.result_type(logp_BxT))
     if batch.advantages_BxT is not None:
         adv = jnp.asarray(batch.advantages_BxT, acc)
         if adv.shape != shape:
@@ -201,12 +202,14 @@ def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
         lo = math.log(cfg.is_low) if (mode == "icepop" and cfg.is_low > 0) else -jnp.inf
         keep = (x <= math.log(cfg.is_high)) & (x >= lo)
         return jnp.where(keep, jnp.exp(x), 0.0), (~keep).astype(x.dtype)
-    s = jnp.sum(jnp.where(m_BxT > 0, x, 0.0), axis=1, keepdims=True)
-    if mode == "seq_geomean":
-        s = s / jnp.maximum(jnp.sum(m_BxT, axis=1, keepdims=True), 1.0)
-    altered = jnp.broadcast_to((s > log_cap).astype(x.dtype), x.shape)
-    s = jnp.clip(s, -cfg.max_log_ratio, log_cap)
-    return jnp.broadcast_to(jnp.exp(s), x.shape), altered
+    if mode in ("seq_product", "seq_geomean"):
+        s = jnp.sum(jnp.where(m_BxT > 0, x, 0.0), axis=1, keepdims=True)
+        if mode == "seq_geomean":
+            s = s / jnp.maximum(jnp.sum(m_BxT, axis=1, keepdims=True), 1.0)
+        altered = jnp.broadcast_to((s > log_cap).astype(x.dtype), x.shape)
+        s = jnp.clip(s, -cfg.max_log_ratio, log_cap)
+        return jnp.broadcast_to(jnp.exp(s), x.shape), altered
+    raise ValueError(f"loss.is_correction: unknown {mode!r}; choose one of {IS_CORRECTIONS}")
 
 
 def _engine_weight(p: _Parts, cfg: LossConfig):
@@ -216,7 +219,7 @@ def _engine_weight(p: _Parts, cfg: LossConfig):
     return is_weight(p.log_engine, p.m, cfg)
 
 
-def _clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
+def clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
     """Tokens where the PPO clip binds: Â > 0 with ratio > hi, Â < 0 with ratio < lo."""
     x = sg(log_ratio)
     hi = (adv > 0) & (x > math.log(hi_bound)) & enabled
@@ -229,9 +232,7 @@ def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered,
     the per-mini-batch monitors the trainer logs (module docstring), all pairs."""
     loss = jnp.where(p.finite, loss, jnp.nan)
     share = row_share(p.m.shape[0], batch.totals).astype(p.m.dtype)
-    out = {"loss": (sg(loss), share),
-           "clip/frac_high": dg.masked_mean_pair(hi.astype(p.m.dtype), p.m),
-           "clip/frac_low": dg.masked_mean_pair(lo.astype(p.m.dtype), p.m)}
+    out = {"loss": (sg(loss), share), **dg.clip_fractions(hi, lo, p.m)}
     out.update(dg.weight_stats(sg(weight), altered, p.m))
     out.update(dg.eq5_factors(sg(p.logp), batch.old_logp_BxT, batch.rollout_logp_BxT, p.m,
                               cfg.max_log_ratio))
@@ -263,7 +264,7 @@ def minirl(logp_BxT, batch, cfg: LossConfig):
     else:
         w, altered = is_weight(p.log_engine, p.m, cfg)
         w = w * jnp.exp(sg(_clip(p.log_r, cfg)))
-    hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
+    hi, lo = clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     keep = jnp.where(hi | lo, 0.0, 1.0)
     term = keep * sg(w) * p.adv * p.logp
     loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length,
@@ -284,7 +285,7 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
     term = jnp.where(dual, cfg.clip_ratio_c * p.adv, term)
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length,
                       batch.totals)
-    hi, lo = _clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
+    hi, lo = clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     loss, metrics = _finish(p, batch, cfg, loss, w, altered, hi, lo)
     if cfg.clip_ratio_c > 0:
         metrics["clip/frac_dual"] = dg.masked_mean_pair(dual.astype(p.m.dtype), p.m)
@@ -356,7 +357,7 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
     w, altered = _engine_weight(p, cfg)
     loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or "seq_mean_token_mean",
                       cfg.norm_length, batch.totals)
-    hi, lo = _clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
+    hi, lo = clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
     return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
@@ -393,7 +394,7 @@ LOSSES = {
 }
 
 # Named settings of the paper's runs and of the namesake methods (docs/method.md §4, §5).
-PRESETS = {
+LOSS_PRESETS = {
     "minirl": LossConfig(),
     "minirl_length_norm": LossConfig(aggregation="seq_mean_token_mean"),
     "minirl_no_is": LossConfig(use_is=False),

@@ -1,8 +1,8 @@
 """Over-long responses: DAPO's soft length penalty and the response-length monitors.
 
-Letters: B responses. N = sampling.max_new_tokens (L_max), L_buf = rl.overlong_buffer.
+Letters: B responses. C = sampling.max_new_tokens (DAPO's L_max), L_buf = rl.overlong_buffer.
 
-A response is *truncated* when it reaches N tokens without a stop id (rollout.py:
+A response is *truncated* when it reaches C tokens without a stop id (rollout.py:
 `truncated_B`). `rl.overlong` says what it trains on:
 
     keep     as a finished response (its reward is scored from the cut text)
@@ -14,9 +14,9 @@ A response is *truncated* when it reaches N tokens without a stop id (rollout.py
     penalty  DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) added to every
              reward, on the response length |y|:
 
-                 R_len(y) = 0                          if |y| <= N − L_buf
-                          = (N − L_buf − |y|) / L_buf  if N − L_buf < |y| <= N
-                          = −1                         if |y| > N  (never: |y| <= N)
+                 R_len(y) = 0                          if |y| <= C − L_buf
+                          = (C − L_buf − |y|) / L_buf  if C − L_buf < |y| <= C
+                          = −1                         if |y| > C  (never: |y| <= C)
 
              times rl.overlong_penalty_factor.
 """
@@ -27,7 +27,7 @@ import numpy as np
 
 def length_penalty(lengths_B, max_new_tokens: int, buffer: int, factor: float = 1.0):
     """DAPO's soft overlong punishment factor · R_len(|y|) per response (module
-    docstring), float32 [B]: 0 for short responses, down to −factor at N tokens."""
+    docstring), float32 [B]: 0 for short responses, down to −factor at C tokens."""
     if not (0 < buffer <= max_new_tokens):
         raise ValueError(f"overlong buffer {buffer} must be in (0, max_new_tokens="
                          f"{max_new_tokens}]; set rl.overlong_buffer")
@@ -41,8 +41,8 @@ def length_penalty(lengths_B, max_new_tokens: int, buffer: int, factor: float = 
 def response_stats(lengths_B, truncated_B, max_new_tokens: int) -> dict:
     """The step's response-length monitors (floats): `response/length_mean`,
     `response/length_max`, `response/length_min`, `response/truncated_frac` (no stop id
-    in N tokens) and `response/clip_ratio` (length = N, verl's name; it also counts a
-    response whose N-th token is a stop id)."""
+    in C tokens) and `response/clip_ratio` (length = C, verl's name; it also counts a
+    response whose C-th token is a stop id)."""
     lengths_B = np.asarray(lengths_B)
     return {"response/length_mean": float(np.mean(lengths_B)),
             "response/length_max": float(np.max(lengths_B)),

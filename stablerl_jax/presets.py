@@ -140,11 +140,11 @@ def moe1b() -> ExperimentConfig:
         mesh=(1, 8, 1))
 
 
-PRESETS = {"tiny": tiny, "paper": paper, "moe1b": moe1b}
+EXPERIMENT_PRESETS = {"tiny": tiny, "paper": paper, "moe1b": moe1b}
 
 
 def preset(name: str, overrides=()) -> ExperimentConfig:
     """The named experiment preset with `overrides` applied (validated once, together)."""
-    if name not in PRESETS:
-        raise ConfigError(f"preset: unknown {name!r}; choose one of {sorted(PRESETS)}")
-    return apply_overrides(PRESETS[name](), overrides)
+    if name not in EXPERIMENT_PRESETS:
+        raise ConfigError(f"preset: unknown {name!r}; choose one of {sorted(EXPERIMENT_PRESETS)}")
+    return apply_overrides(EXPERIMENT_PRESETS[name](), overrides)

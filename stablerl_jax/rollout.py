@@ -1,6 +1,7 @@
 """The sampling path (the inference engine μ): prefill + KV-cache decode, own numerics.
 
-Letters: B rows (responses), P prompt slots, N = max_new_tokens, S = P + N slots, V vocab,
+Letters: B rows (responses), P prompt slots, C completion slots (max_new_tokens), S = P + C slots,
+V vocab,
 L layers, K top-k.
 
 It differs from the training path on purpose, in two ways: its `Numerics` (e.g. FP8
@@ -12,7 +13,7 @@ trainer's single full-sequence pass.
 Stop ids: a row stops on the first token of its stop set, `{eos_id} ∪ stop_ids` (a
 checkpoint's generation_config.json may list several, e.g. Qwen3's `<|im_end|>` and
 `<|endoftext|>`). Below, "EOS" means whichever stop id ended the row. A row that emits
-none in N tokens is *truncated* (`truncated_B`).
+none in C tokens is *truncated* (`truncated_B`).
 
 Alignment (the trainer relies on it). The model's hidden state at slot s predicts the
 token at slot s + 1, so:
@@ -302,7 +303,7 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pa
         live = ~st["done"]
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_BxV, tok[:, None], axis=1)[:, 0]
-        # Feed the token back unless it is a stop id or padding. The N-th token is fed too
+        # Feed the token back unless it is a stop id or padding. The C-th token is fed too
         # (one shape for every step) but nothing reads its output, so its routes are -1.
         stop = is_stop(tok)
         fed = live & ~stop

@@ -1,7 +1,7 @@
 """Time estimates of a step from its compiled TPU programs: compiler / roofline
 estimates, not measurements (nothing here runs on a TPU).
 
-Letters: B rows of a sample pass, P prompt slots, N = max_new_tokens, S = P + N, L
+Letters: B rows of a sample pass, P prompt slots, C = max_new_tokens, S = P + C, L
 layers, KV key/value heads, Dh head width.
 
 A program's time on one chip is estimated as
@@ -193,7 +193,7 @@ class StepEstimate:
 
 def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
     """(StepEstimate of one sample step, decode-step Cost, one-layer Cost, seconds of
-    one pass). Time = passes × N × decode step + what runs once (the prefill at the
+    one pass). Time = passes × C × decode step + what runs once (the prefill at the
     chip's peak, every collective outside the decode loop)."""
     from stablerl_jax.model.flops import forward_flops
     cfg = engine.cfg

@@ -66,6 +66,17 @@ def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, devices=None) -> Me
                          devices=devices)
 
 
+def config_mesh(mesh_shape: tuple, devices=None) -> Mesh:
+    """The mesh of a config's `mesh` (data, fsdp, expert) over the first devices of
+    `devices` (default: the default backend's); `make_mesh` on exactly those."""
+    devices = jax.devices() if devices is None else list(devices)
+    n = mesh_shape[0] * mesh_shape[1] * mesh_shape[2]
+    if n > len(devices):
+        raise ValueError(f"mesh={mesh_shape} needs {n} devices, only {len(devices)} are "
+                         "visible; shrink the mesh (override mesh=data,fsdp,expert)")
+    return make_mesh(*mesh_shape, devices=devices[:n])
+
+
 def spec(logical: tuple, shape: tuple, mesh: Mesh, rules: dict = RULES) -> P:
     """PartitionSpec for one array; a dim whose size the mesh axes don't divide is replicated."""
     parts = []

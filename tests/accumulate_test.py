@@ -90,7 +90,7 @@ def test_accumulated_losses_equal_one_batch(x64, name):
             return losses.LOSSES[name](table[rows_], lb._replace(totals=totals), cfg)
 
         one = jax.value_and_grad(loss_fn, has_aux=True)(logp, (rows, batch))
-        totals = losses.totals_of(mask)
+        totals = losses.mask_totals(mask)
         acc = accumulate.value_and_grad(lambda q, part: loss_fn(q, part, totals), logp,
                                         (rows, batch), N)
         # Sums over ≤ b·t terms in another order, plus the exp/log of the ratios.
@@ -126,7 +126,7 @@ def _compare_one_and_accumulated(loss_fn, cfg, params, batch):
     loss written with the whole batch's totals."""
     loss = functools.partial(loss_fn, cfg=cfg)
     one = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch, None)
-    totals = steps.totals_of(batch)
+    totals = steps.batch_totals(batch)
     acc = jax.jit(lambda p, b: accumulate.value_and_grad(
         lambda q, part: loss(q, part, totals), p, b, N))(params, batch)
     _compare(one, acc, cfg, batch)

@@ -1,8 +1,9 @@
 """AOT compilation for TPU topologies (stablerl_jax/aot.py): topology names, and — with
 libtpu installed (the `tpu` extra; tests marked `tpu`, run by .ci/run) — a 2-layer
 paper-preset update step and the Pallas kernels compiled for a v5p-8, the update's
-per-chip memory checked against the analytic account of `aot.update_memory_bound`."""
+per-chip memory checked against the analytic account of `aot_helpers.update_memory_bound`."""
 import pytest
+from aot_helpers import expert_weight_gathers, update_memory_bound
 
 from stablerl_jax import aot, presets
 
@@ -125,7 +126,7 @@ def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
     cfg = presets.preset("paper", CI_OVERRIDES)
     engine = aot.engine_for(cfg, topo)
     c = aot.compile_step(engine, "update")
-    acct = aot.update_memory_bound(cfg, engine)
+    acct = update_memory_bound(cfg, engine)
     gib = {k: v / aot.GIB for k, v in acct.items()}
     # The arguments are the train state (params + AdamW moments, exact) and the batch.
     assert gib["state"] <= c.argument_gib <= gib["state"] + gib["batch"], (c, gib)
@@ -134,8 +135,8 @@ def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
     # Expert parallelism on the TPU program: tokens are exchanged (all-gather /
     # reduce-scatter), but no all-gather ever yields all 128 experts of a weight.
     assert c.collectives["all-gather"] > 0 and c.collectives["reduce-scatter"] > 0
-    assert aot.expert_weight_gathers(c.hlo, cfg.model.num_experts,
-                                     cfg.model.expert_ffn_dim) == []
+    assert expert_weight_gathers(c.hlo, cfg.model.num_experts,
+                                 cfg.model.expert_ffn_dim) == []
 
 
 @pytest.mark.tpu

@@ -22,9 +22,9 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
-if not (os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio")):
-    from stablerl_jax.aot import quiet_libtpu  # noqa: E402  (before jax starts a backend)
-    quiet_libtpu()
+from stablerl_jax.libtpu_env import quiet_libtpu  # noqa: E402  (before jax starts a backend)
+
+quiet_libtpu()  # only without TPU chips
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402

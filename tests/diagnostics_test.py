@@ -8,6 +8,7 @@ import pytest
 from tolerance import assert_close
 
 from stablerl_jax import diagnostics as dg
+from stablerl_jax import losses
 
 LOG = np.log
 
@@ -65,16 +66,19 @@ def test_weight_stats_by_hand():
 
 def test_clip_fractions_by_hand():
     logp = jnp.log(jnp.array([[1.5, 0.5, 1.5, 0.5]]))
-    c = dg.clip_fractions(logp, jnp.zeros((1, 4)), jnp.array([[1.0, -1.0, -1.0, 1.0]]),
-                          jnp.ones((1, 4)), 0.2, 0.27)
+    hi, lo = losses.clip_sides(jnp.array([[1.0, -1.0, -1.0, 1.0]]), logp, 0.8, 1.27, True)
+    c = dg.clip_fractions(hi, lo, jnp.ones((1, 4)))
     # Token 0: Â > 0, r = 1.5 > 1.27 → high. Token 1: Â < 0, r = 0.5 < 0.8 → low.
     # Tokens 2, 3: the ratio moved the other way; the clip does not bind. Counts of 0/1
     # over 4 tokens are exact.
     assert _ratio(c["clip/frac_high"]) == 0.25 and _ratio(c["clip/frac_low"]) == 0.25
-    per_response = dg.clip_fractions(logp[:, :2], jnp.zeros((1, 2)), jnp.array([1.0]),
-                                     jnp.ones((1, 2)), 0.2, 0.27)
-    assert _ratio(per_response["clip/frac_high"]) == 0.5
-    assert _ratio(per_response["clip/frac_low"]) == 0.0
+    # A masked token does not count, whatever its mask; a bool mask works too.
+    masked = dg.clip_fractions(hi, lo, jnp.array([[True, False, True, True]]))
+    assert tuple(map(float, masked["clip/frac_high"])) == (1.0, 3.0)
+    assert tuple(map(float, masked["clip/frac_low"])) == (0.0, 3.0)
+    off = dg.clip_fractions(*losses.clip_sides(jnp.ones((1, 4)), logp, 0.8, 1.27, False),
+                            jnp.ones((1, 4)))
+    assert _ratio(off["clip/frac_high"]) == 0.0 and _ratio(off["clip/frac_low"]) == 0.0
 
 
 def test_eq5_factors_by_hand():

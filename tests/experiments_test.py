@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import coldstart, common, mismatch_sweep, offpolicy, onpolicy, stats
+from experiments import coldstart, mismatch_sweep, offpolicy, onpolicy, report, stats
 from tolerance import bound
 
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
@@ -42,7 +42,7 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
 
 @pytest.mark.parametrize("module", [onpolicy, offpolicy, coldstart])
 def test_paper_preset_states_the_paper_settings(module, capsys):
-    exp = module.PRESETS["paper"]()
+    exp = module.EXPERIMENTS["paper"]()
     assert len(exp.seeds) >= 2 and len(exp.variants) == len({v.name for v in exp.variants})
     module.main(["--preset", "paper", "--dry-run"])
     out = capsys.readouterr().out
@@ -54,7 +54,7 @@ def test_paper_preset_states_the_paper_settings(module, capsys):
 
 
 def test_offpolicy_variants_fix_the_minibatch_and_scale_the_batch():
-    exp = offpolicy.PRESETS["tiny"]()
+    exp = offpolicy.EXPERIMENTS["tiny"]()
     cfgs = {v.name: exp.config(v, 0) for v in exp.variants}
     assert {c.rl.num_minibatches for c in cfgs.values()} == set(offpolicy.NS)
     for c in cfgs.values():
@@ -83,17 +83,17 @@ def test_seed_mean_and_summary_rows():
     # float64 means of ≤ 2 decimal values: the decimals (1), Σ (1), ÷ (1), the expected
     # literal (1); a sample sd adds the deviations, squares, Σ, ÷ and √.
     approx = lambda x, n=4: pytest.approx(x, rel=bound(n, "float64"), abs=0)
-    mean = common.seed_mean([a, b])
+    mean = report.seed_mean([a, b])
     assert mean[1] == {"step": 1, "reward": approx(0.3), "entropy": approx(1.5)}
     assert mean[2]["reward"] == approx(0.3)  # only one seed has a value
-    (row,) = common.summary_rows({"v": [a, b]})
+    (row,) = report.summary_rows({"v": [a, b]})
     # Final accuracy: the mean of each seed's last evaluations (0.3 and 0.3).
     assert row["acc_start"] == approx(0.3) and row["acc_end"] == approx(0.3)
     assert row["acc_best"] == approx(0.4)  # per-seed best 0.4 and 0.4
     assert row["acc_end_sd"] == pytest.approx(0.0, abs=bound(9, "float64"))
     assert row["collapsed"] == 0 and row["collapse"] == 3  # too short: censored at 2 + 1
     assert row["reward_first"] == approx(0.3) and row["entropy_last"] == approx(1.0)
-    table = common.markdown_table([row])
+    table = report.markdown_table([row])
     assert table.splitlines()[2].startswith("| v | 2 | 0.300 | 0.400 | 0.300 |")
 
 

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from aot_helpers import expert_weight_gathers
 from conftest import cpu_devices
 from tolerance import assert_close, backward_chain, forward_chain
 
-from stablerl_jax import aot, sharding
+from stablerl_jax import sharding
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import transformer as tf
 
@@ -70,7 +71,7 @@ def test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis(x64):
     counts = {}
     for ep in (True, False):
         fn, args = _sharded(CFG.replace(expert_parallel=ep), params, tokens, mask, probe)
-        counts[ep] = aot.expert_weight_gathers(fn.lower(*args).compile().as_text(),
-                                               CFG.num_experts, CFG.expert_ffn_dim)
+        counts[ep] = expert_weight_gathers(fn.lower(*args).compile().as_text(),
+                                           CFG.num_experts, CFG.expert_ffn_dim)
     assert counts[True] == [], counts[True]
     assert counts[False], "the gathered layout should all-gather every expert's weights"

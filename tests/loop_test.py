@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+from rl_helpers import EOS_ID, PAD_ID, responses_from_rollout, tiny_cfg
 
 from stablerl_jax.checkpoint import Checkpointer
 from stablerl_jax.metrics_io import read_metrics
@@ -90,7 +90,7 @@ def test_a_run_trains_on_an_offline_rollout_file(tmp_path):
     weights, rewards) from the file instead of sampling; R3 with weight replay on."""
     import jax.numpy as jnp
 
-    from stablerl_jax.interop.rollouts import responses_from_rollout, write_rollouts
+    from stablerl_jax.interop.rollouts import write_rollouts
     cfg = tiny_cfg(steps=1, replay="r3", replay_weights=True, eval_every=1)
     params = _params_like(cfg)
     prompts = jax.random.randint(jax.random.key(1), (8, 16), 4, 60)

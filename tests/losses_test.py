@@ -128,6 +128,11 @@ def test_is_corrections_by_hand():
     assert_close(w("seq_product", tis_cap=1.2)[0], np.full((1, 3), 1.2), n=2)
     np.testing.assert_array_equal(w("seq_product", tis_cap=1.2)[1], np.ones((1, 3)))
     np.testing.assert_array_equal(w("none")[0], np.ones((1, 3)))
+    # A mode LossConfig would refuse (set past its check) is an error, not a silent weight.
+    bogus = LossConfig()
+    object.__setattr__(bogus, "is_correction", "bogus")
+    with pytest.raises(ValueError, match="is_correction.*bogus.*tis"):
+        losses.is_weight(x, m, bogus)
 
 
 def test_grpo_and_dapo_by_hand():
@@ -380,7 +385,7 @@ def test_one_token_responses_need_the_is_weight_to_be_exact():
 def test_icepop_masks_on_the_engine_ratio_on_a_stale_batch():
     # π_old/μ = 1.2 (inside [0.5, 2]); π_θ has moved to 3·π_old (stale): π_θ/μ = 3.6.
     logp, batch = _batch([[0.6]], [[0.2]], [[1 / 6]], [1.0], [[1]])
-    cfg = losses.PRESETS["minirl_icepop"]
+    cfg = losses.LOSS_PRESETS["minirl_icepop"]
     assert cfg.is_correction == "icepop" and cfg.cap_target == "engine"
     (_, metrics), g = _vg("minirl", cfg.replace(clip=False), logp, batch)
     # Kept: weight = engine factor 1.2 × staleness 3 = 3.6 (masking on π_θ/μ would drop it).
@@ -517,9 +522,9 @@ def test_bad_batches_name_the_key():
 
 def test_names_and_presets():
     assert tuple(losses.LOSSES) == LOSS_NAMES
-    assert all(cfg.name in losses.LOSSES for cfg in losses.PRESETS.values())
-    assert losses.PRESETS["minirl"] == LossConfig()
-    assert all(k == k.lower() for k in list(losses.LOSSES) + list(losses.PRESETS))
+    assert all(cfg.name in losses.LOSSES for cfg in losses.LOSS_PRESETS.values())
+    assert losses.LOSS_PRESETS["minirl"] == LossConfig()
+    assert all(k == k.lower() for k in list(losses.LOSSES) + list(losses.LOSS_PRESETS))
 
 
 def test_config_errors_name_fields():

@@ -86,7 +86,7 @@ def test_prepare_params_converts_once_per_preset():
     q = nx.fake_quant_e4m3(w, (2,))
     assert_close(fp8["layers"]["w_up"].astype(jnp.float32), q, n=1, dtype="bfloat16")
     # Overriding a knob builds a new value and leaves the preset table alone.
-    assert nx.preset("fp8", act_fp8=True).act_fp8 and not nx.PRESETS["fp8"].act_fp8
+    assert nx.preset("fp8", act_fp8=True).act_fp8 and not nx.NUMERICS_PRESETS["fp8"].act_fp8
 
 
 def test_validation():

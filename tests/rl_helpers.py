@@ -1,5 +1,7 @@
-"""A tiny experiment config shared by the RL tests, and the special ids its tests use
-(the SentencePiece tokenizer's: pad 0, eos 3)."""
+"""A tiny experiment config shared by the RL tests, the special ids its tests use (the
+SentencePiece tokenizer's: pad 0, eos 3), and a sampled rollout as offline-file records."""
+import numpy as np
+
 from stablerl_jax.config import (ExperimentConfig, LossConfig, ModelConfig, OptimConfig,
                                  RLConfig, SamplingConfig, SFTConfig, TaskConfig)
 
@@ -21,3 +23,25 @@ def tiny_cfg(mesh=(1, 1, 1), learning_rate=1e-3, **rl) -> ExperimentConfig:
                        **rl}),
         sft=SFTConfig(steps=2, batch_size=8),
         mesh=mesh)
+
+
+def responses_from_rollout(rollout, rewards_B) -> list[dict]:
+    """Our sampler's rollout (`rollout.Rollout`) as per-response records in the engine's convention (the
+    inverse of `OfflineRollouts.batch`): routes of the processed tokens only, prompt
+    then completion. What `write_rollouts` takes."""
+    r = {k: np.asarray(v) for k, v in rollout._asdict().items() if v is not None}
+    out = []
+    for b in range(r["tokens_BxS"].shape[0]):
+        prompt, comp = r["prompt_mask_BxS"][b], r["completion_mask_BxS"][b]
+        # Processed slots: the prompt, then every completion token but the last.
+        processed = prompt.copy()
+        processed[np.flatnonzero(comp)[:-1]] = True
+        rec = {"prompt_ids": r["tokens_BxS"][b, prompt],
+               "completion_ids": r["tokens_BxS"][b, comp],
+               "logp_mu": r["logp_mu_BxS"][b, comp],
+               "routes": r["routes_mu_BxSxLxK"][b, processed],
+               "reward": float(np.asarray(rewards_B)[b])}
+        if "route_weights_mu_BxSxLxK" in r:
+            rec["route_weights"] = r["route_weights_mu_BxSxLxK"][b, processed]
+        out.append(rec)
+    return out

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+from rl_helpers import EOS_ID, PAD_ID, responses_from_rollout, tiny_cfg
 
 from stablerl_jax.interop.rollouts import (OfflineRollouts, engine_routes_to_replay,
-                                           responses_from_rollout, write_rollouts)
+                                           write_rollouts)
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rollout import truncated_rows
@@ -48,7 +48,7 @@ def test_engine_routes_land_in_our_slots():
     w = np.arange(routed.size, dtype=np.float32).reshape(routed.shape)
     _, weights = engine_routes_to_replay(routed, [2, 4], [3, 1], max_prompt_len=4,
                                          max_new_tokens=3, num_layers=2, top_k=2,
-                                         num_experts=E, weights_BxMxLxK=w)
+                                         num_experts=E, weights_BxTexLxK=w)
     np.testing.assert_array_equal(weights[0, 2:6], w[0, :4])
     assert (weights[want < 0] == 0).all()
 

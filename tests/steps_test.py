@@ -312,7 +312,7 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
         overlong_buffer=4, overlong_penalty_factor=0.5, log_samples=2,
         log_samples_every=3))
     assert set(engine_lib.LOOP_ONLY) <= set(type(cfg.rl).__dataclass_fields__)
-    for name in presets.PRESETS:  # valid for every preset (no cross-section check trips)
+    for name in presets.EXPERIMENT_PRESETS:  # valid for every preset (no cross-section check trips)
         engine_lib.program_config(presets.preset(name))
     a, b = _engine(cfg), _engine(other, total_steps=cfg.rl.steps * 2, optim=cfg.rl.optim)
     assert a._jitted is b._jitted and a.cfg.rl.seed == 0 and b.cfg.rl.seed == 7

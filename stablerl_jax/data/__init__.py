@@ -2,7 +2,7 @@
 
     task.py          the front door: load_split, TaskData (splits, eval sets, tokenizer,
                      rendering, length filter, batches, rewards)
-    synthetic.py     difficulty PRESETS, the arithmetic TFDS builder
+    synthetic.py     the arithmetic TFDS builder (its difficulties: presets.TASKS)
     jsonl.py         TFDS builder over local math JSONL files (never downloaded)
     formats.py       JSONL layouts (gsm8k, math, dapo, aime, prompt_answer, custom)
     chat_template.py the checkpoint's jinja chat template, rendered as transformers does

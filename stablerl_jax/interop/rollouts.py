@@ -1,9 +1,10 @@
 """Rollouts recorded by an external inference engine (vLLM, SGLang): their routes as our
 replay tensor, and an offline rollout file the trainer can train on (`rl.offline_rollouts`).
 
-Letters: R responses in a file, B responses in a batch, P prompt slots
-(task.max_prompt_len), N completion slots (sampling.max_new_tokens), S = P + N slots,
-L layers, K top-k, E experts; P_b / C_b the prompt / completion length of response b.
+Letters: Bf responses in a file, B responses in a batch, P prompt slots
+(task.max_prompt_len), C completion slots (sampling.max_new_tokens), S = P + C slots,
+L layers, K top-k, E experts; P_b / C_b the prompt / completion length of response b;
+Te the longest P_b + C_b − 1 of an engine's batch (the tokens it processed).
 
 Engine routes. vLLM (`enable_return_routed_experts`, `CompletionOutput.routed_experts`)
 and SGLang (`return_routed_experts`, `meta_info["routed_experts"]`) return, per request,
@@ -16,20 +17,20 @@ left-padded to P slots:
     routes_mu_BxSxLxK[b, P + j]         = routed[b, P_b + j]    j < C_b − 1  (completion)
     -1 elsewhere: left padding, the last sampled token (never processed), padding after
 
-`engine_routes_to_replay` does that for a right-padded batch [B, M, L, K] (row b valid
+`engine_routes_to_replay` does that for a right-padded batch [B, Te, L, K] (row b valid
 in its first P_b + C_b − 1 entries; what follows is padding and never read).
 
 Offline rollout file (`.npz`, no pickles; ragged fields concatenated over responses in
 order, with per-response lengths):
 
     prompt_ids      int   [Σ P_b]              prompt token ids
-    prompt_lens     int   [R]
+    prompt_lens     int   [Bf]
     completion_ids  int   [Σ C_b]              sampled tokens, EOS included if emitted
-    completion_lens int   [R]
+    completion_lens int   [Bf]
     logp_mu         float [Σ C_b]              the sampler's log-prob of each sampled token
     routes          int   [Σ (P_b + C_b − 1), L, K]   optional (needed for R3)
     route_weights   float [Σ (P_b + C_b − 1), L, K]   optional (needed for weight replay)
-    rewards         float [R]                  or `answers` (str [R]: scored by the task)
+    rewards         float [Bf]                  or `answers` (str [Bf]: scored by the task)
     group_size      int   []                   responses g·G … g·G + G − 1 share a prompt
 
 Every value is checked when the trainer opens the file (`OfflineRollouts.check_values`),
@@ -56,15 +57,15 @@ def _check_routes(routed, field: str, num_layers: int, top_k: int):
         raise ValueError(f"{field}: dtype {routed.dtype} must be integer expert ids")
 
 
-def engine_routes_to_replay(routed_BxMxLxK, prompt_lens_B, completion_lens_B, *,
+def engine_routes_to_replay(routed_BxTexLxK, prompt_lens_B, completion_lens_B, *,
                             max_prompt_len: int, max_new_tokens: int, num_layers: int,
-                            top_k: int, num_experts: int, weights_BxMxLxK=None):
-    """An engine's per-token routes (right-padded [B, M, L, K], see the module docstring)
+                            top_k: int, num_experts: int, weights_BxTexLxK=None):
+    """An engine's per-token routes (right-padded [B, Te, L, K], see the module docstring)
     as our `routes_mu_BxSxLxK` (int32, -1 where nothing was processed), and, given the
     engine's combine weights in the same layout, `route_weights_mu_BxSxLxK` (float32, 0
     there). num_layers / top_k / num_experts are the model's. Raises ValueError naming
     the field for anything that is not a recording of these sequences by this model."""
-    routed = np.asarray(routed_BxMxLxK)
+    routed = np.asarray(routed_BxTexLxK)
     p_b = np.asarray(prompt_lens_B, np.int64)
     c_b = np.asarray(completion_lens_B, np.int64)
     _check_routes(routed, "routed_experts", num_layers, top_k)
@@ -84,8 +85,8 @@ def engine_routes_to_replay(routed_BxMxLxK, prompt_lens_B, completion_lens_B, *,
         raise ValueError(f"routed_experts: row {r} needs {processed_B[r]} recorded tokens "
                          f"(prompt {p_b[r]} + completion {c_b[r]} − 1: every token but the "
                          f"last sampled one) but the array holds {routed.shape[1]}")
-    if weights_BxMxLxK is not None:
-        weights = np.asarray(weights_BxMxLxK)
+    if weights_BxTexLxK is not None:
+        weights = np.asarray(weights_BxTexLxK)
         if weights.shape != routed.shape or not np.issubdtype(weights.dtype, np.floating):
             raise ValueError(f"route_weights: shape {weights.shape} dtype {weights.dtype} "
                              f"must be float with routed_experts' shape {routed.shape}")
@@ -105,9 +106,9 @@ def engine_routes_to_replay(routed_BxMxLxK, prompt_lens_B, completion_lens_B, *,
         slots = np.concatenate([np.arange(max_prompt_len - p_b[r], max_prompt_len),
                                 max_prompt_len + np.arange(c_b[r] - 1)])
         routes_BxSxLxK[r, slots] = valid
-        if weights_BxMxLxK is not None:
+        if weights_BxTexLxK is not None:
             weights_BxSxLxK[r, slots] = weights[r, :processed_B[r]]
-    return routes_BxSxLxK, (weights_BxSxLxK if weights_BxMxLxK is not None else None)
+    return routes_BxSxLxK, (weights_BxSxLxK if weights_BxTexLxK is not None else None)
 
 
 _REQUIRED = ("prompt_ids", "prompt_lens", "completion_ids", "completion_lens", "logp_mu",
@@ -167,7 +168,7 @@ class OfflineRollouts:
             raise ValueError(f"{path}: missing field(s) {missing}; see "
                              "stablerl_jax/interop/rollouts.py for the format")
         if "rewards" not in arrays and "answers" not in arrays:
-            raise ValueError(f"{path}: needs 'rewards' [R] or 'answers' [R]")
+            raise ValueError(f"{path}: needs 'rewards' [Bf] or 'answers' [Bf]")
         out = cls(arrays, path)
         out._check_lengths()
         return out
@@ -315,7 +316,7 @@ class OfflineRollouts:
             routes, w = engine_routes_to_replay(
                 routed, p_b, c_b, max_prompt_len=P, max_new_tokens=max_new_tokens,
                 num_layers=num_layers, top_k=top_k, num_experts=num_experts,
-                weights_BxMxLxK=weights if "route_weights" in a else None)
+                weights_BxTexLxK=weights if "route_weights" in a else None)
         else:
             routes, w = np.full((b, s, num_layers, top_k), -1, np.int32), None
         rollout = Rollout(tokens, prompt_mask, completion_mask, c_b.astype(np.int32), logp,
@@ -323,25 +324,3 @@ class OfflineRollouts:
         rewards = a["rewards"][rows].astype(np.float32) if "rewards" in a else None
         answers = [str(x) for x in a["answers"][rows]] if "answers" in a else None
         return rollout, rewards, answers
-
-
-def responses_from_rollout(rollout: Rollout, rewards_B) -> list[dict]:
-    """Our sampler's rollout as per-response records in the engine's convention (the
-    inverse of `OfflineRollouts.batch`): routes of the processed tokens only, prompt
-    then completion. For recording rollouts to a file with `write_rollouts`."""
-    r = {k: np.asarray(v) for k, v in rollout._asdict().items() if v is not None}
-    out = []
-    for b in range(r["tokens_BxS"].shape[0]):
-        prompt, comp = r["prompt_mask_BxS"][b], r["completion_mask_BxS"][b]
-        # Processed slots: the prompt, then every completion token but the last.
-        processed = prompt.copy()
-        processed[np.flatnonzero(comp)[:-1]] = True
-        rec = {"prompt_ids": r["tokens_BxS"][b, prompt],
-               "completion_ids": r["tokens_BxS"][b, comp],
-               "logp_mu": r["logp_mu_BxS"][b, comp],
-               "routes": r["routes_mu_BxSxLxK"][b, processed],
-               "reward": float(np.asarray(rewards_B)[b])}
-        if "route_weights_mu_BxSxLxK" in r:
-            rec["route_weights"] = r["route_weights_mu_BxSxLxK"][b, processed]
-        out.append(rec)
-    return out

@@ -1,7 +1,8 @@
 """Attention: RMSNorm, RoPE, grouped-query attention with per-head q/k RMSNorm, KV cache.
 
 Letters: B batch, T new tokens, S key slots (T without a cache, the cache length with
-one), D model, H query heads, G = H / kv heads, Dh head width.
+one), D model, H query heads, KV kv heads, Hg = H / KV query heads per kv head, Dh
+head width, W rows of a query chunk, J chunks.
 
 Slots and positions are different things. A slot is an index into the sequence buffer
 (left padding occupies the first slots); a position is the RoPE position, counted over
@@ -67,41 +68,41 @@ def _proj(eq, x, w, numerics, dtype):
     return _dot(eq, nx.act_quant(x, numerics), w, dtype).astype(dtype)
 
 
-def _attend(q_BxTxKVxGxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dtype,
+def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dtype,
             keys: str = "bskd"):
     """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T` (module docstring).
     k, v: [B, S, KV, Dh] (keys="bskd", this call's own keys) or [B, KV, S, Dh]
     (keys="bksd", the KV cache's layout)."""
     s = k.shape[keys.index("s")]
     if keys == "bksd":  # batch dims leading on both sides: no transpose of the cache
-        q = jnp.transpose(q_BxTxKVxGxDh, (0, 2, 3, 1, 4))
-        scores_BxKVxGxTxS = _dot("bkgtd,bksd->bkgts", q, k, dtype)
+        q = jnp.transpose(q_BxTxKVxHgxDh, (0, 2, 3, 1, 4))
+        scores_BxKVxHgxTxS = _dot("bkgtd,bksd->bkgts", q, k, dtype)
     else:
-        scores_BxKVxGxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxGxDh, k, dtype)
-    scores_BxKVxGxTxS = scores_BxKVxGxTxS * head_dim**-0.5
+        scores_BxKVxHgxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxHgxDh, k, dtype)
+    scores_BxKVxHgxTxS = scores_BxKVxHgxTxS * head_dim**-0.5
     allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
         key_mask_BxS[:, None, :].astype(bool))
-    scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS, _NEG)
-    probs_BxKVxGxTxS = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(dtype)
+    scores_BxKVxHgxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxHgxTxS, _NEG)
+    probs_BxKVxHgxTxS = jax.nn.softmax(scores_BxKVxHgxTxS, axis=-1).astype(dtype)
     if keys == "bksd":
-        o = _dot("bkgts,bksd->bkgtd", probs_BxKVxGxTxS, v, dtype)
+        o = _dot("bkgts,bksd->bkgtd", probs_BxKVxHgxTxS, v, dtype)
         return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dtype)
-    return _dot("bkgts,bskd->btkgd", probs_BxKVxGxTxS, v, dtype).astype(dtype)
+    return _dot("bkgts,bskd->btkgd", probs_BxKVxHgxTxS, v, dtype).astype(dtype)
 
 
-def _chunked(attend, q_BxTxKVxGxDh, query_slots_T, chunk: int):
+def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
     """`attend` over query chunks of `chunk` rows in a scan, each chunk rematerialized in
     the backward pass: the [chunk, S] scores of one chunk are all that is ever live. Each
     query row's scores, softmax and output are the naive path's; T is padded up to a
     multiple of the chunk with queries that are computed and dropped."""
-    b, t = q_BxTxKVxGxDh.shape[:2]
+    b, t = q_BxTxKVxHgxDh.shape[:2]
     n = -(-t // chunk)
     pad = n * chunk - t
-    q = jnp.pad(q_BxTxKVxGxDh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+    q = jnp.pad(q_BxTxKVxHgxDh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
     slots = jnp.pad(query_slots_T, (0, pad), mode="edge")
-    q_NxBxCxKVxGxDh = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
+    q_JxBxWxKVxHgxDh = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
     body = jax.checkpoint(lambda _, xs: (None, attend(*xs)), prevent_cse=False)
-    _, o = jax.lax.scan(body, None, (q_NxBxCxKVxGxDh, slots.reshape(n, chunk)))
+    _, o = jax.lax.scan(body, None, (q_JxBxWxKVxHgxDh, slots.reshape(n, chunk)))
     return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
 
 
@@ -128,7 +129,7 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     'bksd'), this call's keys/values are written into layer `layer` at slots
     [cache_index, cache_index + T) and attention runs over that layer's S slots. The cache
     is returned whole, updated where it was written, so a caller that carries it through
-    a loop updates it in place. Letters here: L layers, KV kv heads, G = H / KV query
+    a loop updates it in place. Letters here: L layers, KV kv heads, Hg = H / KV query
     heads per kv head.
     """
     b, t, _ = x_BxTxD.shape
@@ -151,12 +152,12 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
         k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache_kv)
     else:
         k, v, keys = k_BxTxKVxDh, v_BxTxKVxDh, "bskd"
-    q_BxTxKVxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
+    q_BxTxKVxHgxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
     attend = lambda q, slots: _attend(q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys)
     if cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
-        o_BxTxKVxGxDh = _chunked(attend, q_BxTxKVxGxDh, query_slots_T, cfg.attention_chunk)
+        o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk)
     else:
-        o_BxTxKVxGxDh = attend(q_BxTxKVxGxDh, query_slots_T)
-    o_BxTxHxDh = o_BxTxKVxGxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        o_BxTxKVxHgxDh = attend(q_BxTxKVxHgxDh, query_slots_T)
+    o_BxTxHxDh = o_BxTxKVxHgxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
     out_BxTxD = _proj("bthk,hkd->btd", o_BxTxHxDh, p["wo"], numerics, dtype)
     return out_BxTxD, cache_kv

@@ -1,7 +1,8 @@
 """Mixture-of-Experts: routing with optional replay, and the SwiGLU expert FFN.
 
 Letters: T tokens, D model, E experts, K top-k, F expert FFN width,
-P rows of the sorted-and-padded buffer (a multiple of the tile size).
+A token–expert assignments (T·K), R rows of the sorted-and-padded buffer (a
+multiple of the tile size).
 
 Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32 (float64 for
 float64 logits), top-k,
@@ -40,7 +41,7 @@ from stablerl_jax.model.gmm import gmm_tiles as _gmm_tiles
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int, jax.lax.Precision], jax.Array]
-"""gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision) -> PxF, rows sorted by group,
+"""gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision) -> RxF, rows sorted by group,
 each group a multiple of `tile` rows (`gmm_of` names the implementations)."""
 
 
@@ -220,18 +221,18 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     rows = padded_rows(local_max, num_experts, tile)
     if mine_A is not None:  # other devices' assignments: written nowhere, read as 0
         row_A = jnp.where(mine_A, row_A, rows)
-    x_PxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[row_A].set(
+    x_RxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[row_A].set(
         jnp.repeat(x_TxD, k, axis=0), unique_indices=True,
         mode=None if mine_A is None else "drop")
-    gate_PxF = gmm(x_PxD, w_gate_ExDxF, padded_E, tile, PRECISION)
-    up_PxF = gmm(x_PxD, w_up_ExDxF, padded_E, tile, PRECISION)
+    gate_RxF = gmm(x_RxD, w_gate_ExDxF, padded_E, tile, PRECISION)
+    up_RxF = gmm(x_RxD, w_up_ExDxF, padded_E, tile, PRECISION)
     acc = accum_dtype(dt)
-    h_PxF = _swiglu(gate_PxF.astype(acc), up_PxF.astype(acc)).astype(dt)
-    y_PxD = gmm(h_PxF, w_down_ExFxD, padded_E, tile, PRECISION)
+    h_RxF = _swiglu(gate_RxF.astype(acc), up_RxF.astype(acc)).astype(dt)
+    y_RxD = gmm(h_RxF, w_down_ExFxD, padded_E, tile, PRECISION)
     if mine_A is None:
-        y_TxKxD = y_PxD[row_A].reshape(num_tokens, k, -1)
+        y_TxKxD = y_RxD[row_A].reshape(num_tokens, k, -1)
     else:  # rows past the buffer read as 0 (not every gmm zeroes unused rows)
-        y_AxD = jnp.take(y_PxD, row_A, axis=0, mode="fill", fill_value=0)
+        y_AxD = jnp.take(y_RxD, row_A, axis=0, mode="fill", fill_value=0)
         y_TxKxD = jnp.where(mine_A[:, None], y_AxD, 0).reshape(num_tokens, k, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
                        precision=PRECISION)

@@ -106,21 +106,21 @@ class Numerics:
         return dataclasses.replace(self, **kw)
 
 
-PRESETS = {
+NUMERICS_PRESETS = {
     "train": Numerics("train"),
     "exact": Numerics("exact"),
     "bf16": Numerics("bf16", weights="bf16", compute_dtype="bfloat16", router_dtype="bfloat16"),
     "fp8": Numerics("fp8", weights="fp8", compute_dtype="bfloat16", router_dtype="bfloat16"),
 }
-TRAIN = PRESETS["train"]
-assert set(PRESETS) == {"train", *INFERENCE_NUMERICS}
+TRAIN = NUMERICS_PRESETS["train"]
+assert set(NUMERICS_PRESETS) == {"train", *INFERENCE_NUMERICS}
 
 
 def preset(name: str, **overrides) -> Numerics:
     """A named preset, optionally with knobs overridden (e.g. router_noise_std=0.01)."""
-    if name not in PRESETS:
-        raise ValueError(f"numerics preset: unknown {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+    if name not in NUMERICS_PRESETS:
+        raise ValueError(f"numerics preset: unknown {name!r}; choose one of {sorted(NUMERICS_PRESETS)}")
+    return NUMERICS_PRESETS[name].replace(**overrides) if overrides else NUMERICS_PRESETS[name]
 
 
 def of_sampling(sampling: SamplingConfig, seed: int) -> Numerics:

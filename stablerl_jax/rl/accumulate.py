@@ -26,14 +26,14 @@ import jax.numpy as jnp
 
 from stablerl_jax import diagnostics as dg
 from stablerl_jax import slices
+from stablerl_jax.model.numerics import accum_dtype
 
 
 def value_and_grad(loss_fn, params, batch, n: int):
     """((loss, metrics), grads) of `loss_fn(params, micro_batch) -> (loss, metrics)`
     summed over the n micro-batches of `batch` (a `lax.scan`; module docstring).
     `loss_fn` must already normalize by the whole mini-batch (losses.Totals)."""
-    acc = lambda p: jnp.promote_types(p.dtype, jnp.float32)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc(p)), params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype(p.dtype)), params)
 
     def body(grads, part):
         (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, part)

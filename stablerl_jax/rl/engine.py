@@ -55,21 +55,10 @@ def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransf
                     weight_decay=optim.weight_decay))
 
 
-def make_mesh(mesh_shape: tuple, devices=None) -> jax.sharding.Mesh:
-    """The (data, fsdp, expert) mesh over the first devices of `devices` (default: the
-    default backend's)."""
-    devices = jax.devices() if devices is None else list(devices)
-    n = mesh_shape[0] * mesh_shape[1] * mesh_shape[2]
-    if n > len(devices):
-        raise ValueError(f"mesh={mesh_shape} needs {n} devices, only {len(devices)} are "
-                         "visible; shrink the mesh (override mesh=data,fsdp,expert)")
-    return sharding.make_mesh(*mesh_shape, devices=devices[:n])
-
-
 def param_shardings(cfg: ExperimentConfig, devices=None, params_like=None) -> dict:
     """The params' shardings on the mesh of `cfg.mesh`, as `Engine.create` builds them
     (so a checkpoint loaded onto them is placed once, where the engine wants it)."""
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = sharding.config_mesh(cfg.mesh, devices)
     shapes = params_like if params_like is not None else jax.eval_shape(
         lambda: tf.init_params(jax.random.key(0), cfg.model))
     return sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
@@ -203,7 +192,7 @@ def sampler_model(cfg: ExperimentConfig):
 def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
            total_steps: int, noise_seed: int, devices, params_like=None):
     """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = sharding.config_mesh(cfg.mesh, devices)
     optimizer = make_optimizer(optim, total_steps)
     shapes = params_like if params_like is not None else jax.eval_shape(
         lambda: tf.init_params(jax.random.key(0), cfg.model))

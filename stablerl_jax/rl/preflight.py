@@ -6,9 +6,8 @@ import os
 
 import jax
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, sharding
 from stablerl_jax.config import ConfigError, changed_fields, flat_dict
-from stablerl_jax.rl.engine import make_mesh
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
 # what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
@@ -43,7 +42,7 @@ def check(cfg, workdir: str, devices=None) -> None:
         if cfg.rl.eval_problems > cfg.task.num_test:
             raise ConfigError(f"rl.eval_problems: must be <= task.num_test={cfg.task.num_test}"
                               f" (the test problems there are), got {cfg.rl.eval_problems}")
-    make_mesh(cfg.mesh, devices)  # raises when the mesh needs more devices than there are
+    sharding.config_mesh(cfg.mesh, devices)  # raises when the mesh needs more devices
 
 
 def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:

@@ -153,10 +153,10 @@ class BatchTotals(NamedTuple):
     routed: jax.Array
 
 
-def totals_of(batch) -> BatchTotals:
+def batch_totals(batch) -> BatchTotals:
     """The `BatchTotals` of a whole TrainBatch or SFTBatch (before it is split)."""
-    return BatchTotals(losses_lib.totals_of(batch.mask_BxT),
-                  jnp.sum(batch.attn_BxS[:, :-1].astype(jnp.float32)))
+    return BatchTotals(losses_lib.mask_totals(batch.mask_BxT),
+                       jnp.sum(batch.attn_BxS[:, :-1].astype(jnp.float32)))
 
 
 def _router_loss(aux, batch, totals: BatchTotals | None):
@@ -235,7 +235,7 @@ def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.Gradient
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params,
                                                                            batch, None)
     else:
-        totals = totals_of(batch)
+        totals = batch_totals(batch)
         (loss, metrics), grads = accumulate.value_and_grad(
             lambda p, part: loss_fn(p, part, totals), state.params, batch, microbatches)
     grad_norm = optax.tree.norm(grads)

@@ -1,0 +1,163 @@
+"""The command line of every experiment module:
+
+    python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
+        [--only VARIANT,...] [--dry-run] [--report] [--quiet] [--compile-cache DIR]
+        [section.field=value ...]
+
+`main` parses and validates it, then trains (experiments/runner.py: one cold start, every
+(variant, seed) run) and writes the report (experiments/report.py). Overrides apply to
+every run (e.g. `sampling.numerics=bf16 sampling.router_noise_std=0.5`, the mismatch
+knobs); `--dry-run` prints each run's resolved settings and exits (the way to read the
+`paper` preset, which is a TPU-pod job); `--report` rebuilds the figures and summary.md
+from the finished runs' stored metrics without running anything.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+from experiments.cli_errors import one_line_errors
+from experiments.report import report
+from experiments.runner import Experiment, Variant, cold_start, finished_runs, run_variants
+from stablerl_jax import compile_cache, distributed, workdir
+from stablerl_jax.config import ConfigError, apply_overrides
+from stablerl_jax.rl import preflight
+
+
+def command(module: str, argv=None) -> str:
+    """The command line that produced a report (for its header)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python -m experiments." + module, *args])
+
+
+def parser(description: str, experiments: dict, default_workdir: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--preset", default="tiny", choices=sorted(experiments))
+    ap.add_argument("--workdir", default=default_workdir)
+    ap.add_argument("--seeds", default=None, help="comma-separated; default: the preset's")
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs' settings and exit")
+    ap.add_argument("--report", action="store_true",
+                    help="only rebuild the figures and summary.md from the finished runs' "
+                         "stored metrics (runs not finished are left out and listed)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--allow-config-change", default="",
+                    help="comma-separated section.field names a resumed run may change")
+    ap.add_argument("--traceback", action="store_true",
+                    help="on an error, print the full traceback (default: one line, exit 2)")
+    distributed.add_arguments(ap)
+    compile_cache.add_argument(ap)
+    ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
+    return ap
+
+
+def select(exp: Experiment, args, ap) -> tuple[tuple[Variant, ...], tuple[int, ...]]:
+    """The variants and seeds the command line asks for, validated against the preset."""
+    variants = exp.variants
+    if args.only:
+        names = args.only.split(",")
+        known = [v.name for v in exp.variants]
+        bad = [n for n in names if n not in known]
+        if bad:
+            ap.error(f"--only: unknown variant(s) {bad}; choose from {known}")
+        variants = tuple(v for v in exp.variants if v.name in names)
+    try:
+        seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else exp.seeds
+    except ValueError:
+        ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    try:
+        for v in variants:  # validate every run's overrides before any work starts
+            exp.config(v, seeds[0], args.overrides)
+    except ConfigError as e:
+        ap.error(str(e))
+    return variants, seeds
+
+
+def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
+    for v in variants:
+        cfg = exp.config(v, seeds[0], overrides)
+        rl, sampling = cfg.rl, cfg.sampling
+        print(f"{v.name} (seeds {list(seeds)}): overrides {list(v.overrides)}\n"
+              f"  model L={cfg.model.num_layers} D={cfg.model.d_model} "
+              f"E={cfg.model.num_experts} K={cfg.model.top_k} V={cfg.model.vocab_size} "
+              f"compute={cfg.model.compute_dtype}\n"
+              f"  rl steps={rl.steps} prompts={rl.prompts_per_step} G={rl.group_size} "
+              f"N={rl.num_minibatches} replay={rl.replay} lr={rl.optim.learning_rate} "
+              f"mesh={cfg.mesh}\n"
+              f"  sampling numerics={sampling.numerics} "
+              f"router_noise={sampling.router_noise_std} max_new_tokens="
+              f"{sampling.max_new_tokens}\n"
+              f"  loss {cfg.loss}")
+
+
+@one_line_errors
+def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, groups=None,
+         comparisons=None, cold_start_per_variant: bool = False) -> dict:
+    """The command line of an experiment module: parse, validate, (dry-)run, report.
+
+    experiments: {preset name: () -> Experiment} (the module's `EXPERIMENTS`).
+
+    groups(variant names) -> {figure suffix: names} splits the comparison figure.
+    cold_start_per_variant: each variant trains its own SFT cold start (its overrides
+    change the SFT data) in `<workdir>/<variant>/`; otherwise one shared cold start.
+    Returns {variant: [metrics records per seed]}.
+    """
+    ap = parser(doc.split("\n")[0], experiments, f"runs/{module}")
+    args = ap.parse_args(argv)
+    try:
+        distributed.initialize_from(args)
+    except ValueError as e:
+        ap.error(str(e))
+    compile_cache.enable(args.compile_cache)
+    exp = experiments[args.preset]()
+    variants, seeds = select(exp, args, ap)
+    if args.dry_run:
+        dry_run(exp, variants, seeds, args.overrides)
+        return {}
+    if args.report:
+        runs, seeds = finished_runs(args.workdir, variants, seeds)
+        names = list(runs)
+        print(report(runs, args.workdir, title, command(module, argv),
+                     groups(names) if groups else None,
+                     comparisons(names) if comparisons else (), seeds))
+        return runs
+    try:  # what this machine must offer, before any work starts
+        for v in variants:
+            preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)
+            preflight.allowed_changes(args.allow_config_change,
+                                      exp.config(v, seeds[0], args.overrides))
+    except (ValueError, PermissionError) as e:
+        ap.error(str(e))
+    with workdir.Lock(args.workdir, enabled=distributed.is_main()):
+        return _train(exp, args, module, title, variants, seeds, groups, comparisons,
+                      cold_start_per_variant, argv)
+
+
+def _train(exp, args, module, title, variants, seeds, groups, comparisons,
+           cold_start_per_variant, argv) -> dict:
+    """main's training part, under the workdir's lock."""
+    progress = not args.quiet
+    allow = [f for f in args.allow_config_change.split(",") if f]  # checked in main
+    run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
+                            overrides=args.overrides, progress=progress,
+                            allow_config_change=allow)
+    if cold_start_per_variant:
+        runs = {}
+        for v in variants:
+            data, params = cold_start(exp.config(v, seeds[0], args.overrides),
+                                      os.path.join(args.workdir, v.name), progress)
+            runs.update(run(data=data, params=params, variants=(v,)))
+    else:
+        data, params = cold_start(apply_overrides(exp.base, args.overrides),
+                                  args.workdir, progress)
+        runs = run(data=data, params=params, variants=variants)
+    if distributed.is_main():
+        names = [v.name for v in variants]
+        table = report(runs, args.workdir, title, command(module, argv),
+                       groups(names) if groups else None,
+                       comparisons(names) if comparisons else (),
+                       {n: seeds for n in names})
+        print(table)
+    return runs

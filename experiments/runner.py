@@ -1,0 +1,85 @@
+"""Running an experiment: variants × seeds from one SFT cold start.
+
+An experiment is a base `ExperimentConfig`, a list of named variants (override strings on
+top of the base) and a list of seeds (`Experiment`). `cold_start` trains the SFT cold
+start once (cached in `<workdir>/sft`); `run_variants` then trains every (variant, seed)
+RL run from it in `<workdir>/<variant>/seed<k>` (each resumable, see `rl.loop.run`);
+`finished_runs` reads back the stored metrics of the runs that finished. The report is
+`experiments/report.py`, the command line `experiments/cli.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from stablerl_jax import distributed
+from stablerl_jax.config import ExperimentConfig, apply_overrides
+from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.rl import loop, preflight, sft
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One preset of an experiment: what to run and how many times."""
+
+    base: ExperimentConfig
+    variants: tuple[Variant, ...]
+    seeds: tuple[int, ...] = (0, 1)
+
+    def config(self, variant: Variant, seed: int, overrides=()) -> ExperimentConfig:
+        return apply_overrides(
+            self.base, (*variant.overrides, *overrides, f"rl.seed={seed}",
+                         f"name={variant.name}/seed{seed}"))
+
+
+def cold_start(cfg, workdir: str, progress: bool):
+    """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
+    data = loop.task_data(cfg, workdir)
+    preflight.check_eval_problems(cfg, data)  # before the cold start trains
+    params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
+    if losses and distributed.is_main():
+        print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+              f"in {len(losses)} steps", flush=True)
+    return data, params
+
+
+def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
+                 overrides=(), progress: bool = True, prefix: str = "",
+                 allow_config_change=()) -> dict:
+    """Every (variant, seed) RL run from `params`; returns {name: [records per seed]}."""
+    runs = {}
+    for v in variants or exp.variants:
+        runs[prefix + v.name] = []
+        for seed in seeds or exp.seeds:
+            cfg = exp.config(v, seed, overrides)
+            rundir = os.path.join(workdir, prefix + v.name, f"seed{seed}")
+            t0 = time.time()
+            s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
+                         allow_config_change=allow_config_change)
+            if distributed.is_main():  # it alone writes (and so reads) the metrics
+                print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
+                      f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
+                      f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+                runs[prefix + v.name].append(read_metrics(rundir))
+    return runs
+
+
+def finished_runs(workdir: str, variants, seeds):
+    """({variant: [records per finished seed]}, {variant: its finished seeds}) of the runs
+    that finished (wrote their summary.json); what is missing is printed."""
+    done = {v.name: tuple(s for s in seeds if os.path.exists(
+        os.path.join(workdir, v.name, f"seed{s}", "summary.json"))) for v in variants}
+    for name, d in done.items():
+        missing = sorted(set(seeds) - set(d))
+        if missing:
+            print(f"{name}: seeds {missing} not finished" + ("" if d else "; left out"))
+    runs = {name: [read_metrics(os.path.join(workdir, name, f"seed{s}")) for s in d]
+            for name, d in done.items() if d}
+    return runs, {name: d for name, d in done.items() if d}
