@@ -20,6 +20,8 @@ import functools
 import math
 import re
 
+from flax import traverse_util
+
 COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
                "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2,
@@ -222,17 +224,11 @@ def weight_shapes(params_like, num_experts: int, expert_shards: int) -> list[tup
     shape, one layer's slice of a layer-stacked one, and one layer's experts on one of
     `expert_shards` expert shards ([E / shards, ...])."""
     shapes = []
-    for leaf in _leaves(params_like):
+    for leaf in traverse_util.flatten_dict(params_like).values():
         shapes += [tuple(leaf.shape), tuple(leaf.shape[1:])]
         if len(leaf.shape) == 4 and leaf.shape[1] == num_experts:
             shapes.append((num_experts // expert_shards, *leaf.shape[2:]))
     return shapes
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        return [x for v in tree.values() for x in _leaves(v)]
-    return [tree]
 
 
 def param_gathers(instrs, param_shapes) -> list[str]:

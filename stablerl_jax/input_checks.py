@@ -10,10 +10,10 @@ policy_logprobs) or inside `with input_checks.checking():` (anything, the losses
 included), `jax.experimental.checkify.check`s test that token ids lie in [0, V) and masks
 hold only 0 and 1. An eager call raises at once (a `checkify.JaxRuntimeError`, a
 ValueError); a jitted one must be functionalized, `checkify.checkify(jax.jit(f))` then
-`err.throw()` (or `chex.chexify(f, async_check=False)`): jit alone cannot raise from a
-value. Without them, out-of-range ids are clamped by the embedding gather and a mask of 2
-weighs its token twice: the training loop's own arrays never hold those (the sampler and
-the data pipeline make them), so its jitted steps run without value checks.
+`err.throw()`: jit alone cannot raise from a value. Without them, out-of-range ids are
+clamped by the embedding gather and a mask of 2 weighs its token twice: the training
+loop's own arrays never hold those (the sampler and the data pipeline make them), so its
+jitted steps run without value checks.
 
 Not checked: finiteness of log-probs and advantages (a non-finite input makes the loss
 NaN and `rl/steps.apply_gradients` skips that update), and the replay tensor's values

@@ -1,10 +1,12 @@
 """Model invariants: replay, causality, padding, remat policies, chunked attention, KV
-cache, dispatch paths and grouped-matmul implementations.
+cache, dispatch paths and grouped-matmul implementations. The forward's shapes, replay and
+causality run jitted and op by op (chex.variants).
 
 Tests that compare two algorithms for one function (remat, dispatch paths, KV cache,
 padding) run in float64 (`x64` fixture); tolerances from tests/tolerance.py."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,18 +66,66 @@ def _fwd(cfg=CFG, **kw):
     return jax.jit(functools.partial(tf.forward, cfg=cfg, **kw))
 
 
-def test_shapes_and_aux():
-    params, tokens, mask = _setup()
-    h, aux = _fwd()(params, tokens, attention_mask_BxT=mask)
-    assert h.shape == (B, T, CFG.d_model)
-    assert aux["routes"].shape == (B, T, CFG.num_layers, CFG.top_k)  # batch-major
-    assert aux["routes"].dtype == jnp.int32
-    # Σ_e load_e: E fractions of one float32 count each (n = E + 2 roundings).
-    assert_close(aux["expert_load"].sum(-1), 1.0, n=CFG.num_experts + 2)
-    assert float(aux["router_loss"]) == 0.0  # default weights are 0
-    logical = tf.param_logical_axes(CFG)
-    jax.tree.map(lambda ax, a: None if len(ax) == a.ndim else pytest.fail(f"{ax} vs {a.shape}"),
-                 logical, params, is_leaf=lambda x: isinstance(x, tuple))
+class ForwardTest(chex.TestCase):
+    """The forward's shapes, replay and causality, each run jitted and op by op
+    (chex.variants)."""
+
+    def forward(self, params, tokens, **kw):
+        return self.variant(functools.partial(tf.forward, cfg=CFG, **kw))(params, tokens)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shapes_and_aux(self):
+        params, tokens, mask = _setup()
+        h, aux = self.forward(params, tokens, attention_mask_BxT=mask)
+        assert h.shape == (B, T, CFG.d_model)
+        assert aux["routes"].shape == (B, T, CFG.num_layers, CFG.top_k)  # batch-major
+        assert aux["routes"].dtype == jnp.int32
+        # Σ_e load_e: E fractions of one float32 count each (n = E + 2 roundings).
+        assert_close(aux["expert_load"].sum(-1), 1.0, n=CFG.num_experts + 2)
+        assert float(aux["router_loss"]) == 0.0  # default weights are 0
+        logical = tf.param_logical_axes(CFG)
+        jax.tree.map(
+            lambda ax, a: None if len(ax) == a.ndim else pytest.fail(f"{ax} vs {a.shape}"),
+            logical, params, is_leaf=lambda x: isinstance(x, tuple))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_replaying_own_routes_is_bit_identical_and_other_routes_differ(self):
+        params, tokens, mask = _setup()
+        fwd = functools.partial(self.forward, params, tokens, attention_mask_BxT=mask)
+        h, aux = fwd()
+        h_replay, aux_r = fwd(replay_BxTxLxK=aux["routes"])
+        np.testing.assert_array_equal(h_replay, h)
+        np.testing.assert_array_equal(aux_r["routes"], aux["routes"])
+        shifted = (aux["routes"] + 1) % CFG.num_experts  # still K distinct experts per token
+        h_other, aux_o = fwd(replay_BxTxLxK=shifted)
+        np.testing.assert_array_equal(aux_o["routes"], shifted)
+        assert float(jnp.abs(h_other - h).max()) > 1e-3
+        # -1 rows route normally: replaying all -1 is the same as no replay.
+        h_none, _ = fwd(replay_BxTxLxK=jnp.full_like(aux["routes"], -1))
+        np.testing.assert_array_equal(h_none, h)
+        # Replaying the forward's own weights too (weight replay) reproduces it bit for bit;
+        # other weights on the same experts change it.
+        h_w, aux_w = fwd(replay_BxTxLxK=aux["routes"],
+                         replay_weights_BxTxLxK=aux["route_weights"])
+        np.testing.assert_array_equal(h_w, h)
+        np.testing.assert_array_equal(aux_w["route_weights"], aux["route_weights"])
+        flat = jnp.full_like(aux["route_weights"], 1.0 / CFG.top_k)
+        h_flat, _ = fwd(replay_BxTxLxK=aux["routes"], replay_weights_BxTxLxK=flat)
+        assert float(jnp.abs(h_flat - h).max()) > 1e-4
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_causality_gradient_from_future_tokens_is_exactly_zero(self):
+        params, _, _ = _setup()
+        # Position t's output may depend on tokens ≤ t only. Tokens after t are ids that
+        # never occur at or before t, so the gradient w.r.t. their embedding rows must be
+        # exactly 0.
+        t = 5
+        past = jnp.arange(T)[None, : t + 1] % 20
+        future = 20 + jnp.arange(T - t - 1)[None]
+        tokens = jnp.concatenate([past, future], axis=1)
+        g = jax.grad(lambda p: jnp.sum(self.forward(p, tokens)[0][:, t] ** 2))(params)
+        assert float(jnp.abs(g["embed"][20:20 + T - t - 1]).max()) == 0.0
+        assert float(jnp.abs(g["embed"][:t + 1]).max()) > 0.0
 
 
 def test_router_loss_weights_apply():
@@ -85,46 +135,6 @@ def test_router_loss_weights_apply():
     want = 0.1 * aux["router_z_loss"].mean() + 0.01 * aux["load_balance_loss"].mean()
     # Two means over L layers, two products, one sum.
     assert_close(aux["router_loss"], want, n=2 * CFG.num_layers + 3)
-
-
-def test_replaying_own_routes_is_bit_identical_and_other_routes_differ():
-    params, tokens, mask = _setup()
-    h, aux = _fwd()(params, tokens, attention_mask_BxT=mask)
-    h_replay, aux_r = _fwd()(params, tokens, attention_mask_BxT=mask,
-                             replay_BxTxLxK=aux["routes"])
-    np.testing.assert_array_equal(h_replay, h)
-    np.testing.assert_array_equal(aux_r["routes"], aux["routes"])
-    shifted = (aux["routes"] + 1) % CFG.num_experts  # still K distinct experts per token
-    h_other, aux_o = _fwd()(params, tokens, attention_mask_BxT=mask, replay_BxTxLxK=shifted)
-    np.testing.assert_array_equal(aux_o["routes"], shifted)
-    assert float(jnp.abs(h_other - h).max()) > 1e-3
-    # -1 rows route normally: replaying all -1 is the same as no replay.
-    h_none, _ = _fwd()(params, tokens, attention_mask_BxT=mask,
-                       replay_BxTxLxK=jnp.full_like(aux["routes"], -1))
-    np.testing.assert_array_equal(h_none, h)
-    # Replaying the forward's own weights too (weight replay) reproduces it bit for bit;
-    # other weights on the same experts change it.
-    h_w, aux_w = _fwd()(params, tokens, attention_mask_BxT=mask, replay_BxTxLxK=aux["routes"],
-                        replay_weights_BxTxLxK=aux["route_weights"])
-    np.testing.assert_array_equal(h_w, h)
-    np.testing.assert_array_equal(aux_w["route_weights"], aux["route_weights"])
-    flat = jnp.full_like(aux["route_weights"], 1.0 / CFG.top_k)
-    h_flat, _ = _fwd()(params, tokens, attention_mask_BxT=mask, replay_BxTxLxK=aux["routes"],
-                       replay_weights_BxTxLxK=flat)
-    assert float(jnp.abs(h_flat - h).max()) > 1e-4
-
-
-def test_causality_gradient_from_future_tokens_is_exactly_zero():
-    params, _, _ = _setup()
-    # Position t's output may depend on tokens ≤ t only. Tokens after t are ids that never
-    # occur at or before t, so the gradient w.r.t. their embedding rows must be exactly 0.
-    t = 5
-    past = jnp.arange(T)[None, : t + 1] % 20
-    future = 20 + jnp.arange(T - t - 1)[None]
-    tokens = jnp.concatenate([past, future], axis=1)
-    g = jax.grad(lambda p: jnp.sum(tf.forward(p, tokens, CFG)[0][:, t] ** 2))(params)
-    assert float(jnp.abs(g["embed"][20:20 + T - t - 1]).max()) == 0.0
-    assert float(jnp.abs(g["embed"][:t + 1]).max()) > 0.0
 
 
 def test_padding_never_influences_real_positions(x64):

@@ -49,6 +49,7 @@ import shutil
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
+from flax import traverse_util
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -203,9 +204,9 @@ def _names(tmpl: str, stacked: str, cfg: ModelConfig) -> list[str]:
 def _check_finite(params: dict, sources: dict, shapes: dict, ckpt, path: str) -> None:
     """Refuse NaN / inf anywhere in the loaded params, naming the HF tensor and file."""
     leaves, stacked, templates = {}, {}, {}
+    flat_params = traverse_util.flatten_dict(params, sep=".")
     for key, (tmpl, _, st), _ in _flat(sources, shapes):
-        leaves[key] = (params["layers"][key[7:]] if key.startswith("layers.")
-                       else params[key])
+        leaves[key] = flat_params[key]
         stacked[key], templates[key] = len(st), tmpl
     names = []
     for key, blocks in hf_validate.nonfinite(leaves, stacked).items():
@@ -222,12 +223,10 @@ def _check_finite(params: dict, sources: dict, shapes: dict, ckpt, path: str) ->
 
 
 def _flat(sources: dict, shapes: dict):
-    for k, v in sources.items():
-        if k == "layers":
-            for lk, lv in v.items():
-                yield f"layers.{lk}", lv, shapes["layers"][lk]
-        else:
-            yield k, v, shapes[k]
+    """(key, source, shape) of every parameter: keys `embed`, `layers.w_gate`, …"""
+    flat_shapes = traverse_util.flatten_dict(shapes, sep=".")
+    for k, v in traverse_util.flatten_dict(sources, sep=".").items():
+        yield k, v, flat_shapes[k]
 
 
 def read_config(path: str, **overrides) -> ModelConfig:
