@@ -1,6 +1,6 @@
 """Group baselines. Groups are G consecutive responses of one prompt.
 
-Letters: B responses (a multiple of G), G group size.
+Letters: B responses (B = Q·G), Q prompts (groups), G group size.
 
     group_mean     Â_i = R_i − mean_g R                          (MiniRL, docs/method.md §4)
     group_norm     Â_i = (R_i − mean_g R) / (std_g R + eps)       (GRPO, App. A)

@@ -1,7 +1,7 @@
 """Multi-process runs (JAX's multi-controller runtime): one process per host of a pod,
 every process running the same program on its slice of the data.
 
-Letters: B rows of a global batch, P processes.
+Letters: B rows of a global batch; n processes.
 
 - `initialize` starts `jax.distributed` when the run is multi-process: from the explicit
   coordinator / count / id (the `--coordinator --num-processes --process-id` flags of the
@@ -11,9 +11,9 @@ Letters: B rows of a global batch, P processes.
   stops within `heartbeat_timeout_seconds` with JAX's "another task died" error instead
   of waiting forever.
 - Batch rows are split over processes in contiguous blocks: process p holds rows
-  [p·B/P, (p+1)·B/P) of every batch tensor (`local_rows`), so it builds, samples, decodes
+  [p·B/n, (p+1)·B/n) of every batch tensor (`local_rows`), so it builds, samples, decodes
   and rewards only those (`rows_of_process`). A group of G responses must not straddle two
-  processes (its advantage baseline is a mean over the whole group), so B/P must be a
+  processes (its advantage baseline is a mean over the whole group), so B/n must be a
   multiple of G; `check_rows` says so when it is not.
 - Host-side values (rewards, lengths, eval scores) are combined with `gather`; only
   process 0 writes metrics, logs and plots (`is_main`), while every process writes its

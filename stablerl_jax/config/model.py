@@ -133,7 +133,7 @@ class SamplingConfig(Section):
     """The sampling engine (inference engine μ): how it decodes and how it computes.
 
     Attributes:
-      max_new_tokens: N, completion slots per row.
+      max_new_tokens: C, completion slots per row.
       temperature: logits are divided by it (> 0).
       top_k: keep the k most likely tokens (0 = off).
       top_p: keep the smallest set of most likely tokens whose mass reaches top_p
