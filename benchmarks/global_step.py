@@ -113,7 +113,7 @@ def main(argv=None) -> None:
         cfg = apply_overrides(SETTINGS[name](), [f"rl.steps={args.steps}", "rl.eval_every=10",
                                                  f"rl.checkpoint_every={args.steps // 2}",
                                                  *args.overrides])
-        data, params = runner.cold_start(cfg, args.workdir, progress=False)
+        data, params = runner.task_and_cold_start(cfg, args.workdir, progress=False)
         run_dir = os.path.join(args.workdir, "run_" + name)
         first = end_to_end(cfg, data, params, run_dir)
         again = end_to_end(cfg, data, params, run_dir)

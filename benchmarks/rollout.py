@@ -55,7 +55,7 @@ def main():
     key = jax.random.key(2)
     # eos_id=-1: every row decodes all `new` tokens, like the baseline.
     cached = median_seconds(lambda: ro.sample(params, prompts, mask, key, cfg, sampling,
-                                              nx.preset("exact"), eos_id=-1,
+                                              nx.numerics_preset("exact"), eos_id=-1,
                                               pad_id=0).tokens_BxS, reps=args.reps)
     full = median_seconds(lambda: sample_without_cache(params, prompts, key, cfg, args.new),
                           reps=args.reps)

@@ -72,7 +72,7 @@ def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
     for e in est.values():
         print(f"| {e.step} | {e.seconds:.1f} | {e.detail} |", flush=True)
     if {"score", "update"} <= set(est):
-        total, parts = roofline.global_step(cfg, est, pass_s)
+        total, parts = roofline.global_step_estimate(cfg, est, pass_s)
         print(f"\nestimated global step of {cfg.name} on {topo.name}: {total:.0f} s ("
               + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items())
               + "); compiler / roofline estimates, not measurements", flush=True)

@@ -20,7 +20,8 @@ import sys
 
 from experiments.cli_errors import one_line_errors
 from experiments.report import report
-from experiments.runner import Experiment, Variant, cold_start, finished_runs, run_variants
+from experiments.runner import (Experiment, Variant, finished_runs, run_variants,
+                                task_and_cold_start)
 from stablerl_jax import compile_cache, distributed, workdir
 from stablerl_jax.config import ConfigError, apply_overrides
 from stablerl_jax.rl import preflight
@@ -125,7 +126,7 @@ def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, gro
         return runs
     try:  # what this machine must offer, before any work starts
         for v in variants:
-            preflight.check(exp.config(v, seeds[0], args.overrides), args.workdir)
+            preflight.check_run(exp.config(v, seeds[0], args.overrides), args.workdir)
             preflight.allowed_changes(args.allow_config_change,
                                       exp.config(v, seeds[0], args.overrides))
     except (ValueError, PermissionError) as e:
@@ -146,12 +147,12 @@ def _train(exp, args, module, title, variants, seeds, groups, comparisons,
     if cold_start_per_variant:
         runs = {}
         for v in variants:
-            data, params = cold_start(exp.config(v, seeds[0], args.overrides),
-                                      os.path.join(args.workdir, v.name), progress)
+            data, params = task_and_cold_start(exp.config(v, seeds[0], args.overrides),
+                                               os.path.join(args.workdir, v.name), progress)
             runs.update(run(data=data, params=params, variants=(v,)))
     else:
-        data, params = cold_start(apply_overrides(exp.base, args.overrides),
-                                  args.workdir, progress)
+        data, params = task_and_cold_start(apply_overrides(exp.base, args.overrides),
+                                           args.workdir, progress)
         runs = run(data=data, params=params, variants=variants)
     if distributed.is_main():
         names = [v.name for v in variants]

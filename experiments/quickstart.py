@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
         distributed.initialize_from(args)
         compile_cache.enable(args.compile_cache)
         cfg = presets.preset(args.preset, args.overrides)
-        preflight.check(cfg, args.workdir)
+        preflight.check_run(cfg, args.workdir)
         allow = preflight.allowed_changes(args.allow_config_change, cfg)
     except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
@@ -77,7 +77,7 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     loop.open_offline(cfg)  # likewise: a bad rollout file is refused before any training
     if args.hf:
         # Straight onto the Engine's mesh and shardings: no host copy of the model.
-        params = hf_checkpoint.load_params(args.hf, cfg.model, param_shardings(cfg))
+        params = hf_checkpoint.load_hf_params(args.hf, cfg.model, param_shardings(cfg))
         sft_losses = None
     else:
         params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)

@@ -1,9 +1,9 @@
 """Running an experiment: variants × seeds from one SFT cold start.
 
 An experiment is a base `ExperimentConfig`, a list of named variants (override strings on
-top of the base) and a list of seeds (`Experiment`). `cold_start` trains the SFT cold
-start once (cached in `<workdir>/sft`); `run_variants` then trains every (variant, seed)
-RL run from it in `<workdir>/<variant>/seed<k>` (each resumable, see `rl.loop.run`);
+top of the base) and a list of seeds (`Experiment`). `task_and_cold_start` trains the SFT
+cold start once (cached in `<workdir>/sft`); `run_variants` then trains every (variant,
+seed) RL run from it in `<workdir>/<variant>/seed<k>` (each resumable, see `rl.loop.run`);
 `finished_runs` reads back the stored metrics of the runs that finished. The report is
 `experiments/report.py`, the command line `experiments/cli.py`.
 """
@@ -39,7 +39,7 @@ class Experiment:
                          f"name={variant.name}/seed{seed}"))
 
 
-def cold_start(cfg, workdir: str, progress: bool):
+def task_and_cold_start(cfg, workdir: str, progress: bool):
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
     data = loop.task_data(cfg, workdir)
     preflight.check_eval_problems(cfg, data)  # before the cold start trains

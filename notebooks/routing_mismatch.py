@@ -51,7 +51,7 @@ prompt_mask = jnp.ones((B, P), bool)
 rollouts, stats = {}, {}
 for name in INFERENCE_NUMERICS:
     rollouts[name] = rollout.sample(params, prompts, prompt_mask, jax.random.key(2), cfg,
-                                    sampling, nx.preset(name), eos_id=EOS, pad_id=PAD)
+                                    sampling, nx.numerics_preset(name), eos_id=EOS, pad_id=PAD)
     stats[name] = mismatch.measure_mismatch(params, rollouts[name], cfg)
     s = stats[name]
     print(f"{name:5s} KL k1 {s['kl_k1']:+.2e}  k3 {s['kl_k3']:.2e}  "
@@ -145,7 +145,7 @@ def eq5_by_mode(rollout_, label):
 
 eq5, route_shift = eq5_by_mode(rollouts["fp8"], "fp8")
 noisy = rollout.sample(params, prompts, prompt_mask, jax.random.key(2), cfg, sampling,
-                       nx.preset("exact", router_noise_std=0.5, noise_seed=0), eos_id=EOS,
+                       nx.numerics_preset("exact", router_noise_std=0.5, noise_seed=0), eos_id=EOS,
                        pad_id=PAD)
 eq5_noisy, _ = eq5_by_mode(noisy, "router noise")
 

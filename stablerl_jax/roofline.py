@@ -108,7 +108,7 @@ def kv_bytes_per_row(cfg: ExperimentConfig) -> int:
     from stablerl_jax.model import numerics as nx
     mc = cfg.model
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
-    dtype = nx.compute_dtype(nx.preset(cfg.sampling.numerics), mc.compute_dtype)
+    dtype = nx.compute_dtype(nx.numerics_preset(cfg.sampling.numerics), mc.compute_dtype)
     return mc.num_layers * 2 * s * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize
 
 
@@ -238,7 +238,8 @@ def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops:
                                  f"{coll / 2**30:.1f} GiB {coll / chip.ici_bw:.1f} s")
 
 
-def global_step(cfg: ExperimentConfig, est: dict, pass_seconds: float) -> tuple[float, dict]:
+def global_step_estimate(cfg: ExperimentConfig, est: dict,
+                         pass_seconds: float) -> tuple[float, dict]:
     """(seconds, by part) of one global step: sample + score + num_minibatches updates,
     plus the evaluation (eval_problems × eval_k rows, decoded in passes of the same
     rows as a sample pass) every eval_every steps, amortized."""

@@ -43,7 +43,7 @@ def _setup():
 def _rollout(preset, sampling=SAMPLING):
     params, prompts, mask = _setup()
     return ro.sample(params, prompts, mask, jax.random.key(2), CFG, sampling,
-                     nx.preset(preset), eos_id=2, pad_id=0)
+                     nx.numerics_preset(preset), eos_id=2, pad_id=0)
 
 
 def test_exact_engine_has_no_mismatch():
@@ -139,5 +139,5 @@ def test_train_numerics_is_the_reference():
     params, _, _ = _setup()
     r = _rollout("bf16")
     vs_train = measure_mismatch(params, r, CFG)
-    vs_bf16 = measure_mismatch(params, r, CFG, train_numerics=nx.preset("bf16"))
+    vs_bf16 = measure_mismatch(params, r, CFG, train_numerics=nx.numerics_preset("bf16"))
     assert vs_bf16["abs_logp_gap_mean"] < vs_train["abs_logp_gap_mean"]

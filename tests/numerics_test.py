@@ -39,8 +39,8 @@ def _forward(numerics, params, tokens):
 def test_exact_is_train_and_presets_order_the_error():
     params = tf.init_params(jax.random.key(0), CFG)
     tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
-    ref, aux = _forward(nx.preset("train"), params, tokens)
-    out = {p: _forward(nx.preset(p), params, tokens) for p in ("exact", "bf16", "fp8")}
+    ref, aux = _forward(nx.numerics_preset("train"), params, tokens)
+    out = {p: _forward(nx.numerics_preset(p), params, tokens) for p in ("exact", "bf16", "fp8")}
     np.testing.assert_array_equal(out["exact"][0], ref)
     err = {p: float(jnp.abs(h.astype(jnp.float32) - ref).mean()) for p, (h, _) in out.items()}
     assert err["exact"] == 0.0 < err["bf16"] < err["fp8"]
@@ -51,27 +51,27 @@ def test_exact_is_train_and_presets_order_the_error():
 def test_knobs_increase_mismatch():
     params = tf.init_params(jax.random.key(0), CFG)
     tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
-    ref, aux = _forward(nx.preset("train"), params, tokens)
-    base, _ = _forward(nx.preset("fp8"), params, tokens)
-    act, _ = _forward(nx.preset("fp8", act_fp8=True), params, tokens)
+    ref, aux = _forward(nx.numerics_preset("train"), params, tokens)
+    base, _ = _forward(nx.numerics_preset("fp8"), params, tokens)
+    act, _ = _forward(nx.numerics_preset("fp8", act_fp8=True), params, tokens)
     err = lambda h: float(jnp.abs(h.astype(jnp.float32) - ref).mean())
     assert err(act) > err(base)
     # Router noise on the exact preset (0 flips without it) flips routes.
-    exact, exact_aux = _forward(nx.preset("exact"), params, tokens)
-    noisy_h, noisy = _forward(nx.preset("exact", router_noise_std=0.3), params, tokens)
+    exact, exact_aux = _forward(nx.numerics_preset("exact"), params, tokens)
+    noisy_h, noisy = _forward(nx.numerics_preset("exact", router_noise_std=0.3), params, tokens)
     flip = lambda a: float((a["routes"] != aux["routes"]).mean())
     assert flip(exact_aux) == 0.0 < flip(noisy)
     assert err(exact) == 0.0 < err(noisy_h)
     # Same seed, same noise: deterministic.
-    _, again = _forward(nx.preset("exact", router_noise_std=0.3), params, tokens)
+    _, again = _forward(nx.numerics_preset("exact", router_noise_std=0.3), params, tokens)
     np.testing.assert_array_equal(again["routes"], noisy["routes"])
 
 
 def test_prepare_params_converts_once_per_preset():
     params = tf.init_params(jax.random.key(0), CFG)
-    assert nx.prepare_params(params, nx.preset("exact")) is params
-    bf16 = nx.prepare_params(params, nx.preset("bf16"))
-    fp8 = nx.prepare_params(params, nx.preset("fp8"))
+    assert nx.prepare_params(params, nx.numerics_preset("exact")) is params
+    bf16 = nx.prepare_params(params, nx.numerics_preset("bf16"))
+    fp8 = nx.prepare_params(params, nx.numerics_preset("fp8"))
     for tree in (bf16, fp8):
         assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(tree))
     # Only the quantized matmul weights differ from plain bf16; embedding, router and
@@ -86,12 +86,13 @@ def test_prepare_params_converts_once_per_preset():
     q = nx.fake_quant_e4m3(w, (2,))
     assert_close(fp8["layers"]["w_up"].astype(jnp.float32), q, n=1, dtype="bfloat16")
     # Overriding a knob builds a new value and leaves the preset table alone.
-    assert nx.preset("fp8", act_fp8=True).act_fp8 and not nx.NUMERICS_PRESETS["fp8"].act_fp8
+    assert nx.numerics_preset("fp8", act_fp8=True).act_fp8
+    assert not nx.NUMERICS_PRESETS["fp8"].act_fp8
 
 
 def test_validation():
     with pytest.raises(ValueError, match="unknown 'int4'"):
-        nx.preset("int4")
+        nx.numerics_preset("int4")
     with pytest.raises(ConfigError, match="^weights:"):
         nx.Numerics(weights="int4")
     with pytest.raises(ConfigError, match="^router_noise_std:"):

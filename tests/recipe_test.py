@@ -131,7 +131,7 @@ def test_the_sampler_stops_on_either_stop_id_and_truncated_rows_are_masked(run):
     tok = data.tokenizer
     assert tuple(tok.stop_ids) == run["stops"]  # <|im_end|> (eos) and <|endoftext|>
     eng = Engine.create(cfg, eos_id=tok.eos_id, pad_id=tok.pad_id, stop_ids=tok.stop_ids)
-    params = hc.load_params(run["ckpt"], cfg.model)
+    params = hc.load_hf_params(run["ckpt"], cfg.model)
     tokens, mask, answers = data.prompt_batch(data.train[:2], cfg.rl.group_size)
     ended, masked = set(), 0
     for seed in range(8):  # the run's batch shape: its sampler program, drawn 8 times
@@ -153,7 +153,7 @@ def test_the_sampler_stops_on_either_stop_id_and_truncated_rows_are_masked(run):
 def test_float32_master_weights_moved_and_the_export_keeps_the_checkpoint_dtype(run):
     cfg = run["cfg"]
     assert cfg.model.param_dtype == "float32" and hc.checkpoint_dtype(run["ckpt"]) == "bfloat16"
-    start = hc.load_params(run["ckpt"], cfg.model)
+    start = hc.load_hf_params(run["ckpt"], cfg.model)
     eng = Engine.create(cfg, eos_id=0, pad_id=0)
     state, meta = Checkpointer(f"{run['work']}/checkpoints").restore(
         None, eng.init_state(start)._asdict())

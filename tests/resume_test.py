@@ -27,12 +27,12 @@ def test_choose_refuses_only_when_no_checkpoint_is_covered(tmp_path):
         resume.choose(str(tmp_path), [3, 4], [0, 1])
 
 
-def test_check_rows_after_the_cut(tmp_path):
+def test_check_metrics_rows_after_the_cut(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n')
-    resume.check_rows(str(path), 1)
+    resume.check_metrics_rows(str(path), 1)
     with pytest.raises(ValueError, match=r"holds steps \[0, 1\], not 0..2 once each"):
-        resume.check_rows(str(path), 2)
+        resume.check_metrics_rows(str(path), 2)
 
 
 def test_torn_tail(tmp_path):

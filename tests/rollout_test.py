@@ -49,7 +49,7 @@ def _setup():
 def _rollout(seed=2, preset="exact"):
     params, prompts, mask = _setup()
     return ro.sample(params, prompts, mask, jax.random.key(seed), CFG, SAMPLING,
-                     nx.preset(preset), eos_id=EOS, pad_id=PAD)
+                     nx.numerics_preset(preset), eos_id=EOS, pad_id=PAD)
 
 
 def test_exact_preset_matches_training_path():
@@ -82,7 +82,7 @@ def test_kv_cache_layouts_sample_the_same_rows(on_mesh):
         params = jax.device_put(params, sharding.replicated(mesh))
         prompts, mask = jax.device_put((prompts, mask), sharding.batch_sharding(mesh))
     out = [ro.sample(params, prompts, mask, jax.random.key(4), CFG.replace(kv_cache_layout=lay),
-                     SAMPLING, nx.preset("fp8"), eos_id=EOS, pad_id=PAD, mesh=mesh)
+                     SAMPLING, nx.numerics_preset("fp8"), eos_id=EOS, pad_id=PAD, mesh=mesh)
            for lay in ("bskd", "bksd")]
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)
@@ -137,7 +137,7 @@ def test_keys_determine_samples():
     a = _rollout(2)
     params, prompts, mask = _setup()
     again = ro.sample(params, prompts, mask, jax.random.key(2), CFG, SAMPLING,
-                      nx.preset("exact"), eos_id=EOS, pad_id=PAD)
+                      nx.numerics_preset("exact"), eos_id=EOS, pad_id=PAD)
     for x, y in zip(a, again):
         np.testing.assert_array_equal(x, y)
     c = _rollout(3)
@@ -158,7 +158,7 @@ def test_rows_are_batch_and_padding_invariant():
     keys = jax.random.split(jax.random.key(2), B)[rows]
     short = prompts[rows, 9:]
     alone = ro.sample(params, short, jnp.ones_like(short, bool), keys, CFG, SAMPLING,
-                      nx.preset("exact"), eos_id=EOS, pad_id=PAD)
+                      nx.numerics_preset("exact"), eos_id=EOS, pad_id=PAD)
     np.testing.assert_array_equal(alone.tokens_BxS[:, 3:], r.tokens_BxS[rows, P:])
     np.testing.assert_array_equal(alone.lengths_B, r.lengths_B[rows])
     assert_same_logp(alone.logp_mu_BxS[:, 3:], r.logp_mu_BxS[rows, P:])
@@ -188,7 +188,7 @@ def test_truncation_support():
 
 def test_invalid_inputs_name_the_field():
     params, prompts, mask = _setup()
-    exact = nx.preset("exact")
+    exact = nx.numerics_preset("exact")
     sample = lambda p, m, key=jax.random.key(0), sampling=SAMPLING, eos=EOS, pad=PAD: ro.sample(
         params, p, m, key, CFG, sampling, exact, eos_id=eos, pad_id=pad)
     with pytest.raises(ValueError, match="max_seq_len=40"):
@@ -202,7 +202,7 @@ def test_invalid_inputs_name_the_field():
         with pytest.raises(ConfigError, match=f"^{field}:"):
             SamplingConfig(**kw)
     with pytest.raises(ValueError, match="unknown 'fp4'"):
-        nx.preset("fp4")
+        nx.numerics_preset("fp4")
     with pytest.raises(ValueError, match="left-padded"):
         sample(prompts, mask[:, ::-1])
     with pytest.raises(ValueError, match="at least one real"):
@@ -229,8 +229,8 @@ def test_any_stop_id_ends_a_row():
     # The most frequent completion token that occurs before an EOS: it ends some rows early.
     before_eos = np.concatenate([toks1[b, P:P + int(r1.lengths_B[b]) - 1] for b in range(B)])
     x = int(np.bincount(before_eos[before_eos != EOS]).argmax())
-    r2 = ro.sample(params, prompts, mask, jax.random.key(2), CFG, SAMPLING, nx.preset("exact"),
-                   eos_id=EOS, pad_id=PAD, stop_ids=(x,))
+    r2 = ro.sample(params, prompts, mask, jax.random.key(2), CFG, SAMPLING,
+                   nx.numerics_preset("exact"), eos_id=EOS, pad_id=PAD, stop_ids=(x,))
     shortened = 0
     for b in range(B):
         n1 = int(r1.lengths_B[b])
@@ -269,7 +269,7 @@ def test_a_model_forced_to_emit_a_second_stop_id_stops_there():
     n = SAMPLING.max_new_tokens
     for stop_ids, length in (((5, 6), 1), ((), n)):
         r = ro.sample(forced, prompts, mask, jax.random.key(3), CFG, SAMPLING,
-                      nx.preset("exact"), eos_id=EOS, pad_id=PAD, stop_ids=stop_ids)
+                      nx.numerics_preset("exact"), eos_id=EOS, pad_id=PAD, stop_ids=stop_ids)
         np.testing.assert_array_equal(r.lengths_B, length)
         np.testing.assert_array_equal(r.truncated_B, length == n)
         assert np.isin(np.asarray(r.tokens_BxS[:, P:P + length]), (5, 6)).all()

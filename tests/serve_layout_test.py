@@ -55,7 +55,7 @@ def _compiled(layout, preset, dtype, on_mesh, max_batch=0):
     mesh = _mesh() if on_mesh else None
     sampling = SamplingConfig(max_new_tokens=N, layout=layout, max_batch=max_batch)
     args = (*_placed(cfg, params, prompts, mask, mesh), jax.random.key(3))
-    static = (cfg, sampling, nx.preset(preset), ro.stop_set(EOS), PAD, mesh)
+    static = (cfg, sampling, nx.numerics_preset(preset), ro.stop_set(EOS), PAD, mesh)
     compiled = ro._sample.lower(*args, *static).compile()
     return compiled(*args), compiled.as_text()
 

@@ -269,7 +269,7 @@ def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentCo
     return cfg.replace(model=model, task=task)
 
 
-def load_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
+def load_hf_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
     """The params of the checkpoint at `path`, in `cfg.param_dtype`, each placed on its
     sharding (a params-shaped tree of `jax.sharding.Sharding`, e.g. `Engine.param_shardings`;
     default: the first device). Each device reads only its own block from disk."""
@@ -338,7 +338,7 @@ def load_qwen3_moe(path: str, *, mesh=None, **overrides) -> tuple[dict, ModelCon
     if mesh is not None:
         shapes = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg))
         shardings = sharding.tree_shardings(tf.param_logical_axes(cfg), shapes, mesh)
-    return load_params(path, cfg, shardings), cfg
+    return load_hf_params(path, cfg, shardings), cfg
 
 
 def _to_hf(x: np.ndarray, how: str, cfg: ModelConfig) -> np.ndarray:

@@ -116,18 +116,19 @@ TRAIN = NUMERICS_PRESETS["train"]
 assert set(NUMERICS_PRESETS) == {"train", *INFERENCE_NUMERICS}
 
 
-def preset(name: str, **overrides) -> Numerics:
+def numerics_preset(name: str, **overrides) -> Numerics:
     """A named preset, optionally with knobs overridden (e.g. router_noise_std=0.01)."""
     if name not in NUMERICS_PRESETS:
-        raise ValueError(f"numerics preset: unknown {name!r}; choose one of {sorted(NUMERICS_PRESETS)}")
+        raise ValueError(f"numerics preset: unknown {name!r}; choose one of "
+                         f"{sorted(NUMERICS_PRESETS)}")
     return NUMERICS_PRESETS[name].replace(**overrides) if overrides else NUMERICS_PRESETS[name]
 
 
 def of_sampling(sampling: SamplingConfig, seed: int) -> Numerics:
     """The sampling engine's numerics: its preset plus the mismatch knobs, the router
     noise seeded by the run's seed."""
-    return preset(sampling.numerics, router_noise_std=sampling.router_noise_std,
-                  act_fp8=sampling.act_fp8, noise_seed=seed)
+    return numerics_preset(sampling.numerics, router_noise_std=sampling.router_noise_std,
+                           act_fp8=sampling.act_fp8, noise_seed=seed)
 
 
 def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):

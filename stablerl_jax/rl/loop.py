@@ -255,7 +255,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         if main:
             for log in (minibatch_log, samples_log):
                 truncate_jsonl(log, latest)
-            resume.check_rows(metrics_path, latest)
+            resume.check_metrics_rows(metrics_path, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         if main:
@@ -311,13 +311,13 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         return {"steps": cfg.rl.steps, "skipped_updates": skipped}
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
-    summary = summarize(records, skipped)
+    summary = run_summary(records, skipped)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
 
-def summarize(records: list[dict], skipped: int) -> dict:
+def run_summary(records: list[dict], skipped: int) -> dict:
     """The run's summary.json: start / end held-out accuracy (`eval/accuracy`, the mean
     over eval sets) and each set's end avg@k, start / end reward (means of the first /
     last fifth of the steps), steps and skipped updates."""

@@ -29,7 +29,7 @@ def check_workdir(workdir: str) -> None:
                               "permissions or choose another --workdir")
 
 
-def check(cfg, workdir: str, devices=None) -> None:
+def check_run(cfg, workdir: str, devices=None) -> None:
     """The checks an entry point runs before any work (before the cold start): the
     workdir can hold a run, the mesh fits the visible devices, the batches split over the
     processes."""

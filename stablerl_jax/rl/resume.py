@@ -68,7 +68,7 @@ def report_torn(path: str) -> None:
                         path, n)
 
 
-def check_rows(path: str, last: int) -> None:
+def check_metrics_rows(path: str, last: int) -> None:
     """After the log was cut back to step `last`: it must hold steps 0…last once each."""
     logged = [r["step"] for r in read_metrics(path)]
     if logged != list(range(last + 1)):
