@@ -15,7 +15,8 @@ Nothing is silently fixed: a config either describes exactly what runs or is ref
 all at once, then validates once, so overrides that only make sense together (e.g.
 `task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
 
-This module is a leaf: it imports nothing from the model, data or training code. Special
+This module is a leaf: it imports nothing from the model, data or training code (only the
+kernels' tables of implementation names, which import no JAX). Special
 token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
 (`model.numerics.dtype_of`).
 """
@@ -26,6 +27,9 @@ import math
 import re
 import typing
 
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
+
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
 INFERENCE_NUMERICS = ("exact", "bf16", "fp8")  # presets of model.numerics for the sampler
 LOSS_NAMES = ("minirl", "grpo", "cispo", "gspo", "gspo_token", "dapo")
@@ -34,9 +38,7 @@ AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_t
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on
-LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
-GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
 SAMPLER_LAYOUTS = ("train", "serve")  # SamplingConfig.layout
 KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]

@@ -3,7 +3,7 @@
 Letters: P rows (sorted by group), K contraction width, N output width, E groups
 (experts), Bm row tile, Bn column tile, Bk contraction slice, M = P / Bm row tiles.
 
-Contract (the reference is the pure-JAX `stablerl_jax.model.gmm.gmm`):
+Contract (the reference is the pure-JAX `gmm.gmm`, beside this file):
 
     out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
 
@@ -37,7 +37,6 @@ block raises, unwritten memory reads as NaN): how the CPU tests run them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -46,46 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-HIGHEST = jax.lax.Precision.HIGHEST
-TARGETS = ("gpu", "tpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiles: `rows` (Bm; the gcd with the MoE tile is used, so it always divides it),
-    `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels (forward and
-    d lhs); `t_rows`, `t_cols`, `t_depth` the same for tgmm (d rhs; its contraction runs
-    over rows). Triton's `num_warps` / `num_stages` for gmm and `t_num_warps` /
-    `t_num_stages` for tgmm (GPU only); `vmem_limit_mib` raises Mosaic's scoped VMEM
-    limit (TPU only; 0 keeps the compiler's default). TPU wants multiples of (8, 128),
-    Triton powers of two ≥ 16, and its stages × (A + B tiles) must fit shared memory
-    (227 KiB on an H100). Defaults: `GPU_BLOCKS` / `TPU_BLOCKS`."""
-
-    rows: int = 128
-    cols: int = 256
-    depth: int = 256
-    t_rows: int = 256
-    t_cols: int = 256
-    t_depth: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    t_num_warps: int = 4
-    t_num_stages: int = 3
-    vmem_limit_mib: int = 0
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int) and v >= (0 if f.name == "vmem_limit_mib" else 1)):
-                raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
-
-
-# Mosaic: lane-aligned tiles of (8, 128) multiples, one weight tile of 256 × 256 bf16.
-TPU_BLOCKS = BlockSizes()
-# Triton on an H100: the best of the block sweep at the Qwen3-30B-A3B expert shape
-# (docs/benchmarks.md, `python -m benchmarks.gmm --sweep`).
-GPU_BLOCKS = BlockSizes(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, t_depth=128,
-                        num_warps=8, num_stages=5, t_num_warps=8, t_num_stages=3)
+from stablerl_jax.kernels import TARGETS
+from stablerl_jax.kernels.gmm import HIGHEST
+from stablerl_jax.kernels.gmm_impls import GmmBlocks
 
 
 def _acc(dtype):
@@ -211,7 +173,7 @@ def _interp(interpret: bool):
         if interpret else False
 
 
-def _params(block: BlockSizes, tpu: bool, semantics, interpret: bool, t: bool = False):
+def _params(block: GmmBlocks, tpu: bool, semantics, interpret: bool, t: bool = False):
     if interpret:
         return None
     if tpu:
@@ -321,11 +283,12 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile: int, precision=HIGHEST, *,
-        block: BlockSizes | None = None, target: str = "gpu", interpret: bool = False):
+        target: str, block: GmmBlocks, interpret: bool = False):
     """Grouped matmul (module docstring), differentiable in lhs and rhs. The kernels
     multiply at full precision for float32 operands (bf16 products are exact) with
     float32 (float64) accumulation; `precision` is accepted for the GroupedMatmul
-    contract. Output in lhs's dtype."""
+    contract. Output in lhs's dtype. `block`: the tiles (the rows of
+    gmm_impls.GMM_IMPLS bind GMM_GPU_BLOCKS / GMM_TPU_BLOCKS)."""
     del precision
     if target not in TARGETS:
         raise ValueError(f"gmm pallas: target={target!r} must be one of {TARGETS}")
@@ -338,6 +301,5 @@ def gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile: int, precision=HIGHEST, *,
         raise ValueError(f"gmm pallas: group_sizes shape {group_sizes_E.shape} must be "
                          f"({rhs_ExKxN.shape[0]},)")
     rhs = rhs_ExKxN.astype(lhs_PxK.dtype)
-    block = block or (TPU_BLOCKS if target == "tpu" else GPU_BLOCKS)
     return _gmm(lhs_PxK, rhs, group_sizes_E.astype(jnp.int32), tile, block,
                 target, bool(interpret))
