@@ -63,6 +63,15 @@ class Impl:
         return functools.partial(fn, **bound) if bound else fn
 
 
+def check_blocks(blocks, zero_ok: tuple[str, ...] = ()) -> None:
+    """Raise ValueError unless every field of the block-size dataclass `blocks` is a
+    positive int (or 0, for the fields in `zero_ok`)."""
+    for f in dataclasses.fields(blocks):
+        v = getattr(blocks, f.name)
+        if not (isinstance(v, int) and v >= (0 if f.name in zero_ok else 1)):
+            raise ValueError(f"{type(blocks).__name__}.{f.name}={v!r} must be a positive int")
+
+
 def lookup(table: Mapping[str, Impl], name: str, field: str) -> Impl:
     """table[name], or a ValueError naming `field` and the choices."""
     if name not in table:

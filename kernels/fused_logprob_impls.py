@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stablerl_jax.kernels import Arg, Impl
+from stablerl_jax.kernels import Arg, Impl, check_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +40,7 @@ class LogprobBlocks:
     num_stages: int = 3
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int) and v > 0):
-                raise ValueError(f"LogprobBlocks.{f.name}={v!r} must be a positive int")
+        check_blocks(self)
 
 
 # Blocks for Mosaic (TPU): token blocks multiples of 8, vocab tiles multiples of 128

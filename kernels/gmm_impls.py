@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stablerl_jax.kernels import Arg, Impl
+from stablerl_jax.kernels import Arg, Impl, check_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,7 @@ class GmmBlocks:
     vmem_limit_mib: int = 0
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int) and v >= (0 if f.name == "vmem_limit_mib" else 1)):
-                raise ValueError(f"GmmBlocks.{f.name}={v!r} must be a positive int")
+        check_blocks(self, zero_ok=("vmem_limit_mib",))
 
 
 # Mosaic: lane-aligned tiles of (8, 128) multiples, one weight tile of 256 × 256 bf16.

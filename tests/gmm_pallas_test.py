@@ -106,7 +106,7 @@ def test_errors_name_the_values():
     kernel = functools.partial(gmm_pallas.gmm, block=BLOCK)
     with pytest.raises(ValueError, match="tile=16"):
         kernel(lhs, rhs, sizes, 16, target="gpu")
-    with pytest.raises(ValueError, match="K=5"):
+    with pytest.raises(ValueError, match="D=5"):
         kernel(jnp.zeros((16, 5)), rhs, sizes, 8, target="gpu")
     with pytest.raises(ValueError, match="group_sizes shape"):
         kernel(jnp.zeros((16, 4)), rhs, jnp.array([8]), 8, target="tpu")
