@@ -10,13 +10,16 @@ up to a multiple of `--tile` in a buffer sized for the worst case (M + E·tile r
 FLOPs count the M routed rows only: 2·M·D·F forward, twice that backward (d lhs and
 d rhs). The peak is the median rate of a bare 8192³ `jnp.dot` in the same dtype.
 
-For each path: forward, d lhs (transposed-rhs gmm), d rhs (tgmm) and forward+backward
-(jax.vjp of the public op) times, median of `--reps` after a warm-up. `--sweep` first times
-each Pallas kernel at several block sizes (BlockSizes: tiles, Triton warps and stages),
-then runs the table with the best gmm and the best tgmm blocks (else GPU_BLOCKS). Values are checked against ragged_dot first
-(relative Frobenius error; bf16 operands, float32 accumulation in both).
-`--targets` picks the Pallas lowering (gpu on an NVIDIA GPU; interpret=True on a CPU,
-for a smoke run at a small --m).
+`--paths` names rows of the op's table (kernels/gmm_impls.py, GMM_IMPLS), each run as
+the model runs it (its default blocks; precision HIGHEST, which bf16 operands ignore).
+For each path: forward and forward+backward (jax.vjp of the public op) times, and for
+this project's Pallas kernels d lhs (transposed-rhs gmm) and d rhs (tgmm) apart; median
+of `--reps` after a warm-up. `--sweep` first times each Pallas kernel of the first
+pallas_* path at several block sizes (GmmBlocks: tiles, Triton warps and stages), then
+runs that path with the best gmm and the best tgmm blocks. Values are checked against
+ragged_dot first (relative Frobenius error; bf16 operands, float32 accumulation in both).
+`--interpret` runs the Pallas paths in the interpreter (a smoke run on a CPU at a small
+--m).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numpy as np
 
 from benchmarks.timing import matmul_peak, median_seconds
 from stablerl_jax.kernels import gmm_pallas
-from stablerl_jax.model.gmm import gmm as loop_gmm
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks
 
 # gmm (forward and d lhs): rows, cols, depth, warps, stages
 GMM_SWEEP = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
@@ -49,12 +52,6 @@ def group_sizes(m: int, e: int, tile: int, seed: int = 0) -> np.ndarray:
     return (-(-counts // tile) * tile).astype(np.int32)
 
 
-def ragged(lhs, rhs, sizes, tile, precision=None):
-    del tile, precision
-    return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32
-                              ).astype(lhs.dtype)
-
-
 def fwd_bwd(fn):
     def run(lhs, rhs, sizes, cot):
         out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
@@ -71,12 +68,16 @@ def main():
     ap.add_argument("--tile", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--paths", default="pallas,ragged_dot",
-                    help="comma-separated of pallas, ragged_dot, loop")
-    ap.add_argument("--target", default="gpu", choices=gmm_pallas.TARGETS)
+    ap.add_argument("--paths", default="pallas_gpu,ragged_dot",
+                    help=f"comma-separated names of {tuple(GMM_IMPLS)}")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
+    paths = args.paths.split(",")
+    if bad := [p for p in paths if p not in GMM_IMPLS]:
+        ap.error(f"--paths {bad}: choose among {tuple(GMM_IMPLS)}")
+    # This project's Pallas kernels (d lhs and d rhs timed apart, blocks swept).
+    ours = [p for p in paths if isinstance(GMM_IMPLS[p].blocks, GmmBlocks)]
     dtype = jnp.dtype(args.dtype)
     sizes_np = group_sizes(args.m, args.e, args.tile)
     rows = args.m + args.e * args.tile
@@ -94,6 +95,7 @@ def main():
           f"F {args.f}, E {args.e}, tile {args.tile}; measured {args.dtype} matmul peak "
           f"{peak / 1e12:.0f} TFLOP/s; median of {args.reps}", flush=True)
 
+    ragged = GMM_IMPLS["ragged_dot"].load()
     want = jax.jit(lambda a, b, s: ragged(a, b, s, args.tile))(lhs, rhs, sizes)
 
     def rel(got):
@@ -107,25 +109,26 @@ def main():
             print(f"  refused: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
             return float("nan")
 
-    def kernels(block):
+    def kernels(block, target):
         call = functools.partial(gmm_pallas._gmm_call, tile=args.tile, block=block,
-                                 target=args.target, interpret=args.interpret)
+                                 target=target, interpret=args.interpret)
         fwd = jax.jit(lambda a, b, s: call(a, b, s, transpose=False))
         dl = jax.jit(lambda c, b, s: call(c, b, s, transpose=True))
         dr = jax.jit(lambda a, c, s: gmm_pallas._tgmm_call(
-            a, c, s, args.tile, rhs.dtype, block, args.target, args.interpret))
+            a, c, s, args.tile, rhs.dtype, block, target, args.interpret))
         return fwd, dl, dr
 
     one = useful / 1e12
-    block = gmm_pallas.GPU_BLOCKS if args.target == "gpu" else gmm_pallas.TPU_BLOCKS
-    if args.sweep and "pallas" in args.paths:
+    blocks = {p: GMM_IMPLS[p].blocks for p in ours}
+    if args.sweep and ours:
+        target = GMM_IMPLS[ours[0]].options["target"]
         print("| gmm blocks (rows/cols/depth, warps, stages) | fwd ms | fwd TFLOP/s | "
               "d lhs ms | d lhs TFLOP/s |")
         print("|---|---|---|---|---|")
         best = (float("inf"), None)
         for r, c, d, w, st in GMM_SWEEP:
-            b = gmm_pallas.BlockSizes(rows=r, cols=c, depth=d, num_warps=w, num_stages=st)
-            fwd, dl, _ = kernels(b)
+            b = GmmBlocks(rows=r, cols=c, depth=d, num_warps=w, num_stages=st)
+            fwd, dl, _ = kernels(b, target)
             t_f, t_l = timed(fwd, lhs, rhs, sizes), timed(dl, cot, rhs, sizes)
             print(f"| {r}/{c}/{d}, {w}, {st} | {t_f * 1e3:.2f} | {one / t_f:.0f} | "
                   f"{t_l * 1e3:.2f} | {one / t_l:.0f} |", flush=True)
@@ -136,9 +139,8 @@ def main():
         print("|---|---|---|")
         tbest = (float("inf"), None)
         for r, c, d, w, st in TGMM_SWEEP:
-            b = gmm_pallas.BlockSizes(t_rows=r, t_cols=c, t_depth=d, t_num_warps=w,
-                                      t_num_stages=st)
-            t_r = timed(kernels(b)[2], lhs, cot, sizes)
+            b = GmmBlocks(t_rows=r, t_cols=c, t_depth=d, t_num_warps=w, t_num_stages=st)
+            t_r = timed(kernels(b, target)[2], lhs, cot, sizes)
             print(f"| {r}/{c}/{d}, {w}, {st} | {t_r * 1e3:.2f} | {one / t_r:.0f} |",
                   flush=True)
             if t_r < tbest[0]:
@@ -146,25 +148,26 @@ def main():
         if best[1] is None or tbest[1] is None:
             raise SystemExit("every block size of the sweep was refused (see above)")
         (r, c, d, w, st), (tr, tc, td, tw, ts) = best[1], tbest[1]
-        block = gmm_pallas.BlockSizes(rows=r, cols=c, depth=d, num_warps=w, num_stages=st,
-                                      t_rows=tr, t_cols=tc, t_depth=td, t_num_warps=tw,
-                                      t_num_stages=ts)
-        print(f"best: {block}")
+        blocks[ours[0]] = GmmBlocks(rows=r, cols=c, depth=d, num_warps=w, num_stages=st,
+                                    t_rows=tr, t_cols=tc, t_depth=td, t_num_warps=tw,
+                                    t_num_stages=ts)
+        print(f"best: {blocks[ours[0]]}")
 
     print("| path | blocks | fwd ms | d lhs ms | d rhs ms | fwd+bwd ms | fwd+bwd TFLOP/s | "
           "% of peak | rel. err. fwd |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for path in args.paths.split(","):
-        if path == "pallas":
-            op = functools.partial(gmm_pallas.gmm, tile=args.tile, block=block,
-                                   target=args.target, interpret=args.interpret)
-            fwd, dl, dr = kernels(block)
+    for path in paths:
+        row = GMM_IMPLS[path]
+        kw = {"interpret": args.interpret} if row.pallas else {}
+        if path in ours:
+            block = blocks[path]
+            op = functools.partial(row.load(), tile=args.tile, block=block, **kw)
+            fwd, dl, dr = kernels(block, row.options["target"])
             name = (f"{block.rows}/{block.cols}/{block.depth} w{block.num_warps} "
                     f"s{block.num_stages}; t{block.t_rows}/{block.t_cols}/{block.t_depth} "
                     f"w{block.t_num_warps} s{block.t_num_stages}")
         else:
-            op = functools.partial(ragged if path == "ragged_dot" else loop_gmm,
-                                   tile=args.tile)
+            op = functools.partial(row.load(), tile=args.tile, **kw)
             fwd = jax.jit(lambda a, b, s, op=op: op(a, b, s))
             dl = dr = None
             name = "-"

@@ -217,57 +217,69 @@ def compile_steps(cfg: ExperimentConfig, topo: Topology, names=("sample", "score
     return out
 
 
-def compile_kernels(cfg: ExperimentConfig, topo: Topology) -> list[Compiled]:
-    """AOT-compile the Pallas kernels for `topo` (target "tpu") inside shard_map over the
-    config's mesh, at the update's per-chip sizes (one micro-batch's tokens per chip):
-    the fused log-prob forward + backward (`logprob fwd+bwd`) and the grouped matmul of
-    the gate projection forward + backward (`gmm fwd+bwd`). Gradients of the replicated
-    weights are summed over the mesh (psum), as the update does."""
+def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, object, tuple]]:
+    """(label, program, abstract arguments) for every Pallas kernel for TPU in the ops'
+    tables (LOGPROB_IMPLS, GMM_IMPLS: the rows with `pallas` and "tpu" among their
+    backends), each at its op's example shapes (`*_example_args`) for the update's
+    per-chip sizes (one micro-batch's tokens per chip): forward + backward inside
+    shard_map over the config's mesh on `devices_` (the cotangents are arguments too), the
+    gradients of the replicated arguments summed over the mesh (psum), as the update
+    does. Lowering a program compiles nothing; `compile_kernels` compiles them."""
+    from stablerl_jax import sharding
+    from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
+    from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
+    mesh = sharding.make_mesh(*cfg.mesh, devices=devices_)
+    axes = sharding.RULES["batch"]
+    mc, rl = cfg.model, cfg.rl
+    rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches // rl.microbatches
+    t = max(rows // mesh.size, 1) * (cfg.task.max_prompt_len + cfg.sampling.max_new_tokens - 1)
+    ops = (("logprob", LOGPROB_IMPLS,
+            logprob_example_args(t, mc.d_model, mc.vocab_size, mc.compute_dtype)),
+           ("gmm", GMM_IMPLS, gmm_example_args(t, mc)))
+    return [(f"{op} {name} fwd+bwd", *_fwd_bwd_program(row.load(), args, static, mesh, axes))
+            for op, table, (args, static) in ops
+            for name, row in table.items() if row.pallas and "tpu" in row.backends]
+
+
+def _fwd_bwd_program(fn, args, static: dict, mesh, axes) -> tuple:
+    """(jitted shard_map program, its global abstract arguments): the `args` (kernels.Arg,
+    per device) then one cotangent per output; returns (outputs, gradients of the `diff`
+    arguments), those of replicated arguments psummed."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    split, rep = P(axes), P()
+    n = mesh.size
+    local = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype)) for a in args]
+    outs = jax.eval_shape(lambda *xs: fn(*xs, **static), *local)
+    cots = jax.tree.leaves(outs)
+    diff = [i for i, a in enumerate(args) if a.diff]
 
-    from stablerl_jax import sharding
-    from stablerl_jax.kernels import gmm_pallas
-    from stablerl_jax.kernels.fused_logprob import TPU_BLOCKS, fused_logprob
-    from stablerl_jax.model.moe import padded_rows
-    from stablerl_jax.model.numerics import dtype_of
-    mesh = sharding.make_mesh(*cfg.mesh, devices=devices(topo))
-    axes = sharding.RULES["batch"]
-    n_dev, mc, rl = mesh.size, cfg.model, cfg.rl
-    rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches // rl.microbatches
-    t = max(rows // n_dev, 1) * (cfg.task.max_prompt_len + cfg.sampling.max_new_tokens - 1)
-    dt = dtype_of(mc.compute_dtype)
-    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype,
-                                                          sharding=NamedSharding(mesh, spec))
-    data, rep = P(axes), P()
+    def program(*xs):
+        inputs, cot = list(xs[:len(args)]), xs[len(args):]
 
-    def smap(f, in_specs, out_specs):
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                     check_vma=False))
+        def f(*d):
+            full = list(inputs)
+            for i, v in zip(diff, d):
+                full[i] = v
+            return fn(*full, **static)
 
-    def logprob(h, w, y, g_logp, g_ent):
-        f = lambda h_, w_: fused_logprob(h_, w_, y, impl="pallas", target="tpu",
-                                         block=TPU_BLOCKS)
-        out, vjp = jax.vjp(f, h, w)
-        dh, dw = vjp((g_logp, g_ent))
-        return out, dh, jax.lax.psum(dw, axes)
+        out, vjp = jax.vjp(f, *(inputs[i] for i in diff))
+        grads = vjp(jax.tree.unflatten(jax.tree.structure(outs), cot))
+        return out, tuple(g if args[i].split else jax.lax.psum(g, axes)
+                          for i, g in zip(diff, grads))
 
-    d, v = mc.d_model, mc.vocab_size
-    lp_args = (sds((t * n_dev, d), dt, data), sds((d, v), dt, rep),
-               sds((t * n_dev,), jnp.int32, data), sds((t * n_dev,), jnp.float32, data),
-               sds((t * n_dev,), jnp.float32, data))
-    lp = smap(logprob, (data, rep, data, data, data), ((data, data), data, rep))
-    p_rows = padded_rows(t * mc.top_k, mc.num_experts, mc.moe_tile)
+    specs = [split if a.split else rep for a in args] + [split] * len(cots)
+    out_specs = (jax.tree.map(lambda _: split, outs),
+                 tuple(split if args[i].split else rep for i in diff))
+    shard = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
+        (shape[0] * n, *shape[1:]) if spec == split else shape, dtype,
+        sharding=NamedSharding(mesh, spec))
+    global_args = tuple(shard(x.shape, x.dtype, sp) for x, sp in zip(local + cots, specs))
+    return jax.jit(jax.shard_map(program, mesh=mesh, in_specs=tuple(specs),
+                                 out_specs=out_specs, check_vma=False)), global_args
 
-    def gmm(lhs, rhs, sizes, dout):
-        f = lambda a, b: gmm_pallas.gmm(a, b, sizes, mc.moe_tile, target="tpu")
-        out, vjp = jax.vjp(f, lhs, rhs)
-        dlhs, drhs = vjp(dout)
-        return out, dlhs, jax.lax.psum(drhs, axes)
 
-    e, f_ = mc.num_experts, mc.expert_ffn_dim
-    gm_args = (sds((p_rows * n_dev, d), dt, data), sds((e, d, f_), dt, rep),
-               sds((e * n_dev,), jnp.int32, data), sds((p_rows * n_dev, f_), dt, data))
-    gm = smap(gmm, (data, rep, data, data), (data, data, rep))
-    return [compile_lowered("logprob fwd+bwd (pallas)", lambda: lp.lower(*lp_args)),
-            compile_lowered("gmm fwd+bwd (pallas)", lambda: gm.lower(*gm_args))]
+def compile_kernels(cfg: ExperimentConfig, topo: Topology) -> list[Compiled]:
+    """AOT-compile the Pallas kernels for `topo` (`kernel_programs` on its devices)."""
+    return [compile_lowered(label, lambda p=program, a=args: p.lower(*a))
+            for label, program, args in kernel_programs(cfg, devices(topo))]

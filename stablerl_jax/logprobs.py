@@ -13,40 +13,38 @@ Temperature τ divides the logits; it is applied to the hidden states (z/τ = (h
 before the fused op, so the gradient flows through the same custom VJP. The op is row-wise
 over tokens, so a row's log-probs do not depend on what else is in the batch.
 
-impl (config.LOGPROB_IMPLS): "naive" (full float32 logits, the reference), "chunked"
-(lax.scan over vocab chunks, the default), "pallas_gpu" / "pallas_tpu" (the Pallas
-kernels compiled for that target). `interpret=True` runs a Pallas impl in the checking
-interpreter instead (CPU tests).
+impl: a row of the op's table (kernels/fused_logprob_impls.py, LOGPROB_IMPLS): "naive"
+(full float32 logits, the reference), "chunked" (lax.scan over vocab chunks, the
+default), "pallas_gpu" / "pallas_tpu" (the Pallas kernels compiled for that target).
+`interpret=True` runs a Pallas impl in the checking interpreter instead (CPU tests).
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import input_checks, sharding
-from stablerl_jax.kernels.fused_logprob import TPU_BLOCKS, BlockSizes, fused_logprob
+from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.fused_logprob import fused_logprob
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
-_IMPLS = {"naive": ("naive", "gpu"), "chunked": ("chunked", "gpu"),
-          "pallas_gpu": ("pallas", "gpu"), "pallas_tpu": ("pallas", "tpu")}
-
 
 def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunked",
-                   block: BlockSizes | None = None, temperature: float = 1.0,
+                   block: LogprobBlocks | None = None, temperature: float = 1.0,
                    interpret: bool = False, mesh=None):
     """(logp_BxT, entropy_BxT), float32 (float64 for float64 hidden states), under
     p = softmax(hidden · unembed / temperature): logp = log p(target), entropy =
     −Σ_v p_v log p_v over the full vocabulary. With a multi-device `mesh`, a Pallas impl
     runs under shard_map on each device's rows (a Pallas call is opaque to the
     partitioner, which would otherwise gather every row onto every device) against the
-    whole unembedding; its gradient is summed over the devices by shard_map."""
+    whole unembedding; its gradient is summed over the devices by shard_map. `block`
+    replaces the implementation's default block sizes."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
-    if impl not in _IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {tuple(_IMPLS)}")
+    row = lookup(LOGPROB_IMPLS, impl, "impl")
     if hidden_BxTxD.ndim != 3 or targets_BxT.shape != hidden_BxTxD.shape[:2]:
         raise ValueError(f"token_logprobs: need hidden [B, T, D] and targets [B, T]; got "
                          f"{hidden_BxTxD.shape=}, {targets_BxT.shape=}")
@@ -56,12 +54,9 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
         # Scale in float32 (or wider), then back to the compute dtype the op streams in.
         acc = nx.accum_dtype(h_NxD.dtype)
         h_NxD = (h_NxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
-    op, target = _IMPLS[impl]
-    if block is None and impl == "pallas_tpu":
-        block = TPU_BLOCKS
-    fused = lambda h, w, y: fused_logprob(h, w, y, block=block, impl=op, target=target,
+    fused = lambda h, w, y: fused_logprob(h, w, y, impl=impl, block=block,
                                           interpret=interpret)
-    if op == "pallas" and mesh is not None and mesh.size > 1:
+    if row.pallas and mesh is not None and mesh.size > 1:
         rows = P(tuple(a for a in sharding.RULES["batch"] if mesh.shape[a] > 1))
         fused = jax.shard_map(fused, mesh=mesh, in_specs=(rows, P(), rows),
                               out_specs=(rows, rows), check_vma=False)

@@ -6,9 +6,9 @@ import re
 import jax
 
 from stablerl_jax.config import ExperimentConfig
-from stablerl_jax.kernels.fused_logprob import BlockSizes
+from stablerl_jax.kernels.fused_logprob_impls import LogprobBlocks
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.model.moe import padded_rows
+from stablerl_jax.kernels.gmm_impls import padded_rows
 
 
 def expert_weight_gathers(hlo_text: str, num_experts: int, ffn_dim: int) -> list[str]:
@@ -42,7 +42,7 @@ def update_memory_bound(cfg: ExperimentConfig, engine) -> dict:
                    [chunk, S] scores per head, three times: scores, probs, gradient), the
                    MoE buffers (R sorted rows of D and 3F in and out, twice for the
                    gradient, plus float32 partial outputs) and the fused log-prob's
-                   [t, C] chunk (C: the chunked impl's vocab chunk, BlockSizes().chunk);
+                   [t, C] chunk (C: the chunked impl's vocab chunk, LogprobBlocks().chunk);
                    each counted at 4 bytes and twice over for the compiler's double
                    buffering.
     `bound` is their sum. Under remat="none" the activation term is not a bound."""
@@ -64,7 +64,7 @@ def update_memory_bound(cfg: ExperimentConfig, engine) -> dict:
     layer_w = (e_loc * 3 * d * f + 2 * (h + kv) * dh * d + d * mc.num_experts) * 4
     attention = (t * (2 * h + 2 * kv) * dh + 3 * h * min(chunk, s) * s) * 4
     moe = 2 * r_rows * (2 * d + 3 * f) * 4 + 2 * t_moe * d * 4
-    logprob = 3 * t * BlockSizes().chunk * 4 + t * d * 4
+    logprob = 3 * t * LogprobBlocks().chunk * 4 + t * d * 4
     activations = 2 * (mc.num_layers * t * d * 4 + layer_w + attention + moe + logprob)
     out = {"state": 3 * p_bytes, "grads": 2 * p_bytes,
            "batch": (rows // n_dev) * s * (4 * 5 + 4 * mc.num_layers * mc.top_k),

@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from stablerl_jax.kernels.fused_logprob import IMPLS, BlockSizes, fused_logprob, reference
+from kernel_cases import INTERPRET, impls_here
+from stablerl_jax.kernels.fused_logprob import fused_logprob, reference
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 from tolerance import assert_close, bound
 
-INTERPRET = jax.default_backend() == "cpu"
-TARGET = "tpu" if jax.default_backend() == "tpu" else "gpu"
-run = functools.partial(fused_logprob, target=TARGET, interpret=INTERPRET)
+run = functools.partial(fused_logprob, interpret=INTERPRET)
 
 # Small blocks so every test shape spans several tiles and ragged edges; each is at least
 # 16 because Triton dots need 16-wide operands when the suite runs compiled on a GPU.
@@ -29,9 +29,9 @@ run = functools.partial(fused_logprob, target=TARGET, interpret=INTERPRET)
 # slices (D = 40 is padded to the slices); bfloat16 runs one split and one dot over all
 # of D, so both combine paths and both logit paths of the Pallas kernels are covered.
 BLOCKS = {
-    jnp.float32: BlockSizes(chunk=32, tokens=16, vocab=16, vocab_tiles=2, dim=16,
+    jnp.float32: LogprobBlocks(chunk=32, tokens=16, vocab=16, vocab_tiles=2, dim=16,
                             bwd_chunk=32, bwd_tokens=16, bwd_vocab=16),
-    jnp.bfloat16: BlockSizes(chunk=64, tokens=32, vocab=16, vocab_tiles=64, dim=64,
+    jnp.bfloat16: LogprobBlocks(chunk=64, tokens=32, vocab=16, vocab_tiles=64, dim=64,
                              bwd_chunk=64, bwd_tokens=32, bwd_vocab=32),
 }
 # (T, D, V): block multiples; T, D and V ragged; D below Triton's 16 and V ragged.
@@ -109,7 +109,7 @@ def _ref64_vjp(h, w, y, g_logp, g_ent):
 
 
 # "naive" is checked by value below; its VJP is JAX's own autodiff of log_softmax.
-@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "naive"])
+@pytest.mark.parametrize("impl", [i for i in impls_here(LOGPROB_IMPLS) if i != "naive"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
@@ -125,7 +125,7 @@ def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
         assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.parametrize("impl", [i for i in impls_here(LOGPROB_IMPLS) if i != "naive"])
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(t=st.integers(1, 40), d=st.integers(1, 40), v=st.integers(2, 150),
        seed=st.integers(0, 2**16))
@@ -146,7 +146,7 @@ def test_random_shapes_match_float64_reference(impl, t, d, v, seed):
 def test_chunked_check_grads_x64():
     with jax.enable_x64(True):
         h, w, y, _, _ = _inputs(9, 8, 37, jnp.float64)
-        f = jax.jit(lambda h, w: fused_logprob(h, w, y, block=BlockSizes(chunk=16),
+        f = jax.jit(lambda h, w: fused_logprob(h, w, y, block=LogprobBlocks(chunk=16),
                                                impl="chunked"))
         # A central difference of step eps is off by O(eps²) (truncation, ~1e-10 here) and
         # by its float64 rounding, γ_n·|f| / eps, which dominates: n = D + V + 8 roundings
@@ -163,7 +163,7 @@ def _temp_bytes(fn, *shapes):
 
 def test_chunked_temp_memory_grows_with_tokens_not_vocab():
     c = 512
-    fwd = lambda h, w, y: fused_logprob(h, w, y, block=BlockSizes(chunk=c), impl="chunked")
+    fwd = lambda h, w, y: fused_logprob(h, w, y, block=LogprobBlocks(chunk=c), impl="chunked")
     tmp = lambda t, v: _temp_bytes(fwd, ((t, 64), jnp.float32), ((64, v), jnp.float32),
                                    ((t,), jnp.int32))
     t = 256
@@ -178,7 +178,7 @@ def test_chunked_temp_memory_grows_with_tokens_not_vocab():
 def test_chunked_backward_holds_no_TxV_buffer():
     t, d, c = 1024, 64, 512
     loss = lambda h, w, y: sum(jnp.sum(o) for o in
-                               fused_logprob(h, w, y, block=BlockSizes(chunk=c)))
+                               fused_logprob(h, w, y, block=LogprobBlocks(chunk=c)))
     tmp = lambda v: _temp_bytes(jax.grad(loss, argnums=(0, 1)), ((t, d), jnp.float32),
                                 ((d, v), jnp.float32), ((t,), jnp.int32))
     v = 32 * c
@@ -195,8 +195,8 @@ def test_shape_errors_name_values():
         fused_logprob(h, w, y[:7])
     with pytest.raises(ValueError, match="impl='fast'"):
         fused_logprob(h, w, y, impl="fast")
-    with pytest.raises(ValueError, match="BlockSizes.chunk=0"):
-        BlockSizes(chunk=0)
+    with pytest.raises(ValueError, match="LogprobBlocks.chunk=0"):
+        LogprobBlocks(chunk=0)
 
 
 def test_naive_reference_is_the_float32_formula():

@@ -1,4 +1,4 @@
-"""The Pallas grouped matmul against the pure-JAX reference (model/gmm.py), in value and
+"""The Pallas grouped matmul against the pure-JAX reference (kernels/gmm.py), in value and
 gradient, for both lowerings; its Triton lowering and its TPU compile.
 
 On CPU both lowerings ("gpu": whole-array refs sliced in the kernel; "tpu": scalar
@@ -15,14 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stablerl_jax.kernels import gmm_pallas
-from stablerl_jax.model.gmm import gmm as reference
+from stablerl_jax.kernels.gmm import gmm as reference
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks
 from tolerance import assert_close
 
 INTERPRET = jax.default_backend() == "cpu"
 TARGETS = ["gpu", "tpu"] if INTERPRET else ["tpu" if jax.default_backend() == "tpu" else "gpu"]
 # Blocks smaller than the shapes below, so every call spans several row, column and K
 # tiles (16: Triton's smallest dot when the suite runs compiled on a GPU).
-BLOCK = gmm_pallas.BlockSizes(rows=16, cols=16, depth=16, t_rows=16, t_cols=16, t_depth=16)
+BLOCK = GmmBlocks(rows=16, cols=16, depth=16, t_rows=16, t_cols=16, t_depth=16)
 
 
 def _inputs(sizes, d, f, rows, dtype, seed=0):
@@ -91,8 +92,7 @@ def test_gpu_lowering_is_valid_triton():
     sds = jax.ShapeDtypeStruct
 
     def fwd_bwd(lhs, rhs, sizes, cot):
-        return _value_and_grads(functools.partial(gmm_pallas.gmm, target="gpu"),
-                                lhs, rhs, sizes, cot, tile)
+        return _value_and_grads(GMM_IMPLS["pallas_gpu"].load(), lhs, rhs, sizes, cot, tile)
 
     lowered = jax.jit(fwd_bwd).trace(
         sds((rows, d), jnp.bfloat16), sds((e, d, f), jnp.bfloat16), sds((e,), jnp.int32),
@@ -103,13 +103,14 @@ def test_gpu_lowering_is_valid_triton():
 
 def test_errors_name_the_values():
     lhs, rhs, sizes = jnp.zeros((24, 4)), jnp.zeros((2, 4, 3)), jnp.array([8, 0])
+    kernel = functools.partial(gmm_pallas.gmm, block=BLOCK)
     with pytest.raises(ValueError, match="tile=16"):
-        gmm_pallas.gmm(lhs, rhs, sizes, 16)
-    with pytest.raises(ValueError, match="K=5"):
-        gmm_pallas.gmm(jnp.zeros((16, 5)), rhs, sizes, 8)
+        kernel(lhs, rhs, sizes, 16, target="gpu")
+    with pytest.raises(ValueError, match="D=5"):
+        kernel(jnp.zeros((16, 5)), rhs, sizes, 8, target="gpu")
     with pytest.raises(ValueError, match="group_sizes shape"):
-        gmm_pallas.gmm(jnp.zeros((16, 4)), rhs, jnp.array([8]), 8)
+        kernel(jnp.zeros((16, 4)), rhs, jnp.array([8]), 8, target="tpu")
     with pytest.raises(ValueError, match="target='cpu'"):
-        gmm_pallas.gmm(jnp.zeros((16, 4)), rhs, sizes, 8, target="cpu")
-    with pytest.raises(ValueError, match="BlockSizes.rows=0"):
-        gmm_pallas.BlockSizes(rows=0)
+        kernel(jnp.zeros((16, 4)), rhs, sizes, 8, target="cpu")
+    with pytest.raises(ValueError, match="GmmBlocks.rows=0"):
+        GmmBlocks(rows=0)

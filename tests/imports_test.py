@@ -4,17 +4,31 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tomllib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "stablerl_jax"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "stablerl_jax"
+# Package -> source directory: stablerl_jax.kernels is the top-level kernels/ (pyproject's
+# package-dir; the link stablerl_jax/kernels, which rglob does not follow, points there).
+SOURCES = {"stablerl_jax": PACKAGE, "stablerl_jax.kernels": ROOT / "kernels"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+    for package, src in SOURCES.items():
+        for path in sorted(src.rglob("*.py")):
+            parts = (*package.split("."), *path.relative_to(src).with_suffix("").parts)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out.setdefault(name, path)
     return out
+
+
+def test_pyproject_installs_every_package_from_its_source():
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {n for n, p in _modules().items() if p.name == "__init__.py"}
+    assert sorted(setup["packages"]) == sorted(packages)
+    assert setup["package-dir"] == {"stablerl_jax.kernels": "kernels"}
+    assert (PACKAGE / "kernels").resolve() == SOURCES["stablerl_jax.kernels"]
 
 
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:

@@ -10,12 +10,12 @@ import pytest
 from tolerance import assert_close, bound, engine_chain
 
 from stablerl_jax.config import ModelConfig
-from stablerl_jax.kernels.fused_logprob import BlockSizes
+from stablerl_jax.kernels.fused_logprob_impls import LogprobBlocks
 from stablerl_jax.logprobs import policy_logprobs, token_logprobs
 from stablerl_jax.model import transformer as tf
 
-BLOCK = BlockSizes(chunk=16, tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=16,
-                   bwd_tokens=16, bwd_vocab=16)
+BLOCK = LogprobBlocks(chunk=16, tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=16,
+                      bwd_tokens=16, bwd_vocab=16)
 # The tests choose how Pallas runs: interpreted on a CPU, compiled for the accelerator.
 INTERPRET = jax.default_backend() == "cpu"
 PALLAS = "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"

@@ -19,7 +19,8 @@ Nothing is silently fixed: a config either describes exactly what runs or is ref
 all at once, then validates once, so overrides that only make sense together (e.g.
 `task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
 
-This package is a leaf: it imports nothing from the model, data or training code. Special
+This package is a leaf: it imports nothing from the model, data or training code (only the
+kernels' tables of implementation names, which import no JAX). Special
 token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
 (`model.numerics.dtype_of`).
 """

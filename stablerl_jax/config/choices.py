@@ -1,6 +1,11 @@
 """The allowed values of every choice field, in one place: the config sections validate
-against these tuples and the rest of the package reads them from here."""
+against these tuples and the rest of the package reads them from here. The kernels'
+implementation names are their ops' tables (kernels/*_impls.py, no JAX), read live so that
+a row registered there is a valid choice."""
 import re
+
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
 INFERENCE_NUMERICS = ("exact", "bf16", "fp8")  # presets of model.numerics for the sampler
@@ -10,9 +15,7 @@ AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_t
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on
-LOGPROB_IMPLS = ("naive", "chunked", "pallas_gpu", "pallas_tpu")
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
-GMM_IMPLS = ("loop", "tiles", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox")
 ATTENTION_IMPLS = ("naive", "chunked")
 SAMPLER_LAYOUTS = ("train", "serve")  # SamplingConfig.layout
 KV_CACHE_LAYOUTS = ("bskd", "bksd")  # a layer's cache: [B, S, KV, Dh] or [B, KV, S, Dh]

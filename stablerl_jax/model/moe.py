@@ -20,29 +20,26 @@ Two dispatch paths compute the same function, chosen by argument:
   of each expert against that expert's weights. No token is ever dropped: a capacity
   limit would make the trainer's function differ from the sampler's, which is exactly the
   mismatch this project studies. The grouped matmul is chosen by name (`gmm_of`,
-  ModelConfig.gmm_impl): the pure-JAX loop (reference, CPU), the pure-JAX batched tiles
-  (small models on CPU), `lax.ragged_dot`, this
-  project's Pallas kernel for GPU or TPU (kernels/gmm_pallas.py), or megablox (TPU).
+  ModelConfig.gmm_impl), a row of the table kernels/gmm_impls.py: the pure-JAX loop
+  (reference, CPU), the pure-JAX batched tiles (small models on CPU), `lax.ragged_dot`,
+  this project's Pallas kernel for GPU or TPU, or megablox (TPU).
 """
 from __future__ import annotations
 
-import functools
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax.config import GMM_IMPLS
-from stablerl_jax.kernels import gmm_pallas
-from stablerl_jax.model.gmm import gmm as _gmm_loop
-from stablerl_jax.model.gmm import gmm_tiles as _gmm_tiles
+from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.gmm import gmm as _gmm_loop
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, padded_rows
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int, jax.lax.Precision], jax.Array]
 """gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision) -> RxF, rows sorted by group,
-each group a multiple of `tile` rows (`gmm_of` names the implementations)."""
+each group a multiple of `tile` rows (kernels/gmm_impls.py names the implementations)."""
 
 
 def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
@@ -164,12 +161,6 @@ def experts_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     return _dot("tef,efd->td", h_TxExF, w_down_ExFxD).astype(dt)
 
 
-def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
-    """Static size P of the sorted buffer: Σ_e ceil(n_e/tile)·tile ≤ TK + E·(tile−1)."""
-    worst = num_assignments + num_experts * (tile - 1)
-    return -(-worst // tile) * tile
-
-
 # Largest A·E for which the plan counts ranks with an [A, E] one-hot cumsum instead of
 # sorting (the same rows; a sort of A ids costs more than the cumsum on small inputs).
 _COUNTING_PLAN_MAX = 1 << 22
@@ -239,40 +230,9 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     return y_TxD.astype(dt) if expert_offset is None else y_TxD
 
 
-def _ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision):
-    """jax.lax.ragged_dot under the GroupedMatmul contract."""
-    del tile
-    return jax.lax.ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E.astype(jnp.int32),
-                              precision=precision,
-                              preferred_element_type=accum_dtype(lhs_PxD.dtype)
-                              ).astype(lhs_PxD.dtype)
-
-
-def _megablox(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision):
-    """jax's TPU megablox gmm under the GroupedMatmul contract (bf16 / float32 only;
-    Mosaic's default precision; rows past Σ group_sizes are left unwritten, which
-    `experts_grouped` never reads)."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
-    del precision
-    k, n = rhs_ExDxF.shape[1:]
-    tiling = (math.gcd(tile, 512), min(k, 512), min(n, 512))
-    return megablox_gmm(lhs_PxD, rhs_ExDxF.astype(lhs_PxD.dtype),
-                        group_sizes_E.astype(jnp.int32), lhs_PxD.dtype, tiling)
-
-
 def gmm_of(impl: str) -> GroupedMatmul:
-    """The grouped matmul named by `ModelConfig.gmm_impl` (config.GMM_IMPLS)."""
-    if impl == "loop":
-        return _gmm_loop
-    if impl == "tiles":
-        return _gmm_tiles
-    if impl == "ragged_dot":
-        return _ragged_dot
-    if impl == "megablox":
-        return _megablox
-    if impl in ("pallas_gpu", "pallas_tpu"):
-        return functools.partial(gmm_pallas.gmm, target=impl.removeprefix("pallas_"))
-    raise ValueError(f"gmm_impl={impl!r} must be one of {GMM_IMPLS}")
+    """The grouped matmul named by `ModelConfig.gmm_impl`: its row of GMM_IMPLS."""
+    return lookup(GMM_IMPLS, impl, "gmm_impl").load()
 
 
 def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):

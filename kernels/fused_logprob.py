@@ -16,70 +16,35 @@ is a [T, D] gather and a row-wise dot, not a compare over every logit. The backw
 
 No gradient is filtered or approximated: IS ratios amplify tiny log-prob errors.
 
-Implementations, chosen by `impl`:
-- "naive": the reference. Full float32 logits, log_softmax, gather. O(T·V) memory.
-- "chunked": pure JAX, `lax.scan` over vocab chunks with the custom VJP above. Memory
-  O(T·C) forward. The default on CPU and the fallback everywhere.
-- "pallas": the same custom VJP with the forward statistics and both gradients computed by
-  Pallas kernels (fused_logprob_pallas.py), compiled for `target` ("gpu": Triton, "tpu":
-  Mosaic), or run in Pallas's checking interpreter with `interpret=True` (how the CPU
-  tests run them). The caller chooses; nothing here looks at the platform.
+Implementations (the rows of fused_logprob_impls.LOGPROB_IMPLS):
+- `reference` ("naive"): full float32 logits, log_softmax, gather. O(T·V) memory.
+- `chunked`: pure JAX, `lax.scan` over vocab chunks with the custom VJP above. Memory
+  O(T·C) forward. The default, and the fallback everywhere.
+- `pallas` ("pallas_gpu" / "pallas_tpu"): the same custom VJP with the forward statistics
+  and both gradients computed by Pallas kernels (fused_logprob_pallas.py), compiled for
+  `target` ("gpu": Triton, "tpu": Mosaic), or run in Pallas's checking interpreter with
+  `interpret=True` (how the CPU tests run them). The caller chooses; nothing here looks
+  at the platform.
+`fused_logprob(..., impl=name)` runs the implementation the table names.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from stablerl_jax.kernels import fused_logprob_pallas as _pallas
+from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in masked columns
 # Full float32 matmuls for float32 inputs: GPUs otherwise default to TF32 (~1e-3 relative
 # error in the logits), which IS ratios would amplify. A no-op on CPU and for bf16 inputs.
 _HI = jax.lax.Precision.HIGHEST
-IMPLS = ("naive", "chunked", "pallas")
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes. `chunk`: the vocab chunk C of "chunked". The rest are "pallas" blocks:
-    forward token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles streamed per
-    program; backward: `bwd_chunk` vocab columns per step of its scan, dz kernel tile
-    `bwd_tokens` × `bwd_vocab`; `dim`, the D slice both kernels accumulate logits over
-    (the matmul K loop; ≥ D means one dot over all of D); Triton launch knobs `num_warps`,
-    `num_stages` (GPU only). Powers of two keep the GPU (Triton) lowering happy; TPU
-    wants multiples of 8 (tokens) and 128. The "pallas" defaults are the fastest of a
-    sweep on an H100 in bf16 at (T, D, V) = (8192, 512, 65536) (docs/benchmarks.md)."""
-
-    chunk: int = 2048
-    tokens: int = 128
-    vocab: int = 256
-    vocab_tiles: int = 4
-    dim: int = 64
-    bwd_chunk: int = 8192
-    bwd_tokens: int = 128
-    bwd_vocab: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int) and v > 0):
-                raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
-
-
-# Blocks for target="tpu" (Mosaic): token blocks multiples of 8, vocab tiles multiples
-# of 128 lanes, and one dot over all of D (a D slice narrower than 128 lanes is not a
-# legal TPU block); two 512-column tiles per forward program keep the double-buffered
-# [D, 1024] weight block at 8 MiB of VMEM for D = 2048 in bf16.
-TPU_BLOCKS = BlockSizes(chunk=2048, tokens=256, vocab=512, vocab_tiles=2, dim=1 << 30,
-                        bwd_chunk=8192, bwd_tokens=256, bwd_vocab=512)
-
-
-def _check(hidden_TxD, unembed_DxV, targets_T, impl):
+def _check(hidden_TxD, unembed_DxV, targets_T):
     if hidden_TxD.ndim != 2 or unembed_DxV.ndim != 2 or targets_T.ndim != 1:
         raise ValueError(f"fused_logprob: need hidden [T, D], unembed [D, V], targets [T]; got "
                          f"{hidden_TxD.shape=}, {unembed_DxV.shape=}, {targets_T.shape=}")
@@ -90,12 +55,11 @@ def _check(hidden_TxD, unembed_DxV, targets_T, impl):
         raise ValueError(f"fused_logprob: targets T={targets_T.shape[0]} != hidden T={t}")
     if not jnp.issubdtype(targets_T.dtype, jnp.integer):
         raise ValueError(f"fused_logprob: targets dtype {targets_T.dtype} must be integer")
-    if impl not in IMPLS:
-        raise ValueError(f"fused_logprob: impl={impl!r} must be one of {IMPLS}")
 
 
 def reference(hidden_TxD, unembed_DxV, targets_T):
     """The naive reference: full float32 logits, log_softmax, gather."""
+    _check(hidden_TxD, unembed_DxV, targets_T)
     z = jnp.dot(hidden_TxD, unembed_DxV, preferred_element_type=jnp.float32, precision=_HI)
     logp_all = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(logp_all, targets_T[:, None], axis=-1)[:, 0]
@@ -175,13 +139,14 @@ def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent
     return dh, dwt_VxD.T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fused(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpret):
-    return _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(hidden_TxD, unembed_DxV, targets_T, block, target, interpret):
+    """target None: the pure-JAX chunks; "gpu" / "tpu": the Pallas kernels."""
+    return _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, target, interpret)[0]
 
 
-def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpret):
-    if impl == "pallas":
+def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, target, interpret):
+    if target is not None:
         lse, ez = _pallas.stats_pallas(hidden_TxD, unembed_DxV, block, target, interpret)
     else:
         lse, ez = _stats_chunked(hidden_TxD, unembed_DxV, min(block.chunk, unembed_DxV.shape[1]))
@@ -189,11 +154,11 @@ def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, impl, target, interpre
     return (zy - lse, lse - ez), (hidden_TxD, unembed_DxV, targets_T, lse, ez)
 
 
-def _fused_bwd(block, impl, target, interpret, res, cot):
+def _fused_bwd(block, target, interpret, res, cot):
     hidden_TxD, unembed_DxV, targets_T, lse, ez = res
     acc = _acc_dtype(hidden_TxD)
     g_logp, g_ent = (g.astype(acc) for g in cot)
-    if impl == "pallas":
+    if target is not None:
         dh, dw = _pallas.backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse, ez,
                                          g_logp, g_ent, block, target, interpret)
     else:
@@ -205,15 +170,29 @@ def _fused_bwd(block, impl, target, interpret, res, cot):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def fused_logprob(hidden_TxD, unembed_DxV, targets_T, *, block: BlockSizes | None = None,
-                  impl: str = "chunked", target: str = "gpu", interpret: bool = False):
-    """(logp_T, entropy_T), float32 (float64 for float64 inputs). See the module docstring.
+def chunked(hidden_TxD, unembed_DxV, targets_T, *, block: LogprobBlocks = LogprobBlocks()):
+    """(logp_T, entropy_T) by the pure-JAX vocab chunks of `block.chunk` columns."""
+    _check(hidden_TxD, unembed_DxV, targets_T)
+    return _fused(hidden_TxD, unembed_DxV, targets_T.astype(jnp.int32), block, None, False)
 
-    `target` ("gpu" | "tpu") and `interpret` only matter for impl="pallas": the kernels
-    are compiled for `target`, or interpreted (on any backend) when `interpret` is True.
-    """
-    _check(hidden_TxD, unembed_DxV, targets_T, impl)
-    if impl == "naive":
-        return reference(hidden_TxD, unembed_DxV, targets_T)
-    return _fused(hidden_TxD, unembed_DxV, targets_T.astype(jnp.int32), block or BlockSizes(),
-                  impl, target, bool(interpret))
+
+def pallas(hidden_TxD, unembed_DxV, targets_T, *, target: str,
+           block: LogprobBlocks = LogprobBlocks(), interpret: bool = False):
+    """(logp_T, entropy_T) by the Pallas kernels, compiled for `target` ("gpu" |
+    "tpu"), or interpreted (on any backend) when `interpret` is True."""
+    _check(hidden_TxD, unembed_DxV, targets_T)
+    return _fused(hidden_TxD, unembed_DxV, targets_T.astype(jnp.int32), block, target,
+                  bool(interpret))
+
+
+def fused_logprob(hidden_TxD, unembed_DxV, targets_T, *, impl: str = "chunked",
+                  block: LogprobBlocks | None = None, interpret: bool = False):
+    """(logp_T, entropy_T), float32 (float64 for float64 inputs), by the implementation
+    `impl` names in LOGPROB_IMPLS. `block` replaces its default block sizes (one without
+    tiles ignores it); `interpret` runs a Pallas implementation in the checking
+    interpreter (others ignore it)."""
+    row = lookup(LOGPROB_IMPLS, impl, "fused_logprob: impl")
+    kw = {} if block is None or row.blocks is None else {"block": block}
+    if row.pallas:
+        kw["interpret"] = interpret
+    return row.load()(hidden_TxD, unembed_DxV, targets_T, **kw)

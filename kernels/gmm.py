@@ -1,4 +1,6 @@
-"""Grouped matmul in pure JAX, with its VJP.
+"""The grouped matmul's pure-JAX implementations: the reference (`gmm`, a loop with its
+VJP), `gmm_tiles`, and `ragged_dot` and `megablox` under the same contract. Their names
+and the Pallas kernels' are in gmm_impls.GMM_IMPLS.
 
 Letters: P rows (sorted by group), D input width, F output width, E groups (experts).
 
@@ -11,9 +13,8 @@ nothing, and the FLOPs are those of the routed tokens plus at most tile−1 padd
 group. Rows past Σ group_sizes are left zero.
 
 On CPU this beats `jax.lax.ragged_dot`, which lowers to a dense masked computation over
-all groups. On TPU / GPU a Pallas grouped matmul (megablox / tokamax `gmm`) with the same
-(lhs, rhs, group_sizes) contract replaces it through the `gmm` argument of
-`stablerl_jax.model.moe.experts_grouped`.
+all groups. On TPU / GPU a Pallas grouped matmul (gmm_pallas.py, megablox) with the same
+(lhs, rhs, group_sizes) contract replaces it (ModelConfig.gmm_impl).
 
 Backward (custom VJP):
     d lhs    = grouped matmul of d out with rhsᵀ (same loop, contracting F)
@@ -25,6 +26,7 @@ float64 for float64 operands.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -132,3 +134,25 @@ def gmm_tiles(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array
                            precision=precision, preferred_element_type=_acc(lhs_PxD))
     out_NxTxF = jnp.where((tiles < end_E[-1])[:, None, None], out_NxTxF, 0)
     return out_NxTxF.reshape(lhs_PxD.shape[0], -1).astype(lhs_PxD.dtype)
+
+
+def ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST):
+    """jax.lax.ragged_dot under the grouped-matmul contract."""
+    del tile
+    return jax.lax.ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E.astype(jnp.int32),
+                              precision=precision,
+                              preferred_element_type=_acc(lhs_PxD)).astype(lhs_PxD.dtype)
+
+
+def megablox(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
+             interpret: bool = False):
+    """jax's TPU megablox gmm under the grouped-matmul contract (bf16 / float32 only;
+    Mosaic's default precision; rows past Σ group_sizes are left unwritten, which
+    `moe.experts_grouped` never reads). `interpret`: Pallas's interpreter, any backend."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+    del precision
+    k, n = rhs_ExDxF.shape[1:]
+    tiling = (math.gcd(tile, 512), min(k, 512), min(n, 512))
+    return megablox_gmm(lhs_PxD, rhs_ExDxF.astype(lhs_PxD.dtype),
+                        group_sizes_E.astype(jnp.int32), lhs_PxD.dtype, tiling,
+                        interpret=interpret)

@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from stablerl_jax.kernels import TARGETS
+
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padded columns
 
 
@@ -116,9 +118,6 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-TARGETS = ("gpu", "tpu")
-
-
 def _triton(target: str, interpret: bool) -> bool:
     if target not in TARGETS:
         raise ValueError(f"fused_logprob pallas: target={target!r} must be one of {TARGETS}")
@@ -128,8 +127,8 @@ def _triton(target: str, interpret: bool) -> bool:
 def _check_mosaic(block, d: int, target: str, interpret: bool) -> None:
     """Mosaic (TPU) blocks: lanes (last dims) in multiples of 128, sublanes in multiples of
     8; a D slice narrower than all of D must be lane-aligned (Mosaic cannot prove the
-    alignment of a 64-wide slice and refuses the kernel). kernels.fused_logprob.TPU_BLOCKS
-    satisfies all of them."""
+    alignment of a 64-wide slice and refuses the kernel). LOGPROB_TPU_BLOCKS
+    (fused_logprob_impls.py) satisfies all of them."""
     if target != "tpu" or interpret:
         return
     bad = [f"{f}={getattr(block, f)} (a multiple of {m})"
@@ -138,8 +137,8 @@ def _check_mosaic(block, d: int, target: str, interpret: bool) -> None:
     if block.dim < d and block.dim % 128:
         bad.append(f"dim={block.dim} (a multiple of 128, or >= D={d})")
     if bad:
-        raise ValueError("fused_logprob pallas, target='tpu': BlockSizes needs "
-                         + ", ".join(bad) + "; use kernels.fused_logprob.TPU_BLOCKS")
+        raise ValueError("fused_logprob pallas, target='tpu': LogprobBlocks needs "
+                         + ", ".join(bad) + "; use fused_logprob_impls.LOGPROB_TPU_BLOCKS")
 
 
 def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, triton):

@@ -1,9 +1,10 @@
 """Grouped matmul as Pallas kernels, with a custom VJP: the MoE expert FFN on accelerators.
 
-Letters: P rows (sorted by group), K contraction width, N output width, E groups
-(experts), Bm row tile, Bn column tile, Bk contraction slice, M = P / Bm row tiles.
+Letters: P rows (sorted by group), D input width, F output width (rhs [E, D, F]), E
+groups (experts), Bm row tile, Bn output-column tile, Bk contraction slice, M = P / Bm
+row tiles.
 
-Contract (the reference is the pure-JAX `stablerl_jax.model.gmm.gmm`):
+Contract (the reference is the pure-JAX `gmm.gmm`, beside this file):
 
     out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
 
@@ -14,9 +15,9 @@ Tiles past the last group (the static buffer is sized for the worst case) are in
 they write zeros and skip their matmul, so the FLOPs are those of the routed rows.
 
 Kernels (each accumulates in float32, float64 for float64 operands):
-- gmm, grid (M, N/Bn): program (i, j) multiplies row tile i by column tile j of its
-  group's matrix, a K loop over Bk slices. `transpose_rhs` contracts rhs's last axis
-  instead (d lhs = d out · rhs[g]ᵀ).
+- gmm, grid (M, F/Bn): program (i, j) multiplies row tile i by column tile j of its
+  group's matrix, a contraction loop over Bk slices. `transpose_rhs` contracts rhs's
+  last axis instead (d lhs = d out · rhs[g]ᵀ, grid (M, D/Bn)).
 - tgmm (d rhs[e] = Σ_{rows r of e} lhs[r]ᵀ d out[r]): one [Bk, Bn] output tile per
   program, summed over the row tiles of its group.
 
@@ -37,7 +38,6 @@ block raises, unwritten memory reads as NaN): how the CPU tests run them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -46,46 +46,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-HIGHEST = jax.lax.Precision.HIGHEST
-TARGETS = ("gpu", "tpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiles: `rows` (Bm; the gcd with the MoE tile is used, so it always divides it),
-    `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels (forward and
-    d lhs); `t_rows`, `t_cols`, `t_depth` the same for tgmm (d rhs; its contraction runs
-    over rows). Triton's `num_warps` / `num_stages` for gmm and `t_num_warps` /
-    `t_num_stages` for tgmm (GPU only); `vmem_limit_mib` raises Mosaic's scoped VMEM
-    limit (TPU only; 0 keeps the compiler's default). TPU wants multiples of (8, 128),
-    Triton powers of two ≥ 16, and its stages × (A + B tiles) must fit shared memory
-    (227 KiB on an H100). Defaults: `GPU_BLOCKS` / `TPU_BLOCKS`."""
-
-    rows: int = 128
-    cols: int = 256
-    depth: int = 256
-    t_rows: int = 256
-    t_cols: int = 256
-    t_depth: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    t_num_warps: int = 4
-    t_num_stages: int = 3
-    vmem_limit_mib: int = 0
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int) and v >= (0 if f.name == "vmem_limit_mib" else 1)):
-                raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
-
-
-# Mosaic: lane-aligned tiles of (8, 128) multiples, one weight tile of 256 × 256 bf16.
-TPU_BLOCKS = BlockSizes()
-# Triton on an H100: the best of the block sweep at the Qwen3-30B-A3B expert shape
-# (docs/benchmarks.md, `python -m benchmarks.gmm --sweep`).
-GPU_BLOCKS = BlockSizes(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, t_depth=128,
-                        num_warps=8, num_stages=5, t_num_warps=8, t_num_stages=3)
+from stablerl_jax.kernels import TARGETS
+from stablerl_jax.kernels.gmm import HIGHEST
+from stablerl_jax.kernels.gmm_impls import GmmBlocks
 
 
 def _acc(dtype):
@@ -114,7 +77,8 @@ def _metadata(group_sizes_E, rows: int, bm: int):
 
 
 def _kloop(lhs_slice, rhs_slice, k: int, bk: int, contract, shape, acc):
-    """Σ over K slices of lhs_slice(ks) · rhs_slice(ks), accumulated in `acc`."""
+    """Σ over the contraction's Bk slices of lhs_slice(ks) · rhs_slice(ks), accumulated in
+    `acc`."""
     def dot(ks):
         a, b = lhs_slice(ks), rhs_slice(ks)
         return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=acc,
@@ -211,7 +175,7 @@ def _interp(interpret: bool):
         if interpret else False
 
 
-def _params(block: BlockSizes, tpu: bool, semantics, interpret: bool, t: bool = False):
+def _params(block: GmmBlocks, tpu: bool, semantics, interpret: bool, t: bool = False):
     if interpret:
         return None
     if tpu:
@@ -224,19 +188,21 @@ def _params(block: BlockSizes, tpu: bool, semantics, interpret: bool, t: bool = 
     return pltriton.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
 
 
-def _gmm_call(lhs_PxK, rhs, group_sizes_E, tile, block, target, interpret, transpose):
-    """out [P, N] = lhs @ rhs[g] (rhs [E, K, N]) or lhs @ rhs[g]ᵀ (rhs [E, N, K])."""
-    p, k = lhs_PxK.shape
+def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose):
+    """With rhs [E, D, F]: lhs [P, D] @ rhs[g] → [P, F], or (transpose) lhs [P, F] @
+    rhs[g]ᵀ → [P, D]. Here k is the contraction width and n the output width."""
+    p, k = lhs.shape
     n = rhs.shape[1] if transpose else rhs.shape[2]
     tpu, triton = target == "tpu", target == "gpu" and not interpret
     bm = math.gcd(block.rows, tile)
     bk, kp = _fit(k, block.depth, triton)
     bn, np_ = _fit(n, block.cols, triton)
-    lhs = _pad(lhs_PxK, (0, kp - k))
+    out_dtype = lhs.dtype
+    lhs = _pad(lhs, (0, kp - k))
     rhs = _pad(rhs, (0, np_ - n, kp - k) if transpose else (0, kp - k, np_ - n))
     group_M, row_M, active, _, _ = _metadata(group_sizes_E, p, bm)
     kernel = functools.partial(_gmm_kernel, k=kp, bk=bk, transpose=transpose, tpu=tpu)
-    out_shape = jax.ShapeDtypeStruct((p, np_), lhs_PxK.dtype)
+    out_shape = jax.ShapeDtypeStruct((p, np_), out_dtype)
     grid = (p // bm, np_ // bn)
     if tpu:
         rhs_block = (None, bn, kp) if transpose else (None, kp, bn)
@@ -261,16 +227,16 @@ def _gmm_call(lhs_PxK, rhs, group_sizes_E, tile, block, target, interpret, trans
     return out[:, :n] if np_ != n else out
 
 
-def _tgmm_call(lhs_PxK, dout_PxN, group_sizes_E, tile, rhs_dtype, block, target, interpret):
-    """d rhs [E, K, N]: d rhs[e] = Σ_{rows of e} lhsᵀ · d out."""
-    p, k = lhs_PxK.shape
-    n = dout_PxN.shape[1]
+def _tgmm_call(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_dtype, block, target, interpret):
+    """d rhs [E, D, F]: d rhs[e] = Σ_{rows of e} lhsᵀ · d out."""
+    p, k = lhs_PxD.shape
+    n = dout_PxF.shape[1]
     e = group_sizes_E.shape[0]
     tpu, triton = target == "tpu", target == "gpu" and not interpret
     bm = math.gcd(block.t_rows, tile)
     bk, kp = _fit(k, block.t_depth, triton)
     bn, np_ = _fit(n, block.t_cols, triton)
-    lhs, dout = _pad(lhs_PxK, (0, kp - k)), _pad(dout_PxN, (0, np_ - n))
+    lhs, dout = _pad(lhs_PxD, (0, kp - k)), _pad(dout_PxF, (0, np_ - n))
     group_M, row_M, active, start_E, end_E = _metadata(group_sizes_E, p, bm)
     out_shape = jax.ShapeDtypeStruct((e, kp, np_), rhs_dtype)
     if tpu:
@@ -299,20 +265,20 @@ def _tgmm_call(lhs_PxK, dout_PxN, group_sizes_E, tile, rhs_dtype, block, target,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret):
-    return _gmm_call(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret, False)
+def _gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret):
+    return _gmm_call(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret, False)
 
 
-def _gmm_fwd(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret):
-    out = _gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile, block, target, interpret)
-    return out, (lhs_PxK, rhs_ExKxN, group_sizes_E)
+def _gmm_fwd(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret):
+    out = _gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret)
+    return out, (lhs_PxD, rhs_ExDxF, group_sizes_E)
 
 
-def _gmm_bwd(tile, block, target, interpret, res, dout_PxN):
-    lhs_PxK, rhs_ExKxN, group_sizes_E = res
-    dout = dout_PxN.astype(lhs_PxK.dtype)
-    dlhs = _gmm_call(dout, rhs_ExKxN, group_sizes_E, tile, block, target, interpret, True)
-    drhs = _tgmm_call(lhs_PxK, dout, group_sizes_E, tile, rhs_ExKxN.dtype, block, target,
+def _gmm_bwd(tile, block, target, interpret, res, dout_PxF):
+    lhs_PxD, rhs_ExDxF, group_sizes_E = res
+    dout = dout_PxF.astype(lhs_PxD.dtype)
+    dlhs = _gmm_call(dout, rhs_ExDxF, group_sizes_E, tile, block, target, interpret, True)
+    drhs = _tgmm_call(lhs_PxD, dout, group_sizes_E, tile, rhs_ExDxF.dtype, block, target,
                       interpret)
     return dlhs, drhs, None
 
@@ -320,24 +286,24 @@ def _gmm_bwd(tile, block, target, interpret, res, dout_PxN):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm(lhs_PxK, rhs_ExKxN, group_sizes_E, tile: int, precision=HIGHEST, *,
-        block: BlockSizes | None = None, target: str = "gpu", interpret: bool = False):
+def gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
+        target: str, block: GmmBlocks, interpret: bool = False):
     """Grouped matmul (module docstring), differentiable in lhs and rhs. The kernels
     multiply at full precision for float32 operands (bf16 products are exact) with
     float32 (float64) accumulation; `precision` is accepted for the GroupedMatmul
-    contract. Output in lhs's dtype."""
+    contract. Output in lhs's dtype. `block`: the tiles (the rows of
+    gmm_impls.GMM_IMPLS bind GMM_GPU_BLOCKS / GMM_TPU_BLOCKS)."""
     del precision
     if target not in TARGETS:
         raise ValueError(f"gmm pallas: target={target!r} must be one of {TARGETS}")
-    p, k = lhs_PxK.shape
+    p, k = lhs_PxD.shape
     if p % tile:
         raise ValueError(f"gmm pallas: rows P={p} must be a multiple of {tile=}")
-    if rhs_ExKxN.ndim != 3 or rhs_ExKxN.shape[1] != k:
-        raise ValueError(f"gmm pallas: rhs shape {rhs_ExKxN.shape} must be [E, K={k}, N]")
-    if group_sizes_E.shape != (rhs_ExKxN.shape[0],):
+    if rhs_ExDxF.ndim != 3 or rhs_ExDxF.shape[1] != k:
+        raise ValueError(f"gmm pallas: rhs shape {rhs_ExDxF.shape} must be [E, D={k}, F]")
+    if group_sizes_E.shape != (rhs_ExDxF.shape[0],):
         raise ValueError(f"gmm pallas: group_sizes shape {group_sizes_E.shape} must be "
-                         f"({rhs_ExKxN.shape[0]},)")
-    rhs = rhs_ExKxN.astype(lhs_PxK.dtype)
-    block = block or (TPU_BLOCKS if target == "tpu" else GPU_BLOCKS)
-    return _gmm(lhs_PxK, rhs, group_sizes_E.astype(jnp.int32), tile, block,
+                         f"({rhs_ExDxF.shape[0]},)")
+    rhs = rhs_ExDxF.astype(lhs_PxD.dtype)
+    return _gmm(lhs_PxD, rhs, group_sizes_E.astype(jnp.int32), tile, block,
                 target, bool(interpret))

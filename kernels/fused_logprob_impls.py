@@ -1,0 +1,70 @@
+"""The fused log-prob / entropy op's table: its implementations, block sizes and example
+shapes. No JAX here (the config validates RLConfig.logprob_impl against `LOGPROB_IMPLS`).
+
+Letters: T tokens, D model, V vocab.
+
+Every implementation computes (logp_T, entropy_T) = fn(hidden_TxD, unembed_DxV,
+targets_T[, block=][, interpret=]) (fused_logprob.py):
+- "naive": the reference, full float32 logits. O(T·V) memory.
+- "chunked": pure JAX, a scan over vocab chunks with a custom VJP; the default.
+- "pallas_gpu" / "pallas_tpu": the Pallas kernels (fused_logprob_pallas.py) compiled by
+  Triton / Mosaic.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from stablerl_jax.kernels import Arg, Impl, check_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobBlocks:
+    """Tile sizes. `chunk`: the vocab chunk C of "chunked". The rest are the Pallas
+    kernels' blocks: forward token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles
+    streamed per program; backward: `bwd_chunk` vocab columns per step of its scan, dz
+    kernel tile `bwd_tokens` × `bwd_vocab`; `dim`, the D slice both kernels accumulate
+    logits over (the matmul K loop; ≥ D means one dot over all of D); Triton launch knobs
+    `num_warps`, `num_stages` (GPU only). Powers of two keep the GPU (Triton) lowering
+    happy; TPU wants multiples of 8 (tokens) and 128. The defaults are the fastest of a
+    sweep on an H100 in bf16 at (T, D, V) = (8192, 512, 65536) (docs/benchmarks.md)."""
+
+    chunk: int = 2048
+    tokens: int = 128
+    vocab: int = 256
+    vocab_tiles: int = 4
+    dim: int = 64
+    bwd_chunk: int = 8192
+    bwd_tokens: int = 128
+    bwd_vocab: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_blocks(self)
+
+
+# Blocks for Mosaic (TPU): token blocks multiples of 8, vocab tiles multiples of 128
+# lanes, and one dot over all of D (a D slice narrower than 128 lanes is not a legal TPU
+# block); two 512-column tiles per forward program keep the double-buffered [D, 1024]
+# weight block at 8 MiB of VMEM for D = 2048 in bf16.
+LOGPROB_TPU_BLOCKS = LogprobBlocks(chunk=2048, tokens=256, vocab=512, vocab_tiles=2,
+                                   dim=1 << 30, bwd_chunk=8192, bwd_tokens=256, bwd_vocab=512)
+
+_OP = "stablerl_jax.kernels.fused_logprob"
+LOGPROB_IMPLS: dict[str, Impl] = {
+    "naive": Impl(f"{_OP}:reference", ("cpu", "gpu", "tpu")),
+    "chunked": Impl(f"{_OP}:chunked", ("cpu", "gpu", "tpu"), blocks=LogprobBlocks()),
+    "pallas_gpu": Impl(f"{_OP}:pallas", ("gpu",), {"target": "gpu"}, LogprobBlocks(),
+                       pallas=True),
+    "pallas_tpu": Impl(f"{_OP}:pallas", ("tpu",), {"target": "tpu"}, LOGPROB_TPU_BLOCKS,
+                       pallas=True),
+}
+
+
+def logprob_example_args(tokens: int, d_model: int, vocab: int, dtype: str
+                         ) -> tuple[tuple[Arg, ...], dict]:
+    """(arguments, static keywords) of the op for `tokens` tokens per device; hidden and
+    targets split over the devices, the unembedding whole on each."""
+    return (Arg("hidden_TxD", (tokens, d_model), dtype, True, True),
+            Arg("unembed_DxV", (d_model, vocab), dtype, False, True),
+            Arg("targets_T", (tokens,), "int32", True, False)), {}

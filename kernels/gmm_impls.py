@@ -1,0 +1,87 @@
+"""The grouped matmul's table: its implementations, block sizes and example shapes. No JAX
+here (the config validates ModelConfig.gmm_impl against `GMM_IMPLS`).
+
+Letters: P rows (sorted by group), D input width, F output width, E groups (experts),
+T tokens, K top-k.
+
+Every implementation computes out_PxF = fn(lhs_PxD, rhs_ExDxF, group_sizes_E, tile,
+precision[, block=][, interpret=]): rows sorted by group, each group a multiple of
+`tile` rows (gmm.py):
+- "loop": the reference, pure JAX, a loop over groups and their tiles; the CPU default.
+- "tiles": pure JAX, every tile in one batched matmul against its gathered expert weight
+  (fewer, larger ops: small models on CPU, at one weight copy per tile).
+- "ragged_dot": jax.lax.ragged_dot.
+- "pallas_gpu" / "pallas_tpu": this project's Pallas kernels (gmm_pallas.py) compiled by
+  Triton / Mosaic.
+- "megablox": jax's TPU megablox kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from stablerl_jax.kernels import Arg, Impl, check_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmBlocks:
+    """Tiles of the Pallas kernels: `rows` (Bm; the gcd with the MoE tile is used, so it
+    always divides it), `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels
+    (forward and d lhs); `t_rows`, `t_cols`, `t_depth` the same for tgmm (d rhs; its
+    contraction runs over rows). Triton's `num_warps` / `num_stages` for gmm and
+    `t_num_warps` / `t_num_stages` for tgmm (GPU only); `vmem_limit_mib` raises Mosaic's
+    scoped VMEM limit (TPU only; 0 keeps the compiler's default). TPU wants multiples of
+    (8, 128), Triton powers of two ≥ 16, and its stages × (A + B tiles) must fit shared
+    memory (227 KiB on an H100). Defaults: `GMM_GPU_BLOCKS` / `GMM_TPU_BLOCKS`."""
+
+    rows: int = 128
+    cols: int = 256
+    depth: int = 256
+    t_rows: int = 256
+    t_cols: int = 256
+    t_depth: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    t_num_warps: int = 4
+    t_num_stages: int = 3
+    vmem_limit_mib: int = 0
+
+    def __post_init__(self):
+        check_blocks(self, zero_ok=("vmem_limit_mib",))
+
+
+# Mosaic: lane-aligned tiles of (8, 128) multiples, one weight tile of 256 × 256 bf16.
+GMM_TPU_BLOCKS = GmmBlocks()
+# Triton on an H100: the best of the block sweep at the Qwen3-30B-A3B expert shape
+# (docs/benchmarks.md, `python -m benchmarks.gmm --sweep`).
+GMM_GPU_BLOCKS = GmmBlocks(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, t_depth=128,
+                           num_warps=8, num_stages=5, t_num_warps=8, t_num_stages=3)
+
+_OP = "stablerl_jax.kernels.gmm"
+_ALL = ("cpu", "gpu", "tpu")
+GMM_IMPLS: dict[str, Impl] = {
+    "loop": Impl(f"{_OP}:gmm", _ALL),
+    "tiles": Impl(f"{_OP}:gmm_tiles", _ALL),
+    "ragged_dot": Impl(f"{_OP}:ragged_dot", _ALL),
+    "pallas_gpu": Impl(f"{_OP}_pallas:gmm", ("gpu",), {"target": "gpu"}, GMM_GPU_BLOCKS,
+                       pallas=True),
+    "pallas_tpu": Impl(f"{_OP}_pallas:gmm", ("tpu",), {"target": "tpu"}, GMM_TPU_BLOCKS,
+                       pallas=True),
+    "megablox": Impl(f"{_OP}:megablox", ("tpu",), pallas=True),
+}
+
+
+def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
+    """Static size P of the sorted buffer: Σ_e ceil(n_e/tile)·tile ≤ TK + E·(tile−1)."""
+    worst = num_assignments + num_experts * (tile - 1)
+    return -(-worst // tile) * tile
+
+
+def gmm_example_args(tokens: int, model) -> tuple[tuple[Arg, ...], dict]:
+    """(arguments, static keywords) of the gate projection of one MoE layer of `model`
+    (a ModelConfig) for `tokens` tokens per device: the sorted rows and group sizes split
+    over the devices, the expert weights whole on each."""
+    e, d, f, tile = model.num_experts, model.d_model, model.expert_ffn_dim, model.moe_tile
+    dt = model.compute_dtype
+    return (Arg("lhs_PxD", (padded_rows(tokens * model.top_k, e, tile), d), dt, True, True),
+            Arg("rhs_ExDxF", (e, d, f), dt, False, True),
+            Arg("group_sizes_E", (e,), "int32", True, False)), {"tile": tile}

@@ -1,0 +1,101 @@
+"""A new kernel implementation is one row of its op's table (docs/architecture.md, "Add a
+kernel"): registered there and nowhere else, it is a valid config choice, it runs
+through the model, it joins the kernel tests' parametrization and the AOT kernel list.
+Here existing implementations are registered again under new names (monkeypatch restores
+the tables)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import impls_here
+from stablerl_jax import aot, presets
+from stablerl_jax.config import ConfigError, ModelConfig, RLConfig
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
+from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.model import transformer as tf
+
+CFG = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=8, num_experts=4, top_k=2, expert_ffn_dim=16, max_seq_len=16,
+                  moe_tile=4)
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    """The reference of each op under a second name, and each op's TPU kernel too."""
+    for table, ref, tpu in ((LOGPROB_IMPLS, "naive", "pallas_tpu"),
+                            (GMM_IMPLS, "loop", "pallas_tpu")):
+        monkeypatch.setitem(table, f"{ref}_again", table[ref])
+        monkeypatch.setitem(table, f"{tpu}_again", table[tpu])
+
+
+def _inputs():
+    params = tf.init_params(jax.random.key(0), CFG)
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, CFG.vocab_size)
+    return params, tokens, jnp.ones((3, 9), bool).at[0, :2].set(False)
+
+
+def test_a_new_row_is_a_config_choice(tables):
+    assert RLConfig(logprob_impl="naive_again").logprob_impl == "naive_again"
+    assert CFG.replace(gmm_impl="loop_again").gmm_impl == "loop_again"
+
+
+def test_without_its_row_a_name_is_refused():
+    with pytest.raises(ConfigError, match="logprob_impl: must be one of"):
+        RLConfig(logprob_impl="naive_again")
+    with pytest.raises(ConfigError, match="gmm_impl: must be one of"):
+        CFG.replace(gmm_impl="loop_again")
+
+
+def test_a_new_row_runs_through_the_model(tables):
+    """policy_logprobs with the new log-prob row, and the model's forward with the new
+    grouped matmul row, give what the rows they copy give (bitwise: the same function)."""
+    params, tokens, attn = _inputs()
+    run = lambda impl, cfg: jax.jit(lambda p: policy_logprobs(p, tokens, attn, cfg,
+                                                              impl=impl)[:2])(params)
+    for got, want in zip(run("naive_again", CFG.replace(gmm_impl="loop_again")),
+                         run("naive", CFG.replace(gmm_impl="loop"))):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_new_row_joins_the_kernel_tests(tables):
+    assert {"naive_again", "loop_again"} <= set(impls_here(LOGPROB_IMPLS)) | set(
+        impls_here(GMM_IMPLS))
+
+
+def test_a_new_tpu_kernel_joins_the_aot_kernel_list(tables):
+    """The list and the abstract arguments only: compiling for TPU is the `tpu` tests'."""
+    cfg = presets.preset("tiny", ["mesh=1,1,1"])
+    programs = {label: args for label, _, args in
+                aot.kernel_programs(cfg, jax.devices("cpu")[:1])}
+    assert set(programs) == {f"{op} {name} fwd+bwd" for op, table in
+                             (("logprob", LOGPROB_IMPLS), ("gmm", GMM_IMPLS))
+                             for name, row in table.items()
+                             if row.pallas and "tpu" in row.backends}
+    for op in ("logprob", "gmm"):
+        new, old = programs[f"{op} pallas_tpu_again fwd+bwd"], programs[f"{op} pallas_tpu fwd+bwd"]
+        assert [(a.shape, a.dtype) for a in new] == [(a.shape, a.dtype) for a in old]
+    # The update's tokens per chip: one micro-batch's rows times the T = S − 1 positions.
+    rl, task = cfg.rl, cfg.task
+    t = (rl.prompts_per_step * rl.group_size // rl.num_minibatches // rl.microbatches
+         * (task.max_prompt_len + cfg.sampling.max_new_tokens - 1))
+    mc = cfg.model
+    hidden, unembed, targets, g_logp, g_ent = programs["logprob pallas_tpu fwd+bwd"]
+    assert (hidden.shape, unembed.shape, targets.shape, g_logp.shape) == (
+        (t, mc.d_model), (mc.d_model, mc.vocab_size), (t,), (t,))
+    lhs, rhs, sizes, cot = programs["gmm pallas_tpu fwd+bwd"]
+    assert rhs.shape == (mc.num_experts, mc.d_model, mc.expert_ffn_dim)
+    assert sizes.shape == (mc.num_experts,) and cot.shape == (lhs.shape[0], rhs.shape[2])
+    assert lhs.shape[0] >= t * mc.top_k and lhs.shape[0] % mc.moe_tile == 0
+
+
+def test_table_rows_are_well_formed():
+    for table in (LOGPROB_IMPLS, GMM_IMPLS):
+        for name, row in table.items():
+            assert callable(row.load()), name
+            if "target" in row.options:  # a Pallas kernel told to compile for a backend
+                assert row.pallas and row.options["target"] in row.backends, name
+            assert row.blocks is None or dataclasses.is_dataclass(row.blocks), name
