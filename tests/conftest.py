@@ -8,10 +8,14 @@
   see tests/tolerance.py).
 - On a host without TPU chips, libtpu (the `tpu` extra, for the AOT-compile tests) is
   told not to probe for hardware, so the CPU backend starts quietly.
-- A persistent compilation cache, private to the process and removed at exit: many tests
-  build fresh jitted closures around the same model (a new Engine per run, a resumed run
-  after a full one), which the in-memory jit cache cannot match but the persistent cache,
-  keyed by the compiled program, does. It only skips recompiling identical programs.
+- A persistent compilation cache, shared by the test processes of one pytest run (the
+  xdist workers and the processes the tests start, which get its path in
+  STABLERL_TEST_JAX_CACHE) and removed at exit: many tests build fresh jitted closures
+  around the same model (a new Engine per run, a resumed run after a full one, the same
+  tiny run in a child process), which the in-memory jit cache cannot match but the
+  persistent cache, keyed by the compiled program, does. It only skips recompiling
+  identical programs. A size bound turns on jax's file lock around every read and write,
+  so that no process reads an entry another is still writing.
 """
 import atexit
 import os
@@ -29,9 +33,14 @@ quiet_libtpu()  # only without TPU chips
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
-_CACHE = tempfile.mkdtemp(prefix="stablerl-jax-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+_CACHE = os.environ.get("STABLERL_TEST_JAX_CACHE")
+if not _CACHE:  # the first process of the run (xdist's workers inherit its environment)
+    _CACHE = os.environ["STABLERL_TEST_JAX_CACHE"] = tempfile.mkdtemp(
+        prefix="stablerl-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+CACHE_MAX_BYTES = 16 << 30
 jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

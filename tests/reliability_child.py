@@ -78,6 +78,8 @@ def main(argv):
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        # Shared with the test processes: a bound turns on jax's file lock (conftest.py).
+        jax.config.update("jax_compilation_cache_max_size", 16 << 30)
     cfg = config()
     data = TaskData.create(cfg.task, cfg.model.vocab_size, data_dir)
     loop.run(cfg, workdir, data=data, progress=False)
