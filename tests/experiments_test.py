@@ -40,6 +40,24 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
     assert only in (tmp_path / "summary.md").read_text()
 
 
+def test_long_preset_smoke(tmp_path):
+    """Two steps of the long on-policy preset: its context holds 376 new tokens, rollouts
+    run past 150 of them, widths are trimmed in steps of 32, and the sequence log-ratio
+    monitors are logged."""
+    runs = onpolicy.main(["--preset", "long", "--workdir", str(tmp_path), "--seeds", "0",
+                          "--only", "minirl", "--quiet", "--compile-cache=", *FAST,
+                          "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_k=1"])
+    base = onpolicy.PRESETS["long"]().base
+    assert base.sampling.max_new_tokens == base.task.max_solution_len
+    assert base.model.max_seq_len >= base.task.max_prompt_len + base.task.max_solution_len
+    last = runs["minirl"][0][-1]
+    assert last["response/length_max"] >= 150
+    assert all(np.isfinite(last[k]) for k in
+               ("reward", "kl/train_infer_k1", "seq/log_ratio", "seq/log_ratio_sq",
+                "seq/beyond_cap"))
+    assert last["seq/log_ratio_sq"] >= last["seq/log_ratio"] ** 2 - 1e-6
+
+
 @pytest.mark.parametrize("module", [onpolicy, offpolicy, coldstart])
 def test_paper_preset_states_the_paper_settings(module, capsys):
     exp = module.PRESETS["paper"]()
