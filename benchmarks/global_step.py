@@ -1,10 +1,11 @@
 """Wall time of the RL loop's global step at the experiments' tiny scale, on this machine.
 
     python -m benchmarks.global_step [--steps 40] [--workdir /tmp/bench_global_step]
-        [--only onpolicy,offpolicy-N8] [key=value ...]
+        [--only onpolicy,offpolicy-N8,onpolicy-long] [key=value ...]
 
 For each setting (on-policy: one update of 128 responses; off-policy N = 8: eight updates
-of 32) it prints two tables:
+of 32; `onpolicy-long`, not run by default: the on-policy setting on the long task,
+responses of 220–370 tokens) it prints two tables:
 
 - hops: the median milliseconds of each hop of a global step (sample, reward, score,
   the N updates, the metrics pulled to the host), each waited for so that its own time is
@@ -41,6 +42,7 @@ from stablerl_jax.rl.engine import Engine
 
 SETTINGS = {
     "onpolicy": lambda: onpolicy.tiny_base(),
+    "onpolicy-long": lambda: onpolicy.long_base(),
     "offpolicy-N8": lambda: apply_overrides(offpolicy.tiny_base(), [
         "rl.num_minibatches=8", "rl.prompts_per_step=32", "rl.replay=r2"]),
 }
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workdir", default="/tmp/bench_global_step")
-    ap.add_argument("--only", default=",".join(SETTINGS))
+    ap.add_argument("--only", default="onpolicy,offpolicy-N8")
     ap.add_argument("--cache", default="",
                     help="persistent compilation cache directory (default: none)")
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")

@@ -1,7 +1,7 @@
 """Off-policy training: a fixed mini-batch, N ∈ {2, 4, 8} updates per global step
 (paper Figs. 2–4).
 
-    python -m experiments.offpolicy [--preset tiny|paper] [--workdir runs/offpolicy]
+    python -m experiments.offpolicy [--preset tiny|long|paper] [--workdir runs/offpolicy]
         [--seeds 0,1] [--only N2-minirl-noclip,...] [--dry-run] [key=value ...]
 
 The mini-batch size is fixed and the global batch grows with N (B = N × mini-batch), as
@@ -44,8 +44,23 @@ def tiny_base() -> ExperimentConfig:
     return base.replace(name="offpolicy", rl=rl)
 
 
+def long_base() -> ExperimentConfig:
+    """`tiny_base`'s schedule on the long on-policy setting (onpolicy.long_base)."""
+    from experiments.onpolicy import long_base as onpolicy_long
+    tiny = tiny_base()
+    base = onpolicy_long()
+    return base.replace(name="offpolicy-long", rl=base.rl.replace(
+        steps=tiny.rl.steps, prompts_per_step=tiny.rl.prompts_per_step,
+        num_minibatches=tiny.rl.num_minibatches, eval_every=tiny.rl.eval_every,
+        checkpoint_every=tiny.rl.checkpoint_every))
+
+
 EXPERIMENTS = {
     "tiny": lambda: Experiment(tiny_base(), variants(4), seeds=(0, 1, 2, 3)),
+    # Long responses at N = 2 only (claim 7: R2 against R3).
+    "long": lambda: Experiment(long_base(), tuple(v for v in variants(4)
+                                                  if v.name.startswith("N2-")),
+                               seeds=(0, 1, 2, 3)),
     # Paper §5: 1,024 responses (64 prompts × 16) per mini-batch, B = N × 1,024.
     "paper": lambda: Experiment(presets.paper(), variants(64), seeds=(0, 1, 2)),
 }

@@ -1,6 +1,6 @@
 """On-policy (N = 1) training with the simulated training–inference mismatch (paper Fig. 1).
 
-    python -m experiments.onpolicy [--preset tiny|paper] [--workdir runs/onpolicy]
+    python -m experiments.onpolicy [--preset tiny|long|paper] [--workdir runs/onpolicy]
         [--seeds 0,1] [--only minirl,...] [--dry-run] [key=value ...]
 
 Variants: MiniRL (Eq. 7); + length normalization; w/o training–inference IS; + R3;
@@ -18,6 +18,7 @@ from stablerl_jax.config import ExperimentConfig
 LEN_NORM = "loss.aggregation=seq_mean_token_mean"
 NO_IS = "loss.use_is=false"
 R3 = "rl.replay=r3"
+LONG_ROUTER_NOISE = 0.4  # σ of the long preset: per-token KL 4.1e-2 at its cold start (docs/results.md)
 VARIANTS = (
     Variant("minirl"),
     Variant("minirl+lennorm", (LEN_NORM,)),
@@ -39,8 +40,23 @@ def tiny_base() -> ExperimentConfig:
     return base.replace(name="onpolicy", rl=rl, sampling=sampling)
 
 
+def long_base() -> ExperimentConfig:
+    """`tiny_base` on the long task (presets.long: 220–370-token responses), the router
+    noise raised so that the per-token training–inference KL matches tiny_base's (long
+    solutions are mostly near-certain tokens, where the same noise moves μ less)."""
+    base = tiny_base()
+    long_ = presets.long()
+    return base.replace(
+        name="onpolicy-long", model=long_.model, task=long_.task, sft=long_.sft,
+        sampling=base.sampling.replace(max_new_tokens=long_.sampling.max_new_tokens,
+                                       router_noise_std=LONG_ROUTER_NOISE),
+        # Widths in steps of 32 slots: a handful of score/update programs, not dozens.
+        rl=base.rl.replace(trim_bucket=32))
+
+
 EXPERIMENTS = {
     "tiny": lambda: Experiment(tiny_base(), VARIANTS, seeds=(0, 1, 2, 3)),
+    "long": lambda: Experiment(long_base(), VARIANTS, seeds=(0, 1, 2, 3)),
     # Paper §5: Qwen3-30B-A3B-shaped MoE, FP8 inference, 64 prompts × 16 = 1,024
     # responses per step and per update (N = 1), lr 1e-6 (see presets.paper).
     "paper": lambda: Experiment(presets.paper(), VARIANTS, seeds=(0, 1, 2)),

@@ -199,8 +199,28 @@ def routing_mismatch(routes_a_BxTxLxK, routes_b_BxTxLxK, mask_BxT) -> dict:
     }
 
 
+def sequence_log_ratio(logp_pi_BxT, logp_mu_BxT, mask_BxT, tis_cap: float) -> dict:
+    """Pairs over responses (rows with a counted token) of s = Σ_t (log π − log μ), the log
+    of the sequence IS weight π(y)/μ(y), which drifts with length where the token-level
+    KL does not (docs/method.md §3):
+
+      seq/log_ratio, seq/log_ratio_sq   E[s], E[s²] (variance = E[s²] − E[s]²)
+      seq/beyond_cap                    share of responses with π(y)/μ(y) > tis_cap
+    """
+    m = _m(mask_BxT)
+    acc = _acc(logp_pi_BxT, logp_mu_BxT)
+    d_BxT = jnp.asarray(logp_pi_BxT, acc) - jnp.asarray(logp_mu_BxT, acc)
+    s_B = jnp.sum(jnp.where(m > 0, d_BxT, 0.0), axis=-1)
+    rows_B = (jnp.sum(m, axis=-1) > 0).astype(acc)
+    n = jnp.sum(rows_B)
+    return {"seq/log_ratio": (jnp.sum(rows_B * s_B), n),
+            "seq/log_ratio_sq": (jnp.sum(rows_B * s_B**2), n),
+            "seq/beyond_cap": (jnp.sum(rows_B * (s_B > jnp.log(tis_cap))), n)}
+
+
 def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
-                         routes_pi_BxTxLxK, routed_BxT, *, per_layer: bool = False) -> dict:
+                         routes_pi_BxTxLxK, routed_BxT, *, per_layer: bool = False,
+                         tis_cap: float = 5.0) -> dict:
     """The training–inference mismatch of one rollout batch as pairs (docs/method.md §6):
 
       kl/train_infer_k1, kl/train_infer_k3   KL(μ_old‖π_old) on the sampled tokens
@@ -208,6 +228,8 @@ def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
       routing/mismatch_rate                  1 − |topk_μ ∩ topk_π|/K over (token, layer)
       routing/any_flip                       tokens with at least one flipped layer
       routing/mismatch_rate_per_layer        [L] pair (with per_layer=True)
+      seq/…                                  the sequence log-ratio (`sequence_log_ratio`,
+                                             π(y)/μ(y) against tis_cap)
 
     Log-probs are over the completion tokens (`mask_BxT`); routes over the tokens both
     engines processed (`routed_BxT`, and where both recorded a route). k1 is not clipped:
@@ -225,6 +247,7 @@ def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
         "mismatch/abs_logp_gap_max": masked_extreme_pair(gap_BxT, m, jnp.max),
         "routing/mismatch_rate": (jnp.sum(num_L), jnp.sum(den_L)),
         "routing/any_flip": routing["any_flip_pair"],
+        **sequence_log_ratio(logp_pi_BxT, logp_mu_BxT, mask_BxT, tis_cap),
     }
     if per_layer:
         out["routing/mismatch_rate_per_layer"] = (num_L, den_L)

@@ -2,6 +2,7 @@
 
 - `TASKS`: difficulty presets of the synthetic arithmetic task.
 - `tiny`: SFT + RL on 2 CPU cores in minutes.
+- `long`: `tiny` on the 'long' task (responses ten times longer).
 - `paper`: the settings of arXiv 2512.01374 §4.2 (Qwen3-30B-A3B-sized MoE, FP8 inference,
   G = 16, 1,024 responses per mini-batch, 32k responses) for a TPU pod (v5p-256); stated
   and AOT-compiled (experiments/aot_compile.py), not run here.
@@ -23,6 +24,10 @@ TASKS = {
     "easy": TaskConfig(num_operands=3, max_digits=1, num_train=3000, num_test=300),
     "medium": TaskConfig(num_operands=4, max_digits=1),
     "hard": TaskConfig(num_operands=4, max_digits=2, modulus=100, max_prompt_len=24),
+    # Long responses: a start digit and two operations applied in turn mod 10 for 24–40
+    # steps, worked one step at a time: 220–370 solution tokens.
+    "long": TaskConfig(num_operands=3, max_digits=1, modulus=10, min_steps=24, max_steps=40,
+                       max_prompt_len=24, max_solution_len=376),
 }
 
 
@@ -54,6 +59,21 @@ def tiny() -> ExperimentConfig:
                     trim_bucket=8, score_in_update=True,
                     optim=OptimConfig(learning_rate=1e-4)),
         sft=SFTConfig())
+
+
+def long() -> ExperimentConfig:
+    """`tiny`'s model and settings on the 'long' task: responses of 220–370 tokens, ten
+    times the easy task's, with the context to hold them (docs/results.md, long responses)."""
+    base = tiny()
+    t = task("long")
+    return base.replace(
+        name="long",
+        model=base.model.replace(max_seq_len=t.max_prompt_len + t.max_solution_len),
+        task=t,
+        sampling=base.sampling.replace(max_new_tokens=t.max_solution_len),
+        # 300 SFT steps leave the modular sums unlearned (held-out avg@4 0.04); 1,200 with
+        # the same cosine schedule learn them.
+        sft=base.sft.replace(steps=1200))
 
 
 # The paper's recipe as launched (docs/recipe.md): the user turn of the chat template, and
@@ -140,7 +160,7 @@ def moe1b() -> ExperimentConfig:
         mesh=(1, 8, 1))
 
 
-EXPERIMENT_PRESETS = {"tiny": tiny, "paper": paper, "moe1b": moe1b}
+EXPERIMENT_PRESETS = {"tiny": tiny, "long": long, "paper": paper, "moe1b": moe1b}
 
 
 def preset(name: str, overrides=()) -> ExperimentConfig:

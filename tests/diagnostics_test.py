@@ -183,8 +183,27 @@ def test_train_infer_mismatch_pairs_by_hand():
     # Routes: token 0 same set, token 1 half flipped, token 2 not recorded by π.
     assert float(r["routing/mismatch_rate"]) == 0.25 and float(r["routing/any_flip"]) == 0.5
     np.testing.assert_array_equal(r["routing/mismatch_rate_per_layer"], [0.25])
+    # One response: s = log π(y)/μ(y) = log(0.25/0.5) + 0 = −log 2, under the cap.
+    assert_close(r["seq/log_ratio"], -LOG(2), n=3, cond=3.0)
+    assert_close(r["seq/log_ratio_sq"], LOG(2) ** 2, n=6, cond=3.0)
+    assert float(r["seq/beyond_cap"]) == 0.0
     assert "routing/mismatch_rate_per_layer" not in dg.train_infer_mismatch(
         mu, pi, mask, routes_mu, routes_pi, jnp.ones((1, 3)))
+
+
+def test_sequence_log_ratio_counts_responses_not_tokens():
+    # Row 0: three tokens of +log 2 -> s = 3 log 2, weight 8 > 5. Row 1: one token of
+    # −log 2 -> s = −log 2. Row 2: no completion token (not a response). Masked slots hold
+    # NaN, which must not leak.
+    pi = jnp.array([[LOG(2), LOG(2), LOG(2)], [-LOG(2), jnp.nan, 0.0], [0.0, 0.0, 0.0]])
+    mu = jnp.zeros((3, 3))
+    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    r = dg.reduce_metrics([dg.sequence_log_ratio(pi, mu, mask, tis_cap=5.0)])
+    assert_close(r["seq/log_ratio"], LOG(2), n=8, cond=3.0)  # (3 log 2 − log 2) / 2
+    assert_close(r["seq/log_ratio_sq"], 5 * LOG(2) ** 2, n=8, cond=3.0)  # (9 + 1) / 2
+    assert float(r["seq/beyond_cap"]) == 0.5
+    r = dg.reduce_metrics([dg.sequence_log_ratio(pi, mu, mask, tis_cap=10.0)])
+    assert float(r["seq/beyond_cap"]) == 0.0
 
 
 def test_reduce_metrics_sums_pairs_and_picks_extremes():

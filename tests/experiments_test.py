@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from experiments import coldstart, mismatch_sweep, offpolicy, onpolicy, report, stats
+from experiments import (coldstart, length_stats, mismatch_sweep, offpolicy, onpolicy, report,
+                         stats)
 from tolerance import bound
 
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
@@ -38,6 +39,31 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
                          "--report", *FAST, *extra])
     assert again == runs  # seed 1 never ran: left out
     assert only in (tmp_path / "summary.md").read_text()
+
+
+def test_long_preset_smoke(tmp_path):
+    """Two steps of the long on-policy preset: its context holds 376 new tokens, rollouts
+    run past 150 of them, widths are trimmed in steps of 32, and the sequence log-ratio
+    monitors are logged."""
+    runs = onpolicy.main(["--preset", "long", "--workdir", str(tmp_path), "--seeds", "0",
+                          "--only", "minirl", "--quiet", "--compile-cache=", *FAST,
+                          "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_k=1"])
+    base = onpolicy.EXPERIMENTS["long"]().base
+    assert base.sampling.max_new_tokens == base.task.max_solution_len
+    assert base.model.max_seq_len >= base.task.max_prompt_len + base.task.max_solution_len
+    last = runs["minirl"][0][-1]
+    assert last["response/length_max"] >= 150
+    assert all(np.isfinite(last[k]) for k in
+               ("reward", "kl/train_infer_k1", "seq/log_ratio", "seq/log_ratio_sq",
+                "seq/beyond_cap"))
+    assert last["seq/log_ratio_sq"] >= last["seq/log_ratio"] ** 2 - 1e-6
+    # The calibration table of the same cold start (cached in the workdir): one row per σ.
+    rows = length_stats.main(["--preset", "long", "--workdir", str(tmp_path), "--noise",
+                              "0,0.4", "--batches", "1", *FAST, "rl.prompts_per_step=4",
+                              "rl.group_size=4"])
+    assert [r["noise"] for r in rows] == [0.0, 0.4]
+    assert rows[1]["k1"] > rows[0]["k1"] and all(r["length"] >= 1 for r in rows)
+    assert all(0 <= r["beyond_cap"] <= 1 and r["s_sd"] >= 0 for r in rows)
 
 
 @pytest.mark.parametrize("module", [onpolicy, offpolicy, coldstart])

@@ -1,4 +1,5 @@
 """The synthetic task and its TFDS builder."""
+import re
 import sys
 
 import numpy as np
@@ -17,8 +18,18 @@ SMALL = TaskConfig(num_train=200, num_test=40)
 
 def _value(prompt: str, modulus: int) -> int:
     expr = prompt.split(" ")[0].rstrip("=")
+    if " x" in prompt:  # a long problem: the cycle after the start, applied N times
+        start, cycle = re.match(r"(\d+)(.*)", expr).groups()
+        steps = int(re.search(r" x(\d+)", prompt).group(1))
+        terms = re.findall(r"[+-]\d+", cycle)
+        expr = start + "".join(terms[i % len(terms)] for i in range(steps))
     v = eval(expr)  # left-to-right +/-: Python agrees
     return v % modulus if modulus else v
+
+
+def _steps(task: TaskConfig, prompt: str) -> int:
+    return int(re.search(r" x(\d+)", prompt).group(1)) if task.max_steps else \
+        task.num_operands - 1
 
 
 def test_generation_is_deterministic_and_splits_disjoint():
@@ -40,7 +51,7 @@ def test_presets_disjoint_and_correct(name):
     for rec in train + test:
         assert rec["answer"] == str(_value(rec["prompt"], task.modulus))
         assert exact_match_reward(rec["solution"], rec["answer"]) == 1.0
-        assert rec["solution"].count("=") == task.num_operands - 1
+        assert rec["solution"].count("=") == _steps(task, rec["prompt"])
         if task.modulus:
             assert 0 <= int(rec["answer"]) < task.modulus
             assert rec["prompt"].endswith(f" (mod {task.modulus})=")
@@ -66,6 +77,29 @@ def test_solution_styles_by_hand():
         "37+85=22 22-30=92 #### 92"
 
 
+def test_long_problems_by_hand():
+    # 7, then +8, -3, +8, -3 (mod 10): 5, 2, 0, 7.
+    nums, ops, partials = [7, 8, 3, 8, 3], ["+", "-", "+", "-"], [5, 2, 0, 7]
+    assert synthetic.solution_text(nums, ops, partials, "steps", countdown=True) == \
+        "4:7+8=5 3:5-3=2 2:2+8=0 1:0-3=7 #### 7"
+    task = presets.task("long", num_train=100, num_test=20)
+    for rec in synthetic.generate(task, "train"):
+        steps = _steps(task, rec["prompt"])
+        assert task.min_steps <= steps <= task.max_steps
+        assert rec["solution"].startswith(f"{steps}:") and " 1:" in rec["solution"]
+        assert re.fullmatch(r"\d[+-]\d[+-]\d x\d+ \(mod 10\)=", rec["prompt"])
+
+
+def test_long_task_responses_are_ten_times_the_easy_ones():
+    def mean_tokens(name):
+        recs = synthetic.generate(presets.task(name, num_train=300), "train")
+        tok = SentencePieceTokenizer.train([r["prompt"] + " " + r["solution"] for r in recs],
+                                           presets.tiny().model.vocab_size)
+        return np.mean([len(tok.encode(r["solution"])) for r in recs])
+    long_, easy = mean_tokens("long"), mean_tokens("easy")
+    assert 200 <= long_ <= 400 and long_ >= 10 * easy, (long_, easy)
+
+
 def test_plus_only_operators():
     recs = synthetic.generate(SMALL.replace(operators="+"), "train")
     assert all("-" not in r["prompt"] and int(r["answer"]) >= 0 for r in recs)
@@ -76,7 +110,8 @@ def test_presets_fit_their_token_budgets(name):
     task = presets.TASKS[name]
     recs = synthetic.generate(task.replace(num_train=1000), "train")
     for style in STYLES:
-        recs += synthetic.generate(task.replace(num_train=200, style=style), "train")
+        if not (task.max_steps and style == "rewrite"):  # no long form of 'rewrite'
+            recs += synthetic.generate(task.replace(num_train=200, style=style), "train")
     tok = SentencePieceTokenizer.train([r["prompt"] + " " + r["solution"] for r in recs],
                                        presets.tiny().model.vocab_size)
     # +1: prompt batches prepend BOS.
@@ -103,7 +138,12 @@ def test_named_builder_configs_are_the_task_presets(tmp_path):
                                       ({"operators": "*"}, "operators"),
                                       ({"modulus": 1}, "modulus"),
                                       ({"max_digits": 9}, "max_digits"),
-                                      ({"seed": -1}, "seed")])
+                                      ({"seed": -1}, "seed"),
+                                      ({"max_steps": -1}, "max_steps"),
+                                      ({"min_steps": 3}, "min_steps"),
+                                      ({"min_steps": 9, "max_steps": 4}, "min_steps"),
+                                      ({"min_steps": 2, "max_steps": 4, "style": "rewrite"},
+                                       "style")])
 def test_config_errors(kw, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         TaskConfig(**kw)

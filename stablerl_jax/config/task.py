@@ -15,6 +15,9 @@ class TaskConfig(Section):
     kind: 'arithmetic' (data/synthetic.py) or 'jsonl' (local JSONL math data,
       data/jsonl.py; 'gsm8k' is the same, its former name).
     num_operands / max_digits / operators / modulus: arithmetic difficulty.
+    min_steps / max_steps: long problems when max_steps > 0 (data/synthetic.py): a start
+      value and num_operands − 1 operations applied in turn for a number of steps drawn
+      from [min_steps, max_steps]; 0 (the default) = one pass over the prompt's chain.
     style: worked-solution style used for SFT: 'steps', 'rewrite' or 'terse'.
     num_train / num_test: records per split (arithmetic only; JSONL files set their own).
     test_fraction: share of the problem space hashed into the test split.
@@ -44,6 +47,8 @@ class TaskConfig(Section):
     max_digits: int = 1
     operators: str = "+-"
     modulus: int = 0
+    min_steps: int = 0
+    max_steps: int = 0
     style: str = "steps"
     num_train: int = 4000
     num_test: int = 400
@@ -74,6 +79,14 @@ class TaskConfig(Section):
         check(is_int(self.modulus) and (self.modulus == 0 or self.modulus >= 2),
               "modulus", f"must be 0 (no modulus) or an int >= 2, got {self.modulus!r}")
         check_choice(self, "style", STYLES)
+        check(is_int(self.max_steps) and self.max_steps >= 0, "max_steps",
+              f"must be an int >= 0 (0 = no long problems), got {self.max_steps!r}")
+        check(is_int(self.min_steps) and (self.min_steps == 0 if not self.max_steps else
+                                          1 <= self.min_steps <= self.max_steps),
+              "min_steps", f"must be in [1, max_steps={self.max_steps}] for long problems, "
+              f"or 0 with max_steps=0; got {self.min_steps!r}")
+        check(not self.max_steps or self.style != "rewrite", "style",
+              "'rewrite' has no long-problem form; use 'steps' or 'terse' with max_steps > 0")
         check(is_finite(self.test_fraction) and 0 < self.test_fraction < 1, "test_fraction",
               f"must be in (0, 1), got {self.test_fraction}")
         check(is_int(self.seed) and self.seed >= 0, "seed",

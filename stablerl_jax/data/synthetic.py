@@ -13,7 +13,18 @@ answer line "#### N":
 
 Difficulty knobs (config.TaskConfig): `num_operands` (steps = operands − 1),
 `max_digits`, `operators` ('+-' or '+'), `modulus` (0 = plain integers).
-`presets.TASKS` names three settings.
+
+Long problems (`max_steps` > 0): a start value and num_operands − 1 operations applied in
+turn, cycling, for a number of steps drawn from [min_steps, max_steps] and stated in the
+prompt. The worked solution ('steps' style) writes every step, numbered by a countdown, so
+each step reads only the step before it and the one a cycle back; it runs to ~9 tokens a
+step, 200–400 tokens at 24–40 steps:
+
+    prompt:    "7+8-3 x4 (mod 10)="
+    'steps':   "4:7+8=5 3:5-3=2 2:2+8=0 1:0-3=7 #### 7"
+    'terse':   "#### 7"
+
+`presets.TASKS` names four settings ('long' is a long one).
 
 Problems are a deterministic function of the config (seed included); a problem belongs to
 the test split iff a stable hash of its prompt falls below `test_fraction`, so train and
@@ -53,14 +64,38 @@ def make_problem(rng: np.random.Generator, cfg: TaskConfig):
     return prompt, nums, ops, partials
 
 
-def solution_text(nums: list[int], ops: list[str], partials: list[int], style: str) -> str:
+def make_cycle_problem(rng: np.random.Generator, cfg: TaskConfig):
+    """(prompt, operands, operators, partial results) of one long problem: the cycle of
+    operations unrolled over the drawn number of steps, so `solution_text` works it as it
+    works a chain of the same operands."""
+    start = int(rng.integers(0, 10**cfg.max_digits))
+    cycle_nums = [int(n) for n in rng.integers(0, 10**cfg.max_digits, size=cfg.num_operands - 1)]
+    cycle_ops = [str(o) for o in rng.choice(list(cfg.operators), size=cfg.num_operands - 1)]
+    steps = int(rng.integers(cfg.min_steps, cfg.max_steps + 1))
+    cycle = "".join(f"{o}{n}" for o, n in zip(cycle_ops, cycle_nums))
+    prompt = f"{start}{cycle} x{steps}" + (f" (mod {cfg.modulus})" if cfg.modulus else "") + "="
+    ops = [cycle_ops[i % len(cycle_ops)] for i in range(steps)]
+    nums = [start] + [cycle_nums[i % len(cycle_nums)] for i in range(steps)]
+    acc, partials = start, []
+    for o, n in zip(ops, nums[1:]):
+        acc = acc + n if o == "+" else acc - n
+        if cfg.modulus:
+            acc %= cfg.modulus
+        partials.append(acc)
+    return prompt, nums, ops, partials
+
+
+def solution_text(nums: list[int], ops: list[str], partials: list[int], style: str,
+                  countdown: bool = False) -> str:
+    """The worked solution; `countdown` numbers each step by the steps left (long problems)."""
     answer = f"#### {partials[-1]}"
     if style == "terse":
         return answer
     if style == "steps":
         accs = [nums[0]] + partials[:-1]
-        return " ".join(f"{a}{o}{n}={p}" for a, o, n, p in
-                        zip(accs, ops, nums[1:], partials)) + " " + answer
+        left = range(len(partials), 0, -1)
+        return " ".join((f"{k}:" if countdown else "") + f"{a}{o}{n}={p}" for k, a, o, n, p
+                        in zip(left, accs, ops, nums[1:], partials)) + " " + answer
     # 'rewrite': step i shows partial i followed by the untouched rest of the chain.
     lines = [str(p) + "".join(f"{o}{n}" for o, n in zip(ops[i + 1:], nums[i + 2:]))
              for i, p in enumerate(partials)]
@@ -77,10 +112,12 @@ def generate(cfg: TaskConfig, split: str) -> list[dict]:
     check(split in ("train", "test"), "split", f"must be 'train' or 'test', got {split!r}")
     want = {"train": cfg.num_train, "test": cfg.num_test}[split]
     rng = np.random.default_rng([cfg.seed, cfg.num_operands, cfg.max_digits, cfg.modulus,
-                                 len(cfg.operators)])
+                                 len(cfg.operators)] + ([cfg.min_steps, cfg.max_steps]
+                                                        if cfg.max_steps else []))
     width = len(str(max(want - 1, 0)))
     space = 10 ** (cfg.max_digits * cfg.num_operands) * len(cfg.operators) ** (
-        cfg.num_operands - 1)
+        cfg.num_operands - 1) * (cfg.max_steps - cfg.min_steps + 1 if cfg.max_steps else 1)
+    make = make_cycle_problem if cfg.max_steps else make_problem
     share = cfg.test_fraction if split == "test" else 1 - cfg.test_fraction
     if want > space * share:
         raise ValueError(f"task: cannot find {want} distinct {split} problems: only about "
@@ -97,12 +134,13 @@ def generate(cfg: TaskConfig, split: str) -> list[dict]:
                              f"num_operands={cfg.num_operands}, max_digits={cfg.max_digits}, "
                              f"operators={cfg.operators!r} in {budget} draws; lower "
                              "num_train/num_test or raise the difficulty")
-        prompt, nums, ops, partials = make_problem(rng, cfg)
+        prompt, nums, ops, partials = make(rng, cfg)
         if prompt in seen or _in_test(prompt, cfg.test_fraction) != (split == "test"):
             continue
         seen.add(prompt)
         out.append({"id": f"{split}-{len(out):0{width}d}", "prompt": prompt,
-                    "solution": solution_text(nums, ops, partials, cfg.style),
+                    "solution": solution_text(nums, ops, partials, cfg.style,
+                                              countdown=bool(cfg.max_steps)),
                     "answer": str(partials[-1])})
     return out
 
@@ -111,7 +149,8 @@ def config_name(task: TaskConfig) -> str:
     """A builder-config name that changes whenever the generated data would."""
     mod = f"_m{task.modulus}" if task.modulus else ""
     ops = "" if task.operators == "+-" else "_plus"
-    return (f"ops{task.num_operands}_d{task.max_digits}{ops}{mod}_{task.style}_s{task.seed}"
+    cyc = f"_x{task.min_steps}-{task.max_steps}" if task.max_steps else ""
+    return (f"ops{task.num_operands}_d{task.max_digits}{ops}{mod}{cyc}_{task.style}_s{task.seed}"
             f"_n{task.num_train}-{task.num_test}_f{task.test_fraction}")
 
 

@@ -137,7 +137,8 @@ def _tokenizer(cfg: TaskConfig, vocab_size: int, data_dir: str, corpus) -> Token
               f"the tokenizer has {tok.vocab_size} tokens > model.vocab_size="
               f"{vocab_size}; use the checkpoint's own tokenizer")
         return tok
-    name = f"spm_{cfg.kind}_{vocab_size}_{cfg.num_operands}_{cfg.max_digits}.model"
+    steps = f"_x{cfg.max_steps}" if cfg.max_steps else ""
+    name = f"spm_{cfg.kind}_{vocab_size}_{cfg.num_operands}_{cfg.max_digits}{steps}.model"
     return SentencePieceTokenizer.load_or_train(os.path.join(data_dir, name), corpus,
                                                 vocab_size)
 

@@ -72,14 +72,14 @@ class TrainState(NamedTuple):
 
 
 def rollout_monitors(rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK,
-                     routes_BxTxLxK, routed_BxT) -> tuple[dict, jax.Array]:
+                     routes_BxTxLxK, routed_BxT, tis_cap: float) -> tuple[dict, jax.Array]:
     """(the rollout's monitors as pairs, π_old's routes with -1 where nothing was routed):
     the training–inference mismatch (`diagnostics.train_infer_mismatch`) and the
     full-vocabulary entropy of π_old on the sampled prefixes."""
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
     metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
-                                      routes_old_BxTxLxK, routed_BxT)
+                                      routes_old_BxTxLxK, routed_BxT, tis_cap=tis_cap)
     metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
     return metrics, routes_old_BxTxLxK
 
@@ -137,7 +137,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         n_slices, "score slices")
     metrics, routes_old_BxTxLxK = rollout_monitors(
         rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
-        attn_BxS[:, :-1])
+        attn_BxS[:, :-1], cfg.loss.tis_cap)
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
                        advantages_B, replay, replay_w)
@@ -189,7 +189,7 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
         monitors, _ = rollout_monitors(batch.rollout_logp_BxT, old_logp_BxT,
                                        jax.lax.stop_gradient(entropy_BxT), batch.mask_BxT,
                                        batch.routes_mu_BxTxLxK, aux["routes"],
-                                       batch.attn_BxS[:, :-1])
+                                       batch.attn_BxS[:, :-1], cfg.loss.tis_cap)
     loss_batch = losses_lib.LossBatch(old_logp_BxT, batch.rollout_logp_BxT,
                                       batch.mask_BxT, advantages_B=batch.advantages_B,
                                       totals=None if totals is None else totals.loss)
