@@ -202,13 +202,13 @@ def routing_mismatch(routes_a_BxTxLxK, routes_b_BxTxLxK, mask_BxT) -> dict:
 def sequence_log_ratio(logp_pi_BxT, logp_mu_BxT, mask_BxT, tis_cap: float) -> dict:
     """Pairs over responses (rows with a counted token) of s = Σ_t (log π − log μ), the log
     of the sequence IS weight π(y)/μ(y), which drifts with length where the token-level
-    KL does not (docs/method.md §3):
+    KL does not (docs/method.md §2):
 
       seq/log_ratio, seq/log_ratio_sq   E[s], E[s²] (variance = E[s²] − E[s]²)
       seq/beyond_cap                    share of responses with π(y)/μ(y) > tis_cap
     """
     m = _m(mask_BxT)
-    acc = _acc(logp_pi_BxT, logp_mu_BxT)
+    acc = accum_dtype(jnp.result_type(logp_pi_BxT, logp_mu_BxT))
     d_BxT = jnp.asarray(logp_pi_BxT, acc) - jnp.asarray(logp_mu_BxT, acc)
     s_B = jnp.sum(jnp.where(m > 0, d_BxT, 0.0), axis=-1)
     rows_B = (jnp.sum(m, axis=-1) > 0).astype(acc)
