@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from stablerl_jax.kernels import fused_logprob_pallas as _pallas
 from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.dtypes import accum_dtype
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 
 _NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in masked columns
@@ -67,14 +68,9 @@ def reference(hidden_TxD, unembed_DxV, targets_T):
     return logp, entropy
 
 
-def _acc_dtype(x):
-    """float32 accumulation for f32/bf16 inputs; float64 for float64 inputs (x64 checks)."""
-    return jnp.promote_types(x.dtype, jnp.float32)
-
-
 def _target_logit(hidden_TxD, unembed_DxV, targets_T):
     """z_y = h · W[:, y] per token: O(T·D), row-wise, so batch invariant."""
-    acc = _acc_dtype(hidden_TxD)
+    acc = accum_dtype(hidden_TxD.dtype)
     w_y = jnp.take(unembed_DxV, targets_T, axis=1).T.astype(acc)     # [T, D]
     return jnp.sum(hidden_TxD.astype(acc) * w_y, axis=1)
 
@@ -92,7 +88,7 @@ def _chunk(unembed_DxV, j, c):
 def _stats_chunked(hidden_TxD, unembed_DxV, c):
     """Online log-sum-exp over vocab chunks: (lse, E_p[z]), each [T]."""
     t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
-    acc = _acc_dtype(hidden_TxD)
+    acc = accum_dtype(hidden_TxD.dtype)
     ragged = v % c != 0
 
     def body(carry, j):
@@ -117,7 +113,7 @@ def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent
     updating a [D, V] carry every step."""
     v = unembed_DxV.shape[1]
     n, r = -(-v // c), v - (-(-v // c) - 1) * c  # chunks; new columns in the last one
-    acc = _acc_dtype(hidden_TxD)
+    acc = accum_dtype(hidden_TxD.dtype)
     h = hidden_TxD.astype(acc)
 
     def body(dh, j):
@@ -156,7 +152,7 @@ def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, target, interpret):
 
 def _fused_bwd(block, target, interpret, res, cot):
     hidden_TxD, unembed_DxV, targets_T, lse, ez = res
-    acc = _acc_dtype(hidden_TxD)
+    acc = accum_dtype(hidden_TxD.dtype)
     g_logp, g_ent = (g.astype(acc) for g in cot)
     if target is not None:
         dh, dw = _pallas.backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse, ez,

@@ -31,11 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from stablerl_jax.kernels.dtypes import accum_dtype
+
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _acc(x):
-    return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def _tile_ranges(group_sizes_E: jax.Array, tile: int):
@@ -55,7 +53,7 @@ def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, pre
         def per_tile(i, out):
             x = jax.lax.dynamic_slice_in_dim(lhs_PxD, i * tile, tile, 0)
             y = jax.lax.dot_general(x, w, (contract, ((), ())), precision=precision,
-                                    preferred_element_type=_acc(x))
+                                    preferred_element_type=accum_dtype(x.dtype))
             return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * tile, 0)
 
         return jax.lax.fori_loop(start_E[e], end_E[e], per_tile, out)
@@ -75,10 +73,10 @@ def _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile: int, rhs_like, precision):
             g = jax.lax.dynamic_slice_in_dim(dout_PxF, i * tile, tile, 0)
             return acc + jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())),
                                              precision=precision,
-                                             preferred_element_type=_acc(x))
+                                             preferred_element_type=accum_dtype(x.dtype))
 
         acc = jax.lax.fori_loop(start_E[e], end_E[e], per_tile,
-                                jnp.zeros((d, f), _acc(lhs_PxD)))
+                                jnp.zeros((d, f), accum_dtype(lhs_PxD.dtype)))
         return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0)
 
     return jax.lax.fori_loop(0, num_groups, per_group, jnp.zeros_like(rhs_like))
@@ -131,7 +129,7 @@ def gmm_tiles(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array
     tiles = jnp.arange(n)
     group_N = jnp.minimum(jnp.searchsorted(end_E, tiles, side="right"), rhs_ExDxF.shape[0] - 1)
     out_NxTxF = jnp.einsum("ntd,ndf->ntf", lhs_PxD.reshape(n, tile, -1), rhs_ExDxF[group_N],
-                           precision=precision, preferred_element_type=_acc(lhs_PxD))
+                           precision=precision, preferred_element_type=accum_dtype(lhs_PxD.dtype))
     out_NxTxF = jnp.where((tiles < end_E[-1])[:, None, None], out_NxTxF, 0)
     return out_NxTxF.reshape(lhs_PxD.shape[0], -1).astype(lhs_PxD.dtype)
 
@@ -141,7 +139,7 @@ def ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST):
     del tile
     return jax.lax.ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E.astype(jnp.int32),
                               precision=precision,
-                              preferred_element_type=_acc(lhs_PxD)).astype(lhs_PxD.dtype)
+                              preferred_element_type=accum_dtype(lhs_PxD.dtype)).astype(lhs_PxD.dtype)
 
 
 def megablox(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,

@@ -47,12 +47,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from stablerl_jax.kernels import TARGETS
+from stablerl_jax.kernels.dtypes import accum_dtype
 from stablerl_jax.kernels.gmm import HIGHEST
 from stablerl_jax.kernels.gmm_impls import GmmBlocks
-
-
-def _acc(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _precision(dtype):
@@ -109,7 +106,7 @@ def _gmm_kernel(*refs, k, bk, transpose, tpu):
 
     @pl.when(active)
     def _():
-        acc = _kloop(lhs, rhs, k, bk, contract, out_ref.shape, _acc(out_ref.dtype))
+        acc = _kloop(lhs, rhs, k, bk, contract, out_ref.shape, accum_dtype(out_ref.dtype))
         out_ref[...] = acc.astype(out_ref.dtype)
 
     @pl.when(jnp.logical_not(active))
@@ -154,7 +151,7 @@ def _tgmm_kernel_gpu(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, bm):
                                          precision=_precision(lhs_ref.dtype))
 
     acc = jax.lax.fori_loop(start_ref[e], end_ref[e], body,
-                            jnp.zeros(out_ref.shape, _acc(out_ref.dtype)))
+                            jnp.zeros(out_ref.shape, accum_dtype(out_ref.dtype)))
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
@@ -245,7 +242,7 @@ def _tgmm_call(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_dtype, block, target,
             in_specs=[pl.BlockSpec((bm, bk), lambda a, b, t, g, r, n_: (r[t], a)),
                       pl.BlockSpec((bm, bn), lambda a, b, t, g, r, n_: (r[t], b))],
             out_specs=pl.BlockSpec((None, bk, bn), lambda a, b, t, g, r, n_: (g[t], a, b)),
-            scratch_shapes=[pltpu.VMEM((bk, bn), _acc(rhs_dtype))])
+            scratch_shapes=[pltpu.VMEM((bk, bn), accum_dtype(rhs_dtype))])
         out = pl.pallas_call(
             _tgmm_kernel_tpu, out_shape=out_shape, grid_spec=spec,
             compiler_params=_params(block, True, ("parallel", "parallel", "arbitrary"),

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from stablerl_jax.config import DTYPES, INFERENCE_NUMERICS, SamplingConfig, check
+from stablerl_jax.kernels.dtypes import accum_dtype  # noqa: F401 (the model's name for it)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
            "float64": jnp.float64}
@@ -53,10 +54,6 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 PRECISION = jax.lax.Precision.HIGHEST  # of every model matmul (module docstring)
 
 
-def accum_dtype(dtype):
-    """Accumulation / softmax dtype for operands of `dtype`: float32, or float64 for
-    float64 operands (numerical reference runs under `jax.enable_x64`)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 # Contraction (input) axes of each stacked layer weight; scales are per output channel,
 # i.e. one scale for every index of the remaining axes.
