@@ -7,7 +7,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from stablerl_jax import presets
-from stablerl_jax.config import STYLES, ConfigError, TaskConfig
+from stablerl_jax.config import ConfigError, TaskConfig
 from stablerl_jax.data import synthetic
 from stablerl_jax.data.task import read_source
 from stablerl_jax.data.rewards import exact_match_reward
@@ -109,9 +109,8 @@ def test_plus_only_operators():
 def test_presets_fit_their_token_budgets(name):
     task = presets.TASKS[name]
     recs = synthetic.generate(task.replace(num_train=1000), "train")
-    for style in STYLES:
-        if not (task.max_steps and style == "rewrite"):  # no long form of 'rewrite'
-            recs += synthetic.generate(task.replace(num_train=200, style=style), "train")
+    for style in synthetic.styles(task):
+        recs += synthetic.generate(task.replace(num_train=200, style=style), "train")
     tok = SentencePieceTokenizer.train([r["prompt"] + " " + r["solution"] for r in recs],
                                        presets.tiny().model.vocab_size)
     # +1: prompt batches prepend BOS.

@@ -2,7 +2,7 @@
 import pytest
 
 from stablerl_jax import presets
-from stablerl_jax.config import STYLES, TaskConfig
+from stablerl_jax.config import TaskConfig
 from stablerl_jax.data import synthetic
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
@@ -35,7 +35,7 @@ def test_saved_model_is_reused(tmp_path):
 
 def test_round_trip_on_every_preset_and_style():
     for name, task in presets.TASKS.items():
-        recs = [r for style in STYLES
+        recs = [r for style in synthetic.styles(task)
                 for r in synthetic.generate(task.replace(num_train=100, style=style), "train")]
         texts = [r["prompt"] + " " + r["solution"] for r in recs]
         tok = SentencePieceTokenizer.train(texts, presets.tiny().model.vocab_size)

@@ -43,7 +43,7 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 
-from stablerl_jax.config import TaskConfig, check
+from stablerl_jax.config import STYLES, TaskConfig, check
 from stablerl_jax.presets import TASKS
 
 FIELDS = ("id", "prompt", "solution", "answer")
@@ -62,6 +62,11 @@ def make_problem(rng: np.random.Generator, cfg: TaskConfig):
             acc %= cfg.modulus
         partials.append(acc)
     return prompt, nums, ops, partials
+
+
+def styles(cfg: TaskConfig) -> tuple[str, ...]:
+    """The solution styles `cfg`'s problems have ('rewrite' has no long form)."""
+    return tuple(s for s in STYLES if not (cfg.max_steps and s == "rewrite"))
 
 
 def make_cycle_problem(rng: np.random.Generator, cfg: TaskConfig):
