@@ -57,7 +57,10 @@ def test_long_preset_smoke(tmp_path):
                ("reward", "kl/train_infer_k1", "seq/log_ratio", "seq/log_ratio_sq",
                 "seq/beyond_cap"))
     assert last["seq/log_ratio_sq"] >= last["seq/log_ratio"] ** 2 - 1e-6
-    # The calibration table of the same cold start (cached in the workdir): one row per σ.
+
+
+@pytest.mark.slow  # ~30 s; its monitors are the trainer's (tests/diagnostics_test.py)
+def test_length_stats_prints_a_row_per_noise_level(tmp_path):
     rows = length_stats.main(["--preset", "long", "--workdir", str(tmp_path), "--noise",
                               "0,0.4", "--batches", "1", *FAST, "rl.prompts_per_step=4",
                               "rl.group_size=4"])

@@ -39,7 +39,10 @@ def _outputs(nb) -> tuple[str, int]:
 
 @pytest.mark.parametrize("name, expected, images", [
     ("losses", ["on-policy MiniRL token weights == Â / B", "diagnostics.clip_fractions says"], 4),
-    ("routing_mismatch", ["replay=r3 shrinks the engine factor", "fp8   KL k1 +"], 2),
+    # ~60 s; the library it is a client of runs in tests/mismatch_test.py and
+    # tests/diagnostics_test.py. `pytest -m slow` runs it.
+    pytest.param("routing_mismatch", ["replay=r3 shrinks the engine factor", "fp8   KL k1 +"],
+                 2, marks=pytest.mark.slow),
 ])
 def test_notebook_runs(tmp_path, name, expected, images):
     text, n_images = _outputs(_execute(name, tmp_path))

@@ -100,6 +100,11 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
     _run(mid, data, cache)
     _assert_same_run(full, mid)
 
+
+@pytest.mark.slow  # a subprocess run; the default suite keeps the mid-run kill above and
+# checkpoint_test.py::test_partial_checkpoints_are_never_resumed (an uncommitted step)
+def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    full, data, cache = reference
     # SIGKILL while step 3's checkpoint is being written: the half-written step must not
     # be taken as the latest; the resume restarts from step 2.
     in_save = tmp_path / "in_save"

@@ -150,8 +150,9 @@ def test_padding_never_influences_real_positions(x64):
     assert_close(h[0, 4:], alone[0], n=forward_chain(CFG, T), dtype="float64", scale="max")
 
 
-@pytest.mark.parametrize("with_replay,remat", [(False, "full"), (True, "full"),
-                                               (True, "dots")])
+@pytest.mark.parametrize("with_replay,remat", [
+    pytest.param(False, "full", marks=pytest.mark.slow),  # (True, "full") covers "full"
+    (True, "full"), (True, "dots")])
 def test_remat_equal_values_and_gradients(x64, with_replay, remat):
     params, tokens, mask = _setup(cfg=CFG64)
     replay = None
@@ -169,7 +170,9 @@ def test_remat_equal_values_and_gradients(x64, with_replay, remat):
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
 
 
-@pytest.mark.parametrize("chunk", [5, 4])  # T = 12: a ragged last chunk, and an even split
+# T = 12: a ragged last chunk, and an even split (slow: the ragged case has the even
+# chunks too, only the last one differs).
+@pytest.mark.parametrize("chunk", [5, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_attention_equals_naive(x64, chunk):
     """Query chunks (padded, rematerialized) compute every real row like the naive path,
     in value and gradient; with a KV cache (prefill into S > T slots, either layout) as
