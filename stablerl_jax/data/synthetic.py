@@ -49,19 +49,24 @@ from stablerl_jax.presets import TASKS
 FIELDS = ("id", "prompt", "solution", "answer")
 
 
+def partial_results(nums: list[int], ops: list[str], modulus: int) -> list[int]:
+    """The chain evaluated left to right (mod `modulus` after every step if nonzero)."""
+    partials, acc = [], nums[0]
+    for o, n in zip(ops, nums[1:]):
+        acc = acc + n if o == "+" else acc - n
+        if modulus:
+            acc %= modulus
+        partials.append(acc)
+    return partials
+
+
 def make_problem(rng: np.random.Generator, cfg: TaskConfig):
     """(prompt, chain of partial results, answer) of one random problem."""
     nums = [int(n) for n in rng.integers(0, 10**cfg.max_digits, size=cfg.num_operands)]
     ops = [str(o) for o in rng.choice(list(cfg.operators), size=cfg.num_operands - 1)]
     expr = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(ops, nums[1:]))
     prompt = expr + (f" (mod {cfg.modulus})" if cfg.modulus else "") + "="
-    partials, acc = [], nums[0]
-    for o, n in zip(ops, nums[1:]):
-        acc = acc + n if o == "+" else acc - n
-        if cfg.modulus:
-            acc %= cfg.modulus
-        partials.append(acc)
-    return prompt, nums, ops, partials
+    return prompt, nums, ops, partial_results(nums, ops, cfg.modulus)
 
 
 def styles(cfg: TaskConfig) -> tuple[str, ...]:
@@ -81,13 +86,7 @@ def make_cycle_problem(rng: np.random.Generator, cfg: TaskConfig):
     prompt = f"{start}{cycle} x{steps}" + (f" (mod {cfg.modulus})" if cfg.modulus else "") + "="
     ops = [cycle_ops[i % len(cycle_ops)] for i in range(steps)]
     nums = [start] + [cycle_nums[i % len(cycle_nums)] for i in range(steps)]
-    acc, partials = start, []
-    for o, n in zip(ops, nums[1:]):
-        acc = acc + n if o == "+" else acc - n
-        if cfg.modulus:
-            acc %= cfg.modulus
-        partials.append(acc)
-    return prompt, nums, ops, partials
+    return prompt, nums, ops, partial_results(nums, ops, cfg.modulus)
 
 
 def solution_text(nums: list[int], ops: list[str], partials: list[int], style: str,
