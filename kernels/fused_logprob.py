@@ -128,8 +128,8 @@ def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent
         dh = dh + jax.lax.dot_general(dz, w_c, (((1,), (1,)), ((), ())), precision=_HI)
         return dh, jax.lax.dot_general(dz, h, (((0,), (0,)), ((), ())), precision=_HI)
 
-    dh, dwt_NxCxD = jax.lax.scan(body, jnp.zeros(h.shape, acc), jnp.arange(n))
-    dwt_VxD = dwt_NxCxD.reshape(n * c, -1)
+    dh, dwt_JxWxD = jax.lax.scan(body, jnp.zeros(h.shape, acc), jnp.arange(n))
+    dwt_VxD = dwt_JxWxD.reshape(n * c, -1)
     if r != c:  # the last chunk started at V − C: keep only its r new columns
         dwt_VxD = jnp.concatenate([dwt_VxD[:(n - 1) * c], dwt_VxD[n * c - r:]])
     return dh, dwt_VxD.T

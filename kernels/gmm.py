@@ -41,7 +41,7 @@ def _tile_ranges(group_sizes_E: jax.Array, tile: int):
     return end_E - group_sizes_E // tile, end_E
 
 
-def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, precision):
+def _loop(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, precision):
     """out = lhs @ rhs[g] (or lhs @ rhs[g]ᵀ when transpose_rhs)."""
     start_E, end_E = _tile_ranges(group_sizes_E, tile)
     out_dim = rhs_ExDxF.shape[1] if transpose_rhs else rhs_ExDxF.shape[2]
@@ -51,68 +51,68 @@ def _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, pre
         w = rhs_ExDxF[e]
 
         def per_tile(i, out):
-            x = jax.lax.dynamic_slice_in_dim(lhs_PxD, i * tile, tile, 0)
+            x = jax.lax.dynamic_slice_in_dim(lhs_RxD, i * tile, tile, 0)
             y = jax.lax.dot_general(x, w, (contract, ((), ())), precision=precision,
                                     preferred_element_type=accum_dtype(x.dtype))
             return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * tile, 0)
 
         return jax.lax.fori_loop(start_E[e], end_E[e], per_tile, out)
 
-    out = jnp.zeros((lhs_PxD.shape[0], out_dim), lhs_PxD.dtype)
+    out = jnp.zeros((lhs_RxD.shape[0], out_dim), lhs_RxD.dtype)
     return jax.lax.fori_loop(0, rhs_ExDxF.shape[0], per_group, out)
 
 
-def _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile: int, rhs_like, precision):
+def _tgmm(lhs_RxD, dout_RxF, group_sizes_E, tile: int, rhs_like, precision):
     """d rhs[e] = Σ_{tiles of e} lhsᵀ · dout."""
     start_E, end_E = _tile_ranges(group_sizes_E, tile)
     num_groups, d, f = rhs_like.shape
 
     def per_group(e, drhs):
         def per_tile(i, acc):
-            x = jax.lax.dynamic_slice_in_dim(lhs_PxD, i * tile, tile, 0)
-            g = jax.lax.dynamic_slice_in_dim(dout_PxF, i * tile, tile, 0)
+            x = jax.lax.dynamic_slice_in_dim(lhs_RxD, i * tile, tile, 0)
+            g = jax.lax.dynamic_slice_in_dim(dout_RxF, i * tile, tile, 0)
             return acc + jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())),
                                              precision=precision,
                                              preferred_element_type=accum_dtype(x.dtype))
 
         acc = jax.lax.fori_loop(start_E[e], end_E[e], per_tile,
-                                jnp.zeros((d, f), accum_dtype(lhs_PxD.dtype)))
+                                jnp.zeros((d, f), accum_dtype(lhs_RxD.dtype)))
         return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0)
 
     return jax.lax.fori_loop(0, num_groups, per_group, jnp.zeros_like(rhs_like))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gmm(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
+def gmm(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
         tile: int, precision=HIGHEST) -> jax.Array:
     """Grouped matmul: rows of lhs sorted by group, each group a multiple of `tile`."""
-    if lhs_PxD.shape[0] % tile:
-        raise ValueError(f"gmm: rows P={lhs_PxD.shape[0]} must be a multiple of {tile=}")
-    if lhs_PxD.shape[1] != rhs_ExDxF.shape[1]:
-        raise ValueError(f"gmm: lhs width {lhs_PxD.shape[1]} != rhs input width "
+    if lhs_RxD.shape[0] % tile:
+        raise ValueError(f"gmm: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
+    if lhs_RxD.shape[1] != rhs_ExDxF.shape[1]:
+        raise ValueError(f"gmm: lhs width {lhs_RxD.shape[1]} != rhs input width "
                          f"{rhs_ExDxF.shape[1]}")
     if group_sizes_E.shape != (rhs_ExDxF.shape[0],):
         raise ValueError(f"gmm: group_sizes shape {group_sizes_E.shape} must be "
                          f"({rhs_ExDxF.shape[0]},)")
-    return _loop(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, False, precision)
+    return _loop(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, False, precision)
 
 
-def _gmm_fwd(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision):
-    out = gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision)
-    return out, (lhs_PxD, rhs_ExDxF, group_sizes_E)
+def _gmm_fwd(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision):
+    out = gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision)
+    return out, (lhs_RxD, rhs_ExDxF, group_sizes_E)
 
 
-def _gmm_bwd(tile, precision, res, dout_PxF):
-    lhs_PxD, rhs_ExDxF, group_sizes_E = res
-    dlhs = _loop(dout_PxF, rhs_ExDxF, group_sizes_E, tile, True, precision)
-    drhs = _tgmm(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_ExDxF, precision)
-    return dlhs.astype(lhs_PxD.dtype), drhs, None
+def _gmm_bwd(tile, precision, res, dout_RxF):
+    lhs_RxD, rhs_ExDxF, group_sizes_E = res
+    dlhs = _loop(dout_RxF, rhs_ExDxF, group_sizes_E, tile, True, precision)
+    drhs = _tgmm(lhs_RxD, dout_RxF, group_sizes_E, tile, rhs_ExDxF, precision)
+    return dlhs.astype(lhs_RxD.dtype), drhs, None
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm_tiles(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
+def gmm_tiles(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
               tile: int, precision=HIGHEST) -> jax.Array:
     """The same grouped matmul as `gmm`, with every tile in one batched matmul.
 
@@ -122,27 +122,27 @@ def gmm_tiles(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array
     models on CPU), at the memory of one weight copy per tile. Its gradient is JAX's
     (the weight gradient is the per-tile products summed into their groups).
     """
-    if lhs_PxD.shape[0] % tile:
-        raise ValueError(f"gmm_tiles: rows P={lhs_PxD.shape[0]} must be a multiple of {tile=}")
-    n = lhs_PxD.shape[0] // tile
+    if lhs_RxD.shape[0] % tile:
+        raise ValueError(f"gmm_tiles: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
+    n = lhs_RxD.shape[0] // tile
     end_E = jnp.cumsum(group_sizes_E) // tile
     tiles = jnp.arange(n)
-    group_N = jnp.minimum(jnp.searchsorted(end_E, tiles, side="right"), rhs_ExDxF.shape[0] - 1)
-    out_NxTxF = jnp.einsum("ntd,ndf->ntf", lhs_PxD.reshape(n, tile, -1), rhs_ExDxF[group_N],
-                           precision=precision, preferred_element_type=accum_dtype(lhs_PxD.dtype))
-    out_NxTxF = jnp.where((tiles < end_E[-1])[:, None, None], out_NxTxF, 0)
-    return out_NxTxF.reshape(lhs_PxD.shape[0], -1).astype(lhs_PxD.dtype)
+    group_J = jnp.minimum(jnp.searchsorted(end_E, tiles, side="right"), rhs_ExDxF.shape[0] - 1)
+    out_JxWxF = jnp.einsum("ntd,ndf->ntf", lhs_RxD.reshape(n, tile, -1), rhs_ExDxF[group_J],
+                           precision=precision, preferred_element_type=accum_dtype(lhs_RxD.dtype))
+    out_JxWxF = jnp.where((tiles < end_E[-1])[:, None, None], out_JxWxF, 0)
+    return out_JxWxF.reshape(lhs_RxD.shape[0], -1).astype(lhs_RxD.dtype)
 
 
-def ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST):
+def ragged_dot(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST):
     """jax.lax.ragged_dot under the grouped-matmul contract."""
     del tile
-    return jax.lax.ragged_dot(lhs_PxD, rhs_ExDxF, group_sizes_E.astype(jnp.int32),
+    return jax.lax.ragged_dot(lhs_RxD, rhs_ExDxF, group_sizes_E.astype(jnp.int32),
                               precision=precision,
-                              preferred_element_type=accum_dtype(lhs_PxD.dtype)).astype(lhs_PxD.dtype)
+                              preferred_element_type=accum_dtype(lhs_RxD.dtype)).astype(lhs_RxD.dtype)
 
 
-def megablox(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
+def megablox(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
              interpret: bool = False):
     """jax's TPU megablox gmm under the grouped-matmul contract (bf16 / float32 only;
     Mosaic's default precision; rows past Σ group_sizes are left unwritten, which
@@ -151,6 +151,6 @@ def megablox(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
     del precision
     k, n = rhs_ExDxF.shape[1:]
     tiling = (math.gcd(tile, 512), min(k, 512), min(n, 512))
-    return megablox_gmm(lhs_PxD, rhs_ExDxF.astype(lhs_PxD.dtype),
-                        group_sizes_E.astype(jnp.int32), lhs_PxD.dtype, tiling,
+    return megablox_gmm(lhs_RxD, rhs_ExDxF.astype(lhs_RxD.dtype),
+                        group_sizes_E.astype(jnp.int32), lhs_RxD.dtype, tiling,
                         interpret=interpret)

@@ -4,7 +4,7 @@ here (the config validates ModelConfig.gmm_impl against `GMM_IMPLS`).
 Letters: P rows (sorted by group), D input width, F output width, E groups (experts),
 T tokens, K top-k.
 
-Every implementation computes out_PxF = fn(lhs_PxD, rhs_ExDxF, group_sizes_E, tile,
+Every implementation computes out_RxF = fn(lhs_RxD, rhs_ExDxF, group_sizes_E, tile,
 precision[, block=][, interpret=]): rows sorted by group, each group a multiple of
 `tile` rows (gmm.py):
 - "loop": the reference, pure JAX, a loop over groups and their tiles; the CPU default.
@@ -82,6 +82,6 @@ def gmm_example_args(tokens: int, model) -> tuple[tuple[Arg, ...], dict]:
     over the devices, the expert weights whole on each."""
     e, d, f, tile = model.num_experts, model.d_model, model.expert_ffn_dim, model.moe_tile
     dt = model.compute_dtype
-    return (Arg("lhs_PxD", (padded_rows(tokens * model.top_k, e, tile), d), dt, True, True),
+    return (Arg("lhs_RxD", (padded_rows(tokens * model.top_k, e, tile), d), dt, True, True),
             Arg("rhs_ExDxF", (e, d, f), dt, False, True),
             Arg("group_sizes_E", (e,), "int32", True, False)), {"tile": tile}

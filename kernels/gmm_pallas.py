@@ -60,7 +60,7 @@ def _precision(dtype):
 
 
 def _metadata(group_sizes_E, rows: int, bm: int):
-    """(group_M, row_M, active_1, start_E, end_E): the group of each row tile, the tile
+    """(group_J, row_J, active_1, start_E, end_E): the group of each row tile, the tile
     each tile's operands are read from (inactive tiles re-read the last active one, so a
     TPU pipeline skips the copy), the number of active tiles, and each group's tile range."""
     sizes = group_sizes_E.astype(jnp.int32)
@@ -68,9 +68,9 @@ def _metadata(group_sizes_E, rows: int, bm: int):
     start_E = end_E - sizes // bm
     active = end_E[-1]
     tiles = jnp.arange(rows // bm, dtype=jnp.int32)
-    group_M = jnp.clip(jnp.searchsorted(end_E, tiles, side="right"), 0, sizes.shape[0] - 1)
-    row_M = jnp.minimum(tiles, jnp.maximum(active - 1, 0))
-    return group_M.astype(jnp.int32), row_M, active[None], start_E, end_E
+    group_J = jnp.clip(jnp.searchsorted(end_E, tiles, side="right"), 0, sizes.shape[0] - 1)
+    row_J = jnp.minimum(tiles, jnp.maximum(active - 1, 0))
+    return group_J.astype(jnp.int32), row_J, active[None], start_E, end_E
 
 
 def _kloop(lhs_slice, rhs_slice, k: int, bk: int, contract, shape, acc):
@@ -197,7 +197,7 @@ def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose
     out_dtype = lhs.dtype
     lhs = _pad(lhs, (0, kp - k))
     rhs = _pad(rhs, (0, np_ - n, kp - k) if transpose else (0, kp - k, np_ - n))
-    group_M, row_M, active, _, _ = _metadata(group_sizes_E, p, bm)
+    group_J, row_J, active, _, _ = _metadata(group_sizes_E, p, bm)
     kernel = functools.partial(_gmm_kernel, k=kp, bk=bk, transpose=transpose, tpu=tpu)
     out_shape = jax.ShapeDtypeStruct((p, np_), out_dtype)
     grid = (p // bm, np_ // bn)
@@ -213,14 +213,14 @@ def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose
         out = pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec,
                              compiler_params=_params(block, True, ("parallel", "parallel"),
                                                      interpret),
-                             interpret=_interp(interpret))(group_M, row_M, active, lhs, rhs)
+                             interpret=_interp(interpret))(group_J, row_J, active, lhs, rhs)
     else:
         whole = pl.BlockSpec()
         out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
                              in_specs=[whole] * 4,
                              out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
                              compiler_params=_params(block, False, None, interpret),
-                             interpret=_interp(interpret))(group_M, active, lhs, rhs)
+                             interpret=_interp(interpret))(group_J, active, lhs, rhs)
     return out[:, :n] if np_ != n else out
 
 
@@ -234,7 +234,7 @@ def _tgmm_call(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_dtype, block, target,
     bk, kp = _fit(k, block.t_depth, triton)
     bn, np_ = _fit(n, block.t_cols, triton)
     lhs, dout = _pad(lhs_PxD, (0, kp - k)), _pad(dout_PxF, (0, np_ - n))
-    group_M, row_M, active, start_E, end_E = _metadata(group_sizes_E, p, bm)
+    group_J, row_J, active, start_E, end_E = _metadata(group_sizes_E, p, bm)
     out_shape = jax.ShapeDtypeStruct((e, kp, np_), rhs_dtype)
     if tpu:
         spec = pltpu.PrefetchScalarGridSpec(
@@ -247,7 +247,7 @@ def _tgmm_call(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_dtype, block, target,
             _tgmm_kernel_tpu, out_shape=out_shape, grid_spec=spec,
             compiler_params=_params(block, True, ("parallel", "parallel", "arbitrary"),
                                     interpret),
-            interpret=_interp(interpret))(group_M, row_M, active, lhs, dout)
+            interpret=_interp(interpret))(group_J, row_J, active, lhs, dout)
         # Groups without rows are never visited: their blocks hold whatever was there.
         out = jnp.where((group_sizes_E > 0)[:, None, None], out, jnp.zeros((), rhs_dtype))
     else:

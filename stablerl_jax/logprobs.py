@@ -49,20 +49,20 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
         raise ValueError(f"token_logprobs: need hidden [B, T, D] and targets [B, T]; got "
                          f"{hidden_BxTxD.shape=}, {targets_BxT.shape=}")
     b, t, d = hidden_BxTxD.shape
-    h_NxD = hidden_BxTxD.reshape(b * t, d)
+    h_TxD = hidden_BxTxD.reshape(b * t, d)
     if temperature != 1.0:
         # Scale in float32 (or wider), then back to the compute dtype the op streams in.
-        acc = nx.accum_dtype(h_NxD.dtype)
-        h_NxD = (h_NxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
+        acc = nx.accum_dtype(h_TxD.dtype)
+        h_TxD = (h_TxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
     fused = lambda h, w, y: fused_logprob(h, w, y, impl=impl, block=block,
                                           interpret=interpret)
     if row.pallas and mesh is not None and mesh.size > 1:
         rows = P(tuple(a for a in sharding.RULES["batch"] if mesh.shape[a] > 1))
         fused = jax.shard_map(fused, mesh=mesh, in_specs=(rows, P(), rows),
                               out_specs=(rows, rows), check_vma=False)
-    logp_N, ent_N = fused(h_NxD, unembed_DxV.astype(hidden_BxTxD.dtype),
+    logp_T, ent_T = fused(h_TxD, unembed_DxV.astype(hidden_BxTxD.dtype),
                           targets_BxT.reshape(-1))
-    return logp_N.reshape(b, t), ent_N.reshape(b, t)
+    return logp_T.reshape(b, t), ent_T.reshape(b, t)
 
 
 def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=None,
