@@ -146,7 +146,9 @@ def decode_step_program(engine, num_layers: int):
     cache_like = jax.eval_shape(lambda: tf.init_cache(
         model, b, s, nx.compute_dtype(numerics, model.compute_dtype)))
     rows = sharding.RULES["batch"]
-    kv_sh = NamedSharding(mesh, P(None, rows))  # [L, B, ...] in either cache layout
+    # [L, B, ...] stacked, or L buffers [B, ...] (unrolled layers), in either cache layout
+    kv_sh = jax.tree.map(lambda a: NamedSharding(mesh, P(*(None,) * (a.ndim - 4), rows)),
+                         cache_like["k"])
     cache_sh = {"k": kv_sh, "v": kv_sh, "mask": NamedSharding(mesh, P(rows)),
                 "index": sharding.replicated(mesh)}
     batch = sharding.batch_sharding(mesh)

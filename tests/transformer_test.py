@@ -237,14 +237,17 @@ def test_dense_dispatch_and_unrolled_layers_agree_with_the_scan(x64, variant):
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
 
 
+@pytest.mark.parametrize("unroll", [False, True])
 @pytest.mark.parametrize("layout", KV_CACHE_LAYOUTS)
-def test_kv_cache_prefill_then_decode_equals_full_forward(x64, layout):
-    cfg = CFG64.replace(kv_cache_layout=layout)
+def test_kv_cache_prefill_then_decode_equals_full_forward(x64, layout, unroll):
+    cfg = CFG64.replace(kv_cache_layout=layout, unroll_layers=unroll)
     params, tokens, mask = _setup(cfg=CFG64)
     h_full, aux_full = _fwd(CFG64)(params, tokens, attention_mask_BxT=mask)
     cache = tf.init_cache(cfg, B, T, jnp.float64)
-    want = {"bskd": (2, B, T, 2, 8), "bksd": (2, B, 2, T, 8)}[layout]
-    assert cache["k"].shape == cache["v"].shape == want
+    layer = {"bskd": (B, T, 2, 8), "bksd": (B, 2, T, 8)}[layout]
+    # Unrolled layers: one buffer per layer; scanned: the two layers stacked.
+    want = (layer, layer) if unroll else (2, *layer)
+    assert jax.tree.map(jnp.shape, cache["k"]) == jax.tree.map(jnp.shape, cache["v"]) == want
     step = jax.jit(lambda p, t, m, c: tf.forward(p, t, cfg, attention_mask_BxT=m, cache=c))
     h, aux = step(params, tokens[:, :7], mask[:, :7], cache)
     hs, routes = [h], [aux["routes"]]

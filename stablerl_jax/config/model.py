@@ -53,7 +53,8 @@ class ModelConfig(Section):
         outputs are reduce-scattered back (model/expert_parallel.py). False: every device
         gathers all experts' weights layer by layer and keeps its own tokens.
       unroll_layers: unroll the scan over layers (no per-layer slicing of stacked weights
-        and residuals: faster for a few small layers, compile time grows with depth).
+        and residuals, one KV-cache buffer per layer: faster for a few small layers,
+        compile time grows with depth).
       attention_impl: 'naive' (one [T, S] score matrix per head) or 'chunked' (a scan over
         query chunks of `attention_chunk` rows, each rematerialized: memory O(chunk · S)
         instead of O(T · S), the same function).

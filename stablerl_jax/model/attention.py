@@ -127,9 +127,11 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
     cache (k, v: [L, B, S, KV, Dh], or [L, B, KV, S, Dh] with cfg.kv_cache_layout
     'bksd'), this call's keys/values are written into layer `layer` at slots
-    [cache_index, cache_index + T) and attention runs over that layer's S slots. The cache
-    is returned whole, updated where it was written, so a caller that carries it through
-    a loop updates it in place. Letters here: L layers, KV kv heads, Hg = H / KV query
+    [cache_index, cache_index + T) and attention runs over that layer's S slots; with
+    `cache_kv` = one layer's buffers ([B, S, KV, Dh] or [B, KV, S, Dh], init_cache with
+    cfg.unroll_layers), they are written there and `layer` is not read. The cache is
+    returned whole, updated where it was written, so a caller that carries it through a
+    loop updates it in place. Letters here: L layers, KV kv heads, Hg = H / KV query
     heads per kv head.
     """
     b, t, _ = x_BxTxD.shape
@@ -144,12 +146,16 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     if cache_kv is not None:
         keys = cfg.kv_cache_layout
         zero = jnp.zeros((), jnp.int32)
-        at = (jnp.asarray(layer, jnp.int32),
-              *(jnp.asarray(cache_index, jnp.int32) if a == "s" else zero for a in keys))
+        at = tuple(jnp.asarray(cache_index, jnp.int32) if a == "s" else zero for a in keys)
         to_cache = (lambda x: x) if keys == "bskd" else (lambda x: jnp.swapaxes(x, 1, 2))
-        cache_kv = tuple(_write(c, to_cache(x)[None], at)
-                         for c, x in zip(cache_kv, (k_BxTxKVxDh, v_BxTxKVxDh)))
-        k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache_kv)
+        new_kv = tuple(to_cache(x) for x in (k_BxTxKVxDh, v_BxTxKVxDh))
+        if cache_kv[0].ndim == len(keys):  # this layer's own buffers
+            cache_kv = k, v = tuple(_write(c, x, at) for c, x in zip(cache_kv, new_kv))
+        else:  # the stacked [L, ...] buffers
+            at = (jnp.asarray(layer, jnp.int32), *at)
+            cache_kv = tuple(_write(c, x[None], at) for c, x in zip(cache_kv, new_kv))
+            k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+                    for c in cache_kv)
     else:
         k, v, keys = k_BxTxKVxDh, v_BxTxKVxDh, "bskd"
     q_BxTxKVxHgxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)

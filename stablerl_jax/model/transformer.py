@@ -96,14 +96,21 @@ def logits(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
     """An empty KV cache of `length` slots: k/v [L, B, S, KV, Dh] (or [L, B, KV, S, Dh],
-    cfg.kv_cache_layout 'bksd'), slot mask, write index."""
+    cfg.kv_cache_layout 'bksd'), slot mask, write index. With cfg.unroll_layers, k and v
+    are tuples of L per-layer buffers [B, S, KV, Dh] (or [B, KV, S, Dh]) instead: each
+    layer then attends over its own buffer, which a decode step updates in place, where
+    a slice of the stacked buffer is a copy of that layer's whole cache on every step."""
     if length > cfg.max_seq_len:
         raise ValueError(f"cache length {length} exceeds max_seq_len={cfg.max_seq_len}; "
                          "raise ModelConfig.max_seq_len or shorten prompt + max_new_tokens")
     layer = {"b": batch, "s": length, "k": cfg.num_kv_heads, "d": cfg.head_dim}
-    shape = (cfg.num_layers, *(layer[a] for a in cfg.kv_cache_layout))
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-            "mask": jnp.zeros((batch, length), bool), "index": jnp.zeros((), jnp.int32)}
+    shape = tuple(layer[a] for a in cfg.kv_cache_layout)
+    if cfg.unroll_layers:
+        k = v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    else:
+        k = v = jnp.zeros((cfg.num_layers, *shape), dtype)
+    return {"k": k, "v": v, "mask": jnp.zeros((batch, length), bool),
+            "index": jnp.zeros((), jnp.int32)}
 
 
 def _check_inputs(tokens_BxT, cfg, replay, mask, checks=None):
@@ -204,15 +211,27 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     elif cfg.remat == "dots":
         layer = jax.checkpoint(layer, prevent_cse=False,
                                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    # The KV cache is carried (each layer writes its slots in place), not scanned: a
-    # scanned cache would be re-stacked across layers on every decode step.
-    kv = None if cache is None else (cache["k"], cache["v"])
     layer_major = lambda r: None if r is None else jnp.transpose(r, (2, 0, 1, 3))
     xs = (params["layers"], jnp.arange(cfg.num_layers), layer_major(replay_BxTxLxK),
           layer_major(replay_weights_BxTxLxK))
     x = params["embed"][tokens_BxT].astype(dtype)
-    (x, kv), (routes_LxBxTxK, weights_LxBxTxK, load, z, balance) = jax.lax.scan(
-        layer, (x, kv), xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
+    if cache is not None and cfg.unroll_layers:
+        # Per-layer cache buffers (init_cache): a Python loop, so each layer reads and
+        # writes its own buffer.
+        ys, kv = [], []
+        for i, kv_i in enumerate(zip(cache["k"], cache["v"])):
+            (x, kv_i), y = layer((x, kv_i), jax.tree.map(lambda a: a[i], xs))
+            ys.append(y)
+            kv.append(kv_i)
+        kv = tuple(zip(*kv))
+        routes_LxBxTxK, weights_LxBxTxK, load, z, balance = jax.tree.map(
+            lambda *a: jnp.stack(a), *ys)
+    else:
+        # The stacked KV cache is carried (each layer writes its slots in place), not
+        # scanned: a scanned cache would be re-stacked across layers on every decode step.
+        kv = None if cache is None else (cache["k"], cache["v"])
+        (x, kv), (routes_LxBxTxK, weights_LxBxTxK, load, z, balance) = jax.lax.scan(
+            layer, (x, kv), xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
     hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
         "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),
