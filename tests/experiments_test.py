@@ -11,8 +11,11 @@ from tolerance import bound
 
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
 # = 64 rows, the size of every variant's rollout batch, so eval reuses the compiled sampler.
+# A trim bucket wider than any context keeps every rollout at its full width: one score
+# and one update program per run instead of one per width (trimming: tests/steps_test.py).
 FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
-        "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=16"]
+        "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=16",
+        "rl.trim_bucket=4096"]
 
 
 @pytest.mark.parametrize("module, only, extra", [
@@ -43,8 +46,7 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
 
 def test_long_preset_smoke(tmp_path):
     """Two steps of the long on-policy preset: its context holds 376 new tokens, rollouts
-    run past 150 of them, widths are trimmed in steps of 32, and the sequence log-ratio
-    monitors are logged."""
+    run past 150 of them, and the sequence log-ratio monitors are logged."""
     runs = onpolicy.main(["--preset", "long", "--workdir", str(tmp_path), "--seeds", "0",
                           "--only", "minirl", "--quiet", "--compile-cache=", *FAST,
                           "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_k=1"])
