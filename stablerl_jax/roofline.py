@@ -16,7 +16,11 @@ TPU cost model (`optimal_seconds`) is only meaningful for a loop-free program. S
 per-iteration costs come from loop-free programs compiled on their own: one decode step
 (a one-token forward against the KV cache, the logits and the sampled distribution) at
 1 and at 2 layers with the layer loop unrolled; their difference is one layer, and one
-decode step of L layers is c(1) + (L − 1)·(c(2) − c(1)). Collective bytes of a whole
+decode step of L layers is c(1) + (L − 1)·(c(2) − c(1)). With model.decode_block the
+attention of a layer is itself a loop over the key blocks the rollout has filled
+(⌈(slot + 1) / block⌉ trips, a count no compiler sees), which those programs count once;
+one block is compiled as a program of its own, and the decode step at slot σ is the
+step program plus L·(⌈(σ + 1) / block⌉ − 1) blocks. Collective bytes of a whole
 step come from its optimized HLO with every loop counted trip-count times
 (stablerl_jax/hlo_loops.py). The score and update steps are estimated from their model
 FLOPs (model/flops.py; the update's rematerialized forward added) and their collective
@@ -176,6 +180,47 @@ def decode_step_cost(engine) -> tuple[Cost, Cost]:
     return layer, costs[0] + layer.scale(engine.cfg.model.num_layers - 1)
 
 
+def decode_block_program(engine):
+    """The jitted program of one layer's decode attention (attention.attend_blocks) for
+    every row of a pass against the whole S-slot cache, rows split as in the sampler:
+    (function, abstract args). XLA counts its loop body, one key block, once: the cost
+    of one block (a cache as small as one block would be staged whole into on-chip
+    memory instead, which is not what a decode step does)."""
+    from stablerl_jax.model import attention
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.rl.engine import sampler_model
+    cfg, mesh = engine.cfg, engine.mesh
+    model = sampler_model(cfg)
+    dtype = nx.compute_dtype(nx.of_sampling(cfg.sampling, 0), model.compute_dtype)
+    b, blk, keys = rows_per_pass(cfg), model.decode_block, model.kv_cache_layout
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    kv_shape = tuple({"b": b, "s": s, "k": model.num_kv_heads, "d": model.head_dim}[a]
+                     for a in keys)
+    q_like = jax.ShapeDtypeStruct((b, model.num_kv_heads, model.num_heads // model.num_kv_heads,
+                                   model.head_dim), dtype)
+    kv_like = jax.ShapeDtypeStruct(kv_shape, dtype)
+    args = (q_like, kv_like, kv_like, jax.ShapeDtypeStruct((b, s), bool),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    rows = NamedSharding(mesh, P(sharding.RULES["batch"]))
+    fn = jax.jit(lambda q, k, v, m, last: attention.attend_blocks(
+        q, k, v, m, last, model.head_dim, dtype, keys, blk),
+        in_shardings=(rows, rows, rows, rows, sharding.replicated(mesh)), out_shardings=rows)
+    return fn, args
+
+
+def decode_step_costs(engine, slots: int) -> tuple[Cost, Cost, Cost | None]:
+    """(one layer, one decode step at its first slot, one key block or None): the
+    programs of the module docstring. `slots`: the first decode slot (P)."""
+    layer, step = decode_step_cost(engine)
+    blk = engine.cfg.model.decode_block
+    if not blk:
+        return layer, step, None
+    fn, args = decode_block_program(engine)
+    block = of_compiled(fn.lower(*args).compile())
+    blocks = slots // blk + 1
+    return layer, step + block.scale(engine.cfg.model.num_layers * (blocks - 1)), block
+
+
 def rows_that_fit(cfg: ExperimentConfig, sample_total_gib: float, hbm_gib: float,
                   chips: int) -> int:
     """Rows per chip whose KV cache and row state fit in `hbm_gib`, given the compiled
@@ -193,10 +238,22 @@ class StepEstimate:
     detail: str
 
 
+def extra_blocks(first_slot: int, steps: int, block: int) -> dict:
+    """{key blocks beyond the first decode step's: decode steps}: decode step i writes
+    slot first_slot + i and reads ⌈(slot + 1) / block⌉ blocks of every layer's cache
+    (attention.attend_blocks). block 0 (the whole cache every step): {0: steps}."""
+    counts = {}
+    for i in range(steps):
+        extra = (first_slot + i) // block - first_slot // block if block else 0
+        counts[extra] = counts.get(extra, 0) + 1
+    return counts
+
+
 def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
-    """(StepEstimate of one sample step, decode-step Cost, one-layer Cost, seconds of
-    one pass). Time = passes × C × decode step + what runs once (the prefill at the
-    chip's peak, every collective outside the decode loop)."""
+    """(StepEstimate of one sample step, Cost of the first decode step, one-layer Cost,
+    seconds of one pass, Cost of the mean decode step). Time = passes × Σ over the C
+    decode steps (each at its own slot: module docstring) + what runs once (the prefill
+    at the chip's peak, every collective outside the decode loop)."""
     from stablerl_jax.model.flops import forward_flops
     cfg = engine.cfg
     b = cfg.rl.prompts_per_step * cfg.rl.group_size
@@ -208,17 +265,22 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
                                                  "map_slices": passes})
     per_step_coll = sum(module.collective_bytes(loop.body, trips).values())
     once_coll = sum(module.collective_bytes(module.entry, {**trips, loop.name: 0}).values())
-    layer, step = decode_step_cost(engine)
+    p, n = cfg.task.max_prompt_len, cfg.sampling.max_new_tokens
+    layer, first, block = decode_step_costs(engine, p)
     # The loop's own collectives (the compiled sample step) replace the program's.
-    step = dataclasses.replace(step, collective_bytes=per_step_coll)
-    n = cfg.sampling.max_new_tokens
+    first = dataclasses.replace(first, collective_bytes=per_step_coll)
+    blk, num_layers = cfg.model.decode_block, cfg.model.num_layers
+    counts = extra_blocks(p, n, blk)
+    at = lambda extra: first + block.scale(num_layers * extra) if extra else first
+    decode_s = sum(c * at(e).seconds(chip) for e, c in counts.items())
+    mean = sum((at(e).scale(c / n) for e, c in counts.items()), Cost(0.0, 0.0, 0.0))
     chips = engine.mesh.size
-    prefill_s = forward_flops(cfg.model, b, cfg.task.max_prompt_len) / chips / chip.peak_flops
+    prefill_s = forward_flops(cfg.model, b, p) / chips / chip.peak_flops
     once_s = prefill_s + once_coll / chip.ici_bw
-    total = passes * n * step.seconds(chip) + once_s
-    detail = (f"{passes} pass(es) × {n} decode steps × {step.seconds(chip) * 1e3:.2f} ms "
-              f"+ prefill and reshard {once_s:.1f} s")
-    return StepEstimate("sample", total, detail), step, layer, total / passes
+    total = passes * decode_s + once_s
+    detail = (f"{passes} pass(es) × {n} decode steps × {decode_s / n * 1e3:.2f} ms on "
+              f"average + prefill and reshard {once_s:.1f} s")
+    return StepEstimate("sample", total, detail), first, layer, total / passes, mean
 
 
 def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops: float,

@@ -104,6 +104,16 @@ def test_roofline_is_the_slower_of_compute_and_memory_plus_communication():
     assert (v5p.peak_flops, v5p.hbm_bw, v5p.ici_bw) == (459e12, 2765e9, 600e9)
 
 
+def test_decode_steps_by_the_key_blocks_they_read():
+    from stablerl_jax import roofline
+    # Slots 3..8 with blocks of 4: slot 3 reads block 0; 4..7 blocks 0-1; 8 blocks 0-2.
+    assert roofline.extra_blocks(3, 6, 4) == {0: 1, 1: 4, 2: 1}
+    assert roofline.extra_blocks(3, 6, 0) == {0: 6}
+    # The paper preset: 1,024 prompt slots, 32,768 decode steps, blocks of 512.
+    counts = roofline.extra_blocks(1024, 32_768, 512)
+    assert sum(counts.values()) == 32_768 and max(counts) == 63 and counts[0] == 512
+
+
 def test_kv_cache_bytes_per_row_of_the_paper_preset():
     from stablerl_jax import roofline
     cfg = presets.preset("paper")
@@ -176,3 +186,26 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
     trips = hlo_loops.trips_by_function(module, {"forward": mc.num_layers})
     per_step = sum(module.collective_bytes(loop.body, trips).values())
     assert 0 < per_step <= bound, (per_step, bound)
+
+
+@pytest.mark.tpu
+def test_decode_block_reads_one_block_of_the_cache_on_v5p_8():
+    """One layer's blocked decode attention (model.decode_block) against the whole
+    33k-slot cache, compiled for a v5p-8 on its own: XLA's HBM bytes (its loop body
+    counted once) are those of one block's keys and values of this chip's rows plus
+    the small per-row state, not of the whole cache."""
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+    from stablerl_jax import roofline
+    topo = aot.topology("v5p-8")
+    cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
+    engine = aot.engine_for(cfg, topo)
+    fn, args = roofline.decode_block_program(engine)
+    cost = roofline.of_compiled(fn.lower(*args).compile())
+    mc = cfg.model
+    rows_per_chip = cfg.sampling.max_batch // topo.chips
+    kv_block = rows_per_chip * mc.decode_block * mc.num_kv_heads * mc.head_dim * 2 * 2
+    # Besides keys and values: the block's float32 scores [rows, H, block], written and
+    # read by each stage of the online softmax (max, exp-sum, PV, at most 4 round trips).
+    scores = rows_per_chip * mc.num_heads * mc.decode_block * 4
+    assert kv_block <= cost.hbm_bytes <= kv_block + 8 * scores, (cost, kv_block, scores)
+    assert cost.collective_bytes == 0

@@ -237,10 +237,16 @@ def test_dense_dispatch_and_unrolled_layers_agree_with_the_scan(x64, variant):
     _assert_values_and_grads_close(v1, g1, v0, g0, _probe_cond(h0, mask))
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-@pytest.mark.parametrize("layout", KV_CACHE_LAYOUTS)
-def test_kv_cache_prefill_then_decode_equals_full_forward(x64, layout, unroll):
-    cfg = CFG64.replace(kv_cache_layout=layout, unroll_layers=unroll)
+# (cache layout, unrolled layers, decode_block): every layout with the stacked and the
+# per-layer buffers; the blocked decode attention (5 slots: blocks [0, 5), [5, 10), and
+# a last one clamped to [7, 12) whose first slots are masked) on both buffer kinds.
+KV_CASES = [(lay, unroll, 0) for lay in KV_CACHE_LAYOUTS for unroll in (False, True)] + [
+    ("bskd", False, 5), ("bksd", True, 5)]
+
+
+@pytest.mark.parametrize("layout,unroll,decode_block", KV_CASES)
+def test_kv_cache_prefill_then_decode_equals_full_forward(x64, layout, unroll, decode_block):
+    cfg = CFG64.replace(kv_cache_layout=layout, unroll_layers=unroll, decode_block=decode_block)
     params, tokens, mask = _setup(cfg=CFG64)
     h_full, aux_full = _fwd(CFG64)(params, tokens, attention_mask_BxT=mask)
     cache = tf.init_cache(cfg, B, T, jnp.float64)

@@ -62,7 +62,14 @@ class ModelConfig(Section):
       kv_cache_layout: the sampler's KV cache, per layer (KV_CACHE_LAYOUTS): 'bskd'
         ([B, S, KV, Dh]) or 'bksd' ([B, KV, S, Dh]: each (row, kv head) a contiguous
         [S, Dh] block, so a decode step's products read the cache without transposing it:
-        faster on CPU; on TPU the `paper` sampler's temp memory is lower with 'bskd').
+        faster on CPU; on TPU the blocked decode attention (decode_block) reads a block
+        of it without a transpose).
+      decode_block: a decode step's attention (one token per row against the KV cache)
+        reads the cache in blocks of this many slots, only up to the slot it writes (an
+        online softmax, flash-decoding's): its HBM traffic grows with the rollout instead
+        of being all S slots on every step. 0: one softmax over every slot. The same
+        function up to float reassociation; the prefill and the training engine never
+        use it.
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
     """
@@ -93,6 +100,7 @@ class ModelConfig(Section):
     attention_impl: str = "naive"
     attention_chunk: int = 512
     kv_cache_layout: str = "bskd"
+    decode_block: int = 0
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
 
@@ -123,6 +131,8 @@ class ModelConfig(Section):
         check_choice(self, "gmm_impl", GMM_IMPLS)
         check_choice(self, "attention_impl", ATTENTION_IMPLS)
         check_choice(self, "kv_cache_layout", KV_CACHE_LAYOUTS)
+        check(is_int(self.decode_block) and self.decode_block >= 0, "decode_block",
+              f"must be an int >= 0 (slots per block; 0 = off), got {self.decode_block!r}")
         check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
               "needs dispatch='grouped' (the dense path runs every expert on every token)")
         check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob", "unroll_layers")

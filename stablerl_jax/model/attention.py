@@ -16,7 +16,10 @@ scores get the most negative float32 rather than −inf, so a query with no real
 Two paths for the scores, chosen by ModelConfig.attention_impl: 'naive' (one [T, S]
 score matrix per head) and 'chunked' (a scan over query chunks, each rematerialized, so
 only [chunk, S] scores are ever live: what a 33k-token sequence needs). Every query row
-is computed identically by both.
+is computed identically by both. A decode step (one token per row against the KV cache)
+with ModelConfig.decode_block reads the cache in blocks of that many slots, only up to
+the slot it writes (`attend_blocks`: the online softmax of flash-decoding), the same
+function up to float reassociation.
 """
 from __future__ import annotations
 
@@ -90,6 +93,49 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
     return _dot("bkgts,bskd->btkgd", probs_BxKVxHgxTxS, v, dtype).astype(dtype)
 
 
+def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dtype,
+                   keys: str, block: int):
+    """`_attend` for one query per row at slot `last_slot` (a decode step: every row
+    writes the same slot, as prompts are left-padded), reading only the cache slots
+    [0, last_slot] in blocks of `block` slots: a loop of ⌈(last_slot + 1) / block⌉ trips
+    keeps a running max m, normalizer l and output o (the online softmax), so a step's
+    attention reads the part of the cache the rollout has filled, not all S slots.
+    Returns [B, KV, Hg, Dh]. A block that would run past S starts at S − block instead;
+    its slots before j · block were read by the previous block and are masked."""
+    s_axis = keys.index("s")
+    s = k.shape[s_axis]
+    block = min(block, s)
+    acc = nx.accum_dtype(dtype)
+    b, kv, g, dh = q_BxKVxHgxDh.shape
+    kq = "bksd" if keys == "bksd" else "bskd"
+    last_slot = jnp.asarray(last_slot, jnp.int32)
+
+    def body(j, carry):
+        m_BxKVxHg, l_BxKVxHg, o_BxKVxHgxDh = carry
+        start = jnp.minimum(j * block, s - block)
+        k_blk, v_blk = (jax.lax.dynamic_slice_in_dim(c, start, block, s_axis) for c in (k, v))
+        slots_X = start + jnp.arange(block)  # X slots of this block
+        allowed_BxX = ((slots_X >= j * block) & (slots_X <= last_slot))[None] & (
+            jax.lax.dynamic_slice_in_dim(key_mask_BxS, start, block, 1).astype(bool))
+        scores_BxKVxHgxX = _dot(f"bkgd,{kq.replace('s', 'x')}->bkgx", q_BxKVxHgxDh, k_blk,
+                                dtype) * head_dim**-0.5
+        scores_BxKVxHgxX = jnp.where(allowed_BxX[:, None, None], scores_BxKVxHgxX, _NEG)
+        m_new = jnp.maximum(m_BxKVxHg, jnp.max(scores_BxKVxHgxX, axis=-1))
+        p_BxKVxHgxX = jnp.where(allowed_BxX[:, None, None],
+                                jnp.exp(scores_BxKVxHgxX - m_new[..., None]), 0)
+        corr = jnp.exp(m_BxKVxHg - m_new)
+        pv = _dot(f"bkgx,{kq.replace('s', 'x')}->bkgd", p_BxKVxHgxX, v_blk, dtype)
+        return (m_new, l_BxKVxHg * corr + jnp.sum(p_BxKVxHgxX, axis=-1),
+                o_BxKVxHgxDh * corr[..., None] + pv)
+
+    init = (jnp.full((b, kv, g), _NEG, acc), jnp.zeros((b, kv, g), acc),
+            jnp.zeros((b, kv, g, dh), acc))
+    _, l_BxKVxHg, o_BxKVxHgxDh = jax.lax.fori_loop(0, last_slot // block + 1, body, init)
+    # A row with no real key (not reached in a rollout) gets zeros, not NaN.
+    out = o_BxKVxHgxDh / jnp.where(l_BxKVxHg > 0, l_BxKVxHg, 1)[..., None]
+    return out.astype(dtype)
+
+
 def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
     """`attend` over query chunks of `chunk` rows in a scan, each chunk rematerialized in
     the backward pass: the [chunk, S] scores of one chunk are all that is ever live. Each
@@ -107,15 +153,19 @@ def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
 
 
 def _write(cache: jax.Array, x: jax.Array, at: tuple) -> jax.Array:
-    """cache with x written at index `at` (dynamic_update_slice), in place. A 16-bit float
-    cache is written through its bits: XLA's CPU backend otherwise widens a bfloat16
-    update to float32, i.e. converts and copies the whole cache on every decode step."""
+    """cache with x written at index `at` (dynamic_update_slice), in place. On CPU a
+    16-bit float cache is written through its bits: XLA's CPU backend otherwise widens a
+    bfloat16 update to float32, i.e. converts and copies the whole cache on every decode
+    step. Elsewhere the plain update (on TPU the bit casts would materialize the cache and
+    copy it per layer and step)."""
     x = x.astype(cache.dtype)
+    plain = lambda c, u, *i: jax.lax.dynamic_update_slice(c, u, i)
     if cache.dtype.itemsize != 2:
-        return jax.lax.dynamic_update_slice(cache, x, at)
+        return plain(cache, x, *at)
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(bits(cache), bits(x), at),
-                                        cache.dtype)
+    through_bits = lambda c, u, *i: jax.lax.bitcast_convert_type(
+        jax.lax.dynamic_update_slice(bits(c), bits(u), i), c.dtype)
+    return jax.lax.platform_dependent(cache, x, *at, cpu=through_bits, default=plain)
 
 
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
@@ -159,6 +209,13 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     else:
         k, v, keys = k_BxTxKVxDh, v_BxTxKVxDh, "bskd"
     q_BxTxKVxHgxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
+    if cache_kv is not None and t == 1 and cfg.decode_block:
+        o_BxKVxHgxDh = attend_blocks(q_BxTxKVxHgxDh[:, 0], k, v, key_mask_BxS,
+                                      cache_index, cfg.head_dim, dtype, keys,
+                                      cfg.decode_block)
+        out_BxTxD = _proj("bhk,hkd->bd", o_BxKVxHgxDh.reshape(b, cfg.num_heads, cfg.head_dim),
+                          p["wo"], numerics, dtype)[:, None]
+        return out_BxTxD, cache_kv
     attend = lambda q, slots: _attend(q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys)
     if cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
         o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk)

@@ -52,7 +52,8 @@ def train_sft(cfg, data, *, progress: bool = True, devices=None):
 _SFT_SECTIONS = ("model.", "task.", "sft.")
 _SFT_RUN_FIELDS = ("model.remat", "model.dispatch", "model.moe_tile", "model.gmm_impl",
                    "model.expert_parallel", "model.attention_impl", "model.attention_chunk",
-                   "model.unroll_layers", "model.kv_cache_layout", "sft.microbatches",
+                   "model.unroll_layers", "model.kv_cache_layout", "model.decode_block",
+                   "sft.microbatches",
                    "sft.max_consecutive_skips")
 
 
