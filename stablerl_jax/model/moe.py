@@ -212,20 +212,37 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     rows = padded_rows(local_max, num_experts, tile)
     if mine_A is not None:  # other devices' assignments: written nowhere, read as 0
         row_A = jnp.where(mine_A, row_A, rows)
-    x_RxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[row_A].set(
-        jnp.repeat(x_TxD, k, axis=0), unique_indices=True,
-        mode=None if mine_A is None else "drop")
+    # Each buffer row's token (num_tokens: an unused row, read as 0): the buffer is
+    # gathered from the T tokens, with no [T·K, D] copy of them.
+    token_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) // k
+    token_R = jnp.full((rows,), num_tokens, jnp.int32).at[row_A].set(
+        token_A, unique_indices=True, mode="drop")
+    x_RxD = jnp.take(x_TxD, token_R, axis=0, mode="fill", fill_value=0)
     gate_RxF = gmm(x_RxD, w_gate_ExDxF, padded_E, tile, PRECISION)
     up_RxF = gmm(x_RxD, w_up_ExDxF, padded_E, tile, PRECISION)
     acc = accum_dtype(dt)
     h_RxF = _swiglu(gate_RxF.astype(acc), up_RxF.astype(acc)).astype(dt)
     y_RxD = gmm(h_RxF, w_down_ExFxD, padded_E, tile, PRECISION)
+    m = k if mine_A is None else min(k, num_experts)
     if mine_A is None:
-        y_TxKxD = y_RxD[row_A].reshape(num_tokens, k, -1)
-    else:  # rows past the buffer read as 0 (not every gmm zeroes unused rows)
+        y_TxMxD, w_TxM = y_RxD[row_A].reshape(num_tokens, k, -1), w_TxK
+    elif m == k:  # rows past the buffer read as 0 (not every gmm zeroes unused rows)
         y_AxD = jnp.take(y_RxD, row_A, axis=0, mode="fill", fill_value=0)
-        y_TxKxD = jnp.where(mine_A[:, None], y_AxD, 0).reshape(num_tokens, k, -1)
-    y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
+        y_TxMxD = jnp.where(mine_A[:, None], y_AxD, 0).reshape(num_tokens, k, -1)
+        w_TxM = w_TxK
+    else:
+        # Fewer experts here than K (a serving layout's shard): only a token's M = E
+        # local assignments, in k order, are gathered and combined. The K-term sum
+        # it replaces differs only by exact zeros, so the result is the same.
+        mine_TxK = mine_A.reshape(num_tokens, k)
+        slot_TxM = jnp.argsort(~mine_TxK, axis=1, stable=True)[:, :m]
+        ok_TxM = jnp.take_along_axis(mine_TxK, slot_TxM, axis=1)
+        row_TxM = jnp.take_along_axis(row_A.reshape(num_tokens, k), slot_TxM, axis=1)
+        y_TxMxD = jnp.take(y_RxD, row_TxM.reshape(-1), axis=0, mode="fill",
+                           fill_value=0).reshape(num_tokens, m, -1)
+        y_TxMxD = jnp.where(ok_TxM[..., None], y_TxMxD, 0)
+        w_TxM = jnp.take_along_axis(w_TxK, slot_TxM, axis=1)
+    y_TxD = jnp.einsum("tmd,tm->td", y_TxMxD.astype(acc), w_TxM.astype(acc),
                        precision=PRECISION)
     return y_TxD.astype(dt) if expert_offset is None else y_TxD
 
