@@ -109,8 +109,9 @@ def paper() -> ExperimentConfig:
     score step runs in the same slices; the sampler decodes all 1,024 rows in one pass
     (8 per chip, 3.1 GiB of bf16 KV cache each; the eval's 16,384 rows in 16 passes) in
     the serving layout (sampling.layout='serve': FP8 weights resident, one expert per
-    chip, so a decode step moves only activations); every layer rematerialized,
-    attention in 512-query chunks, the grouped matmul is megablox (TPU), the experts
+    chip, so a decode step moves only activations; a decode step's attention reads
+    the cache in 512-slot blocks up to the slot it writes, model.decode_block, from a
+    head-major cache); every layer rematerialized, attention in 512-query chunks, the grouped matmul is megablox (TPU), the experts
     sharded over `expert` (expert parallelism).
     """
     return ExperimentConfig(

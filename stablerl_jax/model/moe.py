@@ -212,12 +212,18 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     rows = padded_rows(local_max, num_experts, tile)
     if mine_A is not None:  # other devices' assignments: written nowhere, read as 0
         row_A = jnp.where(mine_A, row_A, rows)
-    # Each buffer row's token (num_tokens: an unused row, read as 0): the buffer is
-    # gathered from the T tokens, with no [T·K, D] copy of them.
-    token_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) // k
-    token_R = jnp.full((rows,), num_tokens, jnp.int32).at[row_A].set(
-        token_A, unique_indices=True, mode="drop")
-    x_RxD = jnp.take(x_TxD, token_R, axis=0, mode="fill", fill_value=0)
+    if mine_A is None:
+        x_RxD = jnp.zeros((rows, x_TxD.shape[1]), dt).at[row_A].set(
+            jnp.repeat(x_TxD, k, axis=0), unique_indices=True)
+    else:
+        # Each buffer row's token (num_tokens: an unused row, read as 0): the buffer is
+        # gathered from this shard's tokens, with no [T·K, D] copy of them (most of
+        # which are other shards' assignments). Its transpose is a scatter-add, which
+        # the single-device path avoids (slow on a CPU).
+        token_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) // k
+        token_R = jnp.full((rows,), num_tokens, jnp.int32).at[row_A].set(
+            token_A, unique_indices=True, mode="drop")
+        x_RxD = jnp.take(x_TxD, token_R, axis=0, mode="fill", fill_value=0)
     gate_RxF = gmm(x_RxD, w_gate_ExDxF, padded_E, tile, PRECISION)
     up_RxF = gmm(x_RxD, w_up_ExDxF, padded_E, tile, PRECISION)
     acc = accum_dtype(dt)
