@@ -109,7 +109,7 @@ def _random_moe(t=37, d=16, f=24, e=8, k=2, seed=0):
 N_FFN = 16 + 5 + 8 * 24 + 2
 
 
-@pytest.mark.parametrize("tile", [1, 8, 64])
+@pytest.mark.parametrize("tile", [pytest.param(1, marks=pytest.mark.slow), 8, 64])
 def test_dense_and_grouped_agree_in_value_and_gradient(x64, tile):
     x, ws, logits, k = _random_moe()
     cot = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)

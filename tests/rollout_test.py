@@ -70,7 +70,7 @@ def test_exact_preset_matches_training_path():
     np.testing.assert_array_equal(np.where(rec, aux["routes"], -1), routes_mu[:, :-1])
 
 
-@pytest.mark.parametrize("on_mesh", [False, True])
+@pytest.mark.parametrize("on_mesh", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_kv_cache_layouts_sample_the_same_rows(on_mesh):
     # The head-major cache ('bksd') changes where the sampler keeps keys and values, not
     # what it computes: the same tokens, log μ, routes and weights bit for bit as 'bskd',

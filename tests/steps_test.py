@@ -134,6 +134,8 @@ def test_update_ascends_the_advantage_weighted_log_likelihood():
         assert objective(new.params, adv) > objective(params, adv)
 
 
+# ~35 s; the sharded forward and gradient are also in tests/sharding_test.py (default).
+@pytest.mark.slow
 def test_sharded_update_equals_unsharded(x64):
     """Score + update on one CPU device and on a 2×2×2 mesh of CPU devices, in float64 (the
     test is about the sharded program, not float32 summation order)."""
