@@ -184,3 +184,36 @@ def test_router_stats_by_hand():
     assert_close(load, [2 / 3, 1 / 3], n=2)
     assert_close(balance, 2 * (2 / 3 * 0.5 + 1 / 3 * 0.5), n=5)
     assert_close(z, np.log(2.0) ** 2, n=7)
+
+
+@pytest.mark.parametrize("local", [1, 2, 3])
+def test_dense_local_experts_equal_the_grouped_shard(x64, local):
+    """An expert-parallel shard of `local` ≤ K experts (moe.experts_local_dense, the
+    serving layout's decode step) against the grouped dispatch of the same shard, every
+    offset of 6 experts. With one local expert a token has at most one local term, so
+    the two agree exactly; with more, their per-token sums run in another order."""
+    t, d, f, num_experts, k = 24, 16, 12, 6, 3
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (t, d), jnp.float64)
+    idx, w, _ = moe.route(jax.random.normal(keys[1], (t, num_experts), jnp.float64), k)
+    wg, wu = (jax.random.normal(kk, (num_experts, d, f), jnp.float64) / d ** 0.5
+              for kk in keys[2:4])
+    wd = jax.random.normal(keys[4], (num_experts, f, d), jnp.float64) / f ** 0.5
+    for off in range(0, num_experts, local):
+        part = lambda a: a[off:off + local]
+        got = moe.experts_local_dense(x, idx, w, part(wg), part(wu), part(wd),
+                                      expert_offset=off)
+        want = moe.experts_grouped(x, idx, w, part(wg), part(wu), part(wd), tile=4,
+                                   expert_offset=off)
+        assert float(jnp.abs(want).max()) > 0  # some token chose these experts
+        if local == 1:
+            np.testing.assert_array_equal(got, want, err_msg=f"offset {off}")
+        else:  # dots over D and F, a swiglu, the sum over the local terms
+            assert_close(got, want, n=d + f + local + 8, dtype="float64", scale="max",
+                         err_msg=f"offset {off}")
+    # The shards' outputs add up to the whole layer.
+    total = sum(moe.experts_local_dense(x, idx, w, wg[o:o + local], wu[o:o + local],
+                                        wd[o:o + local], expert_offset=o)
+                for o in range(0, num_experts, local))
+    assert_close(total, moe.experts_dense(x, idx, w, wg, wu, wd), n=d + f + k + 8,
+                 dtype="float64", scale="max")

@@ -57,12 +57,15 @@ def _gather(w, spec: P, keep_axes: tuple):
     return w
 
 
-def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.RULES):
+def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.RULES, *,
+                    few_experts_fn=None):
     """`experts_fn(x_TxD, idx_TxK, w_TxK, w_gate, w_up, w_down)` (moe.experts_grouped with
     its tile and gmm bound, accepting `expert_offset=`) run under shard_map over `mesh`.
     `rules["experts"]` may name several mesh axes (the sampler's serving layout spreads
     the experts over every axis): the expert shards are then their product, and tokens
-    are exchanged over all of them."""
+    are exchanged over all of them. `few_experts_fn` (same signature, e.g.
+    moe.experts_local_dense) replaces experts_fn on an expert-parallel shard that holds
+    at most K experts (the transformer passes it for decode steps)."""
     batch_axes = tuple(a for a in _axes(rules["batch"]) if mesh.shape[a] > 1)
     expert_axes = tuple(a for a in _axes(rules["experts"]) if mesh.shape[a] > 1)
     ep = cfg.expert_parallel and bool(expert_axes)
@@ -94,7 +97,9 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
             ex_axes = tuple(a for a in _axes(specs[0][0]) if a in expert_axes)
             gather = lambda a: jax.lax.all_gather(a, ex_axes, axis=0, tiled=True)
             offset = jax.lax.axis_index(ex_axes) * ws[0].shape[0]
-            y_all = experts_fn(gather(x), gather(idx), gather(w), *ws, expert_offset=offset)
+            fn = (few_experts_fn if few_experts_fn is not None
+                  and ws[0].shape[0] <= idx.shape[1] else experts_fn)
+            y_all = fn(gather(x), gather(idx), gather(w), *ws, expert_offset=offset)
             y = jax.lax.psum_scatter(y_all, ex_axes, scatter_dimension=0, tiled=True)
             return y.astype(x.dtype)
 

@@ -253,6 +253,34 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
     return y_TxD.astype(dt) if expert_offset is None else y_TxD
 
 
+def experts_local_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+                        expert_offset):
+    """Expert parallelism's shard with few experts (E ≤ K, the serving layout's decode
+    step): every token through each of the E local experts, scaled by its combine weight
+    for that expert (0 for a token that chose none of them), summed over the E.
+
+    The dropless grouped buffer of such a shard holds T·E rows anyway, so this computes
+    as many rows with no plan, sort, scatter or gather. A token's output is its local
+    terms summed in expert order (experts_grouped sums them in k order): equal when at
+    most one of its experts is local, else up to float reassociation.
+    """
+    num_experts = w_gate_ExDxF.shape[0]
+    dt = x_TxD.dtype
+    acc = accum_dtype(dt)
+    local_TxK = idx_TxK - expert_offset
+    # At most one k per (token, expert): a token's experts are distinct (`route`), so the
+    # sum over k is that one weight or an exact 0.
+    combine_TxE = jnp.sum(jnp.where(local_TxK[..., None] == jnp.arange(num_experts),
+                                    w_TxK[..., None], 0), axis=1)
+    gate_TxExF = _dot("td,edf->tef", x_TxD, w_gate_ExDxF).astype(dt)
+    up_TxExF = _dot("td,edf->tef", x_TxD, w_up_ExDxF).astype(dt)
+    h_TxExF = _swiglu(gate_TxExF.astype(acc), up_TxExF.astype(acc)).astype(dt)
+    y_TxExD = jnp.einsum("tef,efd->ted", h_TxExF, w_down_ExFxD, precision=PRECISION,
+                         preferred_element_type=acc).astype(dt)
+    return jnp.einsum("ted,te->td", y_TxExD.astype(acc), combine_TxE.astype(acc),
+                      precision=PRECISION)
+
+
 def gmm_of(impl: str) -> GroupedMatmul:
     """The grouped matmul named by `ModelConfig.gmm_impl`: its row of GMM_IMPLS."""
     return lookup(GMM_IMPLS, impl, "gmm_impl").load()

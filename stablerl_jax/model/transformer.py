@@ -175,7 +175,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B)
-    experts = _experts_fn(cfg, gmm, mesh, rules)
+    experts = _experts_fn(cfg, gmm, mesh, rules, decode=cache is not None and t == 1)
 
     def layer(carry, xs):
         x_BxTxD, kv = carry
@@ -248,13 +248,18 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     return hidden_BxTxD, aux
 
 
-def _experts_fn(cfg: ModelConfig, gmm, mesh, rules):
+def _experts_fn(cfg: ModelConfig, gmm, mesh, rules, decode: bool):
+    """The expert FFN. A decode step (one token per row) on an expert-parallel shard of
+    at most K experts runs them densely over the step's tokens (moe.experts_local_dense:
+    the grouped buffer's worst case has as many rows, and a sort per layer and step is
+    saved); prefill and the training engine keep the grouped dispatch."""
     if cfg.dispatch == "dense":
         return moe.experts_dense
     kw = {"tile": cfg.moe_tile, "gmm": gmm if gmm is not None else moe.gmm_of(cfg.gmm_impl)}
     fn = lambda *a, **k: moe.experts_grouped(*a, **kw, **k)
     if mesh is None or mesh.size == 1:
         return fn
-    if rules is None:
-        return expert_parallel.sharded_experts(fn, mesh, cfg)
-    return expert_parallel.sharded_experts(fn, mesh, cfg, rules)
+    ep_kw = {"few_experts_fn": moe.experts_local_dense if decode else None}
+    if rules is not None:
+        ep_kw["rules"] = rules
+    return expert_parallel.sharded_experts(fn, mesh, cfg, **ep_kw)
