@@ -11,7 +11,9 @@ loops multiplied by their trip counts.
 Bytes of a collective, per chip (the buffer that crosses the interconnect, up to the
 (n − 1)/n a ring leaves on the chip): all-gather its result, reduce-scatter its
 operand, all-to-all and collective-permute their result, all-reduce twice its result
-(a reduce-scatter then an all-gather). An async start/done pair counts once.
+(a reduce-scatter then an all-gather), a ragged all-to-all the smaller of its operand
+and its result (the rows it sends, when each chip sends and receives as many). An async
+start/done pair counts once.
 """
 from __future__ import annotations
 
@@ -62,7 +64,9 @@ class Instr:
         op = self.opcode.removesuffix("-start").removeprefix("ragged-")
         return op if op in COLLECTIVES and not self.opcode.endswith("-done") else None
 
-    def collective_bytes(self) -> float:
+    def collective_bytes(self, shapes: dict | None = None) -> float:
+        """Bytes this collective moves per chip; `shapes` (instruction name -> result
+        shape text) resolves an operand the text names without its shape."""
         kind = self.collective
         if kind is None:
             return 0.0
@@ -70,6 +74,14 @@ class Instr:
                   default=0.0)  # an async start's tuple holds (operand, result)
         if kind == "reduce-scatter":
             return max(out, nbytes(self.operands))
+        if self.opcode.startswith("ragged-"):
+            # Its buffers are sized for the worst case; what crosses is the rows sent,
+            # at most the operand and at most the output (whichever the static shapes
+            # bound: the smaller), and every chip's mean when the rows are balanced.
+            first = self.operands.split(",")[0]
+            name = re.search(r"%([\w.\-]+)", first)
+            sent = nbytes(first) or nbytes((shapes or {}).get(name and name.group(1), ""))
+            return min(out, sent) if sent else out
         return 2 * out if kind == "all-reduce" else out
 
 
@@ -122,6 +134,8 @@ class Module:
                 current.append(Instr(m.group(1), m.group(3), m.group(2), rest[:cut],
                                      rest[cut + 1:]))
         self._tables = tables
+        self.shapes = {i.name: i.shape for instrs in self.computations.values()
+                       for i in instrs}
 
     def function_of(self, ins: Instr) -> str:
         """The Python function an instruction comes from (its innermost stack frame),
@@ -166,7 +180,7 @@ class Module:
             total = dict.fromkeys(COLLECTIVES, 0.0)
             for ins in self.computations[name]:
                 if ins.collective:
-                    total[ins.collective] += ins.collective_bytes()
+                    total[ins.collective] += ins.collective_bytes(self.shapes)
                 times = 1
                 if ins.opcode == "while":
                     lp = loops[ins.name]

@@ -158,16 +158,20 @@ def test_pallas_kernels_compile_for_v5p_8():
 
 
 @pytest.mark.tpu
-def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
+@pytest.mark.parametrize("top_k", [8, 2])
+def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k):
     """The sample step of the 2-layer paper preset under the serving layout, compiled for
     a v5p-8: no loop body of the decode loop (the decode step, its layer loop) all-gathers
-    a weight, and its collectives per decode step stay within the activations' bytes."""
+    a weight, and its collectives per decode step stay within the activations' bytes.
+    Top-8 over 4 expert shards gathers the shards' tokens; top-2 exchanges them by a
+    ragged all-to-all (expert_parallel._exchange_moves_less)."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
     from stablerl_jax import hlo_loops
     topo = aot.topology("v5p-8")
     # Short sequences: the layout, not the KV cache's size, is under test.
     cfg = presets.preset("paper", CI_OVERRIDES + [
-        "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64"])
+        "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
+        f"model.top_k={top_k}"])
     c = aot.compile_step(aot.engine_for(cfg, topo), "sample")
     module = hlo_loops.Module(c.hlo)
     loop = hlo_loops.decode_loop(module)
@@ -177,12 +181,20 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8():
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model))
     shapes = hlo_loops.weight_shapes(params_like, cfg.model.num_experts, cfg.mesh[2])
     assert hlo_loops.param_gathers(body, shapes) == []
-    # Per decode step and layer the expert exchange moves every row's hidden state in
-    # (B × D) and the partial outputs back (B × D, float32), the routes and weights
-    # (B × K each), at most 4 bytes a value: B = the pass's rows, all of which the
-    # expert shards see. Everything else (attention, logits) is local to a row.
-    mc, b = cfg.model, cfg.sampling.max_batch
-    bound = mc.num_layers * b * (2 * mc.d_model + 2 * mc.top_k + mc.num_experts) * 4
+    mc, b, n = cfg.model, cfg.sampling.max_batch, topo.chips
+    ragged = any(i.opcode.startswith("ragged-all-to-all") for i in body)
+    assert ragged == (top_k == 2), [i.opcode for i in body if i.collective]
+    if ragged:
+        # Per layer a chip sends its rows' B/n·K assignments' hidden states out and
+        # their outputs back, and all-gathers the counts per (chip, expert) (n × E);
+        # at most 4 bytes a value.
+        per_layer = 2 * (b // n) * mc.top_k * mc.d_model + n * mc.num_experts
+    else:
+        # Every row's hidden state in (B × D) and the partial outputs back (B × D,
+        # float32), the routes and weights (B × K each): B = the pass's rows, all of
+        # which the expert shards see.
+        per_layer = b * (2 * mc.d_model + 2 * mc.top_k + mc.num_experts)
+    bound = mc.num_layers * per_layer * 4
     trips = hlo_loops.trips_by_function(module, {"forward": mc.num_layers})
     per_step = sum(module.collective_bytes(loop.body, trips).values())
     assert 0 < per_step <= bound, (per_step, bound)

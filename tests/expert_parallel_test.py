@@ -75,3 +75,65 @@ def test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis(x64):
                                            CFG.num_experts, CFG.expert_ffn_dim)
     assert counts[True] == [], counts[True]
     assert counts[False], "the gathered layout should all-gather every expert's weights"
+
+
+def test_ragged_all_to_all_on_cpu_follows_its_documented_semantics():
+    """XLA:CPU has no ragged all-to-all; expert_parallel.ragged_all_to_all builds it from
+    an all-gather there. Against the loop of lax.ragged_all_to_all's docstring, over two
+    mesh axes at once, with gaps between the slices on both sides."""
+    from jax.sharding import PartitionSpec as P
+
+    from stablerl_jax.model import expert_parallel
+    n, rows, out_rows, d = 4, 12, 20, 3
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 4, (n, n)).astype(np.int32)           # [sender, receiver]
+    in_off = np.zeros((n, n), np.int32)                           # slices with gaps
+    out_off = np.zeros((n, n), np.int32)
+    for s in range(n):
+        in_off[s] = np.cumsum(sizes[s] + 1) - sizes[s] - 1
+    for r in range(n):
+        out_off[:, r] = np.cumsum(sizes[:, r] + 1) - sizes[:, r]
+    operand = rng.normal(size=(n, rows, d)).astype(np.float32)
+    output = np.full((n, out_rows, d), -7.0, np.float32)
+    want = output.copy()
+    for s in range(n):
+        for r in range(n):
+            src = operand[s, in_off[s, r]:in_off[s, r] + sizes[s, r]]
+            want[r, out_off[s, r]:out_off[s, r] + sizes[s, r]] = src
+
+    mesh = jax.sharding.Mesh(np.array(cpu_devices(n)).reshape(2, 2), ("a", "b"))
+    row = P(("a", "b"))
+    fn = jax.shard_map(
+        lambda *a: expert_parallel.ragged_all_to_all(*(x[0] for x in a),
+                                                     axis_name=("a", "b"))[None],
+        mesh=mesh, in_specs=row, out_specs=row)
+    got = jax.jit(fn)(operand, output, in_off, sizes, out_off, sizes.T.copy())
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("num_experts,few", [(8, True), (16, False), (32, False)])
+def test_decode_exchange_equals_the_gathered_tokens(x64, num_experts, few):
+    """The decode step's ragged exchange (each assignment to its expert's shard and
+    back) against the gather path, on the serving layout's 8 expert shards: 1 expert a
+    shard (dense on the receiver), 2 and 4 (grouped). With top-2 a token's output is the
+    sum of two terms either way, so the results are equal bit for bit."""
+    from stablerl_jax.model import expert_parallel, moe
+    cfg = CFG.replace(num_experts=num_experts, expert_parallel=True)
+    mesh = sharding.make_mesh(2, 2, 2, devices=cpu_devices())
+    rules = sharding.serve_rules(True)
+    params = tf.init_params(jax.random.key(0), cfg)["layers"]
+    ws = [p[0] for p in (params["w_gate"], params["w_up"], params["w_down"])]
+    tokens = 16
+    x = jax.random.normal(jax.random.key(1), (tokens, cfg.d_model), jnp.float64)
+    logits = jax.random.normal(jax.random.key(2), (tokens, num_experts))
+    idx, w, _ = moe.route(logits.at[:, 0].add(3.0), cfg.top_k)   # expert 0 is popular
+    fn = lambda *a, **k: moe.experts_grouped(*a, tile=cfg.moe_tile, **k)
+    out = {}
+    for exchange in (False, True):
+        run = expert_parallel.sharded_experts(
+            fn, mesh, cfg, rules, exchange=exchange,
+            few_experts_fn=moe.experts_local_dense if few else None)
+        out[exchange] = np.asarray(jax.jit(run)(x, idx, w, *ws))
+    np.testing.assert_array_equal(out[True], out[False])
+    ref = moe.experts_dense(x, idx, w, *ws)
+    np.testing.assert_allclose(out[True], np.asarray(ref), rtol=1e-12, atol=1e-12)

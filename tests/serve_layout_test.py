@@ -106,14 +106,13 @@ def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
     # (so the check can see a gather); the serving layout gathers none.
     assert gathered["train"], "the train layout should gather weights per decode step"
     assert gathered["serve"] == [], gathered["serve"]
-    # Per decode step and layer the expert exchange moves the step's tokens: all-gather
-    # of every row's hidden state (B × D), routes and weights (B × K each), a
-    # reduce-scatter of the partial outputs (B × D), at most 4 bytes a value (B = all
-    # rows: the experts' shards see every row); plus the router's B × E.
-    trips = hlo_loops.trips_by_function(module, {"forward": CFG.num_layers})
-    per_step = sum(module.collective_bytes(loop.body, trips).values())
-    bound = CFG.num_layers * B * (2 * CFG.d_model + 2 * CFG.top_k + CFG.num_experts) * 4
-    assert 0 < per_step <= bound, (per_step, bound)
+    # Tokens reach their experts by a ragged all-to-all (8 shards, top-2: fewer bytes
+    # than gathering every shard's rows), not an all-gather + reduce-scatter of partial
+    # outputs. XLA:CPU builds that exchange from an all-gather, so the bytes it moves
+    # per decode step are checked on the TPU program (tests/aot_test.py).
+    kinds = {ins.collective for ins in module.instructions_under(loop.body)
+             if ins.collective}
+    assert "reduce-scatter" not in kinds, kinds
 
 
 def test_serve_layout_needs_the_experts_to_split_over_every_device():

@@ -20,6 +20,10 @@ Two layouts, chosen by ModelConfig.expert_parallel:
   every all-gather of an expert weight keeps E/n experts (tests/expert_parallel_test.py).
   The sorted buffer is sized for the dropless worst case, every one of the n·T·K
   assignments choosing this shard's experts; the matmuls skip its unused tiles.
+  A decode step on many shards (the sampler's serving layout) exchanges instead of
+  gathering: each token–expert assignment goes to its expert's shard and its output
+  comes back by a ragged all-to-all (`_exchanged`), T·K rows each way instead of n·T
+  in and n·T partial outputs out.
 - gathered (False): every device all-gathers all E experts' weights for the layer (FSDP
   over experts) and runs them on its own T tokens: no token exchange, more weight
   traffic.
@@ -31,13 +35,16 @@ backward pass needs no code here.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ModelConfig
+from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
 _W_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
            "w_down": ("experts", "mlp", "embed")}
@@ -57,15 +64,105 @@ def _gather(w, spec: P, keep_axes: tuple):
     return w
 
 
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                      recv_sizes, *, axis_name):
+    """`lax.ragged_all_to_all`, which XLA:CPU does not implement; on a CPU the same
+    function from an all-gather of every peer's operand and offsets (one slice per peer:
+    len(offsets) = axis size; slices must not overlap in a receiver's output)."""
+    def native(*args):
+        return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+
+    def on_cpu(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        del send_sizes  # each sender's send_sizes are the receivers' recv_sizes
+        gather = lambda a: jax.lax.all_gather(a, axis_name, axis=0)
+        me = jax.lax.axis_index(axis_name)
+        # Slice s of this receiver came from peer s: rows [start_s, start_s + size_s) of
+        # its operand, written at rows [at_s, at_s + size_s) of the output.
+        start_S = gather(input_offsets)[:, me]
+        at_S = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+        r_R = jnp.arange(output.shape[0])
+        hit_RxS = (r_R[:, None] >= at_S) & (r_R[:, None] < at_S + recv_sizes)
+        src_R = jnp.argmax(hit_RxS, axis=1)
+        row_R = start_S[src_R] + r_R - at_S[src_R]
+        got = gather(operand)[src_R, jnp.clip(row_R, 0, operand.shape[0] - 1)]
+        keep = jnp.any(hit_RxS, axis=1).reshape((-1,) + (1,) * (output.ndim - 1))
+        return jnp.where(keep, got, output)
+
+    return jax.lax.platform_dependent(operand, output, input_offsets, send_sizes,
+                                      output_offsets, recv_sizes, cpu=on_cpu,
+                                      default=native)
+
+
+def _exchanged(experts_fn, axes, n, x_TxD, idx_TxK, w_TxK, ws, offset):
+    """One decode step's expert FFN with the tokens exchanged, not gathered: each of
+    this shard's T·K token–expert assignments goes to the shard holding its expert (a
+    ragged all-to-all over `axes`, n shards, E' experts each), which runs `experts_fn`
+    on the rows it received and sends each output back; the token then sums its K
+    outputs times their weights in k order, as experts_grouped does.
+
+    A chip sends T·K rows each way (and receives as many on average; its receive buffer
+    is sized for the dropless worst case, every peer's tokens choosing its experts)
+    instead of gathering every peer's T rows and reduce-scattering their partial
+    outputs. Rows go in expert order, so the all-gathered counts per (sender, expert)
+    say which expert each received row is for: no expert ids are sent.
+    """
+    t, k = idx_TxK.shape
+    per_shard = ws[0].shape[0]
+    dt = x_TxD.dtype
+    acc = accum_dtype(dt)
+    expert_A = idx_TxK.reshape(-1)
+    order_A = jnp.argsort(expert_A, stable=True)                 # by expert, so by shard
+    count_E = jnp.bincount(expert_A, length=n * per_shard).astype(jnp.int32)
+    count_NxE = jax.lax.all_gather(count_E, axes, axis=0)        # [sender, expert]
+    sizes_NxN = count_NxE.reshape(n, n, per_shard).sum(-1)       # [sender, receiver]
+    me = jax.lax.axis_index(axes)
+    send_N, recv_N = sizes_NxN[me], sizes_NxN[:, me]
+    start_N = jnp.cumsum(send_N) - send_N
+    # Where each sender's slice lands on its receiver: after the lower senders' slices.
+    at_NxN = jnp.cumsum(sizes_NxN, axis=0) - sizes_NxN
+    rows = n * t * min(k, per_shard)                             # dropless worst case
+    a2a = functools.partial(ragged_all_to_all, axis_name=axes)
+    x_R = a2a(x_TxD[order_A // k], jnp.zeros((rows, x_TxD.shape[1]), dt), start_N,
+              send_N, at_NxN[me], recv_N)
+    # Received rows: sender by sender, each sender's in expert order. Row r's expert is
+    # the (sender, local expert) segment it falls in; past the last one, -1 (padding).
+    ends_S = jnp.cumsum(jax.lax.dynamic_slice_in_dim(
+        count_NxE, me * per_shard, per_shard, axis=1).reshape(-1))
+    seg_R = jnp.searchsorted(ends_S, jnp.arange(rows, dtype=ends_S.dtype), side="right")
+    e_R = jnp.where(seg_R < ends_S.shape[0], offset + seg_R % per_shard, -1)
+    # Each received row is one assignment: its expert with weight 1 (a padding row
+    # matches no expert and is 0); the weight is applied by the token's own shard.
+    y_R = experts_fn(x_R, e_R[:, None].astype(idx_TxK.dtype),
+                     jnp.ones((rows, 1), w_TxK.dtype), *ws, expert_offset=offset)
+    home_N = (jnp.cumsum(sizes_NxN, axis=1) - sizes_NxN)[:, me]  # senders' start_N[me]
+    y_A = a2a(y_R.astype(dt), jnp.zeros((t * k, x_TxD.shape[1]), dt), at_NxN[:, me],
+              recv_N, home_N, send_N)
+    y_TxKxD = jnp.zeros_like(y_A).at[order_A].set(y_A, unique_indices=True).reshape(
+        t, k, -1)
+    return jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
+                      precision=PRECISION).astype(dt)
+
+
+def _exchange_moves_less(dtype, k: int, n: int) -> bool:
+    """Whether a shard's T tokens cost fewer bytes exchanged (T·K rows each way, in the
+    compute dtype) than gathered (n·T rows in, and n·T partial outputs in the
+    accumulation dtype reduce-scattered back): 2·K·b < n·(b + b_acc)."""
+    b = jnp.dtype(dtype).itemsize
+    return 2 * k * b < n * (b + jnp.dtype(accum_dtype(dtype)).itemsize)
+
+
 def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.RULES, *,
-                    few_experts_fn=None):
+                    few_experts_fn=None, exchange: bool = False):
     """`experts_fn(x_TxD, idx_TxK, w_TxK, w_gate, w_up, w_down)` (moe.experts_grouped with
     its tile and gmm bound, accepting `expert_offset=`) run under shard_map over `mesh`.
     `rules["experts"]` may name several mesh axes (the sampler's serving layout spreads
     the experts over every axis): the expert shards are then their product, and tokens
     are exchanged over all of them. `few_experts_fn` (same signature, e.g.
     moe.experts_local_dense) replaces experts_fn on an expert-parallel shard that holds
-    at most K experts (the transformer passes it for decode steps)."""
+    at most K experts (the transformer passes it for decode steps). `exchange` (the
+    transformer's decode steps): send each token–expert assignment to its expert's shard
+    by a ragged all-to-all (`_exchanged`) where that moves fewer bytes than gathering
+    the expert-axis peers' tokens, i.e. on many shards (n > 2K/3 in bfloat16)."""
     batch_axes = tuple(a for a in _axes(rules["batch"]) if mesh.shape[a] > 1)
     expert_axes = tuple(a for a in _axes(rules["experts"]) if mesh.shape[a] > 1)
     ep = cfg.expert_parallel and bool(expert_axes)
@@ -99,6 +196,8 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
             offset = jax.lax.axis_index(ex_axes) * ws[0].shape[0]
             fn = (few_experts_fn if few_experts_fn is not None
                   and ws[0].shape[0] <= idx.shape[1] else experts_fn)
+            if exchange and _exchange_moves_less(x.dtype, idx.shape[1], n_shards):
+                return _exchanged(fn, ex_axes, n_shards, x, idx, w, ws, offset)
             y_all = fn(gather(x), gather(idx), gather(w), *ws, expert_offset=offset)
             y = jax.lax.psum_scatter(y_all, ex_axes, scatter_dimension=0, tiled=True)
             return y.astype(x.dtype)

@@ -252,14 +252,17 @@ def _experts_fn(cfg: ModelConfig, gmm, mesh, rules, decode: bool):
     """The expert FFN. A decode step (one token per row) on an expert-parallel shard of
     at most K experts runs them densely over the step's tokens (moe.experts_local_dense:
     the grouped buffer's worst case has as many rows, and a sort per layer and step is
-    saved); prefill and the training engine keep the grouped dispatch."""
+    saved), and on many expert shards sends each token to its experts' shards instead
+    of gathering every peer's tokens (expert_parallel._exchanged); prefill and the
+    training engine keep the grouped dispatch over gathered tokens."""
     if cfg.dispatch == "dense":
         return moe.experts_dense
     kw = {"tile": cfg.moe_tile, "gmm": gmm if gmm is not None else moe.gmm_of(cfg.gmm_impl)}
     fn = lambda *a, **k: moe.experts_grouped(*a, **kw, **k)
     if mesh is None or mesh.size == 1:
         return fn
-    ep_kw = {"few_experts_fn": moe.experts_local_dense if decode else None}
+    ep_kw = {"few_experts_fn": moe.experts_local_dense if decode else None,
+             "exchange": decode}
     if rules is not None:
         ep_kw["rules"] = rules
     return expert_parallel.sharded_experts(fn, mesh, cfg, **ep_kw)
