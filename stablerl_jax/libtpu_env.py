@@ -7,6 +7,10 @@ stderr before falling back to the CPU. `quiet_libtpu` gives libtpu the settings 
 one-worker slice that needs no metadata server (the same settings let
 `jax.experimental.topologies` describe a TPU pod on any host, aot.py), and only when no
 TPU chip is attached: on a TPU host it changes nothing, so the real chips are used.
+Among them, ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's lockfile (/tmp/libtpu_lockfile) keeps
+two processes off the same chips, and a host with none has nothing to guard, while the
+lock would make an AOT compile or `pytest -m tpu` beside a running experiment fail
+("Internal error when accessing libtpu multi-process lockfile").
 The entry points call it first (experiments/__init__.py, benchmarks/__init__.py), before
 JAX starts a backend. Imports nothing of ours; JAX's PCI scan is imported, which starts
 no backend.
@@ -18,7 +22,7 @@ import os
 
 # Defaults only: a variable already set wins.
 QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8",
-             "TPU_WORKER_HOSTNAMES": "localhost"}
+             "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def tpu_chips() -> int:

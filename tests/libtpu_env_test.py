@@ -49,3 +49,26 @@ def test_an_entry_point_starts_its_backend_quietly():
         assert "libtpu" not in out.stderr, out.stderr[-2000:]
     else:  # a TPU host: nothing was set, the chips are the backend
         assert skip == "None" and backend == "tpu"
+
+
+@pytest.mark.tpu
+def test_two_processes_start_libtpu_side_by_side_without_a_tpu():
+    # An experiment holds its backend while an AOT compile (or `pytest -m tpu`) starts
+    # another: without TPU chips, libtpu's multi-process lock must not stop the second.
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+    env = {k: v for k, v in os.environ.items() if k not in libtpu_env.QUIET_ENV}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    hold = ("import sys, experiments, jax\n"
+            "jax.devices()\nprint('up', flush=True)\nsys.stdin.read()")
+    first = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert first.stdout.readline().strip() == "up"
+        second = subprocess.run(
+            [sys.executable, "-c", "import experiments\nfrom stablerl_jax import aot\n"
+             "print(len(aot.devices(aot.topology('v5p-8'))))"],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert second.stdout.split()[-1] == "4"
+    finally:
+        first.communicate("", timeout=120)
