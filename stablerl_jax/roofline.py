@@ -13,10 +13,13 @@ counted as if nothing hid them, so the estimate is pessimistic about communicati
 
 Where the numbers come from. XLA's cost analysis counts a while-loop body once, and its
 TPU cost model (`optimal_seconds`) is only meaningful for a loop-free program. So the
-per-iteration costs come from loop-free programs compiled on their own: one decode step
-(a one-token forward against the KV cache, the logits and the sampled distribution) at
-1 and at 2 layers with the layer loop unrolled; their difference is one layer, and one
-decode step of L layers is c(1) + (L − 1)·(c(2) − c(1)). With model.decode_block the
+per-iteration costs come from programs compiled on their own: one decode step as the
+decode loop runs it (a one-token forward against the KV cache, the logits and the
+sampled distribution), whose scanned layer loop XLA counts once, i.e. one layer, and the
+same step without its layers (the head); one decode step of L layers is the head plus
+L × (step − head). (Differences of 1- and 2-layer unrolled programs, the earlier way,
+are not the program that runs and are not linear in L: XLA's count for 1, 2 and 3
+unrolled `paper` layers is 0.90, 1.26 and 1.27 GB.) With model.decode_block the
 attention of a layer is itself a loop over the key blocks the rollout has filled
 (⌈(slot + 1) / block⌉ trips, a count no compiler sees), which those programs count once;
 one block is compiled as a program of its own, and the decode step at slot σ is the
@@ -125,26 +128,38 @@ def row_state_bytes(cfg: ExperimentConfig) -> int:
     return s * (4 + 4 + 2 + 8 * mc.num_layers * mc.top_k) + 4 * mc.vocab_size
 
 
-def decode_step_program(engine, num_layers: int):
-    """The jitted, compilable program of one decode step of the Engine's sampler at
-    `num_layers` layers (layer loop unrolled, so loop-free): (function, abstract args).
-    It takes the engine's weights already in the decode loop's layout (the serving
-    layout's e4m3 + scales and shardings, or the training shardings), one token per row
-    of a pass and the KV cache, and returns the sampled distribution and the cache."""
+def _sampler_weights(engine):
+    """(model, numerics, abstract weights in the decode loop's layout, their shardings,
+    rules, serve?) of the Engine's sampler."""
     from stablerl_jax import rollout
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.model import transformer as tf
     from stablerl_jax.rl.engine import sampler_model
     cfg, mesh = engine.cfg, engine.mesh
-    model = sampler_model(cfg).replace(num_layers=num_layers, unroll_layers=True)
+    model = sampler_model(cfg)
     numerics = nx.of_sampling(cfg.sampling, 0)
-    model_mesh = mesh if mesh.size > 1 else None
     serve = cfg.sampling.layout == "serve"
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), model))
     weights_like = jax.eval_shape(
         lambda p: nx.prepare_params(p, numerics, store_fp8=serve), params_like)
     rules = sharding.serve_rules(model.expert_parallel) if serve else sharding.RULES
     w_sh = rollout.serving_shardings(weights_like, model, mesh, rules)
+    return model, numerics, weights_like, w_sh, rules, serve
+
+
+def decode_step_program(engine):
+    """The jitted, compilable program of one decode step of the Engine's sampler, as its
+    decode loop runs it (a one-token forward of all L layers against the KV cache, the
+    logits and the sampled distribution): (function, abstract args). It takes the
+    engine's weights already in the decode loop's layout (the serving layout's e4m3 +
+    scales and shardings, or the training shardings), one token per row of a pass and
+    the KV cache, and returns the sampled distribution and the cache."""
+    from stablerl_jax import rollout
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    cfg, mesh = engine.cfg, engine.mesh
+    model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
+    model_mesh = mesh if mesh.size > 1 else None
     b = rows_per_pass(cfg)
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     cache_like = jax.eval_shape(lambda: tf.init_cache(
@@ -170,14 +185,40 @@ def decode_step_program(engine, num_layers: int):
     return fn, (weights_like, jax.ShapeDtypeStruct((b,), jnp.int32), cache_like)
 
 
+def head_program(engine):
+    """The decode step without its layers (embedding lookup, final norm, logits, the
+    sampled distribution), in the same layout: (function, abstract args). Loop-free."""
+    from stablerl_jax import rollout
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.model.attention import rms_norm
+    cfg, mesh = engine.cfg, engine.mesh
+    model, numerics, weights_like, w_sh, _, _ = _sampler_weights(engine)
+    dtype = nx.compute_dtype(numerics, model.compute_dtype)
+    batch = sharding.batch_sharding(mesh)
+
+    def head(weights, tok_B):
+        h = rms_norm(weights["embed"][tok_B[:, None]].astype(dtype), weights["final_norm"],
+                     model.norm_eps)
+        return rollout.sampling_logprobs(tf.logits(weights, h, model)[:, 0], cfg.sampling)
+
+    fn = jax.jit(head, in_shardings=(w_sh, batch), out_shardings=batch)
+    return fn, (weights_like, jax.ShapeDtypeStruct((rows_per_pass(cfg),), jnp.int32))
+
+
 def decode_step_cost(engine) -> tuple[Cost, Cost]:
-    """(one layer, one decode step of all L layers) from the 1- and 2-layer programs."""
-    costs = []
-    for n in (1, 2):
-        fn, args = decode_step_program(engine, n)
-        costs.append(of_compiled(fn.lower(*args).compile()))
-    layer = costs[1] + costs[0].scale(-1)
-    return layer, costs[0] + layer.scale(engine.cfg.model.num_layers - 1)
+    """(one layer, one decode step of all L layers): the decode step program as the
+    sampler runs it, less its head (head_program), is its layers; XLA counts a scanned
+    layer loop's body once, so that difference is one layer (an unrolled one holds L).
+    A step is the head plus L layers. XLA's optimal_seconds is kept for the loop-free
+    head only."""
+    layers = engine.cfg.model.num_layers
+    step, head = (of_compiled(fn.lower(*args).compile())
+                  for fn, args in (decode_step_program(engine), head_program(engine)))
+    per = 1 if not engine.cfg.model.unroll_layers else layers
+    layer = dataclasses.replace((step + head.scale(-1)).scale(1 / per),
+                                optimal_seconds=math.nan)
+    return layer, head + layer.scale(layers)
 
 
 def decode_block_program(engine):

@@ -221,3 +221,25 @@ def test_decode_block_reads_one_block_of_the_cache_on_v5p_8():
     scores = rows_per_chip * mc.num_heads * mc.decode_block * 4
     assert kv_block <= cost.hbm_bytes <= kv_block + 8 * scores, (cost, kv_block, scores)
     assert cost.collective_bytes == 0
+
+
+@pytest.mark.tpu
+def test_scanned_decode_layer_reads_its_cache_by_blocks_on_v5p_8():
+    """The decode step as the sampler runs it (the layer loop a scan over the stacked
+    KV cache), compiled for a v5p-8: XLA's bytes for one layer (roofline.decode_step_cost:
+    the step less its head) stay below twice the layer's K and V of this chip's rows. A
+    layer that sliced its whole cache out of the stack before attending (a copy, as the
+    slice feeds the block loop) would count at least that, reading and writing both
+    (3.96 GB here; 1.67 GB with the blocks sliced in place; the bound is 2 × 1.11 GB)."""
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+    from stablerl_jax import roofline
+    topo = aot.topology("v5p-8")
+    cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
+    assert not cfg.model.unroll_layers
+    layer, step = roofline.decode_step_cost(aot.engine_for(cfg, topo))
+    mc = cfg.model
+    rows_per_chip = cfg.sampling.max_batch // topo.chips
+    slots = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    kv_layer = rows_per_chip * slots * mc.num_kv_heads * mc.head_dim * 2 * 2
+    assert 0 < layer.hbm_bytes < 2 * kv_layer, (layer, kv_layer)
+    assert step.hbm_bytes > mc.num_layers * layer.hbm_bytes  # the head comes on top

@@ -239,13 +239,14 @@ def test_dense_dispatch_and_unrolled_layers_agree_with_the_scan(x64, variant):
 
 # (cache layout, unrolled layers, decode_block): every layout with the stacked and the
 # per-layer buffers; the blocked decode attention (5 slots: blocks [0, 5), [5, 10), and
-# a last one clamped to [7, 12) whose first slots are masked) on both buffer kinds.
+# a last one clamped to [7, 12) whose first slots are masked) on both buffer kinds (the
+# stacked one sliced block by block in its layer, attend_blocks' `layer`).
 # bksd with the layer scan (~17 s) runs under -m slow: bksd is checked unrolled (with and
 # without blocks) and the scan with bskd.
 KV_CASES = [pytest.param(lay, unroll, 0,
                          marks=pytest.mark.slow if (lay, unroll) == ("bksd", False) else ())
             for lay in KV_CACHE_LAYOUTS for unroll in (False, True)] + [
-    ("bskd", False, 5), ("bksd", True, 5)]
+    ("bksd", False, 5), ("bskd", True, 5)]
 
 
 @pytest.mark.parametrize("layout,unroll,decode_block", KV_CASES)

@@ -94,15 +94,19 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
 
 
 def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dtype,
-                   keys: str, block: int):
+                   keys: str, block: int, layer=None):
     """`_attend` for one query per row at slot `last_slot` (a decode step: every row
     writes the same slot, as prompts are left-padded), reading only the cache slots
     [0, last_slot] in blocks of `block` slots: a loop of ⌈(last_slot + 1) / block⌉ trips
     keeps a running max m, normalizer l and output o (the online softmax), so a step's
     attention reads the part of the cache the rollout has filled, not all S slots.
     Returns [B, KV, Hg, Dh]. A block that would run past S starts at S − block instead;
-    its slots before j · block were read by the previous block and are masked."""
-    s_axis = keys.index("s")
+    its slots before j · block were read by the previous block and are masked.
+
+    `layer` given: k and v are the stacked [L, ...] cache and each block is sliced from
+    layer `layer` directly. Slicing the layer first would copy its whole S-slot cache
+    (the slice feeds a loop, so XLA materializes it) on every layer of every step."""
+    s_axis = keys.index("s") + (layer is not None)
     s = k.shape[s_axis]
     block = min(block, s)
     acc = nx.accum_dtype(dtype)
@@ -113,7 +117,10 @@ def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dt
     def body(j, carry):
         m_BxKVxHg, l_BxKVxHg, o_BxKVxHgxDh = carry
         start = jnp.minimum(j * block, s - block)
-        k_blk, v_blk = (jax.lax.dynamic_slice_in_dim(c, start, block, s_axis) for c in (k, v))
+        k_blk, v_blk = (jax.lax.dynamic_slice_in_dim(c, start, block, s_axis) if layer is None
+                        else jax.lax.dynamic_slice_in_dim(
+                            jax.lax.dynamic_slice_in_dim(c, start, block, s_axis), layer, 1,
+                            0)[0] for c in (k, v))
         slots_X = start + jnp.arange(block)  # X slots of this block
         allowed_BxX = ((slots_X >= j * block) & (slots_X <= last_slot))[None] & (
             jax.lax.dynamic_slice_in_dim(key_mask_BxS, start, block, 1).astype(bool))
@@ -204,18 +211,22 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
         else:  # the stacked [L, ...] buffers
             at = (jnp.asarray(layer, jnp.int32), *at)
             cache_kv = tuple(_write(c, x[None], at) for c, x in zip(cache_kv, new_kv))
-            k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
-                    for c in cache_kv)
+            k, v = cache_kv
     else:
         k, v, keys = k_BxTxKVxDh, v_BxTxKVxDh, "bskd"
+    stacked = cache_kv is not None and k.ndim > len(keys)
     q_BxTxKVxHgxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
     if cache_kv is not None and t == 1 and cfg.decode_block:
+        # Blocks sliced from the stacked cache directly (attend_blocks' `layer`).
         o_BxKVxHgxDh = attend_blocks(q_BxTxKVxHgxDh[:, 0], k, v, key_mask_BxS,
                                       cache_index, cfg.head_dim, dtype, keys,
-                                      cfg.decode_block)
+                                      cfg.decode_block,
+                                      jnp.asarray(layer, jnp.int32) if stacked else None)
         out_BxTxD = _proj("bhk,hkd->bd", o_BxKVxHgxDh.reshape(b, cfg.num_heads, cfg.head_dim),
                           p["wo"], numerics, dtype)[:, None]
         return out_BxTxD, cache_kv
+    if stacked:
+        k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k, v))
     attend = lambda q, slots: _attend(q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys)
     if cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
         o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk)
