@@ -52,12 +52,13 @@ def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
           f"({rows / topo.chips:g} per chip); KV cache {kv:.3f} GiB per row "
           f"(+{roofline.row_state_bytes(cfg) / aot.GIB:.3f} GiB of row state); "
           f"≈{fit} rows fit per chip in {topo.hbm_gib} GiB", flush=True)
-    sample, step, layer, pass_s, mean = roofline.sample_estimate(
+    sample, step, layer, pass_s, mean, head = roofline.sample_estimate(
         engine, compiled["sample"].hlo, chip)
     print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
           f"{chip.source}):\n\n| per iteration | collective MiB / chip | HBM GiB / chip | "
           f"GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n|---|---|---|---|---|---|")
-    rows_ = [("one layer of a decode step", layer), ("the first decode step", step),
+    rows_ = [("the head of a decode step (embedding, logits, sampling)", head),
+             ("one layer of a decode step", layer), ("the first decode step", step),
              ("the mean decode step", mean)]
     for what, c in rows_:
         # XLA's TPU cost model may answer a negative time; such a value says nothing.

@@ -206,8 +206,8 @@ def head_program(engine):
     return fn, (weights_like, jax.ShapeDtypeStruct((rows_per_pass(cfg),), jnp.int32))
 
 
-def decode_step_cost(engine) -> tuple[Cost, Cost]:
-    """(one layer, one decode step of all L layers): the decode step program as the
+def decode_step_cost(engine) -> tuple[Cost, Cost, Cost]:
+    """(one layer, one decode step of all L layers, its head): the decode step program as the
     sampler runs it, less its head (head_program), is its layers; XLA counts a scanned
     layer loop's body once, so that difference is one layer (an unrolled one holds L).
     A step is the head plus L layers. XLA's optimal_seconds is kept for the loop-free
@@ -218,7 +218,7 @@ def decode_step_cost(engine) -> tuple[Cost, Cost]:
     per = 1 if not engine.cfg.model.unroll_layers else layers
     layer = dataclasses.replace((step + head.scale(-1)).scale(1 / per),
                                 optimal_seconds=math.nan)
-    return layer, head + layer.scale(layers)
+    return layer, head + layer.scale(layers), head
 
 
 def decode_block_program(engine):
@@ -249,17 +249,18 @@ def decode_block_program(engine):
     return fn, args
 
 
-def decode_step_costs(engine, slots: int) -> tuple[Cost, Cost, Cost | None]:
-    """(one layer, one decode step at its first slot, one key block or None): the
-    programs of the module docstring. `slots`: the first decode slot (P)."""
-    layer, step = decode_step_cost(engine)
+def decode_step_costs(engine, slots: int) -> tuple[Cost, Cost, Cost | None, Cost]:
+    """(one layer, one decode step at its first slot, one key block or None, the step's
+    head): the programs of the module docstring. `slots`: the first decode slot (P)."""
+    layer, step, head = decode_step_cost(engine)
     blk = engine.cfg.model.decode_block
     if not blk:
-        return layer, step, None
+        return layer, step, None, head
     fn, args = decode_block_program(engine)
     block = of_compiled(fn.lower(*args).compile())
     blocks = slots // blk + 1
-    return layer, step + block.scale(engine.cfg.model.num_layers * (blocks - 1)), block
+    return (layer, step + block.scale(engine.cfg.model.num_layers * (blocks - 1)), block,
+            head)
 
 
 def rows_that_fit(cfg: ExperimentConfig, sample_total_gib: float, hbm_gib: float,
@@ -292,9 +293,10 @@ def extra_blocks(first_slot: int, steps: int, block: int) -> dict:
 
 def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
     """(StepEstimate of one sample step, Cost of the first decode step, one-layer Cost,
-    seconds of one pass, Cost of the mean decode step). Time = passes × Σ over the C
-    decode steps (each at its own slot: module docstring) + what runs once (the prefill
-    at the chip's peak, every collective outside the decode loop)."""
+    seconds of one pass, Cost of the mean decode step, Cost of the step's head).
+    Time = passes × Σ over the C decode steps (each at its own slot: module docstring)
+    + what runs once (the prefill at the chip's peak, every collective outside the
+    decode loop)."""
     from stablerl_jax.model.flops import forward_flops
     cfg = engine.cfg
     b = cfg.rl.prompts_per_step * cfg.rl.group_size
@@ -307,7 +309,7 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
     per_step_coll = sum(module.collective_bytes(loop.body, trips).values())
     once_coll = sum(module.collective_bytes(module.entry, {**trips, loop.name: 0}).values())
     p, n = cfg.task.max_prompt_len, cfg.sampling.max_new_tokens
-    layer, first, block = decode_step_costs(engine, p)
+    layer, first, block, head = decode_step_costs(engine, p)
     # The loop's own collectives (the compiled sample step) replace the program's.
     first = dataclasses.replace(first, collective_bytes=per_step_coll)
     blk, num_layers = cfg.model.decode_block, cfg.model.num_layers
@@ -321,7 +323,7 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
     total = passes * decode_s + once_s
     detail = (f"{passes} pass(es) × {n} decode steps × {decode_s / n * 1e3:.2f} ms on "
               f"average + prefill and reshard {once_s:.1f} s")
-    return StepEstimate("sample", total, detail), first, layer, total / passes, mean
+    return StepEstimate("sample", total, detail), first, layer, total / passes, mean, head
 
 
 def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops: float,

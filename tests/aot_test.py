@@ -236,10 +236,10 @@ def test_scanned_decode_layer_reads_its_cache_by_blocks_on_v5p_8():
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
     assert not cfg.model.unroll_layers
-    layer, step = roofline.decode_step_cost(aot.engine_for(cfg, topo))
+    layer, _, head = roofline.decode_step_cost(aot.engine_for(cfg, topo))
     mc = cfg.model
     rows_per_chip = cfg.sampling.max_batch // topo.chips
     slots = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     kv_layer = rows_per_chip * slots * mc.num_kv_heads * mc.head_dim * 2 * 2
     assert 0 < layer.hbm_bytes < 2 * kv_layer, (layer, kv_layer)
-    assert step.hbm_bytes > mc.num_layers * layer.hbm_bytes  # the head comes on top
+    assert head.optimal_seconds > 0  # loop-free: XLA's own estimate is valid there
