@@ -50,10 +50,10 @@ over every device, the FP8 engine's weights stored as e4m3 values + per-channel 
 and widened one layer at a time), so a decode step moves only activations: the expert
 FFN sends each token to its K experts' devices and the outputs back by a ragged
 all-to-all (or, on few devices, all-gathers the step's B tokens and reduce-scatters
-their outputs; model/expert_parallel.py). The prefill keeps the training layout in both: it runs once
-per slice over P tokens a row, where gathering each layer's weights is amortized, and an
-expert exchange of all prompt tokens over every device would need a buffer of every
-device's tokens. The two layouts sample the same tokens, log μ and routes
+their outputs; model/expert_parallel.py). The prefill keeps the training layout in
+both: it runs once per slice over P tokens a row, where gathering each layer's weights
+is amortized, and an expert exchange of all prompt tokens over every device would need
+a buffer of every device's tokens. The two layouts sample the same tokens, log μ and routes
 (tests/serve_layout_test.py).
 
 Randomness: row b draws its token at decode step i from fold_in(key_b, i), where key_b is

@@ -207,8 +207,8 @@ def head_program(engine):
 
 
 def decode_step_cost(engine) -> tuple[Cost, Cost, Cost]:
-    """(one layer, one decode step of all L layers, its head): the decode step program as the
-    sampler runs it, less its head (head_program), is its layers; XLA counts a scanned
+    """(one layer, one decode step of all L layers, its head): the decode step program
+    as the sampler runs it, less its head (head_program), is its layers; XLA counts a scanned
     layer loop's body once, so that difference is one layer (an unrolled one holds L).
     A step is the head plus L layers. XLA's optimal_seconds is kept for the loop-free
     head only."""

@@ -93,6 +93,12 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
     return _dot("bkgts,bskd->btkgd", probs_BxKVxHgxTxS, v, dtype).astype(dtype)
 
 
+def _block_of(cache, start, block: int, s_axis: int, layer=None):
+    """`block` slots of `cache` from slot `start`; of layer `layer` of a stacked cache."""
+    blk = jax.lax.dynamic_slice_in_dim(cache, start, block, s_axis)
+    return blk if layer is None else jax.lax.dynamic_index_in_dim(blk, layer, 0, False)
+
+
 def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dtype,
                    keys: str, block: int, layer=None):
     """`_attend` for one query per row at slot `last_slot` (a decode step: every row
@@ -117,10 +123,7 @@ def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dt
     def body(j, carry):
         m_BxKVxHg, l_BxKVxHg, o_BxKVxHgxDh = carry
         start = jnp.minimum(j * block, s - block)
-        k_blk, v_blk = (jax.lax.dynamic_slice_in_dim(c, start, block, s_axis) if layer is None
-                        else jax.lax.dynamic_slice_in_dim(
-                            jax.lax.dynamic_slice_in_dim(c, start, block, s_axis), layer, 1,
-                            0)[0] for c in (k, v))
+        k_blk, v_blk = (_block_of(c, start, block, s_axis, layer) for c in (k, v))
         slots_X = start + jnp.arange(block)  # X slots of this block
         allowed_BxX = ((slots_X >= j * block) & (slots_X <= last_slot))[None] & (
             jax.lax.dynamic_slice_in_dim(key_mask_BxS, start, block, 1).astype(bool))
