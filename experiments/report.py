@@ -23,6 +23,8 @@ COMPARISON_PANELS = [
     ("clip fraction (Â > 0, r > 1+ε_high)", ["clip/frac_high"], False),
     ("clip fraction (Â < 0, r < 1−ε_low)", ["clip/frac_low"], False),
     ("IS weights truncated at C", ["is/frac_truncated"], False),
+    ("per-response log-ratio s = Σ_t log π_old/μ_old", ["seq/log_ratio"], False),
+    ("sequence IS weights π_old(y)/μ_old(y) beyond C", ["seq/beyond_cap"], False),
     ("routing mismatch (μ vs π_old experts)", ["routing/mismatch_rate"], False),
     ("Eq. 5 engine factor: std of log π_old/μ_old", ["eq5/engine_log_std"], True),
     ("Eq. 5 staleness factor: std of log π_θ/π_old", ["eq5/staleness_log_std"], True),
@@ -50,40 +52,45 @@ def _window(records: list[dict], key: str, part: slice) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def seed_row(records: list[dict]) -> dict:
+    """One run's outcomes: held-out accuracy at start / best / final (the mean of the last
+    evaluations, stats.final_accuracy), its collapse step (stats.collapse_step, censored at
+    the run length + 1), training reward, entropy, training–inference KL and the
+    per-response log-ratio s = Σ_t log π_old/μ_old over the first and last fifth of the
+    steps, routing mismatch, the mean square of Eq. 5's two log factors, the share of
+    sequence IS weights beyond the TIS cap, clip fraction and the fraction of updates
+    skipped (non-finite loss or gradient)."""
+    steps_ = [r for r in records if r["step"] > 0]
+    fifth = max(1, len(steps_) // 5)
+    first, last, every = slice(0, fifth), slice(-fifth, None), slice(None)
+    evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+    collapse = stats.collapse_step(records)
+    windows = {"reward": "reward", "entropy": "entropy", "kl": "kl/train_infer_k1",
+               "seq": "seq/log_ratio"}
+    return {
+        "acc_start": evals[0] if evals else None,
+        "acc_best": max(evals) if evals else None,
+        "acc_end": stats.final_accuracy(records),
+        "collapse": collapse,
+        "collapsed": float(collapse <= len(steps_)),
+        **{f"{name}_{part}": _window(steps_, key, where)
+           for name, key in windows.items()
+           for part, where in (("first", first), ("last", last))},
+        "routing_mismatch": _window(steps_, "routing/mismatch_rate", every),
+        "engine_log_sq": _window(steps_, "eq5/engine_log_sqmean", every),
+        "stale_log_sq": _window(steps_, "eq5/staleness_log_sqmean", every),
+        "beyond_cap": _window(steps_, "seq/beyond_cap", every),
+        "clip_frac": _window(steps_, "clip/frac_high", every),
+        "skipped": _window(steps_, "skipped_updates", every),
+    }
+
+
 def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
-    """Per variant, seed-averaged: held-out accuracy at start / best / final (the mean of
-    the last evaluations, stats.final_accuracy), how many seeds collapsed and the mean
-    collapse step (stats.collapse_step, censored at the run length + 1), training reward,
-    entropy and training–inference KL over the first and last fifth of the steps, routing
-    mismatch, the mean square of Eq. 5's two log factors, clip fraction and the fraction of
-    updates skipped (non-finite loss or gradient)."""
+    """Per variant, `seed_row` averaged over seeds (`collapsed`: how many seeds did), with
+    the seeds' sd of the final accuracy."""
     out = []
     for name, seeds in runs.items():
-        per_seed = []
-        for records in seeds:
-            steps_ = [r for r in records if r["step"] > 0]
-            fifth = max(1, len(steps_) // 5)
-            first, last = slice(0, fifth), slice(-fifth, None)
-            evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
-            collapse = stats.collapse_step(records)
-            per_seed.append({
-                "acc_start": evals[0] if evals else None,
-                "acc_best": max(evals) if evals else None,
-                "acc_end": stats.final_accuracy(records),
-                "collapse": collapse,
-                "collapsed": float(collapse <= len(steps_)),
-                "reward_first": _window(steps_, "reward", first),
-                "reward_last": _window(steps_, "reward", last),
-                "entropy_first": _window(steps_, "entropy", first),
-                "entropy_last": _window(steps_, "entropy", last),
-                "kl_first": _window(steps_, "kl/train_infer_k1", first),
-                "kl_last": _window(steps_, "kl/train_infer_k1", last),
-                "routing_mismatch": _window(steps_, "routing/mismatch_rate", slice(None)),
-                "engine_log_sq": _window(steps_, "eq5/engine_log_sqmean", slice(None)),
-                "stale_log_sq": _window(steps_, "eq5/staleness_log_sqmean", slice(None)),
-                "clip_frac": _window(steps_, "clip/frac_high", slice(None)),
-                "skipped": _window(steps_, "skipped_updates", slice(None)),
-            })
+        per_seed = [seed_row(records) for records in seeds]
         row = {"variant": name, "seeds": len(per_seed)}
         for k in per_seed[0]:
             vals = [s[k] for s in per_seed if s[k] is not None]
@@ -94,7 +101,13 @@ def summary_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
     return out
 
 
-_COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"),
+def per_seed_rows(runs: dict[str, list[list[dict]]], seeds: dict) -> list[dict]:
+    """`seed_row` of every run, labelled with its variant and seed ({variant: seeds})."""
+    return [{"variant": name, "seed": seed, **seed_row(records)}
+            for name, per_seed in runs.items() for seed, records in zip(seeds[name], per_seed)]
+
+
+_COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"), ("seed", "seed", "{}"),
             ("acc_start", "acc@0", "{:.3f}"), ("acc_best", "best acc", "{:.3f}"),
             ("acc_end", "final acc", "{:.3f}"), ("acc_end_sd", "± sd", "{:.3f}"),
             ("collapsed", "seeds collapsed", "{:.0f}"), ("collapse", "collapse step", "{:.0f}"),
@@ -102,14 +115,23 @@ _COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"),
             ("entropy_first", "entropy first⅕", "{:.3f}"),
             ("entropy_last", "entropy last⅕", "{:.3f}"),
             ("kl_first", "KL k1 first⅕", "{:.2e}"), ("kl_last", "KL k1 last⅕", "{:.2e}"),
+            ("seq_first", "E[s] first⅕", "{:.1f}"), ("seq_last", "E[s] last⅕", "{:.1f}"),
+            ("beyond_cap", "π/μ > cap", "{:.3f}"),
             ("routing_mismatch", "routing mismatch", "{:.3f}"),
             ("engine_log_sq", "E[log² engine]", "{:.2e}"),
             ("stale_log_sq", "E[log² staleness]", "{:.2e}"),
             ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped frac", "{:.3f}")]
 
 
-def markdown_table(rows: list[dict]) -> str:
-    cols = [c for c in _COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+PER_SEED_KEYS = ("variant", "seed", "acc_start", "acc_best", "acc_end", "collapse",
+                 "reward_first", "reward_last", "kl_first", "kl_last", "seq_first",
+                 "seq_last", "beyond_cap")
+
+
+def markdown_table(rows: list[dict], keys=None) -> str:
+    """The `_COLUMNS` (those named in `keys`, if given) that some row has a value for."""
+    cols = [c for c in _COLUMNS if (keys is None or c[0] in keys)
+            and any(r.get(c[0]) is not None for r in rows)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |",
              "|" + "---|" * len(cols)]
     for r in rows:
@@ -121,15 +143,19 @@ def markdown_table(rows: list[dict]) -> str:
 def report(runs: dict, workdir: str, title: str, command: str, groups=None,
            comparisons=(), seeds=None) -> str:
     """Write comparison.png (or comparison_<group>.png per group of variant names) and
-    summary.md (+ summary.json): the per-variant table, then for each (A, B) of
-    `comparisons` the seed-paired differences (stats.compare) over the seeds both ran
-    (`seeds`: {variant: the seeds of its runs, in order}); return the markdown."""
+    summary.md (+ summary.json): the per-variant table, the per-run table (with `seeds`:
+    {variant: the seeds of its runs, in order}), then for each (A, B) of `comparisons` the
+    seed-paired differences (stats.compare) over the seeds both ran; return the
+    markdown."""
     for group, names in (groups or {"": list(runs)}).items():
         plot_comparison({k: seed_mean(runs[k]) for k in names if k in runs},
                         os.path.join(workdir, f"comparison{'_' + group if group else ''}.png"),
                         COMPARISON_PANELS)
     rows = summary_rows(runs)
     table = markdown_table(rows)
+    if seeds:
+        table += ("\n\nEach run (the same outcomes, one row per seed):\n\n"
+                  + markdown_table(per_seed_rows(runs, seeds), PER_SEED_KEYS))
     by_seed = {k: dict(zip(seeds[k], v)) for k, v in runs.items()} if seeds else {}
     compared = [r for a, b in comparisons for r in stats.compare(by_seed, a, b)]
     if compared:
