@@ -124,8 +124,8 @@ _COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"), ("seed", "se
 
 
 PER_SEED_KEYS = ("variant", "seed", "acc_start", "acc_best", "acc_end", "collapse",
-                 "reward_first", "reward_last", "kl_first", "kl_last", "seq_first",
-                 "seq_last", "beyond_cap")
+                 "reward_first", "reward_last", "entropy_first", "entropy_last",
+                 "kl_first", "kl_last", "seq_first", "seq_last", "beyond_cap")
 
 
 def markdown_table(rows: list[dict], keys=None) -> str:

@@ -134,8 +134,8 @@ def test_per_seed_rows_carry_the_sequence_log_ratio():
     steps, and the per-run table shows them."""
     s_ = [-1.0, -2.0, -3.0, -4.0, -5.0]
     runs = [[{"step": 0, "eval/accuracy": 0.1}]
-            + [{"step": i + 1, "reward": 0.2, "seq/log_ratio": s, "seq/beyond_cap": 0.5 * i}
-               for i, s in enumerate(s_)]]
+            + [{"step": i + 1, "reward": 0.2, "seq/log_ratio": s, "seq/beyond_cap": 0.5 * i,
+                "routing/mismatch_rate": 0.1} for i, s in enumerate(s_)]]
     (row,) = report.per_seed_rows({"v": runs}, {"v": (7,)})
     assert row["variant"] == "v" and row["seed"] == 7
     assert row["seq_first"] == -1.0 and row["seq_last"] == -5.0  # fifths of 5 steps: 1 step
@@ -144,7 +144,7 @@ def test_per_seed_rows_carry_the_sequence_log_ratio():
     table = report.markdown_table([row], report.PER_SEED_KEYS).splitlines()
     assert table[0].split(" | ")[:2] == ["| variant", "seed"]
     assert "E[s] first⅕" in table[0] and "π/μ > cap" in table[0]
-    assert "entropy" not in table[0]  # only the per-run keys
+    assert "routing mismatch" not in table[0]  # only the per-run keys
     assert table[2].startswith("| v | 7 | 0.100 |") and "| -1.0 | -5.0 | 1.000 |" in table[2]
 
 
