@@ -172,13 +172,14 @@ def test_remat_equal_values_and_gradients(x64, with_replay, remat):
 
 # T = 12: a ragged last chunk, and an even split (slow: the ragged case has the even
 # chunks too, only the last one differs).
-@pytest.mark.parametrize("chunk", [5, pytest.param(4, marks=pytest.mark.slow)])
-def test_chunked_attention_equals_naive(x64, chunk):
-    """Query chunks (padded, rematerialized) compute every real row like the naive path,
-    in value and gradient; with a KV cache (prefill into S > T slots, either layout) as
-    well."""
+@pytest.mark.parametrize("impl,chunk", [
+    ("chunked", 5), pytest.param("chunked", 4, marks=pytest.mark.slow), ("causal", 5)])
+def test_chunked_attention_equals_naive(x64, impl, chunk):
+    """Query chunks (padded, rematerialized) and causal blocks (each against its key
+    prefix) compute every real row like the naive path, in value and gradient; with a KV
+    cache (prefill into S > T slots, either layout) as well."""
     params, tokens, mask = _setup(cfg=CFG64)
-    chunked = CFG64.replace(attention_impl="chunked", attention_chunk=chunk, remat="full")
+    chunked = CFG64.replace(attention_impl=impl, attention_chunk=chunk, remat="full")
     step = _probe_step(tokens, mask)
     (v0, h0), g0 = step(CFG64)(params)
     (v1, _), g1 = step(chunked)(params)

@@ -55,10 +55,14 @@ class ModelConfig(Section):
       unroll_layers: unroll the scan over layers (no per-layer slicing of stacked weights
         and residuals, one KV-cache buffer per layer: faster for a few small layers,
         compile time grows with depth).
-      attention_impl: 'naive' (one [T, S] score matrix per head) or 'chunked' (a scan over
+      attention_impl: 'naive' (one [T, S] score matrix per head), 'chunked' (a scan over
         query chunks of `attention_chunk` rows, each rematerialized: memory O(chunk · S)
-        instead of O(T · S), the same function).
-      attention_chunk: query rows per chunk of the 'chunked' attention.
+        instead of O(T · S), the same function) or 'causal' (without a KV cache, query
+        blocks of `attention_chunk` rows unrolled, each against the keys up to its last
+        row: the masked blocks above the diagonal are skipped, ≈ half the score work for
+        a few hundred slots; with a cache it is 'naive'. The same function up to float
+        reassociation).
+      attention_chunk: query rows per chunk ('chunked') or per block ('causal').
       kv_cache_layout: the sampler's KV cache, per layer (KV_CACHE_LAYOUTS): 'bskd'
         ([B, S, KV, Dh]) or 'bksd' ([B, KV, S, Dh]: each (row, kv head) a contiguous
         [S, Dh] block, so a decode step's products read the cache without transposing it:

@@ -13,10 +13,14 @@ Masking: query slot i attends to key slot j iff j ≤ i and key j is a real toke
 scores get the most negative float32 rather than −inf, so a query with no real key
 (a padding slot) yields a finite, unused output instead of NaN.
 
-Two paths for the scores, chosen by ModelConfig.attention_impl: 'naive' (one [T, S]
-score matrix per head) and 'chunked' (a scan over query chunks, each rematerialized, so
-only [chunk, S] scores are ever live: what a 33k-token sequence needs). Every query row
-is computed identically by both. A decode step (one token per row against the KV cache)
+Three paths for the scores, chosen by ModelConfig.attention_impl: 'naive' (one [T, S]
+score matrix per head), 'chunked' (a scan over query chunks, each rematerialized, so
+only [chunk, S] scores are ever live: what a 33k-token sequence needs) and 'causal'
+(without a cache, query blocks unrolled, each against the keys up to its last row, so
+the blocks above the diagonal, all masked, are never computed: about half the scores
+for a few hundred slots). Every real query row is computed identically by all three,
+up to float reassociation of the softmax's sums in 'causal'; a padding row with no real
+key, whose output is unused, averages over the keys its block sees. A decode step (one token per row against the KV cache)
 with ModelConfig.decode_block reads the cache in blocks of that many slots, only up to
 the slot it writes (`attend_blocks`: the online softmax of flash-decoding), the same
 function up to float reassociation.
@@ -162,6 +166,19 @@ def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
     return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
 
 
+def _causal(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, block: int,
+            head_dim: int, dtype):
+    """Self-attention without a cache (query slot i is key slot i) in query blocks of
+    `block` rows, block [lo, hi) against keys [0, hi): the scores it leaves out are the
+    ones the causal mask removes. The blocks are unrolled (T / block of them)."""
+    t = q_BxTxKVxHgxDh.shape[1]
+    outs = [_attend(q_BxTxKVxHgxDh[:, lo:lo + block], k_BxTxKVxDh[:, :lo + block],
+                    v_BxTxKVxDh[:, :lo + block], jnp.arange(lo, min(t, lo + block)),
+                    key_mask_BxT[:, :lo + block], head_dim, dtype)
+            for lo in range(0, t, block)]
+    return jnp.concatenate(outs, axis=1)
+
+
 def _write(cache: jax.Array, x: jax.Array, at: tuple) -> jax.Array:
     """cache with x written at index `at` (dynamic_update_slice), in place. On CPU a
     16-bit float cache is written through its bits: XLA's CPU backend otherwise widens a
@@ -231,7 +248,10 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     if stacked:
         k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k, v))
     attend = lambda q, slots: _attend(q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys)
-    if cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
+    if cfg.attention_impl == "causal" and cache_kv is None and t > cfg.attention_chunk:
+        o_BxTxKVxHgxDh = _causal(q_BxTxKVxHgxDh, k, v, key_mask_BxS, cfg.attention_chunk,
+                                 cfg.head_dim, dtype)
+    elif cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
         o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk)
     else:
         o_BxTxKVxHgxDh = attend(q_BxTxKVxHgxDh, query_slots_T)
