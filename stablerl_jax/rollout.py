@@ -146,8 +146,9 @@ def truncated_rows(tokens_BxS, completion_mask_BxS, stop_ids, max_new_tokens: in
     return (lengths_B >= max_new_tokens) & ~np.isin(last_B, list(stop_ids))
 
 
-def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id, pad_id,
-              stop_ids=()):
+def validate_inputs(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id,
+                    pad_id, stop_ids=()):
+    """The sampler's inputs: shapes, dtypes, ids and left padding (names the field)."""
     if prompts.ndim != 2 or tuple(mask.shape) != tuple(prompts.shape):
         raise ValueError(f"prompt_tokens / prompt_mask: must both be [B, P], got "
                          f"{tuple(prompts.shape)} and {tuple(mask.shape)}")
@@ -176,7 +177,7 @@ def _validate(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, eos_id,
                          "the real tokens up to the last slot)")
 
 
-def _row_keys(key, b: int):
+def row_keys(key, b: int):
     """[B] typed keys: one key is split into B, [B] keys are used as given. Raw uint32
     keys (jax.random.PRNGKey) are accepted and wrapped."""
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -204,8 +205,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
     `sampling.layout='serve'`: the decode loop runs on the weights of `serving_layout`
     (resharded once per call); the prefill keeps the training layout.
     """
-    _validate(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id,
-              tuple(stop_ids))
+    validate_inputs(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id,
+                    tuple(stop_ids))
     b = prompt_tokens_BxP.shape[0]
     if sampling.max_batch and b % sampling.max_batch:
         raise ValueError(f"sampling.max_batch={sampling.max_batch} must divide the batch of "
@@ -225,7 +226,7 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id,
         else None
     decode = lambda rows: _decode(prepared, *rows, cfg, sampling, numerics, stops, pad_id,
                                   mesh, layout)
-    return slices.map_slices(decode, (prompts, pmask, _row_keys(key, b)), n,
+    return slices.map_slices(decode, (prompts, pmask, row_keys(key, b)), n,
                              "sampling.max_batch")
 
 
@@ -260,7 +261,7 @@ def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
     return sharding.tree_shardings(axes, weights, mesh, rules)
 
 
-def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pad_id, mesh,
+def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_id, mesh,
             layout=None):
     """Prefill + decode of one batch of rows (weights already prepared); `stops`: the
     sorted stop ids (`stop_set`). `layout`: the decode loop's own (weights, sharding
@@ -300,7 +301,7 @@ def _decode(params, prompts, pmask, row_keys, cfg, sampling, numerics, stops, pa
         i = st["i"]
         slot = p + i
         logp_BxV = sampling_logprobs(st["logits"], sampling)
-        tok = jax.vmap(draw, in_axes=(0, None, 0))(row_keys, i, logp_BxV)
+        tok = jax.vmap(draw, in_axes=(0, None, 0))(keys_B, i, logp_BxV)
         live = ~st["done"]
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_BxV, tok[:, None], axis=1)[:, 0]

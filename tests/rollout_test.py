@@ -143,8 +143,8 @@ def test_keys_determine_samples():
     c = _rollout(3)
     assert not np.array_equal(a.tokens_BxS, c.tokens_BxS)
     # A raw uint32 key (jax.random.PRNGKey) gives the same row keys as its typed form.
-    typed = jax.random.key_data(ro._row_keys(jax.random.key(2), B))
-    raw = jax.random.key_data(ro._row_keys(jax.random.key_data(jax.random.key(2)), B))
+    typed = jax.random.key_data(ro.row_keys(jax.random.key(2), B))
+    raw = jax.random.key_data(ro.row_keys(jax.random.key_data(jax.random.key(2)), B))
     np.testing.assert_array_equal(raw, typed)
 
 

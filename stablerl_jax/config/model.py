@@ -172,6 +172,11 @@ class SamplingConfig(Section):
         with per-channel scales), so a decode step moves only activations. The prefill
         runs in the training layout either way (one pass per slice, compute bound). Same
         tokens, log μ and routes as 'train' up to float reassociation.
+      continuous: continuous batching (stablerl_jax/continuous.py): max_batch slots
+        (0: one per row), and a slot whose response is complete takes the next pending
+        response at once, instead of idling until its slice's longest row stops. The
+        same responses as the static sampler, in fewer decode steps; training rollouts
+        and evaluation alike.
     EOS and padding ids are the tokenizer's.
     """
 
@@ -185,6 +190,7 @@ class SamplingConfig(Section):
     max_batch: int = 0
     dispatch: str = ""
     layout: str = "train"
+    continuous: bool = False
 
     def __post_init__(self):
         check_positive_int(self, "max_new_tokens")
@@ -202,6 +208,6 @@ class SamplingConfig(Section):
               f"got {self.numerics!r}")
         check(is_finite(self.router_noise_std) and self.router_noise_std >= 0,
               "router_noise_std", f"must be a finite number >= 0, got {self.router_noise_std}")
-        check_bool(self, "act_fp8")
+        check_bool(self, "act_fp8", "continuous")
         check(self.dispatch in ("", "grouped", "dense"), "dispatch",
               f"must be '', 'grouped' or 'dense', got {self.dispatch!r}")

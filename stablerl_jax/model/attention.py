@@ -81,13 +81,14 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
     k, v: [B, S, KV, Dh] (keys="bskd", this call's own keys) or [B, KV, S, Dh]
     (keys="bksd", the KV cache's layout)."""
     s = k.shape[keys.index("s")]
+    query_slots_BxT = query_slots_T if query_slots_T.ndim == 2 else query_slots_T[None]
     if keys == "bksd":  # batch dims leading on both sides: no transpose of the cache
         q = jnp.transpose(q_BxTxKVxHgxDh, (0, 2, 3, 1, 4))
         scores_BxKVxHgxTxS = _dot("bkgtd,bksd->bkgts", q, k, dtype)
     else:
         scores_BxKVxHgxTxS = _dot("btkgd,bskd->bkgts", q_BxTxKVxHgxDh, k, dtype)
     scores_BxKVxHgxTxS = scores_BxKVxHgxTxS * head_dim**-0.5
-    allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_T[None, :, None]) & (
+    allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_BxT[:, :, None]) & (
         key_mask_BxS[:, None, :].astype(bool))
     scores_BxKVxHgxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxHgxTxS, _NEG)
     probs_BxKVxHgxTxS = jax.nn.softmax(scores_BxKVxHgxTxS, axis=-1).astype(dtype)
@@ -106,8 +107,9 @@ def _block_of(cache, start, block: int, s_axis: int, layer=None):
 def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dtype,
                    keys: str, block: int, layer=None):
     """`_attend` for one query per row at slot `last_slot` (a decode step: every row
-    writes the same slot, as prompts are left-padded), reading only the cache slots
-    [0, last_slot] in blocks of `block` slots: a loop of ⌈(last_slot + 1) / block⌉ trips
+    writes the same slot, as prompts are left-padded; or [B] slots, one per row, in the
+    continuous sampler), reading only the cache slots [0, last_slot] in blocks of `block`
+    slots (up to the largest row's): a loop of ⌈(last_slot + 1) / block⌉ trips
     keeps a running max m, normalizer l and output o (the online softmax), so a step's
     attention reads the part of the cache the rollout has filled, not all S slots.
     Returns [B, KV, Hg, Dh]. A block that would run past S starts at S − block instead;
@@ -122,14 +124,14 @@ def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dt
     acc = nx.accum_dtype(dtype)
     b, kv, g, dh = q_BxKVxHgxDh.shape
     kq = "bksd" if keys == "bksd" else "bskd"
-    last_slot = jnp.asarray(last_slot, jnp.int32)
+    last_Bx1 = jnp.reshape(jnp.asarray(last_slot, jnp.int32), (-1, 1))  # [1, 1] or [B, 1]
 
     def body(j, carry):
         m_BxKVxHg, l_BxKVxHg, o_BxKVxHgxDh = carry
         start = jnp.minimum(j * block, s - block)
         k_blk, v_blk = (_block_of(c, start, block, s_axis, layer) for c in (k, v))
         slots_X = start + jnp.arange(block)  # X slots of this block
-        allowed_BxX = ((slots_X >= j * block) & (slots_X <= last_slot))[None] & (
+        allowed_BxX = (slots_X >= j * block)[None] & (slots_X[None] <= last_Bx1) & (
             jax.lax.dynamic_slice_in_dim(key_mask_BxS, start, block, 1).astype(bool))
         scores_BxKVxHgxX = _dot(f"bkgd,{kq.replace('s', 'x')}->bkgx", q_BxKVxHgxDh, k_blk,
                                 dtype) * head_dim**-0.5
@@ -144,7 +146,8 @@ def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dt
 
     init = (jnp.full((b, kv, g), _NEG, acc), jnp.zeros((b, kv, g), acc),
             jnp.zeros((b, kv, g, dh), acc))
-    _, l_BxKVxHg, o_BxKVxHgxDh = jax.lax.fori_loop(0, last_slot // block + 1, body, init)
+    _, l_BxKVxHg, o_BxKVxHgxDh = jax.lax.fori_loop(0, jnp.max(last_Bx1) // block + 1, body,
+                                                   init)
     # A row with no real key (not reached in a rollout) gets zeros, not NaN.
     out = o_BxKVxHgxDh / jnp.where(l_BxKVxHg > 0, l_BxKVxHg, 1)[..., None]
     return out.astype(dtype)
@@ -179,20 +182,35 @@ def _causal(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, block: int,
     return jnp.concatenate(outs, axis=1)
 
 
-def _write(cache: jax.Array, x: jax.Array, at: tuple) -> jax.Array:
-    """cache with x written at index `at` (dynamic_update_slice), in place. On CPU a
-    16-bit float cache is written through its bits: XLA's CPU backend otherwise widens a
-    bfloat16 update to float32, i.e. converts and copies the whole cache on every decode
-    step. Elsewhere the plain update (on TPU the bit casts would materialize the cache and
-    copy it per layer and step)."""
+def _write(cache: jax.Array, x: jax.Array, put) -> jax.Array:
+    """cache with x written by `put(cache, x)` (a dynamic_update_slice, or a scatter of one
+    slot per row), in place. On CPU a 16-bit float cache is written through its bits:
+    XLA's CPU backend otherwise widens a bfloat16 update to float32, i.e. converts and
+    copies the whole cache on every decode step. Elsewhere the plain update (on TPU the
+    bit casts would materialize the cache and copy it per layer and step)."""
     x = x.astype(cache.dtype)
-    plain = lambda c, u, *i: jax.lax.dynamic_update_slice(c, u, i)
     if cache.dtype.itemsize != 2:
-        return plain(cache, x, *at)
+        return put(cache, x)
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
-    through_bits = lambda c, u, *i: jax.lax.bitcast_convert_type(
-        jax.lax.dynamic_update_slice(bits(c), bits(u), i), c.dtype)
-    return jax.lax.platform_dependent(cache, x, *at, cpu=through_bits, default=plain)
+    through_bits = lambda c, u: jax.lax.bitcast_convert_type(put(bits(c), bits(u)), c.dtype)
+    return jax.lax.platform_dependent(cache, x, cpu=through_bits, default=put)
+
+
+def _cache_put(keys: str, index, layer, b: int):
+    """put(cache, new) of `_write` for this call's keys or values (`new` in the cache's
+    layout `keys`, T slots) into a stacked ([L, ...], `layer` given) or one layer's
+    cache. A scalar `index`: every row's T slots from that slot. [B] indices (T = 1, the
+    continuous sampler, whose rows sit at different slots): row r's slot index[r]."""
+    index = jnp.asarray(index, jnp.int32)
+    lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    if index.ndim == 0:
+        zero = jnp.zeros((), jnp.int32)
+        at = lead + tuple(index if a == "s" else zero for a in keys)
+        return lambda c, u: jax.lax.dynamic_update_slice(c, u if layer is None else u[None],
+                                                         at)
+    at = lead + tuple({"b": jnp.arange(b), "s": index}.get(a, slice(None)) for a in keys[:3])
+    # Both layouts index to [B, KV, Dh] (NumPy moves separated index arrays to the front).
+    return lambda c, u: c.at[at].set(jnp.squeeze(u, keys.index("s")))
 
 
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
@@ -204,7 +222,8 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
     cache (k, v: [L, B, S, KV, Dh], or [L, B, KV, S, Dh] with cfg.kv_cache_layout
     'bksd'), this call's keys/values are written into layer `layer` at slots
-    [cache_index, cache_index + T) and attention runs over that layer's S slots; with
+    [cache_index, cache_index + T) (T = 1 with [B] `cache_index`: each row at its own
+    slot) and attention runs over that layer's S slots; with
     `cache_kv` = one layer's buffers ([B, S, KV, Dh] or [B, KV, S, Dh], init_cache with
     cfg.unroll_layers), they are written there and `layer` is not read. The cache is
     returned whole, updated where it was written, so a caller that carries it through a
@@ -222,16 +241,11 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
                        cfg.rope_theta)
     if cache_kv is not None:
         keys = cfg.kv_cache_layout
-        zero = jnp.zeros((), jnp.int32)
-        at = tuple(jnp.asarray(cache_index, jnp.int32) if a == "s" else zero for a in keys)
         to_cache = (lambda x: x) if keys == "bskd" else (lambda x: jnp.swapaxes(x, 1, 2))
         new_kv = tuple(to_cache(x) for x in (k_BxTxKVxDh, v_BxTxKVxDh))
-        if cache_kv[0].ndim == len(keys):  # this layer's own buffers
-            cache_kv = k, v = tuple(_write(c, x, at) for c, x in zip(cache_kv, new_kv))
-        else:  # the stacked [L, ...] buffers
-            at = (jnp.asarray(layer, jnp.int32), *at)
-            cache_kv = tuple(_write(c, x[None], at) for c, x in zip(cache_kv, new_kv))
-            k, v = cache_kv
+        own = cache_kv[0].ndim == len(keys)  # this layer's own buffers, or the stacked ones
+        put = _cache_put(keys, cache_index, None if own else layer, b)
+        cache_kv = k, v = tuple(_write(c, x, put) for c, x in zip(cache_kv, new_kv))
     else:
         k, v, keys = k_BxTxKVxDh, v_BxTxKVxDh, "bskd"
     stacked = cache_kv is not None and k.ndim > len(keys)

@@ -143,7 +143,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       replay_weights_BxTxLxK: recorded combine weights of those routes (weight replay,
         `moe.route`; needs replay_BxTxLxK), held fixed on the recorded tokens.
       numerics: how to compute (the training path uses the default "train").
-      cache: KV cache from `init_cache`; this call's tokens are written at its index.
+      cache: KV cache from `init_cache`; this call's tokens are written at its index (a
+        scalar; or [B], one slot per row, for one token per row).
       gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"` (default: the
         one `cfg.gmm_impl` names).
       mesh: the device mesh the caller's jit shards over. With more than one device, the
@@ -170,8 +171,13 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         offset_B = None
     else:
         index = cache["index"]
-        key_mask_BxS = jax.lax.dynamic_update_slice_in_dim(cache["mask"], mask_BxT, index, 1)
-        slots_T = index + jnp.arange(t)
+        if index.ndim:  # [B]: one slot per row (T = 1; the continuous sampler)
+            key_mask_BxS = cache["mask"].at[jnp.arange(b), index].set(mask_BxT[:, 0])
+            slots_T = index[:, None] + jnp.arange(t)  # [B, T]
+        else:
+            key_mask_BxS = jax.lax.dynamic_update_slice_in_dim(cache["mask"], mask_BxT,
+                                                               index, 1)
+            slots_T = index + jnp.arange(t)
         offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stablerl_jax import distributed
+from stablerl_jax import continuous, distributed
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
@@ -210,8 +210,10 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
 
     sample_model = sampler_model(cfg)
 
+    sampler = continuous.sample if cfg.sampling.continuous else rollout_lib.sample
+
     def sample(params, prompts_BxP, mask_BxP, key):
-        return rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,
+        return sampler(params, prompts_BxP, mask_BxP, key, sample_model,
                                   cfg.sampling, numerics, eos_id=-1, stop_ids=stops,
                                   pad_id=pad_id,
                                   mesh=model_mesh)
