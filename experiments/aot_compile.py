@@ -15,6 +15,17 @@ instructions in the optimized HLO (an instruction inside a loop counts once). `-
 kernels for the topology inside shard_map: the fused log-prob (forward and backward)
 and the grouped matmul (forward and backward). Exits 1 if any step does not fit.
 `key=value` overrides apply to the preset (e.g. `mesh=1,16,8 model.num_layers=2`).
+
+    python -m experiments.aot_compile --preset paper --topology v5p-256 \
+        --lengths lognormal:mean=8192 --lengths lognormal:mean=16384
+
+`--lengths SPEC` (repeatable; `--eval-lengths` for the evaluation's) adds, per
+distribution, the sampler's schedules (stablerl_jax/schedule.py: static, continuous,
+partial rollouts with S = 1 and 2) priced per decode step at its largest write slot
+(roofline.schedule_rows): sample, score passes, updates, amortized eval and global step
+seconds, slot occupancy, the partial rollouts' drops and token ages, and whether a
+separate sampler mesh would beat colocating (roofline.placements). Without it the output
+is as above.
 """
 from __future__ import annotations
 
@@ -22,8 +33,10 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import aot, presets, roofline
+from stablerl_jax import aot, presets, roofline, schedule
 
 
 def _row(c: aot.Compiled, hbm: float) -> str:
@@ -42,8 +55,9 @@ HEADER = ("| step | argument GiB | output GiB | temp GiB | total GiB | HBM GiB |
           "reduce-scatter | all-reduce |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
-    """Rows per pass and the roofline time estimates (stablerl_jax/roofline.py)."""
+def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
+    """Rows per pass and the roofline time estimates (stablerl_jax/roofline.py); with
+    --lengths, the schedules' tables (_length_tables)."""
     cfg, chip = engine.cfg, roofline.chip_of(topo.name)
     rows = roofline.rows_per_pass(cfg)
     kv = roofline.kv_bytes_per_row(cfg) / aot.GIB
@@ -52,8 +66,9 @@ def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
           f"({rows / topo.chips:g} per chip); KV cache {kv:.3f} GiB per row "
           f"(+{roofline.row_state_bytes(cfg) / aot.GIB:.3f} GiB of row state); "
           f"≈{fit} rows fit per chip in {topo.hbm_gib} GiB", flush=True)
+    costs = roofline.sampler_costs(engine, compiled["sample"].hlo)
     sample, step, layer, pass_s, mean, head = roofline.sample_estimate(
-        engine, compiled["sample"].hlo, chip)
+        engine, compiled["sample"].hlo, chip, costs)
     print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
           f"{chip.source}):\n\n| per iteration | collective MiB / chip | HBM GiB / chip | "
           f"GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n|---|---|---|---|---|---|")
@@ -79,6 +94,63 @@ def _estimates(engine, topo: aot.Topology, compiled: dict) -> None:
         print(f"\nestimated global step of {cfg.name} on {topo.name}: {total:.0f} s ("
               + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items())
               + "); compiler / roofline estimates, not measurements", flush=True)
+        for spec in args.lengths:
+            _length_tables(engine, topo, compiled, costs, est, fit, spec,
+                           args.eval_lengths or spec, args)
+
+
+def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, args) -> None:
+    """The sampler's schedules (stablerl_jax/schedule.py) at a length distribution,
+    priced per decode step (roofline.schedule_rows), and the sampler / trainer split."""
+    cfg, chip, rl = engine.cfg, roofline.chip_of(topo.name), engine.cfg.rl
+    cap, b, slots = cfg.sampling.max_new_tokens, rl.prompts_per_step * rl.group_size, \
+        roofline.rows_per_pass(cfg)
+    rng = np.random.default_rng(args.seed)
+    k = args.schedule_steps
+    lengths = schedule.lengths_from_spec(spec, cap, k * b + slots, rng)
+    evals = schedule.lengths_from_spec(eval_spec, cap, rl.eval_problems * rl.eval_k, rng)
+    prices = roofline.sampler_prices(cfg, costs, topo.chips, chip)
+    rows = roofline.schedule_rows(cfg, prices, est["score"].seconds, est["update"].seconds,
+                                  lengths, evals, steps=k)
+    base = rows[0]
+    print(f"\nlengths {spec} (drawn: mean {lengths.mean():,.0f}, truncated at {cap:,} "
+          f"{np.mean(lengths == cap):.1%}); eval lengths {eval_spec} (mean "
+          f"{evals.mean():,.0f}); {slots:,} sampler slots; {k} global steps simulated, "
+          f"partial rollouts' means over steps {k // 2}-{k - 1}; seed {args.seed}\n\n"
+          "| schedule | decode steps / step | slot occupancy | sample s | × static | "
+          "score passes | score s | updates s | eval decode steps | eval occupancy | "
+          "eval s (amortized) | global step s | × static | global step s, proximal π_old "
+          "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.name} | {r.steps:,.0f} | {r.occupancy:.2f} | {r.sample_s:.1f} | "
+              f"{r.sample_s / base.sample_s:.2f} | {r.score_passes:.2f} | "
+              f"{r.score_passes * r.score_s:.1f} | {r.train_s:.1f} | {r.eval_steps:,} | "
+              f"{r.eval_occupancy:.2f} | {r.eval_s:.1f} | {r.global_s:.1f} | "
+              f"{r.global_s / base.global_s:.2f} | {r.global_proximal_s:.1f} |")
+    print("\n| schedule | dropped responses / step | prefill tokens / step | consumed "
+          "token age: mean | max | share by age 0 / 1 / 2 |\n|---|---|---|---|---|---|")
+    for r in rows[2:]:
+        print(f"| {r.name} | {r.dropped:.1f} | {r.prefill_tokens / 1e6:.2f} M | "
+              f"{r.age_mean:.2f} | {r.age_max} | "
+              + " / ".join(f"{a:.2f}" for a in r.age_share) + " |")
+    upd = compiled["update"]
+    best = min(rows, key=lambda r: r.global_s)
+    print(f"\nplacement (one-step-lag model, roofline.placements): colocated, the best "
+          f"schedule is {best.name} at {best.global_s:.1f} s per global step", flush=True)
+    weight_bytes = roofline.sampler_weight_bytes(engine)
+    for r in rows[1:]:
+        splits = roofline.placements(r, topo.chips, slots, fit, upd.total_gib - upd.temp_gib,
+                                     upd.temp_gib, topo.hbm_gib, weight_bytes, chip,
+                                     step=max(1, topo.chips // 16))
+        if not splits:
+            print(f"- {r.name} on a separate sampler mesh: no split fits")
+            continue
+        sp = min(splits, key=lambda x: x.step_s)
+        verdict = ("beats" if sp.step_s < best.global_s else "does not beat")
+        print(f"- {r.name} on {sp.sampler_chips} sampler + {topo.chips - sp.sampler_chips} "
+              f"trainer chips (the best of {len(splits)} feasible splits): sampler side "
+              f"{sp.sampler_s:.1f} s, trainer side {sp.trainer_s:.1f} s, step "
+              f"{sp.step_s:.1f} s ({verdict} colocated {best.global_s:.1f} s)", flush=True)
 
 
 @one_line_errors
@@ -94,10 +166,23 @@ def main(argv=None) -> int:
                     help="on an error, print the full traceback (default: one line, exit 2)")
     ap.add_argument("--save-hlo", default="", metavar="DIR",
                     help="also write each step's optimized HLO to DIR/<step>.hlo.txt")
+    ap.add_argument("--lengths", action="append", default=[], metavar="SPEC",
+                    help="also estimate the sampler's schedules at this response-length "
+                         "distribution (stablerl_jax/schedule.py: lognormal:mean=8192"
+                         "[,sigma=0.75], fixed:N, file:PATH); repeatable")
+    ap.add_argument("--eval-lengths", default="", metavar="SPEC",
+                    help="the evaluation's length distribution (default: --lengths')")
+    ap.add_argument("--schedule-steps", type=int, default=20,
+                    help="global steps simulated for partial rollouts (default 20)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the length draws")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     topo = aot.topology(args.topology)
     cfg = presets.preset(args.preset, args.overrides)
+    for spec in args.lengths + [args.eval_lengths] * bool(args.eval_lengths):
+        # refused here, before minutes of compiling
+        schedule.lengths_from_spec(spec, cfg.sampling.max_new_tokens, 1,
+                                   np.random.default_rng(0))
     print(f"{args.preset} on {topo.name} ({topo.jax_name}, {topo.chips} chips, "
           f"{topo.hbm_gib} GiB HBM each), mesh {cfg.mesh}, overrides {args.overrides}",
           flush=True)
@@ -113,7 +198,7 @@ def main(argv=None) -> int:
             with open(os.path.join(args.save_hlo, f"{name}.hlo.txt"), "w") as f:
                 f.write(results[-1].hlo)
     if "sample" in steps:
-        _estimates(engine, topo, {c.step: c for c in results})
+        _estimates(engine, topo, {c.step: c for c in results}, args)
     if args.kernels:
         for c in aot.compile_kernels(cfg, topo):
             results.append(c)

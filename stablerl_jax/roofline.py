@@ -28,6 +28,16 @@ step come from its optimized HLO with every loop counted trip-count times
 (stablerl_jax/hlo_loops.py). The score and update steps are estimated from their model
 FLOPs (model/flops.py; the update's rematerialized forward added) and their collective
 bytes; their HBM traffic is not modeled (33k-token micro-batches are compute bound).
+
+Length-aware estimates (`sampler_prices`, `schedule_rows`): the fixed-length estimate
+runs every row for all C decode steps. Given response lengths, the sampler's schedules
+(stablerl_jax/schedule.py: static passes, continuous refilling, partial rollouts) say
+how many decode steps run and the largest write slot of each; a step costs the decode
+step at that slot (the same programs: the step plus its extra key blocks), a prefilled
+row of P + t tokens its forward FLOPs at the chips' peak, as the fixed-length prefill.
+The global step adds a score pass per version of the batch's tokens (behavior π_old),
+the updates and the amortized evaluation. `placements` is a stated model of a separate
+sampler mesh, scaled from these colocated numbers.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -145,6 +156,13 @@ def _sampler_weights(engine):
     rules = sharding.serve_rules(model.expert_parallel) if serve else sharding.RULES
     w_sh = rollout.serving_shardings(weights_like, model, mesh, rules)
     return model, numerics, weights_like, w_sh, rules, serve
+
+
+def sampler_weight_bytes(engine) -> int:
+    """Bytes of the sampler's weights in its decode layout, all chips together: what a
+    trainer pushes to a separate sampler after each update."""
+    weights_like = _sampler_weights(engine)[2]
+    return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(weights_like))
 
 
 def decode_step_program(engine):
@@ -291,16 +309,25 @@ def extra_blocks(first_slot: int, steps: int, block: int) -> dict:
     return counts
 
 
-def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
-    """(StepEstimate of one sample step, Cost of the first decode step, one-layer Cost,
-    seconds of one pass, Cost of the mean decode step, Cost of the step's head).
-    Time = passes × Σ over the C decode steps (each at its own slot: module docstring)
-    + what runs once (the prefill at the chip's peak, every collective outside the
-    decode loop)."""
-    from stablerl_jax.model.flops import forward_flops
+@dataclasses.dataclass
+class SamplerCosts:
+    """One chip's costs of the sampler's programs: the first decode step (at slot P, with
+    the decode loop's own collectives per step), one layer, one key block (None without
+    model.decode_block), the step's head, and the collective bytes of a sample step
+    outside its decode loop."""
+
+    first: Cost
+    layer: Cost
+    block: Cost | None
+    head: Cost
+    once_collective_bytes: float
+
+
+def sampler_costs(engine, sample_hlo: str) -> SamplerCosts:
+    """The decode programs compiled (decode_step_costs) and the compiled sample step's
+    collectives, per decode step and outside the decode loop."""
     cfg = engine.cfg
-    b = cfg.rl.prompts_per_step * cfg.rl.group_size
-    passes = b // rows_per_pass(cfg)
+    passes = cfg.rl.prompts_per_step * cfg.rl.group_size // rows_per_pass(cfg)
     module = hlo_loops.Module(sample_hlo)
     loop = hlo_loops.decode_loop(module)
     # Loops XLA gives no trip count: the layer scans (L), the sampler's slices (passes).
@@ -308,10 +335,25 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
                                                  "map_slices": passes})
     per_step_coll = sum(module.collective_bytes(loop.body, trips).values())
     once_coll = sum(module.collective_bytes(module.entry, {**trips, loop.name: 0}).values())
-    p, n = cfg.task.max_prompt_len, cfg.sampling.max_new_tokens
-    layer, first, block, head = decode_step_costs(engine, p)
+    layer, first, block, head = decode_step_costs(engine, cfg.task.max_prompt_len)
     # The loop's own collectives (the compiled sample step) replace the program's.
     first = dataclasses.replace(first, collective_bytes=per_step_coll)
+    return SamplerCosts(first, layer, block, head, once_coll)
+
+
+def sample_estimate(engine, sample_hlo: str, chip: ChipSpec, costs: SamplerCosts = None):
+    """(StepEstimate of one sample step, Cost of the first decode step, one-layer Cost,
+    seconds of one pass, Cost of the mean decode step, Cost of the step's head).
+    Time = passes × Σ over the C decode steps (each at its own slot: module docstring)
+    + what runs once (the prefill at the chip's peak, every collective outside the
+    decode loop). `costs`: sampler_costs, compiled here when None."""
+    from stablerl_jax.model.flops import forward_flops
+    cfg = engine.cfg
+    b = cfg.rl.prompts_per_step * cfg.rl.group_size
+    passes = b // rows_per_pass(cfg)
+    sc = costs or sampler_costs(engine, sample_hlo)
+    first, layer, block, head = sc.first, sc.layer, sc.block, sc.head
+    p, n = cfg.task.max_prompt_len, cfg.sampling.max_new_tokens
     blk, num_layers = cfg.model.decode_block, cfg.model.num_layers
     counts = extra_blocks(p, n, blk)
     at = lambda extra: first + block.scale(num_layers * extra) if extra else first
@@ -319,7 +361,7 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec):
     mean = sum((at(e).scale(c / n) for e, c in counts.items()), Cost(0.0, 0.0, 0.0))
     chips = engine.mesh.size
     prefill_s = forward_flops(cfg.model, b, p) / chips / chip.peak_flops
-    once_s = prefill_s + once_coll / chip.ici_bw
+    once_s = prefill_s + sc.once_collective_bytes / chip.ici_bw
     total = passes * decode_s + once_s
     detail = (f"{passes} pass(es) × {n} decode steps × {decode_s / n * 1e3:.2f} ms on "
               f"average + prefill and reshard {once_s:.1f} s")
@@ -356,3 +398,147 @@ def global_step_estimate(cfg: ExperimentConfig, est: dict,
              "update": rl.num_minibatches * est["update"].seconds,
              "eval (amortized)": eval_passes * pass_seconds / rl.eval_every}
     return sum(parts.values()), parts
+
+
+# Length-aware estimates: the sampler's schedules (stablerl_jax/schedule.py) priced with
+# the per-step costs above.
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerPrices:
+    """Seconds on one chip of the sampler's parts: decode_O[o], a decode step whose
+    largest write slot is P + o (o < C: the first step plus L·(extra key blocks) blocks);
+    once_s, a sampler call's collectives outside its decode loop; a prefilled row of P +
+    t tokens at the chips' peak, as the sample estimate's prefill."""
+
+    decode_O: np.ndarray
+    once_s: float
+    model: object   # ModelConfig
+    prompt: int     # P
+    flops_per_s: float  # chips × peak
+
+    def prefill_s(self, prefills) -> float:
+        from stablerl_jax.model.flops import forward_flops
+        seq, rows = np.unique(self.prompt + np.asarray(prefills), return_counts=True)
+        return sum(forward_flops(self.model, int(r), int(t))
+                   for t, r in zip(seq, rows)) / self.flops_per_s
+
+    def seconds(self, s) -> float:
+        """One sampler run (a schedule.Sampling): its decode steps, prefills and reshard."""
+        return s.runs.sum_of(self.decode_O) + self.prefill_s(s.prefills) + self.once_s
+
+
+def sampler_prices(cfg: ExperimentConfig, costs: SamplerCosts, chips: int,
+                   chip: ChipSpec) -> SamplerPrices:
+    p, n, blk = cfg.task.max_prompt_len, cfg.sampling.max_new_tokens, cfg.model.decode_block
+    extra_O = (p + np.arange(n)) // blk - p // blk if blk else np.zeros(n, np.int64)
+    f, blkc = costs.first, costs.block or Cost(0.0, 0.0, 0.0)
+    per = cfg.model.num_layers * extra_O
+    decode_O = (np.maximum((f.flops + per * blkc.flops) / chip.peak_flops,
+                           (f.hbm_bytes + per * blkc.hbm_bytes) / chip.hbm_bw)
+                + (f.collective_bytes + per * blkc.collective_bytes) / chip.ici_bw)
+    return SamplerPrices(decode_O, costs.once_collective_bytes / chip.ici_bw, cfg.model, p,
+                         chips * chip.peak_flops)
+
+
+@dataclasses.dataclass
+class ScheduleRow:
+    """One schedule's global step: per-step means (partial rollouts: over the later half
+    of the simulated steps, the steady state). eval_s is amortized (÷ eval_every);
+    score_passes: behavior π_old needs one score pass per version in the batch."""
+
+    name: str
+    steps: float
+    occupancy: float
+    sample_s: float
+    score_passes: float
+    score_s: float
+    train_s: float
+    eval_steps: int
+    eval_occupancy: float
+    eval_s: float
+    dropped: float = 0.0
+    prefill_tokens: float = 0.0
+    age_share: tuple = (1.0,)
+    age_mean: float = 0.0
+    age_max: int = 0
+
+    @property
+    def global_s(self) -> float:
+        return self.sample_s + self.score_passes * self.score_s + self.train_s + self.eval_s
+
+    @property
+    def global_proximal_s(self) -> float:
+        """With rl.old_policy=proximal: one score pass, whatever the versions."""
+        return self.sample_s + self.score_s + self.train_s + self.eval_s
+
+
+def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
+                  update_s: float, lengths_R: np.ndarray, eval_lengths: np.ndarray,
+                  steps: int = 20, staleness=(1, 2)) -> list[ScheduleRow]:
+    """Static, continuous and partial rollouts (each S of `staleness`) over the stream
+    lengths_R (≥ steps·B + slots responses; static and continuous take its step-sized
+    slices), priced by `prices`. Evaluation: static for the static row, else continuous
+    (no staleness) over eval_lengths (eval_problems × eval_k rows)."""
+    from stablerl_jax import schedule
+    rl = cfg.rl
+    b, g = rl.prompts_per_step * rl.group_size, rl.group_size
+    slots, train = rows_per_pass(cfg), rl.num_minibatches * update_s
+    p = prices.prompt
+    evals = {"static": schedule.static(eval_lengths, slots),
+             "continuous": schedule.continuous(eval_lengths, slots)}
+    runs = {name: [fn(lengths_R[k * b:(k + 1) * b], slots) for k in range(steps)]
+            for name, fn in (("static", schedule.static), ("continuous", schedule.continuous))}
+    for s in staleness:
+        runs[f"partial S = {s}"] = schedule.partial(lengths_R, b, g, slots, s,
+                                                    steps)[steps // 2:]
+    rows = []
+    for name, ss in runs.items():
+        ev = evals["static" if name == "static" else "continuous"]
+        ages = np.zeros(max(len(s.consumed_by_age) for s in ss))
+        for s in ss:
+            ages[:len(s.consumed_by_age)] += s.consumed_by_age
+        mean = lambda f: float(np.mean([f(s) for s in ss]))
+        rows.append(ScheduleRow(
+            name, mean(lambda s: s.runs.steps), mean(lambda s: s.occupancy),
+            mean(prices.seconds), mean(lambda s: np.count_nonzero(s.consumed_by_age)),
+            score_s, train, ev.runs.steps, ev.occupancy,
+            prices.seconds(ev) / rl.eval_every, mean(lambda s: s.dropped),
+            mean(lambda s: s.prefill_tokens(p)), tuple(ages / ages.sum()),
+            float(ages @ np.arange(len(ages)) / ages.sum()), int(np.flatnonzero(ages).max())))
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    sampler_chips: int
+    sampler_s: float   # sample + amortized eval + weight push, on the sampler's chips
+    trainer_s: float   # score passes + updates, on the trainer's chips
+
+    @property
+    def step_s(self) -> float:
+        return max(self.sampler_s, self.trainer_s)
+
+
+def placements(row: ScheduleRow, chips: int, slots: int, rows_fit: int,
+               update_fixed_gib: float, update_temp_gib: float, hbm_gib: float,
+               weight_bytes: float, chip: ChipSpec, step: int = 8) -> list[Split]:
+    """A separate sampler mesh of s chips beside a trainer of t = chips − s, the sampler
+    one step ahead (it samples batch k + 1 with θ_k while the trainer updates on batch k,
+    so the batch is one version older than `row`'s; the version count stays), weights
+    pushed after each update. The model: a decode step is bound by its rows' KV cache and
+    its weights, both per chip ∝ 1/s, so the sampler's seconds scale by chips/s; score
+    and updates are bound by FLOPs over t chips, chips/t. The push: weight_bytes over the
+    min(s, t) chips' ICI links. Feasible splits only: slots/s ≤ rows_fit rows per chip,
+    and the update's weights and optimizer state (update_fixed_gib per chip on all the
+    chips, ∝ 1/t) plus its activations (update_temp_gib, one row per chip a micro-batch)
+    within hbm_gib. Each split's step is max(sampler side, trainer side)."""
+    out = []
+    for s in range(step, chips, step):
+        t = chips - s
+        if slots / s > rows_fit or update_fixed_gib * chips / t + update_temp_gib > hbm_gib:
+            continue
+        push = weight_bytes / (min(s, t) * chip.ici_bw)
+        out.append(Split(s, (row.sample_s + row.eval_s) * chips / s + push,
+                         (row.score_passes * row.score_s + row.train_s) * chips / t))
+    return out

@@ -114,6 +114,16 @@ def test_decode_steps_by_the_key_blocks_they_read():
     assert sum(counts.values()) == 32_768 and max(counts) == 63 and counts[0] == 512
 
 
+def test_a_bad_length_spec_is_refused_before_any_compile(capsys):
+    from experiments import aot_compile
+    with pytest.raises(SystemExit) as e:
+        aot_compile.main(["--preset", "tiny", "--topology", "v5e-8",
+                          "--lengths", "lognormal:mean=0"])
+    assert e.value.code == 2
+    err = capsys.readouterr()
+    assert "mean must be a number > 0" in err.err and "| step |" not in err.out
+
+
 def test_kv_cache_bytes_per_row_of_the_paper_preset():
     from stablerl_jax import roofline
     cfg = presets.preset("paper")
