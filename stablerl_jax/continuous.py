@@ -32,6 +32,7 @@ and routes are the same). Alignment of every field: rollout.py's module docstrin
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +43,58 @@ from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
 
+class Queue(NamedTuple):
+    """The responses a continuous sampler works through; every leaf is [N, ...], in queue
+    order (a group's G responses are adjacent). Slot alignment as in a Rollout.
+    `version_NxS` is the parameter version that generated each completion token (-1
+    elsewhere); `progress_N` the tokens generated so far; `finished_N` complete
+    (stopped or C tokens); `stopped_N` ended on a stop id. Partial rollouts carry the
+    unfinished ones into the next step's queue (rl/inflight.py)."""
+
+    tokens_NxS: jax.Array            # int32: prompt in [0, P), completion from P
+    prompt_mask_NxS: jax.Array       # bool
+    keys_Nx2: jax.Array              # uint32: each response's key data (rollout.row_keys)
+    completion_NxS: jax.Array        # bool
+    logp_NxS: jax.Array              # float32, log μ of the version that drew the token
+    routes_NxSxLxK: jax.Array        # int32
+    route_weights_NxSxLxK: jax.Array  # float32
+    version_NxS: jax.Array           # int32
+    progress_N: jax.Array            # int32
+    finished_N: jax.Array            # bool
+    stopped_N: jax.Array             # bool
+
+
 def slots_of(sampling: SamplingConfig, rows: int) -> int:
     """n: the rows decoded at once (sampling.max_batch; 0 = every row)."""
     return min(sampling.max_batch or rows, rows)
+
+
+def new_queue(prompts_NxP, pmask_NxP, key, cfg: ModelConfig, sampling: SamplingConfig,
+              pad_id: int) -> Queue:
+    """A queue of responses not yet started, one per prompt row; `key`: one key (split
+    into N, as the static sampler splits it) or [N] keys."""
+    n, p = prompts_NxP.shape
+    s = p + sampling.max_new_tokens
+    routes_shape = (n, s, cfg.num_layers, cfg.top_k)
+    return Queue(
+        tokens_NxS=jnp.full((n, s), pad_id, jnp.int32).at[:, :p].set(prompts_NxP),
+        prompt_mask_NxS=jnp.zeros((n, s), bool).at[:, :p].set(pmask_NxP),
+        keys_Nx2=jax.random.key_data(rollout_lib.row_keys(key, n)),
+        completion_NxS=jnp.zeros((n, s), bool), logp_NxS=jnp.zeros((n, s), jnp.float32),
+        routes_NxSxLxK=jnp.full(routes_shape, -1, jnp.int32),
+        route_weights_NxSxLxK=jnp.zeros(routes_shape, jnp.float32),
+        version_NxS=jnp.full((n, s), -1, jnp.int32), progress_N=jnp.zeros((n,), jnp.int32),
+        finished_N=jnp.zeros((n,), bool), stopped_N=jnp.zeros((n,), bool))
+
+
+def to_rollout(q: Queue) -> rollout_lib.Rollout:
+    """The Rollout of a queue's (complete) responses."""
+    return rollout_lib.Rollout(
+        tokens_BxS=q.tokens_NxS, prompt_mask_BxS=q.prompt_mask_NxS,
+        completion_mask_BxS=q.completion_NxS,
+        lengths_B=jnp.sum(q.completion_NxS, axis=1, dtype=jnp.int32),
+        logp_mu_BxS=q.logp_NxS, routes_mu_BxSxLxK=q.routes_NxSxLxK,
+        route_weights_mu_BxSxLxK=q.route_weights_NxSxLxK, truncated_B=~q.stopped_N)
 
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
@@ -55,20 +105,31 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
     number of decode steps run) instead."""
     rollout_lib.validate_inputs(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id,
                                 pad_id, tuple(stop_ids))
-    out, steps = _sample(params, prompt_tokens_BxP.astype(jnp.int32),
-                         prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics,
-                         rollout_lib.stop_set(eos_id, stop_ids), int(pad_id), mesh)
+    queue = new_queue(prompt_tokens_BxP.astype(jnp.int32), prompt_mask_BxP.astype(bool), key,
+                      cfg, sampling, int(pad_id))
+    queue, steps = run(params, queue, 0, cfg=cfg, sampling=sampling, numerics=numerics,
+                       stops=rollout_lib.stop_set(eos_id, stop_ids), pad_id=int(pad_id),
+                       mesh=mesh)
+    out = to_rollout(queue)
     return (out, steps) if with_steps else out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
-                                             "mesh"))
-def _sample(params, prompts_NxP, pmask_NxP, key, cfg, sampling, numerics, stops, pad_id,
-            mesh):
-    big_n, p = prompts_NxP.shape
+                                             "mesh", "need_groups", "group_size"))
+def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id, mesh,
+        need_groups: int = 0, group_size: int = 1):
+    """(the queue advanced, decode steps run) with the weights `params` of `version`.
+
+    Slots are filled with the queue's unfinished responses in queue order (those with
+    tokens already, from an earlier call, re-prefilled over prompt + completion so far
+    with these weights); then decode steps and refills (module docstring) until every
+    response is complete or, with `need_groups`, until that many groups of `group_size`
+    adjacent responses are complete (partial rollouts: the rest stay unfinished)."""
+    big_n, s = queue.tokens_NxS.shape
     n, c = slots_of(sampling, big_n), sampling.max_new_tokens
-    s = p + c
-    keys_N = rollout_lib.row_keys(key, big_n)
+    p = s - c
+    need = need_groups or big_n // group_size
+    keys_N = rollout_lib.row_keys(queue.keys_Nx2, big_n)
     prepared = nx.prepare_params(params, numerics)
     d_params, d_rules = (rollout_lib.serving_layout(params, cfg, numerics, mesh)
                          if sampling.layout == "serve" else (prepared, None))
@@ -76,73 +137,68 @@ def _sample(params, prompts_NxP, pmask_NxP, key, cfg, sampling, numerics, stops,
     stops_Z = jnp.asarray(stops, jnp.int32)  # Z stop ids (may be 0)
 
     def prefill(st, rows_R, slots_R):
-        """Responses `rows_R` prefilled into slots `slots_R` (their cache rows, last hidden
-        states, prompt routes), each slot reset to the start of its response."""
-        r = rows_R.shape[0]
-        pm_RxP = pmask_NxP[rows_R]
-        h, aux = tf.forward(prepared, prompts_NxP[rows_R], cfg, attention_mask_BxT=pm_RxP,
-                            numerics=numerics, cache=tf.init_cache(cfg, r, s, dtype),
-                            mesh=mesh)
+        """Responses `rows_R` prefilled into slots `slots_R` (their cache rows and last
+        hidden states; a new response's prompt routes). A response with tokens already
+        is prefilled over its prompt and completion so far (S slots), a new one over
+        its prompt (P slots): one program each, the second the static sampler's."""
+        r, q = rows_R.shape[0], st["q"]
+        progress_R = q.progress_N[rows_R]
+
+        def over(width):
+            attn_RxW = (q.prompt_mask_NxS | q.completion_NxS)[rows_R, :width]
+            h, aux = tf.forward(prepared, q.tokens_NxS[rows_R, :width], cfg,
+                                attention_mask_BxT=attn_RxW, numerics=numerics,
+                                cache=tf.init_cache(cfg, r, s, dtype), mesh=mesh)
+            # Left padding puts every prompt's last token in slot P − 1.
+            last_RxD = jnp.take_along_axis(h, (p - 1 + progress_R)[:, None, None], 1)[:, 0]
+            return last_RxD, aux["cache"], aux["routes"][:, :p], aux["route_weights"][:, :p]
+
+        if r == n and n == big_n and not need_groups:  # one call over a fresh queue
+            last_RxD, cache_r, routes_RxP, weights_RxP = over(p)
+        else:
+            last_RxD, cache_r, routes_RxP, weights_RxP = jax.lax.cond(
+                jnp.any(progress_R > 0), lambda: over(s), lambda: over(p))
         axis = 0 if cfg.unroll_layers else 1  # per-layer buffers, or the stacked [L, ...]
         put = lambda big, new: big.at[(slice(None),) * axis + (slots_R,)].set(new)
         cache = st["cache"]
-        cache = {"k": jax.tree.map(put, cache["k"], aux["cache"]["k"]),
-                 "v": jax.tree.map(put, cache["v"], aux["cache"]["v"]),
-                 "mask": cache["mask"].at[slots_R].set(aux["cache"]["mask"]),
-                 "index": cache["index"].at[slots_R].set(p)}
-        routed = pm_RxP[:, :, None, None]
-        return dict(
-            st, cache=cache,
-            # Left padding puts every prompt's last token in slot P − 1.
-            hidden=st["hidden"].at[slots_R].set(h[:, -1]),
-            routes=st["routes"].at[rows_R, :p].set(jnp.where(routed, aux["routes"], -1)),
-            route_weights=st["route_weights"].at[rows_R, :p].set(
-                jnp.where(routed, aux["route_weights"], 0)),
-            resp=st["resp"].at[slots_R].set(rows_R),
-            i=st["i"].at[slots_R].set(0),
-            done=st["done"].at[slots_R].set(False))
+        cache = {"k": jax.tree.map(put, cache["k"], cache_r["k"]),
+                 "v": jax.tree.map(put, cache["v"], cache_r["v"]),
+                 "mask": cache["mask"].at[slots_R].set(cache_r["mask"]),
+                 "index": cache["index"].at[slots_R].set(p + progress_R)}
+        new_RxPx1x1 = ((progress_R == 0)[:, None] & q.prompt_mask_NxS[rows_R, :p])[..., None,
+                                                                                    None]
+        q = q._replace(
+            routes_NxSxLxK=q.routes_NxSxLxK.at[rows_R, :p].set(
+                jnp.where(new_RxPx1x1, routes_RxP, q.routes_NxSxLxK[rows_R, :p])),
+            route_weights_NxSxLxK=q.route_weights_NxSxLxK.at[rows_R, :p].set(
+                jnp.where(new_RxPx1x1, weights_RxP, q.route_weights_NxSxLxK[rows_R, :p])))
+        return dict(st, q=q, cache=cache, hidden=st["hidden"].at[slots_R].set(last_RxD),
+                    resp=st["resp"].at[slots_R].set(rows_R),
+                    started=st["started"].at[rows_R].set(True),
+                    done=st["done"].at[slots_R].set(False))
 
-    routes_shape = (big_n, s, cfg.num_layers, cfg.top_k)
-    weights_dtype = jax.eval_shape(
-        lambda: tf.forward(prepared, prompts_NxP[:1], cfg, attention_mask_BxT=pmask_NxP[:1],
-                           numerics=numerics)[1]["route_weights"]).dtype
-    state = {
-        "cache": dict(tf.init_cache(cfg, n, s, dtype), index=jnp.full((n,), p, jnp.int32)),
-        # The hidden state each slot's next token is drawn from. Logits are computed
-        # for all n slots at once, as the static sampler does for its n rows: a [1, D]
-        # row alone would run another matmul kernel (another summation order).
-        "hidden": jnp.zeros((n, cfg.d_model), dtype),
-        "resp": jnp.zeros((n,), jnp.int32),  # the response each slot holds
-        "i": jnp.zeros((n,), jnp.int32),     # tokens that response has generated
-        "done": jnp.zeros((n,), bool),       # the slot's response is complete: slot free
-        "next": jnp.asarray(n, jnp.int32),   # the first response not yet started
-        "steps": jnp.zeros((), jnp.int32),
-        "tokens": jnp.full((big_n, s), pad_id, jnp.int32).at[:, :p].set(prompts_NxP),
-        "logp": jnp.zeros((big_n, s), jnp.float32),
-        "completion": jnp.zeros((big_n, s), bool),
-        "routes": jnp.full(routes_shape, -1, jnp.int32),
-        "route_weights": jnp.zeros(routes_shape, weights_dtype),
-        "stopped": jnp.zeros((big_n,), bool),
-    }
-    state = prefill(state, jnp.arange(n), jnp.arange(n))
+    def groups_complete(q):
+        return jnp.sum(jnp.all(q.finished_N.reshape(-1, group_size), axis=1))
 
-    def draw(row_key, i, logp_V):
-        return jax.random.categorical(jax.random.fold_in(row_key, i), logp_V)
-
-    def next_logits(hidden_nxD, i_n):
+    def next_logits(hidden_nxD, first_n):
         """A response's first token is drawn from logits of the prefill's weights, the
         rest from the decode loop's (the serving layout's, when it has its own)."""
         logits = lambda w: tf.logits(w, hidden_nxD[:, None], cfg)[:, 0]
         if d_params is prepared:
             return logits(prepared)
-        return jax.lax.cond(jnp.any(i_n == 0),
-                            lambda: jnp.where((i_n == 0)[:, None], logits(prepared),
+        return jax.lax.cond(jnp.any(first_n),
+                            lambda: jnp.where(first_n[:, None], logits(prepared),
                                               logits(d_params)),
                             lambda: logits(d_params))
 
+    def draw(row_key, i, logp_V):
+        return jax.random.categorical(jax.random.fold_in(row_key, i), logp_V)
+
     def decode_step(st):
-        i_n, live = st["i"], ~st["done"]
-        logp_nxV = rollout_lib.sampling_logprobs(next_logits(st["hidden"], i_n), sampling)
+        q, live = st["q"], ~st["done"]
+        i_n = q.progress_N[st["resp"]]
+        logp_nxV = rollout_lib.sampling_logprobs(next_logits(st["hidden"], i_n == 0),
+                                                 sampling)
         tok = jax.vmap(draw)(keys_N[st["resp"]], i_n, logp_nxV)
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_nxV, tok[:, None], axis=1)[:, 0]
@@ -157,36 +213,53 @@ def _sample(params, prompts_NxP, pmask_NxP, key, cfg, sampling, numerics, stops,
         # Writes of a slot that holds no running response go to row N: dropped.
         row, col = jnp.where(live, st["resp"], big_n), p + i_n
         put = lambda buf, v: buf.at[row, col].set(v, mode="drop")
-        return dict(
-            st, cache=a["cache"], hidden=h[:, 0],
-            tokens=put(st["tokens"], tok), logp=put(st["logp"], lp),
-            completion=put(st["completion"], live),
-            routes=put(st["routes"], jnp.where(recorded_nx1x1, a["routes"][:, 0], -1)),
-            route_weights=put(st["route_weights"],
-                              jnp.where(recorded_nx1x1, a["route_weights"][:, 0], 0)),
-            stopped=st["stopped"].at[row].set(stop, mode="drop"),
-            i=i_n + live, done=st["done"] | (live & (stop | (i_n + 1 >= c))),
-            steps=st["steps"] + 1)
+        finished = live & (stop | (i_n + 1 >= c))
+        q = q._replace(
+            tokens_NxS=put(q.tokens_NxS, tok), logp_NxS=put(q.logp_NxS, lp),
+            completion_NxS=put(q.completion_NxS, live),
+            routes_NxSxLxK=put(q.routes_NxSxLxK,
+                               jnp.where(recorded_nx1x1, a["routes"][:, 0], -1)),
+            route_weights_NxSxLxK=put(q.route_weights_NxSxLxK, jnp.where(
+                recorded_nx1x1, a["route_weights"][:, 0], 0).astype(jnp.float32)),
+            version_NxS=put(q.version_NxS, jnp.full((n,), version, jnp.int32)),
+            progress_N=q.progress_N.at[row].set(i_n + 1, mode="drop"),
+            finished_N=q.finished_N.at[row].set(finished, mode="drop"),
+            stopped_N=q.stopped_N.at[row].set(stop, mode="drop"))
+        return dict(st, q=q, cache=a["cache"], hidden=h[:, 0],
+                    done=st["done"] | finished, steps=st["steps"] + 1)
+
+    def pending(st):
+        return ~st["q"].finished_N & ~st["started"]
 
     def refill(st):
-        """The lowest free slot takes the next pending response (one [1, P] prefill)."""
-        slot = jnp.argmax(st["done"])
-        st = prefill(st, st["next"][None], slot[None])
-        return dict(st, next=st["next"] + 1)
+        """The lowest free slot takes the next pending response (one 1-row prefill)."""
+        return prefill(st, jnp.argmax(pending(st))[None], jnp.argmax(st["done"])[None])
+
+    def wanted(st):
+        return groups_complete(st["q"]) < need
+
+    state = {
+        "q": queue,
+        "cache": dict(tf.init_cache(cfg, n, s, dtype), index=jnp.full((n,), p, jnp.int32)),
+        # The hidden state each slot's next token is drawn from. Logits are computed
+        # for all n slots at once, as the static sampler does for its n rows: a [1, D]
+        # row alone would run another matmul kernel (another summation order).
+        "hidden": jnp.zeros((n, cfg.d_model), dtype),
+        "resp": jnp.zeros((n,), jnp.int32),  # the response each slot holds
+        "done": jnp.ones((n,), bool),        # no running response: the slot is free
+        "started": jnp.zeros((big_n,), bool),  # given a slot in this call
+        "steps": jnp.zeros((), jnp.int32),
+    }
+    # The first n unfinished responses in queue order (fewer: the other slots stay free).
+    first_n = jnp.nonzero(~queue.finished_N, size=n, fill_value=big_n)[0]
+    state = prefill(state, jnp.minimum(first_n, big_n - 1), jnp.arange(n))
+    state = dict(state, done=first_n >= big_n,
+                 started=state["started"] & ~queue.finished_N)
 
     def body(st):
         st = decode_step(st)
-        return jax.lax.while_loop(lambda st: jnp.any(st["done"]) & (st["next"] < big_n),
-                                  refill, st)
+        return jax.lax.while_loop(
+            lambda st: jnp.any(st["done"]) & jnp.any(pending(st)) & wanted(st), refill, st)
 
-    st = jax.lax.while_loop(lambda st: ~jnp.all(st["done"]), body, state)
-    completion = st["completion"]
-    return rollout_lib.Rollout(
-        tokens_BxS=st["tokens"],
-        prompt_mask_BxS=jnp.zeros((big_n, s), bool).at[:, :p].set(pmask_NxP),
-        completion_mask_BxS=completion,
-        lengths_B=jnp.sum(completion, axis=1, dtype=jnp.int32),
-        logp_mu_BxS=st["logp"],
-        routes_mu_BxSxLxK=st["routes"],
-        route_weights_mu_BxSxLxK=st["route_weights"],
-        truncated_B=~st["stopped"]), st["steps"]
+    st = jax.lax.while_loop(lambda st: jnp.any(~st["done"]) & wanted(st), body, state)
+    return st["q"], st["steps"]

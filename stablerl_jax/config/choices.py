@@ -15,6 +15,7 @@ AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_t
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on
+OLD_POLICIES = ("behavior", "proximal")  # π_old of partial rollouts (rl.old_policy)
 REMAT_POLICIES = ("none", "full", "dots")  # what a layer saves for the backward pass
 ATTENTION_IMPLS = ("naive", "chunked", "causal")
 SAMPLER_LAYOUTS = ("train", "serve")  # SamplingConfig.layout

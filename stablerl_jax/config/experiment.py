@@ -61,6 +61,12 @@ class ExperimentConfig(Section):
             n = rl.prompts_per_step * rl.group_size
             check(n % rows == 0, "sampling.max_batch",
                   f"must divide rl.prompts_per_step*rl.group_size = {n}, got {rows}")
+        if rl.max_staleness:
+            slots = self.sampling.max_batch or rl.prompts_per_step * rl.group_size
+            check(slots % rl.group_size == 0, "sampling.max_batch",
+                  f"partial rollouts (rl.max_staleness >= 1) keep whole groups in flight: "
+                  f"the sampler's slots ({slots}) must be a multiple of rl.group_size = "
+                  f"{rl.group_size}")
         check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
               f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
               f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")

@@ -9,6 +9,7 @@ from stablerl_jax.config.checks import (check, is_int, check_positive_int, check
                                         check_bool, is_finite, Section)
 from stablerl_jax.config.choices import (LOSS_NAMES, IS_CORRECTIONS, AGGREGATIONS,
                                          ADVANTAGE_NAMES, REPLAY_MODES, OVERLONG_MODES,
+                                         OLD_POLICIES,
                                          LOGPROB_IMPLS, EVAL_SET_NAME)
 
 
@@ -194,6 +195,17 @@ class RLConfig(Section):
       TensorBoard text at every eval (and every log_samples_every steps); 0: none.
     log_samples_every: also log training samples every this many global steps (0: only
       at evals).
+    max_staleness: S, partial rollouts (rl/inflight.py, docs/method.md §8). 0: each step
+      samples its own prompts to completion. S >= 1: the continuous sampler keeps B + n
+      responses in flight (n = its slots), a step takes the first Q groups to complete,
+      the rest continue in the next step under the new parameters, and a response holding
+      a token more than S versions old is dropped and sampled again.
+    old_policy: which policy is π_old when S >= 1 (OLD_POLICIES). 'behavior': the training
+      engine at the version that generated each token (the trainer keeps the last S
+      parameter versions and scores a batch once per version present), so π_old / μ_old
+      stays the training–inference mismatch and the version lag is in π_θ / π_old, which
+      the clip controls (Eq. 5). 'proximal' (AReaL's decoupled objective): π_old is the
+      current parameters; the IS weight π_old / μ_old then carries the lag too.
     """
 
     steps: int = 60
@@ -221,6 +233,8 @@ class RLConfig(Section):
     overlong_penalty_factor: float = 1.0
     log_samples: int = 4
     log_samples_every: int = 0
+    max_staleness: int = 0
+    old_policy: str = "behavior"
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
@@ -261,6 +275,13 @@ class RLConfig(Section):
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
         check(isinstance(self.offline_rollouts, str), "offline_rollouts",
               f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
+        check(is_int(self.max_staleness) and self.max_staleness >= 0, "max_staleness",
+              f"must be an int >= 0 (0 = no partial rollouts), got {self.max_staleness!r}")
+        check(not (self.max_staleness and self.offline_rollouts), "max_staleness",
+              f"partial rollouts continue our sampler's responses, so they need "
+              f"rl.offline_rollouts='' (got {self.offline_rollouts!r}); set "
+              "rl.max_staleness=0 to train on the file")
+        check_choice(self, "old_policy", OLD_POLICIES)
         parse_eval_sets(self.eval_sets)
 
 

@@ -149,6 +149,17 @@ class Engine:
         rl.score_in_update no forward, and the update returns the monitors)."""
         return self._call("score", params, rollout, rewards_B)
 
+    def sample_partial(self, params, queue, version: int):
+        """(queue, decode steps): the continuous sampler on the carried queue of partial
+        rollouts until rl.prompts_per_step groups are complete (rl/inflight.py)."""
+        return self._call("sample_partial", params, queue, version)
+
+    def score_behavior(self, params_by_age: tuple, rollout: rollout_lib.Rollout, rewards_B,
+                       age_BxS):
+        """steps.score with π_old per token at the version that drew it
+        (rl.old_policy=behavior): params_by_age[a] are the parameters a versions ago."""
+        return self._call("score_behavior", tuple(params_by_age), rollout, rewards_B, age_BxS)
+
     def select(self, batch, rows_M):
         """The rows `rows_M` of every leaf of a batch (a mini-batch)."""
         return self._call("select", batch, rows_M)
@@ -218,6 +229,13 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                                   pad_id=pad_id,
                                   mesh=model_mesh)
 
+    def sample_partial(params, queue, version):
+        return continuous.run(params, queue, version, cfg=sample_model,
+                              sampling=cfg.sampling, numerics=numerics, stops=stops,
+                              pad_id=pad_id, mesh=model_mesh,
+                              need_groups=cfg.rl.prompts_per_step,
+                              group_size=cfg.rl.group_size)
+
     def init_state(params):
         zero = jnp.zeros((), jnp.int32)
         return steps.TrainState(params, optimizer.init(params), zero, zero)
@@ -236,6 +254,13 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                                             mesh=model_mesh,
                                             forward=not onpolicy_fused),
                           out_shardings=(batch, rep)), (p_sh, batch, batch)),
+        "sample_partial": (jax.jit(sample_partial, out_shardings=(batch, rep)),
+                           (p_sh, batch, rep)),
+        # rl.old_policy=behavior: params of the last S + 1 versions, each token's age.
+        "score_behavior": (jax.jit(lambda ps, r, rw, age: steps.score(
+            ps, r, rw, cfg=cfg, n_slices=score_slices, mesh=model_mesh, age_BxS=age),
+            out_shardings=(batch, rep)),
+            ((p_sh,) * (cfg.rl.max_staleness + 1), batch, batch, batch)),
         "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
                            out_shardings=batch), (batch, rep)),
         "used_slots": (jax.jit(lambda r: jnp.any(r.prompt_mask_BxS | r.completion_mask_BxS,

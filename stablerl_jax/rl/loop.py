@@ -29,6 +29,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -45,8 +46,10 @@ from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, 
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
+from stablerl_jax import continuous
 from stablerl_jax.rl import evals, preflight, resume, steps
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
 
 
 def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
@@ -76,8 +79,33 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
     return jax.tree.map(lambda x: np.asarray(x)[mine], rollout), rewards_B, rows
 
 
+def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+                    inflight: Inflight):
+    """Sampling of global step `step` with partial rollouts (rl/inflight.py): (rollout,
+    prompt tokens and mask [B, P], answers, train-split prompt indices [Q], each token's
+    age [B, S], `async/…` metrics)."""
+    cfg = engine.cfg
+    dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
+    queue, decode_steps = engine.sample_partial(state.params, inflight.queue, step)
+    inflight.queue = jax.tree.map(lambda x: np.array(distributed.host(x)), queue)
+    rows, gids = inflight.take(cfg)
+    q = jax.tree.map(lambda x: x[rows], inflight.queue)
+    prompt_idx = inflight.prompt_indices(gids, cfg, data)
+    g, p = cfg.rl.group_size, cfg.task.max_prompt_len
+    answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)]
+    carried = inflight.group_ids != EMPTY
+    metrics = {**age_stats(q.version_NxS, q.completion_NxS, step, cfg.rl.max_staleness),
+               "async/dropped": float(dropped),
+               "async/decode_steps": float(distributed.host(decode_steps)),
+               "async/carried_tokens": float(inflight.queue.completion_NxS[
+                   np.repeat(carried, g)].sum())}
+    return (continuous.to_rollout(q), q.tokens_NxS[:, :p], q.prompt_mask_NxS[:, :p], answers,
+            prompt_idx, age_of_tokens(q.version_NxS, q.completion_NxS, step), metrics)
+
+
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                offline: OfflineRollouts | None = None, log_samples: int = 0):
+                offline: OfflineRollouts | None = None, log_samples: int = 0,
+                inflight: Inflight | None = None, history: list | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition,
     decoded samples: this process's first `log_samples` rows, evals.sample_rows).
 
@@ -90,9 +118,24 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     update was skipped as non-finite}; response r answers prompt r // G. With `offline`, the
     step's responses come from that file and "responses" lists their indices in it instead
     of "prompts".
+
+    With `inflight` (rl.max_staleness >= 1) the step's responses are the first complete
+    groups of the carried queue (rl/inflight.py), "prompts" lists their prompts, and
+    under rl.old_policy=behavior `history` holds the parameters of the S versions before
+    this one (newest first), π_old of each token's version; θ_k is pushed onto it.
     """
     rl = engine.cfg.rl
-    if offline is None:
+    age_BxS, async_metrics = None, {}
+    if inflight is not None:
+        (rollout, tokens, mask, answers, prompt_idx, age_BxS,
+         async_metrics) = partial_rollout(engine, state, data, step, inflight)
+        rewards_mine, extractors = data.reward_with_source(rollout, answers)
+        lengths_mine = distributed.local_rows(rollout.lengths_B)
+        truncated_mine = distributed.local_rows(rollout.truncated_B)
+        source = {"prompts": [int(i) for i in prompt_idx]}
+        samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
+                                    extractors, log_samples, split="train")
+    elif offline is None:
         prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
         mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
         tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
@@ -115,9 +158,23 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         penalty_mine = overlong.length_penalty(lengths_mine, engine.cfg.sampling.max_new_tokens,
                                                rl.overlong_buffer, rl.overlong_penalty_factor)
     if rl.trim_bucket:
+        if age_BxS is not None:  # the window Engine.trim cuts (one process: host arrays)
+            lo, hi = rollout_lib.used_window(np.any(np.asarray(
+                rollout.prompt_mask_BxS | rollout.completion_mask_BxS), axis=0),
+                rl.trim_bucket)
+            age_BxS = age_BxS[:, lo:hi]
         rollout = engine.trim(rollout, rl.trim_bucket)
-    batch, score_metrics = engine.score(state.params, rollout, rewards_mine + penalty_mine)
+    if age_BxS is not None and rl.old_policy == "behavior":
+        batch, score_metrics = engine.score_behavior(
+            (state.params, *history), rollout, rewards_mine + penalty_mine, age_BxS)
+    else:
+        batch, score_metrics = engine.score(state.params, rollout,
+                                            rewards_mine + penalty_mine)
     rewards_B = distributed.gather(rewards_mine)
+    if age_BxS is not None and rl.old_policy == "behavior":
+        # θ_k becomes the newest past version (copied: the updates donate the state).
+        history.insert(0, jax.tree.map(jnp.copy, state.params))
+        del history[rl.max_staleness:]
     minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
     update_metrics = []
     for rows in minibatches:
@@ -130,6 +187,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                                          engine.cfg.sampling.max_new_tokens)}
     if rl.overlong == "penalty":
         metrics["reward/overlong_penalty"] = float(np.mean(distributed.gather(penalty_mine)))
+    metrics.update(async_metrics)
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
     composition = {**source, "minibatches": minibatches.tolist(),
@@ -226,13 +284,21 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
+    inflight, history = None, []
+    if cfg.rl.max_staleness:  # partial rollouts: the carried queue, past versions
+        inflight = Inflight.create(cfg, data.tokenizer.pad_id)
+        if cfg.rl.old_policy == "behavior":
+            history = [jax.tree.map(jnp.copy, state.params)
+                       for _ in range(cfg.rl.max_staleness)]
+    saved = lambda: {**state._asdict(), **({} if inflight is None else {
+        "inflight": inflight.state_dict(), "history": list(history)})}
     start = 0
     had_checkpoints = bool(ckpt.all_steps())
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     logged = [r["step"] for r in read_metrics(metrics_path)]
     try:
         resume.choose(workdir, ckpt.all_steps(), logged)
-        restored = ckpt.restore_latest(state._asdict(), check_meta=lambda meta: (
+        restored = ckpt.restore_latest(saved(), check_meta=lambda meta: (
             preflight.check_resumed_config(meta.get("config"), cfg, allow_config_change,
                                            workdir)), usable=resume.unusable(logged))
     except Exception:
@@ -247,6 +313,9 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
         latest, state_dict, _ = restored
+        if inflight is not None:
+            inflight = Inflight.from_state_dict(state_dict.pop("inflight"))
+            history = list(state_dict.pop("history"))
         state = steps.TrainState(**state_dict)
         start = latest
         if main:
@@ -273,8 +342,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
             ckpt.check_saves()  # a failed background save stops the run here
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
-            state, metrics, composition, samples = global_step(engine, state, data, step,
-                                                               offline, train_samples)
+            state, metrics, composition, samples = global_step(
+                engine, state, data, step, offline, train_samples, inflight, history)
             if main:
                 append_jsonl(minibatch_log, {"step": step + 1, **composition})
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
@@ -290,7 +359,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                             kl=f"{metrics['kl/train_infer_k1']:.1e}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
-                ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
+                ckpt.save(step + 1, saved(), {"step": step + 1, **meta})
     finally:  # an error still finishes the saves already started
         try:
             ckpt.wait()  # raises CheckpointSaveError if the last save failed

@@ -31,6 +31,7 @@ Replay per mode (docs/method.md §3), chosen once in `score`:
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -86,7 +87,8 @@ def rollout_monitors(rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_m
 
 def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
           cfg: ExperimentConfig, n_slices: int = 1, mesh=None,
-          forward: bool = True) -> tuple[TrainBatch, dict]:
+          forward: bool = True, age_BxS: jax.Array | None = None
+          ) -> tuple[TrainBatch, dict]:
     """The π_old pass at θ_old: a rollout and its rewards in, the update's batch out.
 
     Computes the group advantages, log π_old (replaying routes_mu under R3) and the
@@ -96,6 +98,12 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     (rows are independent, so the result is the same); `mesh`: the devices the expert FFN
     is sharded over. `forward=False` (rl.score_in_update): no forward; the batch leaves
     log π_old to the one on-policy update (module docstring) and the monitors are {}.
+
+    Partial rollouts with rl.old_policy=behavior (rl/inflight.py): `params` is a tuple
+    (θ_k, θ_k−1, …, θ_k−S) and `age_BxS` each token's age (k − its version; elsewhere
+    its row's oldest). Position t takes log π_old, the entropy and π_old's routes from
+    the pass with params[age of the token it scores, tokens[t + 1]]: one forward per
+    version, and each token's π_old is the training engine at the version that drew it.
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
@@ -123,7 +131,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         return TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, None,
                           advantages_B, replay, replay_w, routes_mu_BxTxLxK), {}
 
-    def forward_(rows):
+    def forward_(params, rows):
         tokens_BxS, attn_BxS, replay_BxTxLxK, replay_w_BxTxLxK = rows
         logp, entropy, aux = policy_logprobs(
             params, tokens_BxS, attn_BxS, cfg.model, replay_BxTxLxK=replay_BxTxLxK,
@@ -131,10 +139,21 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
             impl=rl.logprob_impl, mesh=mesh)
         return logp, entropy, aux["routes"]
 
-    logp_BxT, entropy_BxT, routes_BxTxLxK = slices.map_slices(
-        forward_, (rollout.tokens_BxS, attn_BxS,
-                   routes_mu_BxTxLxK if rl.replay == "r3" else None, replay_w),
-        n_slices, "score slices")
+    def old_policy(p):
+        return slices.map_slices(
+            lambda rows: forward_(p, rows),
+            (rollout.tokens_BxS, attn_BxS, routes_mu_BxTxLxK if rl.replay == "r3" else None,
+             replay_w), n_slices, "score slices")
+
+    if age_BxS is None:
+        logp_BxT, entropy_BxT, routes_BxTxLxK = old_policy(params)
+    else:
+        age_BxT = age_BxS[:, 1:]
+        by_age = [old_policy(p) for p in params]
+        pick = lambda i: functools.reduce(
+            lambda acc, a: jnp.where((age_BxT == a).reshape(age_BxT.shape + (1,) * (
+                acc.ndim - 2)), by_age[a][i], acc), range(1, len(by_age)), by_age[0][i])
+        logp_BxT, entropy_BxT, routes_BxTxLxK = pick(0), pick(1), pick(2)
     metrics, routes_old_BxTxLxK = rollout_monitors(
         rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
         attn_BxS[:, :-1], cfg.loss.tis_cap)

@@ -1,0 +1,183 @@
+"""Partial rollouts under a staleness bound (rl.max_staleness = S ≥ 1): the sampler's
+queue carried from one global step to the next.
+
+Letters: N queue slots (responses) = B + n, B responses per step (Q prompts × G), n
+sampler slots (continuous.slots_of), S prompt + completion slots, L layers, K top-k.
+
+The queue holds B + n responses in groups of G (a prompt's G responses are adjacent),
+drawn from a stream of prompts: stream group g is prompt g mod Q of global step g // Q
+(`data.train_indices`), so a run draws the prompts a static run would, in the same
+order, only earlier. Response j of group g uses the static sampler's key of its row
+(fold_in(key(seed), g // Q), split into B, row (g mod Q)·G + j), folded with the
+attempt number after a drop: its tokens depend only on (seed, step, prompt, response
+index, attempt, position) and the weights that drew them.
+
+Global step k (parameters of version k):
+1. Every response in the queue, unfinished or complete, that holds a token of a
+   version older than k − S is reset (dropped: its tokens discarded; counted), so
+   every token of step k's batch is at most S versions old.
+2. Consumed groups leave; the queue is compacted (order kept) and topped up from the
+   stream to N.
+3. `continuous.run` with version k's weights: unfinished responses resume (re-prefilled
+   over prompt + completion so far), and decoding stops once Q groups are complete.
+4. The batch is the Q complete groups earliest in the queue; everything else carries
+   to step k + 1.
+S = 0 is not this path: the loop samples the step's own prompts with `rl/engine` sample,
+as without partial rollouts.
+
+The state is numpy on the host and is saved with every checkpoint (`state_dict` /
+`from_state_dict`), so a resumed run continues the same responses.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from stablerl_jax import continuous
+from stablerl_jax.data.task import TaskData
+
+EMPTY = -1  # group id of a queue place that holds no prompt yet
+
+
+@dataclasses.dataclass
+class Inflight:
+    """The carried queue (numpy leaves of a `continuous.Queue`) and its bookkeeping:
+    each group's stream index (EMPTY: none), each response's attempt, the stream's next
+    group, responses dropped so far."""
+
+    queue: continuous.Queue
+    group_ids: np.ndarray   # [N / G] int32
+    attempts_N: np.ndarray  # int32
+    next_group: int = 0
+    dropped: int = 0
+
+    @classmethod
+    def create(cls, cfg, pad_id: int) -> "Inflight":
+        """An empty queue of B + n places for `cfg` (every place EMPTY and finished, so
+        the sampler leaves it alone)."""
+        rl, g = cfg.rl, cfg.rl.group_size
+        b = rl.prompts_per_step * g
+        big_n = b + continuous.slots_of(cfg.sampling, b)
+        p = cfg.task.max_prompt_len
+        q = continuous.new_queue(np.full((big_n, p), pad_id, np.int32),
+                                 np.ones((big_n, p), bool), jax.random.key(0), cfg.model,
+                                 cfg.sampling, pad_id)
+        q = jax.tree.map(np.array, q)._replace(finished_N=np.ones((big_n,), bool))
+        return cls(q, np.full((big_n // g,), EMPTY, np.int32),
+                   np.zeros((big_n,), np.int32))
+
+    # -- checkpoint ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"queue": self.queue._asdict(), "group_ids": self.group_ids,
+                "attempts_N": self.attempts_N,
+                "counters": np.asarray([self.next_group, self.dropped], np.int32)}
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "Inflight":
+        host = lambda x: np.array(jax.device_get(x))
+        queue = continuous.Queue(**{k: host(v) for k, v in d["queue"].items()})
+        next_group, dropped = (int(x) for x in host(d["counters"]))
+        return cls(queue, host(d["group_ids"]), host(d["attempts_N"]), next_group, dropped)
+
+    # -- one global step -------------------------------------------------------------
+
+    def prepare(self, step: int, cfg, data: TaskData, pad_id: int) -> int:
+        """Steps 1 and 2 of the module docstring for global step `step`; returns the
+        responses dropped for staleness."""
+        g, q = cfg.rl.group_size, self.queue
+        p = cfg.task.max_prompt_len
+        # 1. Staleness: a token of version v is step − v versions old at this step.
+        has_old = ((q.version_NxS >= 0) & (q.version_NxS < step - cfg.rl.max_staleness)).any(1)
+        stale = has_old & (np.repeat(self.group_ids, g) != EMPTY)
+        self._reset(np.flatnonzero(stale), cfg, p, pad_id, retry=True)
+        self.dropped += int(stale.sum())
+        # 2. Compact (consumed groups were set EMPTY by `take`) and top up.
+        keep = np.flatnonzero(self.group_ids != EMPTY)
+        order = np.concatenate([keep, np.flatnonzero(self.group_ids == EMPTY)])
+        rows = (order[:, None] * g + np.arange(g)).reshape(-1)
+        self.queue = jax.tree.map(lambda x: x[rows], self.queue)
+        self.group_ids, self.attempts_N = self.group_ids[order], self.attempts_N[rows]
+        for place in range(len(keep), len(self.group_ids)):
+            self._start_group(place, cfg, data, pad_id)
+        return int(stale.sum())
+
+    def _start_group(self, place: int, cfg, data: TaskData, pad_id: int) -> None:
+        """Queue place `place` takes the stream's next prompt (G new responses)."""
+        rl, g = cfg.rl, cfg.rl.group_size
+        gid, self.next_group = self.next_group, self.next_group + 1
+        step, i = divmod(gid, rl.prompts_per_step)
+        prompt = int(data.train_indices(step, rl.prompts_per_step, rl.seed)[i])
+        tokens, mask, _ = data.prompt_batch([data.train[prompt]], g)
+        rows = np.arange(place * g, (place + 1) * g)
+        self.group_ids[place] = gid
+        self.attempts_N[rows] = 0
+        self.queue.tokens_NxS[rows, :tokens.shape[1]] = tokens
+        self.queue.prompt_mask_NxS[rows, :mask.shape[1]] = mask
+        self._reset(rows, cfg, tokens.shape[1], pad_id, retry=False)
+
+    def _reset(self, rows, cfg, p: int, pad_id: int, retry: bool) -> None:
+        """Responses `rows` back to not started (their prompt kept); a retry draws with
+        its key folded with the attempt number."""
+        if not len(rows):
+            return
+        q, g, rl = self.queue, cfg.rl.group_size, cfg.rl
+        q.tokens_NxS[rows, p:] = pad_id
+        q.completion_NxS[rows] = False
+        q.logp_NxS[rows] = 0
+        q.routes_NxSxLxK[rows] = -1
+        q.route_weights_NxSxLxK[rows] = 0
+        q.version_NxS[rows] = -1
+        q.progress_N[rows] = 0
+        q.finished_N[rows] = False
+        q.stopped_N[rows] = False
+        if retry:
+            self.attempts_N[rows] += 1
+        for r in rows:
+            gid = int(self.group_ids[r // g])
+            step, i = divmod(gid, rl.prompts_per_step)
+            base = jax.random.split(jax.random.fold_in(jax.random.key(rl.seed), step),
+                                    rl.prompts_per_step * g)[i * g + r % g]
+            key = (jax.random.fold_in(base, int(self.attempts_N[r])) if self.attempts_N[r]
+                   else base)
+            q.keys_Nx2[r] = np.asarray(jax.random.key_data(key))
+
+    def take(self, cfg) -> tuple[np.ndarray, np.ndarray]:
+        """Step 4: (queue rows of the batch [B], their groups' stream indices [Q]): the Q
+        complete groups earliest in the queue, which leave it."""
+        rl, g = cfg.rl, cfg.rl.group_size
+        complete = self.queue.finished_N.reshape(-1, g).all(1) & (self.group_ids != EMPTY)
+        places = np.flatnonzero(complete)[:rl.prompts_per_step]
+        if len(places) < rl.prompts_per_step:
+            raise RuntimeError(f"the sampler returned {len(places)} complete groups, "
+                               f"{rl.prompts_per_step} needed")
+        gids = self.group_ids[places].copy()
+        self.group_ids[places] = EMPTY
+        return (places[:, None] * g + np.arange(g)).reshape(-1), gids
+
+    def prompt_indices(self, gids, cfg, data: TaskData) -> np.ndarray:
+        """The train-split index of each stream group."""
+        q = cfg.rl.prompts_per_step
+        return np.asarray([int(data.train_indices(int(x) // q, q, cfg.rl.seed)[int(x) % q])
+                           for x in gids])
+
+
+def age_stats(version_BxS, completion_BxS, step: int, max_staleness: int) -> dict:
+    """`async/…` metrics of a batch: the mean and max age (step − version) of its
+    completion tokens and the share of tokens of each age 0 … S."""
+    age = (step - np.asarray(version_BxS))[np.asarray(completion_BxS, bool)]
+    out = {"async/staleness_mean": float(age.mean()) if age.size else 0.0,
+           "async/staleness_max": float(age.max()) if age.size else 0.0}
+    for a in range(max_staleness + 1):
+        out[f"async/age_{a}_frac"] = float((age == a).mean()) if age.size else 0.0
+    return out
+
+
+def age_of_tokens(version_BxS, completion_BxS, step: int) -> np.ndarray:
+    """[B, S] int32: each completion token's age (step − version); elsewhere the age of
+    the row's oldest token (what π_old's pass over the prompt uses, rl/steps.py)."""
+    comp = np.asarray(completion_BxS, bool)
+    age = np.where(comp, step - np.asarray(version_BxS), 0)
+    return np.where(comp, age, age.max(axis=1, keepdims=True)).astype(np.int32)
