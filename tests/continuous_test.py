@@ -12,6 +12,7 @@ from tolerance import LAMBDA, assert_close, engine_chain
 from stablerl_jax import continuous
 from stablerl_jax import rollout as ro
 from stablerl_jax.config import ModelConfig, SamplingConfig
+from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -107,3 +108,45 @@ def test_bad_inputs_are_refused_as_by_the_static_sampler():
     with pytest.raises(ValueError, match="left-padded"):
         continuous.sample(params, prompts, mask[:, ::-1], jax.random.key(0), CFG, sampling,
                           nx.numerics_preset("fp8"), eos_id=EOS, pad_id=PAD)
+
+
+def test_carried_responses_record_mu_and_routes_of_the_version_that_drew_each_token():
+    # Partial rollouts: a queue decoded with version 0's weights until 2 of its 8 groups
+    # are complete, then continued with version 1's (the unfinished responses
+    # re-prefilled). Every token's log μ and routes must be those of a full-sequence
+    # pass of the weights of the version recorded for it (the `exact` engine computes
+    # what the training path computes, tests/rollout_test.py).
+    params, prompts, mask = _setup()
+    later = jax.tree.map(lambda w: w * 1.05, params)
+    sampling = SamplingConfig(max_new_tokens=C, max_batch=4)
+    kw = dict(cfg=CFG, sampling=sampling, numerics=nx.numerics_preset("exact"),
+              stops=ro.stop_set(EOS), pad_id=PAD, mesh=None, group_size=2)
+    queue = continuous.new_queue(prompts, mask, jax.random.key(5), CFG, sampling, PAD)
+    queue, _ = continuous.run(params, queue, 0, need_groups=2, **kw)
+    carried = np.asarray(queue.progress_N > 0) & ~np.asarray(queue.finished_N)
+    assert carried.any() and not np.asarray(queue.finished_N).all()
+    assert np.asarray(queue.finished_N).reshape(-1, 2).all(1).sum() >= 2
+    queue, _ = continuous.run(later, queue, 1, need_groups=0, **kw)
+    assert np.asarray(queue.finished_N).all()
+    version = np.asarray(queue.version_NxS)
+    comp = np.asarray(queue.completion_NxS)
+    assert ((version >= 0) == comp).all()
+    assert ((version == 0).any(1) & (version == 1).any(1)).any(), "a response spans both"
+    r = continuous.to_rollout(queue)
+    attn = r.prompt_mask_BxS | r.completion_mask_BxS
+    score = jax.jit(policy_logprobs, static_argnames="cfg")
+    routes_mu = np.asarray(r.routes_mu_BxSxLxK)
+    for v, w in enumerate((params, later)):
+        logp_pi_BxT, _, aux = score(w, r.tokens_BxS, attn, cfg=CFG)
+        mine = version[:, 1:] == v  # tokens[:, t + 1] drawn by version v
+        assert_close(np.where(mine, logp_pi_BxT, 0), np.where(mine, r.logp_mu_BxS[:, 1:], 0),
+                     n=engine_chain(CFG, P + C), lam=LAMBDA, scale="max")
+        # The routes recorded when version v fed a token back.
+        fed = (version[:, :-1] == v)[..., None, None] & (routes_mu[:, :-1] >= 0)
+        np.testing.assert_array_equal(np.where(fed, aux["routes"], -1),
+                                      np.where(fed, routes_mu[:, :-1], -1))
+        # A prompt's routes are recorded once, by the version that prefilled it first:
+        # the version of the response's first token.
+        pm = (np.asarray(r.prompt_mask_BxS) & (version[:, P:P + 1] == v))[..., None, None]
+        np.testing.assert_array_equal(np.where(pm[:, :-1], aux["routes"], -1),
+                                      np.where(pm[:, :-1], routes_mu[:, :-1], -1))
