@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tolerance import LAMBDA, assert_close, engine_chain
 
-from stablerl_jax import continuous
+from stablerl_jax import continuous, schedule
 from stablerl_jax import rollout as ro
 from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.logprobs import policy_logprobs
@@ -69,6 +69,9 @@ def test_continuous_returns_the_static_rollout_bit_for_bit(slots):
     # holds several responses. One slot: the responses run one after another in both
     # (Σ lengths); one slot per row: nothing to refill (the longest row).
     assert steps >= -(-lengths.sum() // slots) and steps >= lengths.max()
+    # The schedule the pod estimates price (stablerl_jax/schedule.py) is this sampler's.
+    assert steps == schedule.continuous(lengths, slots).runs.steps
+    assert schedule.static(lengths, slots).runs.steps == static_steps(lengths, slots)
     expected = {1: lengths.sum(), 16: lengths.max()}
     if slots in expected:
         assert steps == expected[slots] == static_steps(lengths, slots)

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from experiments import (coldstart, length_stats, mismatch_sweep, offpolicy, onpolicy, report,
-                         stats)
+from experiments import (async_staleness, coldstart, length_stats, mismatch_sweep, offpolicy,
+                         onpolicy, report, stats)
 from tolerance import bound
 
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
@@ -23,6 +23,8 @@ FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
     # The other two smoke runs take ~1.5 min each: `pytest -m slow` runs them.
     pytest.param(offpolicy, "N2-minirl+R2", [], marks=pytest.mark.slow),
     pytest.param(coldstart, "sft-terse", [], marks=pytest.mark.slow),
+    pytest.param(async_staleness, "S1-minirl+R3", ["rl.prompts_per_step=8"],
+                 marks=pytest.mark.slow),
 ])
 def test_tiny_preset_smoke(tmp_path, module, only, extra):
     runs = module.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",

@@ -1,0 +1,68 @@
+"""Partial rollouts under a staleness bound: does Routing Replay become necessary, and does
+the IS weight start to matter, once rollouts are stale for real?
+
+    python -m experiments.async_staleness [--preset tiny|long] [--workdir runs/async]
+        [--seeds 0,1] [--only S1-minirl,...] [--dry-run] [key=value ...]
+
+The on-policy set's settings (experiments/onpolicy.py: one mini-batch per step, FP8
+sampling with router noise) with the continuous sampler (sampling.continuous) over
+half as many slots as a step has responses. At S = 0 each step samples its own prompts
+to completion (the static sampler's responses, bit for bit). At S = 1, 2
+(rl.max_staleness) the sampler keeps B + n responses in flight, a step trains on the
+first Q groups to complete, and the rest continue under the next step's parameters,
+so a response's tokens come from up to S + 1 parameter versions (rl/inflight.py).
+π_old is the training engine at each token's own version (rl.old_policy=behavior, Eq. 5
+kept clean); S = 2 also runs AReaL's proximal choice (π_old = the current parameters).
+Variants: S ∈ {0, 1, 2} × {minirl, minirl-noIS, minirl+R3, minirl+R3-noIS}, and
+S2-proximal-minirl, S2-proximal-minirl+R3. The long preset runs 4 seeds × 14 variants ×
+300 global steps.
+"""
+from __future__ import annotations
+
+from experiments import cli, onpolicy
+from experiments.runner import Experiment, Variant
+from stablerl_jax.config import ExperimentConfig
+
+POLICIES = (("minirl", ()), ("minirl-noIS", (onpolicy.NO_IS,)),
+            ("minirl+R3", (onpolicy.R3,)), ("minirl+R3-noIS", (onpolicy.R3, onpolicy.NO_IS)))
+VARIANTS = tuple(
+    Variant(f"S{s}-{name}", (f"rl.max_staleness={s}", *over))
+    for s in (0, 1, 2) for name, over in POLICIES) + tuple(
+    Variant(f"S2-proximal-{name}", ("rl.max_staleness=2", "rl.old_policy=proximal", *over))
+    for name, over in POLICIES[::2])
+
+
+def with_continuous(base: ExperimentConfig) -> ExperimentConfig:
+    """`base` sampling continuously over half the step's responses in slots."""
+    rl = base.rl
+    return base.replace(name=f"async-{base.name}", sampling=base.sampling.replace(
+        continuous=True, max_batch=rl.prompts_per_step * rl.group_size // 2))
+
+
+EXPERIMENTS = {
+    "tiny": lambda: Experiment(with_continuous(onpolicy.tiny_base()), VARIANTS,
+                               seeds=(0, 1, 2, 3)),
+    "long": lambda: Experiment(with_continuous(onpolicy.long_base()), VARIANTS,
+                               seeds=(0, 1, 2, 3)),
+}
+
+
+def comparisons(names: list[str]) -> list[tuple[str, str]]:
+    """At each S: R3 against no replay, and without IS against with; each S ≥ 1 variant
+    against its S = 0 twin; proximal against behavior at S = 2."""
+    pairs = []
+    for s in (0, 1, 2):
+        pairs += [(f"S{s}-minirl+R3", f"S{s}-minirl"), (f"S{s}-minirl-noIS", f"S{s}-minirl"),
+                  (f"S{s}-minirl+R3-noIS", f"S{s}-minirl+R3")]
+    pairs += [(f"S{s}-{name}", f"S0-{name}") for s in (1, 2) for name, _ in POLICIES]
+    pairs += [(f"S2-proximal-{name}", f"S2-{name}") for name, _ in POLICIES[::2]]
+    return [(a, b) for a, b in pairs if a in names and b in names]
+
+
+def main(argv=None) -> dict:
+    return cli.main("async_staleness", __doc__, EXPERIMENTS, "Partial rollouts (S)", argv,
+                    comparisons=comparisons)
+
+
+if __name__ == "__main__":
+    main()
