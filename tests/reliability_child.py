@@ -1,7 +1,7 @@
 """A training process the reliability tests start, kill and resume (not a test module).
 
     python tests/reliability_child.py WORKDIR DATADIR [--die-in-save STEP]
-        [--fsize-limit-at STEP] [--wait-in-save STEP FILE] [--traceback]
+        [--fsize-limit-at STEP] [--wait-in-save STEP FILE] [--staleness S] [--traceback]
 
 Runs the tiny RL config of rl_helpers for STEPS global steps in WORKDIR (task data cached
 in DATADIR), behind the entry points' one-line errors (exit 2). With --die-in-save STEP
@@ -11,7 +11,7 @@ the process may write no file larger than FSIZE_LIMIT bytes from the save of STE
 (RLIMIT_FSIZE, as `ulimit -f` sets it): the checkpoint's data file no longer fits, the
 metrics rows still do, the way a disk fills up during a save. With --wait-in-save STEP
 FILE it waits, once the save of STEP has started, until FILE exists (a run still
-training while another one starts).
+training while another one starts). --staleness S runs partial rollouts (config).
 """
 import os
 import resource
@@ -34,8 +34,14 @@ STEPS = 4
 FSIZE_LIMIT = 64 * 1024
 
 
-def config():
-    return tiny_cfg(steps=STEPS, checkpoint_every=1, eval_every=2, num_minibatches=2)
+def config(staleness: int = 0):
+    """The run; `staleness` S >= 1: partial rollouts (4 sampler slots for 8 responses, so
+    responses carry over between steps; the queue is part of every checkpoint)."""
+    cfg = tiny_cfg(steps=STEPS, checkpoint_every=1, eval_every=2, num_minibatches=2,
+                   max_staleness=staleness)
+    if staleness:
+        cfg = cfg.replace(sampling=cfg.sampling.replace(max_batch=4))
+    return cfg
 
 
 def _hook_save(step_at: int, before=None, after=None) -> None:
@@ -80,7 +86,7 @@ def main(argv):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         # Shared with the test processes: a bound turns on jax's file lock (conftest.py).
         jax.config.update("jax_compilation_cache_max_size", 16 << 30)
-    cfg = config()
+    cfg = config(int(argv[argv.index("--staleness") + 1]) if "--staleness" in argv else 0)
     data = TaskData.create(cfg.task, cfg.model.vocab_size, data_dir)
     loop.run(cfg, workdir, data=data, progress=False)
 

@@ -24,6 +24,7 @@ from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.rl.inflight import Inflight
 from stablerl_jax.workdir import LOCK_FILE, WorkdirBusy
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reliability_child.py")
@@ -56,9 +57,9 @@ def _run(workdir, data_dir, cache, *extra):
     assert rc == 0, out[-3000:]
 
 
-def _kill_after_row(workdir, data_dir, cache, step):
+def _kill_after_row(workdir, data_dir, cache, step, *extra):
     """Start a run and SIGKILL it as soon as its metrics row `step` is on disk."""
-    proc = _start(workdir, data_dir, cache)
+    proc = _start(workdir, data_dir, cache, *extra)
     path = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -70,24 +71,28 @@ def _kill_after_row(workdir, data_dir, cache, step):
     assert rc == -signal.SIGKILL, f"the run ended on its own (rc {rc}):\n{out[-2000:]}"
 
 
-def _final_params(workdir):
-    cfg = config()
+def _final_params(workdir, staleness=0):
+    cfg = config(staleness)
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
-    like = eng.init_state(tf.init_params(jax.random.key(0), cfg.model))
+    like = eng.init_state(tf.init_params(jax.random.key(0), cfg.model))._asdict()
+    if staleness:  # the carried queue (and the past versions) are checkpointed too
+        inflight = Inflight.create(cfg, PAD_ID)
+        like.update(inflight=inflight.state_dict(), history=[like["params"]] * staleness)
     ck = Checkpointer(os.path.join(workdir, "checkpoints"))
-    step, state, _ = ck.restore_latest(like._asdict())
+    step, state, _ = ck.restore_latest(like)
     ck.close()
     assert step == STEPS
     return jax.tree.map(np.asarray, state)
 
 
-def _assert_same_run(a, b):
+def _assert_same_run(a, b, staleness=0):
     rows_a, rows_b = read_metrics(a), read_metrics(b)
     assert [r["step"] for r in rows_b] == list(range(STEPS + 1))  # no gap, no duplicate
     assert rows_b == rows_a
     assert read_metrics(os.path.join(b, "minibatches.jsonl")) == read_metrics(
         os.path.join(a, "minibatches.jsonl"))
-    jax.tree.map(np.testing.assert_array_equal, _final_params(b), _final_params(a))
+    jax.tree.map(np.testing.assert_array_equal, _final_params(b, staleness),
+                 _final_params(a, staleness))
 
 
 def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
@@ -99,6 +104,20 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
     _kill_after_row(mid, data, cache, step=2)
     _run(mid, data, cache)
     _assert_same_run(full, mid)
+
+
+@pytest.mark.slow  # two subprocess runs; the default suite resumes S = 1 in-process
+# (tests/inflight_test.py)
+def test_a_killed_partial_rollout_run_resumes_to_the_uninterrupted_run(tmp_path, reference):
+    # rl.max_staleness=1: responses in flight at the kill continue after the resume
+    # exactly as they would have (the queue, its keys and versions are checkpointed).
+    _, data, cache = reference
+    full, mid = tmp_path / "full", tmp_path / "mid"
+    _run(full, data, cache, "--staleness", "1")
+    assert max(r.get("async/staleness_max", 0) for r in read_metrics(full)) == 1
+    _kill_after_row(mid, data, cache, 2, "--staleness", "1")
+    _run(mid, data, cache, "--staleness", "1")
+    _assert_same_run(full, mid, staleness=1)
 
 
 @pytest.mark.slow  # a subprocess run; the default suite keeps the mid-run kill above and
