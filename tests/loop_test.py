@@ -109,3 +109,15 @@ def test_a_run_trains_on_an_offline_rollout_file(tmp_path):
     with pytest.raises(ValueError, match="lower rl.steps to 1"):
         loop.run(cfg.replace(rl=cfg.rl.replace(steps=2)), str(tmp_path / "run2"),
                  init_params=params, progress=False)
+
+
+def test_a_continuous_sampler_run_is_the_static_sampler_run(tmp_path):
+    # sampling.continuous refills finished slots; the responses are the static
+    # sampler's bit for bit (tests/continuous_test.py), so the whole run is the same.
+    cfg = tiny_cfg(steps=2)
+    runs = {}
+    for continuous in (False, True):
+        c = cfg.replace(sampling=cfg.sampling.replace(max_batch=4, continuous=continuous))
+        loop.run(c, str(tmp_path / str(continuous)), progress=False)
+        runs[continuous] = read_metrics(str(tmp_path / str(continuous)))
+    assert runs[True] == runs[False]
