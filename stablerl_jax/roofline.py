@@ -427,6 +427,16 @@ class SamplerPrices:
         """One sampler run (a schedule.Sampling): its decode steps, prefills and reshard."""
         return s.runs.sum_of(self.decode_O) + self.prefill_s(s.prefills) + self.once_s
 
+    def row_reads_seconds(self, s) -> float:
+        """`seconds` if a decode step's attention read each live row's own key blocks
+        (ragged, as paged attention does) instead of every row's up to the largest write
+        slot: each step at its first-slot cost, plus, per token written at slot P + o,
+        1/slots of the extra blocks a step at o reads (decode_O[o] − decode_O[0]). A
+        what-if: the sampler's kernel reads up to the largest slot."""
+        extra_O = self.decode_O[:len(s.written_O)] - self.decode_O[0]
+        return (s.runs.steps * self.decode_O[0] + float(s.written_O @ extra_O) / s.slots
+                + self.prefill_s(s.prefills) + self.once_s)
+
 
 def sampler_prices(cfg: ExperimentConfig, costs: SamplerCosts, chips: int,
                    chip: ChipSpec) -> SamplerPrices:
@@ -462,10 +472,17 @@ class ScheduleRow:
     age_share: tuple = (1.0,)
     age_mean: float = 0.0
     age_max: int = 0
+    sample_rows_s: float = math.nan  # SamplerPrices.row_reads_seconds: the what-if
+    eval_rows_s: float = math.nan
 
     @property
     def global_s(self) -> float:
         return self.sample_s + self.score_passes * self.score_s + self.train_s + self.eval_s
+
+    @property
+    def global_rows_s(self) -> float:
+        return (self.sample_rows_s + self.score_passes * self.score_s + self.train_s
+                + self.eval_rows_s)
 
     @property
     def global_proximal_s(self) -> float:
@@ -505,7 +522,8 @@ def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
             score_s, train, ev.runs.steps, ev.occupancy,
             prices.seconds(ev) / rl.eval_every, mean(lambda s: s.dropped),
             mean(lambda s: s.prefill_tokens(p)), tuple(ages / ages.sum()),
-            float(ages @ np.arange(len(ages)) / ages.sum()), int(np.flatnonzero(ages).max())))
+            float(ages @ np.arange(len(ages)) / ages.sum()), int(np.flatnonzero(ages).max()),
+            mean(prices.row_reads_seconds), prices.row_reads_seconds(ev) / rl.eval_every))
     return rows
 
 

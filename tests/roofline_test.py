@@ -44,6 +44,19 @@ def test_static_pricing_of_truncated_responses_is_the_fixed_length_estimate():
         (forward_flops(CFG.model, 1, 16) + forward_flops(CFG.model, 1, 40)) / 4)
 
 
+def test_row_reads_charge_each_row_its_own_key_blocks():
+    # Rows of 1 and 12 tokens in 2 slots: 12 steps. Reading up to the largest slot, steps
+    # 8..11 read 4 extra seconds' blocks for both rows (8 × 11 + 4 × 15 = 148); reading
+    # each row's own, the 12-token row alone needs them, half of it: 12 × 11 + 4 × 2 = 140.
+    p = _prices(chips=4)
+    s = schedule.static(np.array([1, 12]), 2)
+    fixed = p.prefill_s([0, 0]) + 5.0
+    assert p.seconds(s) == pytest.approx(148 + fixed)
+    assert p.row_reads_seconds(s) == pytest.approx(140 + fixed)
+    equal = schedule.static(np.array([12, 12]), 2)  # equal rows: the same either way
+    assert p.row_reads_seconds(equal) == pytest.approx(p.seconds(equal))
+
+
 def test_schedule_rows_of_fixed_lengths_by_hand():
     # All 128 responses 12 long, B = slots: every schedule decodes 12 steps per global
     # step at offsets 0..11 (8 × 11 + 4 × 15 = 148 s). Partial rollouts queue B + slots:
@@ -65,6 +78,7 @@ def test_schedule_rows_of_fixed_lengths_by_hand():
         assert r.eval_steps == 48
         assert r.eval_s == pytest.approx((4 * decode + 512 * row_prefill + 5.0) / 20)
         assert r.global_s == pytest.approx(r.sample_s + 3.0 + 7.0 + r.eval_s)
+        assert r.global_rows_s == pytest.approx(r.global_s)  # equal rows
         assert r.age_share[0] == 1.0 and r.age_max == 0
 
 

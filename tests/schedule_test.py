@@ -39,6 +39,7 @@ def test_static_runs_each_strided_pass_to_its_longest_row():
     assert s.runs.steps == 6
     assert s.runs.offsets().tolist() == [0, 1, 0, 1, 2, 3]
     assert (len(s.prefills), s.tokens, s.occupancy) == (4, 10, 10 / 12)
+    assert s.written_O.tolist() == [4, 3, 2, 1]  # rows longer than o
     assert schedule.static(np.array([1, 4, 2, 3]), 0).runs.offsets().tolist() == [0, 1, 2, 3]
 
 
@@ -49,6 +50,7 @@ def test_continuous_refills_freed_slots_by_hand():
     s = schedule.continuous(np.array([1, 4, 2, 3]), 2)
     assert s.runs.offsets().tolist() == [0, 1, 2, 3, 1, 2]
     assert (len(s.prefills), s.tokens) == (4, 10)
+    assert s.written_O.tolist() == [4, 3, 2, 1]  # each response writes 0..ℓ−1, as static
     # [4, 1, 1, 4]: static needs max(4, 1) + max(1, 4) = 8 steps; continuous 6 (r1 and r2
     # pass through slot 1 while r0 runs, r3 ends two steps after r0).
     assert schedule.static(np.array([4, 1, 1, 4]), 2).runs.steps == 8
@@ -66,7 +68,8 @@ def test_continuous_events_equal_the_step_by_step_reference(seed):
         offsets, prefills = _continuous_reference(lengths.tolist(), slots)
         assert s.runs.offsets().tolist() == offsets
         assert len(s.prefills) == prefills == len(lengths)
-        assert s.tokens == lengths.sum()
+        assert s.tokens == lengths.sum() == s.written_O.sum()
+        assert s.written_O.tolist() == schedule.static(lengths, 0).written_O.tolist()
 
 
 def test_runs_sum_a_value_per_decode_step():
@@ -91,7 +94,8 @@ def test_partial_rollouts_by_hand():
     assert [s.runs.offsets().tolist() for s in steps] == [[0], [0, 1, 2], [3], [0]]
     assert [s.prefills.tolist() for s in steps] == [[0, 0, 0, 0], [0, 0, 0, 0], [3, 0, 0],
                                                     [0, 0, 0]]
-    assert _ages(steps) == [[2], [2], [1, 4], [1, 1]]  # tokens by age 0, 1, …
+    assert _ages(steps) == [[2], [2], [1, 4], [1, 1]]
+    assert steps[2].written_O.tolist() == [1, 0, 0, 1]  # r6 at offset 0, r2 at 3  # tokens by age 0, 1, …
     assert [s.dropped for s in steps] == [0, 0, 0, 0]
     assert [s.queue for s in steps] == [4, 4, 4, 4]
 
