@@ -81,26 +81,41 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
 
 def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
                     inflight: Inflight):
-    """Sampling of global step `step` with partial rollouts (rl/inflight.py): (rollout,
-    prompt tokens and mask [B, P], answers, train-split prompt indices [Q], each token's
-    age [B, S], `async/…` metrics)."""
+    """Sampling of global step `step` with partial rollouts (rl/inflight.py): (the
+    rollout and each token's age [B, S] on the host, all rows; this process's rows of
+    the prompt tokens and mask and of the answers; the train-split prompt indices [Q];
+    `async/…` metrics; the trim window (lo, hi) of the rollout or None).
+
+    Every process keeps the whole queue on the host (the same on each: everything in it
+    is derived from the seed and the sampled tokens), hands its block of rows to the
+    sampler, and gathers the sampled queue back."""
     cfg = engine.cfg
     dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
-    queue, decode_steps = engine.sample_partial(state.params, inflight.queue, step)
-    inflight.queue = jax.tree.map(lambda x: np.array(distributed.host(x)), queue)
+    mine_n = distributed.rows_of_process(len(inflight.attempts_N))
+    queue, decode_steps = engine.sample_partial(
+        state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
+    inflight.queue = jax.tree.map(
+        lambda x: np.array(distributed.gather(distributed.local_rows(x))), queue)
     rows, gids = inflight.take(cfg)
     q = jax.tree.map(lambda x: x[rows], inflight.queue)
     prompt_idx = inflight.prompt_indices(gids, cfg, data)
     g, p = cfg.rl.group_size, cfg.task.max_prompt_len
-    answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)]
     carried = inflight.group_ids != EMPTY
     metrics = {**age_stats(q.version_NxS, q.completion_NxS, step, cfg.rl.max_staleness),
                "async/dropped": float(dropped),
                "async/decode_steps": float(distributed.host(decode_steps)),
                "async/carried_tokens": float(inflight.queue.completion_NxS[
                    np.repeat(carried, g)].sum())}
-    return (continuous.to_rollout(q), q.tokens_NxS[:, :p], q.prompt_mask_NxS[:, :p], answers,
-            prompt_idx, age_of_tokens(q.version_NxS, q.completion_NxS, step), metrics)
+    window = None
+    if cfg.rl.trim_bucket:  # the window Engine.trim cuts from the whole rollout
+        window = rollout_lib.used_window(np.any(q.prompt_mask_NxS | q.completion_NxS, 0),
+                                         cfg.rl.trim_bucket)
+    mine = distributed.rows_of_process(len(rows))
+    answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)][mine]
+    rollout = jax.tree.map(np.asarray, continuous.to_rollout(q))
+    return (rollout, age_of_tokens(q.version_NxS, q.completion_NxS, step),
+            q.tokens_NxS[mine, :p], q.prompt_mask_NxS[mine, :p], answers, prompt_idx,
+            metrics, window)
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
@@ -127,14 +142,16 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     rl = engine.cfg.rl
     age_BxS, async_metrics = None, {}
     if inflight is not None:
-        (rollout, tokens, mask, answers, prompt_idx, age_BxS,
-         async_metrics) = partial_rollout(engine, state, data, step, inflight)
+        (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
+         window) = partial_rollout(engine, state, data, step, inflight)
         rewards_mine, extractors = data.reward_with_source(rollout, answers)
         lengths_mine = distributed.local_rows(rollout.lengths_B)
         truncated_mine = distributed.local_rows(rollout.truncated_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
         samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
                                     extractors, log_samples, split="train")
+        # From here on, like a sampled rollout: this process's rows of the batch.
+        rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
     elif offline is None:
         prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
         mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
@@ -158,11 +175,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         penalty_mine = overlong.length_penalty(lengths_mine, engine.cfg.sampling.max_new_tokens,
                                                rl.overlong_buffer, rl.overlong_penalty_factor)
     if rl.trim_bucket:
-        if age_BxS is not None:  # the window Engine.trim cuts (one process: host arrays)
-            lo, hi = rollout_lib.used_window(np.any(np.asarray(
-                rollout.prompt_mask_BxS | rollout.completion_mask_BxS), axis=0),
-                rl.trim_bucket)
-            age_BxS = age_BxS[:, lo:hi]
+        if age_BxS is not None:
+            age_BxS = age_BxS[:, window[0]:window[1]]
         rollout = engine.trim(rollout, rl.trim_bucket)
     if age_BxS is not None and rl.old_policy == "behavior":
         batch, score_metrics = engine.score_behavior(

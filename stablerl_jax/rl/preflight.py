@@ -103,7 +103,4 @@ def check_processes(cfg, export_hf: str = "") -> None:
     if export_hf:
         raise ValueError("--export-hf writes from one process; export a checkpoint of this "
                          "run from a single process instead")
-    if rl.max_staleness:
-        raise ValueError(f"rl.max_staleness={rl.max_staleness}: partial rollouts keep their "
-                         "queue on one host; run them as a single process (one host, all "
-                         "its devices) or set rl.max_staleness=0")
+
