@@ -141,30 +141,25 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     """
     rl = engine.cfg.rl
     age_BxS, async_metrics = None, {}
-    if inflight is not None:
-        (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
-         window) = partial_rollout(engine, state, data, step, inflight)
+    if offline is None:
+        if inflight is not None:
+            (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
+             window) = partial_rollout(engine, state, data, step, inflight)
+        else:
+            prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
+            mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
+            tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
+                                                      rl.group_size)
+            key = jax.random.fold_in(jax.random.key(rl.seed), step)
+            rollout = engine.sample(state.params, tokens, mask, key)
         rewards_mine, extractors = data.reward_with_source(rollout, answers)
         lengths_mine = distributed.local_rows(rollout.lengths_B)
         truncated_mine = distributed.local_rows(rollout.truncated_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
         samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
                                     extractors, log_samples, split="train")
-        # From here on, like a sampled rollout: this process's rows of the batch.
-        rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
-    elif offline is None:
-        prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-        mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
-        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
-                                                  rl.group_size)
-        key = jax.random.fold_in(jax.random.key(rl.seed), step)
-        rollout = engine.sample(state.params, tokens, mask, key)
-        rewards_mine, extractors = data.reward_with_source(rollout, answers)
-        lengths_mine = distributed.local_rows(rollout.lengths_B)
-        truncated_mine = distributed.local_rows(rollout.truncated_B)
-        source = {"prompts": [int(i) for i in prompt_idx]}
-        samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
-                                    extractors, log_samples, split="train")
+        if age_BxS is not None:  # host arrays: from here on, this process's rows
+            rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
     else:  # already this process's rows, on the host
         rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
         lengths_mine, truncated_mine = rollout.lengths_B, rollout.truncated_B
