@@ -210,7 +210,8 @@ class _Sampler:
         self.gen = np.zeros(r, np.int64)          # tokens generated (current attempt)
         self.version = np.full(r, -1, np.int64)   # version of the oldest token; -1 none
         self.by_version = np.zeros((r, steps), np.int64)  # tokens of each version
-        self.state = np.zeros(r, np.int8)         # 0 unqueued, 1 pending, 2 live, 3 done, 4 consumed
+        # 0 unqueued, 1 pending, 2 live (in a slot), 3 done (not consumed), 4 consumed
+        self.state = np.zeros(r, np.int8)
         self.done_in = np.zeros(-(-r // group), np.int64)  # finished members per group
         self.slot = np.full(slots, -1, np.int64)  # response in each slot, -1 free
         self.pending: list[int] = []              # heap: queue order = response id

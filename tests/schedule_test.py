@@ -75,7 +75,9 @@ def test_continuous_events_equal_the_step_by_step_reference(seed):
 def test_runs_sum_a_value_per_decode_step():
     runs = schedule.Runs(np.array([3, 0, 5]), np.array([2, 1, 3]))
     values = np.arange(10.0) ** 2
-    assert runs.sum_of(values) == sum(values[o] for o in runs.offsets()) == 9 + 16 + 0 + 25 + 36 + 49
+    assert runs.offsets().tolist() == [3, 4, 0, 5, 6, 7]
+    assert runs.sum_of(values) == sum(values[o] for o in runs.offsets())
+    assert runs.sum_of(values) == 9 + 16 + 0 + 25 + 36 + 49
 
 
 def _ages(steps):
@@ -94,8 +96,8 @@ def test_partial_rollouts_by_hand():
     assert [s.runs.offsets().tolist() for s in steps] == [[0], [0, 1, 2], [3], [0]]
     assert [s.prefills.tolist() for s in steps] == [[0, 0, 0, 0], [0, 0, 0, 0], [3, 0, 0],
                                                     [0, 0, 0]]
-    assert _ages(steps) == [[2], [2], [1, 4], [1, 1]]
-    assert steps[2].written_O.tolist() == [1, 0, 0, 1]  # r6 at offset 0, r2 at 3  # tokens by age 0, 1, …
+    assert _ages(steps) == [[2], [2], [1, 4], [1, 1]]  # tokens by age 0, 1, …
+    assert steps[2].written_O.tolist() == [1, 0, 0, 1]  # r6 at offset 0, r2 at 3
     assert [s.dropped for s in steps] == [0, 0, 0, 0]
     assert [s.queue for s in steps] == [4, 4, 4, 4]
 
@@ -147,8 +149,8 @@ def test_lognormal_lengths_have_the_stated_mean_and_truncated_share():
     rng = np.random.default_rng(0)
     x = schedule.lengths_from_spec("lognormal:mean=100", 10**9, 200_000, rng)
     assert abs(x.mean() - 100.5) < 1  # ceil adds ≈ 0.5; sd 86 / √200k ≈ 0.2
-    # Share above the cap: 1 − Φ((ln C − μ) / σ) with μ = ln m − σ²/2; at m = C/4, σ = 0.75:
-    # 1 − Φ((ln 4 + 0.28125) / 0.75) ≈ 0.0131.
+    # Share above the cap: 1 − Φ((ln C − μ) / σ) with μ = ln m − σ²/2; at m = C/4 and
+    # σ = 0.75: 1 − Φ((ln 4 + 0.28125) / 0.75) ≈ 0.0131.
     x = schedule.lengths_from_spec("lognormal:mean=8192", 32_768, 100_000, rng)
     sigma = schedule.DEFAULT_SIGMA
     z = (math.log(4) + sigma**2 / 2) / sigma
