@@ -20,14 +20,17 @@ key blocks up to the largest row's slot.
 
 Exactness. Response r draws the token at its completion position i from
 fold_in(key_r, i), where key_r is row r's key of the static sampler (`rollout.row_keys`),
-and its prefill and decode steps compute its row alone: no quantity of a row depends on
-the other rows of the batch. So a response's tokens, log μ, routes and weights depend
-only on (its key, its prompt, the weights), never on the slot it ran in or on the
-responses beside it, and the result is the static sampler's Rollout, in the same row
-order, after fewer decode steps when the lengths differ (tests/continuous_test.py: bit
-for bit on CPU with the FP8 and bf16 engines; with float32 weights and activations the
-differently fused programs may round a log-prob's last bits differently, while tokens
-and routes are the same). Alignment of every field: rollout.py's module docstring.
+and no quantity of a row depends on the other rows of the batch: its prefill and decode
+steps compute its row alone. So a response's tokens, log μ, routes and weights are the
+static sampler's, in the same row order, after fewer decode steps when the lengths
+differ, as far as the matmul kernels round a row alike whatever the batch around it.
+On CPU the FP8 and bf16 engines agree bit for bit with prefills of up to 32 rows
+(tests/continuous_test.py; docs/benchmarks.md, "Samplers side by side"); a refill's
+[1, P] prefill can round differently from a pass's [64, P] one, and a response started
+by a refill may then draw another token (another sample of the same distribution, its
+log μ the one it was drawn from). With float32 weights and activations the differently
+fused programs round a log-prob's last bits differently even at small sizes, while
+tokens and routes agree. Alignment of every field: rollout.py's module docstring.
 """
 from __future__ import annotations
 
@@ -260,6 +263,9 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         st = decode_step(st)
         return jax.lax.while_loop(
             lambda st: jnp.any(st["done"]) & jnp.any(pending(st)) & wanted(st), refill, st)
+
+    if n == big_n:  # a slot per response: nothing is ever refilled
+        body = decode_step
 
     st = jax.lax.while_loop(lambda st: jnp.any(~st["done"]) & wanted(st), body, state)
     return st["q"], st["steps"]

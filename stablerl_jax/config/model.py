@@ -159,7 +159,8 @@ class SamplingConfig(Section):
       max_batch: rows decoded at once over the whole mesh; a larger batch is decoded as a
         sequence of slices of this many rows (its KV cache is the memory that bounds a
         pod's sampling batch). 0: every row at once. A row's sample does not depend on
-        the slicing (each row draws from its own key).
+        the slicing (each row draws from its own key), up to how the matmul kernels
+        round a prefill of another batch size (docs/benchmarks.md).
       dispatch: the engine's own expert dispatch ('grouped' or 'dense', the same function
         up to float reassociation, as an inference server's MoE kernels differ from the
         trainer's); '' = the model's (model.dispatch). 'dense' decodes a small model on
@@ -175,8 +176,8 @@ class SamplingConfig(Section):
       continuous: continuous batching (stablerl_jax/continuous.py): max_batch slots
         (0: one per row), and a slot whose response is complete takes the next pending
         response at once, instead of idling until its slice's longest row stops. The
-        same responses as the static sampler, in fewer decode steps; training rollouts
-        and evaluation alike.
+        static sampler's responses (up to the rounding of a prefill batch's size,
+        continuous.py) in fewer decode steps; training rollouts and evaluation alike.
     EOS and padding ids are the tokenizer's.
     """
 
