@@ -121,7 +121,7 @@ def run_partial(cfg, data, params, steps: int, warmup: int) -> dict:
         t0 = time.perf_counter()
         dropped = inflight.prepare(step, cfg, data, pad_id)
         t1 = time.perf_counter()
-        before = int(inflight.queue.progress_N.sum())
+        before = int(inflight.queue.progress_I.sum())
         queue, decode_steps = engine.sample_partial(params, inflight.queue, step)
         inflight.queue = jax.tree.map(lambda x: np.array(distributed.host(x)), queue)
         t2 = time.perf_counter()
@@ -129,14 +129,14 @@ def run_partial(cfg, data, params, steps: int, warmup: int) -> dict:
         t3 = time.perf_counter()
         if step < warmup:
             continue
-        done = inflight.queue.completion_NxS[rows].sum(axis=1)
+        done = inflight.queue.completion_IxS[rows].sum(axis=1)
         lengths.append(done)
         tot["wall"] += t3 - t0
         tot["host"] += (t1 - t0) + (t3 - t2)
         tot["responses"] += len(rows)
         tot["tokens"] += int(done.sum())
         # Generated in this call: progress gained (resets happened in prepare, before).
-        tot["generated"] += int(inflight.queue.progress_N.sum()) - before
+        tot["generated"] += int(inflight.queue.progress_I.sum()) - before
         tot["decode_steps"] += int(distributed.host(decode_steps))
         tot["dropped"] += dropped
     tot["lengths"] = np.concatenate(lengths)

@@ -1,7 +1,7 @@
 """Continuous batching: the sampler that refills a finished row's slot with the next response.
 
-Letters: N responses (the queue, in row order), n slots (rows decoded at once:
-sampling.max_batch, or N), P prompt slots, C completion slots (max_new_tokens),
+Letters: I responses (the queue, in row order), n slots (rows decoded at once:
+sampling.max_batch, or I), P prompt slots, C completion slots (max_new_tokens),
 S = P + C, V vocab, L layers, K top-k.
 
 The static sampler (rollout.py) decodes a slice of rows until its longest row stops;
@@ -10,7 +10,7 @@ nothing. Here a slot whose response stopped (or reached C tokens) takes the next
 pending response of the queue before the next decode step: its prompt is prefilled
 alone into that slot's row of the KV cache (one [1, P] forward), and its first token is
 drawn in the next step. The first n responses start together (one [n, P] prefill).
-Slots are refilled in ascending order; the sampler ends when all N responses are
+Slots are refilled in ascending order; the sampler ends when all I responses are
 complete. `stablerl_jax.schedule` simulates exactly this schedule.
 
 Every slot row keeps the static layout (prompt left-padded in [0, P), completion from
@@ -47,24 +47,24 @@ from stablerl_jax.model import transformer as tf
 
 
 class Queue(NamedTuple):
-    """The responses a continuous sampler works through; every leaf is [N, ...], in queue
+    """The responses a continuous sampler works through; every leaf is [I, ...], in queue
     order (a group's G responses are adjacent). Slot alignment as in a Rollout.
-    `version_NxS` is the parameter version that generated each completion token (-1
-    elsewhere); `progress_N` the tokens generated so far; `finished_N` complete
-    (stopped or C tokens); `stopped_N` ended on a stop id. Partial rollouts carry the
+    `version_IxS` is the parameter version that generated each completion token (-1
+    elsewhere); `progress_I` the tokens generated so far; `finished_I` complete
+    (stopped or C tokens); `stopped_I` ended on a stop id. Partial rollouts carry the
     unfinished ones into the next step's queue (rl/inflight.py)."""
 
-    tokens_NxS: jax.Array            # int32: prompt in [0, P), completion from P
-    prompt_mask_NxS: jax.Array       # bool
-    keys_Nx2: jax.Array              # uint32: each response's key data (rollout.row_keys)
-    completion_NxS: jax.Array        # bool
-    logp_NxS: jax.Array              # float32, log μ of the version that drew the token
-    routes_NxSxLxK: jax.Array        # int32
-    route_weights_NxSxLxK: jax.Array  # float32
-    version_NxS: jax.Array           # int32
-    progress_N: jax.Array            # int32
-    finished_N: jax.Array            # bool
-    stopped_N: jax.Array             # bool
+    tokens_IxS: jax.Array            # int32: prompt in [0, P), completion from P
+    prompt_mask_IxS: jax.Array       # bool
+    keys_Ix2: jax.Array              # uint32: each response's key data (rollout.row_keys)
+    completion_IxS: jax.Array        # bool
+    logp_IxS: jax.Array              # float32, log μ of the version that drew the token
+    routes_IxSxLxK: jax.Array        # int32
+    route_weights_IxSxLxK: jax.Array  # float32
+    version_IxS: jax.Array           # int32
+    progress_I: jax.Array            # int32
+    finished_I: jax.Array            # bool
+    stopped_I: jax.Array             # bool
 
 
 def slots_of(sampling: SamplingConfig, rows: int) -> int:
@@ -72,32 +72,32 @@ def slots_of(sampling: SamplingConfig, rows: int) -> int:
     return min(sampling.max_batch or rows, rows)
 
 
-def new_queue(prompts_NxP, pmask_NxP, key, cfg: ModelConfig, sampling: SamplingConfig,
+def new_queue(prompts_IxP, pmask_IxP, key, cfg: ModelConfig, sampling: SamplingConfig,
               pad_id: int) -> Queue:
     """A queue of responses not yet started, one per prompt row; `key`: one key (split
-    into N, as the static sampler splits it) or [N] keys."""
-    n, p = prompts_NxP.shape
+    into I, as the static sampler splits it) or [I] keys."""
+    n, p = prompts_IxP.shape
     s = p + sampling.max_new_tokens
     routes_shape = (n, s, cfg.num_layers, cfg.top_k)
     return Queue(
-        tokens_NxS=jnp.full((n, s), pad_id, jnp.int32).at[:, :p].set(prompts_NxP),
-        prompt_mask_NxS=jnp.zeros((n, s), bool).at[:, :p].set(pmask_NxP),
-        keys_Nx2=jax.random.key_data(rollout_lib.row_keys(key, n)),
-        completion_NxS=jnp.zeros((n, s), bool), logp_NxS=jnp.zeros((n, s), jnp.float32),
-        routes_NxSxLxK=jnp.full(routes_shape, -1, jnp.int32),
-        route_weights_NxSxLxK=jnp.zeros(routes_shape, jnp.float32),
-        version_NxS=jnp.full((n, s), -1, jnp.int32), progress_N=jnp.zeros((n,), jnp.int32),
-        finished_N=jnp.zeros((n,), bool), stopped_N=jnp.zeros((n,), bool))
+        tokens_IxS=jnp.full((n, s), pad_id, jnp.int32).at[:, :p].set(prompts_IxP),
+        prompt_mask_IxS=jnp.zeros((n, s), bool).at[:, :p].set(pmask_IxP),
+        keys_Ix2=jax.random.key_data(rollout_lib.row_keys(key, n)),
+        completion_IxS=jnp.zeros((n, s), bool), logp_IxS=jnp.zeros((n, s), jnp.float32),
+        routes_IxSxLxK=jnp.full(routes_shape, -1, jnp.int32),
+        route_weights_IxSxLxK=jnp.zeros(routes_shape, jnp.float32),
+        version_IxS=jnp.full((n, s), -1, jnp.int32), progress_I=jnp.zeros((n,), jnp.int32),
+        finished_I=jnp.zeros((n,), bool), stopped_I=jnp.zeros((n,), bool))
 
 
 def to_rollout(q: Queue) -> rollout_lib.Rollout:
     """The Rollout of a queue's (complete) responses."""
     return rollout_lib.Rollout(
-        tokens_BxS=q.tokens_NxS, prompt_mask_BxS=q.prompt_mask_NxS,
-        completion_mask_BxS=q.completion_NxS,
-        lengths_B=jnp.sum(q.completion_NxS, axis=1, dtype=jnp.int32),
-        logp_mu_BxS=q.logp_NxS, routes_mu_BxSxLxK=q.routes_NxSxLxK,
-        route_weights_mu_BxSxLxK=q.route_weights_NxSxLxK, truncated_B=~q.stopped_N)
+        tokens_BxS=q.tokens_IxS, prompt_mask_BxS=q.prompt_mask_IxS,
+        completion_mask_BxS=q.completion_IxS,
+        lengths_B=jnp.sum(q.completion_IxS, axis=1, dtype=jnp.int32),
+        logp_mu_BxS=q.logp_IxS, routes_mu_BxSxLxK=q.routes_IxSxLxK,
+        route_weights_mu_BxSxLxK=q.route_weights_IxSxLxK, truncated_B=~q.stopped_I)
 
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
@@ -128,11 +128,11 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
     with these weights); then decode steps and refills (module docstring) until every
     response is complete or, with `need_groups`, until that many groups of `group_size`
     adjacent responses are complete (partial rollouts: the rest stay unfinished)."""
-    big_n, s = queue.tokens_NxS.shape
-    n, c = slots_of(sampling, big_n), sampling.max_new_tokens
+    num_i, s = queue.tokens_IxS.shape
+    n, c = slots_of(sampling, num_i), sampling.max_new_tokens
     p = s - c
-    need = need_groups or big_n // group_size
-    keys_N = rollout_lib.row_keys(queue.keys_Nx2, big_n)
+    need = need_groups or num_i // group_size
+    keys_I = rollout_lib.row_keys(queue.keys_Ix2, num_i)
     prepared = nx.prepare_params(params, numerics)
     d_params, d_rules = (rollout_lib.serving_layout(params, cfg, numerics, mesh)
                          if sampling.layout == "serve" else (prepared, None))
@@ -145,18 +145,18 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         is prefilled over its prompt and completion so far (S slots), a new one over
         its prompt (P slots): one program each, the second the static sampler's."""
         r, q = rows_R.shape[0], st["q"]
-        progress_R = q.progress_N[rows_R]
+        progress_R = q.progress_I[rows_R]
 
         def over(width):
-            attn_RxW = (q.prompt_mask_NxS | q.completion_NxS)[rows_R, :width]
-            h, aux = tf.forward(prepared, q.tokens_NxS[rows_R, :width], cfg,
+            attn_RxW = (q.prompt_mask_IxS | q.completion_IxS)[rows_R, :width]
+            h, aux = tf.forward(prepared, q.tokens_IxS[rows_R, :width], cfg,
                                 attention_mask_BxT=attn_RxW, numerics=numerics,
                                 cache=tf.init_cache(cfg, r, s, dtype), mesh=mesh)
             # Left padding puts every prompt's last token in slot P − 1.
             last_RxD = jnp.take_along_axis(h, (p - 1 + progress_R)[:, None, None], 1)[:, 0]
             return last_RxD, aux["cache"], aux["routes"][:, :p], aux["route_weights"][:, :p]
 
-        if r == n and n == big_n and not need_groups:  # one call over a fresh queue
+        if r == n and n == num_i and not need_groups:  # one call over a fresh queue
             last_RxD, cache_r, routes_RxP, weights_RxP = over(p)
         else:
             last_RxD, cache_r, routes_RxP, weights_RxP = jax.lax.cond(
@@ -168,20 +168,20 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
                  "v": jax.tree.map(put, cache["v"], cache_r["v"]),
                  "mask": cache["mask"].at[slots_R].set(cache_r["mask"]),
                  "index": cache["index"].at[slots_R].set(p + progress_R)}
-        new_RxPx1x1 = ((progress_R == 0)[:, None] & q.prompt_mask_NxS[rows_R, :p])[..., None,
+        new_RxPx1x1 = ((progress_R == 0)[:, None] & q.prompt_mask_IxS[rows_R, :p])[..., None,
                                                                                     None]
         q = q._replace(
-            routes_NxSxLxK=q.routes_NxSxLxK.at[rows_R, :p].set(
-                jnp.where(new_RxPx1x1, routes_RxP, q.routes_NxSxLxK[rows_R, :p])),
-            route_weights_NxSxLxK=q.route_weights_NxSxLxK.at[rows_R, :p].set(
-                jnp.where(new_RxPx1x1, weights_RxP, q.route_weights_NxSxLxK[rows_R, :p])))
+            routes_IxSxLxK=q.routes_IxSxLxK.at[rows_R, :p].set(
+                jnp.where(new_RxPx1x1, routes_RxP, q.routes_IxSxLxK[rows_R, :p])),
+            route_weights_IxSxLxK=q.route_weights_IxSxLxK.at[rows_R, :p].set(
+                jnp.where(new_RxPx1x1, weights_RxP, q.route_weights_IxSxLxK[rows_R, :p])))
         return dict(st, q=q, cache=cache, hidden=st["hidden"].at[slots_R].set(last_RxD),
                     resp=st["resp"].at[slots_R].set(rows_R),
                     started=st["started"].at[rows_R].set(True),
                     done=st["done"].at[slots_R].set(False))
 
     def groups_complete(q):
-        return jnp.sum(jnp.all(q.finished_N.reshape(-1, group_size), axis=1))
+        return jnp.sum(jnp.all(q.finished_I.reshape(-1, group_size), axis=1))
 
     def next_logits(hidden_nxD, first_n):
         """A response's first token is drawn from logits of the prefill's weights, the
@@ -199,10 +199,10 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
 
     def decode_step(st):
         q, live = st["q"], ~st["done"]
-        i_n = q.progress_N[st["resp"]]
+        i_n = q.progress_I[st["resp"]]
         logp_nxV = rollout_lib.sampling_logprobs(next_logits(st["hidden"], i_n == 0),
                                                  sampling)
-        tok = jax.vmap(draw)(keys_N[st["resp"]], i_n, logp_nxV)
+        tok = jax.vmap(draw)(keys_I[st["resp"]], i_n, logp_nxV)
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_nxV, tok[:, None], axis=1)[:, 0]
         stop = jnp.any(tok[:, None] == stops_Z[None, :], axis=1)
@@ -213,26 +213,26 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         h, a = tf.forward(d_params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=cache, mesh=mesh, rules=d_rules)
         recorded_nx1x1 = (fed & (i_n + 1 < c))[:, None, None]
-        # Writes of a slot that holds no running response go to row N: dropped.
-        row, col = jnp.where(live, st["resp"], big_n), p + i_n
+        # Writes of a slot that holds no running response go to row I: dropped.
+        row, col = jnp.where(live, st["resp"], num_i), p + i_n
         put = lambda buf, v: buf.at[row, col].set(v, mode="drop")
         finished = live & (stop | (i_n + 1 >= c))
         q = q._replace(
-            tokens_NxS=put(q.tokens_NxS, tok), logp_NxS=put(q.logp_NxS, lp),
-            completion_NxS=put(q.completion_NxS, live),
-            routes_NxSxLxK=put(q.routes_NxSxLxK,
+            tokens_IxS=put(q.tokens_IxS, tok), logp_IxS=put(q.logp_IxS, lp),
+            completion_IxS=put(q.completion_IxS, live),
+            routes_IxSxLxK=put(q.routes_IxSxLxK,
                                jnp.where(recorded_nx1x1, a["routes"][:, 0], -1)),
-            route_weights_NxSxLxK=put(q.route_weights_NxSxLxK, jnp.where(
+            route_weights_IxSxLxK=put(q.route_weights_IxSxLxK, jnp.where(
                 recorded_nx1x1, a["route_weights"][:, 0], 0).astype(jnp.float32)),
-            version_NxS=put(q.version_NxS, jnp.full((n,), version, jnp.int32)),
-            progress_N=q.progress_N.at[row].set(i_n + 1, mode="drop"),
-            finished_N=q.finished_N.at[row].set(finished, mode="drop"),
-            stopped_N=q.stopped_N.at[row].set(stop, mode="drop"))
+            version_IxS=put(q.version_IxS, jnp.full((n,), version, jnp.int32)),
+            progress_I=q.progress_I.at[row].set(i_n + 1, mode="drop"),
+            finished_I=q.finished_I.at[row].set(finished, mode="drop"),
+            stopped_I=q.stopped_I.at[row].set(stop, mode="drop"))
         return dict(st, q=q, cache=a["cache"], hidden=h[:, 0],
                     done=st["done"] | finished, steps=st["steps"] + 1)
 
     def pending(st):
-        return ~st["q"].finished_N & ~st["started"]
+        return ~st["q"].finished_I & ~st["started"]
 
     def refill(st):
         """The lowest free slot takes the next pending response (one 1-row prefill)."""
@@ -250,21 +250,21 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         "hidden": jnp.zeros((n, cfg.d_model), dtype),
         "resp": jnp.zeros((n,), jnp.int32),  # the response each slot holds
         "done": jnp.ones((n,), bool),        # no running response: the slot is free
-        "started": jnp.zeros((big_n,), bool),  # given a slot in this call
+        "started": jnp.zeros((num_i,), bool),  # given a slot in this call
         "steps": jnp.zeros((), jnp.int32),
     }
     # The first n unfinished responses in queue order (fewer: the other slots stay free).
-    first_n = jnp.nonzero(~queue.finished_N, size=n, fill_value=big_n)[0]
-    state = prefill(state, jnp.minimum(first_n, big_n - 1), jnp.arange(n))
-    state = dict(state, done=first_n >= big_n,
-                 started=state["started"] & ~queue.finished_N)
+    first_n = jnp.nonzero(~queue.finished_I, size=n, fill_value=num_i)[0]
+    state = prefill(state, jnp.minimum(first_n, num_i - 1), jnp.arange(n))
+    state = dict(state, done=first_n >= num_i,
+                 started=state["started"] & ~queue.finished_I)
 
     def body(st):
         st = decode_step(st)
         return jax.lax.while_loop(
             lambda st: jnp.any(st["done"]) & jnp.any(pending(st)) & wanted(st), refill, st)
 
-    if n == big_n:  # a slot per response: nothing is ever refilled
+    if n == num_i:  # a slot per response: nothing is ever refilled
         body = decode_step
 
     st = jax.lax.while_loop(lambda st: jnp.any(~st["done"]) & wanted(st), body, state)

@@ -126,13 +126,13 @@ def test_carried_responses_record_mu_and_routes_of_the_version_that_drew_each_to
               stops=ro.stop_set(EOS), pad_id=PAD, mesh=None, group_size=2)
     queue = continuous.new_queue(prompts, mask, jax.random.key(5), CFG, sampling, PAD)
     queue, _ = continuous.run(params, queue, 0, need_groups=2, **kw)
-    carried = np.asarray(queue.progress_N > 0) & ~np.asarray(queue.finished_N)
-    assert carried.any() and not np.asarray(queue.finished_N).all()
-    assert np.asarray(queue.finished_N).reshape(-1, 2).all(1).sum() >= 2
+    carried = np.asarray(queue.progress_I > 0) & ~np.asarray(queue.finished_I)
+    assert carried.any() and not np.asarray(queue.finished_I).all()
+    assert np.asarray(queue.finished_I).reshape(-1, 2).all(1).sum() >= 2
     queue, _ = continuous.run(later, queue, 1, need_groups=0, **kw)
-    assert np.asarray(queue.finished_N).all()
-    version = np.asarray(queue.version_NxS)
-    comp = np.asarray(queue.completion_NxS)
+    assert np.asarray(queue.finished_I).all()
+    version = np.asarray(queue.version_IxS)
+    comp = np.asarray(queue.completion_IxS)
     assert ((version >= 0) == comp).all()
     assert ((version == 0).any(1) & (version == 1).any(1)).any(), "a response spans both"
     r = continuous.to_rollout(queue)

@@ -44,20 +44,20 @@ def test_stale_responses_are_dropped_and_redrawn_with_a_new_key():
     inf = Inflight.create(cfg, pad_id=0)
     inf.group_ids[:] = np.arange(len(inf.group_ids))
     q = inf.queue
-    q.version_NxS[:, 20] = -1
-    q.version_NxS[0, 20], q.version_NxS[1, 20] = 3, 4   # 2 and 1 versions old at step 5
-    q.completion_NxS[:2, 20] = True
-    q.finished_N[:] = True
-    keys_before = q.keys_Nx2.copy()
+    q.version_IxS[:, 20] = -1
+    q.version_IxS[0, 20], q.version_IxS[1, 20] = 3, 4   # 2 and 1 versions old at step 5
+    q.completion_IxS[:2, 20] = True
+    q.finished_I[:] = True
+    keys_before = q.keys_Ix2.copy()
 
     class Data:  # the queue is full: prepare draws no new prompt
         pass
 
     assert inf.prepare(5, cfg, Data(), pad_id=0) == 1
-    assert inf.dropped == 1 and inf.attempts_N[0] == 1 and inf.attempts_N[1] == 0
-    assert not inf.queue.completion_NxS[0].any() and inf.queue.completion_NxS[1, 20]
-    assert not inf.queue.finished_N[0] and (inf.queue.version_NxS[0] == -1).all()
-    assert not np.array_equal(inf.queue.keys_Nx2[0], keys_before[0])
+    assert inf.dropped == 1 and inf.attempts_I[0] == 1 and inf.attempts_I[1] == 0
+    assert not inf.queue.completion_IxS[0].any() and inf.queue.completion_IxS[1, 20]
+    assert not inf.queue.finished_I[0] and (inf.queue.version_IxS[0] == -1).all()
+    assert not np.array_equal(inf.queue.keys_Ix2[0], keys_before[0])
     assert inf.group_ids[0] == 0 and (inf.group_ids != EMPTY).all()
 
 

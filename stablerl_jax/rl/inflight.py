@@ -1,7 +1,7 @@
 """Partial rollouts under a staleness bound (rl.max_staleness = S ≥ 1): the sampler's
 queue carried from one global step to the next.
 
-Letters: N queue slots (responses) = B + n, B responses per step (Q prompts × G), n
+Letters: I responses in the queue = B + n, B responses per step (Q prompts × G), n
 sampler slots (continuous.slots_of), S prompt + completion slots, L layers, K top-k.
 
 The queue holds B + n responses in groups of G (a prompt's G responses are adjacent),
@@ -17,7 +17,7 @@ Global step k (parameters of version k):
    version older than k − S is reset (dropped: its tokens discarded; counted), so
    every token of step k's batch is at most S versions old.
 2. Consumed groups leave; the queue is compacted (order kept) and topped up from the
-   stream to N.
+   stream to I.
 3. `continuous.run` with version k's weights: unfinished responses resume (re-prefilled
    over prompt + completion so far), and decoding stops once Q groups are complete.
 4. The batch is the Q complete groups earliest in the queue; everything else carries
@@ -48,8 +48,8 @@ class Inflight:
     group, responses dropped so far."""
 
     queue: continuous.Queue
-    group_ids: np.ndarray   # [N / G] int32
-    attempts_N: np.ndarray  # int32
+    group_ids: np.ndarray   # [I / G] int32
+    attempts_I: np.ndarray  # int32
     next_group: int = 0
     dropped: int = 0
 
@@ -59,20 +59,20 @@ class Inflight:
         the sampler leaves it alone)."""
         rl, g = cfg.rl, cfg.rl.group_size
         b = rl.prompts_per_step * g
-        big_n = b + continuous.slots_of(cfg.sampling, b)
+        num_i = b + continuous.slots_of(cfg.sampling, b)
         p = cfg.task.max_prompt_len
-        q = continuous.new_queue(np.full((big_n, p), pad_id, np.int32),
-                                 np.ones((big_n, p), bool), jax.random.key(0), cfg.model,
+        q = continuous.new_queue(np.full((num_i, p), pad_id, np.int32),
+                                 np.ones((num_i, p), bool), jax.random.key(0), cfg.model,
                                  cfg.sampling, pad_id)
-        q = jax.tree.map(np.array, q)._replace(finished_N=np.ones((big_n,), bool))
-        return cls(q, np.full((big_n // g,), EMPTY, np.int32),
-                   np.zeros((big_n,), np.int32))
+        q = jax.tree.map(np.array, q)._replace(finished_I=np.ones((num_i,), bool))
+        return cls(q, np.full((num_i // g,), EMPTY, np.int32),
+                   np.zeros((num_i,), np.int32))
 
     # -- checkpoint ------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"queue": self.queue._asdict(), "group_ids": self.group_ids,
-                "attempts_N": self.attempts_N,
+                "attempts_I": self.attempts_I,
                 "counters": np.asarray([self.next_group, self.dropped], np.int32)}
 
     @classmethod
@@ -80,7 +80,7 @@ class Inflight:
         host = lambda x: np.array(jax.device_get(x))
         queue = continuous.Queue(**{k: host(v) for k, v in d["queue"].items()})
         next_group, dropped = (int(x) for x in host(d["counters"]))
-        return cls(queue, host(d["group_ids"]), host(d["attempts_N"]), next_group, dropped)
+        return cls(queue, host(d["group_ids"]), host(d["attempts_I"]), next_group, dropped)
 
     # -- one global step -------------------------------------------------------------
 
@@ -90,7 +90,7 @@ class Inflight:
         g, q = cfg.rl.group_size, self.queue
         p = cfg.task.max_prompt_len
         # 1. Staleness: a token of version v is step − v versions old at this step.
-        has_old = ((q.version_NxS >= 0) & (q.version_NxS < step - cfg.rl.max_staleness)).any(1)
+        has_old = ((q.version_IxS >= 0) & (q.version_IxS < step - cfg.rl.max_staleness)).any(1)
         stale = has_old & (np.repeat(self.group_ids, g) != EMPTY)
         self._reset(np.flatnonzero(stale), cfg, p, pad_id, retry=True)
         self.dropped += int(stale.sum())
@@ -99,7 +99,7 @@ class Inflight:
         order = np.concatenate([keep, np.flatnonzero(self.group_ids == EMPTY)])
         rows = (order[:, None] * g + np.arange(g)).reshape(-1)
         self.queue = jax.tree.map(lambda x: x[rows], self.queue)
-        self.group_ids, self.attempts_N = self.group_ids[order], self.attempts_N[rows]
+        self.group_ids, self.attempts_I = self.group_ids[order], self.attempts_I[rows]
         for place in range(len(keep), len(self.group_ids)):
             self._start_group(place, cfg, data, pad_id)
         return int(stale.sum())
@@ -113,9 +113,9 @@ class Inflight:
         tokens, mask, _ = data.prompt_batch([data.train[prompt]], g)
         rows = np.arange(place * g, (place + 1) * g)
         self.group_ids[place] = gid
-        self.attempts_N[rows] = 0
-        self.queue.tokens_NxS[rows, :tokens.shape[1]] = tokens
-        self.queue.prompt_mask_NxS[rows, :mask.shape[1]] = mask
+        self.attempts_I[rows] = 0
+        self.queue.tokens_IxS[rows, :tokens.shape[1]] = tokens
+        self.queue.prompt_mask_IxS[rows, :mask.shape[1]] = mask
         self._reset(rows, cfg, tokens.shape[1], pad_id, retry=False)
 
     def _reset(self, rows, cfg, p: int, pad_id: int, retry: bool) -> None:
@@ -124,31 +124,31 @@ class Inflight:
         if not len(rows):
             return
         q, g, rl = self.queue, cfg.rl.group_size, cfg.rl
-        q.tokens_NxS[rows, p:] = pad_id
-        q.completion_NxS[rows] = False
-        q.logp_NxS[rows] = 0
-        q.routes_NxSxLxK[rows] = -1
-        q.route_weights_NxSxLxK[rows] = 0
-        q.version_NxS[rows] = -1
-        q.progress_N[rows] = 0
-        q.finished_N[rows] = False
-        q.stopped_N[rows] = False
+        q.tokens_IxS[rows, p:] = pad_id
+        q.completion_IxS[rows] = False
+        q.logp_IxS[rows] = 0
+        q.routes_IxSxLxK[rows] = -1
+        q.route_weights_IxSxLxK[rows] = 0
+        q.version_IxS[rows] = -1
+        q.progress_I[rows] = 0
+        q.finished_I[rows] = False
+        q.stopped_I[rows] = False
         if retry:
-            self.attempts_N[rows] += 1
+            self.attempts_I[rows] += 1
         for r in rows:
             gid = int(self.group_ids[r // g])
             step, i = divmod(gid, rl.prompts_per_step)
             base = jax.random.split(jax.random.fold_in(jax.random.key(rl.seed), step),
                                     rl.prompts_per_step * g)[i * g + r % g]
-            key = (jax.random.fold_in(base, int(self.attempts_N[r])) if self.attempts_N[r]
+            key = (jax.random.fold_in(base, int(self.attempts_I[r])) if self.attempts_I[r]
                    else base)
-            q.keys_Nx2[r] = np.asarray(jax.random.key_data(key))
+            q.keys_Ix2[r] = np.asarray(jax.random.key_data(key))
 
     def take(self, cfg) -> tuple[np.ndarray, np.ndarray]:
         """Step 4: (queue rows of the batch [B], their groups' stream indices [Q]): the Q
         complete groups earliest in the queue, which leave it."""
         rl, g = cfg.rl, cfg.rl.group_size
-        complete = self.queue.finished_N.reshape(-1, g).all(1) & (self.group_ids != EMPTY)
+        complete = self.queue.finished_I.reshape(-1, g).all(1) & (self.group_ids != EMPTY)
         places = np.flatnonzero(complete)[:rl.prompts_per_step]
         if len(places) < rl.prompts_per_step:
             raise RuntimeError(f"the sampler returned {len(places)} complete groups, "

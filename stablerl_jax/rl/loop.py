@@ -91,7 +91,7 @@ def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
     sampler, and gathers the sampled queue back."""
     cfg = engine.cfg
     dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
-    mine_n = distributed.rows_of_process(len(inflight.attempts_N))
+    mine_n = distributed.rows_of_process(len(inflight.attempts_I))
     queue, decode_steps = engine.sample_partial(
         state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
     inflight.queue = jax.tree.map(
@@ -101,20 +101,20 @@ def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
     prompt_idx = inflight.prompt_indices(gids, cfg, data)
     g, p = cfg.rl.group_size, cfg.task.max_prompt_len
     carried = inflight.group_ids != EMPTY
-    metrics = {**age_stats(q.version_NxS, q.completion_NxS, step, cfg.rl.max_staleness),
+    metrics = {**age_stats(q.version_IxS, q.completion_IxS, step, cfg.rl.max_staleness),
                "async/dropped": float(dropped),
                "async/decode_steps": float(distributed.host(decode_steps)),
-               "async/carried_tokens": float(inflight.queue.completion_NxS[
+               "async/carried_tokens": float(inflight.queue.completion_IxS[
                    np.repeat(carried, g)].sum())}
     window = None
     if cfg.rl.trim_bucket:  # the window Engine.trim cuts from the whole rollout
-        window = rollout_lib.used_window(np.any(q.prompt_mask_NxS | q.completion_NxS, 0),
+        window = rollout_lib.used_window(np.any(q.prompt_mask_IxS | q.completion_IxS, 0),
                                          cfg.rl.trim_bucket)
     mine = distributed.rows_of_process(len(rows))
     answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)][mine]
     rollout = jax.tree.map(np.asarray, continuous.to_rollout(q))
-    return (rollout, age_of_tokens(q.version_NxS, q.completion_NxS, step),
-            q.tokens_NxS[mine, :p], q.prompt_mask_NxS[mine, :p], answers, prompt_idx,
+    return (rollout, age_of_tokens(q.version_IxS, q.completion_IxS, step),
+            q.tokens_IxS[mine, :p], q.prompt_mask_IxS[mine, :p], answers, prompt_idx,
             metrics, window)
 
 
