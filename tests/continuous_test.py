@@ -82,8 +82,8 @@ def test_continuous_returns_the_static_rollout_bit_for_bit(slots):
 @pytest.mark.parametrize("variant", [
     dict(cfg=CFG.replace(kv_cache_layout="bksd", decode_block=8)),
     dict(cfg=CFG.replace(unroll_layers=True, kv_cache_layout="bksd"), dispatch="dense"),
-    dict(top_k=8, temperature=0.7),
-    dict(preset="bf16"),
+    pytest.param(dict(top_k=8, temperature=0.7), marks=pytest.mark.slow),
+    pytest.param(dict(preset="bf16"), marks=pytest.mark.slow),
 ])
 def test_continuous_matches_static_across_layouts_and_numerics(variant):
     static, cont, _ = _both(**variant)
