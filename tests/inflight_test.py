@@ -89,3 +89,33 @@ def test_slots_must_hold_whole_groups():
     with pytest.raises(ConfigError, match="sampling.max_batch"):
         cfg.replace(sampling=cfg.sampling.replace(max_batch=3),
                     rl=cfg.rl.replace(prompts_per_step=3))
+
+
+def test_behavior_score_takes_each_tokens_pi_old_from_its_version():
+    # steps.score with (θ_k, θ_k−1, θ_k−2) and per-token ages equals, token by token, the
+    # one-version score at that token's parameters; a version no token has is skipped.
+    import jax
+    import jax.numpy as jnp
+    from stablerl_jax import rollout as ro
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.rl import steps
+
+    cfg = tiny_cfg(max_staleness=2)
+    params = [jax.tree.map(lambda w, f=f: w * f, tf.init_params(jax.random.key(0), cfg.model))
+              for f in (1.0, 1.1, 0.9)]
+    b, p = 8, cfg.task.max_prompt_len
+    prompts = jax.random.randint(jax.random.key(1), (b, p), 3, cfg.model.vocab_size)
+    r = ro.sample(params[0], prompts, jnp.ones((b, p), bool), jax.random.key(2), cfg.model,
+                  cfg.sampling, nx.numerics_preset("fp8"), eos_id=2, pad_id=0)
+    comp = np.asarray(r.completion_mask_BxS)
+    # Ages 0 and 1 only: half of each row's tokens a version old; none two.
+    age = np.where(comp, (np.arange(comp.shape[1]) % 2)[None, :], 1).astype(np.int32)
+    rewards = jnp.arange(b, dtype=jnp.float32) % 2
+    got, _ = steps.score(tuple(params), r, rewards, cfg=cfg, age_BxS=jnp.asarray(age))
+    for a in (0, 1):
+        want, _ = steps.score(params[a], r, rewards, cfg=cfg)
+        mine = (age[:, 1:] == a) & comp[:, 1:]
+        np.testing.assert_array_equal(np.asarray(got.old_logp_BxT)[mine],
+                                      np.asarray(want.old_logp_BxT)[mine])
+    assert mine.any()

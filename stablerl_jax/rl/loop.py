@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import distributed, overlong
+from stablerl_jax import continuous, distributed, overlong
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.checkpoint import Checkpointer
@@ -46,7 +46,6 @@ from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, 
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax import continuous
 from stablerl_jax.rl import evals, preflight, resume, steps
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
@@ -141,6 +140,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     """
     rl = engine.cfg.rl
     age_BxS, async_metrics = None, {}
+    behavior = inflight is not None and rl.old_policy == "behavior"
     if offline is None:
         if inflight is not None:
             (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
@@ -173,14 +173,14 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         if age_BxS is not None:
             age_BxS = age_BxS[:, window[0]:window[1]]
         rollout = engine.trim(rollout, rl.trim_bucket)
-    if age_BxS is not None and rl.old_policy == "behavior":
+    if behavior:
         batch, score_metrics = engine.score_behavior(
             (state.params, *history), rollout, rewards_mine + penalty_mine, age_BxS)
     else:
         batch, score_metrics = engine.score(state.params, rollout,
                                             rewards_mine + penalty_mine)
     rewards_B = distributed.gather(rewards_mine)
-    if age_BxS is not None and rl.old_policy == "behavior":
+    if behavior:
         # θ_k becomes the newest past version (copied: the updates donate the state).
         history.insert(0, jax.tree.map(jnp.copy, state.params))
         del history[rl.max_staleness:]

@@ -31,7 +31,6 @@ Replay per mode (docs/method.md §3), chosen once in `score`:
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -103,7 +102,8 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     (θ_k, θ_k−1, …, θ_k−S) and `age_BxS` each token's age (k − its version; elsewhere
     its row's oldest). Position t takes log π_old, the entropy and π_old's routes from
     the pass with params[age of the token it scores, tokens[t + 1]]: one forward per
-    version, and each token's π_old is the training engine at the version that drew it.
+    version present in the batch (a `lax.cond` skips the others), and each token's
+    π_old is the training engine at the version that drew it.
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
@@ -149,11 +149,18 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         logp_BxT, entropy_BxT, routes_BxTxLxK = old_policy(params)
     else:
         age_BxT = age_BxS[:, 1:]
-        by_age = [old_policy(p) for p in params]
-        pick = lambda i: functools.reduce(
-            lambda acc, a: jnp.where((age_BxT == a).reshape(age_BxT.shape + (1,) * (
-                acc.ndim - 2)), by_age[a][i], acc), range(1, len(by_age)), by_age[0][i])
-        logp_BxT, entropy_BxT, routes_BxTxLxK = pick(0), pick(1), pick(2)
+        out = old_policy(params[0])
+        for a, p in enumerate(params[1:], start=1):
+            mine_BxT = age_BxT == a
+
+            def merge(out, p=p, mine_BxT=mine_BxT):
+                put = lambda new, old: jnp.where(
+                    mine_BxT.reshape(mine_BxT.shape + (1,) * (old.ndim - 2)), new, old)
+                return jax.tree.map(put, old_policy(p), out)
+
+            # A version no token of the batch comes from costs no forward.
+            out = jax.lax.cond(jnp.any(mine_BxT), merge, lambda out: out, out)
+        logp_BxT, entropy_BxT, routes_BxTxLxK = out
     metrics, routes_old_BxTxLxK = rollout_monitors(
         rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
         attn_BxS[:, :-1], cfg.loss.tis_cap)
