@@ -118,18 +118,20 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
-                                             "mesh", "need_groups", "group_size"))
+                                             "mesh", "need_groups", "group_size", "slots"))
 def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id, mesh,
-        need_groups: int = 0, group_size: int = 1):
+        need_groups: int = 0, group_size: int = 1, slots: int = 0):
     """(the queue advanced, decode steps run) with the weights `params` of `version`.
 
     Slots are filled with the queue's unfinished responses in queue order (those with
     tokens already, from an earlier call, re-prefilled over prompt + completion so far
     with these weights); then decode steps and refills (module docstring) until every
     response is complete or, with `need_groups`, until that many groups of `group_size`
-    adjacent responses are complete (partial rollouts: the rest stay unfinished)."""
+    adjacent responses are complete (partial rollouts: the rest stay unfinished).
+    `slots`: n (0: `slots_of(sampling, I)`; partial rollouts pass the step's, whose
+    queue holds more responses than slots)."""
     num_i, s = queue.tokens_IxS.shape
-    n, c = slots_of(sampling, num_i), sampling.max_new_tokens
+    n, c = min(slots or slots_of(sampling, num_i), num_i), sampling.max_new_tokens
     p = s - c
     need = need_groups or num_i // group_size
     keys_I = rollout_lib.row_keys(queue.keys_Ix2, num_i)

@@ -153,3 +153,19 @@ def test_carried_responses_record_mu_and_routes_of_the_version_that_drew_each_to
         pm = (np.asarray(r.prompt_mask_BxS) & (version[:, P:P + 1] == v))[..., None, None]
         np.testing.assert_array_equal(np.where(pm[:, :-1], aux["routes"], -1),
                                       np.where(pm[:, :-1], routes_mu[:, :-1], -1))
+
+
+def test_slots_given_to_run_override_max_batch():
+    # Partial rollouts hold more responses than slots: `run(slots=n)` decodes n rows at a
+    # time whatever sampling.max_batch says (0 would give every queued response a slot).
+    params, prompts, mask = _setup()
+    kw = dict(cfg=CFG, numerics=nx.numerics_preset("fp8"), stops=ro.stop_set(EOS), pad_id=PAD,
+              mesh=None)
+    every = SamplingConfig(max_new_tokens=C)
+    queue = continuous.new_queue(prompts, mask, jax.random.key(5), CFG, every, PAD)
+    got, steps = continuous.run(params, queue, 0, sampling=every, slots=4, **kw)
+    want, want_steps = continuous.sample(params, prompts, mask, jax.random.key(5), CFG,
+                                         every.replace(max_batch=4), kw["numerics"],
+                                         eos_id=EOS, pad_id=PAD, with_steps=True)
+    assert int(steps) == int(want_steps) < C * B // 4
+    assert_same_rollout(continuous.to_rollout(got), want)

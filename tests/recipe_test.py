@@ -192,3 +192,24 @@ def test_metrics_samples_and_eval_sets(run):
                for s in samples)
     assert all("Please reason step by step" in s["prompt"] for s in samples)
     assert {"response", "reward", "truncated", "extractor", "answer"} <= set(samples[0])
+
+
+def test_partial_rollouts_run_on_the_checkpoint_recipe(run, tmp_path):
+    # The same checkpoint, tokenizer, chat template, two stop ids and MATH/AIME-shaped
+    # data, sampled continuously over 2 slots with partial rollouts (S = 1): every step
+    # trains on whole groups of the stream's prompts, within the bound.
+    work = tmp_path / "partial"
+    data = run["root"] / "data"
+    quickstart.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
+                     "--quiet", "--compile-cache=", *OVERRIDES, f"task.jsonl_dir={data}",
+                     "rl.steps=3", "rl.checkpoint_every=3", "rl.eval_every=3",
+                     "sampling.continuous=true", "sampling.max_batch=2",
+                     "rl.max_staleness=1"])
+    rows = read_metrics(str(work))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
+        assert 0 <= r["async/staleness_max"] <= 1 and r["async/dropped"] >= 0
+        assert np.isfinite(r["kl/train_infer_k1"])
+    comp = read_metrics(f"{work}/minibatches.jsonl")
+    assert all(len(c["prompts"]) == 2 for c in comp)
+    assert rows[3]["eval/aime24/avg@k"] is not None

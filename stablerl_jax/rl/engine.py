@@ -234,7 +234,9 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                               sampling=cfg.sampling, numerics=numerics, stops=stops,
                               pad_id=pad_id, mesh=model_mesh,
                               need_groups=cfg.rl.prompts_per_step,
-                              group_size=cfg.rl.group_size)
+                              group_size=cfg.rl.group_size,
+                              slots=continuous.slots_of(
+                                  cfg.sampling, cfg.rl.prompts_per_step * cfg.rl.group_size))
 
     def init_state(params):
         zero = jnp.zeros((), jnp.int32)

@@ -135,13 +135,15 @@ class Inflight:
         q.stopped_I[rows] = False
         if retry:
             self.attempts_I[rows] += 1
+        step_keys = {}  # a step's B row keys, split once per call
         for r in rows:
-            gid = int(self.group_ids[r // g])
-            step, i = divmod(gid, rl.prompts_per_step)
-            base = jax.random.split(jax.random.fold_in(jax.random.key(rl.seed), step),
-                                    rl.prompts_per_step * g)[i * g + r % g]
-            key = (jax.random.fold_in(base, int(self.attempts_I[r])) if self.attempts_I[r]
-                   else base)
+            step, i = divmod(int(self.group_ids[r // g]), rl.prompts_per_step)
+            if step not in step_keys:
+                step_keys[step] = jax.random.split(
+                    jax.random.fold_in(jax.random.key(rl.seed), step), rl.prompts_per_step * g)
+            key = step_keys[step][i * g + r % g]
+            if self.attempts_I[r]:
+                key = jax.random.fold_in(key, int(self.attempts_I[r]))
             q.keys_Ix2[r] = np.asarray(jax.random.key_data(key))
 
     def take(self, cfg) -> tuple[np.ndarray, np.ndarray]:
