@@ -22,9 +22,9 @@ and the grouped matmul (forward and backward). Exits 1 if any step does not fit.
 `--lengths SPEC` (repeatable; `--eval-lengths` for the evaluation's) adds, per
 distribution, the sampler's schedules (stablerl_jax/schedule.py: static, continuous,
 partial rollouts with S = 1 and 2) priced per decode step at its largest write slot
-(roofline.schedule_rows): sample, score passes, updates, amortized eval and global step
+(schedule_prices.schedule_rows): sample, score passes, updates, amortized eval and global step
 seconds, slot occupancy, the partial rollouts' drops and token ages, and whether a
-separate sampler mesh would beat colocating (roofline.placements). Without it the output
+separate sampler mesh would beat colocating (schedule_prices.placements). Without it the output
 is as above.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import sys
 import numpy as np
 
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import aot, presets, roofline, schedule
+from stablerl_jax import aot, presets, roofline, schedule, schedule_prices
 
 
 def _row(c: aot.Compiled, hbm: float) -> str:
@@ -101,7 +101,7 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
 
 def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, args) -> None:
     """The sampler's schedules (stablerl_jax/schedule.py) at a length distribution,
-    priced per decode step (roofline.schedule_rows), and the sampler / trainer split."""
+    priced per decode step (schedule_prices.schedule_rows), and the sampler / trainer split."""
     cfg, chip, rl = engine.cfg, roofline.chip_of(topo.name), engine.cfg.rl
     cap, b, slots = cfg.sampling.max_new_tokens, rl.prompts_per_step * rl.group_size, \
         roofline.rows_per_pass(cfg)
@@ -109,8 +109,8 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
     k = args.schedule_steps
     lengths = schedule.lengths_from_spec(spec, cap, k * b + slots, rng)
     evals = schedule.lengths_from_spec(eval_spec, cap, rl.eval_problems * rl.eval_k, rng)
-    prices = roofline.sampler_prices(cfg, costs, topo.chips, chip)
-    rows = roofline.schedule_rows(cfg, prices, est["score"].seconds, est["update"].seconds,
+    prices = schedule_prices.sampler_prices(cfg, costs, topo.chips, chip)
+    rows = schedule_prices.schedule_rows(cfg, prices, est["score"].seconds, est["update"].seconds,
                                   lengths, evals, steps=k)
     base = rows[0]
     print(f"\nlengths {spec} (drawn: mean {lengths.mean():,.0f}, truncated at {cap:,} "
@@ -133,7 +133,7 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
         print(f"| {r.name} | {r.dropped:.1f} | {r.prefill_tokens / 1e6:.2f} M | "
               f"{r.age_mean:.2f} | {r.age_max} | "
               + " / ".join(f"{a:.2f}" for a in r.age_share) + " |")
-    print("\nwhat-if (not the sampler's kernel, roofline.SamplerPrices.row_reads_seconds): "
+    print("\nwhat-if (not the sampler's kernel, schedule_prices.SamplerPrices.row_reads_seconds): "
           "each row's attention reads only its own key blocks\n\n| schedule | sample s | "
           "× static above | eval s (amortized) | global step s | × static above |"
           "\n|---|---|---|---|---|---|")
@@ -143,11 +143,11 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
               f"{r.global_rows_s / base.global_s:.2f} |")
     upd = compiled["update"]
     best = min(rows, key=lambda r: r.global_s)
-    print(f"\nplacement (one-step-lag model, roofline.placements): colocated, the best "
+    print(f"\nplacement (one-step-lag model, schedule_prices.placements): colocated, the best "
           f"schedule is {best.name} at {best.global_s:.1f} s per global step", flush=True)
     weight_bytes = roofline.sampler_weight_bytes(engine)
     for r in rows[1:]:
-        splits = roofline.placements(r, topo.chips, slots, fit, upd.total_gib - upd.temp_gib,
+        splits = schedule_prices.placements(r, topo.chips, slots, fit, upd.total_gib - upd.temp_gib,
                                      upd.temp_gib, topo.hbm_gib, weight_bytes, chip,
                                      step=max(1, topo.chips // 16))
         if not splits:

@@ -1,11 +1,11 @@
-"""The length-aware estimates of stablerl_jax/roofline.py fed synthetic per-step costs (no
+"""The length-aware estimates of stablerl_jax/schedule_prices.py fed synthetic per-step costs (no
 compile): a decode step priced at its largest write slot, the static schedule of
 all-truncated responses equal to the fixed-length sample estimate, hand-derived global
 steps of each schedule, and the sampler / trainer split."""
 import numpy as np
 import pytest
 
-from stablerl_jax import presets, roofline, schedule
+from stablerl_jax import presets, roofline, schedule, schedule_prices
 from stablerl_jax.model.flops import forward_flops
 
 # Round constants so that seconds are the cost numbers themselves.
@@ -18,7 +18,7 @@ COSTS = roofline.SamplerCosts(first=roofline.Cost(0.0, 10.0, 1.0), layer=None,
 
 
 def _prices(chips=4):
-    return roofline.sampler_prices(CFG, COSTS, chips, CHIP)
+    return schedule_prices.sampler_prices(CFG, COSTS, chips, CHIP)
 
 
 def test_a_decode_step_costs_the_key_blocks_up_to_its_write_slot():
@@ -65,7 +65,7 @@ def test_schedule_rows_of_fixed_lengths_by_hand():
     p = _prices()
     lengths = np.full(20 * 128 + 128, 12)
     evals = np.full(512, 12)  # 4 static passes of 12 steps, or 48 continuous steps
-    rows = roofline.schedule_rows(CFG, p, score_s=3.0, update_s=7.0, lengths_R=lengths,
+    rows = schedule_prices.schedule_rows(CFG, p, score_s=3.0, update_s=7.0, lengths_R=lengths,
                                   eval_lengths=evals, steps=20)
     assert [r.name for r in rows] == ["static", "continuous", "partial S = 1",
                                       "partial S = 2"]
@@ -87,7 +87,7 @@ def test_partial_rows_count_a_score_pass_per_version():
     # versions, so behavior π_old scores up to 3 times; proximal once.
     p = _prices()
     lengths = np.arange(20 * 128 + 128) % 40 + 1
-    rows = roofline.schedule_rows(CFG, p, 3.0, 7.0, lengths, np.full(512, 12), steps=20)
+    rows = schedule_prices.schedule_rows(CFG, p, 3.0, 7.0, lengths, np.full(512, 12), steps=20)
     part = rows[3]
     assert 1 < part.score_passes <= 3 and part.age_max <= 2
     assert part.global_s - part.global_proximal_s == pytest.approx(
@@ -96,14 +96,14 @@ def test_partial_rows_count_a_score_pass_per_version():
 
 
 def test_placements_scale_each_side_by_its_chips_and_keep_feasible_splits():
-    row = roofline.ScheduleRow("x", 1, 1, sample_s=100.0, score_passes=2, score_s=5.0,
+    row = schedule_prices.ScheduleRow("x", 1, 1, sample_s=100.0, score_passes=2, score_s=5.0,
                                train_s=30.0, eval_steps=1, eval_occupancy=1, eval_s=20.0)
     # 16 chips, splits of 8: s = 8 (t = 8). Sampler side (100 + 20)·16/8 + push 64 B over
     # 8 links = 248; trainer (2·5 + 30)·16/8 = 80.
-    (sp,) = roofline.placements(row, 16, slots=8, rows_fit=1, update_fixed_gib=1.0,
+    (sp,) = schedule_prices.placements(row, 16, slots=8, rows_fit=1, update_fixed_gib=1.0,
                                 update_temp_gib=1.0, hbm_gib=3.0, weight_bytes=64.0,
                                 chip=CHIP)
     assert (sp.sampler_chips, sp.sampler_s, sp.trainer_s, sp.step_s) == (8, 248.0, 80.0, 248.0)
     # 16 slots need 2 rows per chip on 8 chips; a trainer whose weights do not fit on 8
-    assert roofline.placements(row, 16, 16, 1, 1.0, 1.0, 3.0, 64.0, CHIP) == []
-    assert roofline.placements(row, 16, 8, 1, 1.0, 1.5, 3.0, 64.0, CHIP) == []
+    assert schedule_prices.placements(row, 16, 16, 1, 1.0, 1.0, 3.0, 64.0, CHIP) == []
+    assert schedule_prices.placements(row, 16, 8, 1, 1.0, 1.5, 3.0, 64.0, CHIP) == []
