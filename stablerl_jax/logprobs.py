@@ -66,7 +66,8 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
 
 
 def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=None,
-                    replay_weights_BxTxLxK=None, numerics: nx.Numerics = nx.TRAIN,
+                    replay_weights_BxTxLxK=None, segment_ids_BxS=None, positions_BxS=None,
+                    numerics: nx.Numerics = nx.TRAIN,
                     temperature: float = 1.0, impl: str = "chunked",
                     interpret: bool = False, mesh=None, checks: bool | None = None):
     """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
@@ -75,7 +76,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     replaying `replay_BxTxLxK` (routes for the input slots; rows of -1 route live), then
     the fused log-prob of targets = tokens[:, 1:]; `replay_weights_BxTxLxK` replays
     their recorded combine weights too (weight replay). `aux` is the forward's
-    (aux["routes"] [B, T, L, K]). Weights are converted for `numerics` (identity for
+    (aux["routes"] [B, T, L, K]). `segment_ids_BxS` / `positions_BxS`: packed rows
+    (stablerl_jax/packing.py; `transformer.forward`'s segment ids and positions). Weights are converted for `numerics` (identity for
     "train"). `mesh`: the devices the expert FFN is sharded over (`transformer.forward`).
     Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})
     under `checks` (stablerl_jax/input_checks.py).
@@ -88,6 +90,10 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     weights = nx.prepare_params(params, numerics)
     hidden_BxTxD, aux = tf.forward(weights, tokens_BxS[:, :-1], cfg,
                                    attention_mask_BxT=attn_BxS[:, :-1],
+                                   segment_ids_BxT=(None if segment_ids_BxS is None
+                                                    else segment_ids_BxS[:, :-1]),
+                                   positions_BxT=(None if positions_BxS is None
+                                                  else positions_BxS[:, :-1]),
                                    replay_BxTxLxK=replay_BxTxLxK,
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
                                    numerics=numerics, mesh=mesh, checks=checks)

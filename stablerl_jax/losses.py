@@ -90,6 +90,8 @@ class LossBatch(typing.NamedTuple):
     advantages_B: jax.Array | None = None
     advantages_BxT: jax.Array | None = None
     totals: Totals | None = None  # the mini-batch's, when this is a micro-batch of it
+    rows: jax.Array | None = None  # this micro-batch's rows when the batch is the whole
+                                   # mini-batch with the other rows' mask zeroed (packing)
 
 
 class _Parts(typing.NamedTuple):
@@ -231,7 +233,8 @@ def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered,
     """(loss, metrics): the loss, NaN when an input of a counted token is not finite, and
     the per-mini-batch monitors the trainer logs (module docstring), all pairs."""
     loss = jnp.where(p.finite, loss, jnp.nan)
-    share = row_share(p.m.shape[0], batch.totals).astype(p.m.dtype)
+    share = jnp.asarray(row_share(p.m.shape[0] if batch.rows is None else batch.rows,
+                                  batch.totals)).astype(p.m.dtype)
     out = {"loss": (sg(loss), share), **dg.clip_fractions(hi, lo, p.m)}
     out.update(dg.weight_stats(sg(weight), altered, p.m))
     out.update(dg.eq5_factors(sg(p.logp), batch.old_logp_BxT, batch.rollout_logp_BxT, p.m,

@@ -67,6 +67,15 @@ class ExperimentConfig(Section):
                   f"partial rollouts (rl.max_staleness >= 1) keep whole groups in flight: "
                   f"the sampler's slots ({slots}) must be a multiple of rl.group_size = "
                   f"{rl.group_size}")
+        if rl.pack_tokens:
+            longest = self.task.max_prompt_len + self.sampling.max_new_tokens
+            check(rl.pack_tokens >= longest, "rl.pack_tokens",
+                  f"must hold the longest possible sequence, task.max_prompt_len + "
+                  f"sampling.max_new_tokens = {longest} (sequences are packed whole, never "
+                  f"cut); raise it to >= {longest}, got {rl.pack_tokens}")
+            check(rl.pack_rows % dp == 0, "rl.pack_rows",
+                  f"must be a multiple of data*fsdp*expert = {dp} (each batch shard packs "
+                  f"its own rows), got {rl.pack_rows}")
         check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
               f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
               f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")

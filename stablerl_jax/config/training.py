@@ -215,6 +215,16 @@ class RLConfig(Section):
     microbatches: int = 1
     replay: str = "none"
     replay_weights: bool = False
+    pack_tokens: T, token-budget sequence packing of the score and update steps
+      (stablerl_jax/packing.py). 0: every row at the batch's width (padded). T > 0: each
+      step's sequences (prompt + completion, whole) are packed first-fit decreasing into
+      rows of T tokens, each sequence a segment (RoPE restarts, attention never crosses a
+      segment); T must hold the longest possible sequence (task.max_prompt_len +
+      sampling.max_new_tokens).
+    pack_rows: packed rows per micro-batch (the token budget of one forward is
+      pack_rows × pack_tokens); 0: one per batch shard of the mesh. A multiple of the
+      batch shards. Micro-batches run only while some shard has packed rows left, so a
+      step's time follows its tokens.
     offline_rollouts: str = ""
     logprob_impl: str = "chunked"
     trim_bucket: int = 0
@@ -246,6 +256,8 @@ class RLConfig(Section):
         check(is_finite(self.overlong_penalty_factor) and self.overlong_penalty_factor > 0,
               "overlong_penalty_factor", f"must be a number > 0 (DAPO: 1.0), got "
               f"{self.overlong_penalty_factor!r}")
+    pack_tokens: int = 0
+    pack_rows: int = 0
         for f in ("log_samples", "log_samples_every"):
             check(is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
                   f"must be an int >= 0 (0 = off), got {getattr(self, f)!r}")
@@ -291,6 +303,16 @@ def parse_eval_sets(spec) -> dict[str, str]:
     path may hold ':')."""
     check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
     sets = {}
+        for f in ("pack_tokens", "pack_rows"):
+            check(is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
+                  f"must be an int >= 0 (0 = off / one row per batch shard), got "
+                  f"{getattr(self, f)!r}")
+        check(not (self.pack_tokens and self.microbatches > 1), "microbatches",
+              f"packing (rl.pack_tokens={self.pack_tokens}) micro-batches by token budget "
+              f"(rl.pack_rows rows of pack_tokens); set rl.microbatches=1, got "
+              f"{self.microbatches}")
+        check(self.pack_tokens or not self.pack_rows, "pack_rows",
+              "only applies with rl.pack_tokens > 0; set rl.pack_rows=0 or rl.pack_tokens")
     for item in filter(None, (i.strip() for i in spec.split(","))):
         name, sep, path = item.partition(":")
         name, path = name.strip(), path.strip()

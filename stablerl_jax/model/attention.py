@@ -24,8 +24,17 @@ key, whose output is unused, averages over the keys its block sees. A decode ste
 with ModelConfig.decode_block reads the cache in blocks of that many slots, only up to
 the slot it writes (`attend_blocks`: the online softmax of flash-decoding), the same
 function up to float reassociation.
+
+Packed rows (stablerl_jax/packing.py): with segment ids (one per slot, 0 on padding,
+non-decreasing along a row's real tokens) query i also needs key j in its own segment.
+The 'causal' path then skips every key block that holds no key of a segment some query
+of the block belongs to (a `lax.cond` per query block and key block, merged by the online
+softmax), so a packed row's attention costs about the sum of its segments' squares; the
+'naive' and 'chunked' paths mask (they compute the row's square).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +67,18 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.A
     return out.astype(x_BxTxHxDh.dtype)
 
 
-def positions_from_mask(mask_BxT: jax.Array, offset_B: jax.Array | None = None) -> jax.Array:
+def positions_from_mask(mask_BxT: jax.Array, offset_B: jax.Array | None = None,
+                        segments_BxT: jax.Array | None = None) -> jax.Array:
     """RoPE positions: real tokens counted from 0 (plus `offset_B`, the real tokens
-    already in a KV cache). Padding slots get a harmless neighbouring position."""
-    pos = jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
+    already in a KV cache; with `segments_BxT`, from 0 again at each segment's first
+    slot). Padding slots get a harmless neighbouring position."""
+    count = jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1)
+    if segments_BxT is not None:  # subtract the real tokens before the segment's start
+        before = count - mask_BxT.astype(jnp.int32)
+        starts = jnp.concatenate([jnp.ones_like(segments_BxT[:, :1], bool),
+                                  segments_BxT[:, 1:] != segments_BxT[:, :-1]], axis=1)
+        count = count - jax.lax.cummax(jnp.where(starts, before, 0), axis=1)
+    pos = jnp.maximum(count - 1, 0)
     return pos if offset_B is None else pos + offset_B[:, None]
 
 
@@ -76,10 +93,11 @@ def _proj(eq, x, w, numerics, dtype):
 
 
 def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dtype,
-            keys: str = "bskd"):
+            keys: str = "bskd", segments=None):
     """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T` (module docstring).
     k, v: [B, S, KV, Dh] (keys="bskd", this call's own keys) or [B, KV, S, Dh]
-    (keys="bksd", the KV cache's layout)."""
+    (keys="bksd", the KV cache's layout). `segments`: (query_BxT, key_BxS) segment ids;
+    a query sees only keys of its own segment."""
     s = k.shape[keys.index("s")]
     query_slots_BxT = query_slots_T if query_slots_T.ndim == 2 else query_slots_T[None]
     if keys == "bksd":  # batch dims leading on both sides: no transpose of the cache
@@ -90,6 +108,8 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
     scores_BxKVxHgxTxS = scores_BxKVxHgxTxS * head_dim**-0.5
     allowed_BxTxS = (jnp.arange(s)[None, None, :] <= query_slots_BxT[:, :, None]) & (
         key_mask_BxS[:, None, :].astype(bool))
+    if segments is not None:
+        allowed_BxTxS = allowed_BxTxS & (segments[0][:, :, None] == segments[1][:, None, :])
     scores_BxKVxHgxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxHgxTxS, _NEG)
     probs_BxKVxHgxTxS = jax.nn.softmax(scores_BxKVxHgxTxS, axis=-1).astype(dtype)
     if keys == "bksd":
@@ -153,19 +173,21 @@ def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dt
     return out.astype(dtype)
 
 
-def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
-    """`attend` over query chunks of `chunk` rows in a scan, each chunk rematerialized in
-    the backward pass: the [chunk, S] scores of one chunk are all that is ever live. Each
-    query row's scores, softmax and output are the naive path's; T is padded up to a
-    multiple of the chunk with queries that are computed and dropped."""
+def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int, segments_BxT=None):
+    """`attend(q, slots, segments)` over query chunks of `chunk` rows in a scan, each chunk
+    rematerialized in the backward pass: the [chunk, S] scores of one chunk are all that
+    is ever live. Each query row's scores, softmax and output are the naive path's; T is
+    padded up to a multiple of the chunk with queries that are computed and dropped."""
     b, t = q_BxTxKVxHgxDh.shape[:2]
     n = -(-t // chunk)
     pad = n * chunk - t
     q = jnp.pad(q_BxTxKVxHgxDh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
     slots = jnp.pad(query_slots_T, (0, pad), mode="edge")
     q_JxBxWxKVxHgxDh = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
+    seg_JxBxW = None if segments_BxT is None else jnp.moveaxis(
+        jnp.pad(segments_BxT, ((0, 0), (0, pad))).reshape(b, n, chunk), 1, 0)
     body = jax.checkpoint(lambda _, xs: (None, attend(*xs)), prevent_cse=False)
-    _, o = jax.lax.scan(body, None, (q_JxBxWxKVxHgxDh, slots.reshape(n, chunk)))
+    _, o = jax.lax.scan(body, None, (q_JxBxWxKVxHgxDh, slots.reshape(n, chunk), seg_JxBxW))
     return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
 
 
@@ -179,6 +201,57 @@ def _causal(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, block: int,
                     v_BxTxKVxDh[:, :lo + block], jnp.arange(lo, min(t, lo + block)),
                     key_mask_BxT[:, :lo + block], head_dim, dtype)
             for lo in range(0, t, block)]
+    return jnp.concatenate(outs, axis=1)
+
+
+def _causal_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, segments_BxT,
+                     block: int, head_dim: int, dtype):
+    """`_causal` for packed rows: query block qb against key blocks kb <= qb, each pair
+    computed only if some row has a real key in kb of the segment of one of its real
+    queries in qb (segment ids are non-decreasing along a row, so: the key block's
+    largest segment >= the query block's smallest), else skipped by a `lax.cond`. The
+    pairs of a query block are merged by the online softmax (flash attention); its running
+    maximum is a stop-gradient shift, which the result does not depend on."""
+    b, t, kv, g, dh = q_BxTxKVxHgxDh.shape
+    acc = nx.accum_dtype(dtype)
+    nb = -(-t // block)
+    real_BxT = key_mask_BxT.astype(bool) & (segments_BxT > 0)
+    big = jnp.iinfo(jnp.int32).max
+    lo_seg = [jnp.min(jnp.where(real_BxT[:, i * block:(i + 1) * block],
+                                segments_BxT[:, i * block:(i + 1) * block], big), axis=1)
+              for i in range(nb)]
+    hi_seg = [jnp.max(jnp.where(real_BxT[:, i * block:(i + 1) * block],
+                                segments_BxT[:, i * block:(i + 1) * block], -1), axis=1)
+              for i in range(nb)]
+    outs = []
+    for qb in range(nb):
+        qs = slice(qb * block, min(t, (qb + 1) * block))
+        q, seg_q, rows = q_BxTxKVxHgxDh[:, qs], segments_BxT[:, qs], qs.stop - qs.start
+        init = (jnp.full((b, kv, g, rows), _NEG, acc), jnp.zeros((b, kv, g, rows), acc),
+                jnp.zeros((b, kv, g, rows, dh), acc))
+
+        def pair(carry, kb=None, q=q, seg_q=seg_q, qs=qs):
+            m, l, o = carry
+            ks = slice(kb * block, min(t, (kb + 1) * block))
+            scores = _dot("btkgd,bskd->bkgts", q, k_BxTxKVxDh[:, ks], dtype) * head_dim**-0.5
+            allowed = ((jnp.arange(ks.start, ks.stop)[None, None] <=
+                        jnp.arange(qs.start, qs.stop)[None, :, None])
+                       & real_BxT[:, None, ks]
+                       & (seg_q[:, :, None] == segments_BxT[:, None, ks]))[:, None, None]
+            scores = jnp.where(allowed, scores, _NEG)
+            m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(scores, axis=-1)))
+            p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0)
+            corr = jnp.exp(m - m_new)
+            pv = _dot("bkgts,bskd->bkgtd", p, v_BxTxKVxDh[:, ks], dtype)
+            return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + pv
+
+        carry = init
+        for kb in range(qb + 1):
+            need = jnp.any(hi_seg[kb] >= lo_seg[qb])
+            carry = jax.lax.cond(need, functools.partial(pair, kb=kb), lambda c: c, carry)
+        _, l, o = carry
+        o = o / jnp.where(l > 0, l, 1)[..., None]
+        outs.append(jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dtype))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -216,7 +289,7 @@ def _cache_put(keys: str, index, layer, b: int):
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
               query_slots_T: jax.Array, cfg, numerics: nx.Numerics, dtype,
               cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None,
-              layer=None):
+              layer=None, segments_BxT=None):
     """One attention block (no residual). Returns (out_BxTxD, cache_kv updated or None).
 
     Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
@@ -228,7 +301,8 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     cfg.unroll_layers), they are written there and `layer` is not read. The cache is
     returned whole, updated where it was written, so a caller that carries it through a
     loop updates it in place. Letters here: L layers, KV kv heads, Hg = H / KV query
-    heads per kv head.
+    heads per kv head. `segments_BxT` (no cache): packed rows' segment ids (module
+    docstring).
     """
     b, t, _ = x_BxTxD.shape
     kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -261,14 +335,23 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
         return out_BxTxD, cache_kv
     if stacked:
         k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k, v))
-    attend = lambda q, slots: _attend(q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys)
-    if cfg.attention_impl == "causal" and cache_kv is None and t > cfg.attention_chunk:
+    if segments_BxT is not None and cache_kv is not None:
+        raise ValueError("attention: segment ids (packed rows) apply without a KV cache")
+    attend = lambda q, slots, seg=None: _attend(
+        q, k, v, slots, key_mask_BxS, cfg.head_dim, dtype, keys,
+        None if seg is None else (seg, segments_BxT))
+    causal = cfg.attention_impl == "causal" and cache_kv is None
+    if causal and segments_BxT is not None:
+        o_BxTxKVxHgxDh = _causal_segments(q_BxTxKVxHgxDh, k, v, key_mask_BxS, segments_BxT,
+                                          min(cfg.attention_chunk, t), cfg.head_dim, dtype)
+    elif causal and t > cfg.attention_chunk:
         o_BxTxKVxHgxDh = _causal(q_BxTxKVxHgxDh, k, v, key_mask_BxS, cfg.attention_chunk,
                                  cfg.head_dim, dtype)
     elif cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
-        o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk)
+        o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk,
+                                  segments_BxT)
     else:
-        o_BxTxKVxHgxDh = attend(q_BxTxKVxHgxDh, query_slots_T)
+        o_BxTxKVxHgxDh = attend(q_BxTxKVxHgxDh, query_slots_T, segments_BxT)
     o_BxTxHxDh = o_BxTxKVxHgxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
     out_BxTxD = _proj("bthk,hkd->btd", o_BxTxHxDh, p["wo"], numerics, dtype)
     return out_BxTxD, cache_kv

@@ -126,6 +126,7 @@ def _check_inputs(tokens_BxT, cfg, replay, mask, checks=None):
 def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             attention_mask_BxT: jax.Array | None = None,
             positions_BxT: jax.Array | None = None,
+            segment_ids_BxT: jax.Array | None = None,
             replay_BxTxLxK: jax.Array | None = None,
             replay_weights_BxTxLxK: jax.Array | None = None,
             numerics: nx.Numerics = nx.TRAIN,
@@ -138,6 +139,9 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       attention_mask_BxT: True for real tokens (default: all real). Padding never
         influences real positions.
       positions_BxT: RoPE positions (default: counted over real tokens).
+      segment_ids_BxT: packed rows (stablerl_jax/packing.py): one id per slot, 0 on
+        padding, non-decreasing along a row's real tokens; a token attends only to its
+        own segment and the default positions restart at each segment. No cache.
       replay_BxTxLxK: expert indices to use instead of the router's top-k, per token and
         layer; a (token, layer) whose K entries are -1 is routed normally.
       replay_weights_BxTxLxK: recorded combine weights of those routes (weight replay,
@@ -179,8 +183,10 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                                                                index, 1)
             slots_T = index + jnp.arange(t)
         offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
+    if segment_ids_BxT is not None and cache is not None:
+        raise ValueError("forward: segment_ids_BxT (packed rows) apply without a cache")
     if positions_BxT is None:
-        positions_BxT = positions_from_mask(mask_BxT, offset_B)
+        positions_BxT = positions_from_mask(mask_BxT, offset_B, segment_ids_BxT)
     experts = _experts_fn(cfg, gmm, mesh, rules, decode=cache is not None and t == 1)
 
     def layer(carry, xs):
@@ -191,7 +197,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         p = {k: nx.dequantize(w) for k, w in p.items()}
         h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
         a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics, dtype,
-                          kv, index, layer_idx)
+                          kv, index, layer_idx, segment_ids_BxT)
         x_BxTxD = x_BxTxD + a
         h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
         router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),

@@ -43,3 +43,27 @@ def value_and_grad(loss_fn, params, batch, n: int):
                                                    slices.split(batch, n, "micro-batches"))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return (jnp.sum(losses_n), dg.combine_pairs(metrics_n)), grads
+
+
+def packed_value_and_grad(loss_fn, params, count: int, used):
+    """((loss, metrics), grads) of `loss_fn(params, i) -> (loss, metrics)` summed over the
+    micro-batches i < `used` of a packed mini-batch (stablerl_jax/packing.py): a scan over
+    all `count` of them whose body is a `lax.cond`, so the micro-batches no shard has
+    rows in cost nothing (their metrics count nothing: every pair is (0, 0))."""
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype(p.dtype)), params)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    out_shape = jax.eval_shape(grad_fn, params, 0)[0]
+
+    def run(grads, i):
+        (loss, metrics), g = grad_fn(params, i)
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), (loss, metrics)
+
+    def skip(grads, i):
+        return grads, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+
+    def body(grads, i):
+        return jax.lax.cond(i < used, run, skip, grads, i)
+
+    grads, (losses_n, metrics_n) = jax.lax.scan(body, zeros, jnp.arange(count))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return (jnp.sum(losses_n), dg.combine_pairs(metrics_n)), grads

@@ -242,10 +242,13 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
         zero = jnp.zeros((), jnp.int32)
         return steps.TrainState(params, optimizer.init(params), zero, zero)
 
-    def update(loss_fn, microbatches, state, batch_):
+    def update(loss_fn, microbatches, state, batch_, pack=None):
         return steps.apply_gradients(
             state, functools.partial(loss_fn, cfg=cfg, mesh=model_mesh), batch_,
-            optimizer, microbatches)
+            optimizer, microbatches, pack)
+
+    pack = ((cfg.rl.pack_tokens, steps.batch_shards(cfg), cfg.rl.pack_rows)
+            if cfg.rl.pack_tokens else None)
 
     score_slices = cfg.rl.num_minibatches * cfg.rl.microbatches
     onpolicy_fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
@@ -269,7 +272,8 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                                                  axis=0), out_shardings=rep), (batch,)),
         "trim": (jax.jit(rollout_lib.trim, static_argnums=(1, 2), out_shardings=batch),
                  (batch,)),
-        "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches),
+        "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches,
+                                             pack=pack),
                            donate_argnums=0, out_shardings=(state_sh, rep)),
                    (state_sh, batch)),
         "sft_update": (jax.jit(functools.partial(update, steps.sft_loss,

@@ -43,7 +43,7 @@ from stablerl_jax import losses as losses_lib
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.logprobs import policy_logprobs
-from stablerl_jax import slices
+from stablerl_jax import packing, slices
 from stablerl_jax.rl import accumulate
 from stablerl_jax.rollout import Rollout
 
@@ -139,11 +139,17 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
             impl=rl.logprob_impl, mesh=mesh)
         return logp, entropy, aux["routes"]
 
+    replay_in = routes_mu_BxTxLxK if rl.replay == "r3" else None
+    if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/packing.py)
+        lay = packing.layout(attn_BxS, rl.pack_tokens, batch_shards(cfg), rl.pack_rows)
+
     def old_policy(p):
+        if rl.pack_tokens:
+            return packing.packed_logprobs(lambda pk: packed_forward(p, pk, cfg, mesh), lay,
+                                           rollout.tokens_BxS, replay_in, replay_w)
         return slices.map_slices(
             lambda rows: forward_(p, rows),
-            (rollout.tokens_BxS, attn_BxS, routes_mu_BxTxLxK if rl.replay == "r3" else None,
-             replay_w), n_slices, "score slices")
+            (rollout.tokens_BxS, attn_BxS, replay_in, replay_w), n_slices, "score slices")
 
     if age_BxS is None:
         logp_BxT, entropy_BxT, routes_BxTxLxK = old_policy(params)
@@ -170,6 +176,38 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     return batch, metrics
 
 
+def batch_shards(cfg: ExperimentConfig) -> int:
+    """The batch shards of the mesh (data × fsdp × expert): packing's D."""
+    return cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
+
+
+def packed_forward(params, pk: packing.Packed, cfg: ExperimentConfig, mesh=None):
+    """`policy_logprobs` of one packed micro-batch: (logp, entropy, aux) in its T-frame."""
+    return policy_logprobs(params, pk.tokens, pk.attn, cfg.model, replay_BxTxLxK=pk.replay,
+                           replay_weights_BxTxLxK=pk.replay_weights,
+                           segment_ids_BxS=pk.segments, positions_BxS=pk.positions,
+                           temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl,
+                           mesh=mesh)
+
+
+def _micro_batch(params, batch, micro, cfg, mesh):
+    """Micro-batch `i` of a packed update (`micro` = (i, packing.Layout)): its forward's
+    (logp, entropy, aux) in the padded [B, T] frame, the batch with every other row's mask
+    and attention zeroed (so each loss aggregation and monitor counts this micro-batch's
+    rows with the mini-batch's totals), and its row count."""
+    i, lay = micro
+    pk = packing.pack(i, lay.table, lay.plan, lay.per_shard, batch.tokens_BxS,
+                      batch.replay_BxTxLxK, batch.replay_weights_BxTxLxK)
+    logp, entropy, aux = packed_forward(params, pk, cfg, mesh)
+    back = lambda x, fill: packing.unpack(i, x, lay.plan, lay.per_shard, lay.slots, fill)
+    logp_BxT, mine_B = back(logp, 0.0)
+    entropy_BxT, _ = back(entropy, 0.0)
+    aux = dict(aux, routes=back(aux["routes"], -1)[0])
+    view = batch._replace(mask_BxT=batch.mask_BxT * mine_B[:, None].astype(batch.mask_BxT.dtype),
+                          attn_BxS=batch.attn_BxS & mine_B[:, None])
+    return (logp_BxT, entropy_BxT, aux), view, jnp.sum(mine_B.astype(jnp.float32))
+
+
 class BatchTotals(NamedTuple):
     """A mini-batch's sizes for the loss of one micro-batch of it: the loss's
     (`losses.Totals`) and the real input tokens of its forward (`routed`), which the
@@ -185,7 +223,7 @@ def batch_totals(batch) -> BatchTotals:
                        jnp.sum(batch.attn_BxS[:, :-1].astype(jnp.float32)))
 
 
-def _router_loss(aux, batch, totals: BatchTotals | None):
+def _router_loss(aux, batch, totals: BatchTotals | None, rows=None):
     """The router loss and its metric pair; with totals, this forward's share of the
     mini-batch's: its token mean (router z-loss) weighted by its share of the routed
     tokens. The load-balancing loss is a product of two batch means, not a sum over
@@ -196,18 +234,26 @@ def _router_loss(aux, batch, totals: BatchTotals | None):
     dt = jnp.result_type(aux["router_loss"])
     routed = jnp.sum(batch.attn_BxS[:, :-1].astype(dt))
     value = aux["router_loss"] * (routed / jnp.maximum(totals.routed.astype(dt), 1.0))
-    return value, (value, losses_lib.row_share(batch.attn_BxS.shape[0], totals.loss))
+    rows = batch.attn_BxS.shape[0] if rows is None else rows
+    return value, (value, losses_lib.row_share(rows, totals.loss))
 
 
 def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, *,
-            cfg: ExperimentConfig, mesh=None):
+            cfg: ExperimentConfig, mesh=None, micro=None):
     """The surrogate loss of `cfg.loss` on one mini-batch (or, with `totals`, one
-    micro-batch's share of it), plus the router loss: (loss, metrics as pairs)."""
-    logp_BxT, entropy_BxT, aux = policy_logprobs(
-        params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
-        replay_BxTxLxK=batch.replay_BxTxLxK,
-        replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
-        temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl, mesh=mesh)
+    micro-batch's share of it), plus the router loss: (loss, metrics as pairs).
+    `micro` = (i, packing.Layout): micro-batch i of the packed mini-batch (its rows'
+    forward on packed rows, its share of the loss over the padded frame)."""
+    rows = None
+    if micro is None:
+        logp_BxT, entropy_BxT, aux = policy_logprobs(
+            params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
+            replay_BxTxLxK=batch.replay_BxTxLxK,
+            replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
+            temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl, mesh=mesh)
+    else:
+        (logp_BxT, entropy_BxT, aux), batch, rows = _micro_batch(params, batch, micro, cfg,
+                                                                 mesh)
     old_logp_BxT = batch.old_logp_BxT
     monitors = {}
     if old_logp_BxT is None:  # on-policy: this forward is π_old (module docstring)
@@ -218,11 +264,12 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
                                        batch.attn_BxS[:, :-1], cfg.loss.tis_cap)
     loss_batch = losses_lib.LossBatch(old_logp_BxT, batch.rollout_logp_BxT,
                                       batch.mask_BxT, advantages_B=batch.advantages_B,
-                                      totals=None if totals is None else totals.loss)
+                                      totals=None if totals is None else totals.loss,
+                                      rows=rows)
     loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
     metrics.update(monitors)
     metrics["update/entropy"] = dg.masked_mean_pair(entropy_BxT, batch.mask_BxT)
-    router, metrics["router_loss"] = _router_loss(aux, batch, totals)
+    router, metrics["router_loss"] = _router_loss(aux, batch, totals, rows)
     return loss + router, metrics
 
 
@@ -245,19 +292,27 @@ def sft_loss(params: dict, batch: SFTBatch, totals: BatchTotals | None = None, *
 
 
 def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.GradientTransformation,
-                    microbatches: int = 1):
+                    microbatches: int = 1, pack: tuple[int, int, int] | None = None):
     """One optimizer step on `loss_fn(params, batch, totals) -> (loss, metrics)`; returns
     (new_state, metrics as (num, den) pairs).
 
     With `microbatches` = n > 1 the loss, metrics and gradient are sums over n slices of
     the batch (rl/accumulate.py), each slice's loss normalized by the batch's `BatchTotals`;
-    n = 1 differentiates `loss_fn(params, batch, None)` directly.
+    n = 1 differentiates `loss_fn(params, batch, None)` directly. `pack` = (rl.pack_tokens,
+    batch shards, rl.pack_rows): the sum runs over the packed micro-batches instead
+    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/packing.py).
 
     The update is applied only when the loss, the gradient and the new parameters and
     optimizer state are all finite; otherwise params and optimizer state stay as they
     were and the update counts as skipped: a NaN never reaches the parameters.
     """
-    if microbatches == 1:
+    if pack is not None:
+        totals = batch_totals(batch)
+        lay = packing.layout(batch.attn_BxS, *pack)
+        (loss, metrics), grads = accumulate.packed_value_and_grad(
+            lambda p, i: loss_fn(p, batch, totals, micro=(i, lay)), state.params, lay.count,
+            lay.used)
+    elif microbatches == 1:
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params,
                                                                            batch, None)
     else:
