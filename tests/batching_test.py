@@ -72,3 +72,16 @@ def test_batch_indices_are_seeded_epochs():
                                                batching.batch_indices(50, 7, 5, 0)]
     with pytest.raises(ValueError, match="batch_size"):
         batching.batch_indices(0, 4, 0, 0)
+
+
+def test_another_stream_is_its_own_seeded_epochs():
+    # Stream 0 is the permutation of (seed, epoch) alone; another stream (the extra rounds
+    # of dynamic sampling) is a different sequence of epochs, each still a permutation.
+    np.testing.assert_array_equal(batching.epoch_order(10, 3, 1),
+                                  np.random.default_rng([3, 1]).permutation(10))
+    own = np.concatenate([batching.batch_indices(10, 5, s, seed=3) for s in range(2)])
+    other = np.concatenate([batching.batch_indices(10, 5, s, seed=3, stream=2)
+                            for s in range(2)])
+    assert sorted(other) == list(range(10)) and not np.array_equal(own, other)
+    np.testing.assert_array_equal(batching.batch_indices(10, 5, 1, seed=3, stream=2),
+                                  other[5:])

@@ -312,7 +312,7 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
         keep_checkpoints=5, async_checkpoints=False, max_consecutive_skips=3,
         offline_rollouts="x.jsonl", eval_k=3, eval_problems=5, eval_sets="a:/x.jsonl",
         overlong_buffer=4, overlong_penalty_factor=0.5, log_samples=2,
-        log_samples_every=3))
+        log_samples_every=3, max_sampling_rounds=2))
     assert set(engine_lib.LOOP_ONLY) <= set(type(cfg.rl).__dataclass_fields__)
     for name in presets.EXPERIMENT_PRESETS:  # valid for every preset (no cross-section check trips)
         engine_lib.program_config(presets.preset(name))

@@ -191,6 +191,15 @@ class RLConfig(Section):
       max_new_tokens, `overlong.length_penalty`).
     overlong_buffer: L_buf of 'penalty', in tokens (0 < L_buf <= sampling.max_new_tokens).
     overlong_penalty_factor: the penalty at max_new_tokens (> 0; DAPO: 1.0).
+    dynamic_sampling: DAPO's dynamic sampling (rl/dynamic.py, docs/method.md §9): a group
+      whose rewards (those the advantages use) are all equal has Â = 0 for every response
+      and is dropped; the step samples further rounds of prompts_per_step prompts until
+      prompts_per_step groups with a reward spread fill its batch. Static sampler only
+      (rl.max_staleness=0, no rl.offline_rollouts).
+    max_sampling_rounds: the rounds a step may sample under dynamic_sampling (an int >= 1);
+      a batch still short after them trains on the groups it has, the missing ones padded
+      with empty responses (no scored token: they add to no loss), and
+      `dynamic/filled_frac` < 1 says so.
     log_samples: decoded prompt / response / reward rows written to samples.jsonl and
       TensorBoard text at every eval (and every log_samples_every steps); 0: none.
     log_samples_every: also log training samples every this many global steps (0: only
@@ -206,15 +215,6 @@ class RLConfig(Section):
       stays the training–inference mismatch and the version lag is in π_θ / π_old, which
       the clip controls (Eq. 5). 'proximal' (AReaL's decoupled objective): π_old is the
       current parameters; the IS weight π_old / μ_old then carries the lag too.
-    """
-
-    steps: int = 60
-    prompts_per_step: int = 16
-    group_size: int = 8
-    num_minibatches: int = 1
-    microbatches: int = 1
-    replay: str = "none"
-    replay_weights: bool = False
     pack_tokens: T, token-budget sequence packing of the score and update steps
       (stablerl_jax/packing.py). 0: every row at the batch's width (padded). T > 0: each
       step's sequences (prompt + completion, whole) are packed first-fit decreasing into
@@ -225,6 +225,15 @@ class RLConfig(Section):
       pack_rows × pack_tokens); 0: one per batch shard of the mesh. A multiple of the
       batch shards. Micro-batches run only while some shard has packed rows left, so a
       step's time follows its tokens.
+    """
+
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 8
+    num_minibatches: int = 1
+    microbatches: int = 1
+    replay: str = "none"
+    replay_weights: bool = False
     offline_rollouts: str = ""
     logprob_impl: str = "chunked"
     trim_bucket: int = 0
@@ -241,10 +250,14 @@ class RLConfig(Section):
     overlong: str = "keep"
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
     log_samples: int = 4
     log_samples_every: int = 0
     max_staleness: int = 0
     old_policy: str = "behavior"
+    pack_tokens: int = 0
+    pack_rows: int = 0
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
@@ -256,8 +269,10 @@ class RLConfig(Section):
         check(is_finite(self.overlong_penalty_factor) and self.overlong_penalty_factor > 0,
               "overlong_penalty_factor", f"must be a number > 0 (DAPO: 1.0), got "
               f"{self.overlong_penalty_factor!r}")
-    pack_tokens: int = 0
-    pack_rows: int = 0
+        check(is_int(self.max_sampling_rounds) and self.max_sampling_rounds >= 1,
+              "max_sampling_rounds", f"must be an int >= 1 (the rounds of prompts_per_step "
+              f"prompts a step samples at most under rl.dynamic_sampling), got "
+              f"{self.max_sampling_rounds!r}")
         for f in ("log_samples", "log_samples_every"):
             check(is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
                   f"must be an int >= 0 (0 = off), got {getattr(self, f)!r}")
@@ -281,28 +296,13 @@ class RLConfig(Section):
               f"must be an int >= 0, got {self.seed!r}")
         check(is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
               f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
-        check_bool(self, "async_checkpoints", "replay_weights", "score_in_update")
+        check_bool(self, "async_checkpoints", "replay_weights", "score_in_update",
+                   "dynamic_sampling")
         check(not self.replay_weights or self.replay == "r3", "replay_weights",
               f"replays the sampler's recorded weights, so it needs replay='r3', got "
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")
         check(isinstance(self.offline_rollouts, str), "offline_rollouts",
               f"must be a path string ('' = sample), got {self.offline_rollouts!r}")
-        check(is_int(self.max_staleness) and self.max_staleness >= 0, "max_staleness",
-              f"must be an int >= 0 (0 = no partial rollouts), got {self.max_staleness!r}")
-        check(not (self.max_staleness and self.offline_rollouts), "max_staleness",
-              f"partial rollouts continue our sampler's responses, so they need "
-              f"rl.offline_rollouts='' (got {self.offline_rollouts!r}); set "
-              "rl.max_staleness=0 to train on the file")
-        check_choice(self, "old_policy", OLD_POLICIES)
-        parse_eval_sets(self.eval_sets)
-
-
-def parse_eval_sets(spec) -> dict[str, str]:
-    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for '').
-    Names are unique and [A-Za-z0-9_-]+; paths are non-empty (the first ':' splits, so a
-    path may hold ':')."""
-    check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
-    sets = {}
         for f in ("pack_tokens", "pack_rows"):
             check(is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
                   f"must be an int >= 0 (0 = off / one row per batch shard), got "
@@ -313,6 +313,30 @@ def parse_eval_sets(spec) -> dict[str, str]:
               f"{self.microbatches}")
         check(self.pack_tokens or not self.pack_rows, "pack_rows",
               "only applies with rl.pack_tokens > 0; set rl.pack_rows=0 or rl.pack_tokens")
+        check(is_int(self.max_staleness) and self.max_staleness >= 0, "max_staleness",
+              f"must be an int >= 0 (0 = no partial rollouts), got {self.max_staleness!r}")
+        check(not (self.max_staleness and self.offline_rollouts), "max_staleness",
+              f"partial rollouts continue our sampler's responses, so they need "
+              f"rl.offline_rollouts='' (got {self.offline_rollouts!r}); set "
+              "rl.max_staleness=0 to train on the file")
+        check_choice(self, "old_policy", OLD_POLICIES)
+        check(not (self.dynamic_sampling and self.max_staleness), "dynamic_sampling",
+              f"drops and resamples whole groups of one step, which partial rollouts "
+              f"(rl.max_staleness={self.max_staleness}) carry across steps; set "
+              "rl.max_staleness=0 or rl.dynamic_sampling=false")
+        check(not (self.dynamic_sampling and self.offline_rollouts), "dynamic_sampling",
+              f"samples further prompts, which an offline rollout file "
+              f"(rl.offline_rollouts={self.offline_rollouts!r}) cannot; set "
+              "rl.offline_rollouts='' or rl.dynamic_sampling=false")
+        parse_eval_sets(self.eval_sets)
+
+
+def parse_eval_sets(spec) -> dict[str, str]:
+    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for '').
+    Names are unique and [A-Za-z0-9_-]+; paths are non-empty (the first ':' splits, so a
+    path may hold ':')."""
+    check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
+    sets = {}
     for item in filter(None, (i.strip() for i in spec.split(","))):
         name, sep, path = item.partition(":")
         name, path = name.strip(), path.strip()

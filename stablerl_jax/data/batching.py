@@ -99,21 +99,26 @@ def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
     return SFTBatch(tokens, attn, loss[:, 1:].astype(np.float32))
 
 
-def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:
-    """The permutation of records used in `epoch`: a pure function of (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_records)
+def epoch_order(num_records: int, seed: int, epoch: int, stream: int = 0) -> np.ndarray:
+    """The permutation of records used in `epoch`: a pure function of (seed, epoch) and
+    of `stream` (0: the training prompts' own stream; another value, an independent one,
+    e.g. the extra rounds of dynamic sampling, rl/dynamic.py)."""
+    key = [seed, epoch] if stream == 0 else [seed, epoch, stream]
+    return np.random.default_rng(key).permutation(num_records)
 
 
-def batch_indices(num_records: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+def batch_indices(num_records: int, batch_size: int, step: int, seed: int,
+                  stream: int = 0) -> np.ndarray:
     """Record indices of batch `step` in a stream of seeded epoch permutations: a pure
-    function of (step, seed), so a resumed run draws exactly the batches it would have."""
+    function of (step, seed, stream), so a resumed run draws exactly the batches it would
+    have."""
     if num_records <= 0 or batch_size <= 0:
         raise ValueError(f"batch_indices: need {num_records=} > 0 and {batch_size=} > 0")
     start = step * batch_size
     out = []
     while len(out) < batch_size:
         epoch, offset = divmod(start + len(out), num_records)
-        order = epoch_order(num_records, seed, epoch)
+        order = epoch_order(num_records, seed, epoch, stream)
         out.extend(order[offset:offset + batch_size - len(out)].tolist())
     return np.asarray(out)
 

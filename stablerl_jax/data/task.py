@@ -190,9 +190,11 @@ class TaskData:
     def reward_kind(self) -> str:
         return "exact" if self.cfg.kind == "arithmetic" else "math_verify"
 
-    def train_indices(self, step: int, batch: int, seed: int) -> np.ndarray:
-        """Train-split indices of the prompts of global step `step` (seeded epochs)."""
-        return batching.batch_indices(len(self.train), batch, step, seed)
+    def train_indices(self, step: int, batch: int, seed: int, stream: int = 0) -> np.ndarray:
+        """Train-split indices of the prompts of global step `step` (seeded epochs); a
+        `stream` other than 0 is another, independent sequence of seeded epochs (the extra
+        rounds of dynamic sampling, rl/dynamic.py)."""
+        return batching.batch_indices(len(self.train), batch, step, seed, stream)
 
     def prompt_batch(self, records, group_size: int):
         return batching.prompt_batch(records, self.tokenizer, group_size, self.cfg.max_prompt_len)

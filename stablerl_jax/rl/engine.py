@@ -34,7 +34,7 @@ from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import steps
+from stablerl_jax.rl import dynamic, steps
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -160,6 +160,12 @@ class Engine:
         (rl.old_policy=behavior): params_by_age[a] are the parameters a versions ago."""
         return self._call("score_behavior", tuple(params_by_age), rollout, rewards_B, age_BxS)
 
+    def merge_rows(self, base: rollout_lib.Rollout, new: rollout_lib.Rollout, src_B, real_B
+                   ) -> rollout_lib.Rollout:
+        """Dynamic sampling's batch, one round merged in (rl/dynamic.py merge_rows):
+        rows of `new` where src_B >= 0, rows not real_B empty responses."""
+        return self._call("merge_rows", base, new, src_B, real_B)
+
     def select(self, batch, rows_M):
         """The rows `rows_M` of every leaf of a batch (a mini-batch)."""
         return self._call("select", batch, rows_M)
@@ -179,7 +185,8 @@ class Engine:
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
              "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts",
              "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
-             "log_samples", "log_samples_every", "eval_sets")
+             "log_samples", "log_samples_every", "eval_sets", "dynamic_sampling",
+             "max_sampling_rounds")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -266,6 +273,8 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
             ps, r, rw, cfg=cfg, n_slices=score_slices, mesh=model_mesh, age_BxS=age),
             out_shardings=(batch, rep)),
             ((p_sh,) * (cfg.rl.max_staleness + 1), batch, batch, batch)),
+        "merge_rows": (jax.jit(functools.partial(dynamic.merge_rows, pad_id=pad_id),
+                               out_shardings=batch), (batch, batch, rep, rep)),
         "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),
                            out_shardings=batch), (batch, rep)),
         "used_slots": (jax.jit(lambda r: jnp.any(r.prompt_mask_BxS | r.completion_mask_BxS,

@@ -15,6 +15,11 @@ One global step, every hop a call from here into one module and back:
     7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
                       rl/evals.py), decoded samples (samples.jsonl)
 
+With `rl.dynamic_sampling` hops 1–3 run in rounds (`dynamic_rollout`, rl/dynamic.py):
+groups whose rewards are all equal are dropped and further prompts sampled until
+rl.prompts_per_step groups with a reward spread fill the batch, at most
+rl.max_sampling_rounds rounds (a short batch is padded with empty responses).
+
 With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
 rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
 such as vLLM or SGLang: interop/rollouts.py); everything from hop 4 on is unchanged.
@@ -46,7 +51,7 @@ from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, 
                                      truncate_jsonl)
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.rl import evals, preflight, resume, steps
+from stablerl_jax.rl import dynamic, evals, preflight, resume, steps
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
 
@@ -117,6 +122,55 @@ def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
             metrics, window)
 
 
+def dynamic_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+                    log_samples: int = 0):
+    """Sampling of global step `step` under rl.dynamic_sampling (rl/dynamic.py): rounds
+    of Q prompts until Q groups with a reward spread fill the batch, at most
+    rl.max_sampling_rounds. Returns (the batch's rollout; this process's rows of the task
+    rewards, lengths and truncated flags of every response sampled, all rounds; this
+    process's rows of the batch's rewards for the advantages (the length penalty
+    included, 0 on padding); the composition's source; the decoded samples, of round 0;
+    the `dynamic/…` metrics)."""
+    cfg = engine.cfg
+    rl = cfg.rl
+    q, g = rl.prompts_per_step, rl.group_size
+    fill = dynamic.Fill(q, g)
+    batch, samples, sampled = None, [], []
+    for r in range(rl.max_sampling_rounds):
+        index, stream = dynamic.round_batch(step, r, rl.max_sampling_rounds)
+        prompt_idx = data.train_indices(index, q, rl.seed, stream)
+        mine = prompt_idx[distributed.rows_of_process(q)]
+        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], g)
+        rollout = engine.sample(state.params, tokens, mask,
+                                dynamic.round_key(rl.seed, step, r))
+        rewards_mine, extractors = data.reward_with_source(rollout, answers)
+        lengths_mine = distributed.local_rows(rollout.lengths_B)
+        sampled.append((rewards_mine, lengths_mine, distributed.local_rows(rollout.truncated_B)))
+        penalty_mine = np.zeros_like(rewards_mine)
+        if rl.overlong == "penalty":
+            penalty_mine = overlong.length_penalty(lengths_mine, cfg.sampling.max_new_tokens,
+                                                   rl.overlong_buffer,
+                                                   rl.overlong_penalty_factor)
+        if r == 0:
+            samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
+                                        extractors, log_samples, split="train")
+        # Gathered: every process reads the same rewards and keeps the same groups.
+        scored_B = distributed.gather(rewards_mine + penalty_mine)
+        src_B = fill.add(prompt_idx, scored_B)
+        if r == 0 and fill.full:  # every group kept, in place
+            batch = rollout
+        else:
+            batch = engine.merge_rows(rollout if batch is None else batch, rollout, src_B,
+                                      fill.real_B())
+        if fill.full:
+            break
+    rewards_mine, lengths_mine, truncated_mine = (np.concatenate(x) for x in zip(*sampled))
+    score_rewards = fill.rewards_B(scored_B.dtype)[distributed.rows_of_process(q * g)]
+    source = {"prompts": fill.prompts, "sampled": fill.sampled}
+    return (batch, rewards_mine, lengths_mine, truncated_mine, score_rewards, source, samples,
+            fill.metrics())
+
+
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
                 offline: OfflineRollouts | None = None, log_samples: int = 0,
                 inflight: Inflight | None = None, history: list | None = None):
@@ -133,15 +187,23 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     step's responses come from that file and "responses" lists their indices in it instead
     of "prompts".
 
+    Under rl.dynamic_sampling (`dynamic_rollout`) "prompts" lists the batch's real groups'
+    prompts (rows from len(prompts)·G on are padding) and "sampled" each round's Q
+    prompts; `reward`, `response_length` and the `response/…` monitors are over every
+    response sampled, all rounds.
+
     With `inflight` (rl.max_staleness >= 1) the step's responses are the first complete
     groups of the carried queue (rl/inflight.py), "prompts" lists their prompts, and
     under rl.old_policy=behavior `history` holds the parameters of the S versions before
     this one (newest first), π_old of each token's version; θ_k is pushed onto it.
     """
     rl = engine.cfg.rl
-    age_BxS, async_metrics = None, {}
+    age_BxS, async_metrics, dynamic_metrics, score_rewards = None, {}, {}, None
     behavior = inflight is not None and rl.old_policy == "behavior"
-    if offline is None:
+    if rl.dynamic_sampling:  # the config refuses it with offline or partial rollouts
+        (rollout, rewards_mine, lengths_mine, truncated_mine, score_rewards, source, samples,
+         dynamic_metrics) = dynamic_rollout(engine, state, data, step, log_samples)
+    elif offline is None:
         if inflight is not None:
             (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
              window) = partial_rollout(engine, state, data, step, inflight)
@@ -178,13 +240,15 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
             (state.params, *history), rollout, rewards_mine + penalty_mine, age_BxS)
     else:
         batch, score_metrics = engine.score(state.params, rollout,
-                                            rewards_mine + penalty_mine)
+                                            rewards_mine + penalty_mine
+                                            if score_rewards is None else score_rewards)
     rewards_B = distributed.gather(rewards_mine)
     if behavior:
         # θ_k becomes the newest past version (copied: the updates donate the state).
         history.insert(0, jax.tree.map(jnp.copy, state.params))
         del history[rl.max_staleness:]
-    minibatches = minibatch_order(rl.seed, step, len(rewards_B)).reshape(rl.num_minibatches, -1)
+    minibatches = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size
+                                  ).reshape(rl.num_minibatches, -1)
     update_metrics = []
     for rows in minibatches:
         state, m = engine.update(state, engine.select(batch, rows))
@@ -197,6 +261,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     if rl.overlong == "penalty":
         metrics["reward/overlong_penalty"] = float(np.mean(distributed.gather(penalty_mine)))
     metrics.update(async_metrics)
+    metrics.update(dynamic_metrics)
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
     composition = {**source, "minibatches": minibatches.tolist(),

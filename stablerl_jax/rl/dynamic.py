@@ -1,0 +1,150 @@
+"""Dynamic sampling (DAPO; `rl.dynamic_sampling`, docs/method.md §9): a step's batch of
+Q groups whose rewards differ, sampled in rounds.
+
+Letters: Q groups (prompts) of a batch (rl.prompts_per_step), G responses per group,
+B = Q·G rows, S rollout slots, L layers, K top-k, R rounds at most
+(rl.max_sampling_rounds).
+
+A group whose G rewards are all equal gets Â = 0 for every response under every
+baseline (advantages.py): it carries no learning signal, only weight in the loss's
+denominators. Under dynamic sampling such groups are dropped and the step samples
+further rounds of Q prompts until Q groups with a reward spread fill its batch:
+
+- Round r of global step k samples Q prompts: round 0 the step's own (data/task.py's
+  seeded epochs, the prompts the step has without dynamic sampling), round r ≥ 1 batch
+  k·(R − 1) + r − 1 of an independent stream of seeded epochs (`round_batch`); its
+  sampler key is `round_key` (round 0: the step's key). Everything a round draws is a
+  pure function of (seed, k, r), so a resumed run samples what the uninterrupted run
+  did.
+- The rewards read are those the advantages use (with rl.overlong=penalty, the length
+  penalty included), gathered from every process (the same array on each), so every
+  process keeps the same groups.
+- The kept groups fill the batch's slots in the order they were drawn (round, then
+  group); kept groups beyond Q in the round that fills the batch are not used (`Fill`).
+- After R rounds a short batch trains on the groups it has. Its shape stays [B, ...]
+  (the jitted steps compile once): a missing slot holds empty responses (`merge_rows`:
+  the prompt alone, nothing scored) with rewards 0, so Â = 0 and every loss aggregation
+  counts them in no numerator and no denominator (losses.py); the loss and gradient are
+  those of the real groups alone.
+
+Metrics (`Fill.metrics`): `dynamic/kept_frac` (groups with a spread / groups sampled,
+over the step's rounds), `dynamic/rounds` (rounds sampled), `dynamic/filled_frac` (real
+groups in the batch / Q; < 1 when the rounds ran out).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablerl_jax.rollout import Rollout
+
+ROUNDS_STREAM = 2  # the prompt stream of rounds r >= 1 (data/batching.py's `stream`)
+
+
+def round_batch(step: int, round_: int, rounds: int) -> tuple[int, int]:
+    """(batch index, stream) of the prompts of round `round_` of global step `step`, in
+    data/task.py's `train_indices`: round 0 is the step's own batch; round r >= 1 is
+    batch step·(rounds − 1) + r − 1 of stream `ROUNDS_STREAM`."""
+    if round_ == 0:
+        return step, 0
+    return step * (rounds - 1) + round_ - 1, ROUNDS_STREAM
+
+
+def round_key(seed: int, step: int, round_: int):
+    """The sampler key of round `round_` of global step `step`: the step's key
+    fold_in(key(seed), step) for round 0 (the key without dynamic sampling), folded
+    with the round after it."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return key if round_ == 0 else jax.random.fold_in(key, round_)
+
+
+def spread_groups(rewards_B, group_size: int) -> np.ndarray:
+    """[Q] bool: whether each group of `group_size` consecutive rewards holds two that
+    differ (the groups dynamic sampling keeps)."""
+    r_QxG = np.asarray(rewards_B).reshape(-1, group_size)
+    return r_QxG.max(axis=1) != r_QxG.min(axis=1)
+
+
+@dataclasses.dataclass
+class Fill:
+    """One step's batch as its rounds fill it, on the host (the same on every process):
+    the slots filled so far, in order, and the counts of the metrics."""
+
+    q: int
+    g: int
+    prompts: list = dataclasses.field(default_factory=list)  # each filled slot's prompt
+    rewards: list = dataclasses.field(default_factory=list)  # each filled slot's [G]
+    sampled: list = dataclasses.field(default_factory=list)  # each round's Q prompts
+    kept: int = 0  # groups with a spread, over the rounds
+
+    @property
+    def filled(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def full(self) -> bool:
+        return self.filled == self.q
+
+    def add(self, prompts_Q, rewards_B) -> np.ndarray:
+        """Take a round's groups with a reward spread into the free slots, in order.
+        `prompts_Q`: the round's train-split prompt indices; `rewards_B`: its rewards,
+        every row. Returns src_B: the row of this round's rollout each batch row takes,
+        -1 where the row keeps what it holds."""
+        rewards_B = np.asarray(rewards_B)
+        keep_Q = spread_groups(rewards_B, self.g)
+        self.sampled.append([int(i) for i in prompts_Q])
+        self.kept += int(keep_Q.sum())
+        take = np.flatnonzero(keep_Q)[:self.q - self.filled]
+        src_Q = np.full(self.q, -1)
+        src_Q[self.filled:self.filled + len(take)] = take
+        r_QxG = rewards_B.reshape(self.q, self.g)
+        self.prompts += [int(prompts_Q[i]) for i in take]
+        self.rewards += [r_QxG[i] for i in take]
+        rows_QxG = src_Q[:, None] * self.g + np.arange(self.g)
+        return np.where(src_Q[:, None] >= 0, rows_QxG, -1).reshape(-1).astype(np.int32)
+
+    def real_B(self) -> np.ndarray:
+        """[B] bool: the rows of filled slots (the rest are padding)."""
+        return np.repeat(np.arange(self.q) < self.filled, self.g)
+
+    def rewards_B(self, dtype=np.float32) -> np.ndarray:
+        """The batch's rewards, every row: each filled slot's, 0 on padding (Â = 0)."""
+        out = np.zeros((self.q, self.g), dtype)
+        if self.rewards:
+            out[:self.filled] = np.stack(self.rewards)
+        return out.reshape(-1)
+
+    def metrics(self) -> dict:
+        rounds = len(self.sampled)
+        return {"dynamic/kept_frac": self.kept / (rounds * self.q),
+                "dynamic/rounds": float(rounds),
+                "dynamic/filled_frac": self.filled / self.q}
+
+
+def merge_rows(base: Rollout, new: Rollout, src_B, real_B, *, pad_id: int) -> Rollout:
+    """Row b of `new`'s row src_B[b] where src_B[b] >= 0, else `base`'s row b (every
+    leaf); then each row with real_B[b] false made an empty response: its prompt alone,
+    the completion slots pad tokens, unscored (completion mask off, log μ 0, routes −1,
+    weights 0), length 0, not truncated. Jitted by rl/engine.py (`Engine.merge_rows`);
+    shapes are fixed, so it compiles once."""
+    take_B = src_B >= 0
+    rows_B = jnp.maximum(src_B, 0)
+    by_row = lambda m_B, x: m_B.reshape(m_B.shape + (1,) * (x.ndim - 1))
+    out = jax.tree.map(lambda b, n: jnp.where(by_row(take_B, b), n[rows_B], b), base, new)
+    drop_BxS = out.completion_mask_BxS & ~real_B[:, None]
+    by_slot = lambda x: drop_BxS.reshape(drop_BxS.shape + (1,) * (x.ndim - 2))
+    weights = out.route_weights_mu_BxSxLxK
+    truncated = out.truncated_B
+    return out._replace(
+        tokens_BxS=jnp.where(drop_BxS, pad_id, out.tokens_BxS),
+        completion_mask_BxS=out.completion_mask_BxS & real_B[:, None],
+        lengths_B=jnp.where(real_B, out.lengths_B, 0),
+        logp_mu_BxS=jnp.where(drop_BxS, 0.0, out.logp_mu_BxS),
+        routes_mu_BxSxLxK=jnp.where(by_slot(out.routes_mu_BxSxLxK), -1,
+                                    out.routes_mu_BxSxLxK),
+        route_weights_mu_BxSxLxK=None if weights is None else jnp.where(
+            by_slot(weights), 0.0, weights),
+        truncated_B=None if truncated is None else truncated & real_B)
