@@ -103,15 +103,17 @@ def _score_and_update(cfg, params, ro):
     state, metrics = eng.update(eng.init_state(params), batch)
     return (jax.tree.map(np.asarray, state.params),
             {k: np.asarray(v) for k, v in {**score_metrics, **metrics}.items()},
-            np.asarray(batch.old_logp_BxT) * np.asarray(batch.mask_BxT), batch)
+            np.asarray(0.0 if batch.old_logp_BxT is None else batch.old_logp_BxT)
+            * np.asarray(batch.mask_BxT), batch)
 
 
 def _check_packed_equals_padded(loss: LossConfig, replay: str, pack_rows: int = 0,
-                                attention: str = "naive", num_minibatches: int = 1):
+                                attention: str = "naive", num_minibatches: int = 1,
+                                score_in_update: bool = False):
     cfg0, params, ro, model = _rollout64()
     model = model.replace(attention_impl=attention, attention_chunk=8)
-    base = tiny_cfg(replay=replay, num_minibatches=num_minibatches).replace(model=model,
-                                                                            loss=loss)
+    base = tiny_cfg(replay=replay, num_minibatches=num_minibatches,
+                    score_in_update=score_in_update).replace(model=model, loss=loss)
     padded = _score_and_update(base, params, ro)
     packed = _score_and_update(base.replace(rl=base.rl.replace(pack_tokens=40,
                                                                pack_rows=pack_rows)),
@@ -128,7 +130,8 @@ def _check_packed_equals_padded(loss: LossConfig, replay: str, pack_rows: int = 
 # pack_rows=1: the 8 sequences in several micro-batches (each loss sees the micro-batch
 # view of the padded frame). MiniRL (response sums) with R2 on the causal path (the key
 # blocks of other segments skipped) and two mini-batches; GSPO (sequence-level ratio)
-# with R3; CISPO (token mean) without replay. The slow test runs the whole matrix.
+# with R3; CISPO (token mean) without replay, π_old and the rollout's monitors taken in
+# the one update (rl.score_in_update). The slow test runs the whole matrix.
 _DEFAULT = [(LossConfig(), "r2", "causal", 2), (LossConfig(name="gspo"), "r3", "naive", 1),
             (LossConfig(name="cispo"), "none", "chunked", 1)]
 
@@ -138,7 +141,8 @@ _DEFAULT = [(LossConfig(), "r2", "causal", 2), (LossConfig(name="gspo"), "r3", "
 def test_packed_score_and_update_equal_the_padded_ones(x64, loss, replay, attention,
                                                        minibatches):
     _check_packed_equals_padded(loss, replay, pack_rows=1, attention=attention,
-                                num_minibatches=minibatches)
+                                num_minibatches=minibatches,
+                                score_in_update=loss.name == "cispo")
 
 
 @pytest.mark.slow
