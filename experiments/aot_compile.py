@@ -20,7 +20,9 @@ and the grouped matmul (forward and backward). Exits 1 if any step does not fit.
         --lengths lognormal:mean=8192 --lengths lognormal:mean=16384
 
 `--lengths SPEC` (repeatable; `--eval-lengths` for the evaluation's) adds, per
-distribution, the sampler's schedules (stablerl_jax/schedule.py: static, continuous,
+distribution, the score and update at those lengths (padded rows trimmed to the longest,
+or with rl.pack_tokens the packed micro-batches in use: schedule_prices.train_shares),
+and (when the sample step is compiled too) the sampler's schedules (stablerl_jax/schedule.py: static, continuous,
 partial rollouts with S = 1 and 2) priced per decode step at its largest write slot
 (schedule_prices.schedule_rows): sample, score passes, updates, amortized eval and global step
 seconds, slot occupancy, the partial rollouts' drops and token ages, and whether a
@@ -95,8 +97,32 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
               + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items())
               + "); compiler / roofline estimates, not measurements", flush=True)
         for spec in args.lengths:
+            _train_table(engine, est, spec, args)
             _length_tables(engine, topo, compiled, costs, est, fit, spec,
                            args.eval_lengths or spec, args)
+
+
+def _train_table(engine, est, spec, args) -> None:
+    """The score and update at a length distribution: the compiled step's estimate times
+    the share of it a step runs (schedule_prices.train_shares; prompts at
+    task.max_prompt_len, an upper bound): padded rows cut to the step's longest, or with
+    rl.pack_tokens the packed micro-batches some shard uses."""
+    cfg, rl = engine.cfg, engine.cfg.rl
+    b, k = rl.prompts_per_step * rl.group_size, args.schedule_steps
+    lengths = schedule.lengths_from_spec(spec, cfg.sampling.max_new_tokens, k * b,
+                                         np.random.default_rng(args.seed)).reshape(k, b)
+    sh = schedule_prices.train_shares(cfg, lengths, cfg.task.max_prompt_len)
+    score, update = est["score"].seconds, est["update"].seconds * rl.num_minibatches
+    print(f"\nscore and update at lengths {spec} ({k} steps drawn, prompts of "
+          f"{cfg.task.max_prompt_len:,} tokens):\n\n| rows | width or budget | share of the "
+          f"compiled step | score s | updates s |\n|---|---|---|---|---|")
+    print(f"| padded, trimmed to the longest | {sh.padded_width:,.0f} slots (mean) | "
+          f"{sh.padded_share:.2f} | {score * sh.padded_share:.1f} | "
+          f"{update * sh.padded_share:.1f} |" if not rl.pack_tokens else
+          f"| packed (rl.pack_tokens={rl.pack_tokens:,}, pack_rows={rl.pack_rows or 'D'}) | "
+          f"{sh.packed_used:.2f} of {sh.packed_count} micro-batches (mean) | "
+          f"{sh.packed_share:.2f} | {score * sh.packed_share:.1f} | "
+          f"{update * sh.packed_share:.1f} |", flush=True)
 
 
 def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, args) -> None:
@@ -205,8 +231,19 @@ def main(argv=None) -> int:
             os.makedirs(args.save_hlo, exist_ok=True)
             with open(os.path.join(args.save_hlo, f"{name}.hlo.txt"), "w") as f:
                 f.write(results[-1].hlo)
+    compiled = {c.step: c for c in results}
     if "sample" in steps:
-        _estimates(engine, topo, {c.step: c for c in results}, args)
+        _estimates(engine, topo, compiled, args)
+    elif {"score", "update"} <= set(steps) and args.lengths:
+        chip = roofline.chip_of(topo.name)
+        est = {n: roofline.train_step_estimate(engine.cfg, n, compiled[n].hlo,
+                                               compiled[n].model_flops, chip)
+               for n in ("score", "update")}
+        print("\n| step | estimated s | how |\n|---|---|---|")
+        for e in est.values():
+            print(f"| {e.step} | {e.seconds:.1f} | {e.detail} |", flush=True)
+        for spec in args.lengths:
+            _train_table(engine, est, spec, args)
     if args.kernels:
         for c in aot.compile_kernels(cfg, topo):
             results.append(c)

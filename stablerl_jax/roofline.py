@@ -371,9 +371,16 @@ def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops:
     module = hlo_loops.Module(hlo)
     rl = cfg.rl
     # Loops XLA gives no trip count: the layer scans and the micro-batch / slice loops.
-    trips = hlo_loops.trips_by_function(module, {
-        "forward": cfg.model.num_layers, "map_slices": rl.num_minibatches * rl.microbatches,
-        "value_and_grad": rl.microbatches})
+    loops = {"forward": cfg.model.num_layers,
+             "map_slices": rl.num_minibatches * rl.microbatches,
+             "value_and_grad": rl.microbatches}
+    if rl.pack_tokens:  # packing.py's micro-batch scans, at their capacity
+        from stablerl_jax import packing
+        b = rl.prompts_per_step * rl.group_size // (rl.num_minibatches if name == "update"
+                                                    else 1)
+        count = packing.micro_batches(b, math.prod(cfg.mesh), rl.pack_rows)[1]
+        loops.update(packed_value_and_grad=count, map_micro_batches=count)
+    trips = hlo_loops.trips_by_function(module, loops)
     coll = sum(module.collective_bytes(module.entry, trips).values())
     t = flops / chip.peak_flops + coll / chip.ici_bw
     return StepEstimate(name, t, f"{flops / 1e12:.0f} TFLOP at peak "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -182,3 +183,54 @@ def placements(row: ScheduleRow, chips: int, slots: int, rows_fit: int,
         out.append(Split(s, (row.sample_s + row.eval_s) * chips / s + push,
                          (row.score_passes * row.score_s + row.train_s) * chips / t))
     return out
+
+
+class TrainShare(NamedTuple):
+    """The share of the compiled (full-width, full-capacity) score / update program that
+    a step at drawn lengths runs: padded rows cut to the step's longest row (rl.trim_bucket
+    as 1), or packed rows (rl.pack_tokens) in the micro-batches some shard uses."""
+
+    padded_width: float   # mean slots of a trimmed padded row
+    padded_share: float   # mean model FLOPs of the trimmed step / the full-width step
+    packed_used: float    # mean packed micro-batches used per step (0 without packing)
+    packed_count: int     # the packed program's micro-batches (its capacity)
+    packed_share: float   # mean used / count
+
+
+def _first_fit_rows(lengths: np.ndarray, width: int) -> int:
+    """Rows of `width` that first-fit decreasing packs `lengths` into (packing.py's rule)."""
+    fill: list[int] = []
+    for n in sorted(lengths.tolist(), reverse=True):
+        for r, f in enumerate(fill):
+            if f + n <= width:
+                fill[r] += n
+                break
+        else:
+            fill.append(n)
+    return len(fill)
+
+
+def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainShare:
+    """`TrainShare` of K steps of B responses with these completion lengths, each behind
+    a prompt of `prompt_tokens`: the padded step's FLOPs at the trimmed width
+    (model/flops.py), and the packed step's micro-batches (each shard's B / D sequences
+    first-fit into rows of rl.pack_tokens, rl.pack_rows rows per micro-batch)."""
+    from stablerl_jax import packing
+    from stablerl_jax.model.flops import train_flops
+    rl, mc = cfg.rl, cfg.model
+    full = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    widths = prompt_tokens + completions_KxB.max(axis=1)
+    b = completions_KxB.shape[1]
+    share = np.mean([train_flops(mc, b, w - 1) / train_flops(mc, b, full - 1) for w in widths])
+    if not rl.pack_tokens:
+        return TrainShare(float(widths.mean()), float(share), 0.0, 0, 0.0)
+    shards = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
+    per_shard, count = packing.micro_batches(b // rl.num_minibatches, shards, rl.pack_rows)
+    used = []
+    for step in completions_KxB:
+        for mini in step.reshape(rl.num_minibatches, -1):
+            rows = max(_first_fit_rows(part + prompt_tokens, rl.pack_tokens)
+                       for part in mini.reshape(shards, -1))
+            used.append(-(-rows // per_shard))
+    return TrainShare(float(widths.mean()), float(share), float(np.mean(used)), count,
+                      float(np.mean(used)) / count)

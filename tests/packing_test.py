@@ -186,7 +186,8 @@ def test_pack_settings_are_checked():
 
 def test_a_packed_run_matches_the_padded_run(tmp_path):
     """Three global steps of the tiny run (float32), padded and packed into rows of 40
-    tokens: the same samples (so the same rewards, lengths and eval scores, exactly), and
+    tokens (and the packed run stopped after step 2 and resumed: the same run, exactly):
+    the same samples (so the same rewards, lengths and eval scores, exactly), and
     every other metric within the float32 rounding of the two programs: relative error
     `rel` = tolerance.py's probabilistic bound for a forward and backward chain per step,
     of the metric or of its terms (token means of log-probs, at most log V in size, so
@@ -195,12 +196,20 @@ def test_a_packed_run_matches_the_padded_run(tmp_path):
     from stablerl_jax.metrics_io import read_metrics
     from stablerl_jax.rl import loop
     from tolerance import LAMBDA, bound
-    cfg = tiny_cfg(steps=3, eval_every=3, checkpoint_every=3, replay="r3")
+    cfg = tiny_cfg(steps=3, eval_every=3, checkpoint_every=2, replay="r3")
     runs = {}
     for pack in (0, 40):
         c = cfg.replace(rl=cfg.rl.replace(pack_tokens=pack))
         loop.run(c, str(tmp_path / str(pack)), progress=False)
         runs[pack] = read_metrics(str(tmp_path / str(pack)))
+    # A packed run stopped after step 2 and resumed packs and trains as the whole run.
+    c = cfg.replace(rl=cfg.rl.replace(pack_tokens=40))
+    loop.run(c.replace(rl=c.rl.replace(steps=2)), str(tmp_path / "part"), progress=False)
+    loop.run(c, str(tmp_path / "part"), progress=False)
+    # (The stopped run evaluated at its last step, 2; the whole run did not.)
+    no_eval = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")}
+                            for r in rows]
+    assert no_eval(read_metrics(str(tmp_path / "part"))) == no_eval(runs[40])
     slots = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     rel = bound(cfg.rl.steps * backward_chain(cfg.model, slots, 8 * slots), "float32",
                 lam=LAMBDA)

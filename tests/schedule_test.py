@@ -188,3 +188,25 @@ def test_bad_length_files_are_refused(tmp_path):
         with pytest.raises(ValueError, match="file"):
             schedule.lengths_from_spec(f"file:{tmp_path / name}", 10, 4,
                                        np.random.default_rng(0))
+
+
+def test_train_shares_of_padded_and_packed_steps_by_hand():
+    """Two steps of 8 responses on 2 batch shards: padded, each step's FLOP share at its
+    longest row; packed into rows of 40 slots (prompts of 16), one row per shard per
+    micro-batch, the micro-batches the fullest shard needs."""
+    from rl_helpers import tiny_cfg
+    from stablerl_jax import schedule_prices
+    from stablerl_jax.model.flops import train_flops
+    comp = np.array([[16, 16, 16, 16, 4, 4, 4, 4],     # shard 0: 32-token rows alone; shard 1: 20+20
+                     [4, 4, 4, 4, 4, 4, 4, 4]])       # every shard: 20+20, 20+20
+    cfg = tiny_cfg(mesh=(2, 1, 1), num_minibatches=1, pack_tokens=40, pack_rows=2)
+    sh = schedule_prices.train_shares(cfg, comp, 16)
+    full = train_flops(cfg.model, 8, 31)
+    assert sh.padded_width == (32 + 20) / 2
+    assert math.isclose(sh.padded_share, (train_flops(cfg.model, 8, 31) / full
+                                          + train_flops(cfg.model, 8, 19) / full) / 2)
+    # Step 1: shard 0 needs 4 rows (four 32s), shard 1 two (pairs of 20): 4 micro-batches
+    # of one row per shard. Step 2: two rows in each shard: 2.
+    assert (sh.packed_count, sh.packed_used, sh.packed_share) == (4, 3.0, 0.75)
+    padded = schedule_prices.train_shares(tiny_cfg(mesh=(2, 1, 1)), comp, 16)
+    assert padded.packed_count == 0 and padded.padded_share == sh.padded_share
