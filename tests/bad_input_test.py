@@ -93,6 +93,10 @@ OVERRIDES = [
     ("dynamic sampling of an offline file", ["rl.dynamic_sampling=true",
                                              "rl.offline_rollouts=r.npz"],
      ["rl.dynamic_sampling", "set rl.offline_rollouts='' or rl.dynamic_sampling=false"]),
+    ("packed rows shorter than a sequence", ["rl.pack_tokens=20"],
+     ["rl.pack_tokens", "longest possible sequence", "got 20"]),
+    ("packing with padded micro-batches", ["rl.pack_tokens=4096", "rl.microbatches=2"],
+     ["rl.microbatches", "set rl.microbatches=1"]),
     ("unknown fields allowed to change", ["--allow-config-change", "rl.bogus_field,zz.top"],
      ["--allow-config-change", "['rl.bogus_field', 'zz.top']"]),
 ]
