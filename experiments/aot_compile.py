@@ -106,7 +106,8 @@ def _train_table(engine, est, spec, args) -> None:
     """The score and update at a length distribution: the compiled step's estimate times
     the share of it a step runs (schedule_prices.train_shares; prompts at
     task.max_prompt_len, an upper bound): padded rows cut to the step's longest, or with
-    rl.pack_tokens the packed micro-batches some shard uses."""
+    rl.pack_tokens the packed micro-batches the fullest shard uses (the updates' rows
+    balanced over the shards as the loop orders them)."""
     cfg, rl = engine.cfg, engine.cfg.rl
     b, k = rl.prompts_per_step * rl.group_size, args.schedule_steps
     lengths = schedule.lengths_from_spec(spec, cfg.sampling.max_new_tokens, k * b,
@@ -120,9 +121,9 @@ def _train_table(engine, est, spec, args) -> None:
           f"{sh.padded_share:.2f} | {score * sh.padded_share:.1f} | "
           f"{update * sh.padded_share:.1f} |" if not rl.pack_tokens else
           f"| packed (rl.pack_tokens={rl.pack_tokens:,}, pack_rows={rl.pack_rows or 'D'}) | "
-          f"{sh.packed_used:.2f} of {sh.packed_count} micro-batches (mean) | "
-          f"{sh.packed_share:.2f} | {score * sh.packed_share:.1f} | "
-          f"{update * sh.packed_share:.1f} |", flush=True)
+          f"an update runs {sh.update_used:.2f} of {sh.packed_count} micro-batches (mean) | "
+          f"score {sh.score_share:.2f}, updates {sh.update_share:.2f} | "
+          f"{score * sh.score_share:.1f} | {update * sh.update_share:.1f} |", flush=True)
 
 
 def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, args) -> None:

@@ -25,7 +25,9 @@ W tokens next to others:
 
 Micro-batches run in a `lax.scan` over the capacity ⌈N / M⌉ whose body is a `lax.cond`:
 a micro-batch index past the rows some shard used costs nothing, so a step's forward
-work follows its tokens.
+work follows its tokens. The fullest shard sets the count, so the loop orders each
+mini-batch's rows (`balance_rows`, on the host: a mini-batch is a seeded set of rows in
+any order) so that every shard gets about the same tokens.
 """
 from __future__ import annotations
 
@@ -33,6 +35,27 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def balance_rows(rows_M: np.ndarray, tokens_M: np.ndarray, shards: int) -> np.ndarray:
+    """`rows_M` (a mini-batch's row indices, with their real tokens `tokens_M`) reordered
+    so that each of `shards` contiguous blocks of M / shards rows holds about the same
+    tokens: longest first (ties by position), each to the least-loaded shard with room
+    (ties: the lower shard). Deterministic; a permutation of `rows_M`."""
+    m = len(rows_M)
+    if m % shards:
+        raise ValueError(f"balance_rows: {m} rows do not split into {shards} shards")
+    per = m // shards
+    load, count = np.zeros(shards), np.zeros(shards, int)
+    slots: list[list[int]] = [[] for _ in range(shards)]
+    for i in np.argsort(-np.asarray(tokens_M), kind="stable"):
+        free = np.flatnonzero(count < per)
+        d = free[np.argmin(load[free])]
+        slots[d].append(int(rows_M[i]))
+        load[d] += tokens_M[i]
+        count[d] += 1
+    return np.asarray([r for block in slots for r in block], dtype=np.asarray(rows_M).dtype)
 
 
 class Plan(NamedTuple):

@@ -188,13 +188,15 @@ def placements(row: ScheduleRow, chips: int, slots: int, rows_fit: int,
 class TrainShare(NamedTuple):
     """The share of the compiled (full-width, full-capacity) score / update program that
     a step at drawn lengths runs: padded rows cut to the step's longest row (rl.trim_bucket
-    as 1), or packed rows (rl.pack_tokens) in the micro-batches some shard uses."""
+    as 1), or packed rows (rl.pack_tokens) in the micro-batches the fullest shard uses."""
 
     padded_width: float   # mean slots of a trimmed padded row
     padded_share: float   # mean model FLOPs of the trimmed step / the full-width step
-    packed_used: float    # mean packed micro-batches used per step (0 without packing)
-    packed_count: int     # the packed program's micro-batches (its capacity)
-    packed_share: float   # mean used / count
+    packed_count: int     # an update's packed micro-batches (its program's capacity)
+    update_used: float    # mean micro-batches an update runs (rows balanced over the
+                          # shards: packing.balance_rows)
+    update_share: float   # update_used / packed_count
+    score_share: float    # the same share of the score step (rows as sampled)
 
 
 def _first_fit_rows(lengths: np.ndarray, width: int) -> int:
@@ -213,8 +215,10 @@ def _first_fit_rows(lengths: np.ndarray, width: int) -> int:
 def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainShare:
     """`TrainShare` of K steps of B responses with these completion lengths, each behind
     a prompt of `prompt_tokens`: the padded step's FLOPs at the trimmed width
-    (model/flops.py), and the packed step's micro-batches (each shard's B / D sequences
-    first-fit into rows of rl.pack_tokens, rl.pack_rows rows per micro-batch)."""
+    (model/flops.py), and the packed steps' micro-batches (each shard's sequences
+    first-fit into rows of rl.pack_tokens, rl.pack_rows rows per micro-batch; the score
+    packs the rows as sampled, each update the mini-batch's rows balanced over the
+    shards as the loop orders them)."""
     from stablerl_jax import packing
     from stablerl_jax.model.flops import train_flops
     rl, mc = cfg.rl, cfg.model
@@ -223,14 +227,20 @@ def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainS
     b = completions_KxB.shape[1]
     share = np.mean([train_flops(mc, b, w - 1) / train_flops(mc, b, full - 1) for w in widths])
     if not rl.pack_tokens:
-        return TrainShare(float(widths.mean()), float(share), 0.0, 0, 0.0)
+        return TrainShare(float(widths.mean()), float(share), 0, 0.0, 0.0, 0.0)
     shards = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
     per_shard, count = packing.micro_batches(b // rl.num_minibatches, shards, rl.pack_rows)
-    used = []
-    for step in completions_KxB:
+
+    def used(seqs):
+        rows = max(_first_fit_rows(part, rl.pack_tokens) for part in seqs.reshape(shards, -1))
+        return -(-rows // per_shard)
+
+    score_count = packing.micro_batches(b, shards, rl.pack_rows)[1]
+    score, update = [], []
+    for step in completions_KxB + prompt_tokens:
+        score.append(used(step) / score_count)
         for mini in step.reshape(rl.num_minibatches, -1):
-            rows = max(_first_fit_rows(part + prompt_tokens, rl.pack_tokens)
-                       for part in mini.reshape(shards, -1))
-            used.append(-(-rows // per_shard))
-    return TrainShare(float(widths.mean()), float(share), float(np.mean(used)), count,
-                      float(np.mean(used)) / count)
+            order = packing.balance_rows(np.arange(len(mini)), mini, shards)
+            update.append(used(mini[order]))
+    return TrainShare(float(widths.mean()), float(share), count, float(np.mean(update)),
+                      float(np.mean(update)) / count, float(np.mean(score)))

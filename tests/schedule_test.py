@@ -205,8 +205,24 @@ def test_train_shares_of_padded_and_packed_steps_by_hand():
     assert sh.padded_width == (32 + 20) / 2
     assert math.isclose(sh.padded_share, (train_flops(cfg.model, 8, 31) / full
                                           + train_flops(cfg.model, 8, 19) / full) / 2)
-    # Step 1: shard 0 needs 4 rows (four 32s), shard 1 two (pairs of 20): 4 micro-batches
-    # of one row per shard. Step 2: two rows in each shard: 2.
-    assert (sh.packed_count, sh.packed_used, sh.packed_share) == (4, 3.0, 0.75)
+    # The score packs the rows as sampled. Step 1: shard 0 needs 4 rows (four 32s), shard
+    # 1 two (pairs of 20): 4 micro-batches of one row per shard; step 2: two rows in each
+    # shard: 2. The update's rows are balanced first (two 32s and two 20s per shard:
+    # three rows each), so step 1 needs 3.
+    assert sh.packed_count == 4 and sh.score_share == (4 + 2) / 2 / 4
+    assert (sh.update_used, sh.update_share) == (2.5, 2.5 / 4)
     padded = schedule_prices.train_shares(tiny_cfg(mesh=(2, 1, 1)), comp, 16)
     assert padded.packed_count == 0 and padded.padded_share == sh.padded_share
+
+
+def test_balanced_rows_give_each_shard_about_the_same_tokens():
+    from stablerl_jax import packing
+    rows = np.array([7, 3, 5, 1, 0, 2, 6, 4])
+    tokens = np.array([32, 32, 32, 32, 20, 20, 20, 20])
+    out = packing.balance_rows(rows, tokens, 2)
+    assert sorted(out) == sorted(rows)
+    by_row = dict(zip(rows, tokens))
+    assert [sum(by_row[r] for r in half) for half in (out[:4], out[4:])] == [104, 104]
+    np.testing.assert_array_equal(out, packing.balance_rows(rows, tokens, 2))
+    with pytest.raises(ValueError, match="shards"):
+        packing.balance_rows(rows[:7], tokens[:7], 2)

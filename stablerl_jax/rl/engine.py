@@ -25,6 +25,7 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 
@@ -166,6 +167,10 @@ class Engine:
         rows of `new` where src_B >= 0, rows not real_B empty responses."""
         return self._call("merge_rows", base, new, src_B, real_B)
 
+    def row_tokens(self, batch: steps.TrainBatch) -> np.ndarray:
+        """Each row's real tokens (prompt + completion), on the host (every process)."""
+        return distributed.host(self._call("row_tokens", batch))
+
     def select(self, batch, rows_M):
         """The rows `rows_M` of every leaf of a batch (a mini-batch)."""
         return self._call("select", batch, rows_M)
@@ -279,6 +284,8 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                            out_shardings=batch), (batch, rep)),
         "used_slots": (jax.jit(lambda r: jnp.any(r.prompt_mask_BxS | r.completion_mask_BxS,
                                                  axis=0), out_shardings=rep), (batch,)),
+        "row_tokens": (jax.jit(lambda b: jnp.sum(b.attn_BxS, axis=1, dtype=jnp.int32),
+                               out_shardings=rep), (batch,)),
         "trim": (jax.jit(rollout_lib.trim, static_argnums=(1, 2), out_shardings=batch),
                  (batch,)),
         "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches,

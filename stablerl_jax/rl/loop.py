@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import continuous, distributed, overlong
+from stablerl_jax import continuous, distributed, overlong, packing
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.checkpoint import Checkpointer
@@ -249,6 +249,11 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         del history[rl.max_staleness:]
     minibatches = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size
                                   ).reshape(rl.num_minibatches, -1)
+    if rl.pack_tokens:  # each batch shard packs its own rows: give them equal tokens
+        tokens_B = engine.row_tokens(batch)
+        minibatches = np.stack([packing.balance_rows(rows, tokens_B[rows],
+                                                     steps.batch_shards(engine.cfg))
+                                for rows in minibatches])
     update_metrics = []
     for rows in minibatches:
         state, m = engine.update(state, engine.select(batch, rows))
