@@ -97,6 +97,21 @@ def test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it(x64, impl)
     np.testing.assert_array_equal(aux["routes"][0, 9:14], own)
 
 
+@pytest.fixture
+def no_cache_writes():
+    """The float64 packed programs are compiled without writing them to the test run's
+    persistent compilation cache: jaxlib's `executable.serialize()` of a float64 packed
+    update crashed the process (a segfault inside the cache write) in 2 of 3 full-suite
+    runs here, never when the same tests ran alone. Nothing else changes: the programs
+    are compiled and run as before."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 def _score_and_update(cfg, params, ro):
     eng = _engine(cfg)
     batch, score_metrics = eng.score(params, ro, REWARDS)
@@ -138,8 +153,8 @@ _DEFAULT = [(LossConfig(), "r2", "causal", 2), (LossConfig(name="gspo"), "r3", "
 
 @pytest.mark.parametrize("loss,replay,attention,minibatches", _DEFAULT,
                          ids=[f"{l.name}-{r}-{a}" for l, r, a, _ in _DEFAULT])
-def test_packed_score_and_update_equal_the_padded_ones(x64, loss, replay, attention,
-                                                       minibatches):
+def test_packed_score_and_update_equal_the_padded_ones(x64, no_cache_writes, loss, replay,
+                                                       attention, minibatches):
     _check_packed_equals_padded(loss, replay, pack_rows=1, attention=attention,
                                 num_minibatches=minibatches,
                                 score_in_update=loss.name == "cispo")
@@ -149,12 +164,13 @@ def test_packed_score_and_update_equal_the_padded_ones(x64, loss, replay, attent
 @pytest.mark.parametrize("name", LOSS_NAMES)
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])
-def test_every_loss_aggregation_and_replay_packed_equals_padded(x64, name, agg, replay):
+def test_every_loss_aggregation_and_replay_packed_equals_padded(x64, no_cache_writes, name,
+                                                                agg, replay):
     _check_packed_equals_padded(LossConfig(name=name, aggregation=agg), replay, pack_rows=1)
 
 
 @pytest.mark.slow
-def test_sharded_packed_update_equals_unsharded(x64):
+def test_sharded_packed_update_equals_unsharded(x64, no_cache_writes):
     """A 2×2×2 mesh: each of the 8 batch shards packs its own row(s)."""
     cfg, params, ro, model = _rollout64()
     results = []
