@@ -97,6 +97,15 @@ def test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it(x64, impl)
     np.testing.assert_array_equal(aux["routes"][0, 9:14], own)
 
 
+@pytest.fixture(autouse=True)
+def fresh_jit_caches():
+    """Each test here compiles its own packed programs: the executables earlier tests left
+    in this process are dropped first (a test worker holds hundreds of them by now, and
+    XLA's CPU compiler aborted while compiling a packed update in a full-suite worker)."""
+    jax.clear_caches()
+    yield
+
+
 @pytest.fixture
 def no_cache_writes():
     """The float64 packed programs are compiled without writing them to the test run's
