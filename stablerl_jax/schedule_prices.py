@@ -199,19 +199,6 @@ class TrainShare(NamedTuple):
     score_share: float    # the same share of the score step (rows as sampled)
 
 
-def _first_fit_rows(lengths: np.ndarray, width: int) -> int:
-    """Rows of `width` that first-fit decreasing packs `lengths` into (packing.py's rule)."""
-    fill: list[int] = []
-    for n in sorted(lengths.tolist(), reverse=True):
-        for r, f in enumerate(fill):
-            if f + n <= width:
-                fill[r] += n
-                break
-        else:
-            fill.append(n)
-    return len(fill)
-
-
 def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainShare:
     """`TrainShare` of K steps of B responses with these completion lengths, each behind
     a prompt of `prompt_tokens`: the padded step's FLOPs at the trimmed width
@@ -219,6 +206,9 @@ def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainS
     first-fit into rows of rl.pack_tokens, rl.pack_rows rows per micro-batch; the score
     packs the rows as sampled, each update the mini-batch's rows balanced over the
     shards as the loop orders them)."""
+    import jax
+    import jax.numpy as jnp
+
     from stablerl_jax import packing
     from stablerl_jax.model.flops import train_flops
     rl, mc = cfg.rl, cfg.model
@@ -231,8 +221,10 @@ def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainS
     shards = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
     per_shard, count = packing.micro_batches(b // rl.num_minibatches, shards, rl.pack_rows)
 
-    def used(seqs):
-        rows = max(_first_fit_rows(part, rl.pack_tokens) for part in seqs.reshape(shards, -1))
+    def used(seqs):  # micro-batches the fullest shard needs, by packing.py's own plan
+        fill = jax.vmap(packing.first_fit_decreasing, (0, None))(
+            jnp.asarray(seqs.reshape(shards, -1), jnp.int32), rl.pack_tokens)[3]
+        rows = int(jnp.max(jnp.sum(fill > 0, axis=1)))
         return -(-rows // per_shard)
 
     score_count = packing.micro_batches(b, shards, rl.pack_rows)[1]
