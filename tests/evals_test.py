@@ -1,9 +1,14 @@
 """Eval sets: any problem count (the batch padded to the mesh / sampler multiple, the
-padding rows dropped), per-set numbers and their means, decoded sample rows."""
+padding rows dropped), per-set numbers and their means, decoded sample rows (special
+tokens shown, the stop token that ended each row or "truncated")."""
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
+from hf_fixtures import write_qwen_tokenizer
 
+from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.rl import evals
 from stablerl_jax.rollout import Rollout
 
@@ -29,6 +34,8 @@ class _Data:
         @staticmethod
         def decode(ids):
             return " ".join(str(int(i)) for i in ids)
+
+        decode_raw = decode
 
     def prompt_batch(self, records, k):
         tokens = np.repeat([[int(r["prompt"])] for r in records], k, axis=0).astype(np.int32)
@@ -85,5 +92,36 @@ def test_sets_report_each_and_their_mean_and_sample_rows():
     assert metrics["eval/truncated_frac"] == 0.5 and metrics["eval/length_mean"] == 2.75
     assert [s["split"] for s in samples] == ["eval/a", "eval/b"]
     assert samples[1] == {"split": "eval/b", "prompt": "3", "response": "3 4 5 6",
-                          "answer": "3", "reward": 1.0, "extractor": "boxed", "length": 4,
-                          "truncated": True}
+                          "ended": "truncated", "answer": "3", "reward": 1.0,
+                          "extractor": "boxed", "length": 4, "truncated": True}
+    assert samples[0]["ended"] == "0" and samples[0]["response"] == "0"  # its last token
+
+
+def test_a_sample_shows_its_special_tokens_and_which_stop_id_ended_it(tmp_path):
+    # Qwen3's tokenizer: two stop ids, <|im_end|> (eos) and <|endoftext|> (also pad).
+    write_qwen_tokenizer(tmp_path)
+    tok = HFTokenizer.from_dir(str(tmp_path))
+    im_end, endoftext = tok.stop_ids
+    prompt = "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
+    texts = ["The answer is \\boxed{19}.<|im_end|>", "#### 42<|endoftext|>",
+             "Let's think step by step"]  # no stop id: truncated
+    comp = [tok.encode(t) for t in texts]
+    assert comp[0][-1] == im_end and comp[1][-1] == endoftext
+    width = max(map(len, comp)) + 2  # every row padded with pad = <|endoftext|>
+    p_ids = tok.encode(prompt)
+    toks_BxS = np.array([p_ids + c + [tok.pad_id] * (width - len(c)) for c in comp])
+    cmask_BxS = np.array([[False] * len(p_ids) + [i < len(c) for i in range(width)]
+                          for c in comp])
+    pmask_BxS = np.zeros_like(cmask_BxS)
+    pmask_BxS[:, :len(p_ids)] = True
+    lengths_B = cmask_BxS.sum(1)
+    ro = Rollout(toks_BxS, pmask_BxS, cmask_BxS, lengths_B, np.zeros(toks_BxS.shape),
+                 None, truncated_B=np.array([False, False, True]))
+    rows = evals.sample_rows(SimpleNamespace(tokenizer=tok), toks_BxS[:, :len(p_ids)],
+                             pmask_BxS[:, :len(p_ids)], ro, np.float32([1, 0, 0]),
+                             ["19", "19", "19"], ["boxed", "none", "none"], 8, "train")
+    assert [r["ended"] for r in rows] == ["<|im_end|>", "<|endoftext|>", "truncated"]
+    assert [r["response"] for r in rows] == texts  # the padding after a row is not shown
+    assert all(r["prompt"] == prompt for r in rows)
+    assert [r["length"] for r in rows] == [len(c) for c in comp]
+    assert [r["truncated"] for r in rows] == [False, False, True]

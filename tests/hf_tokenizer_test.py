@@ -1,6 +1,6 @@
 """The Hugging Face tokenizer.json tokenizer behind the `Tokenizer` protocol: special ids
 from the directory's config files (Qwen3's layout: no BOS), round trip, decoding that
-never raises, stop ids, and clear errors. The tokenizer is the tiny byte-level BPE of
+never raises, the raw decode that keeps special tokens, stop ids, and clear errors. The tokenizer is the tiny byte-level BPE of
 tests/hf_fixtures.py."""
 import json
 
@@ -42,6 +42,20 @@ def test_special_ids_come_from_the_directory_like_qwen3(tmp_path):
     # Specials and ids past the tokenizer (a larger model vocab) are dropped, never raise.
     ids = [tok.pad_id] + tok.encode("12 + 7") + [tok.eos_id, tok.vocab_size + 5]
     assert tok.decode(ids) == "12 + 7"
+
+
+def test_the_raw_decode_keeps_every_special_token(tmp_path):
+    raw = write_qwen_tokenizer(tmp_path)
+    tok = HFTokenizer.from_dir(str(tmp_path))
+    text = "<|im_start|>assistant\n<think>\nadd</think>\n#### 19<|im_end|><|endoftext|>"
+    ids = tok.encode(text)
+    assert tok.decode_raw(ids) == text
+    assert tok.decode(ids) == "assistant\n<think>\nadd</think>\n#### 19"
+    # pad = <|endoftext|> is kept (the caller passes no padding); ids past the tokenizer
+    # are dropped.
+    assert tok.pad_id == raw.token_to_id("<|endoftext|>")
+    assert tok.decode_raw(ids + [tok.vocab_size + 5]) == text
+    assert [tok.decode_raw([i]) for i in tok.stop_ids] == ["<|im_end|>", "<|endoftext|>"]
 
 
 def test_no_bos_means_prompts_start_with_their_text(tmp_path):

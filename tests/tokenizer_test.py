@@ -1,4 +1,5 @@
-"""SentencePiece trained in-process: round trip, special ids, reuse."""
+"""SentencePiece trained in-process: round trip, special ids, the raw decode that shows
+them, reuse."""
 import pytest
 
 from stablerl_jax import presets
@@ -22,6 +23,19 @@ def test_round_trip_and_special_ids(tmp_path):
     assert len(tok.encode("123")) == 3
     # Specials and out-of-range ids (a larger model vocab) never break decoding.
     assert tok.decode([2] + tok.encode("1+2=") + [3, 0, 999]) .startswith("1+2=")
+
+
+def test_the_raw_decode_shows_control_ids_as_their_pieces(tmp_path):
+    tok = SentencePieceTokenizer.load_or_train(str(tmp_path / "t.model"), CORPUS, 64)
+    assert [tok.sp.id_to_piece(i) for i in (0, 2, 3)] == ["<pad>", "<s>", "</s>"]
+    for text in CORPUS[:20]:
+        assert tok.decode_raw(tok.encode(text)) == text
+    ids = [2] + tok.encode("1+2=") + [0] + tok.encode("3") + [3]
+    assert tok.decode_raw(ids) == "<s>1+2=<pad>3</s>"
+    assert tok.decode(ids) == "1+2=3"
+    # Out-of-range ids decode as unk, as in `decode`.
+    one = tok.encode("1")
+    assert tok.decode_raw(one + [999, 3]) == tok.decode(one + [999]) + "</s>"
 
 
 def test_saved_model_is_reused(tmp_path):

@@ -23,7 +23,8 @@ splits the tokenizer's added tokens out of the text, so a rendered chat template
 `<think>` / `</think>` are added but not special, so they stay and the reward can find
 the think block), and ids the tokenizer does not have
 (a model's embedding may have more rows than the tokenizer has tokens: Qwen3-30B-A3B has
-151,936 rows for 151,669 tokens), so decoding model output never raises.
+151,936 rows for 151,669 tokens), so decoding model output never raises. `decode_raw`
+drops only those ids: every special token stays as its text (`<|im_end|>`).
 """
 from __future__ import annotations
 
@@ -128,4 +129,10 @@ class HFTokenizer:
         """Text of the ids, skipping special tokens and ids past the tokenizer's."""
         keep = [int(i) for i in ids if 0 <= int(i) < self.vocab_size
                 and int(i) not in self._skip]
+        return self.tok.decode(keep, skip_special_tokens=False)
+
+    def decode_raw(self, ids: Iterable[int]) -> str:
+        """Text of the ids with every special token as its text; ids past the
+        tokenizer's are dropped."""
+        keep = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self.tok.decode(keep, skip_special_tokens=False)

@@ -23,7 +23,10 @@ class Tokenizer(Protocol):
     """What the trainer needs of a tokenizer: this SentencePiece model, or a checkpoint's
     own `tokenizer.json` (data/hf_tokenizer.py). bos_id None: prompts get no BOS.
     stop_ids: every id that ends a response (eos_id first, no duplicates); the sampler
-    stops a row on any of them, and SFT solutions end with eos_id."""
+    stops a row on any of them, and SFT solutions end with eos_id. `decode` is the text
+    the reward reads (special tokens dropped); `decode_raw` is the text as the model wrote
+    it, every special token shown as its text (`</s>`, `<|im_end|>`), for logged
+    samples."""
 
     pad_id: int
     bos_id: int | None
@@ -34,6 +37,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def decode_raw(self, ids: Iterable[int]) -> str: ...
 
 
 class SentencePieceTokenizer:
@@ -93,3 +98,17 @@ class SentencePieceTokenizer:
         ids = [int(i) if 0 <= int(i) < self.vocab_size else UNK_ID for i in ids
                if int(i) not in (PAD_ID, BOS_ID, EOS_ID)]
         return self.sp.decode(ids)
+
+    def decode_raw(self, ids: Iterable[int]) -> str:
+        """Text of the ids with the control ids (pad, bos, eos) shown as their pieces
+        (`<pad>`, `<s>`, `</s>`), which `sp.decode` would drop; ids past the tokenizer's
+        pieces decode as unk, as in `decode`."""
+        parts, run = [], []
+        for i in ids:
+            i = int(i) if 0 <= int(i) < self.vocab_size else UNK_ID
+            if self.sp.is_control(i):
+                parts += [self.sp.decode(run), self.sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self.sp.decode(run)

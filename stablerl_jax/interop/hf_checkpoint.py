@@ -55,6 +55,7 @@ from safetensors.numpy import save_file
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
+from stablerl_jax.data.hf_tokenizer import read_json
 from stablerl_jax.interop import hf_config, hf_validate
 from stablerl_jax.interop.hf_config import hf_config_from_model, model_config_from_hf
 from stablerl_jax.model import transformer as tf
@@ -79,8 +80,16 @@ _PER_EXPERT = {"w_gate": "mlp.experts.{e}.gate_proj.weight",
 _FUSED = {"w_gate": ("mlp.experts.gate_up_proj", "gate_half"),
           "w_up": ("mlp.experts.gate_up_proj", "up_half"),
           "w_down": ("mlp.experts.down_proj", "transposed")}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "generation_config.json")
+# What transformers' tokenizer `save_pretrained` writes and `from_pretrained` reads: the
+# fast tokenizer, its config, the chat template (transformers 5 writes it to
+# chat_template.jinja, not into tokenizer_config.json, and named extra templates to
+# additional_chat_templates/), the legacy added-token / special-token maps, and the
+# vocabulary files of slow BPE / SentencePiece tokenizers. generation_config.json is
+# written, not copied (`generation_config`).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                    "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                    "merges.txt", "tokenizer.model")
+_TOKENIZER_DIRS = ("additional_chat_templates",)
 # Buffers some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -355,7 +364,8 @@ def _to_hf(x: np.ndarray, how: str, cfg: ModelConfig) -> np.ndarray:
 
 
 def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = "per_expert",
-                   config_extra: dict | None = None, tokenizer_dir: str = "") -> None:
+                   config_extra: dict | None = None, tokenizer_dir: str = "",
+                   stop_ids: tuple[int, ...] = ()) -> None:
     """Write `params` as a Qwen3MoeForCausalLM checkpoint directory: config.json
     (`hf_config.hf_config_from_model(cfg, **config_extra)`), one safetensors file for
     the embeddings and final norm, one per layer, and model.safetensors.index.json.
@@ -363,8 +373,10 @@ def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = 
 
     experts: 'per_expert' (mlp.experts.{e}.*_proj.weight, the released checkpoints'
     layout) or 'fused' (mlp.experts.gate_up_proj / down_proj). tokenizer_dir: copy the
-    tokenizer files found there (tokenizer.json, tokenizer_config.json, …) alongside, so
-    the directory is servable as is."""
+    tokenizer files found there (`_TOKENIZER_FILES`: tokenizer.json, tokenizer_config.json,
+    chat_template.jinja, …) alongside, so the directory is servable as is. stop_ids: every
+    id that ends a response (`Tokenizer.stop_ids`); generation_config.json gets them as
+    "eos_token_id" (`generation_config`)."""
     if experts not in ("per_expert", "fused"):
         raise ValueError(f"experts={experts!r} must be 'per_expert' or 'fused'")
     os.makedirs(path, exist_ok=True)
@@ -402,5 +414,29 @@ def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config_from_model(cfg, **(config_extra or {})), f, indent=2)
     for name in _TOKENIZER_FILES if tokenizer_dir else ():
-        if os.path.exists(os.path.join(tokenizer_dir, name)):
+        if os.path.isfile(os.path.join(tokenizer_dir, name)):
             shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+    for name in _TOKENIZER_DIRS if tokenizer_dir else ():
+        if os.path.isdir(os.path.join(tokenizer_dir, name)):
+            shutil.copytree(os.path.join(tokenizer_dir, name), os.path.join(path, name),
+                            dirs_exist_ok=True)
+    source = os.path.join(tokenizer_dir, "generation_config.json") if tokenizer_dir else ""
+    generation = generation_config(read_json(source) if source else {},
+                                   stop_ids, config_extra or {})
+    if generation:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)
+
+
+def generation_config(source: dict, stop_ids: tuple[int, ...], config_extra: dict) -> dict:
+    """The exported generation_config.json: the source checkpoint's (`source`; sampling
+    settings such as temperature and top_p kept) with "eos_token_id" = every stop id (an
+    int when there is one; config_extra's eos_token_id without stop ids) and config_extra's
+    "pad_token_id" / "bos_token_id", each replacing the source's where it is not None.
+    Serving stacks (transformers' generate, vLLM, SGLang) stop on the ids listed here, so
+    a response ends where the run's sampler ended it; config.json keeps eos_id alone."""
+    eos = list(stop_ids) or config_extra.get("eos_token_id")
+    ids = {"eos_token_id": eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
+           "pad_token_id": config_extra.get("pad_token_id"),
+           "bos_token_id": config_extra.get("bos_token_id")}
+    return {**source, **{k: v for k, v in ids.items() if v is not None}}

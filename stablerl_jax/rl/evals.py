@@ -85,20 +85,29 @@ def evaluate_sets(sample, data, sets: dict, key, num_problems: int, k: int,
 
 def sample_rows(data, tokens_BxP, mask_BxP, rollout, rewards_B, answers, extractors,
                 count: int, split: str) -> list[dict]:
-    """The first `count` of this process's rows as {split, prompt, response, answer,
-    reward, extractor, length, truncated} (the prompt decoded from its tokens, so it shows
-    the chat template as the model saw it; `extractor`: which final-answer rule the reward
-    read, data/answers.py)."""
+    """The first `count` of this process's rows as {split, prompt, response, ended,
+    answer, reward, extractor, length, truncated}. Prompt and response are decoded with
+    every special token shown (`Tokenizer.decode_raw`), so the prompt shows the chat
+    template as the model saw it and the response ends with its stop token; `ended`: the
+    text of that stop token (`<|im_end|>`), or "truncated" for a row with no stop id in
+    max_new_tokens. The reward read the response without special tokens; `extractor`:
+    which final-answer rule it read (data/answers.py)."""
     count = min(count, len(answers))
     if not count:
         return []
-    responses = data.completions(rollout)[:count]
+    tok = data.tokenizer
+    toks_BxS = distributed.local_rows(rollout.tokens_BxS)
+    comp_BxS = distributed.local_rows(rollout.completion_mask_BxS).astype(bool)
     lengths = distributed.local_rows(rollout.lengths_B)
     truncated = distributed.local_rows(rollout.truncated_B)
     tokens_BxP, mask_BxP = np.asarray(tokens_BxP), np.asarray(mask_BxP, bool)
-    return [{"split": split,
-             "prompt": data.tokenizer.decode(tokens_BxP[b][mask_BxP[b]].tolist()),
-             "response": responses[b], "answer": str(answers[b]),
-             "reward": float(rewards_B[b]), "extractor": str(extractors[b]),
-             "length": int(lengths[b]),
-             "truncated": bool(truncated[b])} for b in range(count)]
+    rows = []
+    for b in range(count):
+        prompt, response = tokens_BxP[b][mask_BxP[b]].tolist(), toks_BxS[b][comp_BxS[b]].tolist()
+        rows.append({"split": split, "prompt": tok.decode_raw(prompt),
+                     "response": tok.decode_raw(response),
+                     "ended": "truncated" if truncated[b] else tok.decode_raw(response[-1:]),
+                     "answer": str(answers[b]), "reward": float(rewards_B[b]),
+                     "extractor": str(extractors[b]), "length": int(lengths[b]),
+                     "truncated": bool(truncated[b])})
+    return rows

@@ -452,7 +452,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                        cfg.model.replace(param_dtype=dtype), export_hf,
                        config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                                      "bos_token_id": tok.bos_id},
-                       tokenizer_dir=cfg.task.tokenizer_dir)
+                       tokenizer_dir=cfg.task.tokenizer_dir, stop_ids=tok.stop_ids)
     skipped = int(distributed.host(state.skipped))
     distributed.barrier("run end")
     if not main:
