@@ -33,7 +33,8 @@ EXPERIMENTS = {
     # Paper §5: three cold starts distilled from different teachers; MiniRL + R2 at N = 2
     # with 1,024 responses per mini-batch (B = 2,048).
     "paper": lambda: Experiment(apply_overrides(
-        presets.paper(), (*RECIPE, "rl.prompts_per_step=128")), VARIANTS, seeds=(0, 1, 2)),
+        presets.paper(), (*RECIPE, "rl.prompts_per_step=128", "sft.steps=2000")), VARIANTS,
+        seeds=(0, 1, 2)),
 }
 
 

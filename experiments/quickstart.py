@@ -1,17 +1,24 @@
 """SFT cold start, then MiniRL on the synthetic arithmetic task, with FP8 inference.
 
     python -m experiments.quickstart [--workdir runs/quickstart] [--preset tiny]
-        [--hf CHECKPOINT_DIR] [--export-hf OUT_DIR] [--export-dtype DTYPE] [key=value ...]
+        [--hf CHECKPOINT_DIR] [--sft-only] [--export-hf OUT_DIR] [--export-dtype DTYPE]
+        [key=value ...]
 
 e.g. `rl.steps=20 rl.replay=r3`. Writes to the workdir: sft/ (cold-start params),
-checkpoints/, metrics.jsonl, samples.jsonl (decoded samples), tb/ (TensorBoard),
-plots/*.png and summary.json; prints the start and end held-out accuracy. Re-running
-resumes from the last complete checkpoint.
+sft_run/ (the cold start's metrics.jsonl, TensorBoard and checkpoints), checkpoints/,
+metrics.jsonl, samples.jsonl (decoded samples), tb/ (TensorBoard), plots/*.png and
+summary.json; prints the start and end held-out accuracy. Re-running resumes from the
+last complete checkpoint (of the cold start, then of RL).
 
---hf: start RL from a Hugging Face Qwen3-MoE checkpoint instead of the SFT cold start
-(the architecture and the tokenizer come from the checkpoint, every other model field from
+--hf: start from a Hugging Face Qwen3-MoE checkpoint instead of a fresh init (the
+architecture and the tokenizer come from the checkpoint, every other model field from
 the preset and the command line; parameters are read onto the mesh shard by shard, as
 model.param_dtype: float32 master weights by default whatever the checkpoint stores).
+The cold start runs when sft.steps > 0 (the `paper` preset has 0: its checkpoint is
+taken as cold-started), on sft.data (chat or prompt/response records,
+data/sft_data.py) or the task's worked solutions, rendered with the checkpoint's chat
+template. --sft-only (= rl.steps=0): the cold start, then the eval sets and the export,
+without an RL stage.
 --export-hf: write the final policy as a Hugging Face checkpoint, in the --hf
 checkpoint's dtype unless --export-dtype names another. `rl.offline_rollouts=FILE.npz`
 trains on rollouts recorded by an external engine instead of sampling
@@ -43,6 +50,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
+    ap.add_argument("--sft-only", action="store_true",
+                    help="the cold start, evaluated and exported; no RL stage (rl.steps=0)")
     ap.add_argument("--export-hf", default="", help="write the final policy here (HF format)")
     ap.add_argument("--export-dtype", default="", choices=("", *DTYPES),
                     help="the exported tensors' dtype (default: the --hf checkpoint's, else "
@@ -56,7 +65,8 @@ def main(argv=None) -> dict:
     try:
         distributed.initialize_from(args)
         compile_cache.enable(args.compile_cache)
-        cfg = presets.preset(args.preset, args.overrides)
+        cfg = presets.preset(args.preset, [*args.overrides,
+                                           *(["rl.steps=0"] if args.sft_only else [])])
         preflight.check_run(cfg, args.workdir)
         allow = preflight.allowed_changes(args.allow_config_change, cfg)
     except (ConfigError, ValueError, PermissionError) as e:
@@ -75,12 +85,13 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     data = loop.task_data(cfg, args.workdir)
     preflight.check_eval_problems(cfg, data)  # before the cold start trains
     loop.open_offline(cfg)  # likewise: a bad rollout file is refused before any training
-    if args.hf:
-        # Straight onto the Engine's mesh and shardings: no host copy of the model.
-        params = hf_checkpoint.load_hf_params(args.hf, cfg.model, param_shardings(cfg))
-        sft_losses = None
-    else:
-        params, sft_losses = sft.cold_start(cfg, data, args.workdir, progress=not args.quiet)
+    # Straight onto the Engine's mesh and shardings: no host copy of the model; read only
+    # when used (a cold start already in the workdir supersedes it).
+    init = (lambda: hf_checkpoint.load_hf_params(args.hf, cfg.model, param_shardings(cfg))
+            ) if args.hf else None
+    params, sft_losses = sft.cold_start(cfg, data, args.workdir, init_params=init,
+                                        init=os.path.abspath(args.hf) if args.hf else "",
+                                        progress=not args.quiet)
     flat = traverse_util.flatten_dict(params, sep="/")
     if main_process:
         print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} "

@@ -97,7 +97,10 @@ def paper() -> ExperimentConfig:
     `experiments.quickstart --preset paper --hf DIR`: its weights (read into float32
     master weights), its own tokenizer for the 151,936-entry vocabulary
     (task.tokenizer_dir, data/hf_tokenizer.py), its chat template around the boxed-answer
-    instruction, and its stop ids (generation_config.json). Truncated responses (32k
+    instruction, and its stop ids (generation_config.json). The checkpoint is taken as
+    already cold-started (sft.steps = 0: RL starts from it); `sft.steps=2000
+    sft.data=FILE` runs the cold start of the paper's §4.5 on it first (chat or
+    prompt/response records, data/sft_data.py). Truncated responses (32k
     tokens, no stop id) get no gradient (rl.overlong=mask, DAPO's overlong filtering):
     their reward, read from cut text, is not the verified outcome the objective is about,
     and a length penalty would change the paper's binary reward.
@@ -133,7 +136,7 @@ def paper() -> ExperimentConfig:
                     microbatches=8, eval_every=20, eval_k=32, eval_problems=512,
                     eval_sets=PAPER_EVAL_SETS, overlong="mask",
                     checkpoint_every=10, optim=OptimConfig(learning_rate=1e-6)),
-        sft=SFTConfig(steps=2000, batch_size=256, microbatches=2,
+        sft=SFTConfig(steps=0, batch_size=256, microbatches=2,
                       optim=OptimConfig(learning_rate=1e-5, schedule="cosine",
                                         warmup_frac=0.05, weight_decay=0.01)),
         mesh=(1, 16, 8))

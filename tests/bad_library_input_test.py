@@ -106,4 +106,4 @@ def test_loss_inputs_of_mismatched_shapes():
 def test_config_errors_are_config_errors():
     # One class of error for every setting, so a caller can catch them all at once.
     with pytest.raises(ConfigError):
-        presets.preset("tiny", ["rl.steps=0"])
+        presets.preset("tiny", ["rl.steps=-1"])

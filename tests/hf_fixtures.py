@@ -6,10 +6,11 @@
                             added tokens <|endoftext|>, <|im_start|>, <|im_end|> (special)
                             and <think>, </think> (added, not special: as in Qwen3, so
                             decoding keeps them and the reward can find the think block)
-    tokenizer_config.json   eos <|im_end|>, pad <|endoftext|>, no BOS, and a compact but
-                            faithful copy of Qwen3's jinja chat template (system message,
-                            user/assistant turns, prior thinking stripped from assistant
-                            turns, `enable_thinking=false` inserting an empty think block)
+    tokenizer_config.json   eos <|im_end|>, pad <|endoftext|>, no BOS, and Qwen3's jinja
+                            chat template less its tool calls (system message, user /
+                            assistant turns, the thinking of assistant turns before the
+                            last user message dropped, a think block around the later
+                            ones, `enable_thinking=false` inserting an empty think block)
     generation_config.json  eos_token_id [<|im_end|>, <|endoftext|>] (Qwen3's two stops)
 
 It returns the `tokenizers.Tokenizer`, so tests can look ids up.
@@ -32,15 +33,36 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}\n"
     "    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
     "{%- endif %}\n"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
+    "    {%- if ns.multi_step_tool and message.role == 'user' %}\n"
+    "        {%- set ns.multi_step_tool = false %}\n"
+    "        {%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
     "{%- for message in messages %}\n"
     "    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}\n"
     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
     "    {%- elif message.role == 'assistant' %}\n"
     "        {%- set content = message.content %}\n"
-    "        {%- if '</think>' in content %}\n"
-    "            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if '</think>' in message.content %}\n"
+    "            {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "            {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}\n"
     "        {%- endif %}\n"
-    "        {{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}\n"
+    "        {%- if loop.index0 > ns.last_query_index %}\n"
+    "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + "
+    "reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {%- else %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "            {%- endif %}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
     "    {%- elif message.role != 'system' %}\n"
     "        {{- raise_exception('Unexpected message role: ' + message.role) }}\n"
     "    {%- endif %}\n"
@@ -51,6 +73,14 @@ QWEN3_CHAT_TEMPLATE = (
     "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
     "    {%- endif %}\n"
     "{%- endif %}\n")
+
+# A ChatML template that renders every turn as written (no turn rewritten): a multi-turn
+# chat is one training sequence.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def write_qwen_tokenizer(path, *, chat_template: str | None = QWEN3_CHAT_TEMPLATE,
@@ -82,3 +112,27 @@ def write_qwen_tokenizer(path, *, chat_template: str | None = QWEN3_CHAT_TEMPLAT
         json.dump({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
                    "pad_token_id": ids["<|endoftext|>"]}, f)
     return tok
+
+
+def write_qwen3_moe(path, tok: Tokenizer, *, max_positions: int = 128) -> None:
+    """A tiny random Qwen3MoeForCausalLM saved in bfloat16 into `path` (needs torch and
+    transformers). The unembedding rows of the two stop ids are both 2.5·e_0: where the
+    final hidden state has ĥ_0 > 0 both get the logit 2.5·ĥ_0, so a row stops on either
+    one with even odds, or runs out of budget (truncated). save_pretrained writes its own
+    generation_config.json: write the tokenizer again afterwards."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+        max_position_embeddings=max_positions, rope_theta=10_000.0, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        head = model.lm_head.weight
+        for stop in ("<|im_end|>", "<|endoftext|>"):
+            head[tok.token_to_id(stop)] = 0.0
+            head[tok.token_to_id(stop), 0] = 2.5
+    model.to(torch.bfloat16).save_pretrained(str(path))

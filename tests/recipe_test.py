@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_fixtures import write_qwen_tokenizer
+from hf_fixtures import write_qwen3_moe, write_qwen_tokenizer
 
 torch = pytest.importorskip("torch", reason="the interop extra (torch) is not installed")
 transformers = pytest.importorskip("transformers",
@@ -51,27 +51,6 @@ OVERRIDES = [
     "model.router_z_loss_weight=1e-3"]
 
 
-def _checkpoint(path, tok):
-    """A random Qwen3-MoE in bfloat16 whose unembedding rows of the two stop ids are
-    both 2.5·e_0: where the final hidden state has ĥ_0 > 0 both get the logit 2.5·ĥ_0: a
-    row stops on either one with even odds, or runs out of budget
-    (truncated)."""
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
-        max_position_embeddings=128, rope_theta=10_000.0, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        head = model.lm_head.weight
-        head[tok.token_to_id("<|im_end|>")] = 0.0
-        head[tok.token_to_id("<|endoftext|>")] = 0.0
-        head[tok.token_to_id("<|im_end|>"), 0] = 2.5
-        head[tok.token_to_id("<|endoftext|>"), 0] = 2.5
-    model.to(torch.bfloat16).save_pretrained(path)
-
-
 def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -83,7 +62,7 @@ def run(tmp_path_factory):
     ckpt.mkdir()
     data.mkdir()
     tok = write_qwen_tokenizer(ckpt)
-    _checkpoint(ckpt, tok)
+    write_qwen3_moe(ckpt, tok)
     write_qwen_tokenizer(ckpt)  # save_pretrained wrote its own generation_config.json
     _write_jsonl(data / "train.jsonl", [
         {"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}, so the "
@@ -191,7 +170,8 @@ def test_metrics_samples_and_eval_sets(run):
     assert all("<|im_start|>" not in s["prompt"] or "assistant" in s["prompt"]
                for s in samples)
     assert all("Please reason step by step" in s["prompt"] for s in samples)
-    assert {"response", "reward", "truncated", "extractor", "answer"} <= set(samples[0])
+    assert {"response", "ended", "reward", "truncated", "extractor",
+            "answer"} <= set(samples[0])
 
 
 def test_partial_rollouts_run_on_the_checkpoint_recipe(run, tmp_path):

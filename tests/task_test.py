@@ -35,9 +35,6 @@ def test_task_data_tokenizer_and_batches(tmp_path):
     assert data.tokenizer.stop_ids == (data.tokenizer.eos_id,)
     again = TaskData.create(SMALL, 48, str(tmp_path))  # reuses splits and tokenizer
     assert again.tokenizer.model_proto == data.tokenizer.model_proto
-    batch = next(data.sft_batches(4, seed=0))
-    assert batch.tokens_BxS.shape[0] == 4
-    assert batch.mask_BxT.shape == (4, batch.tokens_BxS.shape[1] - 1)
     tokens, mask, answers = data.prompt_batch(data.train[:2], group_size=3)
     assert tokens.shape[0] == 6 and answers[:3] == [data.train[0]["answer"]] * 3
     np.testing.assert_array_equal(data.train_indices(0, 4, seed=1),

@@ -30,8 +30,8 @@ from stablerl_jax.config.choices import (ADVANTAGE_NAMES, AGGREGATIONS, ATTENTIO
                                          DATA_FORMATS, DTYPES, EVAL_SET_NAME, GMM_IMPLS,
                                          INFERENCE_NUMERICS, IS_CORRECTIONS, KV_CACHE_LAYOUTS,
                                          LOGPROB_IMPLS, LOSS_NAMES, OPERATORS, OVERLONG_MODES,
-                                         REMAT_POLICIES, REPLAY_MODES, SAMPLER_LAYOUTS, STYLES,
-                                         TASK_KINDS)
+                                         REMAT_POLICIES, REPLAY_MODES, SAMPLER_LAYOUTS,
+                                         SFT_FORMATS, STYLES, TASK_KINDS)
 from stablerl_jax.config.experiment import (ExperimentConfig, apply_overrides, changed_fields,
                                             flat_dict)
 from stablerl_jax.config.model import ModelConfig, SamplingConfig
@@ -44,7 +44,7 @@ __all__ = [
     "DTYPES", "EVAL_SET_NAME", "ExperimentConfig", "GMM_IMPLS", "INFERENCE_NUMERICS",
     "IS_CORRECTIONS", "KV_CACHE_LAYOUTS", "LOGPROB_IMPLS", "LOSS_NAMES", "LossConfig",
     "ModelConfig", "OPERATORS", "OVERLONG_MODES", "OptimConfig", "REMAT_POLICIES",
-    "REPLAY_MODES", "RLConfig", "SAMPLER_LAYOUTS", "SFTConfig", "STYLES", "SamplingConfig",
+    "REPLAY_MODES", "RLConfig", "SAMPLER_LAYOUTS", "SFTConfig", "SFT_FORMATS", "STYLES", "SamplingConfig",
     "Section", "TASK_KINDS", "TaskConfig", "apply_overrides", "changed_fields", "check",
     "check_bool", "check_choice", "check_positive_int", "flat_dict", "is_finite", "is_int",
     "parse_eval_sets",

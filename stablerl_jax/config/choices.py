@@ -24,4 +24,7 @@ TASK_KINDS = ("arithmetic", "jsonl", "gsm8k")  # 'gsm8k': the former name of 'js
 DATA_FORMATS = ("auto", "gsm8k", "math", "dapo", "aime", "prompt_answer", "custom")
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 STYLES = ("steps", "rewrite", "terse")
+# Cold-start data layouts (data/sft_data.py): chats, prompt/response pairs, and the math
+# formats that carry worked solutions.
+SFT_FORMATS = ("auto", "messages", "prompt_response", "gsm8k", "math")
 OPERATORS = ("+-", "+")

@@ -10,7 +10,7 @@ from stablerl_jax.config.checks import (check, is_int, check_positive_int, check
 from stablerl_jax.config.choices import (LOSS_NAMES, IS_CORRECTIONS, AGGREGATIONS,
                                          ADVANTAGE_NAMES, REPLAY_MODES, OVERLONG_MODES,
                                          OLD_POLICIES,
-                                         LOGPROB_IMPLS, EVAL_SET_NAME)
+                                         LOGPROB_IMPLS, EVAL_SET_NAME, SFT_FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,8 @@ class RLConfig(Section):
       with empty responses (no scored token: they add to no loss), and
       `dynamic/filled_frac` < 1 says so.
     log_samples: decoded prompt / response / reward rows written to samples.jsonl and
-      TensorBoard text at every eval (and every log_samples_every steps); 0: none.
+      TensorBoard text at every eval (and every log_samples_every steps), special tokens
+      shown, with `ended`: the stop token that ended the response, or 'truncated'; 0: none.
     log_samples_every: also log training samples every this many global steps (0: only
       at evals).
     max_staleness: S, partial rollouts (rl/inflight.py, docs/method.md §8). 0: each step
@@ -276,7 +277,10 @@ class RLConfig(Section):
         for f in ("log_samples", "log_samples_every"):
             check(is_int(getattr(self, f)) and getattr(self, f) >= 0, f,
                   f"must be an int >= 0 (0 = off), got {getattr(self, f)!r}")
-        check_positive_int(self, "steps", "prompts_per_step", "group_size", "num_minibatches",
+        check(is_int(self.steps) and self.steps >= 0, "steps",
+              f"must be an int >= 0 (0: no RL stage; the run evaluates the initial policy "
+              f"and exports it), got {self.steps!r}")
+        check_positive_int(self, "prompts_per_step", "group_size", "num_minibatches",
                            "microbatches", "eval_every", "eval_k", "eval_problems",
                            "checkpoint_every", "keep_checkpoints", "max_consecutive_skips")
         check_choice(self, "replay", REPLAY_MODES)
@@ -352,20 +356,41 @@ def parse_eval_sets(spec) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(Section):
-    """Cold-start supervised fine-tuning on the task's worked solutions (the run stops with
-    an error after `max_consecutive_skips` non-finite updates in a row). `microbatches`:
-    gradient accumulation over that many slices of each batch (as rl.microbatches)."""
+    """Cold-start supervised fine-tuning (rl/sft.py; the data: data/sft_data.py).
+
+    steps: optimizer steps; 0 = no cold start (RL starts from the initial parameters: a
+      fresh init, or the `--hf` checkpoint as it is).
+    data: the cold-start data: a JSONL file, or a directory holding train.jsonl, of
+      `messages` records (a chat, every assistant turn trained), `prompt` / `response`
+      pairs, or a math format with worked solutions (gsm8k, math); '' = the task's
+      training split and its worked solutions.
+    format: 'auto' (detected from the first record's fields) or one of SFT_FORMATS.
+    checkpoint_every: save the SFT state every this many steps (`<workdir>/sft_run/`), so
+      a killed cold start resumes; 0 = never (a killed one starts again).
+    microbatches: gradient accumulation over that many slices of each batch (as
+      rl.microbatches). The run stops with an error after `max_consecutive_skips`
+      non-finite updates in a row.
+    """
 
     steps: int = 300
     batch_size: int = 32
     microbatches: int = 1
     seed: int = 0
     max_consecutive_skips: int = 16
+    data: str = ""
+    format: str = "auto"
+    checkpoint_every: int = 100
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, schedule="cosine", warmup_frac=0.1,
                                      weight_decay=0.01)
 
     def __post_init__(self):
-        check_positive_int(self, "steps", "batch_size", "microbatches", "max_consecutive_skips")
+        check(is_int(self.steps) and self.steps >= 0, "steps",
+              f"must be an int >= 0 (0 = no cold start), got {self.steps!r}")
+        check_positive_int(self, "batch_size", "microbatches", "max_consecutive_skips")
+        check(is_int(self.checkpoint_every) and self.checkpoint_every >= 0,
+              "checkpoint_every", f"must be an int >= 0 (0 = never), got "
+              f"{self.checkpoint_every!r}")
+        check_choice(self, "format", SFT_FORMATS)
         check(self.batch_size % self.microbatches == 0, "microbatches",
               f"must divide batch_size = {self.batch_size}")
         check(is_int(self.seed) and self.seed >= 0, "seed",

@@ -5,7 +5,7 @@ Letters: B rows, P prompt slots, S sequence slots, T = S − 1 scored positions,
 Layout shared by both: row = [pad … pad, BOS, prompt tokens | …] (no BOS when the
 tokenizer has none, e.g. Qwen3's). Prompts are left-padded
 to P slots so that every prompt ends at slot P − 1 and generation starts at slot P for
-the whole batch; SFT rows put the solution + EOS right after, right-padded.
+the whole batch; SFT rows (data/sft_data.py) put the response right after, right-padded.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from stablerl_jax.data.tokenizer import Tokenizer
 
 class SFTBatch(NamedTuple):
     """A supervised batch (numpy or device arrays): tokens, real-token mask, and the
-    positions that count, in the T-frame of `logprobs.policy_logprobs`."""
+    positions that count, in the T-frame of `logprobs.policy_logprobs`
+    (data/sft_data.py builds them)."""
 
-    tokens_BxS: np.ndarray   # int32, left-padded prompt then solution + EOS
+    tokens_BxS: np.ndarray   # int32, left-padded prompt then response, right-padded
     attn_BxS: np.ndarray     # bool, real tokens
-    mask_BxT: np.ndarray     # float32, 1 where tokens[:, t + 1] is a solution token or EOS
+    mask_BxT: np.ndarray     # float32, 1 where tokens[:, t + 1] is a trained token
 
 
 class PromptBatch(NamedTuple):
@@ -75,28 +76,6 @@ def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
     answers = [r["answer"] for r in records for _ in range(group_size)]
     return PromptBatch(np.repeat(tokens, group_size, axis=0),
                        np.repeat(mask, group_size, axis=0), answers)
-
-
-def sft_batch(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int,
-              max_solution_len: int) -> SFTBatch:
-    """Left-padded prompt, then solution + EOS, right-padded to P + solution budget.
-
-    The prompt occupies the same slots as in RL prompt batches, so SFT and RL see the same
-    layout. mask_BxT[:, t] is 1 where tokens[:, t + 1] is a solution token or the EOS (the
-    targets of the next-token loss); attn_BxS is True on BOS, prompt, solution and EOS.
-    """
-    p, n = max_prompt_len, max_solution_len + 1
-    tokens = np.full((len(records), p + n), tok.pad_id, np.int32)
-    attn = np.zeros_like(tokens, bool)
-    loss = np.zeros_like(tokens, bool)
-    for i, r in enumerate(records):
-        prompt = _bos(tok) + _encode(tok, r["prompt"], p - len(_bos(tok)), "prompt", r)
-        sol = _encode(tok, r["solution"], max_solution_len, "solution", r) + [tok.eos_id]
-        tokens[i, p - len(prompt):p] = prompt
-        tokens[i, p:p + len(sol)] = sol
-        attn[i, p - len(prompt):p + len(sol)] = True
-        loss[i, p:p + len(sol)] = True
-    return SFTBatch(tokens, attn, loss[:, 1:].astype(np.float32))
 
 
 def epoch_order(num_records: int, seed: int, epoch: int, stream: int = 0) -> np.ndarray:

@@ -104,23 +104,35 @@ class ChatTemplate:
                                     "task.chat_template=false") from None
 
 
-def prompt_renderer(task: TaskConfig) -> Callable[[str], str]:
-    """question -> final prompt text (module docstring). The template is loaded and
-    rendered once here, so a broken one fails when the data loads."""
-    def user_text(question: str) -> str:
-        return task.prompt_template.replace("{question}", question)
+def user_text(task: TaskConfig, question: str) -> str:
+    """The user message of a question: task.prompt_template with "{question}" replaced."""
+    return task.prompt_template.replace("{question}", question)
 
-    if not task.chat_template:
-        return user_text
+
+def prompt_messages(task: TaskConfig, question: str) -> list[dict]:
+    """The chat of a question: task.system_prompt (if any), then the user message."""
+    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
+    return system + [{"role": "user", "content": user_text(task, question)}]
+
+
+def task_template(task: TaskConfig) -> ChatTemplate:
+    """The template of task.tokenizer_dir, which task.chat_template needs."""
     check(bool(task.tokenizer_dir), "task.chat_template",
           "renders the checkpoint's template, so it needs task.tokenizer_dir (the "
           "directory with tokenizer_config.json; `experiments.quickstart --hf DIR` sets "
           "it); set it or task.chat_template=false")
-    template = ChatTemplate.from_dir(task.tokenizer_dir)
-    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
+    return ChatTemplate.from_dir(task.tokenizer_dir)
+
+
+def prompt_renderer(task: TaskConfig) -> Callable[[str], str]:
+    """question -> final prompt text (module docstring). The template is loaded and
+    rendered once here, so a broken one fails when the data loads."""
+    if not task.chat_template:
+        return lambda question: user_text(task, question)
+    template = task_template(task)
 
     def render(question: str) -> str:
-        return template.render(system + [{"role": "user", "content": user_text(question)}],
+        return template.render(prompt_messages(task, question),
                                add_generation_prompt=task.add_generation_prompt,
                                enable_thinking=task.enable_thinking)
 

@@ -40,7 +40,7 @@ class Mapping(NamedTuple):
     solution_field: str = ""
 
 
-def _text(obj: dict, field: str) -> str:
+def text(obj: dict, field: str) -> str:
     """obj[field], a string; KeyError / TypeError otherwise."""
     v = obj[field]
     if not isinstance(v, str):
@@ -51,7 +51,7 @@ def _text(obj: dict, field: str) -> str:
 def _answer(obj: dict, field: str) -> str | None:
     """The normalized answer in obj[field] (a string, or an int as AIME files have)."""
     v = obj[field]
-    return normalize_answer(str(v) if type(v) is int else _text(obj, field))
+    return normalize_answer(str(v) if type(v) is int else text(obj, field))
 
 
 def normalize_answer(text: str) -> str | None:
@@ -63,20 +63,20 @@ def normalize_answer(text: str) -> str | None:
 
 
 def _gsm8k(obj, _):
-    solution = _text(obj, "answer")
+    solution = text(obj, "answer")
     answer = parse_final_answer(solution)
     if answer is None:
         raise ValueError("'answer' has no final '#### N' line")
-    return _text(obj, "question"), _CALCULATOR.sub("", solution), answer
+    return text(obj, "question"), _CALCULATOR.sub("", solution), answer
 
 
 def _math(obj, _):
-    solution = _text(obj, "solution")
+    solution = text(obj, "solution")
     answer = _answer(obj, "answer") if "answer" in obj else last_boxed(solution)
     if answer is None:
         raise ValueError("'solution' has no \\boxed{…} answer (and there is no 'answer' "
                          "field)")
-    return _text(obj, "problem"), solution, answer
+    return text(obj, "problem"), solution, answer
 
 
 def _dapo(obj, _):
@@ -93,20 +93,20 @@ def _dapo(obj, _):
 
 
 def _aime(obj, _):
-    question = _text(obj, "problem" if "problem" in obj else "question")
+    question = text(obj, "problem" if "problem" in obj else "question")
     return question, "", _answer(obj, "answer")
 
 
 def _prompt_answer(obj, _):
-    return _text(obj, "prompt"), "", _answer(obj, "answer")
+    return text(obj, "prompt"), "", _answer(obj, "answer")
 
 
 def _custom(obj, m: Mapping):
-    solution = _text(obj, m.solution_field) if m.solution_field else ""
-    return _text(obj, m.prompt_field), solution, _answer(obj, m.answer_field)
+    solution = text(obj, m.solution_field) if m.solution_field else ""
+    return text(obj, m.prompt_field), solution, _answer(obj, m.answer_field)
 
 
-def _fits(obj: dict) -> dict[str, bool]:
+def fits(obj: dict) -> dict[str, bool]:
     """Which named formats a record's fields fit."""
     has = obj.keys().__contains__
     hash_answer = isinstance(obj.get("answer"), str) and "####" in obj["answer"]
@@ -134,18 +134,18 @@ class NoFormatError(ValueError):
 def detect(obj: dict, path: str) -> str:
     """The one named format a record fits (module docstring); ValueError naming the
     file, the fields present and the fix otherwise."""
-    fits = [name for name, ok in _fits(obj).items() if ok]
-    if len(fits) == 1:
-        return fits[0]
+    fitting = [name for name, ok in fits(obj).items() if ok]
+    if len(fitting) == 1:
+        return fitting[0]
     fields = sorted(obj)
-    if not fits:
+    if not fitting:
         raise NoFormatError(
             f"{path}: no known format fits the fields {fields} (gsm8k: question + answer "
             "with '#### N'; math: problem + solution; dapo: prompt chat list + "
             "reward_model.ground_truth; aime: problem|question + answer; prompt_answer: "
             "prompt + answer); set task.format=custom task.prompt_field=<field> "
             "task.answer_field=<field>")
-    raise NoFormatError(f"{path}: the fields {fields} fit several formats {fits}; name one "
+    raise NoFormatError(f"{path}: the fields {fields} fit several formats {fitting}; name one "
                      "with task.format=<format>")
 
 

@@ -63,13 +63,19 @@ def split_files(jsonl_path: str) -> dict[str, str]:
     return files
 
 
-def _record(raw: bytes, path: str, lineno: int, mapping: Mapping) -> tuple[dict, str]:
-    """(record fields, format name) of one line; raises on a malformed one."""
+def load_object(raw: bytes) -> dict:
+    """One line's JSON object; ValueError / TypeError on a line that is not one."""
     if len(raw) > MAX_LINE_BYTES:
         raise ValueError(f"line of {len(raw):,} bytes > MAX_LINE_BYTES ({MAX_LINE_BYTES:,})")
     obj = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError
     if not isinstance(obj, dict):
         raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _record(raw: bytes, path: str, lineno: int, mapping: Mapping) -> tuple[dict, str]:
+    """(record fields, format name) of one line; raises on a malformed one."""
+    obj = load_object(raw)
     name = mapping.format
     if name == "auto":
         name = formats.detect(obj, f"{path}:{lineno}")
@@ -81,9 +87,14 @@ def _record(raw: bytes, path: str, lineno: int, mapping: Mapping) -> tuple[dict,
 
 
 def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = None,
-                mapping: Mapping = Mapping("auto")) -> Parsed:
+                mapping: Mapping = Mapping("auto"), record=_record,
+                needs: str = "problem whose answer math-verify can read",
+                format_field: str = "task.format") -> Parsed:
     """The records of one JSONL file (module docstring). With format 'auto' the first
-    readable record fixes the format for the whole file."""
+    readable record fixes the format for the whole file. `record(raw line, path, line
+    number, mapping) -> (fields, format)` reads one line (another layout than the math
+    formats: data/sft_data.py); `needs` says what an empty file lacks, `format_field`
+    which setting names the format."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file; put train.jsonl and/or test.jsonl "
                                 "in task.jsonl_dir, or name one .jsonl file")
@@ -96,7 +107,7 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
             if not raw.strip():
                 continue
             try:
-                rec, name = _record(raw, path, lineno, mapping._replace(
+                rec, name = record(raw, path, lineno, mapping._replace(
                     format=chosen or mapping.format))
             except formats.NoFormatError as e:
                 if skip_malformed:
@@ -111,14 +122,13 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
                 fmt = chosen or mapping.format
                 raise MalformedLineError(
                     f"{path}:{lineno}: malformed record of format {fmt!r} ({why}); fix the "
-                    "line, name the right task.format, or pass skip_malformed=True"
+                    f"line, name the right {format_field}, or pass skip_malformed=True"
                 ) from None
             chosen = name
             records.append({"id": f"{split}-{lineno:07d}", **rec})
     if not records:
         raise ValueError(f"{path}: no records ({skipped} malformed line(s) skipped); the "
-                         f"{split} split needs at least one problem whose answer "
-                         "math-verify can read")
+                         f"{split} split needs at least one {needs}")
     return Parsed(records, skipped, chosen)
 
 

@@ -19,7 +19,8 @@ array_record data source. `TaskData.create` then, in order:
      per split in `TaskData.filtered` and printing the count; a split left empty is an
      error naming it, its file and the fix, raised here, before any training.
 
-Records are {id, prompt, solution, answer}, all str. `TaskData.evals` maps set names to
+Records are {id, prompt, question, solution, answer}, all str (`question`: the raw
+question the prompt was rendered from). `TaskData.evals` maps set names to
 records, in the order named. A task directory without train.jsonl (an eval-only set)
 loads with `require_train=False` (offline rollouts carry their own prompts); otherwise a
 missing train split is an error.
@@ -146,7 +147,8 @@ def _tokenizer(cfg: TaskConfig, vocab_size: int, data_dir: str, corpus) -> Token
 def _fit(records: list[dict], render, tok: Tokenizer, cfg: TaskConfig, name: str,
          source: str) -> tuple[list[dict], int]:
     """Rendered records that fit task.max_prompt_len, and how many did not (step 4)."""
-    rendered = [{**r, "prompt": render(r["prompt"])} for r in records]
+    rendered = [{**r, "question": r["prompt"], "prompt": render(r["prompt"])}
+                for r in records]
     kept, dropped = batching.split_by_length(rendered, tok, cfg.max_prompt_len)
     if dropped and distributed.is_main():
         print(f"data: {name}: dropped {dropped} of {len(rendered)} prompts longer than "
@@ -220,11 +222,3 @@ class TaskData:
     def reward(self, rollout, answers) -> np.ndarray:
         """Rewards of this process's rows; `answers` are those rows' reference answers."""
         return self.reward_with_source(rollout, answers)[0]
-
-    def sft_batches(self, batch_size: int, seed: int):
-        """Endless seeded epochs of `batching.SFTBatch`es (numpy): this process's block of
-        each batch's rows, the only ones it tokenizes."""
-        rows = distributed.rows_of_process(batch_size)
-        for recs in batching.epochs(self.train, batch_size, seed):
-            yield batching.sft_batch(recs[rows], self.tokenizer, self.cfg.max_prompt_len,
-                                     self.cfg.max_solution_len)

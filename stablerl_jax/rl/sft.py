@@ -1,26 +1,36 @@
-"""Supervised cold start: cross-entropy on the task's worked solutions (`steps.sft_loss`).
+"""Supervised cold start: cross-entropy on the trained tokens of the cold-start data
+(`steps.sft_loss`; the data and its loss mask: data/sft_data.py).
 
 It runs through the same Engine as RL (sharded over the mesh, state donated, non-finite
 updates skipped), with the optimizer of `cfg.sft.optim`, and the same model, forward and
-fused log-prob op, so the cold-start policy is exactly the policy RL starts from. Its
-parameters are saved to `<workdir>/sft` and reused when present.
+fused log-prob op, so the cold-start policy is exactly the policy RL starts from. It
+starts from a fresh init, or from given parameters (a Hugging Face checkpoint,
+`experiments.quickstart --hf`, read as float32 master weights). In a workdir it logs
+`<workdir>/sft_run/metrics.jsonl` (and TensorBoard), saves its state every
+`sft.checkpoint_every` steps to `<workdir>/sft_run/checkpoints` (a killed cold start
+resumes from there, drawing the batches it would have), and saves the final parameters
+to `<workdir>/sft`, reused when present.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 
 import jax
 from tqdm import tqdm
 
 from stablerl_jax import distributed
-from stablerl_jax.checkpoint import is_complete, load_params, save_params, set_aside
-from stablerl_jax.config import flat_dict
+from stablerl_jax.checkpoint import (Checkpointer, is_complete, load_params, save_params,
+                                     set_aside)
+from stablerl_jax.config import ExperimentConfig, flat_dict
+from stablerl_jax.data import sft_data
 from stablerl_jax.diagnostics import reduce_metrics
+from stablerl_jax.metrics_io import MetricsWriter, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rl.steps import count_skips, skipped
+from stablerl_jax.rl.steps import TrainState, count_skips, skipped
 
 
 def sft_engine(cfg, data, devices=None) -> Engine:
@@ -28,22 +38,70 @@ def sft_engine(cfg, data, devices=None) -> Engine:
                          optim=cfg.sft.optim, total_steps=cfg.sft.steps, devices=devices)
 
 
-def train_sft(cfg, data, *, progress: bool = True, devices=None):
-    """SFT from a fresh init for cfg.sft.steps; returns (params, list of losses)."""
+def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
+              progress: bool = True, devices=None):
+    """SFT for cfg.sft.steps from `init_params` (None: a fresh init from sft.seed); returns
+    (params, the loss of every step). With `workdir`, logs, checkpoints and resumes
+    there (module docstring); `init` names the starting point in the checkpoints'
+    metadata, so a resume from another one is refused."""
+    examples = sft_data.load(cfg, data).examples
     engine = sft_engine(cfg, data, devices)
-    state = engine.init_state(tf.init_params(jax.random.key(cfg.sft.seed), cfg.model))
-    losses = []
-    batches = data.sft_batches(cfg.sft.batch_size, cfg.sft.seed)
-    bar = tqdm(range(cfg.sft.steps), disable=not (progress and distributed.is_main()),
-               desc="sft")
-    skips = 0
-    for _ in bar:
-        state, metrics = engine.sft_update(state, next(batches))
-        metrics = jax.tree.map(distributed.host, metrics)
-        skips = count_skips(skips, [skipped(metrics)], cfg.sft.max_consecutive_skips, "sft")
-        losses.append(reduce_metrics([metrics])["sft/loss"])
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    if init_params is None:
+        init_params = tf.init_params(jax.random.key(cfg.sft.seed), cfg.model)
+    state = engine.init_state(init_params)
+    run_dir = os.path.join(workdir, "sft_run") if workdir else ""
+    every = cfg.sft.checkpoint_every if run_dir else 0
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=1) if every else None
+    writer = MetricsWriter(run_dir, enabled=bool(run_dir) and distributed.is_main())
+    meta = {"settings": {**sft_settings(cfg), "init": init}}
+    start = 0
+    try:
+        if ckpt is not None:
+            restored = ckpt.restore_latest(state._asdict(), check_meta=lambda m: _same(
+                m.get("settings", {}), meta["settings"], ckpt.directory,
+                "delete it to train the cold start again"))
+            if restored is not None:
+                start, state_dict, _ = restored
+                state = TrainState(**state_dict)
+        writer.truncate_after(start)
+        tok, task = data.tokenizer, cfg.task
+        batches = sft_data.batches(examples, cfg.sft.batch_size, cfg.sft.seed, tok.pad_id,
+                                   task.max_prompt_len, task.max_solution_len, start)
+        bar = tqdm(range(start, cfg.sft.steps), initial=start, total=cfg.sft.steps,
+                   disable=not (progress and distributed.is_main()), desc="sft")
+        skips = 0
+        losses = [r["sft/loss"] for r in read_metrics(writer.path)] if run_dir else []
+        for step in bar:
+            state, metrics = engine.sft_update(state, next(batches))
+            metrics = jax.tree.map(distributed.host, metrics)
+            skips = count_skips(skips, [skipped(metrics)], cfg.sft.max_consecutive_skips,
+                                "sft")
+            row = {k: v for k, v in reduce_metrics([metrics]).items() if k.startswith("sft/")}
+            losses.append(row["sft/loss"])
+            writer.write(step + 1, row)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if every and ((step + 1) % every == 0 and step + 1 < cfg.sft.steps):
+                ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
+    finally:
+        if ckpt is not None:
+            try:
+                ckpt.wait()
+            finally:
+                ckpt.close()
+        writer.close()
     return state.params, losses
+
+
+def _same(saved: dict, wanted: dict, where: str, fix: str) -> None:
+    """Refuse to reuse or resume a cold start made with other settings (`where`: what
+    holds it; `fix`: how to start it again). A setting the saved record lacks (one added
+    since) counts as its default."""
+    defaults = {**sft_settings(ExperimentConfig()), "init": ""}
+    changed = sorted(k for k in set(saved) | set(wanted) if k not in _SFT_RUN_FIELDS
+                     and saved.get(k, defaults.get(k)) != wanted.get(k, defaults.get(k)))
+    if changed:
+        raise ValueError(f"{where} was trained with other settings ({', '.join(changed[:8])});"
+                         f" {fix}, or use another workdir")
 
 
 # The settings that determine the cold-start parameters (compared when they are reused),
@@ -53,7 +111,7 @@ _SFT_SECTIONS = ("model.", "task.", "sft.")
 _SFT_RUN_FIELDS = ("model.remat", "model.dispatch", "model.moe_tile", "model.gmm_impl",
                    "model.expert_parallel", "model.attention_impl", "model.attention_chunk",
                    "model.unroll_layers", "model.kv_cache_layout", "model.decode_block",
-                   "sft.microbatches",
+                   "sft.microbatches", "sft.checkpoint_every",
                    "sft.max_consecutive_skips")
 
 
@@ -63,16 +121,26 @@ def sft_settings(cfg) -> dict:
             if k.startswith(_SFT_SECTIONS) and k not in _SFT_RUN_FIELDS}
 
 
-def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
-    """Load `<workdir>/sft` if it is complete, else run SFT and save it there.
+def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
+               progress: bool = True, devices=None):
+    """(parameters RL starts from, the SFT losses or None): `init_params` as they are when
+    sft.steps = 0; else `<workdir>/sft` if it is complete, else SFT from `init_params`
+    (None: a fresh init; a function returning them is called only when they are used;
+    `init` names them, e.g. the --hf checkpoint's path), saved there.
 
-    The config it was trained with is kept beside it (`<workdir>/sft.json`); reusing it
-    with other model / task / SFT settings is refused. A directory without its commit
-    marker (a save that was killed) is moved aside and trained again. In a multi-process
-    run every process calls this (the workdir is on a filesystem they share)."""
+    The settings it was trained with are kept beside it (`<workdir>/sft.json`); reusing
+    it with other model / task / SFT settings or another starting point is refused. A
+    directory without its commit marker (a save that was killed) is moved aside and
+    trained again (resuming from the last SFT checkpoint). In a multi-process run every
+    process calls this (the workdir is on a filesystem they share)."""
+    if not cfg.sft.steps:
+        init_params = init_params() if callable(init_params) else init_params
+        if init_params is None:
+            init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
+        return init_params, None
     path = os.path.join(os.path.abspath(workdir), "sft")
     config_path = path + ".json"
-    wanted = sft_settings(cfg)
+    wanted = {**sft_settings(cfg), "init": init}
     if distributed.is_main() and os.path.isdir(path) and not is_complete(path):
         logging.warning("%s was not completely written; moved to %s and training again",
                         path, set_aside(path, ".incomplete"))
@@ -86,19 +154,16 @@ def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
                     raise ValueError(
                         f"{config_path}: not valid JSON ({e}); delete it and {path} to "
                         "train the cold start again, or use another workdir") from None
-            changed = sorted(k for k in set(saved) | set(wanted)
-                             if k not in _SFT_RUN_FIELDS and saved.get(k) != wanted.get(k))
-            if changed:
-                raise ValueError(
-                    f"{path} was trained with other settings ({', '.join(changed[:8])}); "
-                    f"delete {path} and {config_path} to train it again, or use another "
-                    "workdir")
+            _same(saved, wanted, path, f"delete {path} and {config_path} to train it again")
         # Each process reads the whole of every array (the Engine shards them afterwards).
         here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
                             jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model)))
         return load_params(path, like), None
-    params, losses = train_sft(cfg, data, progress=progress, devices=devices)
+    if callable(init_params):
+        init_params = init_params()
+    params, losses = train_sft(cfg, data, init_params=init_params, workdir=workdir,
+                               init=init, progress=progress, devices=devices)
     # The settings first: a kill between the two leaves an incomplete sft/ (set aside and
     # trained again), never a complete one without its settings.
     if distributed.is_main():
@@ -108,4 +173,7 @@ def cold_start(cfg, data, workdir: str, *, progress: bool = True, devices=None):
         os.replace(tmp, config_path)
     save_params(path, params)
     distributed.barrier("sft saved")
+    if distributed.is_main():  # the final parameters supersede the SFT checkpoints
+        shutil.rmtree(os.path.join(os.path.abspath(workdir), "sft_run", "checkpoints"),
+                      ignore_errors=True)
     return params, losses
