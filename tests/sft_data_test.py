@@ -14,8 +14,6 @@ from stablerl_jax.data.chat_template import ChatTemplate
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.data.tokenizer import SentencePieceTokenizer
 
-transformers = pytest.importorskip("transformers",
-                                   reason="the interop extra (transformers) is not installed")
 
 TRACE = "<think>\nAdd 3 and 4: 3 + 4 = 7.\n</think>\n\nThe sum is $\\boxed{7}$."
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -41,6 +39,9 @@ def _encoder(path, **task):
 
 
 def _hf(path):
+    """transformers' tokenizer of `path`: the reference rendering of its template."""
+    transformers = pytest.importorskip(
+        "transformers", reason="the interop extra (transformers) is not installed")
     return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
