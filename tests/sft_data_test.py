@@ -153,6 +153,12 @@ def test_load_filters_over_long_prompts_and_responses_and_counts_them(tmp_path, 
     assert len(out.examples) == 2 and out.dropped == {"prompt": 1, "response": 1}
     assert out.format == "messages"
     assert "4 examples, 2 kept (1 with a prompt over" in capsys.readouterr().out
+    # The task's own training split (sft.data=''): an over-long worked solution is
+    # dropped and counted at load, not an error at the step that meets it.
+    train = [{"prompt": "p", "question": "What is 2 + 2?", "solution": s}
+             for s in ("$\\boxed{4}$", "It is $\\boxed{4}$. " * 30)]
+    own = sft_data.load(cfg.replace(sft=cfg.sft.replace(data="")), _data(tok, train))
+    assert len(own.examples) == 1 and own.dropped == {"prompt": 0, "response": 1}
     tight = cfg.replace(task=cfg.task.replace(max_solution_len=2))
     with pytest.raises(ValueError, match=r"sft.jsonl: none of the 4 cold-start examples fits"):
         sft_data.load(tight, _data(tok))
