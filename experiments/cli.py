@@ -1,19 +1,24 @@
 """The command line of every experiment module:
 
     python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
-        [--only VARIANT,...] [--dry-run] [--report] [--quiet] [--compile-cache DIR]
-        [section.field=value ...]
+        [--only VARIANT,...] [--hf CHECKPOINT_DIR] [--dry-run] [--report] [--quiet]
+        [--compile-cache DIR] [section.field=value ...]
 
 `main` parses and validates it, then trains (experiments/runner.py: one cold start, every
 (variant, seed) run) and writes the report (experiments/report.py). Overrides apply to
 every run (e.g. `sampling.numerics=bf16 sampling.router_noise_std=0.5`, the mismatch
 knobs); `--dry-run` prints each run's resolved settings and exits (the way to read the
 `paper` preset, which is a TPU-pod job); `--report` rebuilds the figures and summary.md
-from the finished runs' stored metrics without running anything.
+from the finished runs' stored metrics without running anything. `--hf` starts from a
+Hugging Face Qwen3-MoE checkpoint: its architecture and tokenizer in every run's config
+(after the overrides), its weights the cold start's starting point (read only when the
+cold start trains, or as the RL start when sft.steps = 0). A module adds its own flags
+and variants through `main`'s `add_arguments` and `variants_from`.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -23,7 +28,7 @@ from experiments.report import report
 from experiments.runner import (Experiment, Variant, finished_runs, run_variants,
                                 task_and_cold_start)
 from stablerl_jax import compile_cache, distributed, workdir
-from stablerl_jax.config import ConfigError, apply_overrides
+from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import preflight
 
 
@@ -39,6 +44,9 @@ def parser(description: str, experiments: dict, default_workdir: str) -> argpars
     ap.add_argument("--workdir", default=default_workdir)
     ap.add_argument("--seeds", default=None, help="comma-separated; default: the preset's")
     ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--hf", default="", metavar="CHECKPOINT_DIR",
+                    help="start every run from this Hugging Face Qwen3-MoE checkpoint "
+                         "(its architecture, tokenizer and weights)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs' settings and exit")
     ap.add_argument("--report", action="store_true",
                     help="only rebuild the figures and summary.md from the finished runs' "
@@ -83,7 +91,8 @@ def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
         print(f"{v.name} (seeds {list(seeds)}): overrides {list(v.overrides)}\n"
               f"  model L={cfg.model.num_layers} D={cfg.model.d_model} "
               f"E={cfg.model.num_experts} K={cfg.model.top_k} V={cfg.model.vocab_size} "
-              f"compute={cfg.model.compute_dtype}\n"
+              f"compute={cfg.model.compute_dtype}"
+              + (f" from {exp.hf}" if exp.hf else "") + "\n"
               f"  rl steps={rl.steps} prompts={rl.prompts_per_step} G={rl.group_size} "
               f"N={rl.num_minibatches} replay={rl.replay} lr={rl.optim.learning_rate} "
               f"mesh={cfg.mesh}\n"
@@ -95,7 +104,8 @@ def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
 
 @one_line_errors
 def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, groups=None,
-         comparisons=None, cold_start_per_variant: bool = False) -> dict:
+         comparisons=None, cold_start_per_variant: bool = False, add_arguments=None,
+         variants_from=None) -> dict:
     """The command line of an experiment module: parse, validate, (dry-)run, report.
 
     experiments: {preset name: () -> Experiment} (the module's `EXPERIMENTS`).
@@ -103,9 +113,14 @@ def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, gro
     groups(variant names) -> {figure suffix: names} splits the comparison figure.
     cold_start_per_variant: each variant trains its own SFT cold start (its overrides
     change the SFT data) in `<workdir>/<variant>/`; otherwise one shared cold start.
+    add_arguments(ap) adds the module's own flags; variants_from(args, ap) -> the variants
+    they ask for instead of the preset's (None: the preset's), refusing bad ones with
+    ap.error.
     Returns {variant: [metrics records per seed]}.
     """
     ap = parser(doc.split("\n")[0], experiments, f"runs/{module}")
+    if add_arguments:
+        add_arguments(ap)
     args = ap.parse_args(argv)
     try:
         distributed.initialize_from(args)
@@ -113,6 +128,14 @@ def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, gro
         ap.error(str(e))
     compile_cache.enable(args.compile_cache)
     exp = experiments[args.preset]()
+    own = variants_from(args, ap) if variants_from else None
+    if own:
+        exp = dataclasses.replace(exp, variants=own)
+    if args.hf:
+        if not os.path.isfile(os.path.join(args.hf, "config.json")):
+            ap.error(f"--hf {args.hf}: no config.json there; give a Hugging Face checkpoint "
+                     "directory (config.json, *.safetensors, tokenizer.json)")
+        exp = dataclasses.replace(exp, hf=os.path.abspath(args.hf))
     variants, seeds = select(exp, args, ap)
     if args.dry_run:
         dry_run(exp, variants, seeds, args.overrides)
@@ -148,11 +171,12 @@ def _train(exp, args, module, title, variants, seeds, groups, comparisons,
         runs = {}
         for v in variants:
             data, params = task_and_cold_start(exp.config(v, seeds[0], args.overrides),
-                                               os.path.join(args.workdir, v.name), progress)
+                                               os.path.join(args.workdir, v.name), progress,
+                                               hf=exp.hf)
             runs.update(run(data=data, params=params, variants=(v,)))
     else:
-        data, params = task_and_cold_start(apply_overrides(exp.base, args.overrides),
-                                           args.workdir, progress)
+        data, params = task_and_cold_start(exp.base_config(args.overrides), args.workdir,
+                                           progress, hf=exp.hf)
         runs = run(data=data, params=params, variants=variants)
     if distributed.is_main():
         names = [v.name for v in variants]

@@ -1,15 +1,30 @@
 """Different cold starts, then the same RL recipe (paper Fig. 5).
 
     python -m experiments.coldstart [--preset tiny|paper] [--workdir runs/coldstart]
-        [--seeds 0,1] [--only sft-steps,...] [--dry-run] [key=value ...]
+        [--seeds 0,1] [--only sft-steps,...] [--hf CHECKPOINT_DIR]
+        [--sft-data NAME:FILE,NAME:FILE,...] [--dry-run] [key=value ...]
 
 Three SFT initializations that differ in their cold-start data: worked solutions in the
 'steps' style, in the 'rewrite' style, and answers only ('terse'). Each gets its own
 SFT run (cached in `<workdir>/sft-<style>/sft`), then MiniRL + R2 at N = 2 from it on the
 same problems with the same reward. The tiny preset runs 3 cold starts × 4 seeds × 150
 global steps (300 optimizer steps).
+
+--sft-data: the cold starts are one per named data file instead (variant `sft-<NAME>`,
+`sft.data=FILE`: chat or prompt/response records, or problems with worked solutions;
+data/sft_data.py), each trained in `<workdir>/sft-<NAME>/sft`. With --hf every cold start
+begins from that checkpoint's weights, with its architecture, tokenizer and chat
+template. The paper's design (three cold starts from one base model, each distilled from
+a different teacher, then the same RL recipe; the RL problems and eval sets in
+task.jsonl_dir, data/math_4096 by default), on a TPU pod:
+
+    python -m experiments.coldstart --preset paper --hf /path/to/Qwen3-30B-A3B-Base
+        --sft-data a:/data/teacher_a.jsonl,b:/data/teacher_b.jsonl,c:/data/teacher_c.jsonl
 """
 from __future__ import annotations
+
+import os
+import re
 
 from experiments import cli
 from experiments.runner import Experiment, Variant
@@ -38,9 +53,39 @@ EXPERIMENTS = {
 }
 
 
+def add_sft_data(ap) -> None:
+    ap.add_argument("--sft-data", default="", metavar="NAME:FILE,...",
+                    help="one cold start per named SFT data file (variant sft-NAME) instead "
+                         "of the synthetic styles")
+
+
+def sft_data_variants(args, ap) -> tuple[Variant, ...] | None:
+    """One variant per `--sft-data` NAME:FILE (None without the flag)."""
+    if not args.sft_data:
+        return None
+    variants, names = [], set()
+    for item in args.sft_data.split(","):
+        name, sep, path = item.partition(":")
+        if not sep or not path:
+            ap.error(f"--sft-data: {item!r} is not NAME:FILE; give e.g. "
+                     "--sft-data long:traces.jsonl,short:answers.jsonl")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            ap.error(f"--sft-data: name {name!r} must be letters, digits, '_' or '-' (it "
+                     "names the variant sft-NAME and its directory); rename it")
+        if name in names:
+            ap.error(f"--sft-data: name {name!r} given twice; give each file its own name")
+        if not os.path.isfile(path):
+            ap.error(f"--sft-data: {name}: no file {path!r}; give the path of an existing "
+                     "JSONL file")
+        names.add(name)
+        variants.append(Variant(f"sft-{name}", (f"sft.data={os.path.abspath(path)}",)))
+    return tuple(variants)
+
+
 def main(argv=None) -> dict:
     return cli.main("coldstart", __doc__, EXPERIMENTS, "Cold starts → MiniRL + R2 (N = 2)", argv,
-                    cold_start_per_variant=True)
+                    cold_start_per_variant=True, add_arguments=add_sft_data,
+                    variants_from=sft_data_variants)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Running an experiment: variants × seeds from one SFT cold start.
 
 An experiment is a base `ExperimentConfig`, a list of named variants (override strings on
-top of the base) and a list of seeds (`Experiment`). `task_and_cold_start` trains the SFT
-cold start once (cached in `<workdir>/sft`); `run_variants` then trains every (variant,
-seed) RL run from it in `<workdir>/<variant>/seed<k>` (each resumable, see `rl.loop.run`);
+top of the base), a list of seeds and optionally a Hugging Face checkpoint every run starts
+from (`Experiment`). `task_and_cold_start` trains the SFT cold start once (cached in
+`<workdir>/sft`), from the checkpoint's weights when there is one; `run_variants` then
+trains every (variant, seed) RL run from it in `<workdir>/<variant>/seed<k>` (each
+resumable, see `rl.loop.run`);
 `finished_runs` reads back the stored metrics of the runs that finished. The report is
 `experiments/report.py`, the command line `experiments/cli.py`.
 """
@@ -15,8 +17,10 @@ import time
 
 from stablerl_jax import distributed
 from stablerl_jax.config import ExperimentConfig, apply_overrides
+from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.rl import loop, preflight, sft
+from stablerl_jax.rl.engine import param_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,23 +31,40 @@ class Variant:
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-    """One preset of an experiment: what to run and how many times."""
+    """One preset of an experiment: what to run and how many times.
+
+    hf: a Hugging Face Qwen3-MoE checkpoint directory every run starts from ("": a fresh
+    init); its architecture and tokenizer replace the preset's in every config."""
 
     base: ExperimentConfig
     variants: tuple[Variant, ...]
     seeds: tuple[int, ...] = (0, 1)
+    hf: str = ""
 
     def config(self, variant: Variant, seed: int, overrides=()) -> ExperimentConfig:
-        return apply_overrides(
-            self.base, (*variant.overrides, *overrides, f"rl.seed={seed}",
-                         f"name={variant.name}/seed{seed}"))
+        return self.base_config((*variant.overrides, *overrides, f"rl.seed={seed}",
+                                 f"name={variant.name}/seed{seed}"))
+
+    def base_config(self, overrides=()) -> ExperimentConfig:
+        """`base` with `overrides`, then the checkpoint's model fields and tokenizer: after
+        the overrides, so that the model is the checkpoint's whatever the command line."""
+        cfg = apply_overrides(self.base, overrides)
+        return hf_checkpoint.experiment_with_checkpoint(cfg, self.hf) if self.hf else cfg
 
 
-def task_and_cold_start(cfg, workdir: str, progress: bool):
-    """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`."""
+def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = ""):
+    """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`: from the
+    weights of the checkpoint directory `hf` (cfg already carries its architecture,
+    `Experiment.config`; read only if the cold start trains or sft.steps = 0), else from
+    a fresh init."""
     data = loop.task_data(cfg, workdir)
     preflight.check_eval_problems(cfg, data)  # before the cold start trains
-    params, losses = sft.cold_start(cfg, data, workdir, progress=progress)
+    # Straight onto the Engine's shardings: no host copy of the model.
+    init = (lambda: hf_checkpoint.load_hf_params(hf, cfg.model, param_shardings(cfg))
+            ) if hf else None
+    params, losses = sft.cold_start(cfg, data, workdir, init_params=init,
+                                    init=os.path.abspath(hf) if hf else "",
+                                    progress=progress)
     if losses and distributed.is_main():
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"in {len(losses)} steps", flush=True)
