@@ -59,6 +59,7 @@ def setup(tmp_path_factory):
             "over": [*BASE, f"task.jsonl_dir={data}", *SFT]}
 
 
+@pytest.mark.slow  # two cold starts and two RL runs: about 80 s
 def test_one_cold_start_per_data_file_then_the_recipe(setup):
     work, files = setup["root"] / "runs", setup["files"]
     runs = coldstart.main(["--preset", "paper", "--hf", setup["ckpt"], "--sft-data",
