@@ -6,6 +6,12 @@ written as `null` (JSON has no NaN), and TensorBoard skips it; `read_metrics` re
 as None. On resume, `truncate_after(step)` drops the rows a killed run wrote after its last
 checkpoint, so the file equals the one an uninterrupted run writes, and TensorBoard is told
 to discard those steps too (tensorboardX `purge_step`).
+
+A JSONL log the run rewrites on start or resume (metrics.jsonl, samples.jsonl,
+minibatches.jsonl, sft_run/metrics.jsonl: `truncate_jsonl`) must be a regular file, not
+a symbolic link: the rewrite replaces the file by rename, which would turn the link into
+a regular file and leave its target silently stale, so a link there is refused
+(`refuse_link`) before anything is written to it.
 """
 from __future__ import annotations
 
@@ -73,6 +79,7 @@ class MetricsWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tb")
         if enabled:
+            refuse_link(self.path)  # before the TensorBoard writer creates anything
             os.makedirs(workdir, exist_ok=True)
             self.tb = self._tb_writer()
 
@@ -132,12 +139,27 @@ def append_jsonl(path: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def refuse_link(path: str) -> None:
+    """ValueError naming `path` and the fix when it is a symbolic link (dangling or not):
+    a log rewritten by rename would replace the link (module docstring)."""
+    if os.path.islink(path):
+        raise ValueError(
+            f"{path} is a symbolic link (to {os.readlink(path)!r}); the run rewrites this "
+            "log by rename, which would replace the link and leave its target stale: "
+            "replace the link by a regular file (e.g. a copy of its target), and link the "
+            "other way round if the log must appear elsewhere")
+
+
 def truncate_jsonl(path: str, step: int) -> None:
     """Keep only rows with row["step"] <= step of a step-keyed JSONL file. Atomic: the new
-    file replaces the old one by rename, so a crash here loses nothing."""
+    file replaces the old one by rename, so a crash here loses nothing. A symbolic link
+    at `path` is refused (`refuse_link`)."""
+    refuse_link(path)
     rows = [r for r in read_metrics(path) if r["step"] <= step]
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    if os.path.lexists(tmp):  # a crash's leftover; never write through a link there
+        os.remove(tmp)
+    with open(tmp, "x") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     os.replace(tmp, path)
 

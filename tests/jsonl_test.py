@@ -167,3 +167,11 @@ def test_the_format_is_part_of_the_fingerprint(tmp_path):
     task = TaskConfig(kind="jsonl", jsonl_dir=str(manual), format="custom", prompt_field="P",
                       answer_field="A", solution_field="S")
     assert load_split(task, "test", str(tmp_path / "d"))[0]["solution"] == "s"
+
+
+def test_json_nested_beyond_the_recursion_limit_is_a_malformed_line():
+    # json.loads raises RecursionError there; a line that deep is no record.
+    with pytest.raises(ValueError, match="nested deeper than the reader follows"):
+        jsonl.load_object(b"[" * 100_000 + b"]" * 100_000)
+    obj = jsonl.load_object(b'{"a": ' + b"[" * 50 + b"]" * 50 + b"}")  # shallow: fine
+    assert obj["a"] == json.loads(b"[" * 50 + b"]" * 50)

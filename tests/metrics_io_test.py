@@ -164,3 +164,34 @@ def test_eval_sets_get_their_panels_and_samples_reach_tensorboard_text(tmp_path)
              for v in e.summary.value if v.tag.startswith("samples")]
     assert len(texts) == 1 and texts[0][0] == 3
     assert "prompt: `What is 2+2?`" in texts[0][1] and "line 1\nline 2" in texts[0][1]
+
+
+def test_a_linked_log_is_refused_and_its_target_left_alone(tmp_path):
+    # A rewrite by rename would replace the link and leave its target stale.
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text('{"step": 0, "reward": 0.5}\n{"step": 1, "reward": 0.7}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(ValueError, match=r"metrics.jsonl is a symbolic link .* replace the "
+                                         r"link by a regular file"):
+        mio.MetricsWriter(str(run))
+    assert not (run / "tb").exists()  # refused before the TensorBoard writer
+    for log in ("samples.jsonl", "dangling.jsonl"):
+        (run / log).symlink_to(target if log == "samples.jsonl" else tmp_path / "absent")
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            mio.truncate_jsonl(str(run / log), 0)
+        assert (run / log).is_symlink()
+    assert [r["step"] for r in mio.read_metrics(str(target))] == [0, 1]
+    mio.MetricsWriter(str(run), enabled=False)  # a process that writes nothing: no check
+
+
+def test_a_leftover_temp_link_is_not_written_through(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    log = tmp_path / "samples.jsonl"
+    log.write_text('{"step": 0}\n{"step": 2}\n')
+    (tmp_path / "samples.jsonl.tmp").symlink_to(outside)
+    mio.truncate_jsonl(str(log), 1)
+    assert outside.read_text() == "keep" and not log.is_symlink()
+    assert mio.read_metrics(str(log)) == [{"step": 0}]

@@ -19,7 +19,26 @@ def test_parse_by_hand():
     assert ans.parse_final_answer(None) is None
     assert ans.parse_final_answer(b"#### 3") is None
     assert ans.parse_final_answer("####\n5") is None  # the answer must be on the '####' line
-    assert ans.parse_final_answer("#### 5 #### 6") == "5 #### 6"  # not an integer: no reward
+    assert ans.hash_line("#### 5 #### 6") == "5 #### 6"
+    assert ans.parse_final_answer("#### 5 #### 6") is None  # not a number: no answer
+
+
+@pytest.mark.parametrize("line, want", [
+    ("#### eleventy 5", None), ("#### 5 dollars", None), ("#### 10cm", None),
+    ("#### \\text{five} 5", None), ("#### 五个 5", None), ("#### 5 #### 6", None),
+    ("#### -1,234.", "-1234"), ("#### 3.5", "3.5"), ("#### $18", "$18"),
+    ("#### \\frac{1}{2}", "\\frac{1}{2}"), ("#### 2\\pi", "2\\pi"),
+    ("#### x = 5", "x = 5"), ("#### 72%", "72%")])
+def test_a_hash_line_holding_a_word_states_no_answer(line, want):
+    # math-verify finds the 5 in "eleventy 5"; a word on the '####' line is prose, not a
+    # number, so the line states no answer: the reward is 0 whatever the reference.
+    assert ans.parse_final_answer(line) == want
+    assert ans.extract_answer(line) == ((want, "hash") if want else (None, "none"))
+    if want is None:
+        assert rw.math_verify_reward(line, "5") == 0.0
+        assert rw.math_verify_reward(line, "6") == 0.0
+    # The next extractor is still tried: a stated answer elsewhere counts.
+    assert ans.extract_answer(f"The answer is 7.\n{line}")[0] == (want or "7")
 
 
 def test_exact_match_by_hand():

@@ -133,3 +133,21 @@ def test_files_that_cannot_feed_the_run_are_refused(tmp_path):
     np.savez(path, **arrays)
     with pytest.raises(ValueError, match="logp_mu has"):
         OfflineRollouts.load(path)
+
+
+def test_answers_must_be_strings_or_integers(tmp_path):
+    # str() of a bytes answer is "b'5'", which no response matches: refused; integers
+    # read as their decimal strings.
+    recs = [{"prompt_ids": [5, 6], "completion_ids": [7], "logp_mu": [-1.0], "answer": i}
+            for i in range(4)]
+    path = tmp_path / "r.npz"
+    write_rollouts(str(path), recs, group_size=2)
+    arrays = dict(np.load(path))
+    np.savez(path, **{**arrays, "answers": np.arange(4)})
+    off = OfflineRollouts.load(str(path))
+    assert off.batch([0, 3], max_prompt_len=4, max_new_tokens=2, pad_id=PAD_ID,
+                     num_layers=2, top_k=2, num_experts=E)[2] == ["0", "3"]
+    np.savez(path, **{**arrays, "answers": arrays["answers"].astype("S")})
+    with pytest.raises(ValueError, match=r"r.npz: field 'answers' has dtype \|S1; it must "
+                                         r"hold str or integers"):
+        OfflineRollouts.load(str(path))

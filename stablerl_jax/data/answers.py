@@ -10,7 +10,9 @@ wins, and its name is reported (`SOURCES`) so a run can log how its answers were
 
     boxed      the last complete `\\boxed{…}` / `\\fbox{…}` (nested braces balanced), or
                `\\boxed 5`; the MATH / Qwen3 convention
-    hash       the text after the last `####` on its line (GSM8K's convention)
+    hash       the text after the last `####` on its line (GSM8K's convention), when
+               it is a number or math expression: a line holding a word, such as
+               `#### eleventy 5`, states no answer (math-verify would find the 5 in it)
     answer_is  the text after the last "the answer is" or line-leading "Answer:" (any
                case; DAPO-Math asks for the latter) up to the end of its sentence (". "
                or the line's end), `$…$` removed
@@ -33,6 +35,7 @@ _HASH = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER_IS = re.compile(r"(?:the\s+(?:final\s+)?answer\s+is\s*:?|^[ \t]*answer[ \t]*:)[ \t]*"
                         r"(\$[^$\n]*\$|[^\n]*?)(?=\.\s|\.?$)", re.IGNORECASE | re.MULTILINE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\b")
+_LETTERS = re.compile(r"[^\W\d_]+")  # a run of letters, any script
 _LATEX_HINT = re.compile(r"[\\^_{}]")
 # Longer answers are not answers; the cap also bounds math_verify's sympy work.
 MAX_ANSWER_CHARS = 200
@@ -59,13 +62,30 @@ def _clean(ans: str) -> str | None:
     return ans or None
 
 
-def parse_final_answer(text) -> str | None:
-    """The text after the last '####' on its line: stripped, thousands commas and a
-    trailing '.' removed; None if there is no such line or it is empty. Never raises."""
+def hash_line(text) -> str | None:
+    """The text after the last '####' on its line, number or not: stripped, thousands
+    commas and a trailing '.' removed; None if there is no such line or it is empty."""
     if not isinstance(text, str):
         return None
     found = _HASH.findall(text)
     return _clean(found[-1]) if found else None
+
+
+def is_number(ans: str) -> bool:
+    """Whether an answer is a number or math expression rather than prose: it holds no
+    word (two or more letters in a row, but for a LaTeX command such as `\\frac`) and no
+    further '#'. Single letters pass (`x = 5`, `\\pi`): a variable is not prose."""
+    if "#" in ans:
+        return False
+    return all(len(m.group()) < 2 or ans[m.start() - 1:m.start()] == "\\"
+               for m in _LETTERS.finditer(ans))
+
+
+def parse_final_answer(text) -> str | None:
+    """`hash_line(text)` when it `is_number`, else None: `#### eleventy 5` states no
+    answer (module docstring). Never raises."""
+    ans = hash_line(text)
+    return ans if ans is not None and is_number(ans) else None
 
 
 def _brace_end(text: str, start: int) -> int | None:

@@ -12,7 +12,8 @@ answer). Pure functions of one parsed JSON object; data/jsonl.py reads the files
     custom         task.prompt_field, task.answer_field [,      answer_field
                    task.solution_field]
 
-Every answer is normalized the same way: a '#### N' line gives N, else the last
+Every answer is normalized the same way: a '#### N' line gives N (a '####' line that is
+not a number, such as '#### eleventy 5', makes the record malformed), else the last
 `\\boxed{…}` gives its content, else the stripped text; ints (AIME files often store
 them as numbers) become their decimal string. The solution (the SFT target) is the
 solution text where the format has one (GSM8K's '<<48/2=24>>' calculator annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Callable, NamedTuple
 
-from stablerl_jax.data.answers import last_boxed, parse_final_answer
+from stablerl_jax.data.answers import hash_line, is_number, last_boxed
 
 _CALCULATOR = re.compile(r"<<[^<>\n]*>>")
 
@@ -51,20 +52,31 @@ def text(obj: dict, field: str) -> str:
 def _answer(obj: dict, field: str) -> str | None:
     """The normalized answer in obj[field] (a string, or an int as AIME files have)."""
     v = obj[field]
-    return normalize_answer(str(v) if type(v) is int else text(obj, field))
+    return normalize_answer(str(v) if type(v) is int else text(obj, field), field)
 
 
-def normalize_answer(text: str) -> str | None:
-    """The final answer of a reference answer text (module docstring), None if empty."""
+def hash_answer(text: str, field: str) -> str | None:
+    """N of the last '#### N' line (None if there is none or it is empty); ValueError
+    when N is not a number (answers.is_number): a reference that no response matches."""
+    answer = hash_line(text)
+    if answer is not None and not is_number(answer):
+        raise ValueError(f"'{field}': after its last '####', {answer[:40]!r} is not a "
+                         "number (a word is no answer)")
+    return answer
+
+
+def normalize_answer(text: str, field: str = "answer") -> str | None:
+    """The final answer of a reference answer text (module docstring), None if empty;
+    ValueError for a '####' line that is not a number."""
     if "####" in text:
-        return parse_final_answer(text)
+        return hash_answer(text, field)
     boxed = last_boxed(text) if "\\boxed" in text or "\\fbox" in text else None
     return (boxed if boxed is not None else text.strip()) or None
 
 
 def _gsm8k(obj, _):
     solution = text(obj, "answer")
-    answer = parse_final_answer(solution)
+    answer = hash_answer(solution, "answer")
     if answer is None:
         raise ValueError("'answer' has no final '#### N' line")
     return text(obj, "question"), _CALCULATOR.sub("", solution), answer

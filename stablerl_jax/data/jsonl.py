@@ -13,19 +13,21 @@ AIME, prompt/answer, or custom fields), detected from the first record unless
     answer    the normalized final answer (formats.normalize_answer)
 
 A UTF-8 byte-order mark at the start of a file is ignored. A malformed line (invalid
-UTF-8, bad JSON, a record the format cannot read, a reference answer math-verify cannot
-read or that is undefined like `\\frac{1}{0}`, a line over MAX_LINE_BYTES) is an error
-naming the file and line number, unless `skip_malformed` is set: then such lines are
-skipped and counted in the dataset's metadata (`skipped_counts`), next to the format each
-split was read as (`formats`). A split with no record left is an error naming its file
-and the count. The builder config name carries a fingerprint of the files and the field
-mapping, so editing either triggers a rebuild.
+UTF-8, bad JSON, JSON nested deeper than Python's recursion limit, a record the format
+cannot read, a reference answer math-verify cannot read or that is undefined like
+`\\frac{1}{0}`, a line over MAX_LINE_BYTES) is an error naming the file and line number,
+unless `skip_malformed` is set: then such lines are skipped and counted in the dataset's
+metadata (`skipped_counts`), next to the format each split was read as (`formats`). A
+split with no record left is an error naming its file and the count. The builder config
+name carries a fingerprint of the files and the field mapping, so editing either
+triggers a rebuild.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import sys
 from typing import NamedTuple
 
 import tensorflow_datasets as tfds
@@ -64,10 +66,15 @@ def split_files(jsonl_path: str) -> dict[str, str]:
 
 
 def load_object(raw: bytes) -> dict:
-    """One line's JSON object; ValueError / TypeError on a line that is not one."""
+    """One line's JSON object; ValueError / TypeError on a line that is not one (nesting
+    deeper than Python's recursion limit included: no record is that deep)."""
     if len(raw) > MAX_LINE_BYTES:
         raise ValueError(f"line of {len(raw):,} bytes > MAX_LINE_BYTES ({MAX_LINE_BYTES:,})")
-    obj = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+    try:
+        obj = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+    except RecursionError:
+        raise ValueError("JSON nested deeper than the reader follows (Python's recursion "
+                         f"limit, {sys.getrecursionlimit()} levels)") from None
     if not isinstance(obj, dict):
         raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
     return obj

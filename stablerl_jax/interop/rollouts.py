@@ -33,8 +33,11 @@ order, with per-response lengths):
     rewards         float [Bf]                  or `answers` (str [Bf]: scored by the task)
     group_size      int   []                   responses g·G … g·G + G − 1 share a prompt
 
-Every value is checked when the trainer opens the file (`OfflineRollouts.check_values`),
-before any training: an error names the record (response index) and the field.
+Every value is checked when the trainer opens the file (`OfflineRollouts.load`: the
+archive and each field's dtype and rank; `check_values`: the values), before any
+training: an error names the file, the field and, for a bad value, the record (response
+index). A file that is not an .npz archive (an .npy array, an empty or truncated file)
+or holds a pickled object array is refused naming the file (and field), never unpickled.
 
 Global step s trains on responses [s·B, (s + 1)·B), B = rl.prompts_per_step · G. The
 sampler's temperature must be `sampling.temperature` (the trainer scores π_old at it).
@@ -42,6 +45,8 @@ sampler's temperature must be `sampling.temperature` (the trainer scores π_old 
 from __future__ import annotations
 
 import dataclasses
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -113,6 +118,17 @@ def engine_routes_to_replay(routed_BxTexLxK, prompt_lens_B, completion_lens_B, *
 
 _REQUIRED = ("prompt_ids", "prompt_lens", "completion_ids", "completion_lens", "logp_mu",
              "group_size")
+# {field: (numpy dtype kinds it may have, what they hold, rank)}. Answers as bytes would
+# read as "b'5'", which no response matches; integers read as their decimal strings.
+_INT, _FLOAT = ("iu", "integers"), ("f", "floats")
+_FIELDS = {"prompt_ids": (*_INT, 1), "prompt_lens": (*_INT, 1), "completion_ids": (*_INT, 1),
+           "completion_lens": (*_INT, 1), "logp_mu": (*_FLOAT, 1), "rewards": (*_FLOAT, 1),
+           "answers": ("Uiu", "str or integers", 1), "routes": (*_INT, 3),
+           "route_weights": (*_FLOAT, 3), "group_size": (*_INT, 0)}
+_REWRITE = "write the file with stablerl_jax.interop.rollouts.write_rollouts"
+# What reading a damaged archive raises: a non-archive or pickled content (ValueError),
+# an empty or cut file (EOFError, BadZipFile), a corrupt or unknown compression.
+_DAMAGED = (ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError)
 
 
 def write_rollouts(path: str, responses: list[dict], group_size: int) -> None:
@@ -152,6 +168,58 @@ def _refuse(path: str, field: str, bad, what: str, lens=None):
                      "records")
 
 
+def _why(e: Exception, pickled: str) -> str:
+    # numpy's own words for content it would unpickle suggest loading it unsafely; ours
+    # say what the content is.
+    return pickled if "pickle" in str(e) else f"{type(e).__name__}: {e}"
+
+
+def _read_npz(path: str) -> dict:
+    """{field: array} of an .npz archive, pickles refused; ValueError naming the file
+    (and the field) for a file that is not a readable one."""
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file; rl.offline_rollouts must name an "
+                                ".npz rollout file") from None
+    except _DAMAGED as e:
+        why = _why(e, "neither .npz nor .npy data, and never unpickled")
+        raise ValueError(f"{path}: not a readable .npz archive ({why}); rl.offline_rollouts "
+                         f"must name a complete .npz file of named arrays: {_REWRITE}"
+                         ) from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: a single .npy array {loaded.shape}, not an .npz archive "
+                         f"of named fields; {_REWRITE}")
+    arrays = {}
+    with loaded:
+        for k in loaded.files:
+            try:
+                arrays[k] = loaded[k]
+            except _DAMAGED as e:
+                why = _why(e, "an object array: pickled Python objects, never unpickled")
+                raise ValueError(f"{path}: field {k!r} cannot be read ({why}); store it as "
+                                 f"a plain numeric or str array: {_REWRITE}") from None
+    return arrays
+
+
+def _check_kinds(path: str, arrays: dict) -> None:
+    """Refuse a field of the wrong dtype or rank (before any length or value is read)."""
+    for field, (kinds, what, ndim) in _FIELDS.items():
+        x = arrays.get(field)
+        if x is None:
+            continue
+        if x.dtype.kind not in kinds:
+            raise ValueError(f"{path}: field {field!r} has dtype {x.dtype}; it must hold "
+                             f"{what}; {_REWRITE}")
+        if ndim == 0 and x.size != 1:
+            raise ValueError(f"{path}: field {field!r} has shape {x.shape}; it must be one "
+                             f"integer (the responses per prompt); {_REWRITE}(..., "
+                             "group_size=G)")
+        if ndim and x.ndim != ndim:
+            raise ValueError(f"{path}: field {field!r} has shape {x.shape}; it must have "
+                             f"{ndim} dimension(s) (module docstring); {_REWRITE}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OfflineRollouts:
     """The arrays of an offline rollout file (module docstring), validated on load."""
@@ -161,14 +229,17 @@ class OfflineRollouts:
 
     @classmethod
     def load(cls, path: str) -> "OfflineRollouts":
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
+        """The file's arrays, checked for the fields, dtypes, ranks and lengths of the
+        format (module docstring); ValueError naming the file and field otherwise."""
+        arrays = _read_npz(path)
         missing = [k for k in _REQUIRED if k not in arrays]
         if missing:
             raise ValueError(f"{path}: missing field(s) {missing}; see "
                              "stablerl_jax/interop/rollouts.py for the format")
         if "rewards" not in arrays and "answers" not in arrays:
-            raise ValueError(f"{path}: needs 'rewards' [Bf] or 'answers' [Bf]")
+            raise ValueError(f"{path}: needs 'rewards' [Bf] or 'answers' [Bf]; give "
+                             "write_rollouts a 'reward' or an 'answer' in each response")
+        _check_kinds(path, arrays)
         out = cls(arrays, path)
         out._check_lengths()
         return out
@@ -179,7 +250,7 @@ class OfflineRollouts:
 
     @property
     def group_size(self) -> int:
-        return int(self.arrays["group_size"])
+        return int(self.arrays["group_size"].reshape(-1)[0])
 
     def _check_lengths(self) -> None:
         a, r = self.arrays, self.num_responses
@@ -196,6 +267,10 @@ class OfflineRollouts:
             if a[k].shape[:1] != shp:
                 raise ValueError(f"{self.path}: {k} has {a[k].shape[:1]} entries, the "
                                  f"lengths say {shp}; rewrite the file with write_rollouts")
+        if self.group_size < 1:
+            raise ValueError(f"{self.path}: field 'group_size' is {self.group_size}; it must "
+                             f"be >= 1 (the responses per prompt); {_REWRITE}(..., "
+                             "group_size=G)")
         if r % self.group_size:
             raise ValueError(f"{self.path}: {r} responses are not whole groups of "
                              f"group_size={self.group_size}")
@@ -241,15 +316,7 @@ class OfflineRollouts:
         def refuse(field, bad, what):
             _refuse(p, field, bad, what, lens.get(field))
 
-        for field in ("prompt_lens", "completion_lens", "prompt_ids", "completion_ids",
-                      "routes"):
-            if field in a and not np.issubdtype(a[field].dtype, np.integer):
-                raise ValueError(f"{p}: field {field!r} has dtype {a[field].dtype}; it must "
-                                 "hold integers")
-        for field in ("logp_mu", "rewards", "route_weights"):
-            if field in a and not np.issubdtype(a[field].dtype, np.floating):
-                raise ValueError(f"{p}: field {field!r} has dtype {a[field].dtype}; it must "
-                                 "hold floats")
+        _check_kinds(p, a)
         c_min = 1 if "routes" in a else 0
         for field, lo, hi, where in (
                 ("prompt_lens", 1, max_prompt_len, "task.max_prompt_len"),
