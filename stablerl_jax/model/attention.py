@@ -27,10 +27,11 @@ function up to float reassociation.
 
 Packed rows (stablerl_jax/packing.py): with segment ids (one per slot, 0 on padding,
 non-decreasing along a row's real tokens) query i also needs key j in its own segment.
-The 'causal' path then skips every key block that holds no key of a segment some query
-of the block belongs to (a `lax.cond` per query block and key block, merged by the online
-softmax), so a packed row's attention costs about the sum of its segments' squares; the
-'naive' and 'chunked' paths mask (they compute the row's square).
+The 'causal' and 'chunked' paths then skip every key block above the diagonal or holding
+no key of a segment some query of the block belongs to (a `lax.cond` per query block and
+key block, merged by the online softmax: unrolled blocks in 'causal', a scan of query
+chunks with a loop over key blocks in 'chunked'), so a packed row's attention costs about
+the sum of its segments' squares; the 'naive' path masks (it computes the row's square).
 """
 from __future__ import annotations
 
@@ -173,8 +174,8 @@ def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dt
     return out.astype(dtype)
 
 
-def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int, segments_BxT=None):
-    """`attend(q, slots, segments)` over query chunks of `chunk` rows in a scan, each chunk
+def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
+    """`attend(q, slots)` over query chunks of `chunk` rows in a scan, each chunk
     rematerialized in the backward pass: the [chunk, S] scores of one chunk are all that
     is ever live. Each query row's scores, softmax and output are the naive path's; T is
     padded up to a multiple of the chunk with queries that are computed and dropped."""
@@ -184,10 +185,8 @@ def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int, segments_BxT=Non
     q = jnp.pad(q_BxTxKVxHgxDh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
     slots = jnp.pad(query_slots_T, (0, pad), mode="edge")
     q_JxBxWxKVxHgxDh = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
-    seg_JxBxW = None if segments_BxT is None else jnp.moveaxis(
-        jnp.pad(segments_BxT, ((0, 0), (0, pad))).reshape(b, n, chunk), 1, 0)
     body = jax.checkpoint(lambda _, xs: (None, attend(*xs)), prevent_cse=False)
-    _, o = jax.lax.scan(body, None, (q_JxBxWxKVxHgxDh, slots.reshape(n, chunk), seg_JxBxW))
+    _, o = jax.lax.scan(body, None, (q_JxBxWxKVxHgxDh, slots.reshape(n, chunk)))
     return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
 
 
@@ -204,55 +203,125 @@ def _causal(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, block: int,
     return jnp.concatenate(outs, axis=1)
 
 
+def _online_step(carry, q_BxWxKVxHgxDh, k_BxUxKVxDh, v_BxUxKVxDh, allowed_BxWxU,
+                 head_dim: int, dtype):
+    """One key block of the online softmax (flash attention): carry (running max m,
+    denominator l, numerator o) of the queries, updated with the block's allowed keys.
+    The running maximum is a stop-gradient shift, which the result does not depend on."""
+    m, l, o = carry
+    scores = _dot("btkgd,bskd->bkgts", q_BxWxKVxHgxDh, k_BxUxKVxDh, dtype) * head_dim**-0.5
+    allowed = allowed_BxWxU[:, None, None]
+    scores = jnp.where(allowed, scores, _NEG)
+    m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(scores, axis=-1)))
+    p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0)
+    corr = jnp.exp(m - m_new)
+    pv = _dot("bkgts,bskd->bkgtd", p, v_BxUxKVxDh, dtype)
+    return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + pv
+
+
+def _online_init(b, kv, g, rows, dh, dtype):
+    acc = nx.accum_dtype(dtype)
+    return (jnp.full((b, kv, g, rows), _NEG, acc), jnp.zeros((b, kv, g, rows), acc),
+            jnp.zeros((b, kv, g, rows, dh), acc))
+
+
+def _online_out(carry, dtype):
+    """The queries' outputs [B, W, KV, Hg, Dh] of a finished online softmax (0 for a
+    query with no allowed key: a padding slot, whose output is unused)."""
+    _, l, o = carry
+    o = o / jnp.where(l > 0, l, 1)[..., None]
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dtype)
+
+
+def _segment_range(real_BxT, segments_BxT, block: int):
+    """(smallest, largest) segment id of the real slots of each block of `block` slots:
+    two [N, B] arrays (N blocks; a block with no real slot: int32 max, −1)."""
+    b, t = segments_BxT.shape
+    n = t // block
+    real = real_BxT.reshape(b, n, block)
+    seg = segments_BxT.reshape(b, n, block)
+    lo = jnp.min(jnp.where(real, seg, jnp.iinfo(jnp.int32).max), axis=2)
+    hi = jnp.max(jnp.where(real, seg, -1), axis=2)
+    return lo.T, hi.T
+
+
 def _causal_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, segments_BxT,
                      block: int, head_dim: int, dtype):
     """`_causal` for packed rows: query block qb against key blocks kb <= qb, each pair
     computed only if some row has a real key in kb of the segment of one of its real
     queries in qb (segment ids are non-decreasing along a row, so: the key block's
     largest segment >= the query block's smallest), else skipped by a `lax.cond`. The
-    pairs of a query block are merged by the online softmax (flash attention); its running
-    maximum is a stop-gradient shift, which the result does not depend on."""
+    pairs of a query block are merged by the online softmax (`_online_step`)."""
     b, t, kv, g, dh = q_BxTxKVxHgxDh.shape
-    acc = nx.accum_dtype(dtype)
     nb = -(-t // block)
+    pad = nb * block - t
     real_BxT = key_mask_BxT.astype(bool) & (segments_BxT > 0)
-    big = jnp.iinfo(jnp.int32).max
-    lo_seg = [jnp.min(jnp.where(real_BxT[:, i * block:(i + 1) * block],
-                                segments_BxT[:, i * block:(i + 1) * block], big), axis=1)
-              for i in range(nb)]
-    hi_seg = [jnp.max(jnp.where(real_BxT[:, i * block:(i + 1) * block],
-                                segments_BxT[:, i * block:(i + 1) * block], -1), axis=1)
-              for i in range(nb)]
+    lo_seg, hi_seg = _segment_range(jnp.pad(real_BxT, ((0, 0), (0, pad))),
+                                    jnp.pad(segments_BxT, ((0, 0), (0, pad))), block)
     outs = []
     for qb in range(nb):
         qs = slice(qb * block, min(t, (qb + 1) * block))
         q, seg_q, rows = q_BxTxKVxHgxDh[:, qs], segments_BxT[:, qs], qs.stop - qs.start
-        init = (jnp.full((b, kv, g, rows), _NEG, acc), jnp.zeros((b, kv, g, rows), acc),
-                jnp.zeros((b, kv, g, rows, dh), acc))
 
         def pair(carry, kb=None, q=q, seg_q=seg_q, qs=qs):
-            m, l, o = carry
             ks = slice(kb * block, min(t, (kb + 1) * block))
-            scores = _dot("btkgd,bskd->bkgts", q, k_BxTxKVxDh[:, ks], dtype) * head_dim**-0.5
             allowed = ((jnp.arange(ks.start, ks.stop)[None, None] <=
                         jnp.arange(qs.start, qs.stop)[None, :, None])
                        & real_BxT[:, None, ks]
-                       & (seg_q[:, :, None] == segments_BxT[:, None, ks]))[:, None, None]
-            scores = jnp.where(allowed, scores, _NEG)
-            m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(scores, axis=-1)))
-            p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0)
-            corr = jnp.exp(m - m_new)
-            pv = _dot("bkgts,bskd->bkgtd", p, v_BxTxKVxDh[:, ks], dtype)
-            return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + pv
+                       & (seg_q[:, :, None] == segments_BxT[:, None, ks]))
+            return _online_step(carry, q, k_BxTxKVxDh[:, ks], v_BxTxKVxDh[:, ks], allowed,
+                                head_dim, dtype)
 
-        carry = init
+        carry = _online_init(b, kv, g, rows, dh, dtype)
         for kb in range(qb + 1):
             need = jnp.any(hi_seg[kb] >= lo_seg[qb])
             carry = jax.lax.cond(need, functools.partial(pair, kb=kb), lambda c: c, carry)
-        _, l, o = carry
-        o = o / jnp.where(l > 0, l, 1)[..., None]
-        outs.append(jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dtype))
+        outs.append(_online_out(carry, dtype))
     return jnp.concatenate(outs, axis=1)
+
+
+def _chunked_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT,
+                      segments_BxT, chunk: int, head_dim: int, dtype):
+    """The 'chunked' path for packed rows: a scan over query chunks of `chunk` rows, each
+    rematerialized in the backward pass (as `_chunked`), and in each chunk a loop over
+    the key blocks of the same width, a block computed only if it lies on or below the
+    diagonal and holds a real key of a segment some query of the chunk belongs to (a
+    `lax.cond`; the test of `_causal_segments`), merged by the online softmax. So a
+    packed row costs about the sum of its segments' squares, and the scores live at a
+    time are one [chunk, chunk] block's. The loops have static trip counts: one program
+    whatever the packing."""
+    b, t, kv, g, dh = q_BxTxKVxHgxDh.shape
+    n = -(-t // chunk)
+    pad = ((0, 0), (0, n * chunk - t))
+    blocks = lambda x: jnp.moveaxis(jnp.pad(x, pad + ((0, 0),) * (x.ndim - 2)).reshape(
+        b, n, chunk, *x.shape[2:]), 1, 0)
+    real_BxT = jnp.pad(key_mask_BxT.astype(bool) & (segments_BxT > 0), pad)
+    seg_BxT = jnp.pad(segments_BxT, pad)
+    lo_seg_NxB, hi_seg_NxB = _segment_range(real_BxT, seg_BxT, chunk)
+    q_N, k_N, v_N = blocks(q_BxTxKVxHgxDh), blocks(k_BxTxKVxDh), blocks(v_BxTxKVxDh)
+    seg_NxBxW = jnp.moveaxis(seg_BxT.reshape(b, n, chunk), 1, 0)
+    real_NxBxW = jnp.moveaxis(real_BxT.reshape(b, n, chunk), 1, 0)
+    inside = jnp.arange(chunk)
+
+    def query_chunk(_, xs):
+        q, seg_q, j = xs
+
+        def key_block(kb, carry):
+            def compute(c):
+                seg_k, real_k = seg_NxBxW[kb], real_NxBxW[kb]
+                allowed = ((kb * chunk + inside[None, None] <= j * chunk + inside[None, :, None])
+                           & real_k[:, None] & (seg_q[:, :, None] == seg_k[:, None]))
+                return _online_step(c, q, k_N[kb], v_N[kb], allowed, head_dim, dtype)
+
+            need = (kb <= j) & jnp.any(hi_seg_NxB[kb] >= lo_seg_NxB[j])
+            return jax.lax.cond(need, compute, lambda c: c, carry)
+
+        carry = jax.lax.fori_loop(0, n, key_block, _online_init(b, kv, g, chunk, dh, dtype))
+        return None, _online_out(carry, dtype)
+
+    body = jax.checkpoint(query_chunk, prevent_cse=False)
+    _, o = jax.lax.scan(body, None, (q_N, seg_NxBxW, jnp.arange(n)))
+    return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, *o.shape[3:])[:, :t]
 
 
 def _write(cache: jax.Array, x: jax.Array, put) -> jax.Array:
@@ -347,9 +416,12 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     elif causal and t > cfg.attention_chunk:
         o_BxTxKVxHgxDh = _causal(q_BxTxKVxHgxDh, k, v, key_mask_BxS, cfg.attention_chunk,
                                  cfg.head_dim, dtype)
+    elif cfg.attention_impl == "chunked" and t > cfg.attention_chunk and (
+            segments_BxT is not None):
+        o_BxTxKVxHgxDh = _chunked_segments(q_BxTxKVxHgxDh, k, v, key_mask_BxS, segments_BxT,
+                                           cfg.attention_chunk, cfg.head_dim, dtype)
     elif cfg.attention_impl == "chunked" and t > cfg.attention_chunk:
-        o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk,
-                                  segments_BxT)
+        o_BxTxKVxHgxDh = _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, cfg.attention_chunk)
     else:
         o_BxTxKVxHgxDh = attend(q_BxTxKVxHgxDh, query_slots_T, segments_BxT)
     o_BxTxHxDh = o_BxTxKVxHgxDh.reshape(b, t, cfg.num_heads, cfg.head_dim)
