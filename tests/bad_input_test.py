@@ -425,3 +425,201 @@ def test_bad_offline_rollouts_are_refused_at_open(tmp_path, case, change, field,
     # responses 2, 4 and 3 (4 completion, 5 prompt and 8 route tokens per response).
     record = {"completion_ids": 2, "prompt_ids": 4, "logp_mu": 2, "routes": 3}.get(field, 1)
     assert f"record {record} (response index)" in msg, msg
+
+
+# Hostile files (offline rollouts, JSONL, linked logs) through the command line: exit
+# status 2, one line naming the file (field, line) and the fix, and nothing outside the
+# workdir changed (the hostile file included).
+def _outside(root, workdir):
+    """Name, size, mtime and link target of every path under `root` but in `workdir`."""
+    return sorted((str(p), p.lstat().st_size, p.lstat().st_mtime_ns,
+                   os.readlink(p) if p.is_symlink() else None)
+                  for p in root.rglob("*") if workdir not in (p, *p.parents))
+
+
+def _refused_outside_untouched(capsys, tmp_path, overrides, *needles):
+    workdir = tmp_path / "run"
+    before = _outside(tmp_path, workdir)
+    err = _one_line(capsys, ["--workdir", str(workdir), "--quiet", "--compile-cache=",
+                             *overrides], *needles)
+    assert _outside(tmp_path, workdir) == before
+    ckpts = workdir / "checkpoints"
+    assert not ckpts.exists() or not any(ckpts.iterdir())  # no step trained
+    return err
+
+
+def _rollouts(path, group_size=2, **fields):
+    """A valid rollout file (8 responses, groups of `group_size`) with `fields` set."""
+    rng = np.random.default_rng(0)
+    write_rollouts(str(path), [{"prompt_ids": rng.integers(4, 60, 5),
+                                "completion_ids": rng.integers(4, 60, 4),
+                                "logp_mu": -rng.uniform(0.1, 2, 4), "reward": float(i % 2)}
+                               for i in range(8)], group_size=group_size)
+    if fields:
+        np.savez(path, **{**dict(np.load(path)), **fields})  # object arrays are pickled
+    return path
+
+
+def _cut(path):
+    data = _rollouts(path).read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return path
+
+
+BAD_ROLLOUT_FILES = [  # (case, make(tmp_path) -> path, the line must contain)
+    (".npy instead of .npz", lambda t: (np.save(t / "r.npy", np.zeros(3)), t / "r.npy")[1],
+     ["a single .npy array", "not an .npz archive", "write_rollouts"]),
+    ("truncated zip", lambda t: _cut(t / "r.npz"),
+     ["not a readable .npz archive (BadZipFile", "write_rollouts"]),
+    ("empty file", lambda t: ((t / "r.npz").write_bytes(b""), t / "r.npz")[1],
+     ["not a readable .npz archive (EOFError", "write_rollouts"]),
+    ("a text file", lambda t: (t / "r.npz").write_text("prompt_ids,1,2\n") and t / "r.npz",
+     ["neither .npz nor .npy data, and never unpickled", "write_rollouts"]),
+    ("group_size 0", lambda t: _rollouts(t / "r.npz", group_size=0),
+     ["field 'group_size' is 0", "must be >= 1", "write_rollouts(..., group_size=G)"]),
+    ("group_size [2, 2]", lambda t: _rollouts(t / "r.npz", group_size=np.array([2, 2])),
+     ["field 'group_size' has shape (2,)", "write_rollouts(..., group_size=G)"]),
+    ("pickled object array", lambda t: _rollouts(
+        t / "r.npz", answers=np.array(["1", 2] * 4, dtype=object)),
+     ["field 'answers' cannot be read (an object array: pickled Python objects, never "
+      "unpickled)", "plain numeric or str array", "write_rollouts"]),
+    ("lengths as strings", lambda t: _rollouts(t / "r.npz", prompt_lens=np.array(["5"] * 8)),
+     ["field 'prompt_lens' has dtype <U1", "integers", "write_rollouts"]),
+    ("routes of rank 2", lambda t: _rollouts(t / "r.npz", routes=np.zeros((64, 2), np.int32)),
+     ["field 'routes' has shape (64, 2)", "3 dimension(s)", "write_rollouts"]),
+    ("no such file", lambda t: t / "absent.npz", ["no such file", "rl.offline_rollouts"]),
+]
+
+
+@pytest.mark.parametrize("case, make, needles", BAD_ROLLOUT_FILES,
+                         ids=[c[0] for c in BAD_ROLLOUT_FILES])
+def test_hostile_rollout_files_are_one_line_naming_the_file(tmp_path, capsys, case, make,
+                                                            needles):
+    path = make(tmp_path)
+    _refused_outside_untouched(capsys, tmp_path, ["sft.steps=0",
+                                                  f"rl.offline_rollouts={path}"],
+                               f"{path}: ", *needles)
+
+
+def _deep(path):
+    path.mkdir()
+    ok = json.dumps({"question": "1 + 2 = ?", "answer": "#### 3"}) + "\n"
+    (path / "train.jsonl").write_text(ok + "[" * 100_000 + "]" * 100_000 + "\n" + ok)
+    (path / "test.jsonl").write_text(ok)
+    return path
+
+
+def test_a_line_nested_100000_deep_is_one_line_or_skipped_and_counted(tmp_path, capsys):
+    manual = _deep(tmp_path / "m")
+    _refused_outside_untouched(
+        capsys, tmp_path, ["sft.steps=0", "task.kind=jsonl", f"task.jsonl_dir={manual}"],
+        f"{manual / 'train.jsonl'}:2: malformed record", "nested deeper than the reader "
+        "follows", "pass skip_malformed=True")
+    data = loop.task_data(_jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run2"))
+    assert len(data.train) == 2
+    assert jsonl.parse_jsonl(str(manual / "train.jsonl"), skip_malformed=True).skipped == 1
+    # The generic path (another record reader: cold-start chats) shares load_object.
+    from stablerl_jax.data import sft_data
+    with pytest.raises(ValueError, match=r"train.jsonl:2: malformed record .* nested deeper"):
+        jsonl.parse_jsonl(str(manual / "train.jsonl"), record=sft_data.read_record)
+    assert jsonl.parse_jsonl(str(manual / "train.jsonl"), skip_malformed=True,
+                             record=sft_data.read_record).skipped == 1
+
+
+def test_a_reference_hash_line_holding_a_word_is_a_malformed_record(tmp_path, capsys):
+    manual = tmp_path / "m"
+    manual.mkdir()
+    ok = json.dumps({"question": "1 + 2 = ?", "answer": "#### 3"}) + "\n"
+    (manual / "train.jsonl").write_text(
+        ok + json.dumps({"question": "q", "answer": "so #### eleventy 5"}) + "\n")
+    (manual / "test.jsonl").write_text(ok)
+    _refused_outside_untouched(
+        capsys, tmp_path, ["sft.steps=0", "task.kind=jsonl", f"task.jsonl_dir={manual}"],
+        f"{manual / 'train.jsonl'}:2: malformed record", "'eleventy 5' is not a number")
+
+
+LINKED_LOGS = [("metrics.jsonl", ["sft.steps=0"]), ("samples.jsonl", ["sft.steps=0"]),
+               ("minibatches.jsonl", ["sft.steps=0"]),
+               ("sft_run/metrics.jsonl", ["sft.steps=1"])]
+
+
+@pytest.mark.parametrize("log, overrides", LINKED_LOGS, ids=[c[0] for c in LINKED_LOGS])
+@pytest.mark.parametrize("dangling", [False, True], ids=["to a file", "dangling"])
+def test_a_linked_log_is_one_line_and_its_target_untouched(tmp_path, capsys, log,
+                                                           overrides, dangling):
+    # The run rewrites its logs by rename on start and resume, which would replace the
+    # link and leave its target stale: refused, the link and its target as they were.
+    target = tmp_path / "elsewhere" / "log.jsonl"
+    target.parent.mkdir()
+    if not dangling:
+        target.write_text(json.dumps({"step": 0, "reward": 0.5}) + "\n")
+    link = tmp_path / "run" / log
+    link.parent.mkdir(parents=True)
+    link.symlink_to(target)
+    _refused_outside_untouched(capsys, tmp_path, overrides,
+                               f"{link} is a symbolic link (to '{target}')",
+                               "replace the link by a regular file")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert log == "metrics.jsonl" or not metrics.exists() or metrics.stat().st_size == 0
+
+
+# A --hf config.json at odds with itself or with its weights, and int settings beyond
+# int32: exit status 2, one line naming the field, the file and the fix, nothing outside
+# the workdir changed (the checkpoint included).
+def _drop_head_dim(hf):
+    hf.pop("head_dim")
+    return {**hf, "num_attention_heads": 0}
+
+
+HF_CONFIGS = [  # (case, change(config.json dict) or the file's text, the line must contain)
+    ("more layers than the weights", lambda hf: {**hf, "num_hidden_layers": 3},
+     ["num_hidden_layers is 3, but the weights hold 2", "set num_hidden_layers to 2"]),
+    ("a million layers", lambda hf: {**hf, "num_hidden_layers": 10**6},
+     ["num_hidden_layers is 1000000, but the weights hold 2", "set num_hidden_layers to 2"]),
+    ("a fractional layer count", lambda hf: {**hf, "num_hidden_layers": 2.7},
+     ["num_hidden_layers: must be an int >= 1", "got 2.7", "correct it in config.json"]),
+    ("an integral float layer count", lambda hf: {**hf, "num_hidden_layers": 2.0},
+     ["num_hidden_layers: must be an int >= 1", "got 2.0", "correct it in config.json"]),
+    ("an infinite vocabulary", lambda hf: {**hf, "vocab_size": float("inf")},
+     ["vocab_size: must be an int >= 1", "got inf", "correct it in config.json"]),
+    ("a vocabulary as a list", lambda hf: {**hf, "vocab_size": [64]},
+     ["vocab_size: must be an int >= 1", "got [64]", "correct it in config.json"]),
+    ("zero heads without head_dim", _drop_head_dim,
+     ["num_attention_heads: must be an int >= 1", "got 0", "correct it in config.json"]),
+    ("vocab rows that disagree", lambda hf: {**hf, "vocab_size": 65},
+     ["vocab_size is 65, but the weights hold 64", "model.embed_tokens.weight",
+      "set vocab_size to 64"]),
+    ("an expert count that disagrees", lambda hf: {**hf, "num_experts": 16},
+     ["num_experts is 16, but the weights hold 8", "set num_experts to 8"]),
+    ("a string for a bool", lambda hf: {**hf, "tie_word_embeddings": "false"},
+     ["tie_word_embeddings: must be true or false", "correct it in config.json"]),
+    ("not JSON", '{"vocab_size": 64,', ["config.json: not valid JSON",
+                                        "restore the checkpoint's file"]),
+]
+
+
+@pytest.mark.parametrize("case, change, needles", HF_CONFIGS, ids=[c[0] for c in HF_CONFIGS])
+def test_a_bad_hf_config_json_is_one_line_naming_field_and_file(tmp_path, capsys, hf_dir,
+                                                                case, change, needles):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_dir, ckpt)
+    source = ckpt / "config.json"
+    source.write_text(change if isinstance(change, str) else
+                      json.dumps(change(json.loads(source.read_text()))))
+    _refused_outside_untouched(capsys, tmp_path, ["--hf", str(ckpt)], f"{source}: ",
+                               *needles)
+
+
+@pytest.mark.parametrize("override", ["sft.steps=3000000000", "rl.prompts_per_step=2147483648",
+                                      "task.seed=-2147483649", "mesh=1,1,4294967296"])
+def test_an_int_setting_beyond_int32_is_refused(tmp_path, capsys, override):
+    workdir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        quickstart.main(["--workdir", str(workdir), "--quiet", "--compile-cache=", override])
+    assert e.value.code == 2
+    field, value = override.split("=")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    assert len(err) == 1 and f"{field}: {value.split(',')[-1]} is outside int32 " \
+        "[-2147483648, 2147483647]" in err[0] and "use a value within it" in err[0], err
+    assert not workdir.exists() and os.listdir(tmp_path) == []

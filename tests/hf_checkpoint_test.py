@@ -105,7 +105,7 @@ def test_unusable_checkpoints_are_refused_naming_the_tensor(tmp_path):
                 hc.load_qwen3_moe(d)
         elif case == "missing":
             _rewrite(d, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
-            with pytest.raises(KeyError, match="experts.3.up_proj"):
+            with pytest.raises(ValueError, match="experts.3.up_proj.weight is missing"):
                 hc.load_qwen3_moe(d)
         else:
             with pytest.raises(ValueError, match="q_proj.weight has shape"):
@@ -124,8 +124,9 @@ def test_every_model_field_is_read_from_config_json_or_kept(tmp_path):
     # The checkpoint's own run fields (dense dispatch) never reach config.json.
     ckpt = CFG.replace(param_dtype="bfloat16", norm_topk_prob=False, rope_theta=5e5,
                        dispatch="dense")
-    hf = hf_config.hf_config_from_model(ckpt)
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    hc.save_qwen3_moe(tf.init_params(jax.random.key(5), ckpt), ckpt, str(tmp_path))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf == hf_config.hf_config_from_model(ckpt)
     run_model = ModelConfig(
         param_dtype="float32", compute_dtype="bfloat16", init_std=0.05, remat="dots",
         dispatch="grouped", moe_tile=16, gmm_impl="tiles", expert_parallel=True,
@@ -140,3 +141,56 @@ def test_every_model_field_is_read_from_config_json_or_kept(tmp_path):
         want = run_model if f.name in kept else ckpt
         assert getattr(got, f.name) == getattr(want, f.name), f.name
     assert got.param_dtype == "float32" and hc.checkpoint_dtype(str(tmp_path)) == "bfloat16"
+
+
+@pytest.mark.parametrize("experts", ["per_expert", "fused"])
+def test_a_config_json_that_disagrees_with_the_weights_is_refused_naming_the_field(
+        tmp_path, experts):
+    """Each architecture field config.json states is compared with the weights' names
+    and headers before anything is built: the error names the field, config.json's path,
+    what the weights hold, and the value to set."""
+    hc.save_qwen3_moe(tf.init_params(jax.random.key(6), CFG), CFG, str(tmp_path),
+                      experts=experts)
+    good = json.loads((tmp_path / "config.json").read_text())
+    cases = [("num_hidden_layers", 3, 2), ("num_hidden_layers", 10**6, 2),
+             ("vocab_size", 97, 96), ("hidden_size", 48, 32), ("head_dim", 16, 8),
+             ("num_attention_heads", 8, 4), ("num_key_value_heads", 4, 2),
+             ("num_experts", 16, 8), ("moe_intermediate_size", 32, 16)]
+    for field, bad, held in cases:
+        (tmp_path / "config.json").write_text(json.dumps({**good, field: bad}))
+        with pytest.raises(ValueError) as e:
+            hc.load_qwen3_moe(str(tmp_path))
+        msg = str(e.value)
+        assert msg.startswith(f"{tmp_path / 'config.json'}: {field} is {bad}, but the "
+                              f"weights hold {held} "), msg
+        assert f"set {field} to {held}" in msg, msg
+    (tmp_path / "config.json").write_text(json.dumps(good))
+    assert hc.check_config_against_weights(str(tmp_path)) == hc.hf_config.checkpoint_fields(good)
+
+
+def test_an_index_that_names_a_missing_shard_is_refused(tmp_path):
+    hc.save_qwen3_moe(tf.init_params(jax.random.key(7), CFG), CFG, str(tmp_path))
+    os.remove(tmp_path / "model-00002-of-00003.safetensors")
+    with pytest.raises(FileNotFoundError, match="lists model-00002-of-00003.safetensors, "
+                                                "which is not in"):
+        hc.load_qwen3_moe(str(tmp_path))
+
+
+@pytest.mark.parametrize("index, needle", [
+    ("[1, 2]", "must be a JSON object whose weight_map maps each tensor name to a file name"),
+    ('{"weight_map": {"model.norm.weight": "/etc/passwd"}}', "a file name in this directory"),
+    ('{"weight_map": {"model.norm.weight": "../x.safetensors"}}', "in this directory"),
+    ('{"weight_map": {"model.norm.weight": "model-00001-of-00003.safetensors"}}',
+     "no model.layers.* tensors"),
+    ("a shard that is config.json", "config.json: not a readable safetensors file"),
+])
+def test_a_hostile_shard_index_is_refused_naming_it(tmp_path, index, needle):
+    hc.save_qwen3_moe(tf.init_params(jax.random.key(8), CFG), CFG, str(tmp_path))
+    path = tmp_path / "model.safetensors.index.json"
+    if index == "a shard that is config.json":
+        index = json.loads(path.read_text())
+        index["weight_map"]["model.embed_tokens.weight"] = "config.json"
+        index = json.dumps(index)
+    path.write_text(index)
+    with pytest.raises(ValueError, match=needle):
+        hc.load_qwen3_moe(str(tmp_path))

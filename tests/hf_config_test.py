@@ -61,3 +61,47 @@ def test_transformers_5_spelling_and_the_round_trip():
 def test_what_the_model_cannot_run_is_refused_naming_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
         model_config_from_hf({**QWEN3_30B_A3B, **change})
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"vocab_size": float("inf")}, "vocab_size: must be an int >= 1"),
+    ({"vocab_size": [151936]}, "vocab_size: must be an int >= 1"),
+    ({"vocab_size": "151936"}, "vocab_size: must be an int >= 1"),
+    ({"num_hidden_layers": 47.5}, "got 47.5"),
+    # transformers writes ints, and its own config class refuses 2.0 as well.
+    ({"num_hidden_layers": 48.0}, "got 48.0"),
+    ({"num_hidden_layers": True}, "num_hidden_layers: must be an int"),
+    ({"num_hidden_layers": 2**31}, "<= 2147483647"),
+    ({"moe_intermediate_size": -768}, "moe_intermediate_size: must be an int >= 1"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings: must be an int >= 1"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step: must be an int >= 1"),
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads: must be an int >= 1"),
+    ({"num_attention_heads": 4096, "head_dim": None},
+     "num_attention_heads: 4096 is more than hidden_size=2048"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads: must divide num_attention_heads=32"),
+    ({"head_dim": 127}, "head_dim: must be even"),
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok: must be <= num_experts=128"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps: must be a finite number in (0, 1)"),
+    ({"rms_norm_eps": 1.5}, "rms_norm_eps: must be a finite number in (0, 1)"),
+    ({"rope_theta": -1.0}, "rope_theta: must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_parameters: rope_theta: must be a finite number > 0"),
+    ({"router_aux_loss_coef": float("-inf")}, "router_aux_loss_coef: must be a finite"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings: must be true or false"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob: must be true or false"),
+    ({"torch_dtype": 16}, "torch_dtype: must be a string"),
+    ({"rope_scaling": "yarn"}, "rope_scaling: must be a JSON object or null"),
+    ({"mlp_only_layers": 3}, "mlp_only_layers: must be a list"),
+])
+def test_ill_typed_or_out_of_range_fields_are_refused_naming_field_and_file(change, needle):
+    hf = {k: v for k, v in {**QWEN3_30B_A3B, **change}.items() if v is not None}
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(hf, source="/ckpt/config.json")
+    msg = str(e.value)
+    assert msg.startswith("/ckpt/config.json: ") and needle in msg, msg
+    assert "correct it in config.json" in msg or "set head_dim" in msg, msg
+
+
+def test_a_config_json_that_is_not_an_object_is_refused():
+    with pytest.raises(ConfigError, match=r"/ckpt/config.json: must hold a JSON object"):
+        model_config_from_hf([QWEN3_30B_A3B], source="/ckpt/config.json")

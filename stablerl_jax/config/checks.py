@@ -1,4 +1,10 @@
-"""`ConfigError` and the checks every section runs in `__post_init__`."""
+"""`ConfigError` and the checks every section runs in `__post_init__`.
+
+Every int setting lies in int32. JAX's default integer is int32 (x64 stays off), and
+the counts a run puts on device (steps, batch sizes, token budgets, seeds folded into
+keys) would wrap past 2**31 - 1 rather than fail; so one bound holds for every int field
+of every section (`Section` checks it before the section's own checks), instead of a
+per-field judgement of which ones reach a device array."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,15 +21,30 @@ def check(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
 def is_int(v) -> bool:
-    """An int that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An int that is not a bool, within int32 (module docstring)."""
+    return isinstance(v, int) and not isinstance(v, bool) and INT32_MIN <= v <= INT32_MAX
+
+
+def check_int_range(obj) -> None:
+    """Every int field of the dataclass `obj` (and every int of a tuple field) within
+    int32."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        for x in v if isinstance(v, tuple) else (v,):
+            if isinstance(x, int) and not isinstance(x, bool):
+                check(INT32_MIN <= x <= INT32_MAX, f.name,
+                      f"{x} is outside int32 [{INT32_MIN}, {INT32_MAX}], the range the "
+                      "code counts in on device; use a value within it")
 
 
 def check_positive_int(obj, *fields: str) -> None:
     for f in fields:
         v = getattr(obj, f)
-        check(is_int(v) and v > 0, f, f"must be a positive int, got {v!r}")
+        check(is_int(v) and v > 0, f, f"must be a positive int <= {INT32_MAX}, got {v!r}")
 
 
 def check_choice(obj, field: str, choices) -> None:
@@ -43,7 +64,22 @@ def is_finite(v) -> bool:
 
 
 class Section:
-    """Base of every config section: `cfg.replace(field=value)` re-validates."""
+    """Base of every config section: every int field is checked to lie in int32
+    (`check_int_range`) before the section's own `__post_init__` runs, so each section
+    states only its own ranges; `cfg.replace(field=value)` re-validates."""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        own = cls.__dict__.get("__post_init__")
+        if own is None and hasattr(cls, "__post_init__"):
+            return  # a parent section's, which checks this class's fields too
+
+        def __post_init__(self):
+            check_int_range(self)
+            if own is not None:
+                own(self)
+
+        cls.__post_init__ = __post_init__
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)

@@ -34,30 +34,33 @@ block of the global array, only that block's rows of the HF tensors it comes fro
 (`safe_open(...).get_slice`, memory-mapped), stacking layers and experts on the fly.
 Every tensor of the checkpoint must be used: an unexpected one (a bias, an FP8 scale, a
 dense MLP) is an error naming it, never silently dropped; so is a tensor whose dtype is not
-config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py). Saving gathers one layer at a
-time to the host and writes one safetensors file per layer plus
-`model.safetensors.index.json` (single process; a multi-host job would gather each layer
-with `jax.experimental.multihost_utils.process_allgather` first).
+config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py). Before anything is
+built, config.json is checked field by field (hf_config.py) and against the weights' names
+and headers (`check_config_against_weights`), each error naming the field and the file.
+Saving gathers one layer at a time to the host and writes one safetensors file per layer
+plus `model.safetensors.index.json` (single process; a multi-host job would gather each
+layer with `jax.experimental.multihost_utils.process_allgather` first).
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import shutil
 
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
 from flax import traverse_util
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.data.hf_tokenizer import read_json
 from stablerl_jax.interop import hf_config, hf_validate
-from stablerl_jax.interop.hf_config import hf_config_from_model, model_config_from_hf
+from stablerl_jax.interop.hf_config import hf_config_from_model
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
 
@@ -92,6 +95,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 _TOKENIZER_DIRS = ("additional_chat_templates",)
 # Buffers some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _safe_open(path: str):
+    try:
+        return safe_open(path, "numpy")
+    except SafetensorError as e:  # a damaged header is not a bug of ours: name the file
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); restore it from "
+                         "the checkpoint's source") from None
 
 
 class _Checkpoint:
@@ -99,18 +111,31 @@ class _Checkpoint:
 
     def __init__(self, path: str):
         index = os.path.join(path, "model.safetensors.index.json")
+        self.path, self.listing = path, index
         if os.path.exists(index):
-            with open(index) as f:
-                files = json.load(f)["weight_map"]
+            files = read_json(index)
+            files = files.get("weight_map") if isinstance(files, dict) else None
+            # A shard is a file of this directory: a path elsewhere is never opened.
+            if not (isinstance(files, dict) and all(
+                    isinstance(v, str) and v == os.path.basename(v) and v not in ("", ".", "..")
+                    for v in files.values())):
+                raise ValueError(f"{index}: must be a JSON object whose weight_map maps each "
+                                 "tensor name to a file name in this directory; restore the "
+                                 "checkpoint's index")
             self.where = {n: os.path.join(path, fn) for n, fn in files.items()}
+            for p in sorted(set(self.where.values())):
+                if not os.path.isfile(p):
+                    raise FileNotFoundError(f"{index} lists {os.path.basename(p)}, which is "
+                                            f"not in {path}; copy the checkpoint whole")
         else:
+            self.listing = os.path.join(path, "*.safetensors")
             paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not paths:
                 raise FileNotFoundError(f"{path}: no *.safetensors files and no "
                                         "model.safetensors.index.json")
             self.where = {}
             for p in paths:
-                with safe_open(p, "numpy") as f:
+                with _safe_open(p) as f:
                     self.where.update({n: p for n in f.keys()})
         self._open: dict = {}
         self.used: set = set()
@@ -120,12 +145,19 @@ class _Checkpoint:
 
     def slice(self, name: str):
         if name not in self.where:
-            raise KeyError(f"checkpoint: tensor {name!r} is missing")
+            raise ValueError(f"checkpoint {self.path}: tensor {name} is missing from "
+                             f"{self.listing}: the weights are incomplete or config.json "
+                             "describes another model; restore the checkpoint's files or "
+                             "use the config.json they were saved with")
         p = self.where[name]
         if p not in self._open:
-            self._open[p] = safe_open(p, "numpy")
+            self._open[p] = _safe_open(p)
         self.used.add(name)
-        return self._open[p].get_slice(name)
+        try:
+            return self._open[p].get_slice(name)
+        except SafetensorError:
+            raise ValueError(f"{p}: holds no tensor {name}, which {self.listing} places "
+                             "there; restore the checkpoint's index") from None
 
     def shape(self, name: str) -> tuple:
         return tuple(self.slice(name).get_shape())
@@ -239,10 +271,10 @@ def _flat(sources: dict, shapes: dict):
 
 
 def read_config(path: str, **overrides) -> ModelConfig:
-    """The ModelConfig of the checkpoint directory `path` (its config.json);
-    `overrides` replace ModelConfig fields (see `hf_config.model_config_from_hf`)."""
-    with open(os.path.join(path, "config.json")) as f:
-        return model_config_from_hf(json.load(f), **overrides)
+    """The ModelConfig of the checkpoint directory `path` (its config.json, checked
+    against the weights: `check_config_against_weights`); `overrides` replace ModelConfig
+    fields (see `hf_config.model_config_from_hf`)."""
+    return ModelConfig(**{**check_config_against_weights(path), **overrides})
 
 
 # Fields config.json defines that a run still chooses: the master weights' dtype
@@ -253,13 +285,69 @@ RUN_CHOSEN = ("param_dtype",)
 
 
 def _hf_json(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    source = os.path.join(path, "config.json")
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"{source}: no such file; a Hugging Face checkpoint "
+                                "directory holds config.json beside its safetensors")
+    return read_json(source)
+
+
+def check_config_against_weights(path: str) -> dict:
+    """config.json's architecture (`hf_config.checkpoint_fields`, each field checked),
+    checked against the weights of the checkpoint directory `path` before anything is
+    built: the layer count against the tensor names (model.safetensors.index.json's
+    weight_map, else the safetensors headers), and from the headers' shapes of the
+    embedding and of layer 0 the vocab rows, hidden size, head width, head counts, expert
+    count and expert width. `load_hf_params` then checks every tensor's shape. A square
+    weight stored transposed has the right shape: see docs/interop.md for the check that
+    catches it."""
+    source = os.path.join(path, "config.json")
+    fields = hf_config.checkpoint_fields(_hf_json(path), source=source)
+    ckpt = _Checkpoint(path)
+
+    def dims(name: str, rank: int) -> tuple:
+        shape = ckpt.shape(name)
+        if len(shape) != rank:
+            raise ValueError(f"checkpoint {path}: tensor {name} has shape {shape}, not "
+                             f"{rank} dimension(s); restore the checkpoint's files")
+        return shape
+
+    def agree(field: str, ours, theirs, where: str) -> None:
+        if ours != theirs:
+            raise ValueError(f"{source}: {field} is {ours}, but the weights hold {theirs} "
+                             f"({where}, in {ckpt.listing}); set {field} to {theirs}, or "
+                             "use the config.json these weights were saved with")
+
+    layers = {int(m.group(1)) for n in ckpt.where if (m := _LAYER_INDEX.match(n))}
+    if not layers:
+        raise ValueError(f"{ckpt.listing}: no model.layers.* tensors: these are not a "
+                         "Qwen3-MoE model's weights; restore the checkpoint's files")
+    agree("num_hidden_layers", fields["num_layers"], len(layers),
+          f"tensors named model.layers.{{0..{len(layers) - 1}}}.*")
+    vocab, hidden = dims("model.embed_tokens.weight", 2)
+    agree("vocab_size", fields["vocab_size"], vocab, "rows of model.embed_tokens.weight")
+    agree("hidden_size", fields["d_model"], hidden, "columns of model.embed_tokens.weight")
+    l0 = _L.format(l=0)
+    (head_dim,) = dims(l0 + "self_attn.q_norm.weight", 1)
+    agree("head_dim", fields["head_dim"], head_dim, f"the width of {l0}self_attn.q_norm")
+    for field, key, proj in [("num_attention_heads", "num_heads", "q_proj"),
+                             ("num_key_value_heads", "num_kv_heads", "k_proj")]:
+        rows = dims(f"{l0}self_attn.{proj}.weight", 2)[0]
+        agree(field, fields[key], rows / head_dim if rows % head_dim else rows // head_dim,
+              f"{l0}self_attn.{proj} has {rows} rows of {head_dim}-wide heads")
+    agree("num_experts", fields["num_experts"], dims(l0 + "mlp.gate.weight", 2)[0],
+          f"rows of the router {l0}mlp.gate.weight")
+    ffn = (dims(l0 + _FUSED["w_gate"][0], 3)[1] // 2 if _fused(ckpt) else
+           dims(l0 + _PER_EXPERT["w_gate"].format(e=0), 2)[0])
+    agree("moe_intermediate_size", fields["expert_ffn_dim"], ffn,
+          f"the width of {l0}mlp.experts' gate_proj")
+    return fields
 
 
 def checkpoint_dtype(path: str) -> str:
     """The parameter dtype the checkpoint directory `path` stores (config.json)."""
-    return hf_config.checkpoint_fields(_hf_json(path))["param_dtype"]
+    return hf_config.checkpoint_fields(_hf_json(path), source=os.path.join(
+        path, "config.json"))["param_dtype"]
 
 
 def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentConfig:
@@ -269,8 +357,9 @@ def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentCo
     kv_cache_layout, …) and `RUN_CHOSEN` kept from cfg.model (the preset and the command
     line); and the checkpoint's tokenizer when it ships a tokenizer.json
     (task.tokenizer_dir = path, unless already set; without one, the task's SentencePiece
-    tokenizer, e.g. for a checkpoint this project exported)."""
-    arch = hf_config.checkpoint_fields(_hf_json(path))
+    tokenizer, e.g. for a checkpoint this project exported). config.json is checked
+    against the weights first (`check_config_against_weights`)."""
+    arch = check_config_against_weights(path)
     model = cfg.model.replace(**{k: v for k, v in arch.items() if k not in RUN_CHOSEN})
     task = cfg.task
     if not task.tokenizer_dir and os.path.exists(os.path.join(path, "tokenizer.json")):

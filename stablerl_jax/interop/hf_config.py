@@ -30,92 +30,162 @@ Load-balancing loss. HF adds `router_aux_loss_coef · aux` to the loss only when
 e), which is K times our per-layer E · Σ_e load_e P_e (load normalized over the K slots)
 when every layer has the same statistics; hence the factor K. Ours averages the
 per-layer values rather than pooling the layers.
+
+Checked before any of it is used, every error naming the field, the file and the fix:
+each field's JSON type (an int field must be a JSON int, as transformers writes them: 2.7
+is refused, not truncated, and so is 2.0, which transformers' own config class refuses
+too; a bool field true or false; a number finite) and range (sizes >= 1 and within int32,
+`config.checks.is_int`; rms_norm_eps in (0, 1), rope_theta > 0, …), and the relations
+the decoder needs (num_key_value_heads divides num_attention_heads, an even head_dim,
+num_experts_per_tok <= num_experts). Agreement with the weights' shapes is checked by
+`hf_checkpoint.check_config_against_weights`.
 """
 from __future__ import annotations
 
-from stablerl_jax.config import DTYPES, ConfigError, ModelConfig
+from stablerl_jax.config import DTYPES, ConfigError, ModelConfig, is_finite, is_int
 
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "float64": "float64"}
+_REQUIRED = object()
 
 
-def _get(hf: dict, *names, default=None, required=True):
-    for n in names:
-        if n in hf and hf[n] is not None:
-            return hf[n]
-    if required and default is None:
-        raise ConfigError(f"config.json: missing {' / '.join(names)}; is this a Qwen3-MoE "
-                          "checkpoint?")
-    return default
+class _Reader:
+    """Typed reads of one config.json (`hf`, read from `source`): each returns the value
+    of the first of `names` present and not null, else `default`, and raises a
+    ConfigError naming the field, the file and the fix when it is absent but required or
+    of the wrong type or range."""
+
+    def __init__(self, hf, source: str):
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{source}: must hold a JSON object of the model's settings, "
+                              f"got {type(hf).__name__}; restore the checkpoint's config.json")
+        self.hf, self.source = hf, source
+
+    def refuse(self, cond: bool, field: str, msg: str) -> None:
+        if cond:
+            raise ConfigError(f"{self.source}: {field}: {msg}")
+
+    def get(self, *names, default=_REQUIRED):
+        for n in names:
+            if self.hf.get(n) is not None:
+                return n, self.hf[n]
+        self.refuse(default is _REQUIRED, " / ".join(names),
+                    "missing; is this a Qwen3-MoE checkpoint?")
+        return names[0], default
+
+    def integer(self, *names, default=_REQUIRED, lo: int = 1) -> int:
+        n, v = self.get(*names, default=default)
+        self.refuse(not (is_int(v) and v >= lo), n,
+                    f"must be an int >= {lo} and <= 2147483647 (a JSON integer, as "
+                    f"transformers writes it: 2.0 and 2.7 are refused, not rounded), got "
+                    f"{v!r}; correct it in config.json")
+        return v
+
+    def number(self, *names, default=_REQUIRED, ok=lambda v: v > 0, what="> 0") -> float:
+        n, v = self.get(*names, default=default)
+        self.refuse(not (is_finite(v) and ok(v)), n,
+                    f"must be a finite number {what}, got {v!r}; correct it in config.json")
+        return float(v)
+
+    def flag(self, name: str) -> bool:
+        n, v = self.get(name, default=False)
+        self.refuse(not isinstance(v, bool), n,
+                    f"must be true or false, got {v!r}; correct it in config.json")
+        return v
+
+    def text(self, *names, default=_REQUIRED) -> str:
+        n, v = self.get(*names, default=default)
+        self.refuse(not isinstance(v, str), n, f"must be a string, got {v!r}; correct it "
+                    "in config.json")
+        return v
+
+    def mapping(self, name: str) -> dict:
+        n, v = self.get(name, default={})
+        self.refuse(not isinstance(v, dict), n, f"must be a JSON object or null, got "
+                    f"{v!r}; correct it in config.json")
+        return v
 
 
-def _refuse(cond: bool, field: str, msg: str) -> None:
-    if cond:
-        raise ConfigError(f"config.json: {field}: {msg}")
-
-
-def _rope_theta(hf: dict) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+def _rope_theta(r: _Reader) -> float:
+    params, scaling = r.mapping("rope_parameters"), r.mapping("rope_scaling")
     kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    _refuse(kind != "default", "rope_scaling / rope_parameters.rope_type",
-            f"{kind!r} RoPE is not implemented (only the default rotary embedding); "
-            "use a checkpoint without RoPE scaling")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    r.refuse(kind != "default", "rope_scaling / rope_parameters.rope_type",
+             f"{kind!r} RoPE is not implemented (only the default rotary embedding); "
+             "use a checkpoint without RoPE scaling")
+    if "rope_theta" in params:
+        return _Reader(params, f"{r.source}: rope_parameters").number("rope_theta")
+    return r.number("rope_theta", default=10_000.0)
 
 
-def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """The ModelConfig of a Qwen3-MoE config.json (a dict); `overrides` replace any
-    ModelConfig field afterwards (e.g. max_seq_len=4096, compute_dtype='bfloat16',
-    param_dtype='float32' to upcast on load, dispatch='dense')."""
-    return ModelConfig(**{**checkpoint_fields(hf), **overrides})
+def model_config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> ModelConfig:
+    """The ModelConfig of a Qwen3-MoE config.json (a dict, read from `source`, which
+    errors name); `overrides` replace any ModelConfig field afterwards (e.g.
+    max_seq_len=4096, compute_dtype='bfloat16', param_dtype='float32' to upcast on load,
+    dispatch='dense')."""
+    return ModelConfig(**{**checkpoint_fields(hf, source=source), **overrides})
 
 
-def checkpoint_fields(hf: dict) -> dict:
+def checkpoint_fields(hf: dict, *, source: str = "config.json") -> dict:
     """{ModelConfig field: value} of every field a Qwen3-MoE config.json defines (the
-    table in the module docstring), checked; every other field is how to compute, not
-    what the model is, and config.json says nothing about it."""
-    _refuse(hf.get("model_type", "qwen3_moe") != "qwen3_moe", "model_type",
-            f"must be 'qwen3_moe', got {hf.get('model_type')!r}")
-    _refuse(bool(hf.get("attention_bias", False)), "attention_bias",
-            "attention biases are not implemented; our q/k/v/o projections have none")
-    _refuse(bool(hf.get("use_sliding_window", False)), "use_sliding_window",
-            "sliding-window attention is not implemented; set it to false if unused")
-    _refuse(hf.get("hidden_act", "silu") != "silu", "hidden_act",
-            f"our experts are SwiGLU (SiLU), got {hf.get('hidden_act')!r}")
-    layers = int(_get(hf, "num_hidden_layers"))
-    dense = list(hf.get("mlp_only_layers") or [])
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    _refuse(bool(dense) or step != 1, "mlp_only_layers / decoder_sparse_step",
-            f"dense MLP layers mixed in (mlp_only_layers={dense}, decoder_sparse_step="
-            f"{step}) are not supported: every layer of this decoder is an MoE layer")
-    _refuse(int(_get(hf, "num_experts", "num_local_experts")) <= 0, "num_experts",
-            "must be > 0 (a dense Qwen3 model is not a Qwen3-MoE)")
-    dtype = _get(hf, "torch_dtype", "dtype", default="float32", required=False)
-    dtype = _TORCH_DTYPES.get(str(dtype).removeprefix("torch."), str(dtype))
-    _refuse(dtype not in DTYPES, "torch_dtype", f"must be one of {DTYPES}, got {dtype!r}")
-    heads, hidden = int(_get(hf, "num_attention_heads")), int(_get(hf, "hidden_size"))
-    top_k = int(_get(hf, "num_experts_per_tok"))
-    aux = float(hf.get("router_aux_loss_coef", 0.0) or 0.0)
-    kw = dict(
-        vocab_size=int(_get(hf, "vocab_size")),
+    table in the module docstring), checked (the module docstring; errors name `source`);
+    every other field is how to compute, not what the model is, and config.json says
+    nothing about it."""
+    r = _Reader(hf, source)
+    model_type = r.text("model_type", default="qwen3_moe")
+    r.refuse(model_type != "qwen3_moe", "model_type", f"must be 'qwen3_moe', got {model_type!r}")
+    r.refuse(r.flag("attention_bias"), "attention_bias",
+             "attention biases are not implemented; our q/k/v/o projections have none")
+    r.refuse(r.flag("use_sliding_window"), "use_sliding_window",
+             "sliding-window attention is not implemented; set it to false if unused")
+    act = r.text("hidden_act", default="silu")
+    r.refuse(act != "silu", "hidden_act", f"our experts are SwiGLU (SiLU), got {act!r}")
+    _, dense = r.get("mlp_only_layers", default=[])
+    r.refuse(not isinstance(dense, list), "mlp_only_layers",
+             f"must be a list of layer indices, got {dense!r}; correct it in config.json")
+    step = r.integer("decoder_sparse_step", default=1)
+    r.refuse(bool(dense) or step != 1, "mlp_only_layers / decoder_sparse_step",
+             f"dense MLP layers mixed in (mlp_only_layers={dense}, decoder_sparse_step="
+             f"{step}) are not supported: every layer of this decoder is an MoE layer")
+    dtype = r.text("torch_dtype", "dtype", default="float32")
+    dtype = _TORCH_DTYPES.get(dtype.removeprefix("torch."), dtype)
+    r.refuse(dtype not in DTYPES, "torch_dtype", f"must be one of {DTYPES}, got {dtype!r}")
+    heads, hidden = r.integer("num_attention_heads"), r.integer("hidden_size")
+    kv_heads = r.integer("num_key_value_heads", default=heads)
+    r.refuse(heads % kv_heads != 0, "num_key_value_heads",
+             f"must divide num_attention_heads={heads}, got {kv_heads}; correct it in "
+             "config.json")
+    # Without head_dim, transformers takes hidden_size // num_attention_heads.
+    r.refuse(hf.get("head_dim") is None and hidden < heads, "num_attention_heads",
+             f"{heads} is more than hidden_size={hidden}, which leaves no width per head "
+             "(config.json has no head_dim); set head_dim")
+    head_dim = r.integer("head_dim", default=hidden // heads)
+    r.refuse(head_dim % 2 != 0, "head_dim", f"must be even for RoPE, got {head_dim} "
+             "(hidden_size // num_attention_heads when config.json has none); correct it "
+             "in config.json")
+    experts = r.integer("num_experts", "num_local_experts")
+    top_k = r.integer("num_experts_per_tok")
+    r.refuse(top_k > experts, "num_experts_per_tok",
+             f"must be <= num_experts={experts}, got {top_k}; correct it in config.json")
+    aux = r.number("router_aux_loss_coef", default=0.0, ok=lambda v: v >= 0, what=">= 0")
+    return dict(
+        vocab_size=r.integer("vocab_size"),
         d_model=hidden,
-        num_layers=layers,
+        num_layers=r.integer("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=int(_get(hf, "num_key_value_heads", default=heads, required=False)),
-        head_dim=int(_get(hf, "head_dim", default=hidden // heads, required=False)),
-        num_experts=int(_get(hf, "num_experts", "num_local_experts")),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_experts=experts,
         top_k=top_k,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        expert_ffn_dim=int(_get(hf, "moe_intermediate_size")),
-        rope_theta=_rope_theta(hf),
-        norm_eps=float(_get(hf, "rms_norm_eps", default=1e-6, required=False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=int(_get(hf, "max_position_embeddings", default=32768, required=False)),
+        norm_topk_prob=r.flag("norm_topk_prob"),
+        expert_ffn_dim=r.integer("moe_intermediate_size"),
+        rope_theta=_rope_theta(r),
+        norm_eps=r.number("rms_norm_eps", default=1e-6, ok=lambda v: 0 < v < 1,
+                          what="in (0, 1)"),
+        tie_embeddings=r.flag("tie_word_embeddings"),
+        max_seq_len=r.integer("max_position_embeddings", default=32768),
         param_dtype=dtype,
-        router_aux_loss_weight=aux * top_k if hf.get("output_router_logits") else 0.0,
+        router_aux_loss_weight=aux * top_k if r.flag("output_router_logits") else 0.0,
     )
-    return kw
 
 
 def hf_config_from_model(cfg: ModelConfig, **extra) -> dict:
