@@ -15,20 +15,29 @@ task and the SentencePiece tokenizer have no template). The template is the dire
 or a list of {name, template} from which "default" is taken), as transformers reads it.
 
 Rendering matches transformers': a sandboxed `ImmutableSandboxedEnvironment` with
-trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson` filter that does not
-escape HTML, and the globals `raise_exception` and `strftime_now`. The rendered text holds
+trim_blocks and lstrip_blocks, the loopcontrols extension and the `{% generation %}` tag
+(rendered as its body), a `tojson` filter that does not escape HTML, and the globals
+`raise_exception` and `strftime_now`. The rendered text holds
 special tokens (`<|im_start|>`, …) that the tokenizer encodes as single ids. A template
 that fails to compile or render is an error naming the file, raised when the data loads.
+
+Limits (data/template_sandbox.py, `RenderLimits`): a template is code from the
+checkpoint, so each render is bounded. It may run 10 s (checked at every loop iteration,
+call, filter and output chunk, in any thread), render at most 2^22 = 4,194,304
+characters, build no string longer than that, no list or range() of over 100,000 items,
+and no integer of over 65,536 bits by * or **; sizes are checked before the operation
+that would exceed them. A render past a limit is a one-line `ChatTemplateError` naming
+the file and the limit.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 from typing import Callable
 
 from stablerl_jax.config import TaskConfig, check
 from stablerl_jax.data.hf_tokenizer import read_json, token_text
+from stablerl_jax.data.template_sandbox import (BoundedEnvironment, RenderLimitError,
+                                                RenderLimits)
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                  "cls_token", "mask_token")
@@ -38,40 +47,30 @@ class ChatTemplateError(ValueError):
     """A chat template is missing, does not compile, or fails to render."""
 
 
-def _environment():
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
+def _brief(e: Exception, limit: int = 300) -> str:
+    """An exception's message on one line, cut to `limit` characters (a template's
+    raise_exception may be handed any text)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class ChatTemplate:
     """A compiled chat template and the special tokens it may refer to."""
 
-    def __init__(self, source: str, special_tokens: dict, origin: str):
+    def __init__(self, source: str, special_tokens: dict, origin: str,
+                 limits: RenderLimits = RenderLimits()):
         self.origin = origin
         self.special_tokens = dict(special_tokens)
+        self.environment = BoundedEnvironment(limits)
         try:
-            self.template = _environment().from_string(source)
+            self.template = self.environment.from_string(source)
         except Exception as e:  # noqa: BLE001 - any jinja error: name the file
-            raise ChatTemplateError(f"{origin}: the chat template does not compile ({e}); "
-                                    "fix the template or set task.chat_template=false"
-                                    ) from None
+            raise ChatTemplateError(f"{origin}: the chat template does not compile "
+                                    f"({_brief(e)}); fix the template or set "
+                                    "task.chat_template=false") from None
 
     @classmethod
-    def from_dir(cls, path: str) -> "ChatTemplate":
+    def from_dir(cls, path: str, limits: RenderLimits = RenderLimits()) -> "ChatTemplate":
         """The template of a tokenizer directory (module docstring)."""
         cfg_file = os.path.join(path, "tokenizer_config.json")
         tcfg = read_json(cfg_file)
@@ -79,7 +78,7 @@ class ChatTemplate:
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file) as f:
-                return cls(f.read(), special, jinja_file)
+                return cls(f.read(), special, jinja_file, limits)
         source = tcfg.get("chat_template")
         if isinstance(source, list):  # [{name, template}, …]: transformers takes "default"
             source = {t.get("name"): t.get("template") for t in source
@@ -88,20 +87,24 @@ class ChatTemplate:
             raise ChatTemplateError(f"{cfg_file}: no chat_template (and no "
                                     f"{jinja_file}); use the checkpoint's own tokenizer "
                                     "files or set task.chat_template=false")
-        return cls(source, special, cfg_file)
+        return cls(source, special, cfg_file, limits)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                **kwargs) -> str:
         """The template's text for `messages`; kwargs (e.g. enable_thinking) override the
         special tokens, as in transformers."""
         try:
-            return self.template.render(messages=messages, tools=None, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **{**self.special_tokens, **kwargs})
+            return self.environment.render(self.template, messages=messages, tools=None,
+                                           documents=None,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **{**self.special_tokens, **kwargs})
+        except RenderLimitError as e:
+            raise ChatTemplateError(f"{self.origin}: the chat template {e}; fix the "
+                                    "template or set task.chat_template=false") from None
         except Exception as e:  # noqa: BLE001 - any render error: name the file
             raise ChatTemplateError(f"{self.origin}: the chat template failed to render "
-                                    f"({type(e).__name__}: {e}); fix the template or set "
-                                    "task.chat_template=false") from None
+                                    f"({type(e).__name__}: {_brief(e)}); fix the template "
+                                    "or set task.chat_template=false") from None
 
 
 def user_text(task: TaskConfig, question: str) -> str:

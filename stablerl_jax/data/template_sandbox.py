@@ -1,0 +1,520 @@
+"""The jinja environment a checkpoint's chat template renders in: transformers' settings
+(`apply_chat_template`) in jinja's `ImmutableSandboxedEnvironment`, with every render
+bounded in time and size.
+
+A chat template is code that ships with a checkpoint. Jinja's sandbox refuses unsafe
+attributes and calls, but not work: `{% for i in range(10**5) %}{% for j in range(10**5)
+%}…` runs for hours and `{{ ('x'*6*10**9)|length }}` allocates 6 GB. Every render is
+therefore bounded by `RenderLimits`:
+
+    seconds   wall time of one render (10 s; a chat renders in well under 10 ms). Checked
+              at every loop iteration, call, filter and output chunk, so the render of
+              the main thread and of any other thread ends the same way (no signals).
+    chars     the rendered text, and every string the template builds (4,194,304 = 2^22:
+              four times the longest JSONL record a data file may hold).
+    items     a list or tuple the template builds, and range() (100,000: jinja's own
+              MAX_RANGE).
+    int_bits  an integer a template computes with * or ** (65,536 bits).
+
+Sizes are checked *before* the operation that would exceed them: `*`, `+`, `**` and `%`
+(intercepted binary operators), `~`, `{{ … }}`, macro and block bodies, the str methods
+and filters that can grow text beyond their inputs (center, ljust, rjust, zfill,
+expandtabs, replace, join, translate, format, format_map, indent, wordwrap, batch, round,
+sum, tojson, lipsum), and the text of any value a filter is given; the result of every
+call and filter is checked after. A value's text size is its str() length, estimated
+without building it. Exceeding a limit raises `RenderLimitError` naming the limit; a
+normal template renders exactly as with transformers (tests/chat_template_test.py).
+
+Jinja compiles `{% for x in xs %}` as a plain Python loop, `a ~ b` and `{{ a }}` inline;
+to reach them the parsed template is rewritten before compilation: each loop's iterable,
+each `~` operand and each `{{ … }}` expression passes through an internal filter
+(`_bounded_iter`, `_bounded_text`) that checks the clock or the size and returns its
+input unchanged.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import datetime
+import functools
+import inspect
+import json
+import re
+import string
+import time
+from collections.abc import Collection, Mapping
+
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace, generate_lorem_ipsum
+from jinja2.visitor import NodeTransformer
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderLimits:
+    """The bounds of one render (module docstring)."""
+
+    seconds: float = 10.0
+    chars: int = 1 << 22
+    items: int = 100_000
+    int_bits: int = 1 << 16
+
+
+class RenderLimitError(Exception):
+    """A render exceeded one of its `RenderLimits`; the message names the limit."""
+
+
+# The deadline of the render in progress in this thread (None outside a render: jinja
+# folds constant expressions when it compiles, and sizes are still checked then). The
+# sandbox's hooks (`concat`, binary operators, filters) receive no render state, and a
+# context variable keeps concurrent renders of one template apart.
+_DEADLINE: contextvars.ContextVar = contextvars.ContextVar("chat_template_deadline",
+                                                           default=None)
+_PERCENT_SPEC = re.compile(r"%(\([^)]*\))?[#0 +\-]*(\*|\d+)?(?:\.(\*|\d+)?)?")
+
+
+def text_size(value, limit: int, indent: int = 0) -> int:
+    """An upper estimate of len(str(value)), exact for a str; stops counting once past
+    `limit`. Containers are walked without building their text (a list of 10^5
+    references to one 4M-character string is 4·10^11 characters of text); `indent`
+    adds that many characters per element and nesting level (json's indent)."""
+    if isinstance(value, str):  # the common case, exact
+        return len(value)
+    n, stack = 0, [(value, 0)]
+    while stack and n <= limit:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            n += len(v) + 2  # the quotes of an element's repr
+        elif isinstance(v, Namespace):  # its repr shows its attributes
+            stack.append((object.__getattribute__(v, "_Namespace__attrs"), depth))
+        elif isinstance(v, (dict, list, tuple)) or (
+                isinstance(v, (Mapping, Collection)) and not isinstance(v, (bytes, range))):
+            items = list(v.items()) if isinstance(v, Mapping) else v
+            n += 2 + len(items) * (2 + indent * (depth + 1))
+            if n <= limit:
+                stack.extend((x, depth + 1) for x in items)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            n += v.bit_length() // 3 + 2
+        else:  # floats, bools, None, ranges, Undefined, macros, …: a short repr
+            n += 32 + (len(v) if isinstance(v, bytes) else 0)
+    return n
+
+
+def _number(digits: str) -> int:
+    """A width or precision written in a format string (a run of digits too long to be a
+    size counts as one)."""
+    return int(digits) if len(digits) < 19 else 1 << 62
+
+
+def _int_args(args) -> int:
+    items = args if isinstance(args, (tuple, list)) else (args,)
+    return max((a for a in items if isinstance(a, int)), default=0)
+
+
+def _bind(func, args, kwargs) -> dict | None:
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None  # the call itself raises the TypeError
+    bound.apply_defaults()
+    return bound.arguments
+
+
+class _Rewrite(NodeTransformer):
+    """Routes loops, `~` and `{{ … }}` through the bounded filters (module docstring)."""
+
+    @staticmethod
+    def _wrap(node, name):
+        return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
+
+    def visit_For(self, node):
+        node = self.generic_visit(node)
+        node.iter = self._wrap(node.iter, "_bounded_iter")
+        return node
+
+    def visit_Concat(self, node):
+        node = self.generic_visit(node)
+        node.nodes = [self._wrap(n, "_bounded_text") for n in node.nodes]
+        return node
+
+    def visit_Output(self, node):
+        node = self.generic_visit(node)
+        node.nodes = [n if isinstance(n, nodes.TemplateData) else
+                      self._wrap(n, "_bounded_text") for n in node.nodes]
+        return node
+
+
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}…{% endgeneration %}` (it marks the assistant's
+    text for `return_assistant_tokens_mask`), rendered as its body, as there."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' chat-template environment with `RenderLimits` (module docstring)."""
+
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def __init__(self, limits: RenderLimits = RenderLimits()):
+        super().__init__(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[_Generation, jinja2.ext.loopcontrols])
+        self.limits = limits
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        self.filters["tojson"] = tojson
+        self.filters["sum"] = self._sum
+        self.filters = {name: self._bounded_filter(name, f)
+                        for name, f in self.filters.items()}
+        self.filters["_bounded_iter"] = self._bounded_iter
+        self.filters["_bounded_text"] = self._bounded_text
+        self.globals["raise_exception"] = raise_exception
+        self.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self.globals["range"] = self._range
+        self.globals["lipsum"] = self._lipsum
+
+    # -- the checks ---------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Raise once the render in progress is past its deadline."""
+        deadline = _DEADLINE.get()
+        if deadline is not None and time.monotonic() > deadline:
+            raise RenderLimitError(f"ran past the time limit of {self.limits.seconds:g} s "
+                                   "per render (RenderLimits.seconds)")
+
+    def check_chars(self, n: int, what: str) -> None:
+        if n > self.limits.chars:
+            raise RenderLimitError(f"builds {what} of ~{n:,} characters > "
+                                   f"{self.limits.chars:,} (RenderLimits.chars)")
+
+    def _check_text(self, value, what: str, indent: int = 0) -> None:
+        self.check_chars(text_size(value, self.limits.chars, indent), what)
+
+    def _check_items(self, n: int, what: str) -> None:
+        if n > self.limits.items:
+            raise RenderLimitError(f"builds {what} of {n:,} items > "
+                                   f"{self.limits.items:,} (RenderLimits.items)")
+
+    def _check_bits(self, bits: int, what: str) -> None:
+        if bits > self.limits.int_bits:
+            raise RenderLimitError(f"computes {what} of ~{bits:,} bits > "
+                                   f"{self.limits.int_bits:,} (RenderLimits.int_bits)")
+
+    def _check_percent(self, fmt: str, args) -> None:
+        """`fmt % args`: the format, every argument's text, and each width / precision
+        (`*` takes the largest int argument)."""
+        whole = text_size(args, self.limits.chars)
+        n = len(fmt) + whole
+        for m in _PERCENT_SPEC.finditer(fmt):
+            named, width, precision = m.groups()
+            n += whole if named else 0
+            for g in (width, precision):
+                if g:
+                    n += _int_args(args) if g == "*" else _number(g)
+        self.check_chars(n, "a %-formatted string")
+
+    def _check_format(self, fmt: str, args, kwargs) -> None:
+        """`fmt.format(*args, **kwargs)`: each field may be any argument, widened by the
+        numbers of its spec (a nested `{}` width takes the largest int argument)."""
+        whole = text_size((args, kwargs), self.limits.chars)
+        n = len(fmt)
+        for _, field, spec, _ in string.Formatter().parse(fmt):
+            if field is None:
+                continue
+            n += whole + sum(_number(d) for d in re.findall(r"\d+", spec or ""))
+            if "{" in (spec or ""):
+                n += max(_int_args(args), _int_args(tuple(kwargs.values())))
+        self.check_chars(n, "a formatted string")
+
+    def _check_result(self, value, what: str) -> None:
+        if isinstance(value, str):
+            self.check_chars(len(value), what)
+
+    def _ticked(self, iterable):
+        for item in iterable:
+            self.tick()
+            yield item
+
+    def render(self, template, **variables) -> str:
+        """`template.render(**variables)` within the limits: the deadline set for this
+        render, the text counted chunk by chunk as `generate` yields it."""
+        token = _DEADLINE.set(time.monotonic() + self.limits.seconds)
+        chunks, n = [], 0
+        stream = template.generate(**variables)
+        try:
+            for chunk in stream:
+                n += len(chunk)
+                self.check_chars(n, "the rendered text")
+                self.tick()
+                chunks.append(chunk)
+        finally:
+            stream.close()
+            _DEADLINE.reset(token)
+        return "".join(chunks)
+
+    # -- the sandbox's hooks -----------------------------------------------------------
+
+    def _parse(self, source, name, filename):
+        tree = _Rewrite().visit(super()._parse(source, name, filename))
+        tree.set_environment(self)
+        return tree
+
+    def concat(self, parts) -> str:
+        """Macro, block and call bodies, and `Template.render`: their chunks, joined."""
+        parts = list(parts)
+        self.check_chars(sum(len(p) for p in parts), "a macro or block's text")
+        return "".join(parts)
+
+    def call_binop(self, context, operator, left, right):
+        if operator in ("*", "+"):
+            self._check_sequence_binop(operator, left, right)
+        elif operator == "**":
+            if (type(left) is int and type(right) is int and abs(left) > 1
+                    and right > 0):
+                self._check_bits(left.bit_length() * right, "a power")
+        elif operator == "%" and isinstance(left, str):
+            self._check_percent(left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def _check_sequence_binop(self, operator, left, right) -> None:
+        seqs = (str, list, tuple)
+        if operator == "*":
+            if isinstance(left, seqs) and isinstance(right, int):
+                n, seq = len(left) * right, left
+            elif isinstance(right, seqs) and isinstance(left, int):
+                n, seq = len(right) * left, right
+            elif isinstance(left, int) and isinstance(right, int):
+                self._check_bits(left.bit_length() + right.bit_length(), "a product")
+                return
+            else:
+                return
+        elif isinstance(left, seqs) and isinstance(right, seqs):
+            n, seq = len(left) + len(right), left
+        else:
+            return
+        if isinstance(seq, str):
+            self.check_chars(n, "a string")
+        else:
+            self._check_items(n, "a list")
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's names
+        __self.tick()
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str):
+            name = getattr(__obj, "__name__", "")
+            if name == "join" and args and not isinstance(args[0], (list, tuple)):
+                try:
+                    args = (list(__self._ticked(args[0])),) + args[1:]
+                except TypeError:
+                    pass  # not iterable: join raises its own error
+            __self.check_chars(_str_method_size(owner, name, args, kwargs),
+                               f"str.{name}'s result")
+        out = super().call(__context, __obj, *args, **kwargs)
+        __self._check_result(out, "a call's result")
+        return out
+
+    def wrap_str_format(self, value):
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+        @functools.wraps(wrapper)
+        def checked(*args, **kwargs):
+            if is_map:  # format_map(mapping)
+                mapping = args[0] if args and isinstance(args[0], Mapping) else {}
+                self._check_format(fmt, (), mapping)
+            else:
+                self._check_format(fmt, args, kwargs)
+            return wrapper(*args, **kwargs)
+
+        return checked
+
+    # -- filters and globals -----------------------------------------------------------
+
+    def _bounded_iter(self, iterable):
+        return self._ticked(iterable)
+
+    def _bounded_text(self, value):
+        self.tick()
+        self._check_text(value, "a value's text")
+        return value
+
+    def _bounded_filter(self, name, func):
+        value_at = 1 if getattr(func, "jinja_pass_arg", None) else 0
+        estimate, to_text = _FILTER_SIZES.get(name), name in _TEXT_FILTERS
+
+        @functools.wraps(func)
+        def bounded(*args, **kwargs):
+            self.tick()
+            if len(args) > value_at:
+                value = args[value_at]
+                if name in ("join", "sum") and not isinstance(value, (list, tuple, str)):
+                    try:
+                        value = list(self._ticked(value))
+                    except TypeError:
+                        pass  # not iterable: the filter raises its own error
+                    args = args[:value_at] + (value,) + args[value_at + 1:]
+                if to_text:
+                    self._check_text(value, f"the text of filter {name!r}'s value")
+            if estimate is not None and (bound := _bind(func, args, kwargs)) is not None:
+                estimate(self, bound)
+            out = func(*args, **kwargs)
+            self._check_result(out, f"filter {name!r}'s result")
+            return out
+
+        return bounded
+
+    @jinja2.pass_environment
+    def _sum(self, environment, iterable, attribute=None, start=0):
+        """jinja's `sum` with each addition checked like `+` (a list summed one item at a
+        time grows quadratically inside the builtin)."""
+        if attribute is not None:
+            iterable = map(jinja2.filters.make_attrgetter(environment, attribute), iterable)
+        items = list(self._ticked(iterable))
+        number = (int, float, complex)
+        if isinstance(start, number) and all(isinstance(x, number) for x in items):
+            return sum(items, start)
+        sum([], start)  # the builtin's refusal of a string start
+        total = start
+        for x in items:
+            self.tick()
+            self._check_sequence_binop("+", total, x)
+            total = total + x
+        return total
+
+    def _range(self, *args):
+        rng = range(*args)
+        self._check_items(len(rng), "range()")
+        return rng
+
+    def _lipsum(self, n=5, html=True, min=20, max=100):  # noqa: A002 - jinja's names
+        if isinstance(n, int) and isinstance(max, int):
+            self.check_chars(n * (max * 16 + 16), "lipsum()'s text")
+        return generate_lorem_ipsum(n, html, min, max)
+
+
+def _str_method_size(s: str, name: str, args, kwargs) -> int:
+    """An upper estimate of the length of `s.<name>(*args, **kwargs)` for the str methods
+    that can outgrow `s`; len(s) for the others (their results are checked after)."""
+    def arg(i, key, default):
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    if name in ("center", "ljust", "rjust", "zfill"):
+        width = arg(0, "width", 0)
+        return max(len(s), width) if isinstance(width, int) else len(s)
+    if name == "expandtabs":
+        tab = arg(0, "tabsize", 8)
+        return len(s) + s.count("\t") * tab if isinstance(tab, int) else len(s)
+    if name == "replace":
+        old, new, count = arg(0, "old", ""), arg(1, "new", ""), arg(2, "count", -1)
+        if not (isinstance(old, str) and isinstance(new, str) and isinstance(count, int)):
+            return len(s)
+        k = s.count(old) if old else len(s) + 1
+        return len(s) + (k if count < 0 else min(k, count)) * max(0, len(new) - len(old))
+    if name == "join":
+        items = arg(0, "iterable", ())
+        if isinstance(items, str):
+            return len(items) * (1 + len(s))
+        if not isinstance(items, (list, tuple)):
+            return 0
+        return (sum(len(x) for x in items if isinstance(x, str))
+                + max(len(items) - 1, 0) * len(s))
+    if name == "translate":
+        table = arg(0, "table", None)
+        if isinstance(table, Mapping):
+            longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1)
+            return len(s) * max(longest, 1)
+    return len(s)
+
+
+def _center(env, a):
+    if isinstance(a["width"], int):
+        env.check_chars(max(a["width"], 0), "filter 'center''s result")
+
+
+def _indent(env, a):
+    width = a["width"]
+    pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    text = str(a["s"])
+    env.check_chars(len(text) + (len(text.splitlines()) + 1) * max(pad, 0),
+                    "filter 'indent''s result")
+
+
+def _format(env, a):
+    env._check_percent(str(a["value"]), a["kwargs"] or a["args"])
+
+
+def _join(env, a):
+    items, sep = a["value"], a["d"]
+    n = text_size(items, env.limits.chars)
+    if isinstance(items, (list, tuple, str)):
+        n += len(items) * text_size(sep, env.limits.chars)
+    env.check_chars(n, "filter 'join''s result")
+
+
+def _replace(env, a):
+    count = -1 if a["count"] is None else a["count"]
+    if isinstance(count, int):
+        env.check_chars(_str_method_size(str(a["s"]), "replace",
+                                         (str(a["old"]), str(a["new"]), count), {}),
+                        "filter 'replace''s result")
+
+
+def _wordwrap(env, a):
+    n = text_size(a["s"], env.limits.chars)
+    wrap = a["wrapstring"] or "\n"
+    width = a["width"] if isinstance(a["width"], int) and a["width"] > 0 else 1
+    # A greedy line and the word that did not fit exceed the width: at most 2n/width
+    # breaks (each word longer than the width is broken into width-long pieces).
+    env.check_chars(n + (2 * n // width + 2) * text_size(wrap, env.limits.chars),
+                    "filter 'wordwrap''s result")
+
+
+def _tojson(env, a):
+    indent = a["indent"]
+    pad = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+    # json's escapes (two characters for a newline, six for another control character)
+    # are left to the check of the result: text without them is estimated exactly.
+    env.check_chars(text_size(a["x"], env.limits.chars, indent=max(pad, 0) + 1),
+                    "filter 'tojson''s result")
+
+
+def _batch(env, a):
+    if a["fill_with"] is not None and isinstance(a["linecount"], int):
+        env._check_items(a["linecount"], "filter 'batch''s rows")
+
+
+def _round(env, a):
+    if a["method"] != "common" and isinstance(a["precision"], int):
+        env._check_bits(a["precision"] * 10 // 3, "filter 'round''s scale 10**precision")
+
+
+# Filters that turn their value into text (str() of a container may be far longer than
+# the container: a list of 10^5 references to one long string). Other filters are not
+# walked: `messages|length` runs once per message in most templates.
+_TEXT_FILTERS = frozenset({
+    "capitalize", "center", "e", "escape", "forceescape", "format", "indent", "join",
+    "lower", "pprint", "replace", "safe", "string", "striptags", "title", "tojson", "trim",
+    "truncate", "upper", "urlencode", "urlize", "wordcount", "wordwrap", "xmlattr"})
+
+# Filters whose result can outgrow their value's text: each checks the estimate from its
+# bound arguments before the filter runs.
+_FILTER_SIZES = {"center": _center, "indent": _indent, "format": _format, "join": _join,
+                 "replace": _replace, "wordwrap": _wordwrap, "tojson": _tojson,
+                 "batch": _batch, "round": _round}
