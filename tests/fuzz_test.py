@@ -41,23 +41,7 @@ PROFILES = [pytest.param(FAST, id="fast"),
 # still open, each kept as a strict xfail in tests/fuzz_found_test.py (the test named
 # here). Their inputs are passed over (assumed away) so that the harness goes on looking
 # for others; delete an entry when its test there passes.
-OPEN = {
-    "stored config": {
-        "test_a_stored_config_that_is_not_an_object_is_refused":
-            lambda saved: not isinstance(saved, dict),
-    },
-    "overrides": {
-        "test_a_tuple_override_with_an_empty_entry_is_refused":
-            lambda example: any(_empty_entry(i) for i in example[1]),
-    },
-}
-
-
-def _empty_entry(override: str) -> bool:
-    """Whether `mesh=…` leaves an entry empty (but for a trailing comma)."""
-    key, _, value = override.partition("=")
-    parts = value.strip().strip("()").split(",")
-    return key.strip() == "mesh" and any(not p.strip() for p in parts[:-1])
+OPEN: dict = {}
 
 
 def _pass_over_open(surface: str, example) -> None:

@@ -94,8 +94,14 @@ def _parse(value: str, current, key: str):
             raise ConfigError(f"override {key!r}: expected true/false, got {value!r}")
         return low in ("true", "1")
     if isinstance(current, tuple):
+        parts = value.strip().strip("()").split(",")
+        if len(parts) > 1 and not parts[-1].strip():
+            parts = parts[:-1]  # a trailing comma, as in Python's (2,)
+        if any(not v.strip() for v in parts):
+            raise ConfigError(f"override {key!r}: {value!r} has an empty entry; write "
+                              "comma-separated ints like 2,2,2")
         try:
-            return tuple(int(v) for v in value.strip("()").split(",") if v.strip())
+            return tuple(int(v) for v in parts)
         except ValueError:
             raise ConfigError(f"override {key!r}: expected comma-separated ints like 2,2,2, "
                               f"got {value!r}") from None

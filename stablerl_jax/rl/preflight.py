@@ -48,6 +48,10 @@ def check_run(cfg, workdir: str, devices=None) -> None:
 def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
     if saved is None:
         return  # written before configs were stored
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: the stored config is a JSON {type(saved).__name__}, "
+                         "not an object: the checkpoint's metadata is damaged; move that "
+                         "step directory aside, or use a new workdir")
     changed = [k for k in changed_fields(saved, cfg)
                if k not in RUN_CONTROL and not k.startswith("sft.") and k not in allow]
     if changed:
