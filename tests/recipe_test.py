@@ -193,3 +193,18 @@ def test_partial_rollouts_run_on_the_checkpoint_recipe(run, tmp_path):
     comp = read_metrics(f"{work}/minibatches.jsonl")
     assert all(len(c["prompts"]) == 2 for c in comp)
     assert rows[3]["eval/aime24/avg@k"] is not None
+
+
+def test_packed_score_and_update_run_on_the_checkpoint_recipe(run, tmp_path):
+    # The same recipe with token-budget packing (rl.pack_tokens): rows of 144 tokens hold
+    # two 72-token sequences; the step trains and its monitors are finite.
+    work = tmp_path / "packed"
+    quickstart.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
+                     "--quiet", "--compile-cache=", *OVERRIDES,
+                     f"task.jsonl_dir={run['root'] / 'data'}", "rl.steps=1",
+                     "rl.checkpoint_every=1", "rl.eval_every=1", "rl.pack_tokens=144",
+                     "rl.pack_rows=1"])
+    rows = read_metrics(str(work))
+    assert [r["step"] for r in rows] == [0, 1]
+    assert np.isfinite(rows[1]["kl/train_infer_k1"]) and np.isfinite(rows[1]["entropy"])
+    assert rows[1]["skipped_updates"] == 0
