@@ -9,11 +9,12 @@ What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-
 `commit_success.txt` into it when every item is on disk, then renames it to `<step>`. So:
 - a save killed midway leaves a `*.orbax-checkpoint-tmp*` directory, never listed as a step
   (and removed when the next `Checkpointer` opens the directory);
-- a directory named like a step but without `commit_success.txt` (a half-copied step, or a
-  filesystem without atomic rename) is incomplete too. Orbax itself would list it on a local
-  disk, and then both resume from it and skip every later save whose step is not above it,
-  so it is renamed aside to `<step>.incomplete` (kept, never deleted) before orbax looks.
-- any other name in the directory is ignored.
+- a step directory of this module's ("Whose directories" below) without `commit_success.txt`
+  (a half-copied step, or a filesystem without atomic rename) is incomplete too. Orbax
+  itself would list it on a local disk, and then both resume from it and skip every later
+  save whose step is not above it, so it is renamed aside to `<step>.incomplete` (kept,
+  never deleted) when a `Checkpointer` opens, and only committed steps are ever listed.
+- any other name in the directory is left alone.
 
 Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
 Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
@@ -32,17 +33,53 @@ Step numbers. `save` also stores the step in the meta (`checkpoint_step`), and
 `restore_latest` treats a step directory whose stored step differs from its name (a
 copied `<step>` directory) as corrupt: falls back past it, says so, moves it aside.
 
+Whose directories. A step directory is this module's when orbax's step metadata in it
+(`_CHECKPOINT_METADATA`) names the items 'state' and 'meta', or its meta stores its step.
+Only those are listed, resumed from, set aside or deleted (keep-N). Anything else in the
+directory (say a `checkpoints/` symlinked to a shared disk that already held `1 2 3 7`) is
+left untouched and named in one warning when a `Checkpointer` opens; a save whose step
+directory such an entry occupies fails with `CheckpointSaveError` instead of overwriting
+it (orbax's own save would delete it first).
+
 Failed saves. An async save that fails in the background (disk full, a file-size limit,
 permissions) leaves only its `*.orbax-checkpoint-tmp` directory, never a step; `check_saves`
 (non-blocking, once per training step) and `wait` turn that failure into one
 `CheckpointSaveError` naming the step, the cause and the fix, so the run stops at its next
-step instead of training on without checkpoints.
+step instead of training on without checkpoints. Orbax logs the failure with a traceback
+per array and thread (dozens); while a `Checkpointer` is open, orbax's error records go to
+`checkpoints.log` beside the checkpoint directory (the run's workdir) instead of the
+terminal, and the error's message names that file.
+
+Interrupts. Ctrl-C (SIGINT) must end a run promptly, and orbax's async save does not
+take a KeyboardInterrupt everywhere: one inside the blocking part of its save, after the
+save's writer threads started but before their directory exists, lets the run's `close`
+shut down the executor that would create the directory ("cannot schedule new futures
+after shutdown"), and the writers then wait 300 s for it while Python waits for them at
+exit. So while a `Checkpointer` is open in the main thread (over Python's own SIGINT
+handler), its handler holds an interrupt that comes inside orbax's `save` until the save
+has started, and `stop` (what a caller runs on KeyboardInterrupt instead of `wait` and
+`close`; both run it themselves when interrupted) gives the save in flight at most
+`INTERRUPT_WAIT_S` seconds to finish (a second Ctrl-C ends the wait), then cancels it. The
+run is done with its checkpoints within `INTERRUPT_WAIT_S + CANCEL_WAIT_S` seconds of the
+interrupt reaching Python (at once, unless the main thread is inside a device computation,
+which Python cannot interrupt), and the resume starts from the newest complete step: the
+interrupted one if it committed, else the one before. Python also drops a
+KeyboardInterrupt raised inside a `__del__` or weakref callback (it prints it and goes on):
+the handler remembers each interrupt, so `check_saves` (every training step) and `wait`
+raise one that was dropped, without the printout. SIGTERM keeps Python's default (the
+process ends at once, like a kill: the resume handles that).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
+import signal
+import sys
+import threading
+import time
 from typing import Any
 
 import jax
@@ -53,8 +90,15 @@ import orbax.checkpoint as ocp
 from stablerl_jax import distributed
 
 _COMMIT_FILE = "commit_success.txt"
+_ORBAX_STEP_META = "_CHECKPOINT_METADATA"
+_ITEMS = {"state", "meta"}
 _CHECKSUMS = "checksums"
 _STEP = "checkpoint_step"
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # orbax's step names
+_SET_ASIDE = re.compile(r"[0-9]+\.(incomplete|corrupt|unusable)[0-9]*")  # set_aside's names
+LOG_FILE = "checkpoints.log"
+INTERRUPT_WAIT_S = 30.0  # the longest an interrupted run waits for the save in flight
+CANCEL_WAIT_S = 10.0  # the longest it then waits for orbax to drop a cancelled save
 
 
 class CheckpointSaveError(RuntimeError):
@@ -150,17 +194,200 @@ def set_aside(path: str, suffix: str) -> str:
     return dest
 
 
-def _set_aside_incomplete(directory: str) -> None:
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _is_own_step(path: str, step: int) -> bool:
+    """Whether the directory `path`, named for `step`, was written by a Checkpointer (module
+    docstring). A symlink never is: a Checkpointer writes none."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    orbax_meta = _read_json(os.path.join(path, _ORBAX_STEP_META))
+    handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta, dict) else None
+    if isinstance(handlers, dict) and set(handlers) == _ITEMS:
+        return True
+    meta = _read_json(os.path.join(path, "meta", "metadata"))
+    return isinstance(meta, dict) and meta.get(_STEP) == step
+
+
+def _is_step(path: str, step: int) -> bool:
+    """A committed step directory of this module: what a resume may use."""
+    return os.path.exists(os.path.join(path, _COMMIT_FILE)) and _is_own_step(path, step)
+
+
+def _sort_out(directory: str) -> list[str]:
+    """Move this module's uncommitted step directories aside to `<step>.incomplete` (module
+    docstring) and return the names of the entries it did not write, in natural order."""
+    foreign = []
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.isdigit() and os.path.isdir(path) and not os.path.exists(
-                os.path.join(path, _COMMIT_FILE)):
-            dest = set_aside(path, ".incomplete")
-            logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE, dest)
+        if _STEP_NAME.fullmatch(name) and _is_own_step(path, int(name)):
+            if not os.path.exists(os.path.join(path, _COMMIT_FILE)):
+                dest = set_aside(path, ".incomplete")
+                logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE,
+                                dest)
+        elif not (_SET_ASIDE.fullmatch(name) or ".orbax-checkpoint-tmp" in name):
+            foreign.append(name)
+    return sorted(foreign, key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n))
+
+
+class _OwnSteps:
+    """Orbax's standard step names, listing only committed steps of this module: orbax then
+    neither resumes from, counts (it skips every save not above its latest step) nor
+    deletes (keep-N) a directory it did not write."""
+
+    def __init__(self):
+        self._names = ocp.path.step.standard_name_format()
+
+    def build_name(self, step: int) -> str:
+        return self._names.build_name(step)
+
+    def find_all(self, base_path):
+        return (m for m in self._names.find_all(base_path) if _is_step(str(m.path), m.step))
+
+    def find_step(self, base_path, step: int):
+        found = self._names.find_step(base_path, step)
+        if not _is_step(str(found.path), step):
+            raise ValueError(f"{found.path} is not a committed checkpoint of this run")
+        return found
+
+
+class _ErrorLog:
+    """The log file of one open Checkpointer's orbax errors. A record the file cannot take
+    (the disk that failed the save is full) is dropped without a word: logging's own
+    report of that would be a traceback on the terminal again."""
+
+    def __init__(self, path: str, directory: str):
+        self.path, self.directory, self.written = path, directory, False
+        self._file = logging.FileHandler(path, encoding="utf-8", delay=True)
+        self._file.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s [%(threadName)s] %(pathname)s:%(lineno)d: %(message)s"))
+        self._file.handleError = self._dropped
+        self._failed = False
+        _ORBAX_ERRORS.logs.append(self)
+
+    def _dropped(self, record) -> None:
+        self._failed = True
+
+    def write(self, record) -> None:
+        self._failed = False
+        self._file.handle(record)
+        self.written = self.written or not self._failed
+
+    def close(self) -> None:
+        if self in _ORBAX_ERRORS.logs:
+            _ORBAX_ERRORS.logs.remove(self)
+        self._file.close()
+
+
+class _OrbaxErrors(logging.Filter):
+    """On the 'absl' logger (orbax logs there): while a Checkpointer is open, orbax's error
+    records go, tracebacks and all, to the log of the open Checkpointer whose directory
+    they name (else the newest one's) instead of the terminal. Inert otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs: list[_ErrorLog] = []
+
+    def filter(self, record) -> bool:
+        if (not self.logs or record.levelno < logging.ERROR
+                or f"{os.sep}orbax{os.sep}" not in record.pathname):
+            return True
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += logging.Formatter().formatException(record.exc_info)
+        except Exception:  # noqa: BLE001 (a malformed record still goes to a log)
+            text = ""
+        log = next((log for log in reversed(self.logs) if log.directory + os.sep in text),
+                   self.logs[-1])
+        log.write(record)
+        return False
+
+
+_ORBAX_ERRORS = _OrbaxErrors()
+logging.getLogger("absl").addFilter(_ORBAX_ERRORS)
+
+
+class _Interrupts:
+    """SIGINT while Checkpointers are open (module docstring, "Interrupts"), one handler
+    for all of them: installed by the first to open, in the main thread and over Python's
+    own handler only (not where SIGINT is ignored, as in a background job, nor where the
+    caller handles it), and handed back when the last one closes."""
+
+    def __init__(self):
+        self.count = 0  # interrupts received
+        self.pending = False  # one received and not yet seen to end the run
+        self._holding = self._deferred = False
+        self._users, self._installed, self._hook = 0, False, None
+
+    def open(self) -> None:
+        self._users += 1
+        self.pending = False  # one left by a run that ended without closing is not ours
+        if (not self._installed and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._handle)
+            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+            self._installed = True
+
+    def close(self) -> None:
+        self._users -= 1
+        if (self._users > 0 or not self._installed
+                or threading.current_thread() is not threading.main_thread()):
+            return
+        self._installed = False
+        if signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._hook
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        self.pending = True
+        if self._holding:
+            self._deferred = True
+        else:
+            raise KeyboardInterrupt
+
+    def _unraisable(self, info) -> None:
+        # A KeyboardInterrupt raised inside a __del__ or weakref callback: Python prints it
+        # and goes on; `check` raises it again, so it need not be printed.
+        if not (self.pending and issubclass(info.exc_type, KeyboardInterrupt)):
+            self._hook(info)
+
+    @contextlib.contextmanager
+    def holding(self, *, raise_after: bool = True):
+        """Interrupts in the block are only counted; with raise_after, one that came
+        is raised when the outermost block ends normally."""
+        outer = self._holding
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = outer
+        if raise_after and self._deferred and not outer:
+            self._deferred = False
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt for an interrupt that did not end the run."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+_INTERRUPTS = _Interrupts()
 
 
 class Checkpointer:
-    """Per-step {'state': pytree of arrays, 'meta': JSON dict}, keeping the newest `keep`."""
+    """Per-step {'state': pytree of arrays, 'meta': JSON dict}, keeping the newest `keep`.
+    While open it routes orbax's error records to `<parent of directory>/checkpoints.log`
+    and (main thread) handles SIGINT (module docstring); `close` or `stop` ends both."""
 
     def __init__(self, directory: str, keep: int = 2, async_: bool = True):
         directory = os.path.abspath(directory)
@@ -174,20 +401,34 @@ class Checkpointer:
             raise PermissionError(f"checkpoint directory {directory!r} is not writable; fix "
                                   "its permissions or use another workdir")
         if distributed.is_main():
-            _set_aside_incomplete(directory)
+            foreign = _sort_out(directory)
+            if foreign:
+                logging.warning(
+                    "checkpoint directory %s holds entries these checkpoints did not write, "
+                    "left untouched: %s (a save of a step named there stops the run instead "
+                    "of overwriting it)", directory, ", ".join(foreign))
         distributed.barrier("checkpoint directory")
         self.directory = directory
         self.keep, self.async_ = keep, async_
         self._pending: int | None = None  # the step of the last save started
         self._failed: CheckpointSaveError | None = None  # reported once, then kept
-        self.manager = self._manager()
+        self._closed = False
+        self._log = _ErrorLog(os.path.join(os.path.dirname(directory), LOG_FILE), directory)
+        try:
+            self.manager = self._manager()
+        except BaseException:
+            self._log.close()
+            raise
+        self._interrupts = _INTERRUPTS
+        self._interrupts.open()
 
     def _manager(self):
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, enable_async_checkpointing=self.async_, create=True,
-                cleanup_tmp_directories=True),  # leftovers of killed saves
+                cleanup_tmp_directories=True,  # leftovers of killed saves
+                step_name_format=_OwnSteps()),
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
 
@@ -214,13 +455,22 @@ class Checkpointer:
         # here names the step whose save failed, if one did.
         self.check_saves()
         self.wait()
-        try:
-            started = self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                force=force)
-        except Exception as e:  # noqa: BLE001 (a synchronous save fails here)
-            raise self._save_error(step, e) from e
-        self._pending = step
+        where = os.path.join(self.directory, str(step))
+        if os.path.lexists(where) and step not in self.manager.all_steps():
+            self._failed = CheckpointSaveError(
+                f"checkpoint {where} could not be saved: {where} exists and was not written "
+                "by these checkpoints (no orbax step metadata naming 'state' and 'meta'); "
+                f"move it out of {self.directory} or use another workdir, then run the same "
+                "command again: it resumes from the last complete checkpoint")
+            raise self._failed
+        with self._interrupts.holding():  # an interrupt in orbax's save: raised after it
+            try:
+                started = self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                    force=force)
+            except Exception as e:  # noqa: BLE001 (a synchronous save fails here)
+                raise self._save_error(step, e) from e
+            self._pending = step
         return started
 
     def _save_error(self, step, e: BaseException) -> CheckpointSaveError:
@@ -228,15 +478,18 @@ class Checkpointer:
         cause = " ".join(f"{type(e).__name__}: {e}".split())
         if len(cause) > 400:  # TensorStore puts the OS error (e.g. "File too large") last
             cause = cause[:150] + " … " + cause[-250:]
+        log = f" (orbax's log of the failure: {self._log.path})" if self._log.written else ""
         self._failed = CheckpointSaveError(
             f"checkpoint {where} could not be saved ({cause}); free disk space, raise the "
             "file-size limit or fix the permissions of the checkpoint directory, then run "
-            "the same command again: it resumes from the last complete checkpoint")
+            f"the same command again: it resumes from the last complete checkpoint{log}")
         return self._failed
 
     def check_saves(self) -> None:
         """Raise CheckpointSaveError if a background save has failed (without waiting
-        for one still in flight)."""
+        for one still in flight); KeyboardInterrupt for an interrupt that did not end the
+        run (module docstring)."""
+        self._interrupts.check()
         if self._failed is not None:
             raise self._failed
         if self._pending is not None and not self.manager.is_saving_in_progress():
@@ -244,13 +497,18 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until pending async saves (and keep-N deletions) are on disk; raise
-        CheckpointSaveError (once) if one failed."""
-        if self._failed is not None:
+        CheckpointSaveError (once) if one failed; KeyboardInterrupt for an interrupt that
+        did not end the run. Interrupted while it waits, it `stop`s."""
+        if self._failed is not None or self._closed:
             return  # reported already; nothing more will be written by that save
         try:
             self.manager.wait_until_finished()
+        except KeyboardInterrupt:  # in orbax's join (which logged it): bound the rest
+            self.stop()
+            raise
         except Exception as e:  # noqa: BLE001 (orbax / TensorStore raise many kinds)
             raise self._save_error(self._pending, e) from e
+        self._interrupts.check()
 
     def restore(self, step: int | None, target_state) -> tuple[Any, dict]:
         """(state, meta) of `step` (None: the latest complete one). `target_state` (arrays or
@@ -338,11 +596,69 @@ class Checkpointer:
         self.manager = self._manager()
 
     def close(self) -> None:
+        """Finish the saves in flight and close (a second call does nothing). Interrupted
+        while it waits, it `stop`s."""
+        if self._closed:
+            return
         try:
             self.manager.close()
+        except KeyboardInterrupt:
+            self.stop()
+            raise
         except Exception:  # noqa: BLE001
             if self._failed is None:  # a failure nobody reported yet
                 raise
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._interrupts.close()
+            self._log.close()
+
+    def stop(self, timeout_s: float = INTERRUPT_WAIT_S) -> None:
+        """Close after an interrupt, within timeout_s + CANCEL_WAIT_S seconds: the save in
+        flight gets timeout_s to finish (another Ctrl-C ends the wait at once), then is
+        cancelled; its `*.orbax-checkpoint-tmp` directory stays until the next Checkpointer
+        on the directory removes it. (Should orbax not drop a cancelled save in that time,
+        Python still waits for its threads at exit.) Raises nothing: the interrupt is what
+        the caller reports (a failed save is in the log file). `wait` and `close` do
+        nothing after."""
+        if self._closed:
+            return
+        self._interrupts.pending = False  # this one ends the run
+        seen = self._interrupts.count
+        try:
+            with self._interrupts.holding(raise_after=False):
+                try:
+                    self._wait_saving(timeout_s, lambda: self._interrupts.count == seen)
+                except KeyboardInterrupt:  # a second one, where the handler is not ours
+                    pass
+                if self._saving():
+                    # Orbax 0.12's CheckpointManager has no cancel; its async
+                    # checkpointer's drops the writes and leaves the step uncommitted.
+                    cancel = getattr(getattr(self.manager, "_checkpointer", None), "cancel",
+                                     None)
+                    if cancel is not None:
+                        cancel()
+                    self._wait_saving(CANCEL_WAIT_S, lambda: True)
+                if not self._saving():  # else close would wait for it: leave it to exit
+                    try:
+                        self.manager.close()
+                    except Exception:  # noqa: BLE001 (a failed or cancelled save)
+                        pass
+        finally:
+            self._release()
+
+    def _saving(self) -> bool:
+        return self.manager.is_saving_in_progress()
+
+    def _wait_saving(self, timeout_s: float, go_on) -> None:
+        """Poll (joining orbax's thread would log a KeyboardInterrupt's traceback)."""
+        deadline = time.monotonic() + timeout_s
+        while self._saving() and time.monotonic() < deadline and go_on():
+            time.sleep(0.05)
 
 
 def save_params(path: str, params) -> None:

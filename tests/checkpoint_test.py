@@ -1,5 +1,11 @@
-"""Orbax checkpoints: bitwise round trip, shardings, keep-N, async, complete steps only, errors."""
+"""Orbax checkpoints: bitwise round trip, shardings, keep-N, async, complete steps only,
+entries the checkpoints did not write, errors, failed saves' logs, interrupts."""
+import hashlib
 import os
+import resource
+import shutil
+import signal
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +15,8 @@ import pytest
 from conftest import cpu_devices
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from stablerl_jax.checkpoint import Checkpointer, load_params, save_params
+from stablerl_jax.checkpoint import (LOG_FILE, Checkpointer, CheckpointSaveError, checksums,
+                                     load_params, save_params)
 
 # clip + adamw: a NamedTuple chain that includes an EmptyState, as the trainer's optimizer does.
 _OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
@@ -96,8 +103,10 @@ def test_partial_checkpoints_are_never_resumed(tmp_path):
     (tmp / "state.orbax-checkpoint-tmp").mkdir(parents=True)
     (tmp / "_CHECKPOINT_METADATA").write_text("{}")
     (d / "11.orbax-checkpoint-tmp-1712345678").mkdir()
-    # A step-named directory without the commit file (half-copied / non-atomic filesystem).
+    # A step-named directory without the commit file (half-copied / non-atomic filesystem),
+    # holding orbax's step metadata of these checkpoints.
     (d / "7" / "state").mkdir(parents=True)
+    shutil.copy(d / "2" / "_CHECKPOINT_METADATA", d / "7")
     # Unknown names must not crash anything.
     for name in ("not_a_step", "3.backup", "-1", "step_x"):
         (d / name).mkdir()
@@ -153,3 +162,121 @@ def test_params_round_trip(tmp_path):
         load_params(str(tmp_path / "missing"), params)
     with pytest.raises(ValueError, match="params/w|w: checkpoint"):
         load_params(path, _state(d=5)["params"])
+
+
+def _tree(path):
+    """{relative path: sha256 of a file, or 'dir'} of everything under `path`."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(root, name), path)] = "dir"
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), path)] = hashlib.sha256(
+                    f.read()).hexdigest()
+    return out
+
+
+def test_entries_the_checkpoints_did_not_write_are_left_untouched(tmp_path, caplog):
+    """Step-named directories without this module's metadata (another program's, on a
+    shared disk) are never listed, resumed from, set aside, deleted by keep-N or
+    overwritten; they are named in one warning, and a save of their step fails instead."""
+    d = tmp_path / "ck"
+    for name in ("1", "2", "3", "7"):
+        (d / name / "sub").mkdir(parents=True)
+        (d / name / "sub" / "data.bin").write_bytes(os.urandom(64))
+    (d / "3" / "commit_success.txt").write_text("theirs")  # committed, but not ours
+    (d / "notes.txt").write_text("x")
+    before = _tree(d)
+    with caplog.at_level("WARNING"):
+        ck = Checkpointer(str(d), keep=1, async_=False)
+    warnings = [r.getMessage() for r in caplog.records if "did not write" in r.getMessage()]
+    assert len(warnings) == 1 and "left untouched: 1, 2, 3, 7, notes.txt" in warnings[0]
+    assert ck.all_steps() == [] and ck.latest_step() is None
+    with pytest.raises(CheckpointSaveError, match=f"{d / '1'} exists and was not written by "
+                                                  "these checkpoints.*move it out"):
+        ck.save(1, _state(), {"step": 1})
+    ck.close()
+    ck = Checkpointer(str(d), keep=1, async_=False)
+    for step in (4, 5, 6):  # keep=1 deletes 4 and 5, and nothing of the others
+        assert ck.save(step, _state(step), {"step": step})
+    assert ck.all_steps() == [6]
+    restored, meta = ck.restore(None, _state())
+    _assert_bitwise(restored, _state(6))
+    ck.close()
+    assert {k: v for k, v in _tree(d).items() if not k.startswith("6")} == before
+
+
+def test_a_failed_save_logs_orbax_tracebacks_to_a_file(tmp_path, caplog):
+    """A background save that fails (here a 64 KiB file-size limit) reports one error that
+    names the log; orbax's own error records, tracebacks and all, went to that file."""
+    ck = Checkpointer(str(tmp_path / "ck"), async_=True)
+    state = {"w": jnp.arange(64 * 1024, dtype=jnp.float32)}  # a 256 KiB data file
+    checksums(state)  # compiled (and cached) before the limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    with caplog.at_level("INFO"):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+        try:
+            ck.save(1, state, {"step": 1})
+            with pytest.raises(CheckpointSaveError) as e:
+                ck.wait()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        ck.close()
+    log = tmp_path / LOG_FILE
+    assert "could not be saved" in str(e.value) and f"(orbax's log of the failure: {log})" \
+        in str(e.value)
+    text = log.read_text()
+    assert "Traceback" in text and "File too large" in text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none on the terminal
+    assert not (tmp_path / "ck" / "1").exists()
+
+
+# Where SIGINT is ignored (a process started in the background) a Checkpointer leaves it so.
+_NO_SIGINT = pytest.mark.skipif(signal.getsignal(signal.SIGINT) in (signal.SIG_IGN,
+                                                                   signal.SIG_DFL),
+                                reason="SIGINT is ignored here")
+
+
+@_NO_SIGINT
+def test_an_interrupt_inside_a_save_is_raised_once_the_save_has_started(tmp_path):
+    """Ctrl-C inside orbax's save is held until the save has started (else its writer
+    threads wait 300 s for a directory that never comes); `stop` then lets it finish."""
+    d = str(tmp_path / "ck")
+    before = signal.getsignal(signal.SIGINT)
+    ck = Checkpointer(d, keep=3, async_=True)
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    save = ck.manager.save
+
+    def interrupted(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the save
+        return save(*args, **kwargs)
+
+    ck.manager.save = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(1, _state(1), {"step": 1})
+    ck.stop()
+    assert signal.getsignal(signal.SIGINT) == before  # handed back
+    ck = Checkpointer(d)
+    assert ck.all_steps() == [1]
+    _assert_bitwise(ck.restore(1, _state())[0], _state(1))
+    ck.close()
+
+
+@_NO_SIGINT
+def test_an_interrupt_python_drops_is_raised_at_the_next_check(tmp_path):
+    """A KeyboardInterrupt raised inside a weakref callback is printed and dropped by
+    Python; the Checkpointer raises it at its next check, and only once."""
+    ck = Checkpointer(str(tmp_path / "ck"), async_=True)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    ref = weakref.ref(owner, lambda _: signal.raise_signal(signal.SIGINT))
+    del owner  # the callback runs, the handler raises inside it, Python drops that
+    assert ref() is None
+    with pytest.raises(KeyboardInterrupt):
+        ck.check_saves()
+    ck.check_saves()
+    ck.close()

@@ -1,18 +1,23 @@
 """A training process the reliability tests start, kill and resume (not a test module).
 
     python tests/reliability_child.py WORKDIR DATADIR [--die-in-save STEP]
-        [--fsize-limit-at STEP] [--wait-in-save STEP FILE] [--staleness S] [--traceback]
+        [--fsize-limit-at STEP] [--wait-in-save STEP FILE] [--say-saves] [--staleness S]
+        [--traceback]
 
 Runs the tiny RL config of rl_helpers for STEPS global steps in WORKDIR (task data cached
-in DATADIR), behind the entry points' one-line errors (exit 2). With --die-in-save STEP
-the process SIGKILLs itself right after the checkpoint save of STEP has started (its
-files half written), the way a preempted job dies mid-write. With --fsize-limit-at STEP
-the process may write no file larger than FSIZE_LIMIT bytes from the save of STEP on
-(RLIMIT_FSIZE, as `ulimit -f` sets it): the checkpoint's data file no longer fits, the
-metrics rows still do, the way a disk fills up during a save. With --wait-in-save STEP
-FILE it waits, once the save of STEP has started, until FILE exists (a run still
-training while another one starts). --staleness S runs partial rollouts (config).
+in DATADIR), behind the entry points' one-line errors (exit 2; 130 for Ctrl-C). With
+--die-in-save STEP the process SIGKILLs itself right after the checkpoint save of STEP has
+started (its files half written), the way a preempted job dies mid-write. With
+--fsize-limit-at STEP the process may write no file larger than FSIZE_LIMIT bytes from the
+save of STEP on (RLIMIT_FSIZE, as `ulimit -f` sets it): the checkpoint's data file no
+longer fits, the metrics rows still do, the way a disk fills up during a save. With
+--wait-in-save STEP FILE it waits, once the save of STEP has started, until FILE exists (a
+run still training while another one starts). With --say-saves it prints `SAVE <step>` on
+stdout as each checkpoint save starts, the previous one complete (where the interrupt
+tests aim their SIGINT). --staleness S runs partial rollouts (config). SIGUSR1 prints
+every thread's stack on stderr (what a test sends a child that does not exit in time).
 """
+import faulthandler
 import os
 import resource
 import signal
@@ -60,9 +65,26 @@ def _hook_save(step_at: int, before=None, after=None) -> None:
     checkpoint.Checkpointer.save = hooked
 
 
+def _say_saves() -> None:
+    save = checkpoint.Checkpointer.save
+
+    def said(self, step, state, meta, **kw):
+        self.wait()  # the save would wait for the previous one first anyway
+        print(f"SAVE {step}", flush=True)
+        return save(self, step, state, meta, **kw)
+
+    checkpoint.Checkpointer.save = said
+
+
 @one_line_errors
 def main(argv):
     workdir, data_dir = argv[0], argv[1]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C as in a foreground shell: a process started in the background (`cmd &` in a
+    # script) inherits SIGINT ignored, and Python then keeps ignoring it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "--say-saves" in argv:
+        _say_saves()
     if "--die-in-save" in argv:
         _hook_save(int(argv[argv.index("--die-in-save") + 1]),
                    after=lambda _: os.kill(os.getpid(), signal.SIGKILL))

@@ -1,9 +1,12 @@
 """A run survives being killed: SIGKILL mid-run and mid-checkpoint-write, then the same
 command again, ends with the same parameters and the same metrics rows as a run never
-interrupted; two runs with one seed write identical metrics. Its workdir stays whole: a
-second run there is refused (a dead one's lock taken over), a torn or shortened metrics
-log, a copied step directory and a failed save each end in the same run or in a one-line
-refusal (exit 2) that changes nothing. The child process is tests/reliability_child.py."""
+interrupted; two runs with one seed write identical metrics. Ctrl-C at any point of a
+checkpoint save ends the run within a stated bound, with one line, and the resume is
+exact. Its workdir stays whole: a second run there is refused (a dead one's lock taken
+over), a torn or shortened metrics log, a copied step directory, a failed save and a
+checkpoint directory another program filled each end in the same run or in a one-line
+refusal (exit 2) that changes nothing; a symlinked checkpoint directory resumes like a
+plain one. The child process is tests/reliability_child.py."""
 import json
 import os
 import shutil
@@ -19,7 +22,7 @@ import pytest
 from reliability_child import STEPS, config
 from rl_helpers import EOS_ID, PAD_ID
 
-from stablerl_jax.checkpoint import Checkpointer
+from stablerl_jax.checkpoint import CANCEL_WAIT_S, INTERRUPT_WAIT_S, LOG_FILE, Checkpointer
 from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax import workdir as workdir_lock
@@ -71,13 +74,19 @@ def _kill_after_row(workdir, data_dir, cache, step, *extra):
     assert rc == -signal.SIGKILL, f"the run ended on its own (rc {rc}):\n{out[-2000:]}"
 
 
-def _final_params(workdir, staleness=0):
+def _like(staleness=0):
+    """The checkpointed state's structure (the values are irrelevant)."""
     cfg = config(staleness)
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     like = eng.init_state(tf.init_params(jax.random.key(0), cfg.model))._asdict()
     if staleness:  # the carried queue (and the past versions) are checkpointed too
         inflight = Inflight.create(cfg, PAD_ID)
         like.update(inflight=inflight.state_dict(), history=[like["params"]] * staleness)
+    return like
+
+
+def _final_params(workdir, staleness=0):
+    like = _like(staleness)
     ck = Checkpointer(os.path.join(workdir, "checkpoints"))
     step, state, _ = ck.restore_latest(like)
     ck.close()
@@ -180,6 +189,101 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
         assert step == STEPS - 1, damage
         assert (ckpts / f"{STEPS}.corrupt").is_dir()
         assert "does not restore" in caplog.text, damage
+
+
+# Ctrl-C: checkpoint.py's bound on the wait for the save in flight and its cancellation,
+# plus 5 s for the process to end (its last device step, the one line, interpreter exit).
+INTERRUPT_BOUND_S = INTERRUPT_WAIT_S + CANCEL_WAIT_S + 5
+
+
+def _interrupt_in_save(workdir, data_dir, cache, aim, delay):
+    """Start a run and SIGINT it `delay` seconds after its checkpoint save of step `aim`
+    starts; returns (seconds from the signal to the exit, exit status, stderr)."""
+    err_path = f"{workdir}.stderr"
+    env = dict(os.environ, STABLERL_TEST_JAX_CACHE=str(cache), JAX_PLATFORMS="cpu")
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, CHILD, str(workdir), str(data_dir), "--say-saves"], env=env,
+            stdout=subprocess.PIPE, stderr=err)
+        for line in proc.stdout:  # ends early if the run does
+            if line.split() == [b"SAVE", str(aim).encode()]:
+                break
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            proc.wait(timeout=INTERRUPT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # its threads' stacks, into the stderr file
+            time.sleep(3)
+            proc.kill()
+            proc.wait()
+        took = time.monotonic() - sent
+        proc.stdout.close()
+    with open(err_path, encoding="utf-8", errors="replace") as f:
+        return took, proc.returncode, f.read()
+
+
+def _interrupted_runs(tmp_path, reference, runs: int, seed: int) -> float:
+    """`runs` runs, each SIGINTed at a random point of a random step's checkpoint save:
+    each exits within INTERRUPT_BOUND_S with status 130 and one line (no traceback), its
+    newest complete step restores bit for bit (the interrupted step, or the one before),
+    and nothing outside its workdir changes; the same command after the last one ends
+    equal to the uninterrupted run. Returns the longest time from a signal to an exit."""
+    full, data, cache = reference
+    like = _like()
+    ck = Checkpointer(str(full / "checkpoints"))
+    expected = {step: ck.restore(step, like)[0] for step in ck.all_steps()}  # steps 3, 4
+    ck.close()
+    data_before = _snapshot(data)
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for i in range(runs):
+        aim = int(rng.integers(1, STEPS + 1))
+        # Half aim at the blocking part of orbax's save (its first ~0.1 s), half anywhere
+        # in the save or just after it.
+        delay = float(rng.uniform(0, 0.1 if i % 2 == 0 else 0.6))
+        workdir = tmp_path / f"run{i}"
+        took, rc, err = _interrupt_in_save(workdir, data, cache, aim, delay)
+        where = f"run {i}, SIGINT {delay:.3f} s into the save of step {aim}"
+        assert took <= INTERRUPT_BOUND_S, f"{where}: exit {took:.1f} s after it:\n{err[-8000:]}"
+        worst = max(worst, took)
+        assert rc == 130, f"{where}: exit status {rc}\n{err[-3000:]}"
+        last = err.strip().splitlines()[-1]
+        assert last == ("reliability_child.py: interrupted; run the same command again to "
+                        "resume from the last complete checkpoint"), f"{where}:\n{err[-3000:]}"
+        for noise in ("Traceback", "Exception ignored", "ERROR:"):
+            assert noise not in err, f"{where}:\n{err[-3000:]}"
+        ck = Checkpointer(str(workdir / "checkpoints"))
+        steps = ck.all_steps()
+        restored = ck.restore_latest(like)
+        ck.close()
+        names = os.listdir(workdir / "checkpoints")
+        assert not [n for n in names if n.split(".")[-1].rstrip("0123456789") in (
+            "corrupt", "incomplete", "unusable")], f"{where}: {names}"  # nothing set aside
+        if restored is None:  # interrupted before its first save committed
+            assert aim == 1 and steps == [], f"{where}: {steps}"
+        else:
+            step = restored[0]
+            assert step == steps[-1] >= aim - 1, f"{where}: restored {step} of {steps}"
+            if step in expected:
+                jax.tree.map(np.testing.assert_array_equal, restored[1], expected[step])
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [f"run{j}" for j in range(i + 1)] + [f"run{j}.stderr" for j in range(i + 1)])
+    assert _snapshot(data) == data_before
+    _run(workdir, data, cache)  # the same command after the last interrupt
+    _assert_same_run(full, workdir)
+    print(f"{runs} interrupts: the longest took {worst:.2f} s from SIGINT to exit")
+    return worst
+
+
+def test_ctrl_c_during_a_save_ends_the_run_in_bounded_time(tmp_path, reference):
+    _interrupted_runs(tmp_path, reference, runs=3, seed=0)
+
+
+@pytest.mark.slow  # 20 subprocess runs; the default suite runs 3 (above)
+def test_ctrl_c_during_a_save_ends_the_run_in_bounded_time_20_times(tmp_path, reference):
+    _interrupted_runs(tmp_path, reference, runs=20, seed=1)
 
 
 # Workdir integrity: one writer, a metrics log with each step once, step directories that
@@ -305,8 +409,72 @@ def test_a_failed_save_stops_the_run_and_the_resume_is_exact(tmp_path, reference
     workdir = tmp_path / "full_disk"
     rc, out = _finish(_start(workdir, data, cache, "--fsize-limit-at", "3"))
     assert rc == 2, out[-3000:]
+    log = workdir / LOG_FILE
     _one_line_error(out, f"checkpoint {workdir / 'checkpoints' / '3'} could not be saved",
-                    "File too large", "free disk space", "run the same command again")
+                    "File too large", "free disk space", "run the same command again",
+                    f"(orbax's log of the failure: {log})")
+    # Orbax's tracebacks (a few per failed save) are in the log, not on the terminal.
+    assert "Traceback" not in out and "ERROR:" not in out, out[-3000:]
+    assert "Traceback" in log.read_text() and "File too large" in log.read_text()
+    assert os.listdir(tmp_path) == ["full_disk"]  # nothing written outside the workdir
     assert not (workdir / "checkpoints" / "3").exists()  # never a half-written step
     _run(workdir, data, cache)  # the same command, with room on the disk
     _assert_same_run(full, workdir)
+
+
+def _contents(path):
+    """Every entry under `path`: name, kind, bytes and mtime."""
+    out = []
+    for p in sorted(path.rglob("*")):
+        st = p.lstat()
+        out.append((str(p.relative_to(path)), p.is_dir(), st.st_mtime_ns,
+                    p.read_bytes() if p.is_file() else None))
+    return out
+
+
+def test_a_checkpoint_directory_another_program_filled_is_left_untouched(tmp_path, reference):
+    """`checkpoints/` a symlink to a directory that already holds step-named folders the
+    run did not write: they are named in one warning and never renamed, deleted or
+    overwritten; the save of step 1, whose name one of them holds, stops the run (exit 2,
+    one line)."""
+    _, data, cache = reference
+    theirs = tmp_path / "shared_disk"
+    for name in ("1", "2", "3", "7"):
+        (theirs / name / "part").mkdir(parents=True)
+        (theirs / name / "part" / "weights.bin").write_bytes(os.urandom(4096))
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "checkpoints").symlink_to(theirs)
+    before = _contents(theirs)
+    rc, out = _finish(_start(workdir, data, cache))
+    assert rc == 2, out[-3000:]
+    where = workdir / "checkpoints" / "1"
+    _one_line_error(out, f"checkpoint {where} could not be saved: {where} exists and was not "
+                    "written by these checkpoints", "move it out of")
+    warned = [line for line in out.splitlines() if "did not write" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        "left untouched: 1, 2, 3, 7 (a save of a step named there stops the run instead of "
+        "overwriting it)"), out[-3000:]
+    assert _contents(theirs) == before  # byte for byte, not even touched
+    assert sorted(os.listdir(tmp_path)) == ["run", "shared_disk"]
+
+
+def test_a_symlinked_checkpoint_directory_resumes_like_a_plain_one(tmp_path, reference):
+    """`checkpoints/` a symlink to an empty directory on another disk: killed mid-run and
+    resumed, the run ends equal bit for bit to the uninterrupted one, writing its steps
+    there and nothing else outside the workdir."""
+    full, data, cache = reference
+    disk = tmp_path / "bigger_disk" / "ckpts"
+    disk.mkdir(parents=True)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "checkpoints").symlink_to(disk)
+    _kill_after_row(workdir, data, cache, step=2)
+    rc, out = _finish(_start(workdir, data, cache))
+    assert rc == 0, out[-3000:]
+    assert "did not write" not in out and "Traceback" not in out
+    _assert_same_run(full, workdir)
+    assert (workdir / "checkpoints").is_symlink()
+    assert sorted(os.listdir(disk)) == [str(STEPS - 1), str(STEPS)]
+    assert sorted(os.listdir(tmp_path)) == ["bigger_disk", "run"]
+    assert os.listdir(tmp_path / "bigger_disk") == ["ckpts"]

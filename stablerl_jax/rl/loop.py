@@ -439,6 +439,9 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
                 ckpt.save(step + 1, saved(), {"step": step + 1, **meta})
+    except KeyboardInterrupt:  # Ctrl-C: stop bounds the wait for the save in flight
+        ckpt.stop()
+        raise
     finally:  # an error still finishes the saves already started
         try:
             ckpt.wait()  # raises CheckpointSaveError if the last save failed

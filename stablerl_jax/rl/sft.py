@@ -82,6 +82,10 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if every and ((step + 1) % every == 0 and step + 1 < cfg.sft.steps):
                 ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
+    except KeyboardInterrupt:  # Ctrl-C: stop bounds the wait for the save in flight
+        if ckpt is not None:
+            ckpt.stop()
+        raise
     finally:
         if ckpt is not None:
             try:
