@@ -118,11 +118,13 @@ def local_rows(x) -> np.ndarray:
     return out
 
 
-def gather(x_local: np.ndarray) -> np.ndarray:
-    """The concatenation over processes (in process order) of each process's rows."""
+def gather(x_local):
+    """The concatenation over processes (in process order) of each process's rows: of an
+    array, or of every array of a pytree (one collective for all of them)."""
+    x_local = jax.tree.map(np.asarray, x_local)
     if jax.process_count() == 1:
-        return np.asarray(x_local)
-    return np.asarray(multihost_utils.process_allgather(np.asarray(x_local), tiled=True))
+        return x_local
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(x_local, tiled=True))
 
 
 def host(x) -> np.ndarray:

@@ -60,8 +60,8 @@ def evaluate_set(sample, data, records, key, k: int, multiple: int):
     rewards_mine, extractors = data.reward_with_source(rollout, answers)
     per_row = [rewards_mine, distributed.local_rows(rollout.lengths_B),
                distributed.local_rows(rollout.truncated_B)]
-    r_nxk, len_nxk, trunc_nxk = (distributed.gather(np.asarray(x, np.float64))
-                                 .reshape(n_pad, k)[:n] for x in per_row)
+    r_nxk, len_nxk, trunc_nxk = (x.reshape(n_pad, k)[:n] for x in distributed.gather(
+        [np.asarray(x, np.float64) for x in per_row]))  # one gather
     summary = summarize(r_nxk)
     summary.update(length_mean=float(len_nxk.mean()), truncated_frac=float(trunc_nxk.mean()))
     return summary, (tokens, mask, rollout, rewards_mine, answers, extractors)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,16 @@ def dynamic_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
             fill.metrics())
 
 
+class HostRows(NamedTuple):
+    """What the loop reads on the host of a step's responses, this process's rows (all
+    rounds under dynamic sampling); `distributed.gather` gives every process all rows."""
+
+    rewards: np.ndarray    # the task's reward
+    lengths: np.ndarray    # completion tokens
+    truncated: np.ndarray  # no stop id within max_new_tokens
+    penalty: np.ndarray    # DAPO's length penalty (rl.overlong=penalty), else 0
+
+
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
                 offline: OfflineRollouts | None = None, log_samples: int = 0,
                 inflight: Inflight | None = None, history: list | None = None):
@@ -242,7 +253,6 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         batch, score_metrics = engine.score(state.params, rollout,
                                             rewards_mine + penalty_mine
                                             if score_rewards is None else score_rewards)
-    rewards_B = distributed.gather(rewards_mine)
     if behavior:
         # θ_k becomes the newest past version (copied: the updates donate the state).
         history.insert(0, jax.tree.map(jnp.copy, state.params))
@@ -258,13 +268,15 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     for rows in minibatches:
         state, m = engine.update(state, engine.select(batch, rows))
         update_metrics.append(jax.tree.map(distributed.host, m))
-    lengths_B = distributed.gather(lengths_mine)
-    metrics = {"reward": float(np.mean(rewards_B)),
-               "response_length": float(np.mean(lengths_B)),
-               **overlong.response_stats(lengths_B, distributed.gather(truncated_mine),
+    # The step's host rows of every process, in one gather.
+    every = distributed.gather(HostRows(rewards_mine, lengths_mine, truncated_mine,
+                                        penalty_mine))
+    metrics = {"reward": float(np.mean(every.rewards)),
+               "response_length": float(np.mean(every.lengths)),
+               **overlong.response_stats(every.lengths, every.truncated,
                                          engine.cfg.sampling.max_new_tokens)}
     if rl.overlong == "penalty":
-        metrics["reward/overlong_penalty"] = float(np.mean(distributed.gather(penalty_mine)))
+        metrics["reward/overlong_penalty"] = float(np.mean(every.penalty))
     metrics.update(async_metrics)
     metrics.update(dynamic_metrics)
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
