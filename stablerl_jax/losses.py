@@ -26,17 +26,21 @@ Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
     token_mean               Σ m ℓ / Σ m                 (CISPO, DAPO)
     seq_mean_token_sum_norm  Σ m ℓ / (B' · T_norm)       (Dr. GRPO; T_norm = cfg.norm_length,
                                                           or the padded T when it is 0)
-B' = the responses with a scored token. An empty response (a row the trainer masked out,
-e.g. a truncated one under rl.overlong=mask) contributes 0 and counts in no denominator,
-so the loss is the loss of the other rows alone; a fully masked batch gives loss 0. A non-finite log π_old, log μ_old or Â on a
+A loss's own aggregation (cfg.aggregation None) is its row's in `loss_table.LOSS_TABLE`.
+B' is cfg.row_denominator's. 'scored' (the default): the responses with a scored token,
+so an empty response (a row the trainer masked out, e.g. a truncated one under
+rl.overlong=mask) contributes 0 and counts in no denominator, and the loss is the loss of
+the other rows alone. 'all': every row, B' = B, as verl (`global_batch_size`) and tunix
+divide; with e empty rows the 'scored' loss is the 'all' loss times B/(B − e).
+A fully masked batch gives loss 0. A non-finite log π_old, log μ_old or Â on a
 counted token makes the loss NaN, so the trainer skips the update rather than letting
 NaN comparisons slip past the clipping mask.
 
 Micro-batching (rl/accumulate.py). When a loss sees one slice of a mini-batch,
-`batch.totals` holds the mini-batch's B and Σ m, and every aggregation divides by those
-instead of the slice's own: the slice's loss is then its share of the mini-batch loss
-(numerator over the global denominator), the slices' losses and gradients add up to the
-mini-batch's exactly, and the `loss` metric is the pair (slice loss, slice rows / B),
+`batch.totals` holds the mini-batch's B, Σ m and non-empty rows, and every aggregation
+divides by those instead of the slice's own: the slice's loss is then its share of the
+mini-batch loss (numerator over the global denominator), the slices' losses and
+gradients add up to the mini-batch's exactly, and the `loss` metric is the pair (slice loss, slice rows / B),
 which sums to (mini-batch loss, 1). Without totals nothing changes.
 
 Metrics of every loss (token means over the mask unless said otherwise, computed by
@@ -61,6 +65,7 @@ import jax.numpy as jnp
 from stablerl_jax import diagnostics as dg
 from stablerl_jax import input_checks
 from stablerl_jax.config import IS_CORRECTIONS, LossConfig
+from stablerl_jax.loss_table import LOSS_TABLE
 from stablerl_jax.model.numerics import accum_dtype
 
 sg = jax.lax.stop_gradient
@@ -71,7 +76,7 @@ class Totals(typing.NamedTuple):
 
     rows: jax.Array       # B of the mini-batch
     tokens: jax.Array     # Σ mask over the mini-batch
-    responses: jax.Array  # its non-empty rows (seq_mean_token_mean's denominator)
+    responses: jax.Array  # its non-empty rows (B' of row_denominator='scored')
 
 
 def mask_totals(mask_BxT) -> Totals:
@@ -147,14 +152,20 @@ def _clip(x, cfg: LossConfig):
 
 
 def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
-              totals: Totals | None = None):
+              totals: Totals | None = None, row_denominator: str = "scored"):
     """Reduce a per-token term to a scalar objective (formulas in the module docstring);
-    B' and Σ m are `totals`' when given (a micro-batch's share of its mini-batch)."""
+    B' and Σ m are `totals`' when given (a micro-batch's share of its mini-batch).
+    row_denominator: B' = the rows with a scored token ('scored') or every row ('all')."""
     t = m_BxT.shape[1]
     length_B = jnp.sum(m_BxT, axis=1)
     tokens, responses = jnp.sum(length_B), jnp.sum(length_B > 0).astype(m_BxT.dtype)
     if totals is not None:
         tokens, responses = (x.astype(m_BxT.dtype) for x in totals[1:])
+    if row_denominator == "all":
+        responses = jnp.asarray(m_BxT.shape[0] if totals is None else totals.rows,
+                                m_BxT.dtype)
+    elif row_denominator != "scored":
+        raise ValueError(f"row_denominator: unknown {row_denominator!r}")
     s = jnp.sum(jnp.where(m_BxT > 0, term_BxT, 0.0), axis=1)
     if mode == "response_sum":
         return jnp.sum(s) / jnp.maximum(responses, 1.0)
@@ -165,6 +176,12 @@ def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
     if mode == "seq_mean_token_sum_norm":
         return jnp.sum(s) / (jnp.maximum(responses, 1.0) * (norm_length or t))
     raise ValueError(f"aggregation: unknown mode {mode!r}")
+
+
+def _objective(term_BxT, p: _Parts, batch: LossBatch, cfg: LossConfig, name: str):
+    """J: the term aggregated by cfg.aggregation, or by loss `name`'s own (its row)."""
+    return aggregate(term_BxT, p.m, cfg.aggregation or LOSS_TABLE[name].aggregation,
+                     cfg.norm_length, batch.totals, cfg.row_denominator)
 
 
 def row_share(batch_rows: int, totals: Totals | None):
@@ -253,7 +270,8 @@ def minirl(logp_BxT, batch, cfg: LossConfig):
     M_t = 0 when Â > 0 and r_t > 1+ε_high, or Â < 0 and r_t < 1−ε_low (r = π_θ/π_old),
     else 1. The gradient flows only through log π_θ, so ∇J equals the Eq. 4 REINFORCE
     gradient with token weight π_θ/μ_old (capped at C) and the mask. The paper averages
-    over responses; 1/B (responses in the mini-batch) is this project's constant.
+    over responses; 1/B is this project's choice of constant, B the mini-batch's
+    responses with a scored token (every response with row_denominator='all').
     Ablations are options: aggregation='seq_mean_token_mean' (+ length normalization),
     use_is=False (w/o train–infer IS: weight 1), clip=False (M ≡ 1). Beyond the paper:
     cap_target='engine' uses weight min(π_old/μ_old, C) · π_θ/π_old (only the engine
@@ -270,12 +288,11 @@ def minirl(logp_BxT, batch, cfg: LossConfig):
     hi, lo = clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     keep = jnp.where(hi | lo, 0.0, 1.0)
     term = keep * sg(w) * p.adv * p.logp
-    loss = -aggregate(term, p.m, cfg.aggregation or "response_sum", cfg.norm_length,
-                      batch.totals)
+    loss = -_objective(term, p, batch, cfg, "minirl")
     return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
-def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
+def _ppo(logp_BxT, batch, cfg: LossConfig, name: str):
     p = _parts(logp_BxT, batch, cfg)
     r = jnp.exp(_clip(p.log_r, cfg))
     w, altered = _engine_weight(p, cfg)
@@ -286,8 +303,7 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, default_agg: str):
     # verl's dual-clip: with Â < 0 the term is at least c·Â, a constant for r > c.
     dual = (p.adv < 0) & (r > cfg.clip_ratio_c) & (cfg.clip_ratio_c > 0)
     term = jnp.where(dual, cfg.clip_ratio_c * p.adv, term)
-    loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or default_agg, cfg.norm_length,
-                      batch.totals)
+    loss = -_objective(sg(w) * term, p, batch, cfg, name)
     hi, lo = clip_sides(p.adv, p.log_r, 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.clip)
     loss, metrics = _finish(p, batch, cfg, loss, w, altered, hi, lo)
     if cfg.clip_ratio_c > 0:
@@ -307,7 +323,7 @@ def grpo(logp_BxT, batch, cfg: LossConfig):
     With clip_ratio_c = c > 0 (verl's dual-clip), a token with Â < 0 contributes
     max(min(r Â, clip(r) Â), c Â): the constant c Â, without gradient, where r > c.
     """
-    return _ppo(logp_BxT, batch, cfg, "seq_mean_token_mean")
+    return _ppo(logp_BxT, batch, cfg, "grpo")
 
 
 def dapo(logp_BxT, batch, cfg: LossConfig):
@@ -319,7 +335,7 @@ def dapo(logp_BxT, batch, cfg: LossConfig):
     aggregation; w as in `grpo` (use_is=False for DAPO's own form). DAPO's dynamic sampling
     and overlong shaping act on the data, not the loss, and are not here.
     """
-    return _ppo(logp_BxT, batch, cfg, "token_mean")
+    return _ppo(logp_BxT, batch, cfg, "dapo")
 
 
 def cispo(logp_BxT, batch, cfg: LossConfig):
@@ -337,14 +353,13 @@ def cispo(logp_BxT, batch, cfg: LossConfig):
     rc = jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) if cfg.clip else r
     w, altered = _engine_weight(p, cfg)
     term = sg(w * rc) * p.adv * p.logp
-    loss = -aggregate(term, p.m, cfg.aggregation or "token_mean", cfg.norm_length,
-                      batch.totals)
+    loss = -_objective(term, p, batch, cfg, "cispo")
     hi = (r > 1 + cfg.eps_high) & cfg.clip
     lo = (r < 1 - cfg.eps_low) & cfg.clip
     return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
 
-def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
+def _gspo(logp_BxT, batch, cfg: LossConfig, name: str, token_level: bool):
     p = _parts(logp_BxT, batch, cfg)
     length = jnp.maximum(jnp.sum(p.m, axis=1, keepdims=True), 1.0)
     log_s = jnp.sum(p.log_r * p.m, axis=1, keepdims=True) / length  # (1/|y|) Σ_t log r_t
@@ -358,8 +373,7 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, token_level: bool):
     lo_b, hi_b = 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high
     term = jnp.minimum(s * p.adv, jnp.clip(s, lo_b, hi_b) * p.adv) if cfg.clip else s * p.adv
     w, altered = _engine_weight(p, cfg)
-    loss = -aggregate(sg(w) * term, p.m, cfg.aggregation or "seq_mean_token_mean",
-                      cfg.norm_length, batch.totals)
+    loss = -_objective(sg(w) * term, p, batch, cfg, name)
     hi, lo = clip_sides(p.adv, log_s, lo_b, hi_b, cfg.clip)
     return _finish(p, batch, cfg, loss, w, altered, hi, lo)
 
@@ -375,7 +389,7 @@ def gspo(logp_BxT, batch, cfg: LossConfig):
     is_correction='seq_geomean' gives one sequence-level weight per response.
     With advantages_BxT each token's min uses its own Â_t.
     """
-    return _gspo(logp_BxT, batch, cfg, token_level=False)
+    return _gspo(logp_BxT, batch, cfg, "gspo", token_level=False)
 
 
 def gspo_token(logp_BxT, batch, cfg: LossConfig):
@@ -384,17 +398,13 @@ def gspo_token(logp_BxT, batch, cfg: LossConfig):
     Equal to GSPO in value and, for a per-response Â, in gradient; unlike `gspo` it lets
     per-token advantages (advantages_BxT) weight each token's gradient.
     """
-    return _gspo(logp_BxT, batch, cfg, token_level=True)
+    return _gspo(logp_BxT, batch, cfg, "gspo_token", token_level=True)
 
 
-LOSSES = {
-    "minirl": minirl,
-    "grpo": grpo,
-    "cispo": cispo,
-    "gspo": gspo,
-    "gspo_token": gspo_token,
-    "dapo": dapo,
-}
+# Name -> loss function: the rows of loss_table.LOSS_TABLE, loaded (a row naming a
+# function of this module finds it here, this module being mid-import but past its
+# definitions).
+LOSSES = {name: row.load() for name, row in LOSS_TABLE.items()}
 
 # Named settings of the paper's runs and of the namesake methods (docs/method.md §4, §5).
 LOSS_PRESETS = {

@@ -127,6 +127,12 @@ def test_config_errors_name_fields():
                       ({"advantage_std_ddof": 2}, "advantage_std_ddof"),
                       ({"advantage_std_ddof": True}, "advantage_std_ddof"),
                       ({"name": "grpo", "clip_ratio_c": 1.1}, "clip_ratio_c"),
-                      ({"clip_ratio_c": 3.0}, "clip_ratio_c")]:
+                      ({"clip_ratio_c": 3.0}, "clip_ratio_c"),
+                      ({"name": "gspo", "eps_high": 0.28}, "eps_high"),
+                      ({"name": "grpo", "cap_target": "engine"}, "cap_target"),
+                      ({"row_denominator": "some"}, "row_denominator"),
+                      ({"name": "cispo", "row_denominator": "all"}, "row_denominator"),
+                      ({"aggregation": "token_mean", "row_denominator": "all"},
+                       "row_denominator")]:
         with pytest.raises(ConfigError, match=f"^{field}:"):
             LossConfig(**kw)

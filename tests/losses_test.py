@@ -11,6 +11,7 @@ from tolerance import assert_close
 from stablerl_jax import diagnostics as dg
 from stablerl_jax import losses
 from stablerl_jax.config import LossConfig
+from stablerl_jax.rl import accumulate
 
 
 class HandDerivedTest(chex.TestCase):
@@ -282,3 +283,104 @@ def test_seq_mean_token_mean_divides_by_nonempty_responses():
     v, _ = value_and_grad("minirl", LossConfig(aggregation="seq_mean_token_mean"), logp,
                            batch)
     assert_close(v, -(L(0.5) + L(0.4)) / 2, n=N)
+
+
+# Eight responses of two tokens at π_θ = π_old = μ = p_b, Â = 1, response 3 empty (a row
+# rl.overlong=mask zeroed); without clip or IS every scored token's term is log p_b.
+P_ROWS, EMPTY = np.arange(1, 9) / 10, 3
+ROW_MEANS = ("response_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def _one_empty_row():
+    p = np.repeat(P_ROWS[:, None], 2, axis=1)
+    mask = np.ones((8, 2))
+    mask[EMPTY] = 0.0
+    return batch_of(p, p, p, np.ones(8), mask)
+
+
+def _by_hand(aggregation, rows):
+    """(loss, d loss / d log π on a scored token) with `rows` in the row mean: each row's
+    2 tokens summed (response_sum), averaged (seq_mean_token_mean), or summed over T = 2
+    (seq_mean_token_sum_norm)."""
+    per_token = {"response_sum": 1.0, "seq_mean_token_mean": 0.5,
+                 "seq_mean_token_sum_norm": 0.5}[aggregation] / rows
+    scored = 2 * (np.sum(L(P_ROWS)) - L(P_ROWS[EMPTY]))  # Σ over the 14 scored tokens
+    return -scored * per_token, -per_token
+
+
+def _grad_by_hand(per_token):
+    return np.where(np.arange(8)[:, None] == EMPTY, 0.0, per_token) * np.ones((8, 2))
+
+
+def test_row_denominator_by_hand():
+    """'scored' divides the row mean by the 7 rows with a token, 'all' by all 8 (verl's
+    global_batch_size, tunix's B): the same numerator, so they differ by 8/7 exactly."""
+    logp, batch = _one_empty_row()
+    for aggregation in ROW_MEANS:
+        got = {}
+        for rd, rows in (("scored", 7), ("all", 8)):
+            cfg = LossConfig(clip=False, use_is=False, aggregation=aggregation,
+                             row_denominator=rd)
+            got[rd] = value_and_grad("minirl", cfg, logp, batch)
+            want, per_token = _by_hand(aggregation, rows)
+            assert_close(got[rd][0], want, n=N, err_msg=f"{aggregation} {rd}")
+            assert_close(got[rd][1], _grad_by_hand(per_token), n=N, err_msg=aggregation)
+        assert_close(got["scored"][0], got["all"][0] * 8 / 7, n=2 * N, err_msg=aggregation)
+    # A token mean has no row denominator (the config refuses 'all' with it).
+    m, term = batch.mask_BxT, jnp.ones((8, 2))
+    np.testing.assert_array_equal(losses.aggregate(term, m, "token_mean"),
+                                  losses.aggregate(term, m, "token_mean",
+                                                   row_denominator="all"))
+
+
+@pytest.mark.parametrize("name", list(losses.LOSSES))
+def test_every_loss_takes_the_row_denominator(name):
+    """The option is the aggregation's, whatever the term: 'scored' = 'all' · 8/7 in value
+    and gradient for every loss (a row mean for the token-mean losses)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    logp, batch = _one_empty_row()
+    batch = batch._replace(old_logp_BxT=logp + 0.3 * jax.random.normal(k[0], (8, 2)),
+                           rollout_logp_BxT=logp + 0.3 * jax.random.normal(k[1], (8, 2)),
+                           advantages_B=jax.random.normal(k[2], (8,)))
+    agg = losses.LOSS_TABLE[name].aggregation
+    agg = None if agg != "token_mean" else "seq_mean_token_sum_norm"
+    (v_s, g_s), (v_a, g_a) = (
+        value_and_grad(name, LossConfig(name=name, aggregation=agg, row_denominator=rd),
+                       logp, batch) for rd in ("scored", "all"))
+    # One numerator and one chain of operations, only the division by the rows differs:
+    # relative to each value (not to the size of its terms, which may cancel), the
+    # division and the × 8/7 (2), and the backward's products after it (≤ N).
+    assert_close(v_s, v_a * 8 / 7, n=2)
+    assert_close(g_s, g_a * 8 / 7, n=N)
+
+
+def test_row_denominator_under_micro_batches_and_packing():
+    """Both paths that split a mini-batch pass its `Totals` (rl/steps.py): micro-batches
+    (accumulate.value_and_grad, strided slices of 2 rows) and packed micro-batches (the
+    whole batch with the other rows' masks zeroed, `LossBatch.rows` its own). Under each
+    option their losses and gradients add up to the one batch's hand values."""
+    logp, batch = _one_empty_row()
+    totals = losses.mask_totals(batch.mask_BxT)
+    for aggregation in ("response_sum", "seq_mean_token_mean"):
+        for rd, rows in (("scored", 7), ("all", 8)):
+            cfg = LossConfig(clip=False, use_is=False, aggregation=aggregation,
+                             row_denominator=rd)
+            want, per_token = _by_hand(aggregation, rows)
+
+            def sliced(table, part):
+                index, lb = part
+                return losses.minirl(table[index], lb._replace(totals=totals), cfg)
+
+            (v, _), g = accumulate.value_and_grad(sliced, logp, (jnp.arange(8), batch), 4)
+            assert_close(v, want, n=N + 4, err_msg=f"micro {aggregation} {rd}")
+            assert_close(g, _grad_by_hand(per_token), n=N, err_msg=aggregation)
+
+            v, g = 0.0, 0.0
+            for mine in np.split(np.arange(8), 4):
+                view = batch._replace(mask_BxT=batch.mask_BxT * np.isin(np.arange(8),
+                                                                       mine)[:, None],
+                                      totals=totals, rows=jnp.float32(len(mine)))
+                vi, gi = value_and_grad("minirl", cfg, logp, view)
+                v, g = v + vi, g + gi
+            assert_close(v, want, n=N + 4, err_msg=f"packed {aggregation} {rd}")
+            assert_close(g, _grad_by_hand(per_token), n=N, err_msg=aggregation)

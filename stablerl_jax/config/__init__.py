@@ -9,9 +9,10 @@
       sft       SFTConfig       the cold start and `sft.optim`
       mesh                      (data, fsdp, expert) device mesh of every jitted step
 
-The allowed values of every choice field (dtypes, losses, the kernel implementations
-`LOGPROB_IMPLS` and `GMM_IMPLS`, …) are in choices.py; `ConfigError` and the checks in
-checks.py. Every name is importable from `stablerl_jax.config`.
+The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE`, the
+kernel implementations `LOGPROB_IMPLS` and `GMM_IMPLS`, …) are in choices.py;
+`ConfigError` and the checks in checks.py. Every name is importable from
+`stablerl_jax.config`.
 
 Every check raises `ConfigError` naming the field, the bad value and what to change.
 Nothing is silently fixed: a config either describes exactly what runs or is refused.
@@ -20,8 +21,8 @@ all at once, then validates once, so overrides that only make sense together (e.
 `task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
 
 This package is a leaf: it imports nothing from the model, data or training code (only the
-kernels' tables of implementation names, which import no JAX). Special
-token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
+kernels' tables of implementation names and the losses' table, which import no JAX).
+Special token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
 (`model.numerics.dtype_of`).
 """
 from stablerl_jax.config.checks import (ConfigError, Section, check, check_bool, check_choice,
@@ -29,8 +30,9 @@ from stablerl_jax.config.checks import (ConfigError, Section, check, check_bool,
 from stablerl_jax.config.choices import (ADVANTAGE_NAMES, AGGREGATIONS, ATTENTION_IMPLS,
                                          DATA_FORMATS, DTYPES, EVAL_SET_NAME, GMM_IMPLS,
                                          INFERENCE_NUMERICS, IS_CORRECTIONS, KV_CACHE_LAYOUTS,
-                                         LOGPROB_IMPLS, LOSS_NAMES, OPERATORS, OVERLONG_MODES,
-                                         REMAT_POLICIES, REPLAY_MODES, SAMPLER_LAYOUTS,
+                                         LOGPROB_IMPLS, LOSS_NAMES, LOSS_TABLE, OPERATORS,
+                                         OVERLONG_MODES, REMAT_POLICIES, REPLAY_MODES,
+                                         ROW_DENOMINATORS, SAMPLER_LAYOUTS,
                                          SFT_FORMATS, STYLES, TASK_KINDS)
 from stablerl_jax.config.experiment import (ExperimentConfig, apply_overrides, changed_fields,
                                             flat_dict)
@@ -42,9 +44,10 @@ from stablerl_jax.config.training import (LossConfig, OptimConfig, RLConfig, SFT
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATIONS", "ATTENTION_IMPLS", "ConfigError", "DATA_FORMATS",
     "DTYPES", "EVAL_SET_NAME", "ExperimentConfig", "GMM_IMPLS", "INFERENCE_NUMERICS",
-    "IS_CORRECTIONS", "KV_CACHE_LAYOUTS", "LOGPROB_IMPLS", "LOSS_NAMES", "LossConfig",
-    "ModelConfig", "OPERATORS", "OVERLONG_MODES", "OptimConfig", "REMAT_POLICIES",
-    "REPLAY_MODES", "RLConfig", "SAMPLER_LAYOUTS", "SFTConfig", "SFT_FORMATS", "STYLES", "SamplingConfig",
+    "IS_CORRECTIONS", "KV_CACHE_LAYOUTS", "LOGPROB_IMPLS", "LOSS_NAMES", "LOSS_TABLE",
+    "LossConfig", "ModelConfig", "OPERATORS", "OVERLONG_MODES", "OptimConfig",
+    "REMAT_POLICIES", "REPLAY_MODES", "ROW_DENOMINATORS", "RLConfig", "SAMPLER_LAYOUTS",
+    "SFTConfig", "SFT_FORMATS", "STYLES", "SamplingConfig",
     "Section", "TASK_KINDS", "TaskConfig", "apply_overrides", "changed_fields", "check",
     "check_bool", "check_choice", "check_positive_int", "flat_dict", "is_finite", "is_int",
     "parse_eval_sets",

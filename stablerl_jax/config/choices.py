@@ -1,17 +1,20 @@
 """The allowed values of every choice field, in one place: the config sections validate
 against these tuples and the rest of the package reads them from here. The kernels'
-implementation names are their ops' tables (kernels/*_impls.py, no JAX), read live so that
-a row registered there is a valid choice."""
+implementation names are their ops' tables (kernels/*_impls.py, no JAX), and the loss
+names the losses' table (stablerl_jax/loss_table.py, no JAX), read live so that a row
+registered there is a valid choice."""
 import re
 
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
+from stablerl_jax.loss_table import AGGREGATIONS, LOSS_TABLE
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
 INFERENCE_NUMERICS = ("exact", "bf16", "fp8")  # presets of model.numerics for the sampler
-LOSS_NAMES = ("minirl", "grpo", "cispo", "gspo", "gspo_token", "dapo")
+LOSS_NAMES = tuple(LOSS_TABLE)  # at import; LossConfig.name is checked against the table
 IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
-AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+# The rows a row-mean aggregation divides by (LossConfig.row_denominator).
+ROW_DENOMINATORS = ("scored", "all")
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on

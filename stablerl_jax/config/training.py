@@ -7,10 +7,11 @@ import dataclasses
 
 from stablerl_jax.config.checks import (check, is_int, check_positive_int, check_choice,
                                         check_bool, is_finite, Section)
-from stablerl_jax.config.choices import (LOSS_NAMES, IS_CORRECTIONS, AGGREGATIONS,
-                                         ADVANTAGE_NAMES, REPLAY_MODES, OVERLONG_MODES,
-                                         OLD_POLICIES,
+from stablerl_jax.config.choices import (LOSS_TABLE, IS_CORRECTIONS, AGGREGATIONS,
+                                         ROW_DENOMINATORS, ADVANTAGE_NAMES, REPLAY_MODES,
+                                         OVERLONG_MODES, OLD_POLICIES,
                                          LOGPROB_IMPLS, EVAL_SET_NAME, SFT_FORMATS)
+from stablerl_jax.loss_table import loss_knobs, readers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +19,10 @@ class LossConfig(Section):
     """Surrogate loss settings. Defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
 
     Attributes:
-      name: one of LOSS_NAMES (keys of `losses.LOSSES`).
+      name: a row of `LOSS_TABLE` (stablerl_jax/loss_table.py: where the loss's function
+        lives, its default aggregation, the knobs below it reads). A knob some row lists
+        (eps_low / eps_high, cap_target, clip_ratio_c, the gspo_* three) set away from its
+        default is refused for a loss whose row does not list it.
       eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
       clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
       use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
@@ -28,18 +32,24 @@ class LossConfig(Section):
       tis_cap: C, the truncation of the token IS weight.
       cap_target: 'full' caps π_θ/μ_old (MiniRL decision); 'engine' caps only π_old/μ_old
         and multiplies by the uncapped staleness ratio.
-      aggregation: None = the loss's own (MiniRL: response_sum; GRPO, GSPO:
-        seq_mean_token_mean; CISPO, DAPO: token_mean); or one of AGGREGATIONS.
+      aggregation: None = the loss's own, its table row's (MiniRL: response_sum; GRPO,
+        GSPO: seq_mean_token_mean; CISPO, DAPO: token_mean); or one of AGGREGATIONS.
         MiniRL "+ length normalization" is aggregation='seq_mean_token_mean'.
+      row_denominator: the rows a row-mean aggregation (every one but token_mean) divides
+        by (ROW_DENOMINATORS): 'scored' (the default) the rows with a scored token, so an
+        empty row (masked by rl.overlong=mask, a dynamic-sampling pad) is in no
+        denominator; 'all' every row of the mini-batch, empty ones included, as verl
+        (global_batch_size) and tunix do. With e of B rows empty the two differ by
+        B/(B − e). Refused with a token_mean aggregation, which divides by tokens.
       advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
       advantage_std_ddof: the std of advantage='group_norm' divides by G − ddof. 0 (the
         default, the population std: the paper's "std of the group") keeps this
         project's stored results; verl and tunix use the sample std, ddof=1, whose
         advantages are √((G−1)/G) as large (×0.935 at G = 8).
-      clip_ratio_c: verl's dual-clip for the PPO-clip losses (grpo, dapo): on tokens with
-        Â < 0 the clipped term is bounded below by c·Â, so a token whose ratio r exceeds
-        c contributes the constant c·Â and no gradient. 0 = off; verl's default when on
-        is 3.0; must be > 1 + eps_high.
+      clip_ratio_c: verl's dual-clip for the PPO-clip losses (grpo, dapo: their rows list
+        it): on tokens with Â < 0 the clipped term is bounded below by c·Â, so a token
+        whose ratio r exceeds c contributes the constant c·Â and no gradient. 0 = off;
+        verl's default when on is 3.0; must be > 1 + eps_high.
       max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
       gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
       gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
@@ -58,6 +68,7 @@ class LossConfig(Section):
     is_high: float = 2.0
     cap_target: str = "full"
     aggregation: str | None = None
+    row_denominator: str = "scored"
     advantage: str = "group_mean"
     advantage_std_ddof: int = 0
     clip_ratio_c: float = 0.0
@@ -68,10 +79,17 @@ class LossConfig(Section):
     norm_length: int = 0
 
     def __post_init__(self):
-        check_choice(self, "name", LOSS_NAMES)
+        check_choice(self, "name", LOSS_TABLE)
         check_choice(self, "is_correction", IS_CORRECTIONS)
         check(self.aggregation is None or self.aggregation in AGGREGATIONS, "aggregation",
               f"must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
+        check_choice(self, "row_denominator", ROW_DENOMINATORS)
+        aggregation = self.aggregation or LOSS_TABLE[self.name].aggregation
+        check(self.row_denominator == "scored" or aggregation != "token_mean",
+              "row_denominator", f"{self.row_denominator!r} picks the rows of a row mean; "
+              f"loss {self.name!r} aggregates by token_mean, which divides by tokens; set "
+              "loss.row_denominator=scored or loss.aggregation to one of "
+              f"{tuple(a for a in AGGREGATIONS if a != 'token_mean')}")
         check_choice(self, "advantage", ADVANTAGE_NAMES)
         check(self.cap_target in ("full", "engine"), "cap_target",
               f"must be 'full' or 'engine', got {self.cap_target!r}")
@@ -99,9 +117,13 @@ class LossConfig(Section):
               and (self.clip_ratio_c == 0 or self.clip_ratio_c > 1 + self.eps_high),
               "clip_ratio_c", f"must be 0 (off) or > 1 + eps_high = {1 + self.eps_high} "
               f"(verl uses 3.0), got {self.clip_ratio_c}")
-        check(self.clip_ratio_c == 0 or self.name in ("grpo", "dapo"), "clip_ratio_c",
-              f"dual-clip applies to the PPO-clip losses 'grpo' and 'dapo', not "
-              f"{self.name!r}; set loss.clip_ratio_c=0")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for knob in loss_knobs(LOSS_TABLE):
+            check(getattr(self, knob) == defaults[knob]
+                  or knob in LOSS_TABLE[self.name].knobs, knob,
+                  f"loss {self.name!r} does not read it (the losses that do: "
+                  f"{readers(LOSS_TABLE, knob)}); set loss.{knob}={defaults[knob]!r}, or "
+                  "loss.name to one of those")
         check(is_int(self.norm_length) and self.norm_length >= 0, "norm_length",
               f"must be an int >= 0 (0 = padded T), got {self.norm_length!r}")
         check_bool(self, "clip", "use_is")
