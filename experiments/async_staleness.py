@@ -59,9 +59,9 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if a in names and b in names]
 
 
-def main(argv=None) -> dict:
-    return cli.main("async_staleness", __doc__, EXPERIMENTS, "Partial rollouts (S)", argv,
-                    comparisons=comparisons)
+EXPERIMENT = cli.Descriptor(module=__spec__.name, doc=__doc__, title="Partial rollouts (S)",
+                            presets=EXPERIMENTS, comparisons=comparisons)
+main = EXPERIMENT.main
 
 
 if __name__ == "__main__":

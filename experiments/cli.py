@@ -4,16 +4,19 @@
         [--only VARIANT,...] [--hf CHECKPOINT_DIR] [--dry-run] [--report] [--quiet]
         [--compile-cache DIR] [section.field=value ...]
 
-`main` parses and validates it, then trains (experiments/runner.py: one cold start, every
-(variant, seed) run) and writes the report (experiments/report.py). Overrides apply to
-every run (e.g. `sampling.numerics=bf16 sampling.router_noise_std=0.5`, the mismatch
-knobs); `--dry-run` prints each run's resolved settings and exits (the way to read the
-`paper` preset, which is a TPU-pod job); `--report` rebuilds the figures and summary.md
-from the finished runs' stored metrics without running anything. `--hf` starts from a
-Hugging Face Qwen3-MoE checkpoint: its architecture and tokenizer in every run's config
-(after the overrides), its weights the cold start's starting point (read only when the
-cold start trains, or as the RL start when sft.steps = 0). A module adds its own flags
-and variants through `main`'s `add_arguments` and `variants_from`.
+An experiment module describes itself once, in `EXPERIMENT = cli.Descriptor(...)`, and its
+`main` is `EXPERIMENT.main`. `main` parses and validates the command line, then trains
+(experiments/runner.py: one cold start, every (variant, seed) run) and writes the report
+(experiments/report.py). Overrides apply to every run (e.g. `sampling.numerics=bf16
+sampling.router_noise_std=0.5`, the mismatch knobs); `--dry-run` prints each run's
+resolved settings and exits (the way to read the `paper` preset, which is a TPU-pod job);
+`--report` rebuilds the figures and summary.md from the finished runs' stored metrics
+without running anything. `--hf` starts from a Hugging Face Qwen3-MoE checkpoint: its
+architecture and tokenizer in every run's config (after the overrides), its weights the
+cold start's starting point (read only when the cold start trains, or as the RL start when
+sft.steps = 0). A module adds its own flags and variants through the descriptor's
+`add_arguments` and `variants_from`. `experiments.descriptors()` lists every module's
+descriptor.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import dataclasses
 import functools
 import os
 import sys
+from collections.abc import Callable, Mapping
 
 from experiments.cli_errors import one_line_errors
 from experiments.report import report
@@ -32,16 +36,66 @@ from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import preflight
 
 
+@dataclasses.dataclass(frozen=True)
+class Descriptor:
+    """What one experiment module is: everything its command line and report need.
+
+    module: the module's import name, `__spec__.name` (under `python -m` its `__name__` is
+      "__main__"); the experiment's name is its last part, the default workdir
+      `runs/<name>`.
+    doc: the module's docstring (its first line is the `--help` description).
+    title: the report's title.
+    presets: {preset name: () -> Experiment}; "tiny" (the default preset) is required.
+    groups(variant names) -> {figure suffix: names} splits the comparison figure.
+    comparisons(variant names) -> [(a, b)]: the seed-paired differences to report.
+    cold_start_per_variant: each variant trains its own SFT cold start (its overrides
+      change the SFT data) in `<workdir>/<variant>/`; otherwise one shared cold start.
+    add_arguments(ap) adds the module's own flags; variants_from(args, ap) -> the variants
+      they ask for instead of the preset's (None: the preset's), refusing bad ones with
+      ap.error.
+    """
+
+    module: str
+    doc: str
+    title: str
+    presets: Mapping[str, Callable[[], Experiment]]
+    groups: Callable[[list[str]], dict] | None = None
+    comparisons: Callable[[list[str]], list[tuple[str, str]]] | None = None
+    cold_start_per_variant: bool = False
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    variants_from: Callable[..., tuple[Variant, ...] | None] | None = None
+
+    def __post_init__(self):
+        package, _, name = self.module.rpartition(".")
+        if package != "experiments" or not name:
+            raise ValueError(f"Descriptor.module={self.module!r} must be 'experiments.<name>'; "
+                             "pass module=__spec__.name")
+        if not (self.doc or "").strip():
+            raise ValueError(f"Descriptor.doc of {self.module}: empty; pass doc=__doc__ (the "
+                             "module's docstring, with its command line)")
+        if "tiny" not in self.presets:
+            raise ValueError(f"Descriptor.presets of {self.module}: {sorted(self.presets)} has "
+                             "no 'tiny' (the default preset, a few minutes on a CPU); add one")
+
+    @property
+    def name(self) -> str:
+        return self.module.rpartition(".")[2]
+
+    def main(self, argv=None) -> dict:
+        """`python -m experiments.<name> ...`: see `main`."""
+        return main(self, argv)
+
+
 def command(module: str, argv=None) -> str:
     """The command line that produced a report (for its header)."""
     args = sys.argv[1:] if argv is None else list(argv)
     return " ".join(["python -m experiments." + module, *args])
 
 
-def parser(description: str, experiments: dict, default_workdir: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--preset", default="tiny", choices=sorted(experiments))
-    ap.add_argument("--workdir", default=default_workdir)
+def parser(desc: Descriptor) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=desc.doc.strip().split("\n")[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(desc.presets))
+    ap.add_argument("--workdir", default=f"runs/{desc.name}")
     ap.add_argument("--seeds", default=None, help="comma-separated; default: the preset's")
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--hf", default="", metavar="CHECKPOINT_DIR",
@@ -103,32 +157,22 @@ def dry_run(exp: Experiment, variants, seeds, overrides) -> None:
 
 
 @one_line_errors
-def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, groups=None,
-         comparisons=None, cold_start_per_variant: bool = False, add_arguments=None,
-         variants_from=None) -> dict:
-    """The command line of an experiment module: parse, validate, (dry-)run, report.
+def main(desc: Descriptor, argv=None) -> dict:
+    """The command line of the experiment `desc`: parse, validate, (dry-)run, report.
 
-    experiments: {preset name: () -> Experiment} (the module's `EXPERIMENTS`).
-
-    groups(variant names) -> {figure suffix: names} splits the comparison figure.
-    cold_start_per_variant: each variant trains its own SFT cold start (its overrides
-    change the SFT data) in `<workdir>/<variant>/`; otherwise one shared cold start.
-    add_arguments(ap) adds the module's own flags; variants_from(args, ap) -> the variants
-    they ask for instead of the preset's (None: the preset's), refusing bad ones with
-    ap.error.
     Returns {variant: [metrics records per seed]}.
     """
-    ap = parser(doc.split("\n")[0], experiments, f"runs/{module}")
-    if add_arguments:
-        add_arguments(ap)
+    ap = parser(desc)
+    if desc.add_arguments:
+        desc.add_arguments(ap)
     args = ap.parse_args(argv)
     try:
         distributed.initialize_from(args)
     except ValueError as e:
         ap.error(str(e))
     compile_cache.enable(args.compile_cache)
-    exp = experiments[args.preset]()
-    own = variants_from(args, ap) if variants_from else None
+    exp = desc.presets[args.preset]()
+    own = desc.variants_from(args, ap) if desc.variants_from else None
     if own:
         exp = dataclasses.replace(exp, variants=own)
     if args.hf:
@@ -142,10 +186,7 @@ def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, gro
         return {}
     if args.report:
         runs, seeds = finished_runs(args.workdir, variants, seeds)
-        names = list(runs)
-        print(report(runs, args.workdir, title, command(module, argv),
-                     groups(names) if groups else None,
-                     comparisons(names) if comparisons else (), seeds))
+        print(_report(desc, runs, args.workdir, seeds, argv))
         return runs
     try:  # what this machine must offer, before any work starts
         for v in variants:
@@ -155,19 +196,24 @@ def main(module: str, doc: str, experiments: dict, title: str, argv=None, *, gro
     except (ValueError, PermissionError) as e:
         ap.error(str(e))
     with workdir.Lock(args.workdir, enabled=distributed.is_main()):
-        return _train(exp, args, module, title, variants, seeds, groups, comparisons,
-                      cold_start_per_variant, argv)
+        return _train(desc, exp, args, variants, seeds, argv)
 
 
-def _train(exp, args, module, title, variants, seeds, groups, comparisons,
-           cold_start_per_variant, argv) -> dict:
+def _report(desc: Descriptor, runs: dict, workdir_: str, seeds: dict, argv) -> str:
+    names = list(runs)
+    return report(runs, workdir_, desc.title, command(desc.name, argv),
+                  desc.groups(names) if desc.groups else None,
+                  desc.comparisons(names) if desc.comparisons else (), seeds)
+
+
+def _train(desc: Descriptor, exp: Experiment, args, variants, seeds, argv) -> dict:
     """main's training part, under the workdir's lock."""
     progress = not args.quiet
     allow = [f for f in args.allow_config_change.split(",") if f]  # checked in main
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
                             overrides=args.overrides, progress=progress,
                             allow_config_change=allow)
-    if cold_start_per_variant:
+    if desc.cold_start_per_variant:
         runs = {}
         for v in variants:
             data, params = task_and_cold_start(exp.config(v, seeds[0], args.overrides),
@@ -179,10 +225,5 @@ def _train(exp, args, module, title, variants, seeds, groups, comparisons,
                                            progress, hf=exp.hf)
         runs = run(data=data, params=params, variants=variants)
     if distributed.is_main():
-        names = [v.name for v in variants]
-        table = report(runs, args.workdir, title, command(module, argv),
-                       groups(names) if groups else None,
-                       comparisons(names) if comparisons else (),
-                       {n: seeds for n in names})
-        print(table)
+        print(_report(desc, runs, args.workdir, {v.name: seeds for v in variants}, argv))
     return runs

@@ -82,10 +82,11 @@ def sft_data_variants(args, ap) -> tuple[Variant, ...] | None:
     return tuple(variants)
 
 
-def main(argv=None) -> dict:
-    return cli.main("coldstart", __doc__, EXPERIMENTS, "Cold starts → MiniRL + R2 (N = 2)", argv,
-                    cold_start_per_variant=True, add_arguments=add_sft_data,
-                    variants_from=sft_data_variants)
+EXPERIMENT = cli.Descriptor(module=__spec__.name, doc=__doc__,
+                            title="Cold starts → MiniRL + R2 (N = 2)", presets=EXPERIMENTS,
+                            cold_start_per_variant=True, add_arguments=add_sft_data,
+                            variants_from=sft_data_variants)
+main = EXPERIMENT.main
 
 
 if __name__ == "__main__":

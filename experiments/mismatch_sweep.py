@@ -33,10 +33,11 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
             if f"{level}-minirl" in names and f"{level}-minirl-noIS" in names]
 
 
-def main(argv=None) -> dict:
-    return cli.main("mismatch_sweep", __doc__, EXPERIMENTS,
-                    "On-policy mismatch sweep (MiniRL with and without the IS weight)", argv,
-                    comparisons=comparisons)
+EXPERIMENT = cli.Descriptor(
+    module=__spec__.name, doc=__doc__,
+    title="On-policy mismatch sweep (MiniRL with and without the IS weight)",
+    presets=EXPERIMENTS, comparisons=comparisons)
+main = EXPERIMENT.main
 
 
 if __name__ == "__main__":

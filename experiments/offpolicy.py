@@ -81,9 +81,10 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
             if f"N{n}-{a}" in names and f"N{n}-{b}" in names]
 
 
-def main(argv=None) -> dict:
-    return cli.main("offpolicy", __doc__, EXPERIMENTS, "Off-policy (fixed mini-batch, N updates)",
-                    argv, groups=figure_groups, comparisons=comparisons)
+EXPERIMENT = cli.Descriptor(module=__spec__.name, doc=__doc__,
+                            title="Off-policy (fixed mini-batch, N updates)",
+                            presets=EXPERIMENTS, groups=figure_groups, comparisons=comparisons)
+main = EXPERIMENT.main
 
 
 if __name__ == "__main__":

@@ -69,9 +69,9 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if a in names and b in names]
 
 
-def main(argv=None) -> dict:
-    return cli.main("onpolicy", __doc__, EXPERIMENTS, "On-policy (N = 1)", argv,
-                    comparisons=comparisons)
+EXPERIMENT = cli.Descriptor(module=__spec__.name, doc=__doc__, title="On-policy (N = 1)",
+                            presets=EXPERIMENTS, comparisons=comparisons)
+main = EXPERIMENT.main
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def _task(path, **kw):
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_ids_equal_transformers_apply_chat_template(qwen_dir, system, thinking,
                                                      generation_prompt):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="the interop extra (transformers) is not installed")
     task = _task(qwen_dir, system_prompt=system, prompt_template=BOXED,
                  enable_thinking=thinking, add_generation_prompt=generation_prompt)
     ours = HFTokenizer.from_dir(str(qwen_dir)).encode(prompt_renderer(task)(QUESTION))

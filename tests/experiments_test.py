@@ -1,13 +1,20 @@
-"""Experiment modules: a couple of real steps of each tiny preset (smoke), the paper
-presets' settings, and the seed-averaging / summary helpers."""
+"""Experiment modules: the list of them, a couple of real steps of each tiny preset (smoke),
+every preset's settings, and the seed-averaging / summary helpers."""
+import importlib
+import inspect
 import json
+import sys
 
 import numpy as np
 import pytest
 
-from experiments import (async_staleness, coldstart, length_stats, mismatch_sweep, offpolicy,
-                         onpolicy, report, stats)
+import experiments
+from experiments import cli, length_stats, mismatch_sweep, offpolicy, onpolicy, report, stats
+from experiments.runner import Experiment, Variant
 from tolerance import bound
+
+# Every experiment module, found in the package: the tests below run over this.
+ALL = experiments.descriptors()
 
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
 # = 64 rows, the size of every variant's rollout batch, so eval reuses the compiled sampler.
@@ -16,20 +23,74 @@ from tolerance import bound
 FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
         "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=16",
         "rl.trim_bucket=4096"]
+# The variant each smoke run trains (one that takes the module's own path: replay,
+# staleness, its own cold start, FP8 activations) and the overrides that make its rollout
+# batch 64 rows. An experiment not named here runs its tiny preset's first variant.
+SMOKE = {
+    "onpolicy": ("minirl+R3", ["rl.prompts_per_step=8"]),  # 8 prompts × 8 = 64 rows
+    "offpolicy": ("N2-minirl+R2", []),
+    "coldstart": ("sft-terse", []),
+    "async_staleness": ("S1-minirl+R3", ["rl.prompts_per_step=8"]),
+    "mismatch_sweep": ("s0.3+actfp8-minirl", ["rl.prompts_per_step=8"]),
+}
+# The others' smoke runs take ~1.5 min each: `pytest -m slow` runs them.
+SMOKE_IN_DEFAULT_SUITE = ("onpolicy",)
 
 
-@pytest.mark.parametrize("module, only, extra", [
-    (onpolicy, "minirl+R3", ["rl.prompts_per_step=8"]),  # 8 prompts × 8 = 64 rows
-    # The other two smoke runs take ~1.5 min each: `pytest -m slow` runs them.
-    pytest.param(offpolicy, "N2-minirl+R2", [], marks=pytest.mark.slow),
-    pytest.param(coldstart, "sft-terse", [], marks=pytest.mark.slow),
-    pytest.param(async_staleness, "S1-minirl+R3", ["rl.prompts_per_step=8"],
-                 marks=pytest.mark.slow),
-])
-def test_tiny_preset_smoke(tmp_path, module, only, extra):
-    runs = module.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",
-                        "--compile-cache=",
-                        *FAST, *extra])
+def _smoke_cases() -> list:
+    cases = []
+    for name, desc in ALL.items():
+        only, extra = SMOKE.get(name) or (desc.presets["tiny"]().variants[0].name, [])
+        marks = () if name in SMOKE_IN_DEFAULT_SUITE else pytest.mark.slow
+        cases.append(pytest.param(desc, only, extra, id=name, marks=marks))
+    return cases
+
+
+def test_every_module_is_listed():
+    """Each module of the package is an experiment (it describes itself in EXPERIMENT and
+    runs as `python -m experiments.<name>`), another entry point, or shared code."""
+    names = experiments.module_names()
+    others, shared = set(experiments.OTHER_ENTRY_POINTS), set(experiments.SHARED)
+    assert others | shared <= set(names)  # no stale name
+    assert not others & shared and set(ALL) == set(names) - others - shared
+    assert set(SMOKE) <= set(ALL) and set(SMOKE_IN_DEFAULT_SUITE) <= set(ALL)
+    for name in [*ALL, *others]:
+        module = importlib.import_module(f"experiments.{name}")
+        assert callable(module.main), name
+        assert 'if __name__ == "__main__":' in inspect.getsource(module), name
+        if name in ALL:
+            assert ALL[name].name == name and module.main == ALL[name].main
+    for name in shared:
+        assert 'if __name__ == "__main__":' not in inspect.getsource(
+            importlib.import_module(f"experiments.{name}")), name
+
+
+def test_a_module_of_no_kind_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "stray.py").write_text('"""Neither an experiment nor listed."""\n')
+    monkeypatch.setattr(experiments, "__path__", [*experiments.__path__, str(tmp_path)])
+    try:
+        with pytest.raises(TypeError, match=r"experiments/stray.py: no EXPERIMENT = "):
+            experiments.descriptors()
+    finally:
+        sys.modules.pop("experiments.stray", None)
+
+
+def test_descriptor_refuses_what_the_command_line_cannot_run():
+    presets = {"tiny": lambda: Experiment(onpolicy.tiny_base(), (Variant("a"),))}
+    ok = dict(module="experiments.x", doc="X.", title="X", presets=presets)
+    assert cli.Descriptor(**ok).name == "x"
+    with pytest.raises(ValueError, match="pass module=__spec__.name"):
+        cli.Descriptor(**{**ok, "module": "__main__"})  # a module's __name__ under -m
+    with pytest.raises(ValueError, match="pass doc=__doc__"):
+        cli.Descriptor(**{**ok, "doc": None})
+    with pytest.raises(ValueError, match="no 'tiny'"):
+        cli.Descriptor(**{**ok, "presets": {"paper": presets["tiny"]}})
+
+
+@pytest.mark.parametrize("desc, only, extra", _smoke_cases())
+def test_tiny_preset_smoke(tmp_path, desc, only, extra):
+    runs = desc.main(["--workdir", str(tmp_path), "--seeds", "0", "--only", only, "--quiet",
+                      "--compile-cache=", *FAST, *extra])
     assert list(runs) == [only] and len(runs[only]) == 1
     records = runs[only][0]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -40,8 +101,8 @@ def test_tiny_preset_smoke(tmp_path, module, only, extra):
     assert only in (tmp_path / "summary.md").read_text()
     # --report rebuilds the same summary from the stored metrics, running nothing.
     (tmp_path / "summary.md").unlink()
-    again = module.main(["--workdir", str(tmp_path), "--seeds", "0,1", "--only", only,
-                         "--report", *FAST, *extra])
+    again = desc.main(["--workdir", str(tmp_path), "--seeds", "0,1", "--only", only,
+                       "--report", *FAST, *extra])
     assert again == runs  # seed 1 never ran: left out
     assert only in (tmp_path / "summary.md").read_text()
 
@@ -73,11 +134,23 @@ def test_length_stats_prints_a_row_per_noise_level(tmp_path):
     assert all(0 <= r["beyond_cap"] <= 1 and r["s_sd"] >= 0 for r in rows)
 
 
-@pytest.mark.parametrize("module", [onpolicy, offpolicy, coldstart])
-def test_paper_preset_states_the_paper_settings(module, capsys):
-    exp = module.EXPERIMENTS["paper"]()
-    assert len(exp.seeds) >= 2 and len(exp.variants) == len({v.name for v in exp.variants})
-    module.main(["--preset", "paper", "--dry-run"])
+@pytest.mark.parametrize("name, preset", [(n, p) for n, d in ALL.items() for p in d.presets])
+def test_every_preset_dry_runs_each_variant(name, preset, capsys):
+    desc = ALL[name]
+    exp = desc.presets[preset]()
+    names = [v.name for v in exp.variants]
+    assert len(exp.seeds) >= 2 and len(names) == len(set(names))
+    assert desc.main(["--preset", preset, "--dry-run"]) == {}
+    out = capsys.readouterr().out
+    assert [line.split(" (seeds ")[0] for line in out.splitlines()
+            if " (seeds " in line] == names
+
+
+@pytest.mark.parametrize("name", [n for n, d in ALL.items() if "paper" in d.presets])
+def test_paper_preset_states_the_paper_settings(name, capsys):
+    desc = ALL[name]
+    exp = desc.presets["paper"]()
+    desc.main(["--preset", "paper", "--dry-run"])
     out = capsys.readouterr().out
     assert "E=128 K=8" in out and "numerics=fp8" in out and "G=16" in out
     for v in exp.variants:
