@@ -32,6 +32,7 @@ import numpy as np
 
 from benchmarks.timing import matmul_peak, median_seconds
 from stablerl_jax.kernels import gmm_pallas
+from stablerl_jax.kernels.gmm import gmm
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks
 
 # gmm (forward and d lhs): rows, cols, depth, warps, stages
@@ -95,8 +96,7 @@ def main():
           f"F {args.f}, E {args.e}, tile {args.tile}; measured {args.dtype} matmul peak "
           f"{peak / 1e12:.0f} TFLOP/s; median of {args.reps}", flush=True)
 
-    ragged = GMM_IMPLS["ragged_dot"].load()
-    want = jax.jit(lambda a, b, s: ragged(a, b, s, args.tile))(lhs, rhs, sizes)
+    want = jax.jit(lambda a, b, s: gmm(a, b, s, args.tile, impl="ragged_dot"))(lhs, rhs, sizes)
 
     def rel(got):
         g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -157,17 +157,15 @@ def main():
           "% of peak | rel. err. fwd |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in paths:
-        row = GMM_IMPLS[path]
-        kw = {"interpret": args.interpret} if row.pallas else {}
+        op = functools.partial(gmm, tile=args.tile, impl=path, block=blocks.get(path),
+                               interpret=args.interpret)
         if path in ours:
             block = blocks[path]
-            op = functools.partial(row.load(), tile=args.tile, block=block, **kw)
-            fwd, dl, dr = kernels(block, row.options["target"])
+            fwd, dl, dr = kernels(block, GMM_IMPLS[path].options["target"])
             name = (f"{block.rows}/{block.cols}/{block.depth} w{block.num_warps} "
                     f"s{block.num_stages}; t{block.t_rows}/{block.t_cols}/{block.t_depth} "
                     f"w{block.t_num_warps} s{block.t_num_stages}")
         else:
-            op = functools.partial(row.load(), tile=args.tile, **kw)
             fwd = jax.jit(lambda a, b, s, op=op: op(a, b, s))
             dl = dr = None
             name = "-"

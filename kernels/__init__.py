@@ -3,17 +3,28 @@
 Installed as `stablerl_jax.kernels` ([tool.setuptools.package-dir] in pyproject.toml; in
 a source checkout the link stablerl_jax/kernels -> ../kernels does the same). For an op X:
 
-    X.py          the op's entry point and its pure-JAX implementations, the reference first
-    X_pallas.py   its Pallas kernels
-    X_impls.py    its table (name -> `Impl`), its block sizes, and the example shapes the
-                  AOT command (aot.compile_kernels) compiles it at; no JAX import, so the
-                  config validates names against the table when it is imported
+    X.py          the op's dispatcher `X(..., impl=name)` and its pure-JAX
+                  implementations, the reference first
+    X_pallas.py   its Pallas kernels; the implementation that runs them is here when
+                  it has a VJP of its own (gmm_pallas.pallas), in X.py when it shares
+                  one with a pure-JAX implementation (fused_logprob.pallas)
+    X_impls.py    its table (name -> `Impl`, each row saying what it is), its block
+                  sizes, and the example shapes the AOT command (aot.compile_kernels)
+                  compiles it at; no JAX import, so the config validates names against
+                  the table when it is imported
+
+An implementation is named after its row ("loop" is `gmm.loop`); the rows of one
+function for several targets are `<name>_<target>` ("pallas_gpu" is `gmm_pallas.pallas`
+with target="gpu"). A caller that picks a row by name looks it up once: `lookup(table,
+name, field).load(block=, interpret=)` is the callable, and the dispatcher is that
+call on the op's arguments.
 
 Ops: the fused token log-prob / entropy (fused_logprob*, `LOGPROB_IMPLS`, chosen by
 RLConfig.logprob_impl) and the grouped matmul of the MoE expert FFN (gmm*, `GMM_IMPLS`,
 chosen by ModelConfig.gmm_impl). The model, the config, the AOT kernel list, the kernel
 tests and the benchmarks all read the tables, so a new implementation is one function
-and one table row (docs/architecture.md, "Add a kernel").
+and one table row (docs/architecture.md, "Add a kernel"). Shape letters are those of
+docs/architecture.md's "Names"; each module lists the ones it uses.
 """
 from __future__ import annotations
 
@@ -54,12 +65,18 @@ class Impl:
         if not set(self.backends) <= set(BACKENDS):
             raise ValueError(f"Impl.backends={self.backends!r} must be among {BACKENDS}")
 
-    def load(self) -> Callable:
-        """The callable with its options and its default `block=` bound (a caller's own
-        `block=` overrides it)."""
+    def load(self, *, block: Any = None, interpret: bool = False) -> Callable:
+        """The callable with its options bound; with its block sizes, `block` or else its
+        defaults, when it has tiles (`block` is ignored otherwise); and, for a Pallas
+        kernel, `interpret` (ignored otherwise). Bound by keyword: a caller's own
+        `block=` or `interpret=` still overrides them."""
         module, attr = self.fn.split(":")
         fn = getattr(importlib.import_module(module), attr)
-        bound = dict(self.options, **({} if self.blocks is None else {"block": self.blocks}))
+        bound = dict(self.options)
+        if self.blocks is not None:
+            bound["block"] = self.blocks if block is None else block
+        if self.pallas:
+            bound["interpret"] = interpret
         return functools.partial(fn, **bound) if bound else fn
 
 

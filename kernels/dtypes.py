@@ -1,5 +1,14 @@
-"""The accumulation dtype every op and the model share."""
+"""The accumulation dtype and the mask value every op and the model share."""
 import jax.numpy as jnp
+
+# What a masked logit or attention score is set to (and where an online log-sum-exp's
+# running max starts): the most negative float32, not −inf. Beside any real entry
+# exp(MASK_VALUE − max) underflows to exactly 0, as with −inf; but a row with every entry
+# masked stays finite (its softmax is uniform, not NaN), and MASK_VALUE − m for a real
+# max |m| < 1e31 rounds back to MASK_VALUE instead of overflowing. Logits and scores are
+# float32 or wider (`accum_dtype`), where it is representable; a Python float, so it
+# never promotes the array it fills.
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
 
 def accum_dtype(dtype):

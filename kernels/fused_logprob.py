@@ -1,31 +1,31 @@
-"""Fused token log-prob + full-vocabulary entropy that never materializes [T, V] logits.
+"""Fused token log-prob + full-vocabulary entropy that never materializes [T, V] logits:
+the op's dispatcher `fused_logprob(..., impl=name)` and its implementations `naive`,
+`chunked` and `pallas`, each named after its row of fused_logprob_impls.LOGPROB_IMPLS,
+which says what every row is ("pallas_gpu" / "pallas_tpu" are `pallas` with target
+"gpu" / "tpu"; its kernels are in fused_logprob_pallas.py).
 
-Letters: T tokens, D model, V vocab, C vocab chunk.
+Letters: T tokens, D model, V vocab, W vocab columns of one chunk, J = ⌈V / W⌉ chunks.
+U is the unembedding matrix (unembed_DxV).
 
-    z = h W  (per token, over the vocabulary; float32 accumulation)
+    z = h U  (per token, over the vocabulary; float32 accumulation)
     lse = log Σ_v exp z_v,   E_p[z] = Σ_v p_v z_v,   p = softmax(z)
     logp = z_y − lse,        entropy = lse − E_p[z]
 
-The forward streams vocab chunks with an online log-sum-exp (running max m, Σ e^{z−m},
-Σ e^{z−m}·z) and saves only lse and E_p[z] per token. The target logit z_y = h · W[:, y]
+`naive` is the reference: full float32 logits, log_softmax, gather; O(T·V) memory. The
+others stream vocab chunks with an online log-sum-exp (running max m, Σ e^{z−m},
+Σ e^{z−m}·z) and save only lse and E_p[z] per token. The target logit z_y = h · U[:, y]
 is a [T, D] gather and a row-wise dot, not a compare over every logit. The backward
 (custom VJP) recomputes each chunk's logits:
 
     dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
-    dh += dz Wᵀ,   dW[:, chunk] = hᵀ dz
+    dh += dz Uᵀ,   dU[:, chunk] = hᵀ dz
 
-No gradient is filtered or approximated: IS ratios amplify tiny log-prob errors.
-
-Implementations (the rows of fused_logprob_impls.LOGPROB_IMPLS):
-- `reference` ("naive"): full float32 logits, log_softmax, gather. O(T·V) memory.
-- `chunked`: pure JAX, `lax.scan` over vocab chunks with the custom VJP above. Memory
-  O(T·C) forward. The default, and the fallback everywhere.
-- `pallas` ("pallas_gpu" / "pallas_tpu"): the same custom VJP with the forward statistics
-  and both gradients computed by Pallas kernels (fused_logprob_pallas.py), compiled for
-  `target` ("gpu": Triton, "tpu": Mosaic), or run in Pallas's checking interpreter with
-  `interpret=True` (how the CPU tests run them). The caller chooses; nothing here looks
-  at the platform.
-`fused_logprob(..., impl=name)` runs the implementation the table names.
+`chunked` runs this in pure JAX, a `lax.scan` over chunks of W = `block.chunk` columns
+(memory O(T·W) forward); `pallas` runs the forward statistics and the logit cotangent as
+Pallas kernels compiled for `target` ("gpu": Triton, "tpu": Mosaic), or in Pallas's
+checking interpreter with `interpret=True` (how the CPU tests run them). The caller
+chooses; nothing here looks at the platform. No gradient is filtered or approximated:
+IS ratios amplify tiny log-prob errors.
 """
 from __future__ import annotations
 
@@ -36,10 +36,9 @@ import jax.numpy as jnp
 
 from stablerl_jax.kernels import fused_logprob_pallas as _pallas
 from stablerl_jax.kernels import lookup
-from stablerl_jax.kernels.dtypes import accum_dtype
+from stablerl_jax.kernels.dtypes import MASK_VALUE, accum_dtype
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 
-_NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in masked columns
 # Full float32 matmuls for float32 inputs: GPUs otherwise default to TF32 (~1e-3 relative
 # error in the logits), which IS ratios would amplify. A no-op on CPU and for bf16 inputs.
 _HI = jax.lax.Precision.HIGHEST
@@ -58,8 +57,8 @@ def _check(hidden_TxD, unembed_DxV, targets_T):
         raise ValueError(f"fused_logprob: targets dtype {targets_T.dtype} must be integer")
 
 
-def reference(hidden_TxD, unembed_DxV, targets_T):
-    """The naive reference: full float32 logits, log_softmax, gather."""
+def naive(hidden_TxD, unembed_DxV, targets_T):
+    """The reference: full float32 logits, log_softmax, gather."""
     _check(hidden_TxD, unembed_DxV, targets_T)
     z = jnp.dot(hidden_TxD, unembed_DxV, preferred_element_type=jnp.float32, precision=_HI)
     logp_all = jax.nn.log_softmax(z, axis=-1)
@@ -69,16 +68,16 @@ def reference(hidden_TxD, unembed_DxV, targets_T):
 
 
 def _target_logit(hidden_TxD, unembed_DxV, targets_T):
-    """z_y = h · W[:, y] per token: O(T·D), row-wise, so batch invariant."""
+    """z_y = h · U[:, y] per token: O(T·D), row-wise, so batch invariant."""
     acc = accum_dtype(hidden_TxD.dtype)
     w_y = jnp.take(unembed_DxV, targets_T, axis=1).T.astype(acc)     # [T, D]
     return jnp.sum(hidden_TxD.astype(acc) * w_y, axis=1)
 
 
 def _chunk(unembed_DxV, j, c):
-    """Chunk j: columns [start, start + C) with start = min(j·C, V − C), so a ragged last
-    chunk overlaps its predecessor instead of padding W (a padded copy of W would cost
-    O(D·V) memory). `new` marks the columns this chunk is the first to cover."""
+    """Chunk j: columns [start, start + W) with start = min(j·W, V − W), W = c, so a ragged
+    last chunk overlaps its predecessor instead of padding U (a padded copy of U would
+    cost O(D·V) memory). `new` marks the columns this chunk is the first to cover."""
     v = unembed_DxV.shape[1]
     start = jnp.minimum(j * c, v - c)
     col = start + jnp.arange(c)
@@ -96,20 +95,20 @@ def _stats_chunked(hidden_TxD, unembed_DxV, c):
         w_c, _, new = _chunk(unembed_DxV, j, c)
         z = jnp.dot(hidden_TxD, w_c, preferred_element_type=acc, precision=_HI)
         if ragged:
-            z = jnp.where(new[None, :], z, _NEG)
+            z = jnp.where(new[None, :], z, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         scale = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new[:, None])
         return (m_new, s * scale + jnp.sum(e, axis=1), sz * scale + jnp.sum(e * z, axis=1)), None
 
-    init = (jnp.full((t,), _NEG, acc), jnp.zeros((t,), acc), jnp.zeros((t,), acc))
+    init = (jnp.full((t,), MASK_VALUE, acc), jnp.zeros((t,), acc), jnp.zeros((t,), acc))
     (m, s, sz), _ = jax.lax.scan(body, init, jnp.arange(-(-v // c)))
     return m + jnp.log(s), sz / s
 
 
 def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent, c):
-    """(dh [T, D], dW [D, V]) in the accumulation dtype. dW comes out of the scan as
-    stacked [C, D] chunks (dzᵀ h), so it is assembled by a reshape rather than by
+    """(dh [T, D], dU [D, V]) in the accumulation dtype. dU comes out of the scan as
+    stacked [W, D] chunks (dzᵀ h), so it is assembled by a reshape rather than by
     updating a [D, V] carry every step."""
     v = unembed_DxV.shape[1]
     n, r = -(-v // c), v - (-(-v // c) - 1) * c  # chunks; new columns in the last one
@@ -130,7 +129,7 @@ def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent
 
     dh, dwt_JxWxD = jax.lax.scan(body, jnp.zeros(h.shape, acc), jnp.arange(n))
     dwt_VxD = dwt_JxWxD.reshape(n * c, -1)
-    if r != c:  # the last chunk started at V − C: keep only its r new columns
+    if r != c:  # the last chunk started at V − W: keep only its r new columns
         dwt_VxD = jnp.concatenate([dwt_VxD[:(n - 1) * c], dwt_VxD[n * c - r:]])
     return dh, dwt_VxD.T
 
@@ -187,8 +186,6 @@ def fused_logprob(hidden_TxD, unembed_DxV, targets_T, *, impl: str = "chunked",
     `impl` names in LOGPROB_IMPLS. `block` replaces its default block sizes (one without
     tiles ignores it); `interpret` runs a Pallas implementation in the checking
     interpreter (others ignore it)."""
-    row = lookup(LOGPROB_IMPLS, impl, "fused_logprob: impl")
-    kw = {} if block is None or row.blocks is None else {"block": block}
-    if row.pallas:
-        kw["interpret"] = interpret
-    return row.load()(hidden_TxD, unembed_DxV, targets_T, **kw)
+    fn = lookup(LOGPROB_IMPLS, impl, "fused_logprob: impl").load(block=block,
+                                                                 interpret=interpret)
+    return fn(hidden_TxD, unembed_DxV, targets_T)

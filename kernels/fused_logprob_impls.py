@@ -1,14 +1,12 @@
 """The fused log-prob / entropy op's table: its implementations, block sizes and example
 shapes. No JAX here (the config validates RLConfig.logprob_impl against `LOGPROB_IMPLS`).
 
-Letters: T tokens, D model, V vocab.
+Letters: T tokens, D model, V vocab, W vocab columns of one chunk.
 
 Every implementation computes (logp_T, entropy_T) = fn(hidden_TxD, unembed_DxV,
-targets_T[, block=][, interpret=]) (fused_logprob.py):
-- "naive": the reference, full float32 logits. O(T·V) memory.
-- "chunked": pure JAX, a scan over vocab chunks with a custom VJP; the default.
-- "pallas_gpu" / "pallas_tpu": the Pallas kernels (fused_logprob_pallas.py) compiled by
-  Triton / Mosaic.
+targets_T[, block=][, interpret=]) (fused_logprob.py; `fused_logprob.fused_logprob(...,
+impl=name)` runs a row). Each row of `LOGPROB_IMPLS` says what it is; the reference is
+"naive".
 """
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from stablerl_jax.kernels import Arg, Impl, check_blocks
 
 @dataclasses.dataclass(frozen=True)
 class LogprobBlocks:
-    """Tile sizes. `chunk`: the vocab chunk C of "chunked". The rest are the Pallas
+    """Tile sizes. `chunk`: the vocab chunk W of "chunked". The rest are the Pallas
     kernels' blocks: forward token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles
     streamed per program; backward: `bwd_chunk` vocab columns per step of its scan, dz
     kernel tile `bwd_tokens` × `bwd_vocab`; `dim`, the D slice both kernels accumulate
@@ -52,8 +50,12 @@ LOGPROB_TPU_BLOCKS = LogprobBlocks(chunk=2048, tokens=256, vocab=512, vocab_tile
 
 _OP = "stablerl_jax.kernels.fused_logprob"
 LOGPROB_IMPLS: dict[str, Impl] = {
-    "naive": Impl(f"{_OP}:reference", ("cpu", "gpu", "tpu")),
+    # The reference: full float32 logits, log_softmax, gather. O(T·V) memory.
+    "naive": Impl(f"{_OP}:naive", ("cpu", "gpu", "tpu")),
+    # Pure JAX, a scan over vocab chunks with a custom VJP. O(T·W) memory; the default.
     "chunked": Impl(f"{_OP}:chunked", ("cpu", "gpu", "tpu"), blocks=LogprobBlocks()),
+    # The same custom VJP with the Pallas kernels (fused_logprob_pallas.py) compiled by
+    # Triton / Mosaic.
     "pallas_gpu": Impl(f"{_OP}:pallas", ("gpu",), {"target": "gpu"}, LogprobBlocks(),
                        pallas=True),
     "pallas_tpu": Impl(f"{_OP}:pallas", ("tpu",), {"target": "tpu"}, LOGPROB_TPU_BLOCKS,

@@ -1,39 +1,46 @@
 """Pallas kernels of the fused log-prob op: forward statistics and the logit cotangent.
+They run inside `fused_logprob.pallas` (its custom VJP; the rows "pallas_gpu" /
+"pallas_tpu" of fused_logprob_impls.LOGPROB_IMPLS).
 
-Letters: T tokens, D model, V vocab, C vocab chunk, Bt token block, Bv vocab tile,
-Bd D slice, L vocab tiles per forward program, S = V / (L·Bv) vocab splits of the
-forward grid.
+Letters: T tokens, D model, V vocab, W vocab columns of one backward chunk, J = ⌈V / W⌉
+chunks, Bt token block, Bv vocab tile, Bd D slice; Tp, Dp, Vp: T, D, V padded up to
+their blocks. Counts local to this module: `tiles` vocab tiles per forward program,
+`splits` = ⌈V / (tiles·Bv)⌉ vocab splits of the forward grid. U is the unembedding
+matrix (unembed_DxV).
 
-Every kernel computes a logit tile z = h W[:, tile] as a matmul K loop over D in Bd
+Every kernel computes a logit tile z = h U[:, tile] as a matmul K loop over D in Bd
 slices (float32 accumulation) and consumes it in registers.
 
-Forward, grid (T/Bt, S): program (i, j) streams L vocab tiles of its token block through
-an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z). Logits never leave the
-program. With S > 1 (more programs than token blocks alone give) a small combine in JAX
-merges the S partial statistics ([S, T], not [T, V]):
+Forward, grid (T/Bt, splits): program (i, j) streams `tiles` vocab tiles of its token
+block through an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z). Logits
+never leave the program. With splits > 1 (more programs than token blocks alone give) a
+small combine in JAX merges the partial statistics ([splits, T], not [T, V]):
 
-    M = max_j m_j,  Sum = Σ_j s_j e^{m_j − M},  lse = M + log Sum,
-    E_p[z] = Σ_j sz_j e^{m_j − M} / Sum
+    m* = max_j m_j,  s* = Σ_j s_j e^{m_j − m*},  lse = m* + log s*,
+    E_p[z] = Σ_j sz_j e^{m_j − m*} / s*
 
-Backward, from the saved lse and E_p[z], a `lax.scan` over vocab chunks of C columns.
-Per chunk the dz kernel, grid (T/Bt, C/Bv), recomputes each logit tile and writes
+Backward, from the saved lse and E_p[z], a `lax.scan` over J vocab chunks of W =
+`block.bwd_chunk` columns. Per chunk the dz kernel, grid (T/Bt, W/Bv), recomputes each
+logit tile and writes
 
     p = e^{z − lse},  dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
 
-as a [T, C] array in the input dtype; two XLA matmuls then take dh += dz W_cᵀ and
-dW_c = hᵀ dz. The gradient matmuls are plain GEMMs that the vendor library runs at full
-rate, and each output has one writer, so the result is deterministic and the same code
-runs in the CPU interpreter and on TPU. Memory: O(T·C) for dz, not O(T·V). With bf16
-inputs dz is rounded to bf16 for the two gradient matmuls (tensor-core rate, as flash
-attention does with its score gradient); statistics stay float32.
+as a [T, W] array in the input dtype; two XLA matmuls then take dh += dz U_cᵀ and
+dU_c = hᵀ dz (U_c: the chunk's columns of U). The gradient matmuls are plain GEMMs that
+the vendor library runs at full rate, and each output has one writer, so the result is
+deterministic and the same code runs in the CPU interpreter and on TPU. Memory: O(T·W)
+for dz, not O(T·V). With bf16 inputs dz is rounded to bf16 for the two gradient matmuls
+(tensor-core rate, as flash attention does with its score gradient); statistics stay
+float32.
 
 T and V are padded up to the blocks: padded vocab columns are masked in the forward
-(z → −1e30); in the backward their W columns are zero, so they add nothing to dh, and
-their dW columns are sliced off. Padded tokens carry zero cotangents and are sliced off.
-Compiled for the GPU (`target="gpu"`, Triton) every loaded block must be a power of two
-and a dot at least 16 wide, so D is zero-padded there (zero columns change no dot
-product). `target="tpu"` (Mosaic) and the interpreter need no padding. The caller names
-the target and whether to interpret: nothing here looks at the platform.
+(z → MASK_VALUE, kernels/dtypes.py); in the backward their U columns are zero, so they
+add nothing to dh, and their dU columns are sliced off. Padded tokens carry zero
+cotangents and are sliced off. Compiled for the GPU (`target="gpu"`, Triton) every
+loaded block must be a power of two and a dot at least 16 wide, so D is zero-padded
+there (zero columns change no dot product). `target="tpu"` (Mosaic) and the interpreter
+need no padding. The caller names the target and whether to interpret: nothing here
+looks at the platform.
 """
 from __future__ import annotations
 
@@ -45,8 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from stablerl_jax.kernels import TARGETS
-
-_NEG = -1e30  # "minus infinity" that keeps exp() and arithmetic finite in padded columns
+from stablerl_jax.kernels.dtypes import MASK_VALUE
 
 
 def _dot(a, b, contract=((1,), (0,))):
@@ -60,7 +66,7 @@ def _dot(a, b, contract=((1,), (0,))):
 
 
 def _logits(h_ref, w_ref, cols, bd):
-    """z = h W[:, cols] for the program's token block, float32 [Bt, Bv]: one dot over
+    """z = h U[:, cols] for the program's token block, float32 [Bt, Bv]: one dot over
     the whole of D, or (bd < D) a loop over D in bd-wide slices, the usual matmul K
     loop, which keeps the operand tiles small enough to pipeline."""
     bt, dp = h_ref.shape
@@ -83,14 +89,14 @@ def _fwd_kernel(h_ref, w_ref, m_ref, s_ref, sz_ref, *, v, bv, bd, tiles, ragged)
         z = _logits(h_ref, w_ref, pl.ds(pl.multiple_of(k * bv, bv), bv), bd)  # [Bt, Bv]
         if ragged:
             col = (j * tiles + k) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
-            z = jnp.where(col < v, z, _NEG)
+            z = jnp.where(col < v, z, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
         scale = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new)
         return (m_new, s * scale + jnp.sum(e, axis=1, keepdims=True),
                 sz * scale + jnp.sum(e * z, axis=1, keepdims=True))
 
-    init = (jnp.full((bt, 1), _NEG, jnp.float32), jnp.zeros((bt, 1), jnp.float32),
+    init = (jnp.full((bt, 1), MASK_VALUE, jnp.float32), jnp.zeros((bt, 1), jnp.float32),
             jnp.zeros((bt, 1), jnp.float32))
     m, s, sz = jax.lax.fori_loop(0, tiles, body, init)
     m_ref[...], s_ref[...], sz_ref[...] = m, s, sz
@@ -105,7 +111,7 @@ def _dz(z, col, y, lse, ez, gl, ge):
 def _dz_kernel(h_ref, w_ref, y_ref, lse_ref, ez_ref, gl_ref, ge_ref, dz_ref, *, bd):
     """One [Bt, Bv] tile of dz for the current vocab chunk, in the input dtype. Targets
     arrive relative to the chunk, so the kernel needs no chunk offset; padded vocab
-    columns need no mask (their W columns are zero: they add nothing to d hidden, and
+    columns need no mask (their U columns are zero: they add nothing to d hidden, and
     their d unembed columns are sliced off)."""
     bt, bv = dz_ref.shape
     z = _logits(h_ref, w_ref, pl.ds(0, bv), bd)  # w_ref is this program's [Dp, Bv] tile
@@ -142,7 +148,7 @@ def _check_mosaic(block, d: int, target: str, interpret: bool) -> None:
 
 
 def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, triton):
-    """Zero-padded h [Tp, Dp], W [Dp, Vp] in one dtype (Triton dots need equal operand
+    """Zero-padded h [Tp, Dp], U [Dp, Vp] in one dtype (Triton dots need equal operand
     types), Dp a multiple of the D slice; and that slice, at most Dp."""
     t, d = hidden_TxD.shape
     dtype = jnp.promote_types(hidden_TxD.dtype, unembed_DxV.dtype)
@@ -210,9 +216,10 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
 
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,
                     block, target: str, interpret: bool):
-    """(d hidden [T, D], d unembed [D, V]) in float32: a scan over vocab chunks of C =
-    `block.bwd_chunk` columns; per chunk the dz kernel writes dz [T, C] in the input dtype
-    and two XLA matmuls take dh += dz W_cᵀ and dW_c = hᵀ dz. Memory O(T·C)."""
+    """(d hidden [T, D], d unembed [D, V]) in float32: a scan over J vocab chunks of W =
+    `block.bwd_chunk` columns (rounded up to Bv); per chunk the dz kernel writes dz
+    [T, W] in the input dtype and two XLA matmuls take dh += dz U_cᵀ and dU_c = hᵀ dz.
+    Memory O(T·W)."""
     t, d = hidden_TxD.shape
     v = unembed_DxV.shape[1]
     bt, bv = block.bwd_tokens, block.bwd_vocab
@@ -236,9 +243,9 @@ def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g
     )
 
     def body(dh, k):
-        w_c = jax.lax.dynamic_slice_in_dim(w, k * c, c, axis=1)              # [Dp, C]
-        dz = dz_call(h, w_c, _col(targets_T - k * c, tp, jnp.int32), *stats)  # [Tp, C]
-        return dh + _dot(dz, w_c, ((1,), (1,))), _dot(dz, h, ((0,), (0,)))  # dW_cᵀ [C, Dp]
+        w_c = jax.lax.dynamic_slice_in_dim(w, k * c, c, axis=1)              # [Dp, W]
+        dz = dz_call(h, w_c, _col(targets_T - k * c, tp, jnp.int32), *stats)  # [Tp, W]
+        return dh + _dot(dz, w_c, ((1,), (1,))), _dot(dz, h, ((0,), (0,)))  # dU_cᵀ [W, Dp]
 
     dh, dwt = jax.lax.scan(body, jnp.zeros(h.shape, jnp.float32), jnp.arange(n))
     return dh[:t, :d], dwt.reshape(n * c, dp)[:v, :d].T

@@ -1,22 +1,24 @@
-"""The grouped matmul's pure-JAX implementations: the reference (`gmm`, a loop with its
-VJP), `gmm_tiles`, and `ragged_dot` and `megablox` under the same contract. Their names
-and the Pallas kernels' are in gmm_impls.GMM_IMPLS.
+"""The grouped matmul: its dispatcher `gmm(..., impl=name)` and its pure-JAX
+implementations (the reference `loop`, `tiles`, `ragged_dot`, `megablox`), each named
+after its row of gmm_impls.GMM_IMPLS, which says what every row is. The Pallas kernels
+are in gmm_pallas.py.
 
-Letters: P rows (sorted by group), D input width, F output width, E groups (experts).
+Letters: R rows (sorted by group), D input width, F output width, E groups (experts),
+W = `tile` rows of a row tile, J = R / W row tiles.
 
     out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
 
 Rows are sorted by group and every group size is a multiple of `tile`, so each tile of
-`tile` rows belongs to exactly one group. The op loops over groups and, inside, over that
-group's tiles, with trip counts read from `group_sizes` at run time: an empty group costs
-nothing, and the FLOPs are those of the routed tokens plus at most tile−1 padding rows per
-group. Rows past Σ group_sizes are left zero.
+`tile` rows belongs to exactly one group. The reference, `loop`, loops over groups and,
+inside, over that group's tiles, with trip counts read from `group_sizes` at run time:
+an empty group costs nothing, and the FLOPs are those of the routed tokens plus at most
+tile−1 padding rows per group. Rows past Σ group_sizes are left zero.
 
-On CPU this beats `jax.lax.ragged_dot`, which lowers to a dense masked computation over
+On CPU `loop` beats `jax.lax.ragged_dot`, which lowers to a dense masked computation over
 all groups. On TPU / GPU a Pallas grouped matmul (gmm_pallas.py, megablox) with the same
 (lhs, rhs, group_sizes) contract replaces it (ModelConfig.gmm_impl).
 
-Backward (custom VJP):
+Backward of `loop` (custom VJP):
     d lhs    = grouped matmul of d out with rhsᵀ (same loop, contracting F)
     d rhs[e] = Σ over e's tiles of lhs_tileᵀ · d out_tile
 
@@ -31,7 +33,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from stablerl_jax.kernels import lookup
 from stablerl_jax.kernels.dtypes import accum_dtype
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -41,7 +45,7 @@ def _tile_ranges(group_sizes_E: jax.Array, tile: int):
     return end_E - group_sizes_E // tile, end_E
 
 
-def _loop(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, precision):
+def _grouped(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, precision):
     """out = lhs @ rhs[g] (or lhs @ rhs[g]ᵀ when transpose_rhs)."""
     start_E, end_E = _tile_ranges(group_sizes_E, tile)
     out_dim = rhs_ExDxF.shape[1] if transpose_rhs else rhs_ExDxF.shape[2]
@@ -83,9 +87,10 @@ def _tgmm(lhs_RxD, dout_RxF, group_sizes_E, tile: int, rhs_like, precision):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gmm(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
-        tile: int, precision=HIGHEST) -> jax.Array:
-    """Grouped matmul: rows of lhs sorted by group, each group a multiple of `tile`."""
+def loop(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
+         tile: int, precision=HIGHEST) -> jax.Array:
+    """The reference: a loop over groups and their tiles (module docstring), with its
+    own VJP."""
     if lhs_RxD.shape[0] % tile:
         raise ValueError(f"gmm: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
     if lhs_RxD.shape[1] != rhs_ExDxF.shape[1]:
@@ -94,43 +99,43 @@ def gmm(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
     if group_sizes_E.shape != (rhs_ExDxF.shape[0],):
         raise ValueError(f"gmm: group_sizes shape {group_sizes_E.shape} must be "
                          f"({rhs_ExDxF.shape[0]},)")
-    return _loop(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, False, precision)
+    return _grouped(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, False, precision)
 
 
-def _gmm_fwd(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision):
-    out = gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision)
+def _loop_fwd(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision):
+    out = loop(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision)
     return out, (lhs_RxD, rhs_ExDxF, group_sizes_E)
 
 
-def _gmm_bwd(tile, precision, res, dout_RxF):
+def _loop_bwd(tile, precision, res, dout_RxF):
     lhs_RxD, rhs_ExDxF, group_sizes_E = res
-    dlhs = _loop(dout_RxF, rhs_ExDxF, group_sizes_E, tile, True, precision)
+    dlhs = _grouped(dout_RxF, rhs_ExDxF, group_sizes_E, tile, True, precision)
     drhs = _tgmm(lhs_RxD, dout_RxF, group_sizes_E, tile, rhs_ExDxF, precision)
     return dlhs.astype(lhs_RxD.dtype), drhs, None
 
 
-gmm.defvjp(_gmm_fwd, _gmm_bwd)
+loop.defvjp(_loop_fwd, _loop_bwd)
 
 
-def gmm_tiles(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
-              tile: int, precision=HIGHEST) -> jax.Array:
-    """The same grouped matmul as `gmm`, with every tile in one batched matmul.
+def tiles(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
+          tile: int, precision=HIGHEST) -> jax.Array:
+    """The same grouped matmul as `loop`, with every tile in one batched matmul.
 
     Tile i (rows [i·tile, (i+1)·tile)) is multiplied by the weight of its group, gathered
-    into an [n_tiles, D, F] operand; tiles past Σ group_sizes give 0. A few large ops
+    into a [J, D, F] operand; tiles past Σ group_sizes give 0. A few large ops
     instead of a loop of small ones: faster where per-op overhead dominates (small
     models on CPU), at the memory of one weight copy per tile. Its gradient is JAX's
     (the weight gradient is the per-tile products summed into their groups).
     """
     if lhs_RxD.shape[0] % tile:
-        raise ValueError(f"gmm_tiles: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
+        raise ValueError(f"gmm tiles: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
     n = lhs_RxD.shape[0] // tile
     end_E = jnp.cumsum(group_sizes_E) // tile
-    tiles = jnp.arange(n)
-    group_J = jnp.minimum(jnp.searchsorted(end_E, tiles, side="right"), rhs_ExDxF.shape[0] - 1)
+    tile_J = jnp.arange(n)
+    group_J = jnp.minimum(jnp.searchsorted(end_E, tile_J, side="right"), rhs_ExDxF.shape[0] - 1)
     out_JxWxF = jnp.einsum("ntd,ndf->ntf", lhs_RxD.reshape(n, tile, -1), rhs_ExDxF[group_J],
                            precision=precision, preferred_element_type=accum_dtype(lhs_RxD.dtype))
-    out_JxWxF = jnp.where((tiles < end_E[-1])[:, None, None], out_JxWxF, 0)
+    out_JxWxF = jnp.where((tile_J < end_E[-1])[:, None, None], out_JxWxF, 0)
     return out_JxWxF.reshape(lhs_RxD.shape[0], -1).astype(lhs_RxD.dtype)
 
 
@@ -154,3 +159,12 @@ def megablox(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
     return megablox_gmm(lhs_RxD, rhs_ExDxF.astype(lhs_RxD.dtype),
                         group_sizes_E.astype(jnp.int32), lhs_RxD.dtype, tiling,
                         interpret=interpret)
+
+
+def gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
+        impl: str = "loop", block: GmmBlocks | None = None, interpret: bool = False):
+    """out_RxF, in lhs's dtype, by the implementation `impl` names in GMM_IMPLS. `block`
+    replaces its default block sizes (one without tiles ignores it); `interpret` runs a
+    Pallas implementation in the checking interpreter (others ignore it)."""
+    fn = lookup(GMM_IMPLS, impl, "gmm: impl").load(block=block, interpret=interpret)
+    return fn(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision)

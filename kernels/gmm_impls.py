@@ -1,19 +1,14 @@
 """The grouped matmul's table: its implementations, block sizes and example shapes. No JAX
 here (the config validates ModelConfig.gmm_impl against `GMM_IMPLS`).
 
-Letters: P rows (sorted by group), D input width, F output width, E groups (experts),
-T tokens, K top-k.
+Letters: R rows (sorted by group), D input width, F output width, E groups (experts),
+T tokens, K top-k; Bm, Bn, Bk the Pallas kernels' row, column and contraction blocks
+(gmm_pallas.py).
 
 Every implementation computes out_RxF = fn(lhs_RxD, rhs_ExDxF, group_sizes_E, tile,
 precision[, block=][, interpret=]): rows sorted by group, each group a multiple of
-`tile` rows (gmm.py):
-- "loop": the reference, pure JAX, a loop over groups and their tiles; the CPU default.
-- "tiles": pure JAX, every tile in one batched matmul against its gathered expert weight
-  (fewer, larger ops: small models on CPU, at one weight copy per tile).
-- "ragged_dot": jax.lax.ragged_dot.
-- "pallas_gpu" / "pallas_tpu": this project's Pallas kernels (gmm_pallas.py) compiled by
-  Triton / Mosaic.
-- "megablox": jax's TPU megablox kernel.
+`tile` rows (gmm.py; `gmm.gmm(..., impl=name)` runs a row). Each row of `GMM_IMPLS` says
+what it is; the reference is "loop".
 """
 from __future__ import annotations
 
@@ -59,19 +54,25 @@ GMM_GPU_BLOCKS = GmmBlocks(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, 
 _OP = "stablerl_jax.kernels.gmm"
 _ALL = ("cpu", "gpu", "tpu")
 GMM_IMPLS: dict[str, Impl] = {
-    "loop": Impl(f"{_OP}:gmm", _ALL),
-    "tiles": Impl(f"{_OP}:gmm_tiles", _ALL),
+    # The reference: pure JAX, a loop over groups and their tiles; the CPU default.
+    "loop": Impl(f"{_OP}:loop", _ALL),
+    # Pure JAX, every tile in one batched matmul against its gathered expert weight:
+    # fewer, larger ops (small models on CPU), at one weight copy per tile.
+    "tiles": Impl(f"{_OP}:tiles", _ALL),
+    # jax.lax.ragged_dot.
     "ragged_dot": Impl(f"{_OP}:ragged_dot", _ALL),
-    "pallas_gpu": Impl(f"{_OP}_pallas:gmm", ("gpu",), {"target": "gpu"}, GMM_GPU_BLOCKS,
+    # This project's Pallas kernels (gmm_pallas.py) compiled by Triton / Mosaic.
+    "pallas_gpu": Impl(f"{_OP}_pallas:pallas", ("gpu",), {"target": "gpu"}, GMM_GPU_BLOCKS,
                        pallas=True),
-    "pallas_tpu": Impl(f"{_OP}_pallas:gmm", ("tpu",), {"target": "tpu"}, GMM_TPU_BLOCKS,
+    "pallas_tpu": Impl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"}, GMM_TPU_BLOCKS,
                        pallas=True),
+    # jax's TPU megablox kernel.
     "megablox": Impl(f"{_OP}:megablox", ("tpu",), pallas=True),
 }
 
 
 def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
-    """Static size P of the sorted buffer: Σ_e ceil(n_e/tile)·tile ≤ TK + E·(tile−1)."""
+    """Static size R of the sorted buffer: Σ_e ceil(n_e/tile)·tile ≤ TK + E·(tile−1)."""
     worst = num_assignments + num_experts * (tile - 1)
     return -(-worst // tile) * tile
 

@@ -1,10 +1,12 @@
 """Grouped matmul as Pallas kernels, with a custom VJP: the MoE expert FFN on accelerators.
+`pallas` is the implementation of the rows "pallas_gpu" / "pallas_tpu" of
+gmm_impls.GMM_IMPLS (target "gpu" / "tpu").
 
-Letters: P rows (sorted by group), D input width, F output width (rhs [E, D, F]), E
-groups (experts), Bm row tile, Bn output-column tile, Bk contraction slice, M = P / Bm
+Letters: R rows (sorted by group), D input width, F output width (rhs [E, D, F]), E
+groups (experts), Bm row tile, Bn output-column tile, Bk contraction slice, J = R / Bm
 row tiles.
 
-Contract (the reference is the pure-JAX `gmm.gmm`, beside this file):
+Contract (the reference is the pure-JAX `gmm.loop`, beside this file):
 
     out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
 
@@ -15,9 +17,9 @@ Tiles past the last group (the static buffer is sized for the worst case) are in
 they write zeros and skip their matmul, so the FLOPs are those of the routed rows.
 
 Kernels (each accumulates in float32, float64 for float64 operands):
-- gmm, grid (M, F/Bn): program (i, j) multiplies row tile i by column tile j of its
+- gmm, grid (J, F/Bn): program (i, j) multiplies row tile i by column tile j of its
   group's matrix, a contraction loop over Bk slices. `transpose_rhs` contracts rhs's
-  last axis instead (d lhs = d out · rhs[g]ᵀ, grid (M, D/Bn)).
+  last axis instead (d lhs = d out · rhs[g]ᵀ, grid (J, D/Bn)).
 - tgmm (d rhs[e] = Σ_{rows r of e} lhs[r]ᵀ d out[r]): one [Bk, Bn] output tile per
   program, summed over the row tiles of its group.
 
@@ -186,9 +188,9 @@ def _params(block: GmmBlocks, tpu: bool, semantics, interpret: bool, t: bool = F
 
 
 def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose):
-    """With rhs [E, D, F]: lhs [P, D] @ rhs[g] → [P, F], or (transpose) lhs [P, F] @
-    rhs[g]ᵀ → [P, D]. Here k is the contraction width and n the output width."""
-    p, k = lhs.shape
+    """With rhs [E, D, F]: lhs [R, D] @ rhs[g] → [R, F], or (transpose) lhs [R, F] @
+    rhs[g]ᵀ → [R, D]. Here k is the contraction width and n the output width."""
+    rows, k = lhs.shape
     n = rhs.shape[1] if transpose else rhs.shape[2]
     tpu, triton = target == "tpu", target == "gpu" and not interpret
     bm = math.gcd(block.rows, tile)
@@ -197,10 +199,10 @@ def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose
     out_dtype = lhs.dtype
     lhs = _pad(lhs, (0, kp - k))
     rhs = _pad(rhs, (0, np_ - n, kp - k) if transpose else (0, kp - k, np_ - n))
-    group_J, row_J, active, _, _ = _metadata(group_sizes_E, p, bm)
+    group_J, row_J, active, _, _ = _metadata(group_sizes_E, rows, bm)
     kernel = functools.partial(_gmm_kernel, k=kp, bk=bk, transpose=transpose, tpu=tpu)
-    out_shape = jax.ShapeDtypeStruct((p, np_), out_dtype)
-    grid = (p // bm, np_ // bn)
+    out_shape = jax.ShapeDtypeStruct((rows, np_), out_dtype)
+    grid = (rows // bm, np_ // bn)
     if tpu:
         rhs_block = (None, bn, kp) if transpose else (None, kp, bn)
         rhs_index = ((lambda i, j, g, r, a: (g[i], j, 0)) if transpose
@@ -224,21 +226,21 @@ def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose
     return out[:, :n] if np_ != n else out
 
 
-def _tgmm_call(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_dtype, block, target, interpret):
+def _tgmm_call(lhs_RxD, dout_RxF, group_sizes_E, tile, rhs_dtype, block, target, interpret):
     """d rhs [E, D, F]: d rhs[e] = Σ_{rows of e} lhsᵀ · d out."""
-    p, k = lhs_PxD.shape
-    n = dout_PxF.shape[1]
+    rows, k = lhs_RxD.shape
+    n = dout_RxF.shape[1]
     e = group_sizes_E.shape[0]
     tpu, triton = target == "tpu", target == "gpu" and not interpret
     bm = math.gcd(block.t_rows, tile)
     bk, kp = _fit(k, block.t_depth, triton)
     bn, np_ = _fit(n, block.t_cols, triton)
-    lhs, dout = _pad(lhs_PxD, (0, kp - k)), _pad(dout_PxF, (0, np_ - n))
-    group_J, row_J, active, start_E, end_E = _metadata(group_sizes_E, p, bm)
+    lhs, dout = _pad(lhs_RxD, (0, kp - k)), _pad(dout_RxF, (0, np_ - n))
+    group_J, row_J, active, start_E, end_E = _metadata(group_sizes_E, rows, bm)
     out_shape = jax.ShapeDtypeStruct((e, kp, np_), rhs_dtype)
     if tpu:
         spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(kp // bk, np_ // bn, p // bm),
+            num_scalar_prefetch=3, grid=(kp // bk, np_ // bn, rows // bm),
             in_specs=[pl.BlockSpec((bm, bk), lambda a, b, t, g, r, n_: (r[t], a)),
                       pl.BlockSpec((bm, bn), lambda a, b, t, g, r, n_: (r[t], b))],
             out_specs=pl.BlockSpec((None, bk, bn), lambda a, b, t, g, r, n_: (g[t], a, b)),
@@ -262,20 +264,20 @@ def _tgmm_call(lhs_PxD, dout_PxF, group_sizes_E, tile, rhs_dtype, block, target,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret):
-    return _gmm_call(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret, False)
+def _gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret):
+    return _gmm_call(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret, False)
 
 
-def _gmm_fwd(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret):
-    out = _gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret)
-    return out, (lhs_PxD, rhs_ExDxF, group_sizes_E)
+def _gmm_fwd(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret):
+    out = _gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, block, target, interpret)
+    return out, (lhs_RxD, rhs_ExDxF, group_sizes_E)
 
 
-def _gmm_bwd(tile, block, target, interpret, res, dout_PxF):
-    lhs_PxD, rhs_ExDxF, group_sizes_E = res
-    dout = dout_PxF.astype(lhs_PxD.dtype)
+def _gmm_bwd(tile, block, target, interpret, res, dout_RxF):
+    lhs_RxD, rhs_ExDxF, group_sizes_E = res
+    dout = dout_RxF.astype(lhs_RxD.dtype)
     dlhs = _gmm_call(dout, rhs_ExDxF, group_sizes_E, tile, block, target, interpret, True)
-    drhs = _tgmm_call(lhs_PxD, dout, group_sizes_E, tile, rhs_ExDxF.dtype, block, target,
+    drhs = _tgmm_call(lhs_RxD, dout, group_sizes_E, tile, rhs_ExDxF.dtype, block, target,
                       interpret)
     return dlhs, drhs, None
 
@@ -283,8 +285,8 @@ def _gmm_bwd(tile, block, target, interpret, res, dout_PxF):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
-        target: str, block: GmmBlocks, interpret: bool = False):
+def pallas(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
+           target: str, block: GmmBlocks, interpret: bool = False):
     """Grouped matmul (module docstring), differentiable in lhs and rhs. The kernels
     multiply at full precision for float32 operands (bf16 products are exact) with
     float32 (float64) accumulation; `precision` is accepted for the GroupedMatmul
@@ -293,14 +295,14 @@ def gmm(lhs_PxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
     del precision
     if target not in TARGETS:
         raise ValueError(f"gmm pallas: target={target!r} must be one of {TARGETS}")
-    p, k = lhs_PxD.shape
-    if p % tile:
-        raise ValueError(f"gmm pallas: rows P={p} must be a multiple of {tile=}")
+    rows, k = lhs_RxD.shape
+    if rows % tile:
+        raise ValueError(f"gmm pallas: rows R={rows} must be a multiple of {tile=}")
     if rhs_ExDxF.ndim != 3 or rhs_ExDxF.shape[1] != k:
         raise ValueError(f"gmm pallas: rhs shape {rhs_ExDxF.shape} must be [E, D={k}, F]")
     if group_sizes_E.shape != (rhs_ExDxF.shape[0],):
         raise ValueError(f"gmm pallas: group_sizes shape {group_sizes_E.shape} must be "
                          f"({rhs_ExDxF.shape[0]},)")
-    rhs = rhs_ExDxF.astype(lhs_PxD.dtype)
-    return _gmm(lhs_PxD, rhs, group_sizes_E.astype(jnp.int32), tile, block,
+    rhs = rhs_ExDxF.astype(lhs_RxD.dtype)
+    return _gmm(lhs_RxD, rhs, group_sizes_E.astype(jnp.int32), tile, block,
                 target, bool(interpret))

@@ -13,10 +13,9 @@ Temperature τ divides the logits; it is applied to the hidden states (z/τ = (h
 before the fused op, so the gradient flows through the same custom VJP. The op is row-wise
 over tokens, so a row's log-probs do not depend on what else is in the batch.
 
-impl: a row of the op's table (kernels/fused_logprob_impls.py, LOGPROB_IMPLS): "naive"
-(full float32 logits, the reference), "chunked" (lax.scan over vocab chunks, the
-default), "pallas_gpu" / "pallas_tpu" (the Pallas kernels compiled for that target).
-`interpret=True` runs a Pallas impl in the checking interpreter instead (CPU tests).
+impl: the name of a row of the op's table, LOGPROB_IMPLS (kernels/fused_logprob_impls.py
+says what each row is; "chunked" is the default). `interpret=True` runs a Pallas row in
+the checking interpreter instead (CPU tests).
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import input_checks, sharding
 from stablerl_jax.kernels import lookup
-from stablerl_jax.kernels.fused_logprob import fused_logprob
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
@@ -54,8 +52,7 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
         # Scale in float32 (or wider), then back to the compute dtype the op streams in.
         acc = nx.accum_dtype(h_TxD.dtype)
         h_TxD = (h_TxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
-    fused = lambda h, w, y: fused_logprob(h, w, y, impl=impl, block=block,
-                                          interpret=interpret)
+    fused = row.load(block=block, interpret=interpret)
     if row.pallas and mesh is not None and mesh.size > 1:
         rows = P(tuple(a for a in sharding.RULES["batch"] if mesh.shape[a] > 1))
         fused = jax.shard_map(fused, mesh=mesh, in_specs=(rows, P(), rows),

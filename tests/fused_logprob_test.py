@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 from kernel_cases import INTERPRET, impls_here
-from stablerl_jax.kernels.fused_logprob import fused_logprob, reference
+from stablerl_jax.kernels.fused_logprob import fused_logprob, naive
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 from tolerance import assert_close, bound
 
@@ -201,7 +201,7 @@ def test_shape_errors_name_values():
 
 def test_naive_reference_is_the_float32_formula():
     h, w, y, _, _ = _inputs(4, 8, 10, jnp.float32)
-    logp, ent = reference(h, w, y)
+    logp, ent = naive(h, w, y)
     want_logp, want_ent, _, _ = _ref64(h, w, y)
     tol_logp, tol_ent, _ = _bounds(h, w, jnp.float32)
     assert_close(logp, want_logp, **tol_logp)

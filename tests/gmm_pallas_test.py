@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stablerl_jax.kernels import gmm_pallas
-from stablerl_jax.kernels.gmm import gmm as reference
+from stablerl_jax.kernels.gmm import loop as reference
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks
 from tolerance import assert_close
 
@@ -49,7 +49,7 @@ def test_value_and_grads_equal_reference(x64, target, sizes):
     whole-D block); groups are multiples of the MoE tile 32, twice the row block."""
     tile, d, f, rows = 32, 40, 48, 160
     args = _inputs(sizes, d, f, rows, jnp.float64)
-    kernel = functools.partial(gmm_pallas.gmm, block=BLOCK, target=target,
+    kernel = functools.partial(gmm_pallas.pallas, block=BLOCK, target=target,
                                interpret=INTERPRET)
     got = jax.jit(functools.partial(_value_and_grads, kernel, tile=tile))(*args)
     want = _value_and_grads(reference, *args, tile=tile)
@@ -73,7 +73,7 @@ def test_random_groups_and_dtypes(tiles_per_group, d, f, dtype):
     args = _inputs(sizes, d, f, rows, dtype, seed=len(sizes))
     want = _value_and_grads(reference, *args, tile=tile)
     for target in TARGETS:
-        kernel = functools.partial(gmm_pallas.gmm, block=BLOCK, target=target,
+        kernel = functools.partial(gmm_pallas.pallas, block=BLOCK, target=target,
                                    interpret=INTERPRET)
         got = _value_and_grads(kernel, *args, tile=tile)
         for a, b, n in zip(got, want, (d, f, rows)):
@@ -103,7 +103,7 @@ def test_gpu_lowering_is_valid_triton():
 
 def test_errors_name_the_values():
     lhs, rhs, sizes = jnp.zeros((24, 4)), jnp.zeros((2, 4, 3)), jnp.array([8, 0])
-    kernel = functools.partial(gmm_pallas.gmm, block=BLOCK)
+    kernel = functools.partial(gmm_pallas.pallas, block=BLOCK)
     with pytest.raises(ValueError, match="tile=16"):
         kernel(lhs, rhs, sizes, 16, target="gpu")
     with pytest.raises(ValueError, match="D=5"):

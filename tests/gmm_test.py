@@ -1,15 +1,20 @@
-"""The pure-JAX grouped matmuls (tile loop, batched tiles) equal a per-row reference in
-value and gradient (float64: two algorithms for one function, see tests/tolerance.py);
-every implementation in the table (kernels/gmm_impls.py) equals the loop."""
+"""The pure-JAX grouped matmuls (`loop`, `tiles`) equal a per-row reference in value and
+gradient (float64: two algorithms for one function, see tests/tolerance.py); every
+implementation in the table (kernels/gmm_impls.py), run by the dispatcher `gmm`, equals
+the loop."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import impls_here, load
-from stablerl_jax.kernels.gmm import gmm, gmm_tiles
+from kernel_cases import INTERPRET, impls_here
+from stablerl_jax.kernels.gmm import gmm, loop, tiles
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from tolerance import assert_close
+
+run = functools.partial(gmm, interpret=INTERPRET)
 
 
 def _reference(lhs, rhs, sizes, tile):
@@ -19,7 +24,7 @@ def _reference(lhs, rhs, sizes, tile):
     return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype).at[:rows].set(out)
 
 
-@pytest.mark.parametrize("impl", [gmm, gmm_tiles])
+@pytest.mark.parametrize("impl", [loop, tiles])
 @pytest.mark.parametrize("sizes", [[8, 0, 16, 8], [0, 0, 0, 32], [0, 0, 0, 0], [8, 8, 8, 8]])
 def test_value_and_grad_match_reference(x64, sizes, impl):
     tile, d, f = 8, 5, 7
@@ -45,13 +50,15 @@ def test_value_and_grad_match_reference(x64, sizes, impl):
 def test_shape_errors_name_values():
     lhs, rhs = jnp.zeros((12, 4)), jnp.zeros((2, 4, 3))
     with pytest.raises(ValueError, match="tile=8"):
-        gmm_tiles(lhs, rhs, jnp.array([8, 0]), 8)
+        tiles(lhs, rhs, jnp.array([8, 0]), 8)
     with pytest.raises(ValueError, match="tile=8"):
-        gmm(lhs, rhs, jnp.array([8, 0]), 8)
+        loop(lhs, rhs, jnp.array([8, 0]), 8)
     with pytest.raises(ValueError, match="lhs width"):
-        gmm(jnp.zeros((8, 5)), rhs, jnp.array([8, 0]), 8)
+        loop(jnp.zeros((8, 5)), rhs, jnp.array([8, 0]), 8)
     with pytest.raises(ValueError, match="group_sizes shape"):
-        gmm(jnp.zeros((8, 4)), rhs, jnp.array([8]), 8)
+        loop(jnp.zeros((8, 4)), rhs, jnp.array([8]), 8)
+    with pytest.raises(ValueError, match="impl='fast'"):
+        gmm(jnp.zeros((8, 4)), rhs, jnp.array([8, 0]), 8, impl="fast")
 
 
 @pytest.mark.parametrize("impl", impls_here(GMM_IMPLS))
@@ -71,8 +78,8 @@ def test_every_implementation_in_the_table_equals_the_loop(impl):
         out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes, tile), lhs, rhs)
         return (out,) + vjp(cot)
 
-    got = jax.jit(lambda: value_and_grads(load(GMM_IMPLS, impl)))()
-    want = value_and_grads(gmm)
+    got = jax.jit(lambda: value_and_grads(functools.partial(run, impl=impl)))()
+    want = value_and_grads(loop)
     # out: a dot over d; d lhs: a dot over f; d rhs: a sum over a group's rows (≤ 64).
     for a, b, n in zip(got, want, (d, f, rows)):
         assert_close(a, b, n=n, scale="max")

@@ -2,8 +2,6 @@
 and how: those compiled for it, and on a CPU the Pallas kernels in the checking
 interpreter. The tests' parametrizations read the tables through `impls_here`, so a new
 row is tested without editing them."""
-import functools
-
 import jax
 
 BACKEND = jax.default_backend()
@@ -16,11 +14,3 @@ def impls_here(table) -> list[str]:
     return [name for name, row in table.items()
             if BACKEND in row.backends or (INTERPRET and row.pallas)]
 
-
-def load(table, name: str, **kw):
-    """The implementation `name` of `table`, with `kw` (e.g. block=) bound, and a Pallas
-    kernel interpreted where the tests interpret Pallas."""
-    row = table[name]
-    if row.pallas:
-        kw["interpret"] = INTERPRET
-    return functools.partial(row.load(), **kw)

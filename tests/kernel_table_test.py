@@ -1,9 +1,13 @@
-"""A new kernel implementation is one row of its op's table (docs/architecture.md, "Add a
-kernel"): registered there and nowhere else, it is a valid config choice, it runs
-through the model, it joins the kernel tests' parametrization and the AOT kernel list.
-Here existing implementations are registered again under new names (monkeypatch restores
-the tables)."""
+"""A new kernel implementation is one function named after its row and that row of its
+op's table (docs/architecture.md, "Add a kernel"): registered there and nowhere else, it
+is a valid config choice, it runs through the model, it joins the kernel tests'
+parametrization and the AOT kernel list. Here existing implementations are registered
+again under new names (monkeypatch restores the tables). And the table and the
+implementations the op's modules define are one list: neither has a row the other lacks."""
 import dataclasses
+import importlib
+import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +17,9 @@ import pytest
 from kernel_cases import impls_here
 from stablerl_jax import aot, presets
 from stablerl_jax.config import ConfigError, ModelConfig, RLConfig
-from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
-from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
+from stablerl_jax import kernels
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 
@@ -99,3 +104,55 @@ def test_table_rows_are_well_formed():
             if "target" in row.options:  # a Pallas kernel told to compile for a backend
                 assert row.pallas and row.options["target"] in row.backends, name
             assert row.blocks is None or dataclasses.is_dataclass(row.blocks), name
+
+
+def _contract(example_args) -> list[str]:
+    """The op's positional parameters: its example arguments, then its static keywords."""
+    args, static = example_args
+    return [a.name for a in args] + list(static)
+
+
+# Each op: the stem of its modules (kernels/<op>.py, kernels/<op>_*.py), its table, and
+# the parameters every implementation takes first.
+OPS = (("fused_logprob", LOGPROB_IMPLS, _contract(logprob_example_args(8, 16, 32, "float32"))),
+       ("gmm", GMM_IMPLS, _contract(gmm_example_args(8, CFG))))
+
+
+def _implementations(op: str, contract: list[str]) -> dict[str, object]:
+    """"module:function" -> function, for every public function of the op's modules (the
+    table's aside) with the op's contract: its first parameters are `contract`, and
+    any other without a default is keyword-only (a row binds it, e.g. `target`). The
+    dispatcher, named after the op, is not an implementation; nor is a helper such as
+    `fused_logprob_pallas.backward_pallas`, which takes more positional arguments."""
+    found = {}
+    src = pathlib.Path(kernels.__file__).parent
+    for path in sorted([src / f"{op}.py", *src.glob(f"{op}_*.py")]):
+        if path.stem == f"{op}_impls":
+            continue
+        module = importlib.import_module(f"stablerl_jax.kernels.{path.stem}")
+        for attr, fn in vars(module).items():
+            if attr.startswith("_") or attr == op or not callable(fn) or \
+                    getattr(fn, "__module__", None) != module.__name__:
+                continue
+            params = list(inspect.signature(fn).parameters.values())
+            rest = params[len(contract):]
+            if [p.name for p in params[:len(contract)]] == contract and all(
+                    p.default is not p.empty or p.kind is p.KEYWORD_ONLY for p in rest):
+                found[f"{module.__name__}:{attr}"] = fn
+    return found
+
+
+@pytest.mark.parametrize("op, table, contract", OPS, ids=[op for op, _, _ in OPS])
+def test_the_table_and_the_implementations_are_one_list(op, table, contract):
+    """Every row runs a function of the op's modules named after it (the row's name, or
+    `<function>_<target>` for a row binding a target), and every function of those modules
+    with the op's contract is some row's: a row without its function, or an
+    implementation without its row, fails here."""
+    impls = _implementations(op, contract)
+    for name, row in table.items():
+        assert row.fn in impls, f"row {name!r}: {row.fn} is no {op} implementation"
+        attr = row.fn.split(":")[1]
+        assert name in (attr, f"{attr}_{row.options.get('target')}"), (
+            f"row {name!r} runs {row.fn}: name the function after its row")
+    unlisted = set(impls) - {row.fn for row in table.values()}
+    assert not unlisted, f"{sorted(unlisted)}: implementations without a row of the table"

@@ -40,13 +40,9 @@ class ModelConfig(Section):
       dispatch: expert dispatch path: 'grouped' (sorted, dropless, fast) or 'dense'
         (every expert on every token, the reference).
       moe_tile: rows per tile of the grouped path (groups are padded to a multiple).
-      gmm_impl: the grouped matmul of the grouped path (GMM_IMPLS): 'loop' (pure JAX, the
-        reference and the CPU default), 'tiles' (pure JAX, every tile in one batched
-        matmul against its gathered expert weight: fewer, larger ops, for small models on
-        CPU, at the memory of one weight copy per tile), 'ragged_dot' (jax.lax.ragged_dot), 'pallas_gpu' /
-        'pallas_tpu' (this project's Pallas kernel compiled by Triton / Mosaic),
-        'megablox' (jax's TPU megablox gmm). The preset chooses; layers never look at
-        the platform.
+      gmm_impl: the grouped matmul of the grouped path: the name of a row of GMM_IMPLS
+        (kernels/gmm_impls.py says what each row is; 'loop', the pure-JAX reference, is
+        the default). The preset chooses; layers never look at the platform.
       expert_parallel: with a multi-device mesh, run the expert FFN under shard_map with
         each device holding only its `expert` shard of the experts: tokens are gathered
         over the `expert` mesh axis, each device runs its own experts and the partial

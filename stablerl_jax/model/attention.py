@@ -40,9 +40,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from stablerl_jax.kernels.dtypes import MASK_VALUE
 from stablerl_jax.model import numerics as nx
 
-_NEG = jnp.finfo(jnp.float32).min
+_NEG = MASK_VALUE  # the masked score, shared with the kernels (kernels/dtypes.py says why)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

@@ -20,9 +20,8 @@ Two dispatch paths compute the same function, chosen by argument:
   of each expert against that expert's weights. No token is ever dropped: a capacity
   limit would make the trainer's function differ from the sampler's, which is exactly the
   mismatch this project studies. The grouped matmul is chosen by name (`gmm_of`,
-  ModelConfig.gmm_impl), a row of the table kernels/gmm_impls.py: the pure-JAX loop
-  (reference, CPU), the pure-JAX batched tiles (small models on CPU), `lax.ragged_dot`,
-  this project's Pallas kernel for GPU or TPU, or megablox (TPU).
+  ModelConfig.gmm_impl): a row of GMM_IMPLS (kernels/gmm_impls.py says what each row
+  is); `experts_grouped` defaults to the pure-JAX reference, `loop`.
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stablerl_jax.kernels import gmm as grouped_matmul
 from stablerl_jax.kernels import lookup
-from stablerl_jax.kernels.gmm import gmm as _gmm_loop
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, padded_rows
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
@@ -188,7 +187,8 @@ def _plan(expert_A, num_experts: int, tile: int):
 
 
 def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-                    tile: int = 64, gmm: GroupedMatmul = _gmm_loop, expert_offset=None):
+                    tile: int = 64, gmm: GroupedMatmul = grouped_matmul.loop,
+                    expert_offset=None):
     """Dropless grouped dispatch; equal to `experts_dense` up to float reassociation.
 
     expert_offset (expert parallelism, model/expert_parallel.py): the weights are the E
@@ -282,7 +282,8 @@ def experts_local_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_
 
 
 def gmm_of(impl: str) -> GroupedMatmul:
-    """The grouped matmul named by `ModelConfig.gmm_impl`: its row of GMM_IMPLS."""
+    """The grouped matmul named by `ModelConfig.gmm_impl`: its row of GMM_IMPLS, looked
+    up once, with the row's default blocks."""
     return lookup(GMM_IMPLS, impl, "gmm_impl").load()
 
 
