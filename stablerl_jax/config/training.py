@@ -186,10 +186,10 @@ class RLConfig(Section):
       split, as one set named 'test'.
     offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
       vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
-    logprob_impl: the fused log-prob op: 'naive', 'chunked' (runs everywhere), or the
-      Pallas kernels compiled for 'pallas_gpu' (Triton) / 'pallas_tpu' (Mosaic). On a GPU
-      with bf16 compute 'pallas_gpu' is the fast one (forward + backward 0.16× naive,
-      'chunked' 1.4×; docs/benchmarks.md).
+    logprob_impl: the fused log-prob op: the name of a row of LOGPROB_IMPLS
+      (kernels/fused_logprob_impls.py says what each row is; 'chunked', the default, runs
+      everywhere). On a GPU with bf16 compute 'pallas_gpu' is the fast one (forward +
+      backward 0.16× naive, 'chunked' 1.4×; docs/benchmarks.md).
     trim_bucket: before scoring, cut each step's rollout to the slots some row used (the
       longest prompt's first slot to the longest completion's end), the width rounded up
       to a multiple of this many slots, so score and updates skip the all-padding slots
