@@ -185,7 +185,8 @@ def test_the_bounds_leave_rendering_unchanged(template):
 @pytest.mark.interop
 @pytest.mark.parametrize("template", PARITY_TEMPLATES)
 def test_the_bounds_leave_rendering_as_transformers_renders(template):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers",
+                        reason="the interop extra (transformers) is not installed")
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     want = _compile_jinja_template(template).render(
