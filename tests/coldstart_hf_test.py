@@ -12,8 +12,8 @@ import json
 import jax
 import numpy as np
 import pytest
-from coldstart_recipe_test import BASE, _write
-from hf_fixtures import write_qwen3_moe, write_qwen_tokenizer
+from coldstart_recipe_test import BASE
+from hf_fixtures import write_jsonl, write_recipe_dirs
 
 pytest.importorskip("torch", reason="the interop extra (torch) is not installed")
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
@@ -42,19 +42,9 @@ def _chat(a, b, thinking: bool) -> dict:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("coldstart_hf")
-    ckpt, data = root / "ckpt", root / "data"
-    ckpt.mkdir()
-    data.mkdir()
-    tok = write_qwen_tokenizer(ckpt)
-    write_qwen3_moe(ckpt, tok, max_positions=256)
-    write_qwen_tokenizer(ckpt)  # save_pretrained wrote its own generation_config.json
-    _write(data / "train.jsonl", [
-        {"problem": f"What is {a} + {b}?", "solution": f"$\\boxed{{{a + b}}}$"}
-        for a, b in PAIRS])
-    _write(data / "aime24.jsonl", [{"problem": f"What is {a} + 1?", "answer": str(a + 1)}
-                                   for a in (1, 2)])
-    files = {"long": _write(root / "long.jsonl", [_chat(a, b, True) for a, b in PAIRS]),
-             "short": _write(root / "short.jsonl", [_chat(a, b, False) for a, b in PAIRS])}
+    ckpt, data, _ = write_recipe_dirs(root, PAIRS)
+    files = {"long": write_jsonl(root / "long.jsonl", [_chat(a, b, True) for a, b in PAIRS]),
+             "short": write_jsonl(root / "short.jsonl", [_chat(a, b, False) for a, b in PAIRS])}
     return {"root": root, "ckpt": str(ckpt), "files": files,
             "over": [*BASE, f"task.jsonl_dir={data}", *SFT]}
 

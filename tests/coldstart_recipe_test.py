@@ -16,7 +16,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_fixtures import write_qwen3_moe, write_qwen_tokenizer
+from hf_fixtures import write_jsonl, write_recipe_dirs
 from tolerance import LAMBDA, assert_close, forward_chain
 
 torch = pytest.importorskip("torch", reason="the interop extra (torch) is not installed")
@@ -59,26 +59,11 @@ def _chats():
     return chats
 
 
-def _write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     root = tmp_path_factory.mktemp("coldstart")
-    ckpt, data = root / "ckpt", root / "data"
-    ckpt.mkdir()
-    data.mkdir()
-    tok = write_qwen_tokenizer(ckpt)
-    write_qwen3_moe(ckpt, tok, max_positions=256)
-    write_qwen_tokenizer(ckpt)  # save_pretrained wrote its own generation_config.json
-    _write(data / "train.jsonl", [
-        {"problem": f"What is {a} + {b}?", "solution": f"$\\boxed{{{a + b}}}$"}
-        for a, b in [(3, 4), (12, 7), (2, 2), (5, 6)]])
-    _write(data / "aime24.jsonl", [{"problem": f"What is {a} + 1?", "answer": str(a + 1)}
-                                   for a in (1, 2)])
-    sft_file = _write(root / "sft.jsonl", _chats())
+    ckpt, data, tok = write_recipe_dirs(root)
+    sft_file = write_jsonl(root / "sft.jsonl", _chats())
     over = [*BASE, f"task.jsonl_dir={data}"]
     export = root / "export"
     out = io.StringIO()

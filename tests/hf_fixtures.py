@@ -136,3 +136,28 @@ def write_qwen3_moe(path, tok: Tokenizer, *, max_positions: int = 128) -> None:
             head[tok.token_to_id(stop)] = 0.0
             head[tok.token_to_id(stop), 0] = 2.5
     model.to(torch.bfloat16).save_pretrained(str(path))
+
+
+def write_jsonl(path, rows) -> str:
+    """`rows` (JSON values) as a JSONL file at `path`; returns the path as a string."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def write_recipe_dirs(root, pairs=((3, 4), (12, 7), (2, 2), (5, 6))):
+    """(checkpoint dir, data dir, tokenizer) under `root` (a pathlib.Path): a tiny
+    Qwen3-MoE with the Qwen-style tokenizer (positions up to 256), and MATH-shaped data:
+    train.jsonl asking the sums of `pairs` with boxed solutions, and aime24.jsonl, an
+    AIME-shaped set of two problems."""
+    ckpt, data = root / "ckpt", root / "data"
+    ckpt.mkdir()
+    data.mkdir()
+    tok = write_qwen_tokenizer(ckpt)
+    write_qwen3_moe(ckpt, tok, max_positions=256)
+    write_qwen_tokenizer(ckpt)  # save_pretrained wrote its own generation_config.json
+    write_jsonl(data / "train.jsonl", [
+        {"problem": f"What is {a} + {b}?", "solution": f"$\\boxed{{{a + b}}}$"}
+        for a, b in pairs])
+    write_jsonl(data / "aime24.jsonl", [{"problem": f"What is {a} + 1?", "answer": str(a + 1)}
+                                        for a in (1, 2)])
+    return ckpt, data, tok
