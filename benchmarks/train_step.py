@@ -13,9 +13,9 @@ SwiGLU experts and the unembedding; element-wise work is not counted. XLA's own 
 of the compiled step is printed beside it. The peak is the median FLOP/s of a bare
 `jnp.dot` of two 4096×4096 matrices in the preset's compute dtype.
 
-`--dispatch` runs each preset with every listed expert path: `loop`, `ragged_dot`,
-`pallas_gpu`, `pallas_tpu`, `megablox` (ModelConfig.gmm_impl of the grouped dispatch; the
-Pallas ones need their accelerator) or `dense`. `moe1b` is the ≈1B-parameter bf16 MoE of
+`--dispatch` runs each preset with every listed expert path: a row of GMM_IMPLS
+(kernels/gmm_impls.py, ModelConfig.gmm_impl of the grouped dispatch; the Pallas ones need
+their accelerator) or `dense`. `moe1b` is the ≈1B-parameter bf16 MoE of
 presets.moe1b (16 layers, D 1024, 32 experts top-4) at 4 × 256 tokens on one device;
 on a CPU its parameters and AdamW moments are kept in bf16 (param_dtype) to fit the
 memory of a small machine. `moe1b_gpu` is the same model at 64 × 1,024 tokens with
@@ -123,8 +123,8 @@ def main():
     ap.add_argument("--sizes", default="tiny,small")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dispatch", default="loop",
-                    help="comma-separated expert paths: loop, ragged_dot, pallas_gpu, "
-                         "pallas_tpu, megablox (grouped gmm_impl) or dense")
+                    help="comma-separated expert paths: rows of GMM_IMPLS (grouped "
+                         "gmm_impl; kernels/gmm_impls.py) or dense")
     args = ap.parse_args()
     names = args.sizes.split(",")
     for n in names:
