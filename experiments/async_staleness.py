@@ -6,11 +6,14 @@ the IS weight start to matter, once rollouts are stale for real?
 
 The on-policy set's settings (experiments/onpolicy.py: one mini-batch per step, FP8
 sampling with router noise) with the continuous sampler (sampling.continuous) over
-half as many slots as a step has responses. At S = 0 each step samples its own prompts
-to completion (the static sampler's responses, bit for bit). At S = 1, 2
-(rl.max_staleness) the sampler keeps B + n responses in flight, a step trains on the
-first Q groups to complete, and the rest continue under the next step's parameters,
-so a response's tokens come from up to S + 1 parameter versions (rl/inflight.py).
+half as many slots as a step has responses at S = 0: each step samples its own prompts
+to completion (the static sampler's responses). At S = 1, 2 (rl.max_staleness) the
+sampler has twice as many slots as a step has responses and keeps B + n = 3B responses
+in flight; a step trains on the first Q groups to complete, and the rest continue under
+the next step's parameters, so a response's tokens come from up to S + 1 parameter
+versions (rl/inflight.py). With B/2 slots a step decodes about twice the mean response
+length, so no response of the long task (220-370 tokens) outlives two steps and S = 2
+would equal S = 1; 2B slots end a step after about half a mean length.
 π_old is the training engine at each token's own version (rl.old_policy=behavior, Eq. 5
 kept clean); S = 2 also runs AReaL's proximal choice (π_old = the current parameters).
 Variants: S ∈ {0, 1, 2} × {minirl, minirl-noIS, minirl+R3, minirl+R3-noIS}, and
@@ -25,11 +28,18 @@ from stablerl_jax.config import ExperimentConfig
 
 POLICIES = (("minirl", ()), ("minirl-noIS", (onpolicy.NO_IS,)),
             ("minirl+R3", (onpolicy.R3,)), ("minirl+R3-noIS", (onpolicy.R3, onpolicy.NO_IS)))
-VARIANTS = tuple(
-    Variant(f"S{s}-{name}", (f"rl.max_staleness={s}", *over))
-    for s in (0, 1, 2) for name, over in POLICIES) + tuple(
-    Variant(f"S2-proximal-{name}", ("rl.max_staleness=2", "rl.old_policy=proximal", *over))
-    for name, over in POLICIES[::2])
+
+
+def variants(b: int) -> tuple[Variant, ...]:
+    """The variants for B responses a step: S = 0 over B/2 slots (the static sampler's
+    responses), S = 1, 2 over 2B slots (3B responses in flight)."""
+    wide = f"sampling.max_batch={2 * b}"
+    return tuple(
+        Variant(f"S{s}-{name}", (*(("rl.max_staleness=" + str(s), wide) if s else ()), *over))
+        for s in (0, 1, 2) for name, over in POLICIES) + tuple(
+        Variant(f"S2-proximal-{name}", ("rl.max_staleness=2", wide, "rl.old_policy=proximal",
+                                        *over))
+        for name, over in POLICIES[::2])
 
 
 def with_continuous(base: ExperimentConfig) -> ExperimentConfig:
@@ -39,11 +49,15 @@ def with_continuous(base: ExperimentConfig) -> ExperimentConfig:
         continuous=True, max_batch=rl.prompts_per_step * rl.group_size // 2))
 
 
+def experiment(base: ExperimentConfig) -> Experiment:
+    base = with_continuous(base)
+    return Experiment(base, variants(base.rl.prompts_per_step * base.rl.group_size),
+                      seeds=(0, 1, 2, 3))
+
+
 EXPERIMENTS = {
-    "tiny": lambda: Experiment(with_continuous(onpolicy.tiny_base()), VARIANTS,
-                               seeds=(0, 1, 2, 3)),
-    "long": lambda: Experiment(with_continuous(onpolicy.long_base()), VARIANTS,
-                               seeds=(0, 1, 2, 3)),
+    "tiny": lambda: experiment(onpolicy.tiny_base()),
+    "long": lambda: experiment(onpolicy.long_base()),
 }
 
 

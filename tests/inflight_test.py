@@ -84,6 +84,29 @@ def test_bad_partial_rollout_settings_name_the_field(override, field):
         tiny_cfg(**override)
 
 
+def _wide(staleness=2, steps=4):
+    """2B slots: 3B responses in flight, so each step ends sooner."""
+    cfg = _cfg(steps=steps, staleness=staleness)
+    b = cfg.rl.prompts_per_step * cfg.rl.group_size
+    return cfg.replace(sampling=cfg.sampling.replace(max_batch=2 * b)), b
+
+
+def test_partial_rollouts_may_have_more_slots_than_a_step_has_responses():
+    cfg, b = _wide()
+    assert len(Inflight.create(cfg, pad_id=0).attempts_I) == 3 * b
+    with pytest.raises(ConfigError, match="sampling.max_batch.*must divide"):
+        cfg.replace(rl=cfg.rl.replace(max_staleness=0))   # static and S = 0 samplers
+
+
+@pytest.mark.slow
+def test_a_run_over_more_slots_than_responses_stays_within_the_bound(tmp_path):
+    cfg, _ = _wide()
+    loop.run(cfg, str(tmp_path), progress=False)
+    rows = read_metrics(str(tmp_path))[1:]
+    assert all(0 <= r["async/staleness_max"] <= 2 and np.isfinite(r["loss"]) for r in rows)
+    assert max(r["async/staleness_max"] for r in rows) >= 1
+
+
 def test_slots_must_hold_whole_groups():
     cfg = tiny_cfg(max_staleness=1)
     with pytest.raises(ConfigError, match="sampling.max_batch"):

@@ -13,7 +13,14 @@ from stablerl_jax.config.training import LossConfig, RLConfig, SFTConfig
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig(Section):
-    """One run: every section, plus the name and the device mesh."""
+    """One run: every section, plus the name and the device mesh.
+
+    mesh: (data, fsdp, expert), the whole mesh over every device of every slice.
+    mesh_dcn: how many slices each of those axes spans (data-center network between
+      slices, sharding.make_mesh): each factor divides its mesh axis, a slice holds a
+      mesh / mesh_dcn block, and the product is the number of slices (checked against
+      the devices when the mesh is built). (1, 1, 1): one slice.
+    """
 
     name: str = "run"
     model: ModelConfig = ModelConfig()
@@ -23,6 +30,7 @@ class ExperimentConfig(Section):
     rl: RLConfig = RLConfig()
     sft: SFTConfig = SFTConfig()
     mesh: tuple = (1, 1, 1)
+    mesh_dcn: tuple = (1, 1, 1)
 
     def __post_init__(self):
         need = self.task.max_prompt_len + self.sampling.max_new_tokens
@@ -32,6 +40,14 @@ class ExperimentConfig(Section):
         check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
               and all(is_int(m) and m > 0 for m in self.mesh), "mesh",
               f"must be three positive ints (data, fsdp, expert), got {self.mesh!r}")
+        check(isinstance(self.mesh_dcn, tuple) and len(self.mesh_dcn) == 3
+              and all(is_int(m) and m > 0 for m in self.mesh_dcn), "mesh_dcn",
+              f"must be three positive ints (slices spanned by data, fsdp, expert), got "
+              f"{self.mesh_dcn!r}")
+        check(all(m % d == 0 for m, d in zip(self.mesh, self.mesh_dcn)), "mesh_dcn",
+              f"{self.mesh_dcn} must divide mesh={self.mesh} axis by axis (a slice holds "
+              f"mesh / mesh_dcn); change mesh_dcn or the mesh, e.g. mesh_dcn=N,1,1 with "
+              f"the data axis a multiple of N (data parallel across N slices)")
         # Batches are split over every mesh axis (sharding.RULES["batch"]).
         dp = self.mesh[0] * self.mesh[1] * self.mesh[2]
         rl = self.rl
@@ -59,8 +75,10 @@ class ExperimentConfig(Section):
             check(rows % dp == 0, "sampling.max_batch",
                   f"must be a multiple of data*fsdp*expert = {dp}, got {rows}")
             n = rl.prompts_per_step * rl.group_size
-            check(n % rows == 0, "sampling.max_batch",
-                  f"must divide rl.prompts_per_step*rl.group_size = {n}, got {rows}")
+            # Partial rollouts may keep more slots than a step's responses in flight.
+            check(rl.max_staleness or n % rows == 0, "sampling.max_batch",
+                  f"must divide rl.prompts_per_step*rl.group_size = {n}, got {rows} (only "
+                  "partial rollouts, rl.max_staleness >= 1, may have more slots)")
         if rl.max_staleness:
             slots = self.sampling.max_batch or rl.prompts_per_step * rl.group_size
             check(slots % rl.group_size == 0, "sampling.max_batch",

@@ -35,7 +35,7 @@ from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import dynamic, steps
+from stablerl_jax.rl import dynamic, inflight, steps
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -247,8 +247,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                               pad_id=pad_id, mesh=model_mesh,
                               need_groups=cfg.rl.prompts_per_step,
                               group_size=cfg.rl.group_size,
-                              slots=continuous.slots_of(
-                                  cfg.sampling, cfg.rl.prompts_per_step * cfg.rl.group_size))
+                              slots=inflight.slots(cfg))
 
     def init_state(params):
         zero = jnp.zeros((), jnp.int32)

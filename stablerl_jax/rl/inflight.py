@@ -2,7 +2,8 @@
 queue carried from one global step to the next.
 
 Letters: I responses in the queue = B + n, B responses per step (Q prompts × G), n
-sampler slots (continuous.slots_of), S prompt + completion slots, L layers, K top-k.
+sampler slots (`slots`: sampling.max_batch, which may exceed B), S prompt + completion slots,
+L layers, K top-k.
 
 The queue holds B + n responses in groups of G (a prompt's G responses are adjacent),
 drawn from a stream of prompts: stream group g is prompt g mod Q of global step g // Q
@@ -41,6 +42,13 @@ from stablerl_jax.data.task import TaskData
 EMPTY = -1  # group id of a queue place that holds no prompt yet
 
 
+def slots(cfg) -> int:
+    """n: the sampler's slots under partial rollouts, sampling.max_batch (0: B). Unlike
+    the static and S = 0 samplers, n may exceed B: a step then ends after fewer decode
+    steps and more responses are in flight across steps (their tokens older)."""
+    return cfg.sampling.max_batch or cfg.rl.prompts_per_step * cfg.rl.group_size
+
+
 @dataclasses.dataclass
 class Inflight:
     """The carried queue (numpy leaves of a `continuous.Queue`) and its bookkeeping:
@@ -59,7 +67,7 @@ class Inflight:
         the sampler leaves it alone)."""
         rl, g = cfg.rl, cfg.rl.group_size
         b = rl.prompts_per_step * g
-        num_i = b + continuous.slots_of(cfg.sampling, b)
+        num_i = b + slots(cfg)
         p = cfg.task.max_prompt_len
         q = continuous.new_queue(np.full((num_i, p), pad_id, np.int32),
                                  np.ones((num_i, p), bool), jax.random.key(0), cfg.model,
