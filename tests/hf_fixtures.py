@@ -161,3 +161,14 @@ def write_recipe_dirs(root, pairs=((3, 4), (12, 7), (2, 2), (5, 6))):
     write_jsonl(data / "aime24.jsonl", [{"problem": f"What is {a} + 1?", "answer": str(a + 1)}
                                         for a in (1, 2)])
     return ckpt, data, tok
+
+
+def write_parquet(path, rows) -> str:
+    """`rows` (dicts) as a parquet file at `path`, written with pyarrow as verl's
+    preprocessing scripts and `datasets.Dataset.to_parquet` write theirs (a dict a
+    struct column, a list of dicts a list of structs); returns the path as a string."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(list(rows)), str(path))
+    return str(path)

@@ -24,11 +24,13 @@ class TaskConfig(Section):
     seed: the generator's seed.
     max_prompt_len / max_solution_len: token budgets. A prompt whose rendered (templated)
       token count exceeds max_prompt_len is dropped when the data loads, and counted.
-    jsonl_dir: kind='jsonl': a directory holding train.jsonl and/or test.jsonl, or one
-      .jsonl file (an eval-only test split).
-    format: how a JSONL record maps to (question, answer): 'auto' (the one named format
-      whose fields the file has), 'gsm8k', 'math', 'dapo', 'aime', 'prompt_answer', or
-      'custom' with prompt_field / answer_field (/ solution_field). data/formats.py.
+    jsonl_dir: kind='jsonl': a directory holding train.jsonl and/or test.jsonl (or
+      train.parquet / test.parquet, e.g. verl's layout: data/parquet.py), or one .jsonl
+      or .parquet file (an eval-only test split).
+    format: how a JSONL record (parquet row) maps to (question, answer): 'auto' (the one
+      named format whose fields the file has), 'gsm8k', 'math', 'dapo', 'aime',
+      'prompt_answer', or 'custom' with prompt_field / answer_field (/ solution_field).
+      data/formats.py.
     tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
       tokenizer_config.json): use that tokenizer and its special ids; '' trains the
       SentencePiece tokenizer on the task (the default).
@@ -92,8 +94,8 @@ class TaskConfig(Section):
         check(is_int(self.seed) and self.seed >= 0, "seed",
               f"must be an int >= 0, got {self.seed!r}")
         check(self.kind == "arithmetic" or bool(self.jsonl_dir), "jsonl_dir",
-              f"must name the directory holding train.jsonl / test.jsonl (or one .jsonl "
-              f"file) when kind={self.kind!r}")
+              f"must name the directory holding train.jsonl / test.jsonl or train.parquet "
+              f"/ test.parquet (or one such file) when kind={self.kind!r}")
         check_bool(self, "skip_malformed", "chat_template", "enable_thinking",
                    "add_generation_prompt")
         check_choice(self, "format", DATA_FORMATS)

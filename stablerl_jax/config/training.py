@@ -181,8 +181,8 @@ class RLConfig(Section):
     replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
       recorded routing (combine) weights, held fixed, instead of recomputing them from the
       live router; the router then gets no gradient through the combine.
-    eval_sets: named held-out sets, "name:path,name:path" (each path a JSONL file or a
-      directory holding test.jsonl, read like the task's data); '' = the task's own test
+    eval_sets: named held-out sets, "name:path,name:path" (each path a JSONL or parquet
+      file, or a directory holding test.jsonl or test.parquet, read like the task's data); '' = the task's own test
       split, as one set named 'test'.
     offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
       vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
@@ -382,7 +382,8 @@ class SFTConfig(Section):
 
     steps: optimizer steps; 0 = no cold start (RL starts from the initial parameters: a
       fresh init, or the `--hf` checkpoint as it is).
-    data: the cold-start data: a JSONL file, or a directory holding train.jsonl, of
+    data: the cold-start data: a JSONL or parquet file, or a directory holding
+      train.jsonl or train.parquet, of
       `messages` records (a chat, every assistant turn trained), `prompt` / `response`
       pairs, or a math format with worked solutions (gsm8k, math); '' = the task's
       training split and its worked solutions.

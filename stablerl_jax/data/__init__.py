@@ -3,7 +3,9 @@
     task.py          the front door: load_split, TaskData (splits, eval sets, tokenizer,
                      rendering, length filter, batches, rewards)
     synthetic.py     the arithmetic TFDS builder (its difficulties: presets.TASKS)
-    jsonl.py         TFDS builder over local math JSONL files (never downloaded)
+    jsonl.py         TFDS builder over math JSONL and parquet files (never downloaded)
+    parquet.py       parquet data files (verl's layout), read row by row into the records
+                     a JSONL line becomes
     formats.py       JSONL layouts (gsm8k, math, dapo, aime, prompt_answer, custom)
     chat_template.py the checkpoint's jinja chat template, rendered as transformers does
     tokenizer.py     Tokenizer protocol; SentencePiece trained in-process, saved and reused

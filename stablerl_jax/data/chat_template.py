@@ -10,9 +10,15 @@ A question becomes the final prompt text in two steps:
               enable_thinking=task.enable_thinking, <the tokenizer's special tokens>)
 
 when `task.chat_template` is on; otherwise the prompt is `user` itself (the synthetic
-task and the SentencePiece tokenizer have no template). The template is the directory's
-`chat_template.jinja` if present, else tokenizer_config.json's "chat_template" (a string,
-or a list of {name, template} from which "default" is taken), as transformers reads it.
+task and the SentencePiece tokenizer have no template). A record whose prompt is its own
+chat (verl's layout: [{role, content}, …], e.g. a system message before the question)
+renders as those messages, as written, with task.prompt_template applied to the last
+user message and task.system_prompt put first only when the chat has no system message
+of its own (the record's wins), then the generation prompt; without a template such a
+prompt is `user` made from its last user message (a system message needs a template,
+as task.system_prompt does). The template is the directory's `chat_template.jinja` if
+present, else tokenizer_config.json's "chat_template" (a string, or a list of {name,
+template} from which "default" is taken), as transformers reads it.
 
 Rendering matches transformers': a sandboxed `ImmutableSandboxedEnvironment` with
 trim_blocks and lstrip_blocks, the loopcontrols extension and the `{% generation %}` tag
@@ -107,15 +113,45 @@ class ChatTemplate:
                                     "or set task.chat_template=false") from None
 
 
-def user_text(task: TaskConfig, question: str) -> str:
-    """The user message of a question: task.prompt_template with "{question}" replaced."""
+def chat_messages(value, field: str) -> list[dict]:
+    """A record's chat `value` as [{role, content}] (other keys dropped: a parquet struct
+    carries every key any message has, as None elsewhere); TypeError naming `field` when
+    it is not a list of {'role': str, 'content': str}."""
+    if not isinstance(value, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in value):
+        raise TypeError(f"'{field}' must be a list of {{'role': str, 'content': str}}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _last_user(chat: list[dict]) -> int:
+    users = [i for i, m in enumerate(chat) if m["role"] == "user"]
+    if not users:
+        raise ValueError("a prompt chat needs a user message (the question)")
+    return users[-1]
+
+
+def user_text(task: TaskConfig, question: str | list[dict]) -> str:
+    """The user message of a question (of a chat: its last user message):
+    task.prompt_template with "{question}" replaced."""
+    if not isinstance(question, str):
+        question = question[_last_user(question)]["content"]
     return task.prompt_template.replace("{question}", question)
 
 
-def prompt_messages(task: TaskConfig, question: str) -> list[dict]:
-    """The chat of a question: task.system_prompt (if any), then the user message."""
-    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
-    return system + [{"role": "user", "content": user_text(task, question)}]
+def prompt_messages(task: TaskConfig, question: str | list[dict]) -> list[dict]:
+    """The chat of a question: task.system_prompt (if any), then the user message. Of a
+    record's own chat: its messages, the last user one through task.prompt_template,
+    task.system_prompt first only when the chat has no system message (module
+    docstring)."""
+    chat = [{"role": "user", "content": question}] if isinstance(question, str) else question
+    last = _last_user(chat)
+    chat = chat[:last] + [{"role": "user", "content": user_text(task, chat[last]["content"])}
+                          ] + chat[last + 1:]
+    own = any(m["role"] == "system" for m in chat)
+    system = ([{"role": "system", "content": task.system_prompt}]
+              if task.system_prompt and not own else [])
+    return system + chat
 
 
 def task_template(task: TaskConfig) -> ChatTemplate:
@@ -127,14 +163,15 @@ def task_template(task: TaskConfig) -> ChatTemplate:
     return ChatTemplate.from_dir(task.tokenizer_dir)
 
 
-def prompt_renderer(task: TaskConfig) -> Callable[[str], str]:
-    """question -> final prompt text (module docstring). The template is loaded and
-    rendered once here, so a broken one fails when the data loads."""
+def prompt_renderer(task: TaskConfig) -> Callable[[str | list[dict]], str]:
+    """question (or a record's own chat) -> final prompt text (module docstring). The
+    template is loaded and rendered once here, so a broken one fails when the data
+    loads."""
     if not task.chat_template:
         return lambda question: user_text(task, question)
     template = task_template(task)
 
-    def render(question: str) -> str:
+    def render(question: str | list[dict]) -> str:
         return template.render(prompt_messages(task, question),
                                add_generation_prompt=task.add_generation_prompt,
                                enable_thinking=task.enable_thinking)

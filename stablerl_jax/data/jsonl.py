@@ -1,26 +1,36 @@
-"""Math problems from local JSONL files (never downloaded), as a TFDS array_record
-dataset.
+"""Math problems from local JSONL or parquet files (never downloaded), as a TFDS
+array_record dataset.
 
-`task.jsonl_dir` names either a directory holding `train.jsonl` and/or `test.jsonl`
-(the TFDS manual directory), or one `.jsonl` file, read as the test split (an eval-only
-set). One JSON object per line, in any layout of data/formats.py (GSM8K, MATH, DAPO-Math,
-AIME, prompt/answer, or custom fields), detected from the first record unless
-`task.format` names it. Records get the synthetic task's fields:
+`task.jsonl_dir` names either a directory holding `train.jsonl` and/or `test.jsonl` (or
+`train.parquet` / `test.parquet`: the TFDS manual directory), or one data file, read as
+the test split (an eval-only set). A file ending in `.parquet` is parquet (data/parquet.py:
+verl's layout, one row a record, read into the dict a JSON line of it would be); any other
+is JSONL, one JSON object per line. A directory holding both `<split>.jsonl` and
+`<split>.parquet` is refused (`split_file`): they are not merged. Each record is in any
+layout of data/formats.py (GSM8K, MATH, DAPO-Math / verl, AIME, prompt/answer, or custom
+fields), detected from the first record unless `task.format` names it. Records get the
+synthetic task's fields:
 
-    id        "<split>-<line number, zero-padded>"  (sorting ids restores file order)
+    id        "<split>-<line or row number, zero-padded>"  (sorting ids restores file order)
     prompt    the question (the chat template is applied later, by data/task.py)
     solution  the worked solution where the format has one, else ''
     answer    the normalized final answer (formats.normalize_answer)
 
-A UTF-8 byte-order mark at the start of a file is ignored. A malformed line (invalid
-UTF-8, bad JSON, JSON nested deeper than Python's recursion limit, a record the format
-cannot read, a reference answer math-verify cannot read or that is undefined like
-`\\frac{1}{0}`, a line over MAX_LINE_BYTES) is an error naming the file and line number,
-unless `skip_malformed` is set: then such lines are skipped and counted in the dataset's
-metadata (`skipped_counts`), next to the format each split was read as (`formats`). A
-split with no record left is an error naming its file and the count. The builder config
-name carries a fingerprint of the files and the field mapping, so editing either
-triggers a rebuild.
+and, when the record's prompt is a chat (verl's `prompt`: [{role, content}, …]) holding
+more than the question alone (a system message, earlier turns), `chat`: that chat as
+JSON, which data/task.py renders in place of the question (system message kept).
+
+A UTF-8 byte-order mark at the start of a file is ignored. A malformed line or row
+(invalid UTF-8, bad JSON, JSON nested deeper than Python's recursion limit, a record the
+format cannot read, a reference answer math-verify cannot read or that is undefined like
+`\\frac{1}{0}`, a line over MAX_LINE_BYTES) is an error naming the file and line (row)
+number, unless `skip_malformed` is set: then such records are skipped and counted in the
+dataset's metadata (`skipped_counts`), next to the format each split was read as
+(`formats`). A parquet file that cannot be read, or lacks a column its format reads, is
+an error naming the file either way. A split with no record left is an error naming its
+file and the count. The builder config name carries a fingerprint of the files, the
+field mapping and the record fields, so editing any triggers a rebuild. Files are opened
+through `etils.epath`.
 """
 from __future__ import annotations
 
@@ -28,21 +38,27 @@ import hashlib
 import json
 import os
 import sys
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import tensorflow_datasets as tfds
+from etils import epath
 
-from stablerl_jax.data import formats
+from stablerl_jax.data import formats, parquet
 from stablerl_jax.data.answers import readable_answer
+from stablerl_jax.data.chat_template import chat_messages
 from stablerl_jax.data.formats import Mapping
 
 SPLITS = ("train", "test")
+SUFFIXES = (".jsonl", parquet.SUFFIX)  # the files a directory may hold per split
 MAX_LINE_BYTES = 1 << 20  # one problem; a longer line is a broken file, not a record
 _BOM = b"\xef\xbb\xbf"
+# The fields of a built record; part of the fingerprint, so a dataset built with other
+# fields is rebuilt rather than read.
+FIELDS = ("id", "prompt", "solution", "answer", "chat")
 
 
 class MalformedLineError(ValueError):
-    """A JSONL line is not a record of the file's format."""
+    """A JSONL line (parquet row) is not a record of the file's format."""
 
 
 class Parsed(NamedTuple):
@@ -51,17 +67,31 @@ class Parsed(NamedTuple):
     format: str       # the format the file was read as
 
 
+def split_file(directory: str, split: str, setting: str) -> str | None:
+    """The file of `split` in `directory`: <split>.jsonl or <split>.parquet, None when
+    neither exists; an error naming both when both do (`setting`: where the directory
+    was named)."""
+    found = [p for p in (os.path.join(directory, split + ext) for ext in SUFFIXES)
+             if epath.Path(p).is_file()]
+    if len(found) > 1:
+        raise ValueError(f"{setting}: both {found[0]} and {found[1]} hold the {split} "
+                         "split, and they are not merged; remove or rename one")
+    return found[0] if found else None
+
+
 def split_files(jsonl_path: str) -> dict[str, str]:
-    """{split: file} of a task.jsonl_dir: the directory's train.jsonl / test.jsonl that
-    exist, or {'test': path} for a single file; an error when there is neither."""
-    if os.path.isfile(jsonl_path):
+    """{split: file} of a task.jsonl_dir: the directory's train / test files that exist
+    (.jsonl or .parquet), or {'test': path} for a single file; an error when there is
+    neither."""
+    if epath.Path(jsonl_path).is_file():
         return {"test": jsonl_path}
-    files = {s: os.path.join(jsonl_path, f"{s}.jsonl") for s in SPLITS}
-    files = {s: p for s, p in files.items() if os.path.isfile(p)}
+    files = {s: split_file(jsonl_path, s, "task.jsonl_dir") for s in SPLITS}
+    files = {s: p for s, p in files.items() if p}
     if not files:
-        raise FileNotFoundError(f"{jsonl_path}: no train.jsonl or test.jsonl there; "
-                                "task.jsonl_dir must name a directory holding them, or "
-                                "one .jsonl file (an eval-only test split)")
+        raise FileNotFoundError(f"{jsonl_path}: no train.jsonl or test.jsonl there (nor "
+                                "train.parquet / test.parquet); task.jsonl_dir must name "
+                                "a directory holding them, or one .jsonl or .parquet file "
+                                "(an eval-only test split)")
     return files
 
 
@@ -80,72 +110,92 @@ def load_object(raw: bytes) -> dict:
     return obj
 
 
-def _record(raw: bytes, path: str, lineno: int, mapping: Mapping) -> tuple[dict, str]:
-    """(record fields, format name) of one line; raises on a malformed one."""
-    obj = load_object(raw)
+def _record(obj: dict, where: str, mapping: Mapping) -> tuple[dict, str]:
+    """(record fields, format name) of one parsed line or row (`where` names it); raises
+    on a malformed one."""
     name = mapping.format
     if name == "auto":
-        name = formats.detect(obj, f"{path}:{lineno}")
+        name = formats.detect(obj, where)
     question, solution, answer = formats.read_record(obj, mapping._replace(format=name))
     if not readable_answer(answer):
         raise ValueError(f"the final answer {answer[:40]!r} is not a number or "
                          "expression math-verify can read (or is undefined)")
-    return {"prompt": question, "solution": solution, "answer": answer}, name
+    rec = {"prompt": question, "solution": solution, "answer": answer}
+    if name == "dapo":
+        chat = chat_messages(obj["prompt"], "prompt")
+        if chat != [{"role": "user", "content": question}]:  # more than the question
+            rec["chat"] = json.dumps(chat, ensure_ascii=False)
+    return rec, name
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of the non-blank lines of a JSONL file, its BOM dropped."""
+    with epath.Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            if raw.strip():
+                yield lineno, raw
 
 
 def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = None,
                 mapping: Mapping = Mapping("auto"), record=_record,
                 needs: str = "problem whose answer math-verify can read",
                 format_field: str = "task.format") -> Parsed:
-    """The records of one JSONL file (module docstring). With format 'auto' the first
-    readable record fixes the format for the whole file. `record(raw line, path, line
-    number, mapping) -> (fields, format)` reads one line (another layout than the math
-    formats: data/sft_data.py); `needs` says what an empty file lacks, `format_field`
-    which setting names the format."""
-    if not os.path.isfile(path):
+    """The records of one data file, JSONL or parquet by its name (module docstring).
+    With format 'auto' the first readable record fixes the format for the whole file.
+    `record(object, where, mapping) -> (fields, format)` reads one parsed line or row
+    (another layout than the math formats: data/sft_data.py); `needs` says what an empty
+    file lacks, `format_field` which setting names the format."""
+    if not epath.Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such file; put train.jsonl and/or test.jsonl "
-                                "in task.jsonl_dir, or name one .jsonl file")
+                                "(or .parquet) in task.jsonl_dir, or name one data file")
     split = split or os.path.splitext(os.path.basename(path))[0]
+    if parquet.is_parquet(path):
+        items, unit, where = parquet.rows(path), "row", lambda n: f"{path} row {n}"
+    else:
+        items, unit, where = _lines(path), "line", lambda n: f"{path}:{n}"
     records, skipped, chosen = [], 0, None
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if lineno == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
-            if not raw.strip():
+    for n, item in items:
+        fmt = chosen or mapping.format
+        try:
+            obj = load_object(item) if isinstance(item, bytes) else item
+            rec, name = record(obj, where(n), mapping._replace(format=fmt))
+        except parquet.MissingColumn as e:  # the whole file's: never skipped
+            fix = ("set task.prompt_field / task.answer_field / task.solution_field to "
+                   "columns it has") if fmt == "custom" else (
+                   f"name the format that fits with {format_field} (or 'auto')")
+            raise parquet.missing_column(path, e, fmt, fix) from None
+        except formats.NoFormatError as e:
+            if skip_malformed:
+                skipped += 1
                 continue
-            try:
-                rec, name = record(raw, path, lineno, mapping._replace(
-                    format=chosen or mapping.format))
-            except formats.NoFormatError as e:
-                if skip_malformed:
-                    skipped += 1
-                    continue
-                raise MalformedLineError(str(e)) from None
-            except (ValueError, KeyError, TypeError) as e:
-                if skip_malformed:
-                    skipped += 1
-                    continue
-                why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-                fmt = chosen or mapping.format
-                raise MalformedLineError(
-                    f"{path}:{lineno}: malformed record of format {fmt!r} ({why}); fix the "
-                    f"line, name the right {format_field}, or pass skip_malformed=True"
-                ) from None
-            chosen = name
-            records.append({"id": f"{split}-{lineno:07d}", **rec})
+            raise MalformedLineError(str(e)) from None
+        except (ValueError, KeyError, TypeError) as e:
+            if skip_malformed:
+                skipped += 1
+                continue
+            why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise MalformedLineError(
+                f"{where(n)}: malformed record of format {fmt!r} ({why}); fix the "
+                f"record, name the right {format_field}, or pass skip_malformed=True"
+            ) from None
+        chosen = name
+        records.append({"id": f"{split}-{n:07d}", **rec})
     if not records:
-        raise ValueError(f"{path}: no records ({skipped} malformed line(s) skipped); the "
+        raise ValueError(f"{path}: no records ({skipped} malformed {unit}(s) skipped); the "
                          f"{split} split needs at least one {needs}")
     return Parsed(records, skipped, chosen)
 
 
 def fingerprint(files: dict[str, str], mapping: Mapping) -> str:
-    """Short sha256 of the split files' bytes and the field mapping."""
-    h = hashlib.sha256(repr(tuple(mapping)).encode())
+    """Short sha256 of the split files' bytes, the field mapping and the record fields."""
+    h = hashlib.sha256(repr((tuple(mapping), FIELDS)).encode())
     for split, path in sorted(files.items()):
         h.update(split.encode())
-        with open(path, "rb") as f:
-            h.update(f.read())
+        with epath.Path(path).open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
     return h.hexdigest()[:12]
 
 
@@ -153,12 +203,12 @@ class JsonlMathConfig(tfds.core.BuilderConfig):
     def __init__(self, files: dict[str, str], skip_malformed: bool = False,
                  mapping: Mapping = Mapping("auto")):
         name = f"{fingerprint(files, mapping)}{'_skip' if skip_malformed else ''}"
-        super().__init__(name=name, version="1.0.0", description=f"JSONL from {files}")
+        super().__init__(name=name, version="1.0.0", description=f"math data from {files}")
         self.files, self.skip_malformed, self.mapping = dict(files), skip_malformed, mapping
 
 
 class JsonlMath(tfds.core.GeneratorBasedBuilder):
-    """Math JSONL files (module docstring), written as array_record."""
+    """Math JSONL or parquet files (module docstring), written as array_record."""
 
     VERSION = tfds.core.Version("1.0.0")
 
@@ -166,14 +216,14 @@ class JsonlMath(tfds.core.GeneratorBasedBuilder):
         # tfds defaults to tfrecord, whose writer needs TensorFlow; array_record does not,
         # so `tfds.data_source(...)` and `tfds.builder(...)` also work without it.
         super().__init__(file_format=file_format, **kwargs)
-    MANUAL_DOWNLOAD_INSTRUCTIONS = ("Place train.jsonl and/or test.jsonl (any format of "
+    MANUAL_DOWNLOAD_INSTRUCTIONS = ("Place train.jsonl and/or test.jsonl, or train.parquet "
+                                    "and/or test.parquet (any format of "
                                     "stablerl_jax/data/formats.py) in the manual directory.")
 
     def _info(self):
         text = tfds.features.Text()
         return self.dataset_info_from_configs(
-            features=tfds.features.FeaturesDict(
-                {"id": text, "prompt": text, "solution": text, "answer": text}),
+            features=tfds.features.FeaturesDict({k: text for k in FIELDS}),
             metadata=tfds.core.MetadataDict())
 
     def _split_generators(self, dl_manager):
@@ -187,24 +237,25 @@ class JsonlMath(tfds.core.GeneratorBasedBuilder):
         meta["skipped_counts"] = {**meta.get("skipped_counts", {}), split: parsed.skipped}
         meta["formats"] = {**meta.get("formats", {}), split: parsed.format}
         for rec in parsed.records:
-            yield rec["id"], rec
+            yield rec["id"], {"chat": "", **rec}  # '' = no chat: read_source drops it
 
 
 def builder(jsonl_path: str, data_dir: str, skip_malformed: bool = False,
             mapping: Mapping = Mapping("auto")) -> JsonlMath:
-    """The prepared builder (built on first use) for the JSONL data at `jsonl_path`."""
+    """The prepared builder (built on first use) for the data at `jsonl_path`."""
     files = split_files(jsonl_path)
     b = JsonlMath(config=JsonlMathConfig(files, skip_malformed, mapping), data_dir=data_dir,
                   file_format="array_record")
     tfds.disable_progress_bar()
-    manual = jsonl_path if os.path.isdir(jsonl_path) else os.path.dirname(jsonl_path)
-    b.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        manual_dir=os.path.abspath(manual or ".")))
+    manual = jsonl_path if epath.Path(jsonl_path).is_dir() else os.path.dirname(jsonl_path)
+    # A URI (gs://…) is already absolute; abspath would prefix the working directory.
+    manual = manual if "://" in manual else os.path.abspath(manual or ".")
+    b.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual))
     return b
 
 
 def skipped_counts(jsonl_path: str, data_dir: str, skip_malformed: bool = True,
                    mapping: Mapping = Mapping("auto")) -> dict:
-    """{split: malformed lines skipped when the dataset was built}."""
+    """{split: malformed records skipped when the dataset was built}."""
     return dict(builder(jsonl_path, data_dir, skip_malformed, mapping
                         ).info.metadata["skipped_counts"])

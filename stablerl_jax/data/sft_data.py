@@ -3,12 +3,14 @@
 Letters: B rows, P prompt slots (task.max_prompt_len), R response slots
 (task.max_solution_len + 1: the response and its stop token).
 
-Records (`sft.data`: a JSONL file, or a directory holding train.jsonl; `sft.format=auto`
-picks the layout from the first record's fields):
+Records (`sft.data`: a JSONL or parquet file, or a directory holding train.jsonl or
+train.parquet, never both; a `.parquet` name is read as parquet, data/parquet.py, one row
+a record; `sft.format=auto` picks the layout from the first record's fields):
 
     messages         {"messages": [{"role": …, "content": str}, …]}: a chat in the
-                     OpenAI / Hugging Face layout, taken as written; every assistant turn
-                     is trained, every other token is context
+                     OpenAI / Hugging Face layout (in parquet a list of {role, content}
+                     structs), taken as written; every assistant turn is trained, every
+                     other token is context
     prompt_response  {"prompt": str, "response": str}
     gsm8k, math      the math formats with worked solutions (data/formats.py): the
                      question is the prompt, the solution the response
@@ -44,12 +46,13 @@ import os
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
+from etils import epath
 
 from stablerl_jax import distributed
 from stablerl_jax.data import batching, formats, jsonl
 from stablerl_jax.data.batching import SFTBatch
-from stablerl_jax.data.chat_template import (ChatTemplate, prompt_messages, task_template,
-                                             user_text)
+from stablerl_jax.data.chat_template import (ChatTemplate, chat_messages, prompt_messages,
+                                             task_template, user_text)
 from stablerl_jax.data.formats import Mapping
 from stablerl_jax.data.tokenizer import Tokenizer
 
@@ -84,21 +87,17 @@ def _detect(obj: dict, where: str) -> str:
 
 
 def _messages(obj: dict) -> list[dict]:
-    chat = obj["messages"]
-    if not isinstance(chat, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in chat):
-        raise TypeError("'messages' must be a list of {'role': str, 'content': str}")
+    chat = chat_messages(obj["messages"], "messages")
     if not any(m["role"] == "assistant" and m["content"] for m in chat):
         raise ValueError("'messages' has no assistant turn with content to train on")
-    return [{"role": m["role"], "content": m["content"]} for m in chat]
+    return chat
 
 
-def read_record(raw: bytes, path: str, lineno: int, mapping: Mapping) -> tuple[dict, str]:
-    """(record, format) of one JSONL line: {"messages": chat} or {"prompt", "response"};
-    raises on a malformed line (data/jsonl.py's `parse_jsonl` names it)."""
-    obj = jsonl.load_object(raw)
-    fmt = mapping.format if mapping.format != "auto" else _detect(obj, f"{path}:{lineno}")
+def read_record(obj: dict, where: str, mapping: Mapping) -> tuple[dict, str]:
+    """(record, format) of one parsed JSONL line or parquet row (`where` names it):
+    {"messages": chat} or {"prompt", "response"}; raises on a malformed one
+    (data/jsonl.py's `parse_jsonl` names it)."""
+    fmt = mapping.format if mapping.format != "auto" else _detect(obj, where)
     if fmt == "messages":
         return {"messages": _messages(obj)}, fmt
     if fmt == "prompt_response":
@@ -111,12 +110,16 @@ def read_record(raw: bytes, path: str, lineno: int, mapping: Mapping) -> tuple[d
 
 
 def data_file(path: str) -> str:
-    """sft.data's JSONL file: `path`, or its train.jsonl when it is a directory."""
-    file = os.path.join(path, "train.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"sft.data: {file}: no such file; name a JSONL file of "
-                                "messages or prompt/response records, or a directory "
-                                "holding train.jsonl")
+    """sft.data's file: `path`, or its train.jsonl / train.parquet when it is a
+    directory."""
+    file = path
+    if epath.Path(path).is_dir():
+        file = (jsonl.split_file(path, "train", "sft.data")
+                or os.path.join(path, "train.jsonl"))
+    if not epath.Path(file).is_file():
+        raise FileNotFoundError(f"sft.data: {file}: no such file; name a JSONL or parquet "
+                                "file of messages or prompt/response records, or a "
+                                "directory holding train.jsonl or train.parquet")
     return file
 
 

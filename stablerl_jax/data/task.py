@@ -3,34 +3,38 @@
 Letters: B responses (rows), G responses per prompt, P prompt slots, S rollout slots.
 
 The front door of `data/`: `load_split` dispatches on `TaskConfig.kind` to the arithmetic
-builder (synthetic.py) or the JSONL builder (jsonl.py) and reads a split through its
-array_record data source. `TaskData.create` then, in order:
+builder (synthetic.py) or the JSONL / parquet builder (jsonl.py) and reads a split
+through its array_record data source. `TaskData.create` then, in order:
 
   1. loads the train split and the eval sets: `rl.eval_sets` ("name:path,…", each a JSONL
-     file or a directory holding test.jsonl, parsed directly, format auto-detected; under
-     task.format=custom read with the same custom fields), or the task's own test split
-     as one set named 'test';
+     or parquet file or a directory holding test.jsonl or test.parquet, parsed directly,
+     format auto-detected; under task.format=custom read with the same custom fields), or
+     the task's own test split as one set named 'test';
   2. builds the tokenizer: a checkpoint's own tokenizer.json (`task.tokenizer_dir`), or
      SentencePiece trained once on the train split with at most `vocab_size` pieces;
   3. renders every prompt to its final text (data/chat_template.py: task.prompt_template,
-     and the checkpoint's chat template when task.chat_template is on), so batches
+     and the checkpoint's chat template when task.chat_template is on; a record carrying
+     its own `chat`, verl's prompt with a system message, renders that chat), so batches
      tokenize `record["prompt"]` as is;
   4. drops prompts longer than task.max_prompt_len tokens (BOS included), counting them
      per split in `TaskData.filtered` and printing the count; a split left empty is an
      error naming it, its file and the fix, raised here, before any training.
 
 Records are {id, prompt, question, solution, answer}, all str (`question`: the raw
-question the prompt was rendered from). `TaskData.evals` maps set names to
-records, in the order named. A task directory without train.jsonl (an eval-only set)
-loads with `require_train=False` (offline rollouts carry their own prompts); otherwise a
-missing train split is an error.
+question the prompt was rendered from; the `chat` a loaded record may carry is rendered
+into `prompt` and dropped). `TaskData.evals` maps set names to records, in the order
+named. A task directory without a train file (train.jsonl or train.parquet: an
+eval-only set) loads with `require_train=False` (offline rollouts carry their own
+prompts); otherwise a missing train split is an error.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
+from etils import epath
 
 from stablerl_jax import distributed
 from stablerl_jax.config import TaskConfig, check, parse_eval_sets
@@ -43,10 +47,12 @@ from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
 
 
 def read_source(source) -> list[dict]:
-    """All records of a TFDS data source as {field: str}, sorted by id."""
+    """All records of a TFDS data source as {field: str}, sorted by id; an empty `chat`
+    (a record whose prompt is the question alone) is left out."""
     raw = source.__getitems__(list(range(len(source)))) if len(source) else []
     recs = [{k: v.decode() if isinstance(v, bytes) else str(v) for k, v in r.items()}
             for r in raw]
+    recs = [{k: v for k, v in r.items() if k != "chat" or v} for r in recs]
     return sorted(recs, key=lambda r: r["id"])
 
 
@@ -63,8 +69,8 @@ def _builder(task: TaskConfig, data_dir: str):
 
 def _read(b, task: TaskConfig, split: str) -> list[dict]:
     if split not in b.info.splits:
-        raise FileNotFoundError(f"{task.jsonl_dir}: no {split}.jsonl; put one in "
-                                "task.jsonl_dir (a single .jsonl file is a test split)"
+        raise FileNotFoundError(f"{task.jsonl_dir}: no {split}.jsonl or {split}.parquet; "
+                                "put one in task.jsonl_dir (a single file is a test split)"
                                 + (", or name eval sets with rl.eval_sets"
                                    if split == "test" else ""))
     return read_source(b.as_data_source()[split])
@@ -78,21 +84,25 @@ def load_split(task: TaskConfig, split: str, data_dir: str) -> list[dict]:
 
 
 def _eval_file(path: str, jsonl_dir: str = "") -> str:
-    """An eval set's JSONL file: `path`, or its test.jsonl when it is a directory. A
-    relative path is looked up in task.jsonl_dir first (so a preset can name
-    `aime24:aime24.jsonl` beside the training data), then in the working directory."""
+    """An eval set's file (JSONL, or parquet by its name): `path`, or its test.jsonl /
+    test.parquet when it is a directory. A relative path is looked up in task.jsonl_dir
+    first (so a preset can name `aime24:aime24.jsonl` beside the training data), then in
+    the working directory."""
     tried = []
-    base = jsonl_dir if os.path.isdir(jsonl_dir) else os.path.dirname(jsonl_dir)
-    in_dir = [os.path.join(base, path)] if base and not os.path.isabs(path) else []
+    base = jsonl_dir if epath.Path(jsonl_dir).is_dir() else os.path.dirname(jsonl_dir)
+    in_dir = ([os.path.join(base, path)] if base and not os.path.isabs(path)
+              and "://" not in path else [])
     for cand in in_dir + [path]:
-        if os.path.isdir(cand):
-            cand = os.path.join(cand, "test.jsonl")
-        if os.path.isfile(cand):
+        if epath.Path(cand).is_dir():
+            cand = (jsonl.split_file(cand, "test", "rl.eval_sets")
+                    or os.path.join(cand, "test.jsonl"))
+        if epath.Path(cand).is_file():
             return cand
         tried.append(cand)
     raise FileNotFoundError(f"rl.eval_sets: {path}: no such file (tried {', '.join(tried)}); "
-                            "each set is a JSONL file or a directory holding test.jsonl, a "
-                            "relative path taken in task.jsonl_dir or the working directory")
+                            "each set is a JSONL or parquet file or a directory holding "
+                            "test.jsonl or test.parquet, a relative path taken in "
+                            "task.jsonl_dir or the working directory")
 
 
 def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bool
@@ -106,7 +116,8 @@ def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bo
         train = read_source(b.as_data_source()["train"])
     elif require_train:
         raise FileNotFoundError(f"{task.jsonl_dir}: no train.jsonl, and a training run "
-                                "needs one; add it, or train on rl.offline_rollouts")
+                                "needs one; add it (or train.parquet), or train on "
+                                "rl.offline_rollouts")
     else:
         train = []
     if task.kind != "arithmetic" and distributed.is_main():
@@ -144,11 +155,17 @@ def _tokenizer(cfg: TaskConfig, vocab_size: int, data_dir: str, corpus) -> Token
                                                 vocab_size)
 
 
+def _prompt(record: dict) -> str | list[dict]:
+    """What a record's prompt renders from: its own chat if it carries one, else the
+    question."""
+    return json.loads(record["chat"]) if record.get("chat") else record["prompt"]
+
+
 def _fit(records: list[dict], render, tok: Tokenizer, cfg: TaskConfig, name: str,
          source: str) -> tuple[list[dict], int]:
     """Rendered records that fit task.max_prompt_len, and how many did not (step 4)."""
-    rendered = [{**r, "question": r["prompt"], "prompt": render(r["prompt"])}
-                for r in records]
+    rendered = [{**{k: v for k, v in r.items() if k != "chat"}, "question": r["prompt"],
+                 "prompt": render(_prompt(r))} for r in records]
     kept, dropped = batching.split_by_length(rendered, tok, cfg.max_prompt_len)
     if dropped and distributed.is_main():
         print(f"data: {name}: dropped {dropped} of {len(rendered)} prompts longer than "
@@ -178,7 +195,7 @@ class TaskData:
         render = prompt_renderer(cfg)
         corpus_recs = train or [r for recs in evals.values() for r in recs]
         tok = _tokenizer(cfg, vocab_size, data_dir,
-                         [render(r["prompt"]) + " " + r["solution"] for r in corpus_recs])
+                         [render(_prompt(r)) + " " + r["solution"] for r in corpus_recs])
         filtered = {}
         train, filtered["train"] = _fit(train, render, tok, cfg, "train",
                                         sources.get("train", ""))
