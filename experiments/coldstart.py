@@ -23,12 +23,11 @@ task.jsonl_dir, data/math_4096 by default), on a TPU pod:
 """
 from __future__ import annotations
 
-import os
 import re
 
 from experiments import cli
 from experiments.runner import Experiment, Variant
-from stablerl_jax import presets
+from stablerl_jax import presets, storage
 from stablerl_jax.config import STYLES, ExperimentConfig, apply_overrides
 
 VARIANTS = tuple(Variant(f"sft-{s}", (f"task.style={s}",)) for s in STYLES)
@@ -74,11 +73,11 @@ def sft_data_variants(args, ap) -> tuple[Variant, ...] | None:
                      "names the variant sft-NAME and its directory); rename it")
         if name in names:
             ap.error(f"--sft-data: name {name!r} given twice; give each file its own name")
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             ap.error(f"--sft-data: {name}: no file {path!r}; give the path of an existing "
                      "JSONL file")
         names.add(name)
-        variants.append(Variant(f"sft-{name}", (f"sft.data={os.path.abspath(path)}",)))
+        variants.append(Variant(f"sft-{name}", (f"sft.data={storage.abspath(path)}",)))
     return tuple(variants)
 
 

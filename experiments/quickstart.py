@@ -34,7 +34,7 @@ import time
 from flax import traverse_util
 
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import compile_cache, distributed, presets, workdir
+from stablerl_jax import compile_cache, distributed, presets, storage, workdir
 from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
@@ -90,7 +90,7 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     init = (lambda: hf_checkpoint.load_hf_params(args.hf, cfg.model, param_shardings(cfg))
             ) if args.hf else None
     params, sft_losses = sft.cold_start(cfg, data, args.workdir, init_params=init,
-                                        init=os.path.abspath(args.hf) if args.hf else "",
+                                        init=storage.abspath(args.hf) if args.hf else "",
                                         progress=not args.quiet)
     flat = traverse_util.flatten_dict(params, sep="/")
     if main_process:

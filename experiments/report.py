@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from experiments import stats
+from stablerl_jax import storage
 from stablerl_jax.metrics_io import plot_comparison
 
 
@@ -163,8 +164,8 @@ def report(runs: dict, workdir: str, title: str, command: str, groups=None,
                   f"the mean of the last {stats.FINAL_EVALS} evaluations; collapse: the "
                   f"{stats.WINDOW}-step mean reward below {stats.COLLAPSE_FRACTION:g} × its "
                   "best so far, censored at steps + 1):\n\n" + stats.markdown(compared))
-    with open(os.path.join(workdir, "summary.md"), "w") as f:
-        f.write(f"# {title}\n\n```\n{command}\n```\n\n{table}\n")
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump({"variants": rows, "comparisons": compared}, f, indent=2)
+    storage.write_text(os.path.join(workdir, "summary.md"),
+                       f"# {title}\n\n```\n{command}\n```\n\n{table}\n")
+    storage.write_text(os.path.join(workdir, "summary.json"),
+                       json.dumps({"variants": rows, "comparisons": compared}, indent=2))
     return table

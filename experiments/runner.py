@@ -15,7 +15,7 @@ import dataclasses
 import os
 import time
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, storage
 from stablerl_jax.config import ExperimentConfig, apply_overrides
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.metrics_io import read_metrics
@@ -63,7 +63,7 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = ""):
     init = (lambda: hf_checkpoint.load_hf_params(hf, cfg.model, param_shardings(cfg))
             ) if hf else None
     params, losses = sft.cold_start(cfg, data, workdir, init_params=init,
-                                    init=os.path.abspath(hf) if hf else "",
+                                    init=storage.abspath(hf) if hf else "",
                                     progress=progress)
     if losses and distributed.is_main():
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
@@ -95,7 +95,7 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
 def finished_runs(workdir: str, variants, seeds):
     """({variant: [records per finished seed]}, {variant: its finished seeds}) of the runs
     that finished (wrote their summary.json); what is missing is printed."""
-    done = {v.name: tuple(s for s in seeds if os.path.exists(
+    done = {v.name: tuple(s for s in seeds if storage.exists(
         os.path.join(workdir, v.name, f"seed{s}", "summary.json"))) for v in variants}
     for name, d in done.items():
         missing = sorted(set(seeds) - set(d))

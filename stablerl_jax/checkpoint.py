@@ -16,6 +16,15 @@ What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-
   never deleted) when a `Checkpointer` opens, and only committed steps are ever listed.
 - any other name in the directory is left alone.
 
+On an object store (a `gs://` directory, where nothing renames atomically: storage.py)
+orbax writes a step in place, into `<step>/`, and `commit_success.txt` last. A save killed
+midway there leaves a `<step>/` without the commit file: one holding orbax's step metadata
+or an item directory (`state/`, `meta/`) is that save's remains and is removed when the
+next `Checkpointer` opens (what orbax's own clean-up does to its temporary directories on
+a disk), so the step can be saved again; anything else is left alone, as on a disk
+(orbax's own clean-up, which would delete every uncommitted directory there, is off).
+Steps set aside are copied object by object, then deleted.
+
 Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
 Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
 which breaks bit-exact resume, so a mismatch is an error that names the leaf.
@@ -83,7 +92,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from stablerl_jax import checkpoint_guards, distributed
+from stablerl_jax import checkpoint_guards, distributed, storage
 
 _COMMIT_FILE = "commit_success.txt"
 _ORBAX_STEP_META = "_CHECKPOINT_METADATA"
@@ -184,16 +193,15 @@ def set_aside(path: str, suffix: str) -> str:
     """Rename `path` to `path + suffix` (or `…suffix<n>` if taken); returns the new path.
     Nothing is deleted: a bad checkpoint stays for inspection."""
     dest, n = path + suffix, 1
-    while os.path.exists(dest):
+    while storage.lexists(dest):
         dest, n = f"{path}{suffix}{n}", n + 1
-    os.rename(path, dest)
+    storage.rename(path, dest)
     return dest
 
 
 def _read_json(path: str):
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(storage.read_text(path))
     except (OSError, ValueError):
         return None
 
@@ -201,7 +209,7 @@ def _read_json(path: str):
 def _is_own_step(path: str, step: int) -> bool:
     """Whether the directory `path`, named for `step`, was written by a Checkpointer (module
     docstring). A symlink never is: a Checkpointer writes none."""
-    if os.path.islink(path) or not os.path.isdir(path):
+    if storage.islink(path) or not storage.isdir(path):
         return False
     orbax_meta = _read_json(os.path.join(path, _ORBAX_STEP_META))
     handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta, dict) else None
@@ -213,17 +221,30 @@ def _is_own_step(path: str, step: int) -> bool:
 
 def _is_step(path: str, step: int) -> bool:
     """A committed step directory of this module: what a resume may use."""
-    return os.path.exists(os.path.join(path, _COMMIT_FILE)) and _is_own_step(path, step)
+    return storage.exists(os.path.join(path, _COMMIT_FILE)) and _is_own_step(path, step)
+
+
+def _cut_short(path: str) -> bool:
+    """Whether the uncommitted step directory `path` is the remains of a save written in
+    place (an object store's, module docstring): orbax's step metadata or an item."""
+    return any(storage.exists(os.path.join(path, n)) for n in (_ORBAX_STEP_META, *_ITEMS))
 
 
 def _sort_out(directory: str) -> list[str]:
-    """Move this module's uncommitted step directories aside to `<step>.incomplete` (module
-    docstring) and return the names of the entries it did not write, in natural order."""
+    """Move this module's uncommitted step directories aside to `<step>.incomplete` (on an
+    object store: remove the remains of saves cut short; module docstring) and return the
+    names of the entries it did not write, in natural order."""
     foreign = []
-    for name in os.listdir(directory):
+    in_place = not storage.renames_atomically(directory)
+    for name in storage.listdir(directory):
         path = os.path.join(directory, name)
-        if _STEP_NAME.fullmatch(name) and _is_own_step(path, int(name)):
-            if not os.path.exists(os.path.join(path, _COMMIT_FILE)):
+        if (in_place and _STEP_NAME.fullmatch(name) and _cut_short(path)
+                and not storage.exists(os.path.join(path, _COMMIT_FILE))):
+            logging.warning("checkpoint %s has no %s (a save cut short); removed it", path,
+                            _COMMIT_FILE)
+            storage.rmtree(path)
+        elif _STEP_NAME.fullmatch(name) and _is_own_step(path, int(name)):
+            if not storage.exists(os.path.join(path, _COMMIT_FILE)):
                 dest = set_aside(path, ".incomplete")
                 logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE,
                                 dest)
@@ -261,14 +282,14 @@ class Checkpointer:
     and (main thread) handles SIGINT (module docstring); `close` or `stop` ends both."""
 
     def __init__(self, directory: str, keep: int = 2, async_: bool = True):
-        directory = os.path.abspath(directory)
-        if os.path.exists(directory) and not os.path.isdir(directory):
+        directory = storage.abspath(directory)
+        if storage.isfile(directory):
             raise ValueError(f"checkpoint directory {directory!r} is a file; pass a directory "
                              "path (or move the file away)")
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1 (number of checkpoints kept)")
-        os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK):
+        storage.makedirs(directory)
+        if not storage.writable(directory):
             raise PermissionError(f"checkpoint directory {directory!r} is not writable; fix "
                                   "its permissions or use another workdir")
         if distributed.is_main():
@@ -299,14 +320,15 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, enable_async_checkpointing=self.async_, create=True,
-                cleanup_tmp_directories=True,  # leftovers of killed saves
+                # Leftovers of killed saves (in place: `_sort_out` removed them).
+                cleanup_tmp_directories=storage.renames_atomically(self.directory),
                 step_name_format=_OwnSteps()),
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (an async save still in flight is not listed)."""
-        return sorted(s for s in self.manager.all_steps() if os.path.exists(
+        return sorted(s for s in self.manager.all_steps() if storage.exists(
             os.path.join(self.directory, str(s), _COMMIT_FILE)))
 
     def latest_step(self) -> int | None:
@@ -328,7 +350,7 @@ class Checkpointer:
         self.check_saves()
         self.wait()
         where = os.path.join(self.directory, str(step))
-        if os.path.lexists(where) and step not in self.manager.all_steps():
+        if storage.lexists(where) and step not in self.manager.all_steps():
             self._failed = CheckpointSaveError(
                 f"checkpoint {where} could not be saved: {where} exists and was not written "
                 "by these checkpoints (no orbax step metadata naming 'state' and 'meta'); "
@@ -535,8 +557,8 @@ class Checkpointer:
 
 def save_params(path: str, params) -> None:
     """Save one params pytree to `path` (atomically: temporary directory, then rename)."""
-    path = os.path.abspath(path)
-    if os.path.exists(path):
+    path = storage.abspath(path)
+    if storage.exists(path):
         raise ValueError(f"params checkpoint {path!r} already exists; pass a new path or "
                          "delete the old one")
     distributed.barrier("params checkpoint")  # every process checked before one writes
@@ -547,15 +569,15 @@ def save_params(path: str, params) -> None:
 
 def is_complete(path: str) -> bool:
     """Whether a `save_params` directory (or a checkpoint step) was fully written."""
-    return os.path.exists(os.path.join(path, _COMMIT_FILE))
+    return storage.exists(os.path.join(path, _COMMIT_FILE))
 
 
 def load_params(path: str, target=None):
     """Load params saved by `save_params`. With `target` (arrays or ShapeDtypeStructs, e.g.
     from jax.eval_shape(init_params)), structure/shapes/dtypes are checked and the result
     lands on the target's shardings; without it, arrays come back as saved on one device."""
-    path = os.path.abspath(path)
-    if not os.path.exists(os.path.join(path, _COMMIT_FILE)):
+    path = storage.abspath(path)
+    if not storage.exists(os.path.join(path, _COMMIT_FILE)):
         raise ValueError(f"no complete params checkpoint at {path!r}; run the SFT cold start "
                          "first (it writes one there) or pass the right path")
     with ocp.StandardCheckpointer() as ckpt:

@@ -12,15 +12,18 @@ import signal
 import sys
 import threading
 
+from stablerl_jax import storage
+
 
 class ErrorLog:
     """The log file of one open Checkpointer's orbax errors. A record the file cannot take
     (the disk that failed the save is full) is dropped without a word: logging's own
-    report of that would be a traceback on the terminal again."""
+    report of that would be a traceback on the terminal again. On an object store the
+    file is an object, uploaded again whole at each record."""
 
     def __init__(self, path: str, directory: str):
         self.path, self.directory, self.written = path, directory, False
-        self._file = logging.FileHandler(path, encoding="utf-8", delay=True)
+        self._file = storage.log_handler(path)
         self._file.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s [%(threadName)s] %(pathname)s:%(lineno)d: %(message)s"))
         self._file.handleError = self._dropped

@@ -7,6 +7,12 @@ as None. On resume, `truncate_after(step)` drops the rows a killed run wrote aft
 checkpoint, so the file equals the one an uninterrupted run writes, and TensorBoard is told
 to discard those steps too (tensorboardX `purge_step`).
 
+A workdir may be a `gs://` bucket path (storage.py): the JSONL logs are then objects
+rewritten whole (`storage.AppendFile`: appended rows are uploaded at `flush`, which the
+training loop calls before every checkpoint save, or once storage.FLUSH_EVERY_S passed),
+and tensorboardX's event files are written to a local temporary directory and uploaded
+alike (`storage.Mirror`).
+
 A JSONL log the run rewrites on start or resume (metrics.jsonl, samples.jsonl,
 minibatches.jsonl, sft_run/metrics.jsonl: `truncate_jsonl`) must be a regular file, not
 a symbolic link: the rewrite replaces the file by rename, which would turn the link into
@@ -24,6 +30,8 @@ import time
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: files only, the caller's backend untouched
 from tensorboardX import SummaryWriter
+
+from stablerl_jax import storage
 
 # (title, keys, log-scale y). A panel is drawn when any of its keys has a value.
 PANELS = [
@@ -73,21 +81,22 @@ class MetricsWriter:
     writer (every process but the first of a multi-process run) writes nothing."""
 
     def __init__(self, workdir: str, enabled: bool = True):
-        if os.path.exists(workdir) and not os.path.isdir(workdir):
+        if storage.isfile(workdir):
             raise ValueError(f"metrics workdir {workdir!r} is a file; pass a directory path")
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tb")
+        self.log = JsonlLog(self.path, enabled)  # refuses a link before TensorBoard writes
         if enabled:
-            refuse_link(self.path)  # before the TensorBoard writer creates anything
-            os.makedirs(workdir, exist_ok=True)
+            storage.makedirs(workdir)
+            self._tb_files = storage.Mirror(self.tb_dir)
             self.tb = self._tb_writer()
 
     def _tb_writer(self, purge_step: int | None = None) -> SummaryWriter:
         # tensorboardX names event files by the second they were opened in, so a second
         # writer in the same second would overwrite the first; a nanosecond suffix keeps
         # them apart and sorted in opening order (the order TensorBoard reads them in).
-        return SummaryWriter(self.tb_dir, purge_step=purge_step,
+        return SummaryWriter(self._tb_files.local, purge_step=purge_step,
                              filename_suffix=f".{time.time_ns():020d}")
 
     def write(self, step: int, metrics: dict) -> dict:
@@ -97,11 +106,12 @@ class MetricsWriter:
         row = {"step": int(step), **{k: _to_float(k, v) for k, v in metrics.items()}}
         if not self.enabled:
             return row
-        append_jsonl(self.path, row)
+        self.log.write(row)
         for k, v in row.items():
             if k != "step" and v is not None:
                 self.tb.add_scalar(k, v, row["step"])
         self.tb.flush()
+        self._tb_files.sync(older_than_s=storage.FLUSH_EVERY_S)  # as the rows are
         return row
 
     def text(self, step: int, tag: str, rows: list[dict]) -> None:
@@ -120,29 +130,65 @@ class MetricsWriter:
         self.tb.add_text(tag, "\n\n---\n\n".join(parts), int(step))
         self.tb.flush()
 
+    def flush(self) -> None:
+        """Everything written so far is in the workdir when this returns (a local one
+        has it already: each row is written at once)."""
+        if self.enabled:
+            self.log.flush()
+            self._tb_files.sync()
+
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (step=-1 empties the file), atomically."""
         if not self.enabled:
             return
-        truncate_jsonl(self.path, step)
+        self.log.truncate_after(step)
         # TensorBoard hides events with step >= purge_step from earlier event files.
         self.tb.close()
         self.tb = self._tb_writer(purge_step=step + 1)
 
     def close(self) -> None:
         if self.enabled:
+            self.log.flush()
             self.tb.close()
+            self._tb_files.close()
+
+
+class JsonlLog:
+    """A step-keyed JSONL log of the workdir (`{"step": s, ...}` per line), appended to
+    row by row and cut back by `truncate_after` on resume. A disabled log (every process
+    but the first of a multi-process run) writes nothing; an enabled one refuses a
+    symbolic link at `path` (`refuse_link`)."""
+
+    def __init__(self, path: str, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+        self._file = storage.AppendFile(path)
+        if enabled:
+            refuse_link(path)
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            self._file.append(json.dumps(row) + "\n")
+
+    def flush(self) -> None:
+        """On an object store, upload the rows written since the last upload."""
+        if self.enabled:
+            self._file.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only rows with row["step"] <= step (`truncate_jsonl`)."""
+        if self.enabled:
+            self._file.flush()
+            self._file.replace(_kept(self.path, step))
 
 
 def append_jsonl(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    storage.AppendFile(path).append(json.dumps(row) + "\n")
 
 
 def refuse_link(path: str) -> None:
     """ValueError naming `path` and the fix when it is a symbolic link (dangling or not):
     a log rewritten by rename would replace the link (module docstring)."""
-    if os.path.islink(path):
+    if storage.islink(path):
         raise ValueError(
             f"{path} is a symbolic link (to {os.readlink(path)!r}); the run rewrites this "
             "log by rename, which would replace the link and leave its target stale: "
@@ -155,25 +201,23 @@ def truncate_jsonl(path: str, step: int) -> None:
     file replaces the old one by rename, so a crash here loses nothing. A symbolic link
     at `path` is refused (`refuse_link`)."""
     refuse_link(path)
-    rows = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path + ".tmp"
-    if os.path.lexists(tmp):  # a crash's leftover; never write through a link there
-        os.remove(tmp)
-    with open(tmp, "x") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
+    storage.atomic_write(path, _kept(path, step))
+
+
+def _kept(path: str, step: int) -> str:
+    """The text of a JSONL log's rows with row["step"] <= step."""
+    return "".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step)
 
 
 def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl, or of `<path>/metrics.jsonl` for a workdir ([] if absent).
     A torn last line (the process died mid-write) is dropped; a bad line elsewhere is an
     error."""
-    if os.path.isdir(path):
+    if storage.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return []
-    with open(path) as f:
-        lines = f.read().split("\n")
+    lines = storage.read_text(path).split("\n")
     rows = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -189,10 +233,11 @@ def read_metrics(path: str) -> list[dict]:
 
 def torn_tail(path: str) -> int:
     """Bytes of a torn last line of a JSONL file (no newline and not a JSON object: a
-    write cut short), 0 if there is none or no file."""
-    if not os.path.exists(path):
+    write cut short), 0 if there is none or no file. (An object is written whole: only a
+    copied-in file can end torn there.)"""
+    if not storage.exists(path):
         return 0
-    with open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - 1))
@@ -250,7 +295,7 @@ def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = Non
     if keys is not None:
         log_keys = {k for _, ks, log in PANELS if log for k in ks}
         panels = [(k, [k], k in log_keys) for k in keys]
-    os.makedirs(out_dir, exist_ok=True)
+    storage.makedirs(out_dir)
     paths = []
     for title, panel_keys, log in panels or PANELS + eval_set_panels(records):
         if not _present({"run": records}, panel_keys):
@@ -259,7 +304,7 @@ def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = Non
         _draw(fig.subplots(), {"run": records}, title, panel_keys, log)
         fig.tight_layout()
         path = os.path.join(out_dir, _slug(title) + ".png")
-        fig.savefig(path, dpi=110)
+        _save_png(fig, path, dpi=110)
         paths.append(path)
     return paths
 
@@ -279,6 +324,11 @@ def plot_comparison(runs: dict[str, list[dict]], out_path: str, panels: list | N
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    fig.savefig(out_path, dpi=100)
+    storage.makedirs(os.path.dirname(storage.abspath(out_path)))
+    _save_png(fig, out_path, dpi=100)
     return out_path
+
+
+def _save_png(fig: Figure, path: str, dpi: int) -> None:
+    with storage.open_file(path, "wb") as f:  # a local file or an object
+        fig.savefig(f, format="png", dpi=dpi)

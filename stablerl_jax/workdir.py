@@ -14,6 +14,20 @@ same name while a second still holds the old one. In a multi-process run process
 the lock for all (the others share its workdir). Within one process the lock is
 re-entrant: an entry point that locks the workdir before the cold start and the training
 loop that locks it again share one hold.
+
+On an object store (a `gs://` workdir) there is no flock and no process that ends with
+its holder: the lock is the object `<workdir>/run.lock`, written under generation
+preconditions (storage.py). It is created only if absent, so of two runs racing one
+wins; its content names the holder (host, pid, start time, boot id), and a daemon
+thread rewrites it every HEARTBEAT_S seconds, each time only if it is still the version
+this run wrote. A run finding the object refuses, naming the holder, unless the holder
+is dead: its last write (the store's time of it) is older than STALE_AFTER_S, or it is
+a process of this host (same name, same boot) that is gone. A dead holder's lock is
+taken over, under the precondition of the version read, with a warning naming it. A
+run whose lock was taken over (it stalled past STALE_AFTER_S, or lost the store) finds
+out at its next renewal and stops at its next step (`check_held`), and never deletes
+the new holder's object; a clean release deletes the object. Hosts' clocks are compared
+with the store's, so they must agree to well within STALE_AFTER_S (NTP does).
 """
 from __future__ import annotations
 
@@ -21,12 +35,18 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import socket
+import threading
 import time
 
-LOCK_FILE = "run.lock"
+from stablerl_jax import storage
 
-_held: dict[str, list] = {}  # realpath of a lock file -> [fd, depth]
+LOCK_FILE = "run.lock"
+HEARTBEAT_S = 60.0  # how often a run on an object store renews its lock object
+STALE_AFTER_S = 600.0  # a lock object not renewed for this long is a dead run's
+
+_held: dict[str, list] = {}  # lock file's realpath (or URI) -> [fd or _ObjectLock, depth]
 
 
 class WorkdirBusy(ValueError):
@@ -53,18 +73,19 @@ def _holder_text(info: dict) -> str:
 def _read_holder(fd: int) -> dict | None:
     os.lseek(fd, 0, os.SEEK_SET)
     raw = os.read(fd, 4096)
-    if not raw.strip():
-        return None
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        return {"pid": None, "host": None}
-    return info if isinstance(info, dict) else {"pid": None, "host": None}
+    return _parse_holder(raw) if raw.strip() else None
 
 
 def acquire(workdir: str) -> str:
     """Lock `workdir` (created if missing) for this process; returns the lock file's path.
     Raises WorkdirBusy naming the holder when another process holds it."""
+    if storage.is_remote(workdir):
+        path = os.path.join(workdir.rstrip("/"), LOCK_FILE)
+        if path in _held:
+            _held[path][1] += 1
+        else:
+            _held[path] = [_ObjectLock(workdir, path), 1]
+        return path
     os.makedirs(workdir, exist_ok=True)
     path = os.path.realpath(os.path.join(workdir, LOCK_FILE))
     if path in _held:
@@ -110,11 +131,128 @@ def release(path: str) -> None:
     if entry[1] > 0:
         return
     del _held[path]
+    if isinstance(entry[0], _ObjectLock):
+        entry[0].release()
+        return
     fd = entry[0]
     try:
         os.ftruncate(fd, 0)  # empty: a released lock, not a dead holder
     finally:
         os.close(fd)
+
+
+def check_held() -> None:
+    """Raise WorkdirBusy if another run took over a lock this process holds (an object
+    store's lock: module docstring); the training loops call this every step."""
+    for entry in list(_held.values()):
+        if isinstance(entry[0], _ObjectLock) and entry[0].lost:
+            raise WorkdirBusy(entry[0].lost)
+
+
+def _boot_id() -> str | None:
+    """This machine's boot (Linux): a holder on this host from before a reboot is gone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+class _ObjectLock:
+    """The lock of a workdir on an object store (module docstring), held once made."""
+
+    def __init__(self, workdir: str, path: str):
+        self.workdir, self.path, self.lost = workdir, path, None
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                   "boot": _boot_id(), "token": secrets.token_hex(8)}
+        self.generation = self._take()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, daemon=True,
+                                        name=f"lock heartbeat {path}")
+        self._thread.start()
+
+    def _data(self) -> bytes:
+        return (json.dumps({**self.me, "heartbeat": time.time()}) + "\n").encode()
+
+    def _take(self) -> int:
+        for _ in range(8):  # each round: another run wrote the object in between
+            generation = storage.create_object(self.path, self._data())
+            if generation is not None:
+                return generation
+            found = storage.read_object(self.path)
+            if found is None:
+                continue  # released in between
+            holder = _parse_holder(found.data)
+            if holder.get("token") == self.me["token"]:
+                return found.generation  # our own create, sent twice by a retry
+            why = self._dead(holder, found.updated)
+            if why is None:
+                age = max(0.0, time.time() - found.updated)
+                raise WorkdirBusy(
+                    f"workdir {self.workdir!r} is in use by {_holder_text(holder)}, its "
+                    f"lock renewed {age:.0f} s ago (lock object {self.path}); wait for "
+                    "that run to finish or stop it, or pass another --workdir")
+            generation = storage.replace_object(self.path, self._data(), found.generation)
+            if generation is not None:
+                logging.warning("workdir %s: taking over the lock of %s: %s", self.workdir,
+                                _holder_text(holder), why)
+                return generation
+        raise WorkdirBusy(f"workdir {self.workdir!r}: its lock object {self.path} kept "
+                          "changing while this run tried to take it; another run is "
+                          "starting there: pass another --workdir")
+
+    def _dead(self, holder: dict, updated: float) -> str | None:
+        """Why the holder of a lock object last written at `updated` is gone, or None."""
+        if holder.get("host") == self.me["host"]:
+            pid = holder.get("pid")
+            if holder.get("boot") and self.me["boot"] and holder["boot"] != self.me["boot"]:
+                return "this host was restarted since"
+            if isinstance(pid, int) and not _pid_alive(pid):
+                return "that process is gone"
+        age = time.time() - updated
+        if age > STALE_AFTER_S:
+            return f"its lock was last renewed {age:.0f} s ago (> {STALE_AFTER_S:.0f} s)"
+        return None
+
+    def _renew(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                generation = storage.replace_object(self.path, self._data(), self.generation)
+            except Exception as e:  # noqa: BLE001 (a network error: try again next time)
+                logging.warning("workdir %s: could not renew the run lock (%s); trying again "
+                                "in %.0f s", self.workdir, " ".join(str(e).split())[:200],
+                                HEARTBEAT_S)
+                continue
+            if generation is None:
+                self._lose()
+                return
+            self.generation = generation
+
+    def _lose(self) -> None:
+        try:
+            found = storage.read_object(self.path)
+        except Exception:  # noqa: BLE001 (the run stops either way)
+            found = None
+        who = _holder_text(_parse_holder(found.data)) if found else "another run"
+        self.lost = (f"workdir {self.workdir!r}: the run lock was taken over by {who} while "
+                     f"this run held it (not renewed for over {STALE_AFTER_S:.0f} s: this "
+                     "process stalled or could not reach the store); stopped so that two "
+                     "runs do not write one workdir")
+        logging.error("%s", self.lost)
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if not self.lost:
+            storage.delete_object(self.path, self.generation)
+
+
+def _parse_holder(raw: bytes) -> dict:
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return {"pid": None, "host": None}
+    return info if isinstance(info, dict) else {"pid": None, "host": None}
 
 
 class Lock:

@@ -47,16 +47,15 @@ import glob
 import json
 import os
 import re
-import shutil
 
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
-from stablerl_jax import sharding
+from stablerl_jax import sharding, storage
 from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.data.hf_tokenizer import read_json
 from stablerl_jax.interop import hf_config, hf_validate
@@ -110,6 +109,7 @@ class _Checkpoint:
     """Name → file of a checkpoint directory, with lazily opened memory-mapped readers."""
 
     def __init__(self, path: str):
+        storage.check_local(path, "Hugging Face checkpoint")  # memory-mapped safetensors
         index = os.path.join(path, "model.safetensors.index.json")
         self.path, self.listing = path, index
         if os.path.exists(index):
@@ -285,6 +285,7 @@ RUN_CHOSEN = ("param_dtype",)
 
 
 def _hf_json(path: str) -> dict:
+    storage.check_local(path, "Hugging Face checkpoint")
     source = os.path.join(path, "config.json")
     if not os.path.isfile(source):
         raise FileNotFoundError(f"{source}: no such file; a Hugging Face checkpoint "
@@ -468,7 +469,7 @@ def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = 
     "eos_token_id" (`generation_config`)."""
     if experts not in ("per_expert", "fused"):
         raise ValueError(f"experts={experts!r} must be 'per_expert' or 'fused'")
-    os.makedirs(path, exist_ok=True)
+    storage.makedirs(path)  # `path` may be a gs:// directory (storage.py)
     n_files = cfg.num_layers + 1
     fname = lambda i: f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
     weight_map, total = {}, 0
@@ -476,7 +477,8 @@ def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = 
     def write(i, tensors):
         nonlocal total
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-        save_file(tensors, os.path.join(path, fname(i)), metadata={"format": "pt"})
+        storage.write_bytes(os.path.join(path, fname(i)),
+                            save(tensors, metadata={"format": "pt"}))
         weight_map.update({k: fname(i) for k in tensors})
         total += sum(v.nbytes for v in tensors.values())
 
@@ -498,23 +500,22 @@ def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = 
                 for e in range(cfg.num_experts):
                     out[(_L + n).format(l=l, e=e)] = layer[k][e].T
         write(l + 1, out)
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_from_model(cfg, **(config_extra or {})), f, indent=2)
+    storage.write_text(os.path.join(path, "model.safetensors.index.json"), json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    storage.write_text(os.path.join(path, "config.json"), json.dumps(
+        hf_config_from_model(cfg, **(config_extra or {})), indent=2))
     for name in _TOKENIZER_FILES if tokenizer_dir else ():
-        if os.path.isfile(os.path.join(tokenizer_dir, name)):
-            shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+        if storage.isfile(os.path.join(tokenizer_dir, name)):
+            storage.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     for name in _TOKENIZER_DIRS if tokenizer_dir else ():
-        if os.path.isdir(os.path.join(tokenizer_dir, name)):
-            shutil.copytree(os.path.join(tokenizer_dir, name), os.path.join(path, name),
-                            dirs_exist_ok=True)
+        if storage.isdir(os.path.join(tokenizer_dir, name)):
+            storage.copytree(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     source = os.path.join(tokenizer_dir, "generation_config.json") if tokenizer_dir else ""
     generation = generation_config(read_json(source) if source else {},
                                    stop_ids, config_extra or {})
     if generation:
-        with open(os.path.join(path, "generation_config.json"), "w") as f:
-            json.dump(generation, f, indent=2)
+        storage.write_text(os.path.join(path, "generation_config.json"),
+                           json.dumps(generation, indent=2))
 
 
 def generation_config(source: dict, stop_ids: tuple[int, ...], config_extra: dict) -> dict:

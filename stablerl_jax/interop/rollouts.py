@@ -50,6 +50,7 @@ import zlib
 
 import numpy as np
 
+from stablerl_jax import storage
 from stablerl_jax.rollout import Rollout
 
 
@@ -150,7 +151,7 @@ def write_rollouts(path: str, responses: list[dict], group_size: int) -> None:
         out["rewards"] = np.array([r["reward"] for r in responses], np.float32)
     elif all("answer" in r for r in responses):
         out["answers"] = np.array([str(r["answer"]) for r in responses])
-    with open(path, "wb") as f:
+    with storage.open_file(path, "wb") as f:  # a local file or a gs:// object
         np.savez(f, **out)
 
 
@@ -175,18 +176,26 @@ def _why(e: Exception, pickled: str) -> str:
 
 
 def _read_npz(path: str) -> dict:
-    """{field: array} of an .npz archive, pickles refused; ValueError naming the file
-    (and the field) for a file that is not a readable one."""
+    """{field: array} of an .npz archive (a local file or a gs:// object), pickles
+    refused; ValueError naming the file (and the field) for a file that is not a
+    readable one."""
     try:
-        loaded = np.load(path, allow_pickle=False)
+        f = storage.open_file(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file; rl.offline_rollouts must name an "
                                 ".npz rollout file") from None
-    except _DAMAGED as e:
-        why = _why(e, "neither .npz nor .npy data, and never unpickled")
-        raise ValueError(f"{path}: not a readable .npz archive ({why}); rl.offline_rollouts "
-                         f"must name a complete .npz file of named arrays: {_REWRITE}"
-                         ) from None
+    with f:
+        try:
+            loaded = np.load(f, allow_pickle=False)
+        except _DAMAGED as e:
+            why = _why(e, "neither .npz nor .npy data, and never unpickled")
+            raise ValueError(f"{path}: not a readable .npz archive ({why}); "
+                             "rl.offline_rollouts must name a complete .npz file of named "
+                             f"arrays: {_REWRITE}") from None
+        return _read_fields(path, loaded)
+
+
+def _read_fields(path: str, loaded) -> dict:
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise ValueError(f"{path}: a single .npy array {loaded.shape}, not an .npz archive "
                          f"of named fields; {_REWRITE}")

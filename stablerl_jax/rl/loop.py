@@ -26,6 +26,11 @@ such as vLLM or SGLang: interop/rollouts.py); everything from hop 4 on is unchan
 
 Everything random is derived from (seed, step), so a run resumed from its last complete
 checkpoint reproduces the uninterrupted run bit for bit on CPU.
+
+The workdir may be a local directory or a `gs://` path (storage.py). Its JSONL logs are
+flushed before every checkpoint save, so the logs cover every checkpoint on either: on
+an object store rows are uploaded whole then, and a kill loses only rows the resume
+writes again.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import continuous, distributed, overlong, packing
+from stablerl_jax import continuous, distributed, overlong, packing, storage
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.checkpoint import Checkpointer
@@ -48,8 +53,7 @@ from stablerl_jax.data.task import TaskData
 from stablerl_jax.diagnostics import reduce_metrics
 from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
 from stablerl_jax.interop.rollouts import OfflineRollouts
-from stablerl_jax.metrics_io import (MetricsWriter, append_jsonl, plot_metrics, read_metrics,
-                                     truncate_jsonl)
+from stablerl_jax.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.rl import dynamic, evals, preflight, resume, steps
@@ -296,13 +300,13 @@ def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int
                                evals.batch_multiple(engine.cfg), log_samples)
 
 
-def log_samples(writer: MetricsWriter, path: str, step: int, samples: list[dict]) -> None:
+def log_samples(writer: MetricsWriter, log: JsonlLog, step: int, samples: list[dict]) -> None:
     """Append decoded samples to samples.jsonl (one row each, with the step) and to
     TensorBoard text (process 0 only: the writer of other processes is disabled)."""
     if not (writer.enabled and samples):
         return
     for row in samples:
-        append_jsonl(path, {"step": int(step), **row})
+        log.write({"step": int(step), **row})
     writer.text(step, "samples", samples)
 
 
@@ -325,8 +329,10 @@ def open_offline(cfg) -> OfflineRollouts | None:
 
 def task_data(cfg, workdir: str) -> TaskData:
     """The task's data under `<workdir>/data`, built by the first process while the others
-    wait (on a shared filesystem they then only read it)."""
-    path = os.path.join(workdir, "data")
+    wait (on a shared filesystem they then only read it). A gs:// workdir's is built in a
+    local cache directory instead (`storage.local_dir`): its array_record files are
+    written by a writer of local files only."""
+    path = storage.local_dir(os.path.join(workdir, "data"))
     create = functools.partial(TaskData.create, cfg.task, cfg.model.vocab_size, path,
                                cfg.rl.eval_sets, require_train=not cfg.rl.offline_rollouts)
     if distributed.is_main():
@@ -368,10 +374,11 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id,
                            stop_ids=data.tokenizer.stop_ids)
     offline = open_offline(cfg)
+    # Before the Checkpointer: a log that is a symbolic link is refused with nothing open.
+    minibatch_log = JsonlLog(os.path.join(workdir, "minibatches.jsonl"), enabled=main)
+    samples_log = JsonlLog(os.path.join(workdir, "samples.jsonl"), enabled=main)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
-    minibatch_log = os.path.join(workdir, "minibatches.jsonl")
-    samples_log = os.path.join(workdir, "samples.jsonl")
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
@@ -412,15 +419,14 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         if main:
             resume.report_torn(metrics_path)
         writer.truncate_after(latest)
+        for log in (minibatch_log, samples_log):
+            log.truncate_after(latest)
         if main:
-            for log in (minibatch_log, samples_log):
-                truncate_jsonl(log, latest)
             resume.check_metrics_rows(metrics_path, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
-        if main:
-            for log in (minibatch_log, samples_log):
-                truncate_jsonl(log, -1)
+        for log in (minibatch_log, samples_log):
+            log.truncate_after(-1)
         metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
         writer.write(0, metrics)
         log_samples(writer, samples_log, 0, samples)
@@ -431,12 +437,12 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     try:
         for step in bar:
             ckpt.check_saves()  # a failed background save stops the run here
+            workdir_lock.check_held()  # so does a lock another run took over
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
             state, metrics, composition, samples = global_step(
                 engine, state, data, step, offline, train_samples, inflight, history)
-            if main:
-                append_jsonl(minibatch_log, {"step": step + 1, **composition})
+            minibatch_log.write({"step": step + 1, **composition})
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
                 eval_metrics, eval_samples = evaluate(engine, state.params, data, step + 1,
                                                       cfg.rl.log_samples)
@@ -450,6 +456,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                             kl=f"{metrics['kl/train_infer_k1']:.1e}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
+                for log in (writer, minibatch_log, samples_log):  # they cover the step
+                    log.flush()
                 ckpt.save(step + 1, saved(), {"step": step + 1, **meta})
     except KeyboardInterrupt:  # Ctrl-C: stop bounds the wait for the save in flight
         ckpt.stop()
@@ -460,6 +468,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         finally:
             ckpt.close()
             writer.close()
+            minibatch_log.flush()
+            samples_log.flush()
     if export_hf:
         tok = data.tokenizer
         dtype = export_dtype or cfg.model.param_dtype
@@ -475,8 +485,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     records = read_metrics(workdir)
     plot_metrics(records, os.path.join(workdir, "plots"))
     summary = run_summary(records, skipped)
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    storage.write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary
 
 

@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from stablerl_jax import distributed, sharding
+from stablerl_jax import distributed, sharding, storage
 from stablerl_jax.config import ConfigError, changed_fields, flat_dict
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
@@ -18,9 +18,18 @@ RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_proble
 
 
 def check_workdir(workdir: str) -> None:
-    """A clear error for a workdir that cannot hold a run (before any work starts)."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    """A clear error for a workdir that cannot hold a run (before any work starts). A
+    `gs://` workdir's bucket must exist; whether this account may write it shows when
+    the run lock is written, the run's first write."""
+    storage.check_scheme(workdir, "workdir")
+    if storage.isfile(workdir):
         raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
+    if storage.is_remote(workdir):
+        bucket = "/".join(workdir.split("/")[:3])
+        if not storage.exists(bucket):
+            raise ValueError(f"workdir {workdir!r}: the bucket {bucket} does not exist or "
+                             "this account may not see it; create it or fix the name")
+        return
     parent = workdir if os.path.isdir(workdir) else os.path.dirname(os.path.abspath(workdir))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

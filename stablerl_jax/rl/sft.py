@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 
 import jax
 from tqdm import tqdm
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, storage, workdir as workdir_lock
 from stablerl_jax.checkpoint import (Checkpointer, is_complete, load_params, save_params,
                                      set_aside)
 from stablerl_jax.config import ExperimentConfig, flat_dict
@@ -72,6 +71,7 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
         skips = 0
         losses = [r["sft/loss"] for r in read_metrics(writer.path)] if run_dir else []
         for step in bar:
+            workdir_lock.check_held()  # a run whose lock was taken over stops here
             state, metrics = engine.sft_update(state, next(batches))
             metrics = jax.tree.map(distributed.host, metrics)
             skips = count_skips(skips, [skipped(metrics)], cfg.sft.max_consecutive_skips,
@@ -81,6 +81,7 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
             writer.write(step + 1, row)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if every and ((step + 1) % every == 0 and step + 1 < cfg.sft.steps):
+                writer.flush()  # the log first: it covers every checkpoint (storage.py)
                 ckpt.save(step + 1, state._asdict(), {"step": step + 1, **meta})
     except KeyboardInterrupt:  # Ctrl-C: stop bounds the wait for the save in flight
         if ckpt is not None:
@@ -142,22 +143,21 @@ def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
         if init_params is None:
             init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
         return init_params, None
-    path = os.path.join(os.path.abspath(workdir), "sft")
+    path = os.path.join(storage.abspath(workdir), "sft")
     config_path = path + ".json"
     wanted = {**sft_settings(cfg), "init": init}
-    if distributed.is_main() and os.path.isdir(path) and not is_complete(path):
+    if distributed.is_main() and storage.isdir(path) and not is_complete(path):
         logging.warning("%s was not completely written; moved to %s and training again",
                         path, set_aside(path, ".incomplete"))
     distributed.barrier("sft directory")
-    if os.path.isdir(path):
-        if os.path.exists(config_path):
-            with open(config_path) as f:
-                try:
-                    saved = json.load(f)
-                except ValueError as e:
-                    raise ValueError(
-                        f"{config_path}: not valid JSON ({e}); delete it and {path} to "
-                        "train the cold start again, or use another workdir") from None
+    if storage.isdir(path):
+        if storage.exists(config_path):
+            try:
+                saved = json.loads(storage.read_text(config_path))
+            except ValueError as e:
+                raise ValueError(
+                    f"{config_path}: not valid JSON ({e}); delete it and {path} to "
+                    "train the cold start again, or use another workdir") from None
             _same(saved, wanted, path, f"delete {path} and {config_path} to train it again")
         # Each process reads the whole of every array (the Engine shards them afterwards).
         here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -171,13 +171,12 @@ def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
     # The settings first: a kill between the two leaves an incomplete sft/ (set aside and
     # trained again), never a complete one without its settings.
     if distributed.is_main():
-        tmp = config_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(wanted, f, indent=1)
-        os.replace(tmp, config_path)
+        storage.atomic_write(config_path, json.dumps(wanted, indent=1))
     save_params(path, params)
     distributed.barrier("sft saved")
     if distributed.is_main():  # the final parameters supersede the SFT checkpoints
-        shutil.rmtree(os.path.join(os.path.abspath(workdir), "sft_run", "checkpoints"),
-                      ignore_errors=True)
+        try:
+            storage.rmtree(os.path.join(storage.abspath(workdir), "sft_run", "checkpoints"))
+        except OSError:  # only space is lost: a later cold start trains from sft/
+            pass
     return params, losses

