@@ -2,7 +2,7 @@
 
     python -m experiments.<name> [--preset tiny|paper] [--workdir DIR] [--seeds 0,1]
         [--only VARIANT,...] [--hf CHECKPOINT_DIR] [--dry-run] [--report] [--quiet]
-        [--compile-cache DIR] [section.field=value ...]
+        [--tracker NAMES] [--compile-cache DIR] [section.field=value ...]
 
 An experiment module describes itself once, in `EXPERIMENT = cli.Descriptor(...)`, and its
 `main` is `EXPERIMENT.main`. `main` parses and validates the command line, then trains
@@ -14,9 +14,11 @@ resolved settings and exits (the way to read the `paper` preset, which is a TPU-
 without running anything. `--hf` starts from a Hugging Face Qwen3-MoE checkpoint: its
 architecture and tokenizer in every run's config (after the overrides), its weights the
 cold start's starting point (read only when the cold start trains, or as the RL start when
-sft.steps = 0). A module adds its own flags and variants through the descriptor's
-`add_arguments` and `variants_from`. `experiments.descriptors()` lists every module's
-descriptor.
+sft.steps = 0). `--tracker` names the experiment trackers (tensorboard, wandb, mlflow;
+default tensorboard) every run and the cold start log to besides metrics.jsonl
+(stablerl_jax/trackers.py; a tracker whose package is missing is refused here). A module
+adds its own flags and variants through the descriptor's `add_arguments` and
+`variants_from`. `experiments.descriptors()` lists every module's descriptor.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from experiments.cli_errors import one_line_errors
 from experiments.report import report
 from experiments.runner import (Experiment, Variant, finished_runs, run_variants,
                                 task_and_cold_start)
-from stablerl_jax import compile_cache, distributed, workdir
+from stablerl_jax import compile_cache, distributed, trackers, workdir
 from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import preflight
 
@@ -106,6 +108,7 @@ def parser(desc: Descriptor) -> argparse.ArgumentParser:
                     help="only rebuild the figures and summary.md from the finished runs' "
                          "stored metrics (runs not finished are left out and listed)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    trackers.add_argument(ap)
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--traceback", action="store_true",
@@ -212,17 +215,17 @@ def _train(desc: Descriptor, exp: Experiment, args, variants, seeds, argv) -> di
     allow = [f for f in args.allow_config_change.split(",") if f]  # checked in main
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
                             overrides=args.overrides, progress=progress,
-                            allow_config_change=allow)
+                            allow_config_change=allow, trackers=args.tracker)
     if desc.cold_start_per_variant:
         runs = {}
         for v in variants:
             data, params = task_and_cold_start(exp.config(v, seeds[0], args.overrides),
                                                os.path.join(args.workdir, v.name), progress,
-                                               hf=exp.hf)
+                                               hf=exp.hf, trackers=args.tracker)
             runs.update(run(data=data, params=params, variants=(v,)))
     else:
         data, params = task_and_cold_start(exp.base_config(args.overrides), args.workdir,
-                                           progress, hf=exp.hf)
+                                           progress, hf=exp.hf, trackers=args.tracker)
         runs = run(data=data, params=params, variants=variants)
     if distributed.is_main():
         print(_report(desc, runs, args.workdir, {v.name: seeds for v in variants}, argv))

@@ -2,7 +2,7 @@
 
     python -m experiments.quickstart [--workdir runs/quickstart] [--preset tiny]
         [--hf CHECKPOINT_DIR] [--sft-only] [--export-hf OUT_DIR] [--export-dtype DTYPE]
-        [key=value ...]
+        [--tracker NAMES] [key=value ...]
 
 e.g. `rl.steps=20 rl.replay=r3`. Writes to the workdir: sft/ (cold-start params),
 sft_run/ (the cold start's metrics.jsonl, TensorBoard and checkpoints), checkpoints/,
@@ -34,7 +34,7 @@ import time
 from flax import traverse_util
 
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import compile_cache, distributed, presets, storage, workdir
+from stablerl_jax import compile_cache, distributed, presets, trackers, storage, workdir
 from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
@@ -47,6 +47,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", default="runs/quickstart")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    trackers.add_argument(ap)
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
@@ -91,7 +92,7 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
             ) if args.hf else None
     params, sft_losses = sft.cold_start(cfg, data, args.workdir, init_params=init,
                                         init=storage.abspath(args.hf) if args.hf else "",
-                                        progress=not args.quiet)
+                                        progress=not args.quiet, trackers=args.tracker)
     flat = traverse_util.flatten_dict(params, sep="/")
     if main_process:
         print(f"model: {sum(v.size for v in flat.values()):,} parameters in {len(flat)} "
@@ -101,7 +102,8 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
                   f"{len(sft_losses)} steps")
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
-                       export_dtype=export_dtype, allow_config_change=allow)
+                       export_dtype=export_dtype, allow_config_change=allow,
+                       trackers=args.tracker)
     summary["wall_seconds"] = round(time.time() - t0, 1)
     if main_process:
         print(json.dumps(summary, indent=2))

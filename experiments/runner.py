@@ -52,11 +52,12 @@ class Experiment:
         return hf_checkpoint.experiment_with_checkpoint(cfg, self.hf) if self.hf else cfg
 
 
-def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = ""):
+def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = "",
+                        trackers=("tensorboard",)):
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`: from the
     weights of the checkpoint directory `hf` (cfg already carries its architecture,
     `Experiment.config`; read only if the cold start trains or sft.steps = 0), else from
-    a fresh init."""
+    a fresh init. `trackers`: where the cold start logs (stablerl_jax/trackers.py)."""
     data = loop.task_data(cfg, workdir)
     preflight.check_eval_problems(cfg, data)  # before the cold start trains
     # Straight onto the Engine's shardings: no host copy of the model.
@@ -64,7 +65,7 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = ""):
             ) if hf else None
     params, losses = sft.cold_start(cfg, data, workdir, init_params=init,
                                     init=storage.abspath(hf) if hf else "",
-                                    progress=progress)
+                                    progress=progress, trackers=trackers)
     if losses and distributed.is_main():
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"in {len(losses)} steps", flush=True)
@@ -73,8 +74,9 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = ""):
 
 def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
                  overrides=(), progress: bool = True, prefix: str = "",
-                 allow_config_change=()) -> dict:
-    """Every (variant, seed) RL run from `params`; returns {name: [records per seed]}."""
+                 allow_config_change=(), trackers=("tensorboard",)) -> dict:
+    """Every (variant, seed) RL run from `params`, each logging to `trackers`
+    (stablerl_jax/trackers.py); returns {name: [records per seed]}."""
     runs = {}
     for v in variants or exp.variants:
         runs[prefix + v.name] = []
@@ -83,7 +85,7 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
             rundir = os.path.join(workdir, prefix + v.name, f"seed{seed}")
             t0 = time.time()
             s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
-                         allow_config_change=allow_config_change)
+                         allow_config_change=allow_config_change, trackers=trackers)
             if distributed.is_main():  # it alone writes (and so reads) the metrics
                 print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
                       f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "

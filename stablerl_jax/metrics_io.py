@@ -5,7 +5,8 @@
 written as `null` (JSON has no NaN), and TensorBoard skips it; `read_metrics` returns it
 as None. On resume, `truncate_after(step)` drops the rows a killed run wrote after its last
 checkpoint, so the file equals the one an uninterrupted run writes, and TensorBoard is told
-to discard those steps too (tensorboardX `purge_step`).
+to discard those steps too (tensorboardX `purge_step`). TensorBoard is one of a run's
+trackers (`tensorboard=False`: no tb/ directory; the others: trackers.py).
 
 A workdir may be a `gs://` bucket path (storage.py): the JSONL logs are then objects
 rewritten whole (`storage.AppendFile`: appended rows are uploaded at `flush`, which the
@@ -77,20 +78,23 @@ def _to_float(key: str, v) -> float | None:
 
 
 class MetricsWriter:
-    """Appends metric rows to `<workdir>/metrics.jsonl` and `<workdir>/tb/`. A disabled
-    writer (every process but the first of a multi-process run) writes nothing."""
+    """Appends metric rows to `<workdir>/metrics.jsonl` and, with `tensorboard`,
+    `<workdir>/tb/`. A disabled writer (every process but the first of a multi-process
+    run) writes nothing."""
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(self, workdir: str, enabled: bool = True, tensorboard: bool = True):
         if storage.isfile(workdir):
             raise ValueError(f"metrics workdir {workdir!r} is a file; pass a directory path")
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tb")
         self.log = JsonlLog(self.path, enabled)  # refuses a link before TensorBoard writes
+        self.tb = self._tb_files = None
         if enabled:
             storage.makedirs(workdir)
-            self._tb_files = storage.Mirror(self.tb_dir)
-            self.tb = self._tb_writer()
+            if tensorboard:
+                self._tb_files = storage.Mirror(self.tb_dir)
+                self.tb = self._tb_writer()
 
     def _tb_writer(self, purge_step: int | None = None) -> SummaryWriter:
         # tensorboardX names event files by the second they were opened in, so a second
@@ -107,6 +111,8 @@ class MetricsWriter:
         if not self.enabled:
             return row
         self.log.write(row)
+        if self.tb is None:
+            return row
         for k, v in row.items():
             if k != "step" and v is not None:
                 self.tb.add_scalar(k, v, row["step"])
@@ -117,7 +123,7 @@ class MetricsWriter:
     def text(self, step: int, tag: str, rows: list[dict]) -> None:
         """TensorBoard text under `tag`: one markdown section per row (its fields as
         `key: value` lines, multi-line values in code blocks)."""
-        if not self.enabled:
+        if self.tb is None:
             return
         parts = []
         for i, row in enumerate(rows):
@@ -135,22 +141,25 @@ class MetricsWriter:
         has it already: each row is written at once)."""
         if self.enabled:
             self.log.flush()
-            self._tb_files.sync()
+            if self.tb is not None:
+                self._tb_files.sync()
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (step=-1 empties the file), atomically."""
         if not self.enabled:
             return
         self.log.truncate_after(step)
-        # TensorBoard hides events with step >= purge_step from earlier event files.
-        self.tb.close()
-        self.tb = self._tb_writer(purge_step=step + 1)
+        if self.tb is not None:
+            # TensorBoard hides events with step >= purge_step from earlier event files.
+            self.tb.close()
+            self.tb = self._tb_writer(purge_step=step + 1)
 
     def close(self) -> None:
         if self.enabled:
             self.log.flush()
-            self.tb.close()
-            self._tb_files.close()
+            if self.tb is not None:
+                self.tb.close()
+                self._tb_files.close()
 
 
 class JsonlLog:

@@ -13,7 +13,8 @@ One global step, every hop a call from here into one module and back:
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
     7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
-                      rl/evals.py), decoded samples (samples.jsonl)
+                      rl/evals.py), decoded samples (samples.jsonl); the same to the
+                      run's trackers (trackers.py: wandb, MLflow)
 
 With `rl.dynamic_sampling` hops 1–3 run in rounds (`dynamic_rollout`, rl/dynamic.py):
 groups whose rewards are all equal are dropped and further prompts sampled until
@@ -59,6 +60,7 @@ from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.rl import dynamic, evals, preflight, resume, steps
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
+from stablerl_jax.trackers import Trackers
 
 
 def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
@@ -345,7 +347,7 @@ def task_data(cfg, workdir: str) -> TaskData:
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         progress: bool = True, allow_config_change=(), export_hf: str = "",
-        export_dtype: str = "") -> dict:
+        export_dtype: str = "", trackers=("tensorboard",)) -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
     A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
@@ -353,21 +355,25 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
     tokenizer's special ids, and its files when task.tokenizer_dir is set), its tensors
     in `export_dtype` ('' = model.param_dtype; e.g. the dtype of the checkpoint the run
-    started from, while the run trains float32 master weights). In a
-    multi-process run every process calls this; the first writes metrics, logs, plots and
-    the summary, and every one writes its part of the checkpoints. The first also holds
+    started from, while the run trains float32 master weights). `trackers`: where the
+    metrics go besides metrics.jsonl (trackers.NAMES; a resume continues the same
+    tracker runs, `<workdir>/trackers.json`). In a multi-process run every process calls
+    this; the first writes metrics, logs, plots, the trackers and the summary, and every
+    one writes its part of the checkpoints. The first also holds
     the workdir's lock (workdir.py) for the whole run: a second run there is refused.
     """
     preflight.check_workdir(workdir)
     preflight.check_processes(cfg, export_hf)
-    with workdir_lock.Lock(workdir, enabled=distributed.is_main()):
+    main = distributed.is_main()
+    with workdir_lock.Lock(workdir, enabled=main), Trackers(
+            trackers, workdir, run_name=cfg.name, enabled=main) as tracker:
         return _run(cfg, workdir, init_params=init_params, data=data, progress=progress,
                     allow_config_change=allow_config_change, export_hf=export_hf,
-                    export_dtype=export_dtype)
+                    export_dtype=export_dtype, tracker=tracker)
 
 
 def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
-         export_hf, export_dtype) -> dict:
+         export_hf, export_dtype, tracker: Trackers) -> dict:
     main = distributed.is_main()
     data = data or task_data(cfg, workdir)
     preflight.check_eval_problems(cfg, data)
@@ -407,7 +413,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
                          "<step>.corrupt or <step>.unusable, see the log); run again to "
                          "start from scratch")
-    writer = MetricsWriter(workdir, enabled=main)
+    writer = MetricsWriter(workdir, enabled=main, tensorboard=tracker.tensorboard)
+    tracker.log_config(flat_dict(cfg))
     if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
         latest, state_dict, _ = restored
@@ -428,8 +435,9 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         for log in (minibatch_log, samples_log):
             log.truncate_after(-1)
         metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
-        writer.write(0, metrics)
+        tracker.log(0, writer.write(0, metrics))
         log_samples(writer, samples_log, 0, samples)
+        tracker.log_samples(0, samples)
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not (progress and main), desc=cfg.name)
     skips = 0
@@ -448,8 +456,9 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                                                       cfg.rl.log_samples)
                 metrics.update(eval_metrics)
                 samples += eval_samples
-            writer.write(step + 1, metrics)
+            tracker.log(step + 1, writer.write(step + 1, metrics))
             log_samples(writer, samples_log, step + 1, samples)
+            tracker.log_samples(step + 1, samples)
             skips = steps.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
             bar.set_postfix(reward=f"{metrics['reward']:.3f}",
@@ -483,7 +492,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     if not main:
         return {"steps": cfg.rl.steps, "skipped_updates": skipped}
     records = read_metrics(workdir)
-    plot_metrics(records, os.path.join(workdir, "plots"))
+    tracker.log_plots(cfg.rl.steps, plot_metrics(records, os.path.join(workdir, "plots")))
     summary = run_summary(records, skipped)
     storage.write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary

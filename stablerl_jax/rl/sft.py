@@ -6,10 +6,12 @@ updates skipped), with the optimizer of `cfg.sft.optim`, and the same model, for
 fused log-prob op, so the cold-start policy is exactly the policy RL starts from. It
 starts from a fresh init, or from given parameters (a Hugging Face checkpoint,
 `experiments.quickstart --hf`, read as float32 master weights). In a workdir it logs
-`<workdir>/sft_run/metrics.jsonl` (and TensorBoard), saves its state every
-`sft.checkpoint_every` steps to `<workdir>/sft_run/checkpoints` (a killed cold start
-resumes from there, drawing the batches it would have), and saves the final parameters
-to `<workdir>/sft`, reused when present.
+`<workdir>/sft_run/metrics.jsonl` (and to its trackers: TensorBoard unless left out,
+wandb / MLflow when asked for, continued on resume through
+`<workdir>/sft_run/trackers.json`), saves its state every `sft.checkpoint_every` steps to
+`<workdir>/sft_run/checkpoints` (a killed cold start resumes from there, drawing the
+batches it would have), and saves the final parameters to `<workdir>/sft`, reused when
+present.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from stablerl_jax.metrics_io import MetricsWriter, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.steps import TrainState, count_skips, skipped
+from stablerl_jax.trackers import Trackers
 
 
 def sft_engine(cfg, data, devices=None) -> Engine:
@@ -38,10 +41,11 @@ def sft_engine(cfg, data, devices=None) -> Engine:
 
 
 def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
-              progress: bool = True, devices=None):
+              progress: bool = True, devices=None, tracker: Trackers | None = None):
     """SFT for cfg.sft.steps from `init_params` (None: a fresh init from sft.seed); returns
     (params, the loss of every step). With `workdir`, logs, checkpoints and resumes
-    there (module docstring); `init` names the starting point in the checkpoints'
+    there (module docstring), and logs to `tracker` when given (the caller opens and
+    closes it; None: TensorBoard alone); `init` names the starting point in the checkpoints'
     metadata, so a resume from another one is refused."""
     examples = sft_data.load(cfg, data).examples
     engine = sft_engine(cfg, data, devices)
@@ -51,7 +55,9 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
     run_dir = os.path.join(workdir, "sft_run") if workdir else ""
     every = cfg.sft.checkpoint_every if run_dir else 0
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=1) if every else None
-    writer = MetricsWriter(run_dir, enabled=bool(run_dir) and distributed.is_main())
+    tracker = tracker or Trackers(("tensorboard",), run_dir, enabled=False)
+    writer = MetricsWriter(run_dir, enabled=bool(run_dir) and distributed.is_main(),
+                           tensorboard=tracker.tensorboard)
     meta = {"settings": {**sft_settings(cfg), "init": init}}
     start = 0
     try:
@@ -63,6 +69,7 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
                 start, state_dict, _ = restored
                 state = TrainState(**state_dict)
         writer.truncate_after(start)
+        tracker.log_config(flat_dict(cfg))
         tok, task = data.tokenizer, cfg.task
         batches = sft_data.batches(examples, cfg.sft.batch_size, cfg.sft.seed, tok.pad_id,
                                    task.max_prompt_len, task.max_solution_len, start)
@@ -78,7 +85,7 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
                                 "sft")
             row = {k: v for k, v in reduce_metrics([metrics]).items() if k.startswith("sft/")}
             losses.append(row["sft/loss"])
-            writer.write(step + 1, row)
+            tracker.log(step + 1, writer.write(step + 1, row))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if every and ((step + 1) % every == 0 and step + 1 < cfg.sft.steps):
                 writer.flush()  # the log first: it covers every checkpoint (storage.py)
@@ -127,7 +134,7 @@ def sft_settings(cfg) -> dict:
 
 
 def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
-               progress: bool = True, devices=None):
+               progress: bool = True, devices=None, trackers=("tensorboard",)):
     """(parameters RL starts from, the SFT losses or None): `init_params` as they are when
     sft.steps = 0; else `<workdir>/sft` if it is complete, else SFT from `init_params`
     (None: a fresh init; a function returning them is called only when they are used;
@@ -136,8 +143,9 @@ def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
     The settings it was trained with are kept beside it (`<workdir>/sft.json`); reusing
     it with other model / task / SFT settings or another starting point is refused. A
     directory without its commit marker (a save that was killed) is moved aside and
-    trained again (resuming from the last SFT checkpoint). In a multi-process run every
-    process calls this (the workdir is on a filesystem they share)."""
+    trained again (resuming from the last SFT checkpoint). `trackers`: where the SFT
+    metrics go besides sft_run/metrics.jsonl (trackers.NAMES). In a multi-process run
+    every process calls this (the workdir is on a filesystem they share)."""
     if not cfg.sft.steps:
         init_params = init_params() if callable(init_params) else init_params
         if init_params is None:
@@ -166,8 +174,11 @@ def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
         return load_params(path, like), None
     if callable(init_params):
         init_params = init_params()
-    params, losses = train_sft(cfg, data, init_params=init_params, workdir=workdir,
-                               init=init, progress=progress, devices=devices)
+    with Trackers(trackers, os.path.join(workdir, "sft_run"), run_name=f"{cfg.name}/sft",
+                  enabled=distributed.is_main()) as tracker:
+        params, losses = train_sft(cfg, data, init_params=init_params, workdir=workdir,
+                                   init=init, progress=progress, devices=devices,
+                                   tracker=tracker)
     # The settings first: a kill between the two leaves an incomplete sft/ (set aside and
     # trained again), never a complete one without its settings.
     if distributed.is_main():

@@ -1,0 +1,325 @@
+"""Experiment trackers beside metrics.jsonl: Weights & Biases and MLflow.
+
+`<workdir>/metrics.jsonl` stays the source of truth (metrics_io.py); `Trackers` mirrors
+a run into the trackers it is given: every metrics row at its step (`log`), the flat
+config (`log_config`), decoded samples as a table (`log_samples`: a wandb.Table; an
+MLflow JSON artifact `samples/step_<step>.json`, one object per row) and the PNG plots
+(`log_plots`: wandb images; MLflow artifacts under `plots/`). TensorBoard is not a
+tracker here: metrics_io.MetricsWriter writes it, and the name `tensorboard` in a tracker
+list keeps that writer on (its absence turns it off). Only the first process logs
+(`enabled`); the others import nothing.
+
+Where runs go is each library's own setting: wandb reads WANDB_PROJECT (default
+"stablerl_jax"), WANDB_ENTITY, WANDB_MODE (e.g. offline) and WANDB_DIR (default: the
+workdir, or wandb's own, ./wandb, for a gs:// workdir); MLflow reads MLFLOW_TRACKING_URI (a tracking server, `sqlite:///mlflow.db`, the
+default of the full `mlflow` package, or a `file://` store, which MLflow 3 opens only with
+MLFLOW_ALLOW_FILE_STORE=true) and MLFLOW_EXPERIMENT_NAME (default "stablerl_jax").
+MLflow metric names allow no "@": `avg@k` is logged as `avg_at_k` (`mlflow_key`).
+
+Resume continues the same tracker runs. `<workdir>/trackers.json` holds each tracker's
+run id (and MLflow's tracking URI and wandb's project, so a resume finds them whatever
+the environment says then) and, per kind of record (metrics, samples, plots), the last
+step it was given. A resumed loop logs again the steps after its checkpoint that the
+killed run had already logged (MetricsWriter.truncate_after drops them from the JSONL),
+but a tracker cannot delete logged points, so every step up to the recorded one is
+skipped: each step reaches a tracker once, and for those steps the tracker holds the
+killed run's values (the same bits on CPU, where a resume is exact). The step is
+recorded before it is logged, so a kill in between loses that point rather than
+doubling it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import pathlib
+import re
+import secrets
+import time
+
+from stablerl_jax import storage
+from stablerl_jax.metrics_io import refuse_link
+
+NAMES = ("tensorboard", "wandb", "mlflow")
+PROJECT = "stablerl_jax"  # wandb project / MLflow experiment unless the environment names one
+_OWN = ("wandb", "mlflow")  # the trackers this module logs to (TensorBoard: MetricsWriter)
+_MLFLOW_PARAM_LEN = 6000  # MLflow's limit on a param value (mlflow.utils.validation)
+
+
+def parse(spec: str) -> tuple[str, ...]:
+    """Tracker names from a comma-separated list of NAMES, or "none" (no tracker, not
+    even TensorBoard)."""
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    if names == ("none",):
+        return ()
+    check_names(names)
+    if not names:
+        raise ValueError(f"tracker list {spec!r} is empty; give a comma-separated subset of "
+                         f"{', '.join(NAMES)}, or none")
+    return names
+
+
+def check_names(names) -> None:
+    bad = [n for n in names if n not in NAMES]
+    if bad:
+        raise ValueError(f"tracker {', '.join(map(repr, bad))} is unknown; choose a "
+                         f"comma-separated subset of {', '.join(NAMES)}, or none")
+
+
+def check(names) -> None:
+    """ValueError (one line, naming the fix) when a name is unknown or a tracker's package
+    is not installed: what a command line checks before any work."""
+    check_names(names)
+    for name in names:
+        if name in _OWN:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                raise ValueError(f"tracker {name!r}: the {name} package is not installed; "
+                                 f"pip install 'stablerl_jax[{name}]'") from None
+
+
+def add_argument(ap) -> None:
+    """The `--tracker NAMES` flag of an entry point: names checked (`parse`, `check`) as
+    the command line is parsed, so a bad one is one line before any work."""
+    def names(spec: str) -> tuple[str, ...]:
+        try:
+            out = parse(spec)
+            check(out)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return out
+    ap.add_argument("--tracker", default="tensorboard", type=names, metavar="NAMES",
+                    help=f"comma-separated experiment trackers: {', '.join(NAMES)}, or none "
+                         "(default: tensorboard; metrics.jsonl is always written)")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric name as MLflow accepts it: "@" → "_at_", any other character outside
+    letters, digits, `_ - . / space` → "_"."""
+    return re.sub(r"[^\w./ -]", "_", name.replace("@", "_at_"))
+
+
+class Trackers:
+    """The wandb / MLflow runs of one training run in `workdir` (module docstring).
+
+    `names`: any of NAMES; `.tensorboard` says whether the run's MetricsWriter writes
+    TensorBoard (its job, not this object's). The tracker runs open at the first record,
+    so a run refused before it logs anything leaves no trace there. A context manager:
+    leaving it closes the runs, marked failed when an exception leaves it (killed on
+    Ctrl-C)."""
+
+    def __init__(self, names, workdir: str, *, run_name: str = "", enabled: bool = True):
+        check_names(names)
+        self.tensorboard = "tensorboard" in names  # MetricsWriter's, asked for or not
+        own = [n for n in NAMES if n in _OWN and n in names]
+        self.enabled = enabled and bool(own)
+        self.path = os.path.join(workdir, "trackers.json")
+        self.workdir, self.run_name = workdir, run_name
+        self._backends: list | None = None  # None: not opened yet
+        if not self.enabled:
+            return
+        check(own)
+        self.state = _read_state(self.path)
+        # Connected now, so a tracking store that cannot open fails before any training.
+        self._clients = {n: _BACKENDS[n](self.state.setdefault(n, {})) for n in own}
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("finished" if exc_type is None else
+                   "killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+
+    def log(self, step: int, row: dict) -> None:
+        """A metrics row (MetricsWriter.write's return: floats, None for no value, and
+        "step", which `step` replaces) at `step`."""
+        scalars = {k: float(v) for k, v in row.items() if k != "step" and v is not None}
+        self._each("metrics", step, lambda b: b.metrics(step, scalars))
+
+    def log_config(self, flat: dict) -> None:
+        """The run's flat config ({"section.field": value}); call once per session."""
+        if self.enabled:
+            for b in self._open():
+                b.config(flat)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """Decoded samples of `step` as one table (columns: every row's keys, in order)."""
+        if rows:
+            self._each("samples", step, lambda b: b.samples(step, rows))
+
+    def log_plots(self, step: int, paths: list[str]) -> None:
+        """PNG plots (metrics_io.plot_metrics' paths), each under its file name."""
+        if paths:
+            self._each("plots", step, lambda b: b.plots(step, paths))
+
+    def close(self, status: str = "finished") -> None:
+        """End the tracker runs (status: finished, failed or killed); idempotent."""
+        if self.enabled and self._backends is not None:
+            for b in self._backends:
+                b.close(status)
+        self._backends = []
+
+    def _open(self) -> list:
+        if self._backends is None:
+            self._backends = []
+            for client in self._clients.values():
+                self._backends.append(client)  # before start: close() ends what started
+                client.start(self.run_name, self.workdir, self._save)
+        return self._backends
+
+    def _each(self, kind: str, step: int, log) -> None:
+        if not self.enabled:
+            return
+        due = []
+        for b in self._open():
+            logged = b.entry.setdefault("logged", {})
+            if step > logged.get(kind, -1):  # steps up to it were logged by an earlier run
+                logged[kind] = int(step)
+                due.append(b)
+        if due:
+            self._save()  # before logging: a kill in between loses a point, never doubles it
+        for b in due:
+            log(b)
+
+    def _save(self) -> None:
+        refuse_link(self.path)
+        storage.atomic_write(self.path, json.dumps(self.state, indent=1))
+
+
+def _read_state(path: str) -> dict:
+    if not storage.exists(path):
+        return {}
+    try:
+        state = json.loads(storage.read_text(path))
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it to log to new tracker "
+                         "runs") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a JSON object; delete it to log to new tracker runs")
+    return state
+
+
+class _Wandb:
+    """A wandb run. `entry`: its part of trackers.json (run_id, project, logged)."""
+
+    def __init__(self, entry: dict):
+        import wandb
+        self.wandb, self.entry, self.run = wandb, entry, None
+
+    def start(self, run_name: str, workdir: str, save) -> None:
+        if "run_id" not in self.entry:  # recorded before the run exists: a resume reuses it
+            self.entry.update(run_id=secrets.token_hex(6),  # wandb's run id alphabet
+                              project=os.environ.get("WANDB_PROJECT", PROJECT))
+            save()
+        local = None if storage.is_remote(workdir) else workdir  # wandb writes local files
+        if local:
+            storage.makedirs(local)
+        self.run = self.wandb.init(project=self.entry["project"], id=self.entry["run_id"],
+                                   name=run_name or None, resume="allow",
+                                   dir=os.environ.get("WANDB_DIR") or local)
+
+    def metrics(self, step: int, scalars: dict) -> None:
+        self.run.log(scalars, step=step)
+
+    def config(self, flat: dict) -> None:
+        self.run.config.update(flat, allow_val_change=True)  # a resume may change a field
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        table = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns]
+                                                        for r in rows])
+        self.run.log({"samples": table}, step=step)
+
+    def plots(self, step: int, paths: list[str]) -> None:
+        self.run.log({f"plots/{pathlib.Path(p).stem}": self.wandb.Image(p) for p in paths},
+                     step=step)
+
+    def close(self, status: str) -> None:
+        if self.run is not None:
+            # 130 = 128 + SIGINT, what a shell reports for Ctrl-C (cli_errors.py).
+            self.run.finish(exit_code={"finished": 0, "killed": 130}.get(status, 1))
+            self.run = None
+
+
+class _Mlflow:
+    """An MLflow run, through MlflowClient (no active-run global). `entry`: its part of
+    trackers.json (run_id, tracking_uri, experiment, logged)."""
+
+    def __init__(self, entry: dict):
+        import mlflow
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+        self.entry, self.run_id = entry, None
+        uri = entry.get("tracking_uri") or mlflow.get_tracking_uri()
+        if "://" not in uri and not uri.startswith(("databricks", "uc")):  # a bare path
+            uri = pathlib.Path(uri).resolve().as_uri()
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+        except (MlflowException, ImportError) as e:
+            first = str(e).strip().split(". ")[0]
+            raise ValueError(
+                f"the mlflow tracking store {uri} cannot be opened ({first}); set "
+                "MLFLOW_TRACKING_URI to a tracking server (http://host:port), install the "
+                "full mlflow package for sqlite:///mlflow.db, or set "
+                "MLFLOW_ALLOW_FILE_STORE=true for a file:// store") from None
+        self.uri = uri
+
+    def start(self, run_name: str, workdir: str, save) -> None:
+        from mlflow.exceptions import MlflowException
+        if "run_id" in self.entry:
+            try:
+                self.client.update_run(self.entry["run_id"], status="RUNNING")
+            except MlflowException:
+                raise ValueError(
+                    f"{os.path.join(workdir, 'trackers.json')} names mlflow run "
+                    f"{self.entry['run_id']}, which the tracking store {self.uri} does not "
+                    "hold; delete the file's \"mlflow\" entry to log to a new run") from None
+            self.run_id = self.entry["run_id"]
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = (experiment.experiment_id if experiment else
+                         self.client.create_experiment(name))
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name or None
+                                             ).info.run_id
+        self.entry.update(run_id=self.run_id, tracking_uri=self.uri, experiment=name)
+        save()
+
+    def metrics(self, step: int, scalars: dict) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[
+            Metric(mlflow_key(k), v, now, step) for k, v in scalars.items()])
+
+    def config(self, flat: dict) -> None:
+        """Params not yet in the run: MLflow refuses to change a param's value, so a field
+        a resume changed keeps its first value there (and is named in the log)."""
+        from mlflow.entities import Param
+        have = self.client.get_run(self.run_id).data.params
+        text = {k: (v if isinstance(v, str) else json.dumps(v))[:_MLFLOW_PARAM_LEN]
+                for k, v in flat.items()}
+        changed = sorted(k for k, v in text.items() if k in have and have[k] != v)
+        if changed:
+            logging.warning("mlflow run %s keeps the first value of params %s (MLflow params "
+                            "cannot change); the current config is in the checkpoints",
+                            self.run_id, changed[:8])
+        self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in text.items()
+                                                   if k not in have])
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        self.client.log_dict(self.run_id, rows, f"samples/step_{step:08d}.json")
+
+    def plots(self, step: int, paths: list[str]) -> None:
+        for p in paths:  # the same name again replaces the file: the latest plots
+            self.client.log_artifact(self.run_id, p, artifact_path="plots")
+
+    def close(self, status: str) -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, status=status.upper())
+            self.run_id = None
+
+
+_BACKENDS = {"wandb": _Wandb, "mlflow": _Mlflow}
