@@ -29,7 +29,8 @@
   at the end of `pytest -n 2`, beside the processes the late tests start). Over the seven
   model/loss modules (transformer, moe, attention, gmm, losses, logprobs, fused_logprob)
   in one process, the clearing takes the peak from 3.2 to 1.6 GB at no cost in time
-  (336 vs 299 s); the persistent cache above keeps the recompiles cheap.
+  (336 vs 299 s), and over the whole suite a worker's peak went from 6.5 to 2.7 GB; the
+  persistent cache above keeps the recompiles cheap.
 """
 import atexit
 import gc
