@@ -156,7 +156,9 @@ class SamplingConfig(Section):
         sequence of slices of this many rows (its KV cache is the memory that bounds a
         pod's sampling batch). 0: every row at once. A row's sample does not depend on
         the slicing (each row draws from its own key), up to how the matmul kernels
-        round a prefill of another batch size (docs/benchmarks.md).
+        round a prefill of another batch size (docs/benchmarks.md). It divides the
+        step's B responses, except under partial rollouts (rl.max_staleness >= 1), where
+        it is the sampler's slots and may exceed B (rl/inflight.slots).
       dispatch: the engine's own expert dispatch ('grouped' or 'dense', the same function
         up to float reassociation, as an inference server's MoE kernels differ from the
         trainer's); '' = the model's (model.dispatch). 'dense' decodes a small model on
