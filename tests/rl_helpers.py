@@ -45,3 +45,19 @@ def responses_from_rollout(rollout, rewards_B) -> list[dict]:
             rec["route_weights"] = r["route_weights_mu_BxSxLxK"][b, processed]
         out.append(rec)
     return out
+
+
+def kill_cold_start_at(monkeypatch, step: int = 4):
+    """Make the cold start raise KeyboardInterrupt when it reaches `step` (1-based) of its
+    batches, as a Ctrl-C there would; returns the real `sft_data.batches`."""
+    from stablerl_jax.data import sft_data
+    real = sft_data.batches
+
+    def dies(*args, **kwargs):
+        for i, b in enumerate(real(*args, **kwargs), start=args[-1] if len(args) > 6 else 0):
+            if i == step - 1:
+                raise KeyboardInterrupt("killed")
+            yield b
+
+    monkeypatch.setattr(sft_data, "batches", dies)
+    return real

@@ -4,6 +4,7 @@ made from another starting point."""
 import jax
 import numpy as np
 import pytest
+from rl_helpers import kill_cold_start_at
 
 from stablerl_jax import presets
 from stablerl_jax.data import sft_data
@@ -30,15 +31,7 @@ def test_a_killed_cold_start_resumes_bit_for_bit(cfg, tmp_path, monkeypatch):
     whole, losses = sft.cold_start(cfg, data, str(tmp_path / "a"), progress=False)
     assert len(losses) == 4 and not (tmp_path / "a" / "sft_run" / "checkpoints").exists()
 
-    real = sft_data.batches
-
-    def dies_at_step_4(*args, **kwargs):
-        for i, b in enumerate(real(*args, **kwargs), start=args[-1] if len(args) > 6 else 0):
-            if i == 3:
-                raise KeyboardInterrupt("killed")
-            yield b
-
-    monkeypatch.setattr(sft_data, "batches", dies_at_step_4)
+    real = kill_cold_start_at(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
         sft.cold_start(cfg, data, str(tmp_path / "b"), progress=False)
     assert [r["step"] for r in read_metrics(str(tmp_path / "b" / "sft_run"))] == [1, 2, 3]

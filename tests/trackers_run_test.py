@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from rl_helpers import tiny_cfg
+from rl_helpers import kill_cold_start_at, tiny_cfg
 
 from experiments import onpolicy, quickstart
 from stablerl_jax import presets
@@ -74,15 +74,7 @@ def test_a_killed_cold_start_continues_its_tracker_run(tmp_path, mlflow_store, m
                                   "sft.steps=4", "sft.checkpoint_every=2"])
     workdir = str(tmp_path / "w")
     data = loop.task_data(cfg, workdir)
-    real = sft_data.batches
-
-    def dies_at_step_4(*args, **kwargs):
-        for i, b in enumerate(real(*args, **kwargs), start=args[-1] if len(args) > 6 else 0):
-            if i == 3:
-                raise KeyboardInterrupt("killed")
-            yield b
-
-    monkeypatch.setattr(sft_data, "batches", dies_at_step_4)
+    real = kill_cold_start_at(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
         sft.cold_start(cfg, data, workdir, progress=False, trackers=("mlflow",))
     state = json.loads(open(f"{workdir}/sft_run/trackers.json").read())["mlflow"]
