@@ -2,6 +2,8 @@
 
     python -m experiments.aot_compile --preset paper --topology v5p-256 [key=value ...]
     python -m experiments.aot_compile --preset moe1b --topology v5e-8 --kernels
+    python -m experiments.aot_compile --preset paper --topology v5p-128 --num-slices 2 \
+        --steps update mesh=2,8,8 mesh_dcn=2,1,1
 
 Needs libtpu: `pip install -e '.[tpu]'` (no TPU is used: the compiler runs here). Lowers
 the Engine's own sample, score and update steps (its mesh, shardings and jitted
@@ -10,10 +12,19 @@ per step and per chip: argument / output / temp GiB and their total (argument + 
 temp − aliased), the chip's HBM, whether it fits, compile seconds, XLA's FLOP count of
 the program (its cost analysis counts a loop body — the layer scan, the micro-batch scan,
 the decode loop — once, so it undercounts looped programs), the step's model FLOPs per
-chip (stablerl_jax/model/flops.py, every loop iteration counted) and the collective
-instructions in the optimized HLO (an instruction inside a loop counts once). `--kernels` also compiles the Pallas
-kernels for the topology inside shard_map: the fused log-prob (forward and backward)
-and the grouped matmul (forward and backward). Exits 1 if any step does not fit.
+chip (stablerl_jax/model/flops.py, every loop iteration counted), the collective
+instructions in the optimized HLO (an instruction inside a loop counts once) and the
+collective bytes per chip of one call (every loop at its trip count, the sampler's decode
+loop at all max_new_tokens steps) inside a slice (ICI) and between slices (DCN;
+stablerl_jax/hlo_loops.py); then the roofline time estimates of the compiled steps
+(stablerl_jax/roofline.py; with the sample step, the sampler's too). `--num-slices K`
+(or a topology written `Kxv5p-128`) compiles for K slices joined by the data-center
+network; the config's `mesh_dcn` says which mesh axes span them (e.g. `mesh=2,8,8
+mesh_dcn=2,1,1`: data parallel across two slices), and the roofline estimates price
+DCN bytes at the chip's DCN bandwidth (roofline.CHIP_SPECS). `--kernels` also compiles
+the Pallas kernels for the topology inside shard_map: the fused log-prob (forward and
+backward) and the grouped matmul (forward and backward). Exits 1 if any step does not
+fit.
 `key=value` overrides apply to the preset (e.g. `mesh=1,16,8 model.num_layers=2`).
 
     python -m experiments.aot_compile --preset paper --topology v5p-256 \
@@ -41,20 +52,29 @@ from experiments.cli_errors import one_line_errors
 from stablerl_jax import aot, presets, roofline, schedule, schedule_prices
 
 
-def _row(c: aot.Compiled, hbm: float) -> str:
+def _row(c: aot.Compiled, hbm: float, cfg) -> str:
     fits = "yes" if c.total_gib <= hbm else "**no**"
     coll = c.collectives
+    net = roofline.step_network_bytes(cfg, c.step, c.hlo, c.slices)
     return (f"| {c.step} | {c.argument_gib:.2f} | {c.output_gib:.2f} | {c.temp_gib:.2f} | "
             f"{c.total_gib:.2f} | {hbm:.2f} | {fits} | {c.compile_s:.0f} | "
             f"{c.flops / 1e12:.2f} | "
             f"{'-' if c.model_flops != c.model_flops else f'{c.model_flops / 1e12:.1f}'} | "
             f"{coll['all-gather']} | {coll['all-to-all']} | "
-            f"{coll['reduce-scatter']} | {coll['all-reduce']} |")
+            f"{coll['reduce-scatter']} | {coll['all-reduce']} | "
+            f"{net['ici'] / 2**20:,.1f} | {net['dcn'] / 2**20:,.2f} |")
+
+
+def _seconds(x: float) -> str:
+    """Seconds to one decimal, or two significant digits below one second (the small
+    presets' steps)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
 
 
 HEADER = ("| step | argument GiB | output GiB | temp GiB | total GiB | HBM GiB | fits? | "
           "compile s | XLA TFLOP / chip | model TFLOP / chip | all-gather | all-to-all | "
-          "reduce-scatter | all-reduce |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "reduce-scatter | all-reduce | ICI MiB / chip | DCN MiB / chip |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
@@ -72,8 +92,9 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
     sample, step, layer, pass_s, mean, head = roofline.sample_estimate(
         engine, compiled["sample"].hlo, chip, costs)
     print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
-          f"{chip.source}):\n\n| per iteration | collective MiB / chip | HBM GiB / chip | "
-          f"GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n|---|---|---|---|---|---|")
+          f"{chip.source}):\n\n| per iteration | collective MiB / chip | DCN KiB / chip | "
+          f"HBM GiB / chip | GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n"
+          f"|---|---|---|---|---|---|---|")
     rows_ = [("the head of a decode step (embedding, logits, sampling)", head),
              ("one layer of a decode step", layer), ("the first decode step", step),
              ("the mean decode step", mean)]
@@ -81,16 +102,18 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
         # XLA's TPU cost model may answer a negative time; such a value says nothing.
         opt = (f"{c.optimal_seconds * 1e3:.3f}" if c.optimal_seconds >= 0
                else f"invalid ({c.optimal_seconds:.1f} s)")
-        print(f"| {what} | {c.collective_bytes / 2**20:.2f} | {c.hbm_bytes / aot.GIB:.3f} | "
+        print(f"| {what} | {c.collective_bytes / 2**20:.2f} | {c.dcn_bytes / 2**10:.1f} | "
+              f"{c.hbm_bytes / aot.GIB:.3f} | "
               f"{c.flops / 1e9:.1f} | {opt} | {c.seconds(chip) * 1e3:.3f} |", flush=True)
     est = {"sample": sample}
     for name in ("score", "update"):
         if name in compiled:
             est[name] = roofline.train_step_estimate(cfg, name, compiled[name].hlo,
-                                                     compiled[name].model_flops, chip)
+                                                     compiled[name].model_flops, chip,
+                                                     compiled[name].slices)
     print("\n| step | estimated s | how |\n|---|---|---|")
     for e in est.values():
-        print(f"| {e.step} | {e.seconds:.1f} | {e.detail} |", flush=True)
+        print(f"| {e.step} | {_seconds(e.seconds)} | {e.detail} |", flush=True)
     if {"score", "update"} <= set(est):
         total, parts = roofline.global_step_estimate(cfg, est, pass_s)
         print(f"\nestimated global step of {cfg.name} on {topo.name}: {total:.0f} s ("
@@ -192,7 +215,11 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="paper", choices=sorted(presets.EXPERIMENT_PRESETS))
-    ap.add_argument("--topology", default="v5p-256", help="e.g. v5p-256, v5e-8, v6e-64")
+    ap.add_argument("--topology", default="v5p-256",
+                    help="e.g. v5p-256, v5e-8, v6e-64; 2xv5p-128 for two slices")
+    ap.add_argument("--num-slices", type=int, default=None, metavar="K",
+                    help="K slices of --topology joined by the data-center network "
+                         "(default 1); set mesh_dcn=... to say which mesh axes span them")
     ap.add_argument("--steps", default="sample,score,update",
                     help="comma-separated, of sample, score, update, sft_update; or none")
     ap.add_argument("--kernels", action="store_true",
@@ -212,22 +239,25 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the length draws")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
-    topo = aot.topology(args.topology)
+    topo = aot.topology(args.topology, args.num_slices)
     cfg = presets.preset(args.preset, args.overrides)
     for spec in args.lengths + [args.eval_lengths] * bool(args.eval_lengths):
         # refused here, before minutes of compiling
         schedule.lengths_from_spec(spec, cfg.sampling.max_new_tokens, 1,
                                    np.random.default_rng(0))
-    print(f"{args.preset} on {topo.name} ({topo.jax_name}, {topo.chips} chips, "
-          f"{topo.hbm_gib} GiB HBM each), mesh {cfg.mesh}, overrides {args.overrides}",
-          flush=True)
+    where = (f"{topo.slices} slices of {topo.jax_name}" if topo.slices > 1
+             else topo.jax_name)
+    print(f"{args.preset} on {topo.name} ({where}, {topo.chips} chips, "
+          f"{topo.hbm_gib} GiB HBM each), mesh {cfg.mesh}"
+          + (f", mesh_dcn {cfg.mesh_dcn}" if topo.slices > 1 else "")
+          + f", overrides {args.overrides}", flush=True)
     print(HEADER, flush=True)
     steps = [] if args.steps == "none" else args.steps.split(",")
     engine = aot.engine_for(cfg, topo) if steps else None
     results = []
     for name in steps:
         results.append(aot.compile_step(engine, name))
-        print(_row(results[-1], topo.hbm_gib), flush=True)
+        print(_row(results[-1], topo.hbm_gib, cfg), flush=True)
         if args.save_hlo:
             os.makedirs(args.save_hlo, exist_ok=True)
             with open(os.path.join(args.save_hlo, f"{name}.hlo.txt"), "w") as f:
@@ -235,20 +265,23 @@ def main(argv=None) -> int:
     compiled = {c.step: c for c in results}
     if "sample" in steps:
         _estimates(engine, topo, compiled, args)
-    elif {"score", "update"} <= set(steps) and args.lengths:
+    elif {"score", "update"} & set(steps):
         chip = roofline.chip_of(topo.name)
         est = {n: roofline.train_step_estimate(engine.cfg, n, compiled[n].hlo,
-                                               compiled[n].model_flops, chip)
-               for n in ("score", "update")}
-        print("\n| step | estimated s | how |\n|---|---|---|")
+                                               compiled[n].model_flops, chip,
+                                               compiled[n].slices)
+               for n in ("score", "update") if n in compiled}
+        print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
+              f"{chip.source}):\n\n| step | estimated s | how |\n|---|---|---|")
         for e in est.values():
-            print(f"| {e.step} | {e.seconds:.1f} | {e.detail} |", flush=True)
-        for spec in args.lengths:
-            _train_table(engine, est, spec, args)
+            print(f"| {e.step} | {_seconds(e.seconds)} | {e.detail} |", flush=True)
+        if len(est) == 2:
+            for spec in args.lengths:
+                _train_table(engine, est, spec, args)
     if args.kernels:
         for c in aot.compile_kernels(cfg, topo):
             results.append(c)
-            print(_row(c, topo.hbm_gib), flush=True)
+            print(_row(c, topo.hbm_gib, cfg), flush=True)
     return 0 if all(c.total_gib <= topo.hbm_gib for c in results) else 1
 
 

@@ -17,7 +17,11 @@ XLA TPU compiler's program for that pod. `memory_analysis()` of it gives per-chi
 
 Topology names are the Cloud TPU ones (as in MaxText): `v5p-N` / `v4-N` count
 TensorCores (two per chip: v5p-256 is 128 chips, a 4x4x8 torus), `v5e-N` / `v6e-N` count
-chips.
+chips. `KxNAME` (e.g. `2xv5p-128`) is K such slices joined by the data-center network
+(DCN): `get_topology_desc(..., num_slices=K)` gives devices with a `slice_index`, the
+config's `mesh_dcn` says which mesh axes cross slices (sharding.make_mesh), and the
+compiled program is one slice's, its DCN traffic the compiler's cross-slice transfers
+(hlo_loops.py).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from stablerl_jax import hlo_loops
+from stablerl_jax import hlo_loops, sharding
 from stablerl_jax.libtpu_env import quiet_libtpu
 from stablerl_jax.config import ExperimentConfig
 
@@ -43,23 +47,32 @@ CHIPS = {"v4": ("v4", 2, 3, 32.0), "v5p": ("v5p", 2, 3, 95.74), "v5e": ("v5e", 1
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    name: str          # e.g. "v5p-256"
-    jax_name: str      # e.g. "v5p:4x4x8"
-    chips: int
+    name: str          # e.g. "v5p-256", or "2xv5p-128" for two slices
+    jax_name: str      # one slice's, e.g. "v5p:4x4x8"
+    chips: int         # over all slices
     hbm_gib: float     # per chip
+    slices: int = 1
 
 
-def topology(name: str) -> Topology:
-    """The slice named like `v5p-256`, `v5e-8`, `v6e-64` (module docstring)."""
-    m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+def topology(name: str, slices: int | None = None) -> Topology:
+    """The slice named like `v5p-256`, `v5e-8`, `v6e-64`, or `slices` of them, also
+    written `2xv5p-128` (module docstring)."""
+    m = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)", name)
     if not m:
-        raise ValueError(f"topology {name!r}: expected <version>-<size> with version in "
-                         f"{sorted(CHIPS)}, e.g. v5p-256 or v5e-8")
-    prefix, cores, ndim, hbm = CHIPS[m.group(1)]
-    size = int(m.group(2))
+        raise ValueError(f"topology {name!r}: expected [<slices>x]<version>-<size> with "
+                         f"version in {sorted(CHIPS)}, e.g. v5p-256, v5e-8 or 2xv5p-128")
+    named = int(m.group(1)) if m.group(1) else None
+    if named is not None and slices is not None and named != slices:
+        raise ValueError(f"topology {name!r} names {named} slices but --num-slices is "
+                         f"{slices}; give the count once")
+    k = named if named is not None else 1 if slices is None else slices
+    if k < 1:
+        raise ValueError(f"topology {name!r}: the number of slices must be >= 1, got {k}")
+    version, size = m.group(2), int(m.group(3))
+    prefix, cores, ndim, hbm = CHIPS[version]
     chips = size // cores
     if chips < 1 or size % cores or chips & (chips - 1):
-        raise ValueError(f"topology {name!r}: {m.group(1)} sizes are powers of two "
+        raise ValueError(f"topology {name!r}: {version} sizes are powers of two "
                          f"(counting {'TensorCores, 2 per chip' if cores == 2 else 'chips'})")
     e = chips.bit_length() - 1
     if ndim == 2:
@@ -68,15 +81,17 @@ def topology(name: str) -> Topology:
         dims = (2, 2, 1)
     else:
         dims = tuple(2 ** (e // 3 + (i >= 3 - e % 3)) for i in range(3))
-    return Topology(name, f"{prefix}:{'x'.join(map(str, dims))}", chips, hbm)
+    one = f"{version}-{size}"
+    return Topology(f"{k}x{one}" if k > 1 else one,
+                    f"{prefix}:{'x'.join(map(str, dims))}", k * chips, hbm, k)
 
 
 def devices(topo: Topology) -> list:
-    """The (abstract) TPU devices of `topo`."""
+    """The (abstract) TPU devices of `topo`, every slice's (each has a `slice_index`)."""
     from jax.experimental import topologies
     quiet_libtpu()  # no TPU here: describe one without looking for hardware
-    return list(topologies.get_topology_desc(topology_name=topo.jax_name,
-                                             platform="tpu").devices)
+    return list(topologies.get_topology_desc(topology_name=topo.jax_name, platform="tpu",
+                                             num_slices=topo.slices).devices)
 
 
 def _key_spec():
@@ -145,6 +160,9 @@ class Compiled:
     collectives: dict
     model_flops: float = math.nan  # per chip, model/flops.py (loops counted in full)
     hlo: str = dataclasses.field(repr=False, default="")
+    # The slice of each device of the program's mesh, in its flat order (the device ids
+    # of the HLO's replica groups; sharding.slice_indices); () when unknown.
+    slices: tuple = dataclasses.field(repr=False, default=())
 
     @property
     def total_gib(self) -> float:
@@ -173,6 +191,10 @@ def engine_for(cfg: ExperimentConfig, topo: Topology, *, eos_id: int = 1, pad_id
     if n != topo.chips:
         raise ValueError(f"mesh={cfg.mesh} has {n} devices but {topo.name} has {topo.chips} "
                          "chips; override mesh=data,fsdp,expert to match")
+    if math.prod(cfg.mesh_dcn) != topo.slices:
+        raise ValueError(f"mesh_dcn={cfg.mesh_dcn} spans {math.prod(cfg.mesh_dcn)} slice(s) "
+                         f"but {topo.name} has {topo.slices}; override mesh_dcn (e.g. "
+                         f"mesh_dcn={topo.slices},1,1: the data axis across the slices)")
     return Engine.create(cfg, eos_id=eos_id, pad_id=pad_id, devices=devices(topo))
 
 
@@ -202,6 +224,7 @@ def compile_step(engine, name: str) -> Compiled:
     args = step_inputs(engine.cfg, name, params_like, state_like)
     out = compile_lowered(name, lambda: engine.lower(name, *args))
     out.model_flops = step_model_flops(engine.cfg, name)
+    out.slices = sharding.slice_indices(engine.mesh)
     return out
 
 
@@ -225,10 +248,9 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     shard_map over the config's mesh on `devices_` (the cotangents are arguments too), the
     gradients of the replicated arguments summed over the mesh (psum), as the update
     does. Lowering a program compiles nothing; `compile_kernels` compiles them."""
-    from stablerl_jax import sharding
     from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
     from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
-    mesh = sharding.make_mesh(*cfg.mesh, devices=devices_)
+    mesh = sharding.config_mesh(cfg.mesh, devices_, cfg.mesh_dcn)
     axes = sharding.RULES["batch"]
     mc, rl = cfg.model, cfg.rl
     rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches // rl.microbatches
@@ -281,5 +303,8 @@ def _fwd_bwd_program(fn, args, static: dict, mesh, axes) -> tuple:
 
 def compile_kernels(cfg: ExperimentConfig, topo: Topology) -> list[Compiled]:
     """AOT-compile the Pallas kernels for `topo` (`kernel_programs` on its devices)."""
-    return [compile_lowered(label, lambda p=program, a=args: p.lower(*a))
-            for label, program, args in kernel_programs(cfg, devices(topo))]
+    devs = devices(topo)
+    slices = sharding.slice_indices(sharding.config_mesh(cfg.mesh, devs, cfg.mesh_dcn))
+    return [dataclasses.replace(compile_lowered(label, lambda p=program, a=args: p.lower(*a)),
+                                slices=slices)
+            for label, program, args in kernel_programs(cfg, devs)]

@@ -14,6 +14,18 @@ operand, all-to-all and collective-permute their result, all-reduce twice its re
 (a reduce-scatter then an all-gather), a ragged all-to-all the smaller of its operand
 and its result (the rows it sends, when each chip sends and receives as many). An async
 start/done pair counts once.
+
+Over which network. A program for several TPU slices (jax.sharding device meshes whose
+devices have a `slice_index`, sharding.make_mesh) is compiled as one slice's program
+(num_partitions = the devices of a slice): XLA's TPU compiler splits a collective whose
+groups cross slices into collectives inside the slice (ICI) and a transfer between
+slices over the data-center network (DCN), a `send` to the `xla_megascale_runtime` with
+its `_xla_megascale_transfer_type` (an all-reduce across slices: a reduce-scatter in the
+slice, the DCN all-reduce of each chip's shard, an all-gather in the slice). Such a
+transfer's bytes per chip are the buffer it sends, for an all-reduce across k slices
+2 (k − 1) / k of it (a ring; at k = 2 the buffer once each way). A module that keeps
+whole-mesh collectives (num_partitions = every device) is classified by its replica
+groups instead: DCN when a group holds devices of more than one slice.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import functools
 import math
 import re
 
+import numpy as np
 from flax import traverse_util
 
 COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
@@ -31,6 +44,9 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2,
           "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
+_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=(\{(?:\{[\d,]*\},?)*\}|"
+                     r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_DCN = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 
 
@@ -84,6 +100,33 @@ class Instr:
             return min(out, sent) if sent else out
         return 2 * out if kind == "all-reduce" else out
 
+    def device_groups(self, num_devices: int) -> list[tuple[int, ...]]:
+        """The device groups of a collective: its replica groups (listed, or in the iota
+        form `[G,S]<=[dims]T(perm)`: arange(prod(dims)) reshaped to dims, transposed by
+        perm, read as G groups of S), a collective-permute's source-target pairs; no
+        groups (`{}`) is one group of all `num_devices`."""
+        m = _GROUPS.search(self.attrs)
+        if m is None or m.group(1) == "{}":
+            return [tuple(range(num_devices))]
+        text = m.group(1)
+        if text.startswith("{"):
+            return [tuple(int(x) for x in g.split(",") if x)
+                    for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+        ints = lambda t: [int(x) for x in t.split(",")]
+        shape, dims, perm = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                                         text).groups()
+        ids = np.arange(math.prod(ints(dims))).reshape(ints(dims))
+        if perm:
+            ids = ids.transpose(ints(perm))
+        return [tuple(g) for g in ids.reshape(ints(shape)).tolist()]
+
+    @property
+    def dcn_transfer(self) -> str | None:
+        """The kind of a transfer between slices (module docstring: the `send` of a
+        megascale transfer, e.g. 'ALL_REDUCE'), else None."""
+        m = _DCN.search(self.attrs) if self.opcode == "send" else None
+        return m.group(1) if m else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
@@ -93,6 +136,7 @@ class Loop:
     trip: int | None     # XLA's known trip count; None: data dependent
     op_name: str         # the JAX source path of the loop (metadata)
     function: str = ""   # the Python function whose code made the loop (stack frame)
+    condition: str = ""  # its condition's computation
 
 
 class Module:
@@ -134,8 +178,13 @@ class Module:
                 current.append(Instr(m.group(1), m.group(3), m.group(2), rest[:cut],
                                      rest[cut + 1:]))
         self._tables = tables
-        self.shapes = {i.name: i.shape for instrs in self.computations.values()
-                       for i in instrs}
+        self._by_name = {i.name: i for instrs in self.computations.values() for i in instrs}
+        self.shapes = {name: i.shape for name, i in self._by_name.items()}
+        counts = dict(re.findall(r"\b(num_partitions|replica_count)=(\d+)",
+                                 hlo_text[:hlo_text.find("\n")]))
+        # The devices the program runs on: one slice's for a multi-slice TPU program.
+        self.num_devices = int(counts.get("num_partitions", 1)) * int(
+            counts.get("replica_count", 1))
 
     def function_of(self, ins: Instr) -> str:
         """The Python function an instruction comes from (its innermost stack frame),
@@ -162,30 +211,96 @@ class Module:
                 if ins.opcode != "while":
                     continue
                 body = re.search(r"body=%([\w.\-]+)", ins.attrs).group(1)
+                cond = re.search(r"condition=%([\w.\-]+)", ins.attrs)
+                cond = cond.group(1) if cond else ""
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
                 op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
-                out.append(Loop(ins.name, comp, body, int(trip.group(1)) if trip else None,
-                                op_name.group(1) if op_name else "", self.function_of(ins)))
+                # A loop XLA rewrote (the layer scans of a multi-slice program, one
+                # iteration peeled) may lose its metadata and known trip count: its
+                # condition `counter < N` still names the function and gives the count.
+                root = (self.computations.get(cond) or [None])[-1]
+                out.append(Loop(ins.name, comp, body,
+                                int(trip.group(1)) if trip else self._counted_trip(ins, root),
+                                op_name.group(1) if op_name else "",
+                                self.function_of(ins) or (self.function_of(root) if root
+                                                          else ""), cond))
         return out
+
+    def _counted_trip(self, loop: Instr, root: Instr | None) -> int | None:
+        """N − c for a while loop whose condition's root is `counter < N` (a compare LT of
+        a tuple element and a constant N) and whose counter starts at a constant c; None
+        for any other loop (a data-dependent one: the decode loop's condition also reads
+        the rows' EOS flags)."""
+        if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
+            return None
+        names = lambda ins: re.findall(r"%([\w.\-]+)", ins.operands)
+        counter, limit = ([self._by_name.get(n) for n in names(root)] + [None, None])[:2]
+        index = re.search(r"\bindex=(\d+)", counter.attrs) if counter else None
+        if not (index and counter.opcode == "get-tuple-element" and limit
+                and limit.opcode == "constant" and limit.operands.isdigit()):
+            return None
+        init = ([self._by_name.get(n) for n in names(loop)] + [None])[0]
+        elements = names(init) if init is not None and init.opcode == "tuple" else []
+        start = self._by_name.get(elements[int(index.group(1))]) \
+            if int(index.group(1)) < len(elements) else None
+        while start is not None and start.opcode in ("copy", "bitcast") and names(start):
+            start = self._by_name.get(names(start)[0])
+        if start is None or start.opcode != "constant" or not start.operands.isdigit():
+            return None
+        return int(limit.operands) - int(start.operands)
 
     def collective_bytes(self, comp: str, trips: dict | None = None) -> dict:
         """Bytes by collective kind of one run of computation `comp`, with everything
-        it calls: a nested loop's body counted trip-count times (`trips`: loop name ->
-        count, for loops without a known one, else 1)."""
+        it calls: a nested loop's body and condition counted trip-count times (`trips`:
+        loop name -> count, for loops without a known one, else 1)."""
+        return self._bytes_by(comp, trips, COLLECTIVES, lambda ins: (
+            [(ins.collective, ins.collective_bytes(self.shapes))] if ins.collective else []))
+
+    def network_bytes(self, comp: str, trips: dict | None = None,
+                      slices: tuple = ()) -> dict:
+        """{"ici": bytes, "dcn": bytes} of one run of `comp` (loops as in
+        `collective_bytes`): the collectives, and the transfers between slices (module
+        docstring). `slices`: the slice of each device of the program's mesh in its
+        flat order (sharding.slice_indices; () for one slice, or unknown: a transfer
+        between slices then counts its buffer once)."""
+        k = len(set(slices))
+        whole_mesh = k > 1 and self.num_devices == len(slices)
+        ring = 2 * (k - 1) / k if k > 1 else 1.0  # slices unknown: the buffer once
+
+        def link(ins: Instr) -> list:
+            kind = ins.dcn_transfer
+            if kind:
+                buf = max((dtype_bytes(t) * math.prod(d) for t, d in arrays(ins.shape)),
+                          default=0.0)
+                return [("dcn", buf * (ring if kind == "ALL_REDUCE" else 1.0))]
+            if not ins.collective:
+                return []
+            crosses = whole_mesh and any(len({slices[i] for i in g}) > 1
+                                         for g in ins.device_groups(self.num_devices))
+            return [("dcn" if crosses else "ici", ins.collective_bytes(self.shapes))]
+
+        return self._bytes_by(comp, trips, ("ici", "dcn"), link)
+
+    def _bytes_by(self, comp: str, trips: dict | None, keys: tuple, of) -> dict:
+        """{key: bytes} of one run of `comp`: `of(instruction)` -> [(key, bytes)], summed
+        over `comp` and what it calls, loop bodies at their trip counts."""
         trips = trips or {}
         loops = {lp.name: lp for lp in self.loops()}
 
         @functools.lru_cache(maxsize=None)
         def walk(name: str) -> tuple:
-            total = dict.fromkeys(COLLECTIVES, 0.0)
+            total = dict.fromkeys(keys, 0.0)
             for ins in self.computations[name]:
-                if ins.collective:
-                    total[ins.collective] += ins.collective_bytes(self.shapes)
-                times = 1
+                for key, nbytes_ in of(ins):
+                    total[key] += nbytes_
+                times, callees = 1, self.callees(ins)
                 if ins.opcode == "while":
                     lp = loops[ins.name]
                     times = lp.trip if lp.trip is not None else trips.get(lp.name, 1)
-                for callee in self.callees(ins):
+                    # The condition runs with every iteration (a decode loop's "every row
+                    # done?" all-reduce); its one extra run is left out.
+                    callees += [lp.condition] if lp.condition in self.computations else []
+                for callee in callees:
                     for k, v in walk(callee):
                         total[k] += times * v
             return tuple(total.items())

@@ -7,9 +7,13 @@ layers, KV key/value heads, Dh head width.
 A program's time on one chip is estimated as
 
     max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth
+                                                         + DCN bytes / DCN bandwidth
 
 with the chip constants of `CHIP_SPECS` (compute and memory overlap; collectives are
 counted as if nothing hid them, so the estimate is pessimistic about communication).
+DCN bytes are those a program for several slices sends between them over the
+data-center network (hlo_loops.py: the compiled program is one slice's, its collectives
+stay inside the slice, on ICI); 0 on one slice.
 
 Where the numbers come from. XLA's cost analysis counts a while-loop body once, and its
 TPU cost model (`optimal_seconds`) is only meaningful for a loop-free program. So the
@@ -54,16 +58,23 @@ class ChipSpec:
     hbm_bw: float       # HBM bytes/s per chip
     ici_bw: float       # inter-chip interconnect bytes/s per chip (one direction)
     source: str
+    dcn_bw: float = math.nan  # data-center network bytes/s per chip (between slices)
 
 
 # Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/<v>).
 # ICI: the stated per-chip interconnect bandwidth in Gbps / 8; v4's page states none, so
 # its all-reduce bandwidth per pod (1.1 PB/s) is divided by the pod's 4,096 chips.
+# DCN: v5p's page states "Data center network (DCN) bandwidth per chip: 50 Gbps"; v5e's
+# states 2 x 100 Gbps NICs per 8-chip host (and 6.4 Tbps per 256-chip pod): 25 Gbps a
+# chip. The v6e and v4 pages state no DCN bandwidth: NaN, so a multi-slice estimate on
+# them reads nan rather than an invented number.
 CHIP_SPECS = {
     "v5p": ChipSpec(459e12, 2765e9, 4800e9 / 8,
-                    "tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM, ICI 4,800 Gbps"),
+                    "tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM, ICI 4,800 Gbps, "
+                    "DCN 50 Gbps", dcn_bw=50e9 / 8),
     "v5e": ChipSpec(197e12, 819e9, 1600e9 / 8,
-                    "tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM, ICI 1,600 Gbps"),
+                    "tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM, ICI 1,600 Gbps, "
+                    "DCN 2 x 100 Gbps per 8 chips", dcn_bw=25e9 / 8),
     "v6e": ChipSpec(918e12, 1640e9, 3584e9 / 8,
                     "tpu/docs/v6e: 918 TFLOP/s bf16, 1,640 GB/s HBM, ICI 3,584 Gbps"),
     "v4": ChipSpec(275e12, 1200e9, 1.1e15 / 4096,
@@ -73,7 +84,8 @@ CHIP_SPECS = {
 
 
 def chip_of(topology_name: str) -> ChipSpec:
-    return CHIP_SPECS[topology_name.split("-")[0]]
+    """The chip of a topology name (`v5p-256`, or `2xv5p-128` for two slices)."""
+    return CHIP_SPECS[topology_name.split("x", 1)[-1].split("-")[0]]
 
 
 @dataclasses.dataclass
@@ -82,13 +94,14 @@ class Cost:
 
     flops: float
     hbm_bytes: float
-    collective_bytes: float
+    collective_bytes: float  # over ICI (inside a slice)
     optimal_seconds: float = math.nan  # XLA's TPU cost model, loop-free programs only
+    dcn_bytes: float = 0.0   # between slices
 
     def seconds(self, chip: ChipSpec) -> float:
         """The roofline estimate (module docstring)."""
         return (max(self.flops / chip.peak_flops, self.hbm_bytes / chip.hbm_bw)
-                + self.collective_bytes / chip.ici_bw)
+                + self.collective_bytes / chip.ici_bw + dcn_seconds(self.dcn_bytes, chip))
 
     def __add__(self, o: "Cost") -> "Cost":
         return Cost(*(a + b for a, b in zip(dataclasses.astuple(self),
@@ -98,15 +111,22 @@ class Cost:
         return Cost(*(k * a for a in dataclasses.astuple(self)))
 
 
-def of_compiled(compiled) -> Cost:
+def dcn_seconds(dcn_bytes: float, chip: ChipSpec) -> float:
+    """DCN bytes at the chip's DCN bandwidth; none is 0 s even where the bandwidth is
+    not stated (NaN)."""
+    return dcn_bytes / chip.dcn_bw if dcn_bytes else 0.0
+
+
+def of_compiled(compiled, slices: tuple = ()) -> Cost:
     """Cost of a compiled program: XLA's FLOPs, bytes accessed and optimal_seconds, and
-    the collective bytes of its HLO (loops at their trip counts)."""
+    the ICI and DCN bytes of its HLO (loops at their trip counts; `slices`: the slice of
+    each device of its mesh, sharding.slice_indices)."""
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     module = hlo_loops.Module(compiled.as_text())
-    coll = sum(module.collective_bytes(module.entry).values())
-    return Cost(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), coll,
-                float(cost.get("optimal_seconds", math.nan)))
+    net = module.network_bytes(module.entry, slices=slices)
+    return Cost(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                net["ici"], float(cost.get("optimal_seconds", math.nan)), net["dcn"])
 
 
 def rows_per_pass(cfg: ExperimentConfig) -> int:
@@ -225,7 +245,8 @@ def decode_step_cost(engine) -> tuple[Cost, Cost, Cost]:
     A step is the head plus L layers. XLA's optimal_seconds is kept for the loop-free
     head only."""
     layers = engine.cfg.model.num_layers
-    step, head = (of_compiled(fn.lower(*args).compile())
+    slices = sharding.slice_indices(engine.mesh)
+    step, head = (of_compiled(fn.lower(*args).compile(), slices)
                   for fn, args in (decode_step_program(engine), head_program(engine)))
     per = 1 if not engine.cfg.model.unroll_layers else layers
     layer = dataclasses.replace((step + head.scale(-1)).scale(1 / per),
@@ -269,7 +290,7 @@ def decode_step_costs(engine, slots: int) -> tuple[Cost, Cost, Cost | None, Cost
     if not blk:
         return layer, step, None, head
     fn, args = decode_block_program(engine)
-    block = of_compiled(fn.lower(*args).compile())
+    block = of_compiled(fn.lower(*args).compile(), sharding.slice_indices(engine.mesh))
     blocks = slots // blk + 1
     return (layer, step + block.scale(engine.cfg.model.num_layers * (blocks - 1)), block,
             head)
@@ -308,31 +329,33 @@ class SamplerCosts:
     """One chip's costs of the sampler's programs: the first decode step (at slot P, with
     the decode loop's own collectives per step), one layer, one key block (None without
     model.decode_block), the step's head, and the collective bytes of a sample step
-    outside its decode loop."""
+    outside its decode loop (over ICI, and between slices over DCN)."""
 
     first: Cost
     layer: Cost
     block: Cost | None
     head: Cost
     once_collective_bytes: float
+    once_dcn_bytes: float = 0.0
 
 
 def sampler_costs(engine, sample_hlo: str) -> SamplerCosts:
     """The decode programs compiled (decode_step_costs) and the compiled sample step's
     collectives, per decode step and outside the decode loop."""
-    cfg = engine.cfg
-    passes = cfg.rl.prompts_per_step * cfg.rl.group_size // rows_per_pass(cfg)
     module = hlo_loops.Module(sample_hlo)
     loop = hlo_loops.decode_loop(module)
-    # Loops XLA gives no trip count: the layer scans (L), the sampler's slices (passes).
-    trips = hlo_loops.trips_by_function(module, {"forward": cfg.model.num_layers,
-                                                 "map_slices": passes})
-    per_step_coll = sum(module.collective_bytes(loop.body, trips).values())
-    once_coll = sum(module.collective_bytes(module.entry, {**trips, loop.name: 0}).values())
-    layer, first, block, head = decode_step_costs(engine, cfg.task.max_prompt_len)
+    trips = step_trips(engine.cfg, "sample", module)
+    slices = sharding.slice_indices(engine.mesh)
+    per_step = module.network_bytes(loop.body, trips, slices)
+    if loop.condition:  # the loop's "every row done?" check runs once per decode step
+        cond = module.network_bytes(loop.condition, trips, slices)
+        per_step = {k: per_step[k] + cond[k] for k in per_step}
+    once = module.network_bytes(module.entry, {**trips, loop.name: 0}, slices)
+    layer, first, block, head = decode_step_costs(engine, engine.cfg.task.max_prompt_len)
     # The loop's own collectives (the compiled sample step) replace the program's.
-    first = dataclasses.replace(first, collective_bytes=per_step_coll)
-    return SamplerCosts(first, layer, block, head, once_coll)
+    first = dataclasses.replace(first, collective_bytes=per_step["ici"],
+                                dcn_bytes=per_step["dcn"])
+    return SamplerCosts(first, layer, block, head, once["ici"], once["dcn"])
 
 
 def sample_estimate(engine, sample_hlo: str, chip: ChipSpec, costs: SamplerCosts = None):
@@ -355,37 +378,74 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec, costs: SamplerCosts
     mean = sum((at(e).scale(c / n) for e, c in counts.items()), Cost(0.0, 0.0, 0.0))
     chips = engine.mesh.size
     prefill_s = forward_flops(cfg.model, b, p) / chips / chip.peak_flops
-    once_s = prefill_s + sc.once_collective_bytes / chip.ici_bw
+    once_s = (prefill_s + sc.once_collective_bytes / chip.ici_bw
+              + dcn_seconds(sc.once_dcn_bytes, chip))
     total = passes * decode_s + once_s
     detail = (f"{passes} pass(es) × {n} decode steps × {decode_s / n * 1e3:.2f} ms on "
               f"average + prefill and reshard {once_s:.1f} s")
     return StepEstimate("sample", total, detail), first, layer, total / passes, mean, head
 
 
+def step_trips(cfg: ExperimentConfig, name: str, module: hlo_loops.Module) -> dict:
+    """{loop: trip count} for the loops of Engine step `name`'s program that XLA gives no
+    trip count, by the function that made them (hlo_loops.trips_by_function): the layer
+    scans (L), the sampler's passes, the micro-batch and slice loops of score and update
+    (packing.py's scans at their capacity). The sampler's decode loop is left to the
+    caller; any other program (a kernel) gets none."""
+    rl = cfg.rl
+    loops = {"forward": cfg.model.num_layers}
+    if name == "sample":
+        loops["map_slices"] = rl.prompts_per_step * rl.group_size // rows_per_pass(cfg)
+    elif name in ("score", "update"):
+        loops.update(map_slices=rl.num_minibatches * rl.microbatches,
+                     value_and_grad=rl.microbatches)
+        if rl.pack_tokens:
+            from stablerl_jax import packing
+            b = rl.prompts_per_step * rl.group_size // (rl.num_minibatches
+                                                        if name == "update" else 1)
+            count = packing.micro_batches(b, math.prod(cfg.mesh), rl.pack_rows)[1]
+            loops.update(packed_value_and_grad=count, map_micro_batches=count)
+    elif name == "sft_update":
+        loops["value_and_grad"] = cfg.sft.microbatches
+    else:
+        return {}
+    return hlo_loops.trips_by_function(module, loops)
+
+
+def step_network_bytes(cfg: ExperimentConfig, name: str, hlo: str,
+                       slices: tuple = ()) -> dict:
+    """{"ici": bytes, "dcn": bytes} per chip of one call of step `name` (or a kernel's
+    program) from its optimized HLO, every loop at its trip count (step_trips; the
+    sampler's decode loop at all C = max_new_tokens steps, the fixed-length bound)."""
+    module = hlo_loops.Module(hlo)
+    trips = step_trips(cfg, name, module)
+    if name == "sample":
+        trips[hlo_loops.decode_loop(module).name] = cfg.sampling.max_new_tokens
+    return module.network_bytes(module.entry, trips, slices)
+
+
 def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops: float,
-                        chip: ChipSpec) -> StepEstimate:
+                        chip: ChipSpec, slices: tuple = ()) -> StepEstimate:
     """Score / update: model FLOPs at the chip's peak (the update's rematerialized
     forward added: + 1/3 of forward + backward) plus every collective of the program
-    (loops at their trip counts)."""
+    (loops at their trip counts): over ICI, and between slices over DCN (`slices`: the
+    slice of each device of its mesh, sharding.slice_indices)."""
     flops = model_flops * (4 / 3 if name == "update" and cfg.model.remat == "full" else 1)
-    module = hlo_loops.Module(hlo)
-    rl = cfg.rl
-    # Loops XLA gives no trip count: the layer scans and the micro-batch / slice loops.
-    loops = {"forward": cfg.model.num_layers,
-             "map_slices": rl.num_minibatches * rl.microbatches,
-             "value_and_grad": rl.microbatches}
-    if rl.pack_tokens:  # packing.py's micro-batch scans, at their capacity
-        from stablerl_jax import packing
-        b = rl.prompts_per_step * rl.group_size // (rl.num_minibatches if name == "update"
-                                                    else 1)
-        count = packing.micro_batches(b, math.prod(cfg.mesh), rl.pack_rows)[1]
-        loops.update(packed_value_and_grad=count, map_micro_batches=count)
-    trips = hlo_loops.trips_by_function(module, loops)
-    coll = sum(module.collective_bytes(module.entry, trips).values())
-    t = flops / chip.peak_flops + coll / chip.ici_bw
-    return StepEstimate(name, t, f"{flops / 1e12:.0f} TFLOP at peak "
-                                 f"{flops / chip.peak_flops:.1f} s + collectives "
-                                 f"{coll / 2**30:.1f} GiB {coll / chip.ici_bw:.1f} s")
+    net = step_network_bytes(cfg, name, hlo, slices)
+    ici_s, dcn_s = net["ici"] / chip.ici_bw, dcn_seconds(net["dcn"], chip)
+    detail = (f"{flops / 1e12:.0f} TFLOP at peak {_s(flops / chip.peak_flops)} + "
+              f"collectives {_gib(net['ici'])} {_s(ici_s)}")
+    if net["dcn"]:
+        detail += f" + DCN {_gib(net['dcn'])} {_s(dcn_s)}"
+    return StepEstimate(name, flops / chip.peak_flops + ici_s + dcn_s, detail)
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds * 1e3:.2f} ms"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 / 10 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def global_step_estimate(cfg: ExperimentConfig, est: dict,

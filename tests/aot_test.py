@@ -15,13 +15,24 @@ from stablerl_jax import aot, presets
     ("v4-16", "v4:2x2x2", 8, 32.0)])
 def test_topology_names(name, jax_name, chips, hbm):
     topo = aot.topology(name)
-    assert (topo.jax_name, topo.chips, topo.hbm_gib) == (jax_name, chips, hbm)
+    assert (topo.jax_name, topo.chips, topo.hbm_gib, topo.slices) == (jax_name, chips, hbm, 1)
 
 
-@pytest.mark.parametrize("bad", ["v5p-12", "v7-8", "v5p", "v5e-0"])
-def test_bad_topology_names_are_clear_errors(bad):
+def test_several_slices_are_named_by_a_count_or_a_prefix():
+    two = aot.topology("v5p-128", 2)
+    assert two == aot.topology("2xv5p-128")
+    # Each slice a 4x4x4 torus of 64 chips; 128 chips in all, as one v5p-256.
+    assert (two.name, two.jax_name, two.chips, two.slices) == ("2xv5p-128", "v5p:4x4x4",
+                                                               128, 2)
+    assert aot.topology("1xv5e-8") == aot.topology("v5e-8")
+
+
+@pytest.mark.parametrize("bad,slices", [("v5p-12", None), ("v7-8", None), ("v5p", None),
+                                        ("v5e-0", None), ("0xv5p-8", None), ("v5p-8", 0),
+                                        ("2xv5p-8", 3)])
+def test_bad_topology_names_are_clear_errors(bad, slices):
     with pytest.raises(ValueError, match="topology"):
-        aot.topology(bad)
+        aot.topology(bad, slices)
 
 
 def test_collectives_are_counted_once_per_instruction():

@@ -8,6 +8,7 @@
       rl        RLConfig        the global-step loop, its cadence and `rl.optim`
       sft       SFTConfig       the cold start and `sft.optim`
       mesh                      (data, fsdp, expert) device mesh of every jitted step
+      mesh_dcn                  the slices each mesh axis spans (multi-slice TPU jobs)
 
 The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE`, the
 kernel implementations `LOGPROB_IMPLS` and `GMM_IMPLS`, …) are in choices.py;

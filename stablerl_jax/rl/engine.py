@@ -59,7 +59,7 @@ def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransf
 def param_shardings(cfg: ExperimentConfig, devices=None, params_like=None) -> dict:
     """The params' shardings on the mesh of `cfg.mesh`, as `Engine.create` builds them
     (so a checkpoint loaded onto them is placed once, where the engine wants it)."""
-    mesh = sharding.config_mesh(cfg.mesh, devices)
+    mesh = sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)
     shapes = params_like if params_like is not None else jax.eval_shape(
         lambda: tf.init_params(jax.random.key(0), cfg.model))
     return sharding.tree_shardings(tf.param_logical_axes(cfg.model), shapes, mesh)
@@ -215,7 +215,7 @@ def sampler_model(cfg: ExperimentConfig):
 def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
            total_steps: int, noise_seed: int, devices, params_like=None):
     """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
-    mesh = sharding.config_mesh(cfg.mesh, devices)
+    mesh = sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)
     optimizer = make_optimizer(optim, total_steps)
     shapes = params_like if params_like is not None else jax.eval_shape(
         lambda: tf.init_params(jax.random.key(0), cfg.model))

@@ -51,7 +51,7 @@ def check_run(cfg, workdir: str, devices=None) -> None:
         if cfg.rl.eval_problems > cfg.task.num_test:
             raise ConfigError(f"rl.eval_problems: must be <= task.num_test={cfg.task.num_test}"
                               f" (the test problems there are), got {cfg.rl.eval_problems}")
-    sharding.config_mesh(cfg.mesh, devices)  # raises when the mesh needs more devices
+    sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)  # raises when it does not fit
 
 
 def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:
