@@ -33,7 +33,7 @@ from experiments.cli_errors import one_line_errors
 from experiments.report import report
 from experiments.runner import (Experiment, Variant, finished_runs, run_variants,
                                 task_and_cold_start)
-from stablerl_jax import compile_cache, distributed, trackers, workdir
+from stablerl_jax import compile_cache, distributed, storage, trackers, workdir
 from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import preflight
 
@@ -179,6 +179,7 @@ def main(desc: Descriptor, argv=None) -> dict:
     if own:
         exp = dataclasses.replace(exp, variants=own)
     if args.hf:
+        args.hf = storage.fetch_dir(args.hf)  # a gs:// checkpoint: read from a local copy
         if not os.path.isfile(os.path.join(args.hf, "config.json")):
             ap.error(f"--hf {args.hf}: no config.json there; give a Hugging Face checkpoint "
                      "directory (config.json, *.safetensors, tokenizer.json)")

@@ -81,6 +81,7 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     t0 = time.time()
     export_dtype = args.export_dtype
     if args.hf:
+        args.hf = storage.fetch_dir(args.hf)  # a gs:// checkpoint: read from a local copy
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
         export_dtype = export_dtype or hf_checkpoint.checkpoint_dtype(args.hf)
     data = loop.task_data(cfg, args.workdir)

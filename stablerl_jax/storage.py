@@ -123,6 +123,23 @@ def local_dir(p: str) -> str:
     return os.path.join(os.path.expanduser(CACHE), scheme, rest)
 
 
+def fetch_dir(p: str) -> str:
+    """`p` itself for a local directory; for an object store's, a local copy of it under
+    `local_dir(p)`, made once (a `.fetched` marker is written last, so a copy cut short
+    is made again): for what is read memory-mapped, a Hugging Face checkpoint."""
+    if not is_remote(p):
+        return p
+    dst = local_dir(p)
+    done = os.path.join(dst, ".fetched")
+    if not os.path.exists(done):
+        if not isdir(p):
+            raise FileNotFoundError(f"{p}: no such directory")
+        os.makedirs(dst, exist_ok=True)
+        copytree(p, dst)
+        open(done, "w").close()
+    return dst
+
+
 def makedirs(p) -> None:
     """Create a local directory and its parents (an object store has none to create)."""
     if not is_remote(p):
@@ -194,6 +211,7 @@ def copytree(src, dst) -> None:
     if not (is_remote(src) or is_remote(dst)):
         shutil.copytree(src, dst, dirs_exist_ok=True)
         return
+    makedirs(dst)
     for name in listdir(src):
         (copytree if isdir(os.path.join(src, name)) else copy)(os.path.join(src, name),
                                                                os.path.join(dst, name))

@@ -523,3 +523,22 @@ def test_the_quickstart_runs_and_resumes_in_a_bucket(bucket, tmp_path):
     assert {k: v for k, v in summary(again.stdout).items() if k != "wall_seconds"} == {
         k: v for k, v in summary(first.stdout).items() if k != "wall_seconds"}
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def test_a_checkpoint_directory_in_a_bucket_is_read_from_one_local_copy(bucket, tmp_path,
+                                                                         monkeypatch):
+    """`--hf gs://…` is memory-mapped from a local copy, fetched once (storage.fetch_dir)."""
+    monkeypatch.setattr(storage, "CACHE", str(tmp_path / "cache"))
+    src = f"{bucket}/ckpt"
+    storage.write_text(f"{src}/config.json", '{"model_type": "qwen3_moe"}')
+    storage.write_bytes(f"{src}/sub/model.safetensors", b"\x00\x01\x02")
+    local = storage.fetch_dir(src)
+    assert local.startswith(str(tmp_path / "cache"))
+    assert open(os.path.join(local, "config.json")).read() == '{"model_type": "qwen3_moe"}'
+    assert open(os.path.join(local, "sub", "model.safetensors"), "rb").read() == b"\x00\x01\x02"
+    storage.write_text(f"{src}/config.json", "changed")  # a second fetch copies nothing
+    assert storage.fetch_dir(src) == local
+    assert open(os.path.join(local, "config.json")).read() == '{"model_type": "qwen3_moe"}'
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        storage.fetch_dir(f"{bucket}/none")
+    assert storage.fetch_dir(str(tmp_path)) == str(tmp_path)
