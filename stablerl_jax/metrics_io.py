@@ -54,6 +54,19 @@ PANELS = [
                              "eval/truncated_frac"], False),
 ]
 _EVAL_SET = re.compile(r"eval/([^/]+)/avg@k")
+# rl.attribution (stablerl_jax/attribution.py): the parts of log π_θ − log μ.
+ATTRIBUTION_PANELS = [
+    ("mismatch parts: mean log ratio",
+     ["attr/precision_mean", "attr/routing_mean", "attr/staleness_mean",
+      "attr/routing_cf_mean"], False),
+    ("mismatch parts: mean square",
+     ["attr/precision_sqmean", "attr/routing_sqmean", "attr/staleness_sqmean",
+      "attr/routing_cf_sqmean", "attr/total_sqmean"], True),
+    ("mismatch parts: share of the variance",
+     ["attr/precision_share", "attr/routing_share", "attr/staleness_share"], False),
+]
+_ATTR_BIN = re.compile(r"attr_bin/([a-z]+)_([^/]+)/total_sqmean")
+_ATTR_LAYER = re.compile(r"attr_layer/l(\d+)_share")
 
 
 def eval_set_panels(records: list[dict]) -> list:
@@ -64,6 +77,26 @@ def eval_set_panels(records: list[dict]) -> list:
         return []
     return ([(f"eval {n}", [f"eval/{n}/avg@k", f"eval/{n}/pass@k"], False) for n in names]
             + [("eval response length", [f"eval/{n}/length_mean" for n in names], False)])
+
+
+def attribution_panels(records: list[dict]) -> list:
+    """ATTRIBUTION_PANELS, one panel per token-bin family (the mean square of the total
+    log-ratio in each bin) and one of the routing part's per-layer shares, for the keys
+    the records hold."""
+    keys = {k for r in records for k in r}
+    families: dict[str, list[str]] = {}
+    for k in sorted(keys):
+        if m := _ATTR_BIN.fullmatch(k):
+            families.setdefault(m.group(1), []).append(k)
+    layers = sorted((m for k in keys if (m := _ATTR_LAYER.fullmatch(k))),
+                    key=lambda m: int(m.group(1)))
+    out = list(ATTRIBUTION_PANELS)
+    out += [(f"mismatch by {f}: mean square of the total", ks, True)
+            for f, ks in families.items()]
+    if layers:
+        out.append(("routing part: share by layer",
+                    [m.group(0) for m in layers] + ["attr_layer/interaction_share"], False))
+    return out
 
 
 def _to_float(key: str, v) -> float | None:
@@ -298,15 +331,16 @@ def _slug(title: str) -> str:
 
 def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = None, *,
                  panels: list | None = None) -> list[str]:
-    """One PNG per panel with data; returns their paths. Default panels: PANELS and
-    `eval_set_panels`. `keys` instead draws one panel per key (log scale where PANELS
+    """One PNG per panel with data; returns their paths. Default panels: PANELS,
+    `eval_set_panels` and `attribution_panels`. `keys` instead draws one panel per key (log scale where PANELS
     puts that key on one)."""
     if keys is not None:
         log_keys = {k for _, ks, log in PANELS if log for k in ks}
         panels = [(k, [k], k in log_keys) for k in keys]
     storage.makedirs(out_dir)
     paths = []
-    for title, panel_keys, log in panels or PANELS + eval_set_panels(records):
+    for title, panel_keys, log in panels or (PANELS + eval_set_panels(records)
+                                              + attribution_panels(records)):
         if not _present({"run": records}, panel_keys):
             continue
         fig = Figure(figsize=(5, 3.2))

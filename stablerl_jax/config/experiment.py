@@ -94,6 +94,9 @@ class ExperimentConfig(Section):
             check(rl.pack_rows % dp == 0, "rl.pack_rows",
                   f"must be a multiple of data*fsdp*expert = {dp} (each batch shard packs "
                   f"its own rows), got {rl.pack_rows}")
+        check(not (rl.attribution and rl.attribution_every) or rl.attribution_rows % dp == 0,
+              "rl.attribution_rows", f"must be a multiple of data*fsdp*expert = {dp} (the "
+              f"probe's rows are a sharded batch), got {rl.attribution_rows}")
         check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
               f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
               f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")

@@ -248,6 +248,15 @@ class RLConfig(Section):
       pack_rows × pack_tokens); 0: one per batch shard of the mesh. A multiple of the
       batch shards. Micro-batches run only while some shard has packed rows left, so a
       step's time follows its tokens.
+    attribution: split each scored token's log π_θ − log μ into precision, routing and
+      staleness parts (stablerl_jax/attribution.py, docs/method.md §11) and log their
+      moments, covariances and token bins every step (`attr/…`, `attr_bin/…`); costs one
+      more forward of the score step. Off by default.
+    attribution_every: every this many steps (with attribution on) a probe of
+      attribution_rows rows splits the routing part by layer (`attr_layer/…`, one forward
+      per layer of those rows) and writes their tokens and parts to attribution.jsonl;
+      0: never.
+    attribution_rows: the rows the probe takes (a multiple of data*fsdp*expert).
     """
 
     steps: int = 60
@@ -281,6 +290,9 @@ class RLConfig(Section):
     old_policy: str = "behavior"
     pack_tokens: int = 0
     pack_rows: int = 0
+    attribution: bool = False
+    attribution_every: int = 10
+    attribution_rows: int = 8
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
@@ -323,7 +335,15 @@ class RLConfig(Section):
         check(is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
               f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
         check_bool(self, "async_checkpoints", "replay_weights", "score_in_update",
-                   "dynamic_sampling")
+                   "dynamic_sampling", "attribution")
+        check(is_int(self.attribution_every) and self.attribution_every >= 0,
+              "attribution_every", f"must be an int >= 0 (0 = no probe), got "
+              f"{self.attribution_every!r}")
+        probing = self.attribution and self.attribution_every
+        check(is_int(self.attribution_rows) and self.attribution_rows >= 1 and (
+            not probing or self.attribution_rows <= responses), "attribution_rows",
+              f"must be an int >= 1 and, with the probe on, <= prompts_per_step*group_size "
+              f"= {responses}, got {self.attribution_rows!r}")
         check(not self.replay_weights or self.replay == "r3", "replay_weights",
               f"replays the sampler's recorded weights, so it needs replay='r3', got "
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")

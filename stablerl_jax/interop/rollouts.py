@@ -296,10 +296,10 @@ class OfflineRollouts:
             raise ValueError(f"rl.steps={steps}: {self.path} holds {self.num_responses} "
                              f"responses = {have} global steps of {responses_per_step}; "
                              f"lower rl.steps to {have} or record more rollouts")
-        for key, need, why in (("routes", need_routes, "rl.replay=r3"),
+        for key, need, why in (("routes", need_routes, "rl.replay=r3 or rl.attribution"),
                                ("route_weights", need_weights, "rl.replay_weights")):
             if need and key not in a:
-                raise ValueError(f"{why} replays the sampler's {key}, which {self.path} "
+                raise ValueError(f"{why} reads the sampler's {key}, which {self.path} "
                                  "does not hold; record them or change the setting")
             if key in a and a[key].shape[1:] != (num_layers, top_k):
                 raise ValueError(f"{self.path}: {key} is [tokens, {a[key].shape[1:]}], the "

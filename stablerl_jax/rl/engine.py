@@ -35,7 +35,7 @@ from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import dynamic, inflight, steps
+from stablerl_jax.rl import dynamic, inflight, probe, steps
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -161,6 +161,18 @@ class Engine:
         (rl.old_policy=behavior): params_by_age[a] are the parameters a versions ago."""
         return self._call("score_behavior", tuple(params_by_age), rollout, rewards_B, age_BxS)
 
+    def probe(self, params, rollout: rollout_lib.Rollout, batch: steps.TrainBatch,
+              age_BxS=None) -> dict:
+        """rl/probe.py probe_rows of the rows of a rollout and its batch (with `age_BxS`,
+        `params` is the tuple of versions of rl.old_policy=behavior), on the host."""
+        found = (self._call("probe", params, rollout, batch) if age_BxS is None else
+                 self._call("probe_behavior", tuple(params), rollout, batch, age_BxS))
+        return jax.tree.map(distributed.host, found)
+
+    def logp_rows(self, params, batch: steps.TrainBatch) -> np.ndarray:
+        """log π_θ of the batch's rows as the update computes it (rl/probe.py), host."""
+        return distributed.host(self._call("logp_rows", params, batch))
+
     def merge_rows(self, base: rollout_lib.Rollout, new: rollout_lib.Rollout, src_B, real_B
                    ) -> rollout_lib.Rollout:
         """Dynamic sampling's batch, one round merged in (rl/dynamic.py merge_rows):
@@ -191,7 +203,7 @@ LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
              "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts",
              "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
              "log_samples", "log_samples_every", "eval_sets", "dynamic_sampling",
-             "max_sampling_rounds")
+             "max_sampling_rounds", "attribution_every", "attribution_rows")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -277,6 +289,13 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
             ps, r, rw, cfg=cfg, n_slices=score_slices, mesh=model_mesh, age_BxS=age),
             out_shardings=(batch, rep)),
             ((p_sh,) * (cfg.rl.max_staleness + 1), batch, batch, batch)),
+        "probe": (jax.jit(functools.partial(probe.probe_rows, cfg=cfg, mesh=model_mesh),
+                          out_shardings=rep), (p_sh, batch, batch)),
+        "probe_behavior": (jax.jit(lambda ps, r, b, age: probe.probe_rows(
+            ps, r, b, age, cfg=cfg, mesh=model_mesh), out_shardings=rep),
+            ((p_sh,) * (cfg.rl.max_staleness + 1), batch, batch, batch)),
+        "logp_rows": (jax.jit(functools.partial(probe.logp_rows, cfg=cfg, mesh=model_mesh),
+                              out_shardings=rep), (p_sh, batch)),
         "merge_rows": (jax.jit(functools.partial(dynamic.merge_rows, pad_id=pad_id),
                                out_shardings=batch), (batch, batch, rep, rep)),
         "select": (jax.jit(lambda b, rows: jax.tree.map(lambda x: x[rows], b),

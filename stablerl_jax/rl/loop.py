@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import continuous, distributed, overlong, packing, storage
+from stablerl_jax import attribution, continuous, distributed, overlong, packing, storage
 from stablerl_jax import rollout as rollout_lib
 from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.checkpoint import Checkpointer
@@ -57,7 +57,7 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.rl import dynamic, evals, preflight, resume, steps
+from stablerl_jax.rl import dynamic, evals, preflight, probe, resume, steps
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
 from stablerl_jax.trackers import Trackers
@@ -192,7 +192,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                 offline: OfflineRollouts | None = None, log_samples: int = 0,
                 inflight: Inflight | None = None, history: list | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition,
-    decoded samples: this process's first `log_samples` rows, evals.sample_rows).
+    decoded samples: this process's first `log_samples` rows, evals.sample_rows; the
+    attribution probe's rows for attribution.jsonl, rl/probe.py, [] on other steps).
 
     Under rl.overlong=penalty the rewards the advantages use include DAPO's length
     penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
@@ -259,6 +260,10 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         batch, score_metrics = engine.score(state.params, rollout,
                                             rewards_mine + penalty_mine
                                             if score_rewards is None else score_rewards)
+    probed = None
+    if probe.due(rl, step):  # rl.attribution_every: before the updates change θ
+        probed = probe.Probe(engine, (state.params, *history) if behavior else state.params,
+                             rollout, batch, step, age_BxS if behavior else None)
     if behavior:
         # θ_k becomes the newest past version (copied: the updates donate the state).
         history.insert(0, jax.tree.map(jnp.copy, state.params))
@@ -272,6 +277,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                                 for rows in minibatches])
     update_metrics = []
     for rows in minibatches:
+        if probed is not None:
+            probed.before_update(state.params, rows)
         state, m = engine.update(state, engine.select(batch, rows))
         update_metrics.append(jax.tree.map(distributed.host, m))
     # The step's host rows of every process, in one gather.
@@ -287,9 +294,14 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     metrics.update(dynamic_metrics)
     metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
     metrics.update(reduce_metrics(update_metrics))
+    metrics.update(attribution.derive(metrics))
     composition = {**source, "minibatches": minibatches.tolist(),
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
-    return state, metrics, composition, samples
+    dumped = []
+    if probed is not None:
+        dumped, layer_metrics = probed.finish(step + 1, data.tokenizer)
+        metrics.update(layer_metrics)
+    return state, metrics, composition, samples, dumped
 
 
 def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
@@ -321,7 +333,8 @@ def open_offline(cfg) -> OfflineRollouts | None:
     offline.check(group_size=cfg.rl.group_size,
                   responses_per_step=cfg.rl.prompts_per_step * cfg.rl.group_size,
                   steps=cfg.rl.steps, num_layers=cfg.model.num_layers,
-                  top_k=cfg.model.top_k, need_routes=cfg.rl.replay == "r3",
+                  top_k=cfg.model.top_k,
+                  need_routes=cfg.rl.replay == "r3" or cfg.rl.attribution,
                   need_weights=cfg.rl.replay_weights)
     offline.check_values(vocab_size=cfg.model.vocab_size, num_experts=cfg.model.num_experts,
                          max_prompt_len=cfg.task.max_prompt_len,
@@ -383,6 +396,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     # Before the Checkpointer: a log that is a symbolic link is refused with nothing open.
     minibatch_log = JsonlLog(os.path.join(workdir, "minibatches.jsonl"), enabled=main)
     samples_log = JsonlLog(os.path.join(workdir, "samples.jsonl"), enabled=main)
+    attribution_log = JsonlLog(os.path.join(workdir, "attribution.jsonl"), enabled=main)
+    logs = (minibatch_log, samples_log, attribution_log)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     if init_params is None:
@@ -426,13 +441,13 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         if main:
             resume.report_torn(metrics_path)
         writer.truncate_after(latest)
-        for log in (minibatch_log, samples_log):
+        for log in logs:
             log.truncate_after(latest)
         if main:
             resume.check_metrics_rows(metrics_path, latest)
     else:
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
-        for log in (minibatch_log, samples_log):
+        for log in logs:
             log.truncate_after(-1)
         metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
         tracker.log(0, writer.write(0, metrics))
@@ -448,9 +463,11 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
             workdir_lock.check_held()  # so does a lock another run took over
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
-            state, metrics, composition, samples = global_step(
+            state, metrics, composition, samples, dumped = global_step(
                 engine, state, data, step, offline, train_samples, inflight, history)
             minibatch_log.write({"step": step + 1, **composition})
+            for row in dumped:
+                attribution_log.write(row)
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
                 eval_metrics, eval_samples = evaluate(engine, state.params, data, step + 1,
                                                       cfg.rl.log_samples)
@@ -465,7 +482,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                             kl=f"{metrics['kl/train_infer_k1']:.1e}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
-                for log in (writer, minibatch_log, samples_log):  # they cover the step
+                for log in (writer, *logs):  # they cover the step
                     log.flush()
                 ckpt.save(step + 1, saved(), {"step": step + 1, **meta})
     except KeyboardInterrupt:  # Ctrl-C: stop bounds the wait for the save in flight
@@ -477,8 +494,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         finally:
             ckpt.close()
             writer.close()
-            minibatch_log.flush()
-            samples_log.flush()
+            for log in logs:
+                log.flush()
     if export_hf:
         tok = data.tokenizer
         dtype = export_dtype or cfg.model.param_dtype

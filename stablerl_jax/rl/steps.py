@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from stablerl_jax import advantages as adv_lib
+from stablerl_jax import attribution
 from stablerl_jax import diagnostics as dg
 from stablerl_jax import losses as losses_lib
 from stablerl_jax.config import ExperimentConfig
@@ -62,6 +63,8 @@ class TrainBatch(NamedTuple):
     replay_weights_BxTxLxK: jax.Array | None = None  # their recorded weights (weight replay)
     routes_mu_BxTxLxK: jax.Array | None = None  # the sampler's routes, for the monitors an
                                                 # on-policy update computes (else None)
+    attr_logp_BxT: jax.Array | None = None  # rl.attribution: the score step's extra
+                                            # forward (stablerl_jax/attribution.py)
 
 
 class TrainState(NamedTuple):
@@ -125,11 +128,6 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     advantages_B = adv_lib.compute(cfg.loss.advantage, rewards_B, rl.group_size,
                                    cfg.loss.advantage_std_ddof)
     advantages_B = advantages_B.astype(jnp.float32)
-    if not forward:
-        # Under R2 the one update routes live at θ_old: the routes R2 would replay.
-        replay = routes_mu_BxTxLxK if rl.replay == "r3" else None
-        return TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, None,
-                          advantages_B, replay, replay_w, routes_mu_BxTxLxK), {}
 
     def forward_(params, rows):
         tokens_BxS, attn_BxS, replay_BxTxLxK, replay_w_BxTxLxK = rows
@@ -143,37 +141,52 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/packing.py)
         lay = packing.layout(attn_BxS, rl.pack_tokens, batch_shards(cfg), rl.pack_rows)
 
-    def old_policy(p):
+    def old_policy(p, replay=replay_in, weights=replay_w):
         if rl.pack_tokens:
             return packing.packed_logprobs(lambda pk: packed_forward(p, pk, cfg, mesh), lay,
-                                           rollout.tokens_BxS, replay_in, replay_w)
+                                           rollout.tokens_BxS, replay, weights)
         return slices.map_slices(
             lambda rows: forward_(p, rows),
-            (rollout.tokens_BxS, attn_BxS, replay_in, replay_w), n_slices, "score slices")
+            (rollout.tokens_BxS, attn_BxS, replay, weights), n_slices, "score slices")
 
-    if age_BxS is None:
-        logp_BxT, entropy_BxT, routes_BxTxLxK = old_policy(params)
-    else:
-        age_BxT = age_BxS[:, 1:]
-        out = old_policy(params[0])
-        for a, p in enumerate(params[1:], start=1):
-            mine_BxT = age_BxT == a
-
-            def merge(out, p=p, mine_BxT=mine_BxT):
-                put = lambda new, old: jnp.where(
-                    mine_BxT.reshape(mine_BxT.shape + (1,) * (old.ndim - 2)), new, old)
-                return jax.tree.map(put, old_policy(p), out)
-
-            # A version no token of the batch comes from costs no forward.
-            out = jax.lax.cond(jnp.any(mine_BxT), merge, lambda out: out, out)
-        logp_BxT, entropy_BxT, routes_BxTxLxK = out
+    versioned = lambda fn: by_version(fn, params, None if age_BxS is None else age_BxS[:, 1:])
+    attr_logp_BxT = None
+    if rl.attribution:  # the term the score pass does not give (stablerl_jax/attribution.py)
+        other = None if rl.replay == "r3" else routes_mu_BxTxLxK
+        attr_logp_BxT = versioned(lambda p: old_policy(p, other, None)[0])
+    if not forward:
+        # Under R2 the one update routes live at θ_old: the routes R2 would replay.
+        replay = routes_mu_BxTxLxK if rl.replay == "r3" else None
+        return TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, None,
+                          advantages_B, replay, replay_w, routes_mu_BxTxLxK,
+                          attr_logp_BxT), {}
+    logp_BxT, entropy_BxT, routes_BxTxLxK = versioned(old_policy)
     metrics, routes_old_BxTxLxK = rollout_monitors(
         rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
         attn_BxS[:, :-1], cfg.loss.tis_cap)
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
-                       advantages_B, replay, replay_w)
+                       advantages_B, replay, replay_w, attr_logp_BxT=attr_logp_BxT)
     return batch, metrics
+
+
+def by_version(fn, params, age_BxT=None):
+    """fn(params) (a pytree of [B, T, ...] arrays), or with `age_BxT` and `params` a
+    tuple of versions (θ_k, θ_k−1, …): each token's entries from fn(params[its age]).
+    One fn call per version present in the batch (a `lax.cond` skips the others)."""
+    if age_BxT is None:
+        return fn(params)
+    out = fn(params[0])
+    for a, p in enumerate(params[1:], start=1):
+        mine_BxT = age_BxT == a
+
+        def merge(out, p=p, mine_BxT=mine_BxT):
+            put = lambda new, old: jnp.where(
+                mine_BxT.reshape(mine_BxT.shape + (1,) * (old.ndim - 2)), new, old)
+            return jax.tree.map(put, fn(p), out)
+
+        out = jax.lax.cond(jnp.any(mine_BxT), merge, lambda out: out, out)
+    return out
 
 
 def batch_shards(cfg: ExperimentConfig) -> int:
@@ -268,6 +281,13 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
                                       rows=rows)
     loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
     metrics.update(monitors)
+    if batch.attr_logp_BxT is not None:  # rl.attribution (stablerl_jax/attribution.py)
+        mu_routes_BxT, routing_cf_BxT = attribution.score_terms(
+            cfg.rl.replay, old_logp_BxT, batch.attr_logp_BxT)
+        parts = attribution.token_parts(batch.rollout_logp_BxT, mu_routes_BxT, old_logp_BxT,
+                                        jax.lax.stop_gradient(logp_BxT))
+        metrics.update(attribution.pairs(parts, routing_cf_BxT, batch.rollout_logp_BxT,
+                                         jax.lax.stop_gradient(entropy_BxT), batch.mask_BxT))
     metrics["update/entropy"] = dg.masked_mean_pair(entropy_BxT, batch.mask_BxT)
     router, metrics["router_loss"] = _router_loss(aux, batch, totals, rows)
     return loss + router, metrics

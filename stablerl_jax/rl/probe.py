@@ -1,0 +1,136 @@
+"""The attribution probe (rl.attribution with rl.attribution_every): every few steps, on a
+seeded sample of R rows, the per-layer split of the routing part and a dump of the rows'
+tokens with their parts (`attribution.jsonl`). stablerl_jax/attribution.py defines the
+parts.
+
+Letters: B responses, S slots, T = S − 1 scored positions, L layers, R probed rows.
+
+A probe step runs, on the R rows: the forwards of `attribution.probe` at θ_old (live
+routes, the sampler's routes, and one per layer with the sampler's routes at that layer
+only), then before each mini-batch's update the update's own forward of the rows
+(`logp_rows`), whose log π_θ gives the staleness part of the rows in that mini-batch:
+each token's parts are those the step's `attr/…` monitors count.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from stablerl_jax import attribution
+from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.rl import steps
+
+DUMP_DIGITS = 5  # significant digits of the floats in attribution.jsonl
+
+
+def probe_rows(params, rollout, batch: steps.TrainBatch, age_BxS=None, *, cfg,
+               mesh=None) -> dict:
+    """`attribution.probe` of the rows of `rollout` (params: one version, or with
+    `age_BxS` the tuple of versions of rl.old_policy=behavior), with the fields of their
+    `batch` rows the dump reads (and their age)."""
+    attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
+    weights = (rollout.route_weights_mu_BxSxLxK[:, :-1] if cfg.rl.replay_weights else None)
+
+    def forward(p, replay, w):
+        logp, entropy, aux = policy_logprobs(
+            p, rollout.tokens_BxS, attn_BxS, cfg.model, replay_BxTxLxK=replay,
+            replay_weights_BxTxLxK=w, temperature=cfg.sampling.temperature,
+            impl=cfg.rl.logprob_impl, mesh=mesh)
+        return logp, entropy, aux["routes"]
+
+    age_BxT = None if age_BxS is None else age_BxS[:, 1:]
+    versioned = lambda fn: steps.by_version(lambda p: fn(functools.partial(forward, p)),
+                                            params, age_BxT)
+    found = attribution.probe(versioned, rollout.routes_mu_BxSxLxK[:, :-1], cfg.rl.replay,
+                              weights)
+    found.update(tokens_BxS=batch.tokens_BxS, mask_BxT=batch.mask_BxT,
+                 rollout_logp_BxT=batch.rollout_logp_BxT, advantages_B=batch.advantages_B)
+    if age_BxS is not None:
+        found["age_BxS"] = age_BxS
+    return found
+
+
+def logp_rows(params, batch: steps.TrainBatch, *, cfg, mesh=None):
+    """log π_θ of the batch's rows as the update's forward computes it (its replay)."""
+    return policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
+                           replay_BxTxLxK=batch.replay_BxTxLxK,
+                           replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
+                           temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl,
+                           mesh=mesh)[0]
+
+
+def due(rl, step: int) -> bool:
+    """Whether global step `step` (0-based) runs the probe."""
+    return bool(rl.attribution and rl.attribution_every
+                and (step + 1) % rl.attribution_every == 0)
+
+
+def rows(rl, step: int) -> np.ndarray:
+    """The probed rows of global step `step`: R of the step's responses, seeded, sorted."""
+    b = rl.prompts_per_step * rl.group_size
+    rng = np.random.default_rng([rl.seed, step, 2])
+    return np.sort(rng.choice(b, rl.attribution_rows, replace=False)).astype(np.int32)
+
+
+class Probe:
+    """A probe step across the loop's hops: `Probe(...)` after the score step (θ_old),
+    `before_update` before each mini-batch's update, `finish` at the end."""
+
+    def __init__(self, engine, params, rollout, batch, step: int, age_BxS=None):
+        self.engine, self.rows = engine, rows(engine.cfg.rl, step)
+        self.batch = engine.select(batch, self.rows)
+        age = None if age_BxS is None else engine.select(age_BxS, self.rows)
+        self.found = engine.probe(params, engine.select(rollout, self.rows), self.batch, age)
+        self.theta_RxT = np.zeros(self.found["mask_BxT"].shape, np.float64)
+
+    def before_update(self, params, rows_M) -> None:
+        """log π_θ of the probed rows in mini-batch `rows_M`, at the update's θ."""
+        mine = np.isin(self.rows, rows_M)
+        if mine.any():
+            self.theta_RxT[mine] = self.engine.logp_rows(params, self.batch)[mine]
+
+    def finish(self, step: int, tokenizer) -> tuple[list[dict], dict]:
+        """`dump` of the probe: (attribution.jsonl rows, attr_layer/… metrics)."""
+        return dump(step, self.rows, self.found, self.theta_RxT, tokenizer,
+                    self.found.get("age_BxS"))
+
+
+def _round(x) -> list:
+    return [float(f"{v:.{DUMP_DIGITS}g}") for v in np.asarray(x, np.float64)]
+
+
+def dump(step: int, rows_R, found: dict, logp_theta_RxT, tokenizer, age_RxS=None
+         ) -> tuple[list[dict], dict]:
+    """(attribution.jsonl rows, attr_layer/… metrics) of a probe (host arrays).
+
+    found: `probe_rows` of the R rows; logp_theta_RxT: log π_θ of each row at its
+    mini-batch's update. Each row lists its scored tokens (the completion) with their
+    text, μ, π_old, π_θ, the three parts, the counterfactual routing part, π_old's entropy
+    and the layers whose experts differ between the sampler and live routing."""
+    mask = np.asarray(found["mask_BxT"]) > 0
+    logp_mu = np.asarray(found["rollout_logp_BxT"], np.float64)
+    parts = attribution.token_parts(logp_mu, found["logp_mu_routes"], found["logp_old"],
+                                    logp_theta_RxT)
+    parts = {k: np.asarray(v) for k, v in parts.items()}
+    metrics = attribution.layer_metrics(found["layer"], found["routing_cf"], mask)
+    tokens = np.asarray(found["tokens_BxS"])
+    out = []
+    for i, r in enumerate(np.asarray(rows_R)):
+        t = np.flatnonzero(mask[i])
+        ids = tokens[i, t + 1].tolist()
+        row = {"step": int(step), "row": int(r),
+               "advantage": float(np.asarray(found["advantages_B"])[i]),
+               "ids": ids, "tokens": [tokenizer.decode_raw([j]) for j in ids],
+               "logp_mu": _round(logp_mu[i, t]),
+               "logp_old": _round(np.asarray(found["logp_old"])[i, t]),
+               "logp_theta": _round(np.asarray(logp_theta_RxT)[i, t]),
+               **{k: _round(v[i, t]) for k, v in parts.items()},
+               "routing_cf": _round(np.asarray(found["routing_cf"])[i, t]),
+               "entropy": _round(np.asarray(found["entropy_old"])[i, t]),
+               "flipped_layers": [np.flatnonzero(f).tolist()
+                                  for f in np.asarray(found["flipped"])[i, t]]}
+        if age_RxS is not None:
+            row["age"] = np.asarray(age_RxS)[i, t + 1].astype(int).tolist()
+        out.append(row)
+    return out, metrics
