@@ -232,3 +232,47 @@ def test_the_notebook_reads_the_run_headless(run):
     assert "precision" in text and "by pos:" in text and "attr_layer/l1_share" in text
     assert "the 10 largest |log π_θ − log μ|" in text
     assert images == 2  # the parts over steps, the layer shares
+
+
+def test_under_partial_rollouts_each_tokens_terms_come_from_its_version():
+    # rl.old_policy=behavior: the extra forward, like π_old, at each token's version.
+    from stablerl_jax import rollout as ro
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.rl import steps
+
+    cfg = tiny_cfg(max_staleness=1, attribution=True)
+    params = [jax.tree.map(lambda w, f=f: w * f, tf.init_params(jax.random.key(0), cfg.model))
+              for f in (1.0, 1.1)]
+    b, p = 8, cfg.task.max_prompt_len
+    prompts = jax.random.randint(jax.random.key(1), (b, p), 3, cfg.model.vocab_size)
+    r = ro.sample(params[0], prompts, jnp.ones((b, p), bool), jax.random.key(2), cfg.model,
+                  cfg.sampling, nx.numerics_preset("fp8"), eos_id=2, pad_id=0)
+    comp = np.asarray(r.completion_mask_BxS)
+    age = np.where(comp, (np.arange(comp.shape[1]) % 2)[None, :], 1).astype(np.int32)
+    got, _ = steps.score(tuple(params), r, REWARDS, cfg=cfg, age_BxS=jnp.asarray(age))
+    for a in (0, 1):
+        want, _ = steps.score(params[a], r, REWARDS, cfg=cfg)
+        mine = (age[:, 1:] == a) & comp[:, 1:]
+        assert mine.any()
+        # The merged program and the one-version one round the same sums apart: a few
+        # float32 epsilons of log-probs of size ≈ 4.
+        want_a = np.asarray(want.attr_logp_BxT)[mine]
+        np.testing.assert_allclose(np.asarray(got.attr_logp_BxT)[mine], want_a, rtol=0,
+                                   atol=8 * EPS32 * np.abs(want_a).max())
+    # The probe of the same rows merges its forwards the same way.
+    found = probe.probe_rows(tuple(params), r, got, jnp.asarray(age), cfg=cfg)
+    mine = comp[:, 1:]
+    want = np.asarray(got.attr_logp_BxT)[mine]
+    np.testing.assert_allclose(np.asarray(found["logp_mu_routes"])[mine], want, rtol=0,
+                               atol=8 * EPS32 * np.abs(want).max())
+    np.testing.assert_array_equal(found["age_BxS"], age)
+
+
+def test_packed_score_and_update_attribute_as_the_padded_ones():
+    padded, _, _ = _step()
+    packed, _, _ = _step(pack_tokens=32)
+    for k in ("attr/precision_mean", "attr/routing_sqmean", "attr/staleness_sqmean",
+              "attr/total_mean", "attr_bin/pos_last/total_sqmean"):
+        # Two programs' float32 rounding of log-probs of size ≈ 4, in sums over ~100
+        # tokens: relative 1e-4 of the mean square, or a few epsilons absolute.
+        assert packed[k] == pytest.approx(padded[k], rel=1e-3, abs=1e-7), k
