@@ -276,3 +276,11 @@ def test_packed_score_and_update_attribute_as_the_padded_ones():
         # Two programs' float32 rounding of log-probs of size ≈ 4, in sums over ~100
         # tokens: relative 1e-4 of the mean square, or a few epsilons absolute.
         assert packed[k] == pytest.approx(padded[k], rel=1e-3, abs=1e-7), k
+
+
+def test_with_score_in_update_the_one_update_attributes_its_own_forward():
+    metrics, score, _ = _step(minibatches=1, score_in_update=True)
+    assert score == {}  # no score forward: the update's is π_old
+    assert metrics["attr/staleness_sqmean"] == 0.0
+    assert metrics["attr/total_mean"] == pytest.approx(-metrics["kl/train_infer_k1"], rel=1e-4)
+    assert metrics["attr/precision_sqmean"] > 0
