@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+from rl_helpers import EOS_ID, PAD_ID, tiny_cfg, versions_and_rollout
 
 from stablerl_jax import attribution
 from stablerl_jax.config import SamplingConfig
@@ -236,19 +236,11 @@ def test_the_notebook_reads_the_run_headless(run):
 
 def test_under_partial_rollouts_each_tokens_terms_come_from_its_version():
     # rl.old_policy=behavior: the extra forward, like π_old, at each token's version.
-    from stablerl_jax import rollout as ro
-    from stablerl_jax.model import numerics as nx
     from stablerl_jax.rl import steps
 
     cfg = tiny_cfg(max_staleness=1, attribution=True)
-    params = [jax.tree.map(lambda w, f=f: w * f, tf.init_params(jax.random.key(0), cfg.model))
-              for f in (1.0, 1.1)]
-    b, p = 8, cfg.task.max_prompt_len
-    prompts = jax.random.randint(jax.random.key(1), (b, p), 3, cfg.model.vocab_size)
-    r = ro.sample(params[0], prompts, jnp.ones((b, p), bool), jax.random.key(2), cfg.model,
-                  cfg.sampling, nx.numerics_preset("fp8"), eos_id=2, pad_id=0)
+    params, r, age = versions_and_rollout(cfg, (1.0, 1.1))
     comp = np.asarray(r.completion_mask_BxS)
-    age = np.where(comp, (np.arange(comp.shape[1]) % 2)[None, :], 1).astype(np.int32)
     got, _ = steps.score(tuple(params), r, REWARDS, cfg=cfg, age_BxS=jnp.asarray(age))
     for a in (0, 1):
         want, _ = steps.score(params[a], r, REWARDS, cfg=cfg)

@@ -2,7 +2,7 @@
 with the carried queue, both answers to which policy is π_old, and bad settings."""
 import numpy as np
 import pytest
-from rl_helpers import tiny_cfg
+from rl_helpers import tiny_cfg, versions_and_rollout
 
 from stablerl_jax.config import ConfigError
 from stablerl_jax.metrics_io import read_metrics
@@ -117,24 +117,14 @@ def test_slots_must_hold_whole_groups():
 def test_behavior_score_takes_each_tokens_pi_old_from_its_version():
     # steps.score with (θ_k, θ_k−1, θ_k−2) and per-token ages equals, token by token, the
     # one-version score at that token's parameters; a version no token has is skipped.
-    import jax
     import jax.numpy as jnp
-    from stablerl_jax import rollout as ro
-    from stablerl_jax.model import numerics as nx
-    from stablerl_jax.model import transformer as tf
     from stablerl_jax.rl import steps
 
     cfg = tiny_cfg(max_staleness=2)
-    params = [jax.tree.map(lambda w, f=f: w * f, tf.init_params(jax.random.key(0), cfg.model))
-              for f in (1.0, 1.1, 0.9)]
-    b, p = 8, cfg.task.max_prompt_len
-    prompts = jax.random.randint(jax.random.key(1), (b, p), 3, cfg.model.vocab_size)
-    r = ro.sample(params[0], prompts, jnp.ones((b, p), bool), jax.random.key(2), cfg.model,
-                  cfg.sampling, nx.numerics_preset("fp8"), eos_id=2, pad_id=0)
-    comp = np.asarray(r.completion_mask_BxS)
     # Ages 0 and 1 only: half of each row's tokens a version old; none two.
-    age = np.where(comp, (np.arange(comp.shape[1]) % 2)[None, :], 1).astype(np.int32)
-    rewards = jnp.arange(b, dtype=jnp.float32) % 2
+    params, r, age = versions_and_rollout(cfg)
+    comp = np.asarray(r.completion_mask_BxS)
+    rewards = jnp.arange(8, dtype=jnp.float32) % 2
     got, _ = steps.score(tuple(params), r, rewards, cfg=cfg, age_BxS=jnp.asarray(age))
     for a in (0, 1):
         want, _ = steps.score(params[a], r, rewards, cfg=cfg)

@@ -61,3 +61,24 @@ def kill_cold_start_at(monkeypatch, step: int = 4):
 
     monkeypatch.setattr(sft_data, "batches", dies)
     return real
+
+
+def versions_and_rollout(cfg: ExperimentConfig, factors=(1.0, 1.1, 0.9), rows: int = 8):
+    """(parameter versions: one random init scaled by each factor, a rollout sampled with
+    the first under FP8 numerics, each token's age: 0 or 1 alternating over the
+    completion, 1 elsewhere) for the scores of partial rollouts (rl.old_policy=behavior)."""
+    import jax
+    import jax.numpy as jnp
+
+    from stablerl_jax import rollout as ro
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    params = [jax.tree.map(lambda w, f=f: w * f, tf.init_params(jax.random.key(0), cfg.model))
+              for f in factors]
+    p = cfg.task.max_prompt_len
+    prompts = jax.random.randint(jax.random.key(1), (rows, p), 3, cfg.model.vocab_size)
+    r = ro.sample(params[0], prompts, jnp.ones((rows, p), bool), jax.random.key(2), cfg.model,
+                  cfg.sampling, nx.numerics_preset("fp8"), eos_id=2, pad_id=0)
+    comp = np.asarray(r.completion_mask_BxS)
+    age = np.where(comp, (np.arange(comp.shape[1]) % 2)[None, :], 1).astype(np.int32)
+    return params, r, age
