@@ -21,7 +21,6 @@ from experiments.runner import Experiment, Variant
 from stablerl_jax import presets
 from stablerl_jax.config import ExperimentConfig
 
-ATTRIBUTION = ("rl.attribution=true", "rl.attribution_every=10", "rl.attribution_rows=8")
 VARIANTS = (
     Variant("minirl-lr3e-4", ("rl.optim.learning_rate=3e-4",)),
     Variant("minirl+R3-lr1e-4", (onpolicy.R3,)),
@@ -30,17 +29,16 @@ VARIANTS = (
 
 
 def with_attribution(base: ExperimentConfig, rows: int = 8) -> ExperimentConfig:
-    """`base` with the attribution on and a probe of `rows` rows every 10 steps."""
+    """`base` with the attribution on and a probe of `rows` rows every 10 steps (0: one
+    per batch shard, at least 8)."""
     rl = base.rl.replace(attribution=True, attribution_every=10, attribution_rows=rows)
     return base.replace(name=f"attribution-{base.name}", rl=rl)
 
 
 def paper() -> ExperimentConfig:
     """presets.paper with the attribution: the probe's rows one per batch shard of the
-    v5p-256 mesh."""
-    base = presets.paper()
-    shards = base.mesh[0] * base.mesh[1] * base.mesh[2]
-    return with_attribution(base, rows=shards)
+    v5p-256 mesh (128)."""
+    return with_attribution(presets.paper(), rows=0)
 
 
 EXPERIMENTS = {

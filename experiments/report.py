@@ -53,6 +53,42 @@ def _window(records: list[dict], key: str, part: slice) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def _carried(r: dict, bin_: str) -> float | None:
+    """The share of the step's E[total²] its tokens in `bin_` (attr_bin/<bin_>) carry."""
+    share, sq = r.get(f"attr_bin/{bin_}/share"), r.get(f"attr_bin/{bin_}/total_sqmean")
+    total = r.get("attr/total_sqmean")
+    if share is None or total is None or not total > 0:
+        return None
+    return share * (sq or 0.0) / total
+
+
+def attribution_row(steps_: list[dict], collapse: int) -> dict:
+    """rl.attribution's outcomes (docs/method.md §11; {} for a run without it), over the
+    first fifth of the steps and over the stats.WINDOW steps before the collapse (`pre`;
+    the last fifth of a run that does not collapse): E[precision²], E[routing_cf²] (the
+    counterfactual routing part, comparable across replay modes), the routing part's share
+    of Var(log π_θ − log μ), and the share of E[total²] carried by tokens the sampler drew
+    with probability < 0.1 and by the last third of each response."""
+    if not any(r.get("attr/total_sqmean") is not None for r in steps_):
+        return {}
+    fifth = max(1, len(steps_) // 5)
+    end = next((i for i, r in enumerate(steps_) if r["step"] >= collapse), len(steps_))
+    windows = {"first": steps_[:fifth],
+               "pre": steps_[max(0, end - stats.WINDOW):end] if end < len(steps_)
+               else steps_[-fifth:]}
+    mean = lambda vals: float(np.mean(vals)) if vals else None
+    out = {}
+    for part, rows in windows.items():
+        for name, key in (("prec", "attr/precision_sqmean"),
+                          ("routcf", "attr/routing_cf_sqmean"),
+                          ("rshare", "attr/routing_share")):
+            out[f"attr_{name}_{part}"] = mean([r[key] for r in rows if r.get(key) is not None])
+    for name, bin_ in (("lowmu", "mu_lt0.1"), ("late", "pos_last")):
+        out[f"attr_{name}_pre"] = mean([v for r in windows["pre"]
+                                        if (v := _carried(r, bin_)) is not None])
+    return out
+
+
 def seed_row(records: list[dict]) -> dict:
     """One run's outcomes: held-out accuracy at start / best / final (the mean of the last
     evaluations, stats.final_accuracy), its collapse step (stats.collapse_step, censored at
@@ -83,6 +119,7 @@ def seed_row(records: list[dict]) -> dict:
         "beyond_cap": _window(steps_, "seq/beyond_cap", every),
         "clip_frac": _window(steps_, "clip/frac_high", every),
         "skipped": _window(steps_, "skipped_updates", every),
+        **attribution_row(steps_, collapse),
     }
 
 
@@ -121,12 +158,22 @@ _COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"), ("seed", "se
             ("routing_mismatch", "routing mismatch", "{:.3f}"),
             ("engine_log_sq", "E[log² engine]", "{:.2e}"),
             ("stale_log_sq", "E[log² staleness]", "{:.2e}"),
-            ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped frac", "{:.3f}")]
+            ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped frac", "{:.3f}"),
+            ("attr_prec_first", "E[precision²] first⅕", "{:.2e}"),
+            ("attr_prec_pre", "E[precision²] pre", "{:.2e}"),
+            ("attr_routcf_first", "E[routing_cf²] first⅕", "{:.2e}"),
+            ("attr_routcf_pre", "E[routing_cf²] pre", "{:.2e}"),
+            ("attr_rshare_first", "routing share first⅕", "{:.3f}"),
+            ("attr_rshare_pre", "routing share pre", "{:.3f}"),
+            ("attr_lowmu_pre", "μ<0.1 share pre", "{:.3f}"),
+            ("attr_late_pre", "last⅓ share pre", "{:.3f}")]
 
 
 PER_SEED_KEYS = ("variant", "seed", "acc_start", "acc_best", "acc_end", "collapse",
                  "reward_first", "reward_last", "entropy_first", "entropy_last",
-                 "kl_first", "kl_last", "seq_first", "seq_last", "beyond_cap")
+                 "kl_first", "kl_last", "seq_first", "seq_last", "beyond_cap",
+                 "attr_prec_first", "attr_prec_pre", "attr_routcf_first", "attr_routcf_pre",
+                 "attr_rshare_first", "attr_rshare_pre", "attr_lowmu_pre", "attr_late_pre")
 
 
 def markdown_table(rows: list[dict], keys=None) -> str:

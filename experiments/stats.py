@@ -9,7 +9,8 @@ Outcomes of one run (its metrics records), each defined here once:
   A run that never collapses is censored at its length + 1 (so "collapses earlier" is a
   smaller number, and "never" the largest);
 - reward / KL last fifth: the mean training reward and training–inference k1 KL over
-  the last fifth of the steps.
+  the last fifth of the steps; with rl.attribution also the mean squares of its
+  precision and counterfactual routing parts over the last fifth.
 
 Comparisons. Runs of the same seed share their prompts and the sampler's random keys, so
 two variants are compared seed by seed: for outcome y, d_s = y_A,s − y_B,s and the 95 %
@@ -60,6 +61,9 @@ OUTCOMES = {
     "collapse step": collapse_step,
     "reward last fifth": lambda r: _last_fifth(r, "reward"),
     "KL k1 last fifth": lambda r: _last_fifth(r, "kl/train_infer_k1"),
+    # rl.attribution (docs/method.md §11); runs without it have no value and are skipped.
+    "E[precision²] last fifth": lambda r: _last_fifth(r, "attr/precision_sqmean"),
+    "E[routing_cf²] last fifth": lambda r: _last_fifth(r, "attr/routing_cf_sqmean"),
 }
 
 
@@ -115,7 +119,7 @@ def _fmt(x, outcome):
     if x is None or (isinstance(x, float) and np.isnan(x)):
         return "—"
     return (f"{x:.1f}" if outcome == "collapse step" else
-            f"{x:.2e}" if outcome.startswith("KL") else f"{x:.3f}")
+            f"{x:.2e}" if outcome.startswith(("KL", "E[")) else f"{x:.3f}")
 
 
 def markdown(rows: list[dict]) -> str:

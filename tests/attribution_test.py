@@ -188,7 +188,10 @@ def test_the_layer_shares_and_the_interaction_add_to_one(fp8_step):
 def test_attribution_settings_are_checked():
     from stablerl_jax.config import ConfigError
     with pytest.raises(ConfigError, match="attribution_rows"):
-        tiny_cfg(attribution=True, attribution_rows=0)
+        tiny_cfg(attribution=True, attribution_rows=-1)
+    with pytest.raises(ConfigError, match="attribution_rows: the probe's 8 rows"):
+        tiny_cfg(attribution=True, prompts_per_step=2)
+    tiny_cfg(attribution=True, attribution_every=0, prompts_per_step=2, num_minibatches=1)
     with pytest.raises(ConfigError, match="attribution_every"):
         tiny_cfg(attribution=True, attribution_every=-1)
     with pytest.raises(ConfigError, match="rl.attribution_rows: must be a multiple of "
@@ -212,7 +215,7 @@ def run(tmp_path_factory):
 
 def test_a_run_logs_plots_and_dumps_the_attribution_and_resumes_it(run):
     rows = [json.loads(line) for line in open(os.path.join(run, "attribution.jsonl"))]
-    # 8 rows a step (rl.attribution_rows), the killed run's row gone.
+    # 8 rows a step (rl.attribution_rows=0 on one device), the killed run's row gone.
     assert [r["step"] for r in rows] == [1] * 8 + [2] * 8
     assert all("staleness" in r for r in rows)
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]

@@ -94,9 +94,15 @@ class ExperimentConfig(Section):
             check(rl.pack_rows % dp == 0, "rl.pack_rows",
                   f"must be a multiple of data*fsdp*expert = {dp} (each batch shard packs "
                   f"its own rows), got {rl.pack_rows}")
-        check(not (rl.attribution and rl.attribution_every) or rl.attribution_rows % dp == 0,
-              "rl.attribution_rows", f"must be a multiple of data*fsdp*expert = {dp} (the "
-              f"probe's rows are a sharded batch), got {rl.attribution_rows}")
+        if rl.attribution and rl.attribution_every:
+            check(rl.attribution_rows % dp == 0, "rl.attribution_rows",
+                  f"must be a multiple of data*fsdp*expert = {dp} (the probe's rows are a "
+                  f"sharded batch), or 0, got {rl.attribution_rows}")
+            probed = rl.attribution_rows or -(-8 // dp) * dp
+            check(probed <= rl.prompts_per_step * rl.group_size, "rl.attribution_rows",
+                  f"the probe's {probed} rows (one per batch shard at least) exceed the "
+                  f"step's {rl.prompts_per_step * rl.group_size} responses; set "
+                  "rl.attribution_every=0 or a larger batch")
         check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
               f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
               f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")

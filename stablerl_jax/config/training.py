@@ -256,7 +256,8 @@ class RLConfig(Section):
       attribution_rows rows splits the routing part by layer (`attr_layer/…`, one forward
       per layer of those rows) and writes their tokens and parts to attribution.jsonl;
       0: never.
-    attribution_rows: the rows the probe takes (a multiple of data*fsdp*expert).
+    attribution_rows: the rows the probe takes (a multiple of data*fsdp*expert); 0: the
+      smallest multiple of data*fsdp*expert that is >= 8.
     """
 
     steps: int = 60
@@ -292,7 +293,7 @@ class RLConfig(Section):
     pack_rows: int = 0
     attribution: bool = False
     attribution_every: int = 10
-    attribution_rows: int = 8
+    attribution_rows: int = 0
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
@@ -340,10 +341,11 @@ class RLConfig(Section):
               "attribution_every", f"must be an int >= 0 (0 = no probe), got "
               f"{self.attribution_every!r}")
         probing = self.attribution and self.attribution_every
-        check(is_int(self.attribution_rows) and self.attribution_rows >= 1 and (
+        check(is_int(self.attribution_rows) and self.attribution_rows >= 0 and (
             not probing or self.attribution_rows <= responses), "attribution_rows",
-              f"must be an int >= 1 and, with the probe on, <= prompts_per_step*group_size "
-              f"= {responses}, got {self.attribution_rows!r}")
+              f"must be an int >= 0 (0 = about 8, one per batch shard at least) and, with "
+              f"the probe on, <= prompts_per_step*group_size = {responses}, got "
+              f"{self.attribution_rows!r}")
         check(not self.replay_weights or self.replay == "r3", "replay_weights",
               f"replays the sampler's recorded weights, so it needs replay='r3', got "
               f"replay={self.replay!r}; set rl.replay=r3 or rl.replay_weights=false")

@@ -66,11 +66,18 @@ def due(rl, step: int) -> bool:
                 and (step + 1) % rl.attribution_every == 0)
 
 
-def rows(rl, step: int) -> np.ndarray:
+def count(cfg) -> int:
+    """R: rl.attribution_rows, or (0) the smallest multiple of the batch shards >= 8."""
+    shards = steps.batch_shards(cfg)
+    return cfg.rl.attribution_rows or -(-8 // shards) * shards
+
+
+def rows(cfg, step: int) -> np.ndarray:
     """The probed rows of global step `step`: R of the step's responses, seeded, sorted."""
+    rl = cfg.rl
     b = rl.prompts_per_step * rl.group_size
     rng = np.random.default_rng([rl.seed, step, 2])
-    return np.sort(rng.choice(b, rl.attribution_rows, replace=False)).astype(np.int32)
+    return np.sort(rng.choice(b, count(cfg), replace=False)).astype(np.int32)
 
 
 class Probe:
@@ -78,7 +85,7 @@ class Probe:
     `before_update` before each mini-batch's update, `finish` at the end."""
 
     def __init__(self, engine, params, rollout, batch, step: int, age_BxS=None):
-        self.engine, self.rows = engine, rows(engine.cfg.rl, step)
+        self.engine, self.rows = engine, rows(engine.cfg, step)
         self.batch = engine.select(batch, self.rows)
         age = None if age_BxS is None else engine.select(age_BxS, self.rows)
         self.found = engine.probe(params, engine.select(rollout, self.rows), self.batch, age)
