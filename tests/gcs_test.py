@@ -10,11 +10,12 @@ for gs:// without TensorFlow; google-cloud-storage, for the lock) and
 TENSORSTORE_GCS_HTTP_URL (TensorStore, which writes orbax's checkpoints).
 Nothing here is mocked: the run's own code writes and reads the bucket.
 
-Default suite: a run in a bucket equals the same run on a local disk, bit for bit, also
-once stopped and resumed there; a second run is refused by the lock, a dead run's lock
+Default suite: a run in a bucket stopped and resumed there loses and repeats no row; a
+second run is refused by the lock, a dead run's lock
 and a stale one are taken over (and the stale holder stops), racing runs get one lock;
 the logs' appends, a save cut short, offline rollouts, a Hugging Face export and the
-task's data in the bucket. `slow`: SIGKILLed runs (mid-run and mid-save) resume to the
+task's data in the bucket. `slow`: a run in a bucket equals the same run on a local
+disk, bit for bit, also once stopped and resumed there; SIGKILLed runs (mid-run and mid-save) resume to the
 uninterrupted run, a second run started beside a training one is refused
 (tests/reliability_child.py with a gs:// workdir), and the quickstart runs and resumes
 in a bucket.
@@ -148,6 +149,29 @@ def _assert_same_run(cfg, a, b):
     jax.tree.map(np.testing.assert_array_equal, state_b, state_a)
 
 
+def test_a_run_in_a_bucket_resumes_there_without_losing_or_repeating_a_row(bucket, task):
+    """The default suite's run in a bucket: stopped after step 1 with a row written after
+    its checkpoint (a killed run's), resumed to step 2 (the bit-for-bit comparison with a
+    local disk is `slow`, below)."""
+    run = f"{bucket}/run"
+    cfg = tiny_cfg(steps=2, checkpoint_every=1)
+    loop.run(tiny_cfg(steps=1, checkpoint_every=1), run, data=task[0], progress=False)
+    assert LOCK_FILE not in _objects(run)  # released: the object is deleted
+    log = JsonlLog(os.path.join(run, "metrics.jsonl"))
+    log.write({"step": 2, "reward": 123.0})
+    log.flush()
+    loop.run(cfg, run, data=task[0], progress=False)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["reward"] != 123.0
+    assert _final(cfg, run)[0] == 2
+    names = _objects(run)
+    assert {"summary.json", "plots/reward.png", "samples.jsonl", "minibatches.jsonl",
+            "checkpoints/2/commit_success.txt"} <= set(names)
+    assert any(n.startswith("tb/events.out.tfevents.") for n in names)
+    assert LOCK_FILE not in names
+
+
+@pytest.mark.slow  # three runs (~30 s); the default suite has the one above
 def test_a_run_in_a_bucket_equals_the_local_run_and_resumes_there(tmp_path, bucket, task):
     data = task[0]
     cfg = tiny_cfg(steps=2, checkpoint_every=1, eval_every=1)
@@ -445,7 +469,7 @@ def reference(tmp_path_factory, task):
 
 
 @pytest.mark.slow  # two subprocess runs (+ the local reference); the default suite
-# stops and resumes in-process (test_a_run_in_a_bucket_equals_the_local_run_…)
+# stops and resumes in-process (test_a_run_in_a_bucket_resumes_there_…)
 def test_a_run_killed_in_a_bucket_resumes_to_the_uninterrupted_run(bucket, task, reference):
     cfg, full = reference
     run = f"{bucket}/run"
