@@ -31,6 +31,10 @@ COMPARISON_PANELS = [
     ("Eq. 5 staleness factor: std of log π_θ/π_old", ["eq5/staleness_log_std"], True),
     ("first-order residual |Πρ − 1 − Σ(ρ − 1)|", ["eq5/first_order_residual_abs"], True),
     ("gradient norm", ["grad_norm"], True),
+    # rl.attribution (docs/method.md §11), drawn where the runs have it.
+    ("precision part: E[(log π(θ_old, routes_μ) − log μ)²]", ["attr/precision_sqmean"], True),
+    ("routing part without replay: E[routing_cf²]", ["attr/routing_cf_sqmean"], True),
+    ("routing part's share of Var(log π_θ − log μ)", ["attr/routing_share"], False),
 ]
 
 
