@@ -1,7 +1,9 @@
 """The per-token attribution of the training–inference mismatch (rl.attribution,
 stablerl_jax/attribution.py): the parts add up to the total, each vanishes where its
 source does, the bins partition the tokens, the per-layer split adds up with its
-interaction, and a run logs, plots and dumps it."""
+interaction, partial rollouts take each token's terms from its version, and a run logs,
+plots, dumps and resumes it, and the notebook reads it. `slow`: packed steps and
+rl.score_in_update attribute as the plain ones."""
 import json
 import os
 
@@ -263,6 +265,7 @@ def test_under_partial_rollouts_each_tokens_terms_come_from_its_version():
     np.testing.assert_array_equal(found["age_BxS"], age)
 
 
+@pytest.mark.slow  # two more steps' programs (~40 s); packing is tested in packing_test.py
 def test_packed_score_and_update_attribute_as_the_padded_ones():
     padded, _, _ = _step()
     packed, _, _ = _step(pack_tokens=32)
@@ -273,6 +276,7 @@ def test_packed_score_and_update_attribute_as_the_padded_ones():
         assert packed[k] == pytest.approx(padded[k], rel=1e-3, abs=1e-7), k
 
 
+@pytest.mark.slow  # one more step's programs (~20 s)
 def test_with_score_in_update_the_one_update_attributes_its_own_forward():
     metrics, score, _ = _step(minibatches=1, score_in_update=True)
     assert score == {}  # no score forward: the update's is π_old
