@@ -13,13 +13,24 @@ step size from the replay. With one mini-batch π_θ = π_old at the update, so 
 staleness part is 0 here and the total is the training–inference mismatch itself. The
 long preset runs 4 seeds × 3 variants × 300 global steps; the paper preset states the
 same at paper scale (rl.attribution costs one more score forward per step).
+
+    python -c "from experiments import mismatch_attribution as m; \\
+        print(m.tables('runs/attribution_long'))"
+
+prints the attribution's tables over the set's runs (`tables`).
 """
 from __future__ import annotations
 
-from experiments import cli, onpolicy
+import os
+
+import numpy as np
+
+from experiments import cli, onpolicy, report, stats
 from experiments.runner import Experiment, Variant
 from stablerl_jax import presets
+from stablerl_jax.attribution import BINS
 from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.metrics_io import read_metrics
 
 VARIANTS = (
     Variant("minirl-lr3e-4", ("rl.optim.learning_rate=3e-4",)),
@@ -55,6 +66,55 @@ def comparisons(names: list[str]) -> list[tuple[str, str]]:
     pairs = [("minirl-lr3e-4", "minirl+R3-lr1e-4"), ("minirl-lr3e-4", "minirl-lr1e-4"),
              ("minirl+R3-lr1e-4", "minirl-lr1e-4")]
     return [(a, b) for a, b in pairs if a in names and b in names]
+
+
+def _windows(records: list[dict]) -> dict:
+    """{first, pre, last}: the first fifth of the steps, the stats.WINDOW steps before the
+    collapse (the last fifth without one: report.attribution_row's `pre`), the last fifth."""
+    steps_ = [r for r in records if r["step"] > 0]
+    fifth = max(1, len(steps_) // 5)
+    end = next((i for i, r in enumerate(steps_) if r["step"] >= stats.collapse_step(records)),
+               len(steps_))
+    pre = steps_[max(0, end - stats.WINDOW):end] if end < len(steps_) else steps_[-fifth:]
+    return {"first": steps_[:fifth], "pre": pre, "last": steps_[-fifth:]}
+
+
+def tables(workdir: str, variants=None, seeds=(0, 1, 2, 3)) -> str:
+    """Markdown tables of the attribution over a set's runs (`<workdir>/<variant>/seed<s>`),
+    seed means over the windows of `_windows`: the k1 (minus the mean) of each part and of
+    the counterfactual routing part, the parts' shares of the variance, the layers' shares
+    of the routing part (probe steps), and per token bin its share of the tokens and of
+    E[(log π_θ − log μ)²]."""
+    variants = variants or [v.name for v in VARIANTS]
+    parts = ("precision", "routing", "staleness", "routing_cf", "total")
+    head = ("| variant | window | " + " | ".join(f"k1 {p}" for p in parts)
+            + " | precision share | routing share | layer 0 share | layer 1 share | "
+              "interaction |")
+    out, bins_ = [head, "|" + "---|" * (head.count("|") - 1)], []
+    for v in variants:
+        runs = [read_metrics(os.path.join(workdir, v, f"seed{s}")) for s in seeds]
+        runs = [r for r in runs if r]
+        if not runs:
+            continue
+        mean = lambda w, fn: float(np.mean([np.nanmean([x for r in _windows(rec)[w]
+                                                        if (x := fn(r)) is not None]
+                                                       or [np.nan]) for rec in runs]))
+        for w in ("first", "pre", "last"):
+            cells = [f"{0.0 - mean(w, lambda r, p=p: r.get(f'attr/{p}_mean')):.3f}"
+                     for p in parts]
+            cells += [f"{mean(w, lambda r, k=k: r.get(k)):.3f}" for k in (
+                "attr/precision_share", "attr/routing_share", "attr_layer/l0_share",
+                "attr_layer/l1_share", "attr_layer/interaction_share")]
+            out.append(f"| {v} ({len(runs)} seeds) | {w} | " + " | ".join(cells) + " |")
+            for family, _, labels in BINS:
+                for label in labels:
+                    b = f"{family}_{label}"
+                    bins_.append((v, w, b, mean(w, lambda r, b=b: r.get(f"attr_bin/{b}/share")),
+                                  mean(w, lambda r, b=b: report._carried(r, b))))
+    head = "| variant | window | bin | tokens | share of E[x²] |"
+    table = [head, "|---|---|---|---|---|"] + [
+        f"| {v} | {w} | {b} | {t:.3f} | {c:.3f} |" for v, w, b, t, c in bins_]
+    return "\n".join(out) + "\n\n" + "\n".join(table)
 
 
 EXPERIMENT = cli.Descriptor(module=__spec__.name, doc=__doc__,

@@ -283,3 +283,16 @@ def test_with_score_in_update_the_one_update_attributes_its_own_forward():
     assert metrics["attr/staleness_sqmean"] == 0.0
     assert metrics["attr/total_mean"] == pytest.approx(-metrics["kl/train_infer_k1"], rel=1e-4)
     assert metrics["attr/precision_sqmean"] > 0
+
+
+def test_the_experiments_tables_read_a_sets_runs(run, tmp_path):
+    from experiments import mismatch_attribution
+    os.makedirs(tmp_path / "minirl")
+    os.symlink(run, tmp_path / "minirl" / "seed0")
+    text = mismatch_attribution.tables(str(tmp_path), ["minirl"], seeds=(0,))
+    lines = text.splitlines()
+    assert sum(line.startswith("| minirl (1 seeds) |") for line in lines) == 3
+    bins = [line for line in lines if line.startswith("| minirl | first |")]
+    assert len(bins) == 9  # three families of three bins
+    shares = [float(line.split("|")[4]) for line in bins]
+    assert sum(shares[:3]) == pytest.approx(1.0, abs=2e-3)  # the μ bins' token shares
