@@ -96,16 +96,21 @@ def tables(workdir: str, variants=None, seeds=(0, 1, 2, 3)) -> str:
         runs = [r for r in runs if r]
         if not runs:
             continue
-        mean = lambda w, fn: float(np.mean([np.nanmean([x for r in _windows(rec)[w]
-                                                        if (x := fn(r)) is not None]
-                                                       or [np.nan]) for rec in runs]))
+        def mean(w, fn):
+            """The seed mean of each run's mean of fn over window w (NaN: no value)."""
+            per_run = [[x for r in _windows(rec)[w] if (x := fn(r)) is not None]
+                       for rec in runs]
+            per_run = [float(np.mean(v)) for v in per_run if v]
+            return float(np.mean(per_run)) if per_run else float("nan")
+
         for w in ("first", "pre", "last"):
-            cells = [f"{0.0 - mean(w, lambda r, p=p: r.get(f'attr/{p}_mean')):.3f}"
+            cells = [f"{0.0 - mean(w, lambda r, p=p: r.get(f'attr/{p}_mean')):.3g}"
                      for p in parts]
             cells += [f"{mean(w, lambda r, k=k: r.get(k)):.3f}" for k in (
                 "attr/precision_share", "attr/routing_share", "attr_layer/l0_share",
                 "attr_layer/l1_share", "attr_layer/interaction_share")]
-            out.append(f"| {v} ({len(runs)} seeds) | {w} | " + " | ".join(cells) + " |")
+            n = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+            out.append(f"| {v} ({n}) | {w} | " + " | ".join(cells) + " |")
             for family, _, labels in BINS:
                 for label in labels:
                     b = f"{family}_{label}"

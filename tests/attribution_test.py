@@ -291,7 +291,7 @@ def test_the_experiments_tables_read_a_sets_runs(run, tmp_path):
     os.symlink(run, tmp_path / "minirl" / "seed0")
     text = mismatch_attribution.tables(str(tmp_path), ["minirl"], seeds=(0,))
     lines = text.splitlines()
-    assert sum(line.startswith("| minirl (1 seeds) |") for line in lines) == 3
+    assert sum(line.startswith("| minirl (1 seed) |") for line in lines) == 3
     bins = [line for line in lines if line.startswith("| minirl | first |")]
     assert len(bins) == 9  # three families of three bins
     shares = [float(line.split("|")[4]) for line in bins]
