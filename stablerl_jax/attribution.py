@@ -1,7 +1,8 @@
 """Where the training–inference mismatch comes from: a per-token attribution
 (`rl.attribution`, docs/method.md §11).
 
-Letters: B rows, S slots, T = S − 1 scored positions, L layers, K top-k, R probed rows.
+Letters: B rows (on a probe step, the probed ones), S slots, T = S − 1 scored positions,
+L layers, K top-k.
 
 For each scored token y_t ~ μ, the log-ratio of the update's IS weight, log π_θ − log μ,
 is split into three parts that add up to it exactly (a telescoping sum):
@@ -27,7 +28,7 @@ The score step runs one extra forward for the term its own pass does not give
 r3); each mini-batch's update computes the parts of its tokens with its own log π_θ
 (`pairs`), and `derive` turns the step's moments into variances, covariances and shares.
 
-Every `rl.attribution_every` steps a probe on R rows (`probe`) also splits the
+Every `rl.attribution_every` steps a probe on a few rows (`probe`) also splits the
 counterfactual routing part by layer: s_l = log π(live routes) − log π(live routes, but
 the sampler's at layer l), the effect of layer l's flips alone. The layers' effects need
 not add up to the whole (a flip changes the hidden state later layers route on, and log π
@@ -156,14 +157,15 @@ def flipped_layers(routes_a_BxTxLxK, routes_b_BxTxLxK):
 
 
 def probe(versioned, routes_mu_BxTxLxK, replay: str, replay_weights_BxTxLxK=None) -> dict:
-    """Per-token terms of R probed rows at θ_old: the forwards behind the step's parts and
-    the per-layer split of the counterfactual routing part (module docstring).
+    """Per-token terms of the B probed rows at θ_old: the forwards behind the step's parts
+    and the per-layer split of the counterfactual routing part (module docstring).
 
     versioned(fn) calls fn(forward) with forward(replay, weights) -> (logp, entropy,
     routes), one forward of the rows at one parameter version, once per version (one
-    without partial rollouts), and merges each token's entries from its version. Returns [R, T] arrays logp_mu_routes (log π(θ_old,
-    routes_μ)), logp_old (the score pass's), routing_cf, entropy_old, [R, T, L] bool
-    flipped (live vs the sampler's routes) and [L, R, T] layer (s_l per layer).
+    without partial rollouts), and merges each token's entries from its version. Returns
+    [B, T] arrays logp_mu_routes (log π(θ_old, routes_μ)), logp_old (the score pass's),
+    routing_cf, entropy_old, [B, T, L] bool flipped (live vs the sampler's routes) and
+    [L, B, T] layer (s_l per layer).
     """
     live = versioned(lambda fwd: fwd(None, None))
     logp_live, entropy_live, routes_live = live
@@ -186,14 +188,14 @@ def probe(versioned, routes_mu_BxTxLxK, replay: str, replay_weights_BxTxLxK=None
             "layer": jnp.stack(layer_L)}
 
 
-def layer_metrics(layer_LxRxT, routing_cf_RxT, mask_RxT) -> dict:
+def layer_metrics(layer_LxBxT, routing_cf_BxT, mask_BxT) -> dict:
     """Floats of the probe's per-layer split over its scored tokens (host, numpy):
     attr_layer/l{l}_mean (E[s_l]), attr_layer/l{l}_share (E[s_l · routing_cf] /
     E[routing_cf²]), the same two for `interaction` (routing_cf − Σ_l s_l), and
     attr_layer/routing_cf_mean, _sqmean over the probed tokens."""
-    m = np.asarray(mask_RxT) > 0
-    layer = np.asarray(layer_LxRxT, np.float64)[:, m]
-    cf = np.asarray(routing_cf_RxT, np.float64)[m]
+    m = np.asarray(mask_BxT) > 0
+    layer = np.asarray(layer_LxBxT, np.float64)[:, m]
+    cf = np.asarray(routing_cf_BxT, np.float64)[m]
     if not m.any():
         return {}
     sq = float(np.mean(cf * cf))

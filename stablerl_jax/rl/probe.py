@@ -1,11 +1,12 @@
 """The attribution probe (rl.attribution with rl.attribution_every): every few steps, on a
-seeded sample of R rows, the per-layer split of the routing part and a dump of the rows'
+seeded sample of rows, the per-layer split of the routing part and a dump of the rows'
 tokens with their parts (`attribution.jsonl`). stablerl_jax/attribution.py defines the
 parts.
 
-Letters: B responses, S slots, T = S − 1 scored positions, L layers, R probed rows.
+Letters: B rows (the probed ones in a probe's arrays), S slots, T = S − 1 scored
+positions, L layers.
 
-A probe step runs, on the R rows: the forwards of `attribution.probe` at θ_old (live
+A probe step runs, on those rows: the forwards of `attribution.probe` at θ_old (live
 routes, the sampler's routes, and one per layer with the sampler's routes at that layer
 only), then before each mini-batch's update the update's own forward of the rows
 (`logp_rows`), whose log π_θ gives the staleness part of the rows in that mini-batch:
@@ -67,13 +68,13 @@ def due(rl, step: int) -> bool:
 
 
 def count(cfg) -> int:
-    """R: rl.attribution_rows, or (0) the smallest multiple of the batch shards >= 8."""
+    """The probed rows: rl.attribution_rows, or (0) the smallest multiple of the batch shards >= 8."""
     shards = steps.batch_shards(cfg)
     return cfg.rl.attribution_rows or -(-8 // shards) * shards
 
 
 def rows(cfg, step: int) -> np.ndarray:
-    """The probed rows of global step `step`: R of the step's responses, seeded, sorted."""
+    """The probed rows of global step `step`: rl.attribution_rows (`count`) of the step's responses, seeded, sorted."""
     rl = cfg.rl
     b = rl.prompts_per_step * rl.group_size
     rng = np.random.default_rng([rl.seed, step, 2])
@@ -89,17 +90,17 @@ class Probe:
         self.batch = engine.select(batch, self.rows)
         age = None if age_BxS is None else engine.select(age_BxS, self.rows)
         self.found = engine.probe(params, engine.select(rollout, self.rows), self.batch, age)
-        self.theta_RxT = np.zeros(self.found["mask_BxT"].shape, np.float64)
+        self.theta_BxT = np.zeros(self.found["mask_BxT"].shape, np.float64)
 
     def before_update(self, params, rows_M) -> None:
         """log π_θ of the probed rows in mini-batch `rows_M`, at the update's θ."""
         mine = np.isin(self.rows, rows_M)
         if mine.any():
-            self.theta_RxT[mine] = self.engine.logp_rows(params, self.batch)[mine]
+            self.theta_BxT[mine] = self.engine.logp_rows(params, self.batch)[mine]
 
     def finish(self, step: int, tokenizer) -> tuple[list[dict], dict]:
         """`dump` of the probe: (attribution.jsonl rows, attr_layer/… metrics)."""
-        return dump(step, self.rows, self.found, self.theta_RxT, tokenizer,
+        return dump(step, self.rows, self.found, self.theta_BxT, tokenizer,
                     self.found.get("age_BxS"))
 
 
@@ -107,23 +108,23 @@ def _round(x) -> list:
     return [float(f"{v:.{DUMP_DIGITS}g}") for v in np.asarray(x, np.float64)]
 
 
-def dump(step: int, rows_R, found: dict, logp_theta_RxT, tokenizer, age_RxS=None
+def dump(step: int, rows_B, found: dict, logp_theta_BxT, tokenizer, age_BxS=None
          ) -> tuple[list[dict], dict]:
     """(attribution.jsonl rows, attr_layer/… metrics) of a probe (host arrays).
 
-    found: `probe_rows` of the R rows; logp_theta_RxT: log π_θ of each row at its
+    found: `probe_rows` of the probed rows; logp_theta_BxT: log π_θ of each row at its
     mini-batch's update. Each row lists its scored tokens (the completion) with their
     text, μ, π_old, π_θ, the three parts, the counterfactual routing part, π_old's entropy
     and the layers whose experts differ between the sampler and live routing."""
     mask = np.asarray(found["mask_BxT"]) > 0
     logp_mu = np.asarray(found["rollout_logp_BxT"], np.float64)
     parts = attribution.token_parts(logp_mu, found["logp_mu_routes"], found["logp_old"],
-                                    logp_theta_RxT)
+                                    logp_theta_BxT)
     parts = {k: np.asarray(v) for k, v in parts.items()}
     metrics = attribution.layer_metrics(found["layer"], found["routing_cf"], mask)
     tokens = np.asarray(found["tokens_BxS"])
     out = []
-    for i, r in enumerate(np.asarray(rows_R)):
+    for i, r in enumerate(np.asarray(rows_B)):
         t = np.flatnonzero(mask[i])
         ids = tokens[i, t + 1].tolist()
         row = {"step": int(step), "row": int(r),
@@ -131,13 +132,13 @@ def dump(step: int, rows_R, found: dict, logp_theta_RxT, tokenizer, age_RxS=None
                "ids": ids, "tokens": [tokenizer.decode_raw([j]) for j in ids],
                "logp_mu": _round(logp_mu[i, t]),
                "logp_old": _round(np.asarray(found["logp_old"])[i, t]),
-               "logp_theta": _round(np.asarray(logp_theta_RxT)[i, t]),
+               "logp_theta": _round(np.asarray(logp_theta_BxT)[i, t]),
                **{k: _round(v[i, t]) for k, v in parts.items()},
                "routing_cf": _round(np.asarray(found["routing_cf"])[i, t]),
                "entropy": _round(np.asarray(found["entropy_old"])[i, t]),
                "flipped_layers": [np.flatnonzero(f).tolist()
                                   for f in np.asarray(found["flipped"])[i, t]]}
-        if age_RxS is not None:
-            row["age"] = np.asarray(age_RxS)[i, t + 1].astype(int).tolist()
+        if age_BxS is not None:
+            row["age"] = np.asarray(age_BxS)[i, t + 1].astype(int).tolist()
         out.append(row)
     return out, metrics
