@@ -146,6 +146,14 @@ def test_every_preset_dry_runs_each_variant(name, preset, capsys):
             if " (seeds " in line] == names
 
 
+def test_dry_run_states_a_multi_slice_mesh(capsys):
+    desc = ALL["onpolicy"]
+    desc.main(["--dry-run", "--only", "minirl", "mesh=2,1,1", "mesh_dcn=2,1,1"])
+    assert "mesh=(2, 1, 1) mesh_dcn=(2, 1, 1)" in capsys.readouterr().out
+    desc.main(["--dry-run", "--only", "minirl"])
+    assert "mesh_dcn" not in capsys.readouterr().out  # one slice: not said
+
+
 @pytest.mark.parametrize("name", [n for n, d in ALL.items() if "paper" in d.presets])
 def test_paper_preset_states_the_paper_settings(name, capsys):
     desc = ALL[name]
