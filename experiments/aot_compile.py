@@ -183,14 +183,16 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
         print(f"| {r.name} | {r.dropped:.1f} | {r.prefill_tokens / 1e6:.2f} M | "
               f"{r.age_mean:.2f} | {r.age_max} | "
               + " / ".join(f"{a:.2f}" for a in r.age_share) + " |")
-    print("\nwhat-if (not the sampler's kernel, schedule_prices.SamplerPrices.row_reads_seconds): "
-          "each row's attention reads only its own key blocks\n\n| schedule | sample s | "
-          "× static above | eval s (amortized) | global step s | × static above |"
-          "\n|---|---|---|---|---|---|")
+    what = ("the reference decode attention ('blocks'): every row's key blocks up to the "
+            "step's largest write slot" if prices.ragged else "a ragged decode attention "
+            "(model.decode_attention_impl=pallas_tpu): each row reads only its own key blocks")
+    print(f"\nwhat-if (schedule_prices.SamplerPrices.alt_seconds) with {what}\n\n"
+          "| schedule | sample s | × static above | eval s (amortized) | global step s | "
+          "× static above |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.name} | {r.sample_rows_s:.1f} | {r.sample_rows_s / base.sample_s:.2f} | "
-              f"{r.eval_rows_s:.1f} | {r.global_rows_s:.1f} | "
-              f"{r.global_rows_s / base.global_s:.2f} |")
+        print(f"| {r.name} | {r.sample_alt_s:.1f} | {r.sample_alt_s / base.sample_s:.2f} | "
+              f"{r.eval_alt_s:.1f} | {r.global_alt_s:.1f} | "
+              f"{r.global_alt_s / base.global_s:.2f} |")
     upd = compiled["update"]
     best = min(rows, key=lambda r: r.global_s)
     print(f"\nplacement (one-step-lag model, schedule_prices.placements): colocated, the best "

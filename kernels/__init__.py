@@ -20,8 +20,9 @@ name, field).load(block=, interpret=)` is the callable, and the dispatcher is th
 call on the op's arguments.
 
 Ops: the fused token log-prob / entropy (fused_logprob*, `LOGPROB_IMPLS`, chosen by
-RLConfig.logprob_impl) and the grouped matmul of the MoE expert FFN (gmm*, `GMM_IMPLS`,
-chosen by ModelConfig.gmm_impl). The model, the config, the AOT kernel list, the kernel
+RLConfig.logprob_impl), the grouped matmul of the MoE expert FFN (gmm*, `GMM_IMPLS`,
+chosen by ModelConfig.gmm_impl) and a decode step's blocked attention
+(decode_attention*, `DECODE_IMPLS`, chosen by ModelConfig.decode_attention_impl). The model, the config, the AOT kernel list, the kernel
 tests and the benchmarks all read the tables, so a new implementation is one function
 and one table row (docs/architecture.md, "Add a kernel"). Shape letters are those of
 docs/architecture.md's "Names"; each module lists the ones it uses.

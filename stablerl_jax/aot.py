@@ -242,12 +242,15 @@ def compile_steps(cfg: ExperimentConfig, topo: Topology, names=("sample", "score
 
 def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, object, tuple]]:
     """(label, program, abstract arguments) for every Pallas kernel for TPU in the ops'
-    tables (LOGPROB_IMPLS, GMM_IMPLS: the rows with `pallas` and "tpu" among their
-    backends), each at its op's example shapes (`*_example_args`) for the update's
-    per-chip sizes (one micro-batch's tokens per chip): forward + backward inside
+    tables (LOGPROB_IMPLS, GMM_IMPLS, DECODE_IMPLS: the rows with `pallas` and "tpu"
+    among their backends), each at its op's example shapes (`*_example_args`): the
+    update's per-chip sizes (one micro-batch's tokens per chip), forward + backward inside
     shard_map over the config's mesh on `devices_` (the cotangents are arguments too), the
     gradients of the replicated arguments summed over the mesh (psum), as the update
-    does. Lowering a program compiles nothing; `compile_kernels` compiles them."""
+    does; the decode attention forward only, at the sampler's rows per chip against its
+    whole cache. Lowering a program compiles nothing; `compile_kernels` compiles them."""
+    from stablerl_jax import roofline
+    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
     from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
     from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
     mesh = sharding.config_mesh(cfg.mesh, devices_, cfg.mesh_dcn)
@@ -257,8 +260,13 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     t = max(rows // mesh.size, 1) * (cfg.task.max_prompt_len + cfg.sampling.max_new_tokens - 1)
     ops = (("logprob", LOGPROB_IMPLS,
             logprob_example_args(t, mc.d_model, mc.vocab_size, mc.compute_dtype)),
-           ("gmm", GMM_IMPLS, gmm_example_args(t, mc)))
-    return [(f"{op} {name} fwd+bwd", *_fwd_bwd_program(row.load(), args, static, mesh, axes))
+           ("gmm", GMM_IMPLS, gmm_example_args(t, mc)),
+           ("decode_attention", DECODE_IMPLS, decode_example_args(
+               max(roofline.rows_per_pass(cfg) // mesh.size, 1), mc,
+               cfg.task.max_prompt_len + cfg.sampling.max_new_tokens)))
+    label = lambda op, args: f"{op} {{}} {'fwd+bwd' if any(a.diff for a in args) else 'fwd'}"
+    return [(label(op, args).format(name), *_fwd_bwd_program(row.load(), args, static, mesh,
+                                                             axes))
             for op, table, (args, static) in ops
             for name, row in table.items() if row.pallas and "tpu" in row.backends]
 
@@ -266,18 +274,21 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
 def _fwd_bwd_program(fn, args, static: dict, mesh, axes) -> tuple:
     """(jitted shard_map program, its global abstract arguments): the `args` (kernels.Arg,
     per device) then one cotangent per output; returns (outputs, gradients of the `diff`
-    arguments), those of replicated arguments psummed."""
+    arguments), those of replicated arguments psummed. No `diff` argument: the forward
+    alone, (outputs,)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     split, rep = P(axes), P()
     n = mesh.size
     local = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype)) for a in args]
     outs = jax.eval_shape(lambda *xs: fn(*xs, **static), *local)
-    cots = jax.tree.leaves(outs)
     diff = [i for i, a in enumerate(args) if a.diff]
+    cots = jax.tree.leaves(outs) if diff else []
 
     def program(*xs):
         inputs, cot = list(xs[:len(args)]), xs[len(args):]
+        if not diff:
+            return (fn(*inputs, **static),)
 
         def f(*d):
             full = list(inputs)
@@ -292,7 +303,8 @@ def _fwd_bwd_program(fn, args, static: dict, mesh, axes) -> tuple:
 
     specs = [split if a.split else rep for a in args] + [split] * len(cots)
     out_specs = (jax.tree.map(lambda _: split, outs),
-                 tuple(split if args[i].split else rep for i in diff))
+                 tuple(split if args[i].split else rep for i in diff)) if diff else (
+                     jax.tree.map(lambda _: split, outs),)
     shard = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
         (shape[0] * n, *shape[1:]) if spec == split else shape, dtype,
         sharding=NamedSharding(mesh, spec))

@@ -113,8 +113,9 @@ def paper() -> ExperimentConfig:
     (8 per chip, 3.1 GiB of bf16 KV cache each; the eval's 16,384 rows in 16 passes) in
     the serving layout (sampling.layout='serve': FP8 weights resident, one expert per
     chip, so a decode step moves only activations; a decode step's attention reads
-    the cache in 512-slot blocks up to the slot it writes, model.decode_block, from a
-    head-major cache); every layer rematerialized, attention in 512-query chunks, the grouped matmul is megablox (TPU), the experts
+    each row's cache in 512-slot blocks up to that row's own slot, model.decode_block, by
+    the ragged Pallas kernel, model.decode_attention_impl, from a head-major cache);
+    every layer rematerialized, attention in 512-query chunks, the grouped matmul is megablox (TPU), the experts
     sharded over `expert` (expert parallelism).
     """
     return ExperimentConfig(
@@ -125,7 +126,8 @@ def paper() -> ExperimentConfig:
                           compute_dtype="bfloat16", remat="full", moe_tile=128,
                           gmm_impl="megablox", expert_parallel=True,
                           attention_impl="chunked", attention_chunk=512, decode_block=512,
-                          kv_cache_layout="bksd", router_aux_loss_weight=0.0),
+                          decode_attention_impl="pallas_tpu", kv_cache_layout="bksd",
+                          router_aux_loss_weight=0.0),
         task=TaskConfig(kind="jsonl", jsonl_dir="data/math_4096", num_train=4096,
                         num_test=512, max_prompt_len=1024, max_solution_len=32_768,
                         chat_template=True, prompt_template=BOXED_PROMPT),

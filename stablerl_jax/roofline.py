@@ -191,6 +191,11 @@ def decode_step_program(engine):
     from stablerl_jax.model import transformer as tf
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
+    # Priced with the reference decode attention: XLA's cost analysis cannot see into a
+    # Pallas kernel (it counts a custom call's whole cache operand as read), and the
+    # ragged kernel reads per row what the reference reads per row up to that row's
+    # slot (schedule_prices.SamplerPrices prices the difference).
+    model = model.replace(decode_attention_impl="blocks")
     model_mesh = mesh if mesh.size > 1 else None
     b = rows_per_pass(cfg)
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
@@ -255,12 +260,12 @@ def decode_step_cost(engine) -> tuple[Cost, Cost, Cost]:
 
 
 def decode_block_program(engine):
-    """The jitted program of one layer's decode attention (attention.attend_blocks) for
-    every row of a pass against the whole S-slot cache, rows split as in the sampler:
-    (function, abstract args). XLA counts its loop body, one key block, once: the cost
+    """The jitted program of one layer's decode attention (the reference "blocks" of
+    kernels/decode_attention.py) for every row of a pass against the whole S-slot cache,
+    rows split as in the sampler: (function, abstract args). XLA counts its loop body, one key block, once: the cost
     of one block (a cache as small as one block would be staged whole into on-chip
     memory instead, which is not what a decode step does)."""
-    from stablerl_jax.model import attention
+    from stablerl_jax.kernels import decode_attention
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.rl.engine import sampler_model
     cfg, mesh = engine.cfg, engine.mesh
@@ -276,8 +281,8 @@ def decode_block_program(engine):
     args = (q_like, kv_like, kv_like, jax.ShapeDtypeStruct((b, s), bool),
             jax.ShapeDtypeStruct((), jnp.int32))
     rows = NamedSharding(mesh, P(sharding.RULES["batch"]))
-    fn = jax.jit(lambda q, k, v, m, last: attention.attend_blocks(
-        q, k, v, m, last, model.head_dim, dtype, keys, blk),
+    fn = jax.jit(lambda q, k, v, m, last: decode_attention.blocks(
+        q, k, v, m, last, block=blk, keys=keys),
         in_shardings=(rows, rows, rows, rows, sharding.replicated(mesh)), out_shardings=rows)
     return fn, args
 
@@ -316,7 +321,7 @@ class StepEstimate:
 def extra_blocks(first_slot: int, steps: int, block: int) -> dict:
     """{key blocks beyond the first decode step's: decode steps}: decode step i writes
     slot first_slot + i and reads ⌈(slot + 1) / block⌉ blocks of every layer's cache
-    (attention.attend_blocks). block 0 (the whole cache every step): {0: steps}."""
+    (the "blocks" decode attention). block 0 (the whole cache every step): {0: steps}."""
     counts = {}
     for i in range(steps):
         extra = (first_slot + i) // block - first_slot // block if block else 0

@@ -8,8 +8,10 @@ P + o), R responses of a stream (as in stablerl_jax/schedule.py).
 Given response lengths, the sampler's schedules (stablerl_jax/schedule.py: static
 passes, continuous refilling, partial rollouts) say how many decode steps run and the
 largest write slot of each; a step costs the decode step at that slot (roofline.py's
-programs: the static sampler's step plus its extra key blocks), a prefilled row of
-P + t tokens its forward FLOPs at the chips' peak, as the fixed-length prefill. The
+programs: the static sampler's step plus its extra key blocks; with a ragged decode
+attention, model.decode_attention_impl = 'pallas_tpu', each row's own blocks), a
+prefilled row of P + t tokens its forward FLOPs at the chips' peak, as the fixed-length
+prefill. The
 global step adds a score pass per version of the batch's tokens (behavior π_old), the
 updates and the amortized evaluation. `placements` is a stated model of a separate
 sampler mesh, scaled from these colocated numbers.
@@ -32,7 +34,8 @@ class SamplerPrices:
     """Seconds on one chip of the sampler's parts: decode_O[o], a decode step whose
     largest write slot is P + o (o < C: the first step plus L·(extra key blocks) blocks);
     once_s, a sampler call's collectives outside its decode loop; a prefilled row of P +
-    t tokens at the chips' peak, as the sample estimate's prefill."""
+    t tokens at the chips' peak, as the sample estimate's prefill; `ragged`: the
+    sampler's decode attention reads each row's own key blocks."""
 
     decode_O: np.ndarray
     once_s: float
@@ -46,16 +49,29 @@ class SamplerPrices:
         return sum(forward_flops(self.model, int(r), int(t))
                    for t, r in zip(seq, rows)) / self.flops_per_s
 
+    ragged: bool = False  # the decode attention reads each row's own key blocks
+
     def seconds(self, s) -> float:
-        """One sampler run (a schedule.Sampling): its decode steps, prefills and reshard."""
+        """One sampler run (a schedule.Sampling) with the sampler's decode attention:
+        `row_reads_seconds` for a ragged one (decode_attention_impls.RAGGED), else
+        `max_slot_seconds`."""
+        return (self.row_reads_seconds if self.ragged else self.max_slot_seconds)(s)
+
+    def alt_seconds(self, s) -> float:
+        """`seconds` with the other decode attention: the what-if of the other kind."""
+        return (self.max_slot_seconds if self.ragged else self.row_reads_seconds)(s)
+
+    def max_slot_seconds(self, s) -> float:
+        """Its decode steps (each reading every row's key blocks up to the step's largest
+        write slot, as the reference "blocks" does), prefills and reshard."""
         return s.runs.sum_of(self.decode_O) + self.prefill_s(s.prefills) + self.once_s
 
     def row_reads_seconds(self, s) -> float:
-        """`seconds` if a decode step's attention read each live row's own key blocks
-        (ragged, as paged attention does) instead of every row's up to the largest write
-        slot: each step at its first-slot cost, plus, per token written at slot P + o,
-        1/slots of the extra blocks a step at o reads (decode_O[o] − decode_O[0]). A
-        what-if: the sampler's kernel reads up to the largest slot."""
+        """The same with a decode attention that reads each live row's own key blocks
+        (the ragged kernel, as paged attention does): each step at its first-slot cost,
+        plus, per token written at slot P + o, 1/slots of the extra blocks a step at o
+        reads (decode_O[o] − decode_O[0]): a block costs per row what the reference's
+        block costs over its rows."""
         extra_O = self.decode_O[:len(s.written_O)] - self.decode_O[0]
         return (s.runs.steps * self.decode_O[0] + float(s.written_O @ extra_O) / s.slots
                 + self.prefill_s(s.prefills) + self.once_s)
@@ -70,8 +86,9 @@ def sampler_prices(cfg: ExperimentConfig, costs: SamplerCosts, chips: int,
     decode_O = (np.maximum((f.flops + per * blkc.flops) / chip.peak_flops,
                            (f.hbm_bytes + per * blkc.hbm_bytes) / chip.hbm_bw)
                 + (f.collective_bytes + per * blkc.collective_bytes) / chip.ici_bw)
+    from stablerl_jax.kernels.decode_attention_impls import RAGGED
     return SamplerPrices(decode_O, costs.once_collective_bytes / chip.ici_bw, cfg.model, p,
-                         chips * chip.peak_flops)
+                         chips * chip.peak_flops, cfg.model.decode_attention_impl in RAGGED)
 
 
 @dataclasses.dataclass
@@ -95,17 +112,17 @@ class ScheduleRow:
     age_share: tuple = (1.0,)
     age_mean: float = 0.0
     age_max: int = 0
-    sample_rows_s: float = math.nan  # SamplerPrices.row_reads_seconds: the what-if
-    eval_rows_s: float = math.nan
+    sample_alt_s: float = math.nan  # SamplerPrices.alt_seconds: the other decode attention
+    eval_alt_s: float = math.nan
 
     @property
     def global_s(self) -> float:
         return self.sample_s + self.score_passes * self.score_s + self.train_s + self.eval_s
 
     @property
-    def global_rows_s(self) -> float:
-        return (self.sample_rows_s + self.score_passes * self.score_s + self.train_s
-                + self.eval_rows_s)
+    def global_alt_s(self) -> float:
+        return (self.sample_alt_s + self.score_passes * self.score_s + self.train_s
+                + self.eval_alt_s)
 
     @property
     def global_proximal_s(self) -> float:
@@ -146,7 +163,7 @@ def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
             prices.seconds(ev) / rl.eval_every, mean(lambda s: s.dropped),
             mean(lambda s: s.prefill_tokens(p)), tuple(ages / ages.sum()),
             float(ages @ np.arange(len(ages)) / ages.sum()), int(np.flatnonzero(ages).max()),
-            mean(prices.row_reads_seconds), prices.row_reads_seconds(ev) / rl.eval_every))
+            mean(prices.alt_seconds), prices.alt_seconds(ev) / rl.eval_every))
     return rows
 
 

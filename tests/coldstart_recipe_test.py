@@ -34,6 +34,7 @@ pytestmark = pytest.mark.interop
 
 BASE = ["mesh=1,1,1", "model.compute_dtype=float32", "model.remat=none",
         "model.gmm_impl=tiles", "model.expert_parallel=false", "model.attention_impl=naive",
+        "model.decode_attention_impl=blocks",
         "model.unroll_layers=true", "task.max_prompt_len=64", "task.max_solution_len=48",
         "sampling.max_new_tokens=16", "sampling.max_batch=0", "sampling.dispatch=dense",
         "rl.prompts_per_step=2", "rl.group_size=2", "rl.microbatches=1",

@@ -18,6 +18,7 @@ from kernel_cases import impls_here
 from stablerl_jax import aot, presets
 from stablerl_jax.config import ConfigError, ModelConfig, RLConfig
 from stablerl_jax import kernels
+from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
 from stablerl_jax.logprobs import policy_logprobs
@@ -32,7 +33,8 @@ CFG = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_h
 def tables(monkeypatch):
     """The reference of each op under a second name, and each op's TPU kernel too."""
     for table, ref, tpu in ((LOGPROB_IMPLS, "naive", "pallas_tpu"),
-                            (GMM_IMPLS, "loop", "pallas_tpu")):
+                            (GMM_IMPLS, "loop", "pallas_tpu"),
+                            (DECODE_IMPLS, "blocks", "pallas_tpu")):
         monkeypatch.setitem(table, f"{ref}_again", table[ref])
         monkeypatch.setitem(table, f"{tpu}_again", table[tpu])
 
@@ -67,8 +69,8 @@ def test_a_new_row_runs_through_the_model(tables):
 
 
 def test_a_new_row_joins_the_kernel_tests(tables):
-    assert {"naive_again", "loop_again"} <= set(impls_here(LOGPROB_IMPLS)) | set(
-        impls_here(GMM_IMPLS))
+    assert {"naive_again", "loop_again", "blocks_again"} <= set(impls_here(LOGPROB_IMPLS)) | set(
+        impls_here(GMM_IMPLS)) | set(impls_here(DECODE_IMPLS))
 
 
 def test_a_new_tpu_kernel_joins_the_aot_kernel_list(tables):
@@ -76,12 +78,14 @@ def test_a_new_tpu_kernel_joins_the_aot_kernel_list(tables):
     cfg = presets.preset("tiny", ["mesh=1,1,1"])
     programs = {label: args for label, _, args in
                 aot.kernel_programs(cfg, jax.devices("cpu")[:1])}
-    assert set(programs) == {f"{op} {name} fwd+bwd" for op, table in
-                             (("logprob", LOGPROB_IMPLS), ("gmm", GMM_IMPLS))
+    assert set(programs) == {f"{op} {name} {kind}" for op, table, kind in
+                             (("logprob", LOGPROB_IMPLS, "fwd+bwd"),
+                              ("gmm", GMM_IMPLS, "fwd+bwd"),
+                              ("decode_attention", DECODE_IMPLS, "fwd"))
                              for name, row in table.items()
                              if row.pallas and "tpu" in row.backends}
-    for op in ("logprob", "gmm"):
-        new, old = programs[f"{op} pallas_tpu_again fwd+bwd"], programs[f"{op} pallas_tpu fwd+bwd"]
+    for op, kind in (("logprob", "fwd+bwd"), ("gmm", "fwd+bwd"), ("decode_attention", "fwd")):
+        new, old = programs[f"{op} pallas_tpu_again {kind}"], programs[f"{op} pallas_tpu {kind}"]
         assert [(a.shape, a.dtype) for a in new] == [(a.shape, a.dtype) for a in old]
     # The update's tokens per chip: one micro-batch's rows times the T = S − 1 positions.
     rl, task = cfg.rl, cfg.task
@@ -95,10 +99,16 @@ def test_a_new_tpu_kernel_joins_the_aot_kernel_list(tables):
     assert rhs.shape == (mc.num_experts, mc.d_model, mc.expert_ffn_dim)
     assert sizes.shape == (mc.num_experts,) and cot.shape == (lhs.shape[0], rhs.shape[2])
     assert lhs.shape[0] >= t * mc.top_k and lhs.shape[0] % mc.moe_tile == 0
+    # The decode attention: the sampler's rows of a pass against the whole cache, no
+    # cotangents (a forward only).
+    q, k, v, mask, last = programs["decode_attention pallas_tpu fwd"]
+    s = task.max_prompt_len + cfg.sampling.max_new_tokens
+    assert k.shape == v.shape == (q.shape[0], mc.num_kv_heads, s, mc.head_dim)
+    assert mask.shape == (q.shape[0], s) and last.shape == (q.shape[0],)
 
 
 def test_table_rows_are_well_formed():
-    for table in (LOGPROB_IMPLS, GMM_IMPLS):
+    for table in (LOGPROB_IMPLS, GMM_IMPLS, DECODE_IMPLS):
         for name, row in table.items():
             assert callable(row.load()), name
             if "target" in row.options:  # a Pallas kernel told to compile for a backend
@@ -115,7 +125,9 @@ def _contract(example_args) -> list[str]:
 # Each op: the stem of its modules (kernels/<op>.py, kernels/<op>_*.py), its table, and
 # the parameters every implementation takes first.
 OPS = (("fused_logprob", LOGPROB_IMPLS, _contract(logprob_example_args(8, 16, 32, "float32"))),
-       ("gmm", GMM_IMPLS, _contract(gmm_example_args(8, CFG))))
+       ("gmm", GMM_IMPLS, _contract(gmm_example_args(8, CFG))),
+       ("decode_attention", DECODE_IMPLS,
+        _contract(decode_example_args(2, CFG, 16))[:5]))  # block, keys: keyword-only
 
 
 def _implementations(op: str, contract: list[str]) -> dict[str, object]:

@@ -38,6 +38,7 @@ N_NEW = 8  # response budget: short, so that some responses are truncated
 OVERRIDES = [
     "mesh=1,1,1", "model.compute_dtype=float32", "model.remat=none",
     "model.gmm_impl=tiles", "model.expert_parallel=false", "model.attention_impl=naive",
+    "model.decode_attention_impl=blocks",
     "model.unroll_layers=true", "task.max_prompt_len=64", "task.max_solution_len=32",
     f"sampling.max_new_tokens={N_NEW}", "sampling.max_batch=0", "sampling.dispatch=dense",
     "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.microbatches=1",

@@ -78,7 +78,7 @@ def test_schedule_rows_of_fixed_lengths_by_hand():
         assert r.eval_steps == 48
         assert r.eval_s == pytest.approx((4 * decode + 512 * row_prefill + 5.0) / 20)
         assert r.global_s == pytest.approx(r.sample_s + 3.0 + 7.0 + r.eval_s)
-        assert r.global_rows_s == pytest.approx(r.global_s)  # equal rows
+        assert r.global_alt_s == pytest.approx(r.global_s)  # equal rows
         assert r.age_share[0] == 1.0 and r.age_max == 0
 
 

@@ -11,7 +11,7 @@
       mesh_dcn                  the slices each mesh axis spans (multi-slice TPU jobs)
 
 The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE`, the
-kernel implementations `LOGPROB_IMPLS` and `GMM_IMPLS`, …) are in choices.py;
+kernel implementations `LOGPROB_IMPLS`, `GMM_IMPLS` and `DECODE_IMPLS`, …) are in choices.py;
 `ConfigError` and the checks in checks.py. Every name is importable from
 `stablerl_jax.config`.
 
@@ -29,8 +29,9 @@ Special token ids are the tokenizer's (`data.tokenizer`), dtype objects the mode
 from stablerl_jax.config.checks import (ConfigError, Section, check, check_bool, check_choice,
                                         check_positive_int, is_finite, is_int)
 from stablerl_jax.config.choices import (ADVANTAGE_NAMES, AGGREGATIONS, ATTENTION_IMPLS,
-                                         DATA_FORMATS, DTYPES, EVAL_SET_NAME, GMM_IMPLS,
-                                         INFERENCE_NUMERICS, IS_CORRECTIONS, KV_CACHE_LAYOUTS,
+                                         DATA_FORMATS, DECODE_IMPLS, DTYPES, EVAL_SET_NAME,
+                                         GMM_IMPLS, INFERENCE_NUMERICS, IS_CORRECTIONS,
+                                         KV_CACHE_LAYOUTS,
                                          LOGPROB_IMPLS, LOSS_NAMES, LOSS_TABLE, OPERATORS,
                                          OVERLONG_MODES, REMAT_POLICIES, REPLAY_MODES,
                                          ROW_DENOMINATORS, SAMPLER_LAYOUTS,
@@ -44,9 +45,9 @@ from stablerl_jax.config.training import (LossConfig, OptimConfig, RLConfig, SFT
 
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATIONS", "ATTENTION_IMPLS", "ConfigError", "DATA_FORMATS",
-    "DTYPES", "EVAL_SET_NAME", "ExperimentConfig", "GMM_IMPLS", "INFERENCE_NUMERICS",
-    "IS_CORRECTIONS", "KV_CACHE_LAYOUTS", "LOGPROB_IMPLS", "LOSS_NAMES", "LOSS_TABLE",
-    "LossConfig", "ModelConfig", "OPERATORS", "OVERLONG_MODES", "OptimConfig",
+    "DECODE_IMPLS", "DTYPES", "EVAL_SET_NAME", "ExperimentConfig", "GMM_IMPLS",
+    "INFERENCE_NUMERICS", "IS_CORRECTIONS", "KV_CACHE_LAYOUTS", "LOGPROB_IMPLS", "LOSS_NAMES",
+    "LOSS_TABLE", "LossConfig", "ModelConfig", "OPERATORS", "OVERLONG_MODES", "OptimConfig",
     "REMAT_POLICIES", "REPLAY_MODES", "ROW_DENOMINATORS", "RLConfig", "SAMPLER_LAYOUTS",
     "SFTConfig", "SFT_FORMATS", "STYLES", "SamplingConfig",
     "Section", "TASK_KINDS", "TaskConfig", "apply_overrides", "changed_fields", "check",

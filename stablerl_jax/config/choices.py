@@ -5,6 +5,7 @@ names the losses' table (stablerl_jax/loss_table.py, no JAX), read live so that 
 registered there is a valid choice."""
 import re
 
+from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from stablerl_jax.loss_table import AGGREGATIONS, LOSS_TABLE

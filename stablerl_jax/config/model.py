@@ -7,7 +7,8 @@ import dataclasses
 from stablerl_jax.config.checks import (check, is_int, check_positive_int, check_choice,
                                         check_bool, is_finite, Section)
 from stablerl_jax.config.choices import (DTYPES, INFERENCE_NUMERICS, REMAT_POLICIES, GMM_IMPLS,
-                                         ATTENTION_IMPLS, SAMPLER_LAYOUTS, KV_CACHE_LAYOUTS)
+                                         DECODE_IMPLS, ATTENTION_IMPLS, SAMPLER_LAYOUTS,
+                                         KV_CACHE_LAYOUTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,10 @@ class ModelConfig(Section):
         of being all S slots on every step. 0: one softmax over every slot. The same
         function up to float reassociation; the prefill and the training engine never
         use it.
+      decode_attention_impl: that blocked decode attention's implementation, a row of
+        DECODE_IMPLS (kernels/decode_attention_impls.py): 'blocks' (pure JAX, every row
+        read up to the largest row's slot) or 'pallas_tpu' (the ragged TPU kernel: each
+        row reads its own blocks; needs decode_block > 0 and kv_cache_layout='bksd').
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
     """
@@ -101,6 +106,7 @@ class ModelConfig(Section):
     attention_chunk: int = 512
     kv_cache_layout: str = "bskd"
     decode_block: int = 0
+    decode_attention_impl: str = "blocks"
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
 
@@ -133,6 +139,12 @@ class ModelConfig(Section):
         check_choice(self, "kv_cache_layout", KV_CACHE_LAYOUTS)
         check(is_int(self.decode_block) and self.decode_block >= 0, "decode_block",
               f"must be an int >= 0 (slots per block; 0 = off), got {self.decode_block!r}")
+        check_choice(self, "decode_attention_impl", DECODE_IMPLS)
+        if self.decode_attention_impl != "blocks":
+            check(self.decode_block > 0 and self.kv_cache_layout == "bksd",
+                  "decode_attention_impl", f"{self.decode_attention_impl!r} reads the "
+                  "cache in blocks of a head-major cache: set model.decode_block (e.g. 512) "
+                  "and model.kv_cache_layout=bksd, or use 'blocks'")
         check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
               "needs dispatch='grouped' (the dense path runs every expert on every token)")
         check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob", "unroll_layers")

@@ -22,8 +22,9 @@ for a few hundred slots). Every real query row is computed identically by all th
 up to float reassociation of the softmax's sums in 'causal'; a padding row with no real
 key, whose output is unused, averages over the keys its block sees. A decode step (one token per row against the KV cache)
 with ModelConfig.decode_block reads the cache in blocks of that many slots, only up to
-the slot it writes (`attend_blocks`: the online softmax of flash-decoding), the same
-function up to float reassociation.
+the slot it writes (the online softmax of flash-decoding; kernels/decode_attention.py,
+its implementation named by ModelConfig.decode_attention_impl), the same function up to
+float reassociation.
 
 Packed rows (stablerl_jax/packing.py): with segment ids (one per slot, 0 on padding,
 non-decreasing along a row's real tokens) query i also needs key j in its own segment.
@@ -40,6 +41,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from stablerl_jax import sharding
+from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
 from stablerl_jax.kernels.dtypes import MASK_VALUE
 from stablerl_jax.model import numerics as nx
 
@@ -120,59 +126,36 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
     return _dot("bkgts,bskd->btkgd", probs_BxKVxHgxTxS, v, dtype).astype(dtype)
 
 
-def _block_of(cache, start, block: int, s_axis: int, layer=None):
-    """`block` slots of `cache` from slot `start`; of layer `layer` of a stacked cache."""
-    blk = jax.lax.dynamic_slice_in_dim(cache, start, block, s_axis)
-    return blk if layer is None else jax.lax.dynamic_index_in_dim(blk, layer, 0, False)
+def decode_attention_fn(cfg, mesh=None, rules: dict | None = None):
+    """`(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, layer) -> [B, KV, Hg, Dh]`: a decode
+    step's blocked attention by the row of DECODE_IMPLS that cfg.decode_attention_impl
+    names (kernels/decode_attention.py says the contract). A Pallas row is opaque to the
+    partitioner: over a mesh of more than one device it runs under shard_map, each
+    device on its own rows and their cache (rules["batch"], as the sampler splits them)."""
+    row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
+    fn = row.load()
 
+    def call(q, k, v, key_mask_BxS, last_slot, layer):
+        return fn(q, k, v, key_mask_BxS, last_slot, block=cfg.decode_block,
+                  keys=cfg.kv_cache_layout, layer=layer)
 
-def attend_blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, head_dim: int, dtype,
-                   keys: str, block: int, layer=None):
-    """`_attend` for one query per row at slot `last_slot` (a decode step: every row
-    writes the same slot, as prompts are left-padded; or [B] slots, one per row, in the
-    continuous sampler), reading only the cache slots [0, last_slot] in blocks of `block`
-    slots (up to the largest row's): a loop of ⌈(last_slot + 1) / block⌉ trips
-    keeps a running max m, normalizer l and output o (the online softmax), so a step's
-    attention reads the part of the cache the rollout has filled, not all S slots.
-    Returns [B, KV, Hg, Dh]. A block that would run past S starts at S − block instead;
-    its slots before j · block were read by the previous block and are masked.
+    if not row.pallas or mesh is None or mesh.size == 1:
+        return call
+    batch = (rules or sharding.RULES)["batch"]
+    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    rows = P(tuple(a for a in batch if mesh.shape[a] > 1) or None)
 
-    `layer` given: k and v are the stacked [L, ...] cache and each block is sliced from
-    layer `layer` directly. Slicing the layer first would copy its whole S-slot cache
-    (the slice feeds a loop, so XLA materializes it) on every layer of every step."""
-    s_axis = keys.index("s") + (layer is not None)
-    s = k.shape[s_axis]
-    block = min(block, s)
-    acc = nx.accum_dtype(dtype)
-    b, kv, g, dh = q_BxKVxHgxDh.shape
-    kq = "bksd" if keys == "bksd" else "bskd"
-    last_Bx1 = jnp.reshape(jnp.asarray(last_slot, jnp.int32), (-1, 1))  # [1, 1] or [B, 1]
+    def run(q, k, v, key_mask_BxS, last_slot, layer):
+        last_B = jnp.broadcast_to(jnp.asarray(last_slot, jnp.int32), (q.shape[0],))
+        layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+        stacked = k.ndim == 5
+        cache = P(None, *rows) if stacked else rows
+        return jax.shard_map(
+            lambda q, k, v, m, last, lay: call(q, k, v, m, last, lay if stacked else None),
+            mesh=mesh, in_specs=(rows, cache, cache, rows, rows, P()), out_specs=rows,
+            check_vma=False)(q, k, v, key_mask_BxS, last_B, layer)
 
-    def body(j, carry):
-        m_BxKVxHg, l_BxKVxHg, o_BxKVxHgxDh = carry
-        start = jnp.minimum(j * block, s - block)
-        k_blk, v_blk = (_block_of(c, start, block, s_axis, layer) for c in (k, v))
-        slots_X = start + jnp.arange(block)  # X slots of this block
-        allowed_BxX = (slots_X >= j * block)[None] & (slots_X[None] <= last_Bx1) & (
-            jax.lax.dynamic_slice_in_dim(key_mask_BxS, start, block, 1).astype(bool))
-        scores_BxKVxHgxX = _dot(f"bkgd,{kq.replace('s', 'x')}->bkgx", q_BxKVxHgxDh, k_blk,
-                                dtype) * head_dim**-0.5
-        scores_BxKVxHgxX = jnp.where(allowed_BxX[:, None, None], scores_BxKVxHgxX, _NEG)
-        m_new = jnp.maximum(m_BxKVxHg, jnp.max(scores_BxKVxHgxX, axis=-1))
-        p_BxKVxHgxX = jnp.where(allowed_BxX[:, None, None],
-                                jnp.exp(scores_BxKVxHgxX - m_new[..., None]), 0)
-        corr = jnp.exp(m_BxKVxHg - m_new)
-        pv = _dot(f"bkgx,{kq.replace('s', 'x')}->bkgd", p_BxKVxHgxX, v_blk, dtype)
-        return (m_new, l_BxKVxHg * corr + jnp.sum(p_BxKVxHgxX, axis=-1),
-                o_BxKVxHgxDh * corr[..., None] + pv)
-
-    init = (jnp.full((b, kv, g), _NEG, acc), jnp.zeros((b, kv, g), acc),
-            jnp.zeros((b, kv, g, dh), acc))
-    _, l_BxKVxHg, o_BxKVxHgxDh = jax.lax.fori_loop(0, jnp.max(last_Bx1) // block + 1, body,
-                                                   init)
-    # A row with no real key (not reached in a rollout) gets zeros, not NaN.
-    out = o_BxKVxHgxDh / jnp.where(l_BxKVxHg > 0, l_BxKVxHg, 1)[..., None]
-    return out.astype(dtype)
+    return run
 
 
 def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
@@ -359,7 +342,7 @@ def _cache_put(keys: str, index, layer, b: int):
 def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_BxS: jax.Array,
               query_slots_T: jax.Array, cfg, numerics: nx.Numerics, dtype,
               cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None,
-              layer=None, segments_BxT=None):
+              layer=None, segments_BxT=None, decode=None):
     """One attention block (no residual). Returns (out_BxTxD, cache_kv updated or None).
 
     Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
@@ -372,7 +355,8 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     returned whole, updated where it was written, so a caller that carries it through a
     loop updates it in place. Letters here: L layers, KV kv heads, Hg = H / KV query
     heads per kv head. `segments_BxT` (no cache): packed rows' segment ids (module
-    docstring).
+    docstring). `decode`: a decode step's blocked attention (`decode_attention_fn`; built
+    from cfg alone when None).
     """
     b, t, _ = x_BxTxD.shape
     kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -395,11 +379,10 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
     stacked = cache_kv is not None and k.ndim > len(keys)
     q_BxTxKVxHgxDh = q_BxTxHxDh.reshape(b, t, kv_heads, group, cfg.head_dim)
     if cache_kv is not None and t == 1 and cfg.decode_block:
-        # Blocks sliced from the stacked cache directly (attend_blocks' `layer`).
-        o_BxKVxHgxDh = attend_blocks(q_BxTxKVxHgxDh[:, 0], k, v, key_mask_BxS,
-                                      cache_index, cfg.head_dim, dtype, keys,
-                                      cfg.decode_block,
-                                      jnp.asarray(layer, jnp.int32) if stacked else None)
+        # Blocks sliced from the stacked cache directly (the implementations' `layer`).
+        o_BxKVxHgxDh = (decode or decode_attention_fn(cfg))(
+            q_BxTxKVxHgxDh[:, 0].astype(dtype), k, v, key_mask_BxS, cache_index,
+            jnp.asarray(layer, jnp.int32) if stacked else None)
         out_BxTxD = _proj("bhk,hkd->bd", o_BxKVxHgxDh.reshape(b, cfg.num_heads, cfg.head_dim),
                           p["wo"], numerics, dtype)[:, None]
         return out_BxTxD, cache_kv

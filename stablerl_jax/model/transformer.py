@@ -28,7 +28,8 @@ from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import expert_parallel, moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.model.attention import attention, positions_from_mask, rms_norm
+from stablerl_jax.model.attention import (attention, decode_attention_fn, positions_from_mask,
+                                          rms_norm)
 
 
 def _shapes(cfg: ModelConfig) -> dict:
@@ -153,7 +154,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         one `cfg.gmm_impl` names).
       mesh: the device mesh the caller's jit shards over. With more than one device, the
         grouped expert FFN runs under shard_map on each device's own tokens
-        (model/expert_parallel.py); None: no mesh, nothing sharded by hand.
+        (model/expert_parallel.py), and so does a Pallas decode attention
+        (attention.decode_attention_fn); None: no mesh, nothing sharded by hand.
       checks: also check the values of the inputs (token ids in [0, V), the mask in
         {0, 1}); shapes and dtypes are always checked (stablerl_jax/input_checks.py).
 
@@ -188,6 +190,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B, segment_ids_BxT)
     experts = _experts_fn(cfg, gmm, mesh, rules, decode=cache is not None and t == 1)
+    decode = (decode_attention_fn(cfg, mesh, rules)
+              if cache is not None and t == 1 and cfg.decode_block else None)
 
     def layer(carry, xs):
         x_BxTxD, kv = carry
@@ -197,7 +201,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         p = {k: nx.dequantize(w) for k, w in p.items()}
         h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
         a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics, dtype,
-                          kv, index, layer_idx, segment_ids_BxT)
+                          kv, index, layer_idx, segment_ids_BxT, decode)
         x_BxTxD = x_BxTxD + a
         h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
         router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),

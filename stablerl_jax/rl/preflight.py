@@ -52,6 +52,19 @@ def check_run(cfg, workdir: str, devices=None) -> None:
             raise ConfigError(f"rl.eval_problems: must be <= task.num_test={cfg.task.num_test}"
                               f" (the test problems there are), got {cfg.rl.eval_problems}")
     sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)  # raises when it does not fit
+    check_decode_attention(cfg, devices)
+
+
+def check_decode_attention(cfg, devices=None) -> None:
+    """The sampler's decode attention compiles for the devices' platform (a Pallas row
+    for TPU does not run on a CPU or a GPU: the `paper` preset's 'pallas_tpu')."""
+    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
+    platform = (devices or jax.devices())[0].platform
+    name = cfg.model.decode_attention_impl
+    if cfg.model.decode_block and platform not in DECODE_IMPLS[name].backends:
+        raise ConfigError(f"model.decode_attention_impl={name!r} compiles for "
+                          f"{'/'.join(DECODE_IMPLS[name].backends)} only, not {platform}: "
+                          "set model.decode_attention_impl=blocks")
 
 
 def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:

@@ -1,0 +1,40 @@
+"""The decode attention's table: its implementations and example shapes. No JAX here
+(the config validates ModelConfig.decode_attention_impl against `DECODE_IMPLS`).
+
+Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots.
+
+Every implementation computes out_BxKVxHgxDh = fn(q_BxKVxHgxDh, k, v, key_mask_BxS,
+last_slot, *, block, keys, layer[, interpret=]) (decode_attention.py says the contract;
+`decode_attention.decode_attention(..., impl=name)` runs a row). The reference is
+"blocks".
+"""
+from __future__ import annotations
+
+from stablerl_jax.kernels import Arg, Impl
+
+_OP = "stablerl_jax.kernels.decode_attention"
+DECODE_IMPLS: dict[str, Impl] = {
+    # The reference: pure JAX, every row's key blocks up to the largest row's last slot.
+    "blocks": Impl(f"{_OP}:blocks", ("cpu", "gpu", "tpu")),
+    # The ragged Pallas kernel (decode_attention_pallas.py) compiled by Mosaic: each row
+    # reads its own blocks only. Needs the head-major ('bksd') cache.
+    "pallas_tpu": Impl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"}, pallas=True),
+}
+
+# Implementations that read each row's own key blocks (the sampler's schedules are
+# priced per row for them: schedule_prices.SamplerPrices).
+RAGGED = frozenset({"pallas_tpu"})
+
+
+def decode_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], dict]:
+    """(arguments, static keywords) of one layer's decode attention of `model` (a
+    ModelConfig) for `rows` rows per device against a `slots`-slot head-major cache;
+    everything split over the devices by row."""
+    kv, dh = model.num_kv_heads, model.head_dim
+    g, dt = model.num_heads // kv, model.compute_dtype
+    return (Arg("q_BxKVxHgxDh", (rows, kv, g, dh), dt, True, False),
+            Arg("k", (rows, kv, slots, dh), dt, True, False),
+            Arg("v", (rows, kv, slots, dh), dt, True, False),
+            Arg("key_mask_BxS", (rows, slots), "bool", True, False),
+            Arg("last_slot", (rows,), "int32", True, False)), {
+                "block": model.decode_block or 512, "keys": "bksd"}

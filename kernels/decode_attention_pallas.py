@@ -1,0 +1,144 @@
+"""Ragged decode attention as a Pallas kernel for TPU: each row reads only its own key
+blocks. The implementation of the row "pallas_tpu" of decode_attention_impls.DECODE_IMPLS.
+
+Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots,
+X slots of one block, L layers (a stacked cache), N = ⌈S / X⌉ blocks.
+
+Contract (the reference is `decode_attention.blocks`, beside this file): one query per
+row, at slot last[b]; the row attends to its cache slots [0, last[b]] that the key mask
+marks real, by the online softmax of flash-decoding over blocks of X slots. The
+reference loops every row up to the largest row's last block; a row whose own blocks
+are done only meets fully masked blocks after that, which change none of its running
+max, normalizer and output. This kernel stops each row at its own last block instead,
+so a decode step reads Σ_b ⌈(last[b] + 1) / X⌉ blocks, not B · ⌈(max_b last[b] + 1) / X⌉:
+what paged attention does for a batch of rows at different lengths.
+
+Layout: one program per row (grid (B,), "parallel"). The cache stays in HBM
+(`memory_space=pl.ANY`; [L, B, KV, S, Dh] stacked with the layer scalar-prefetched, or
+one layer's [B, KV, S, Dh]) and the program copies its row's blocks itself, [KV, X, Dh]
+of keys and of values per block, double-buffered: block j + 1's copy runs while block
+j is computed, a loop whose trip count is the row's own block count (scalar-prefetched
+`last`). The query, the key mask and the output are the row's blocks of an ordinary
+grid pipeline. Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32, the
+mask, the running max / normalizer / output update, as the reference does per block.
+The last block of a row that would run past S starts at S − X instead; its slots
+before j · X were read by the previous block and are masked (as in the reference).
+
+Only the head-major cache layout ('bksd', ModelConfig.kv_cache_layout): a block of one
+kv head is then a contiguous [X, Dh] tile, the legal (8, 128) Mosaic shape. `interpret`
+runs it in Pallas's TPU interpreter (the DMAs and semaphores included): how the CPU
+tests run it.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from stablerl_jax.kernels.dtypes import MASK_VALUE, accum_dtype
+
+
+def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sem,
+            *, block: int, s: int, stacked: bool):
+    """Program b: row b's attention over its blocks 0 … last[b] // X (module docstring)."""
+    b = pl.program_id(0)
+    last = last_ref[b]
+    n = jax.lax.div(last, block) + 1  # lax.div, rem: jnp's // and % lower through sign
+    kv, g, dh = q_ref.shape
+    acc = accum_dtype(q_ref.dtype)
+    scale = dh ** -0.5
+
+    def copies(j, slot):
+        start = jnp.minimum(j * block, s - block)
+        row = (layer_ref[0], b) if stacked else (b,)
+        return [pltpu.make_async_copy(src.at[(*row, slice(None), pl.ds(start, block))],
+                                      buf.at[slot], sem.at[i, slot])
+                for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+    for c in copies(0, 0):
+        c.start()
+
+    def body(j, carry):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < n)
+        def _():
+            for c in copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in copies(j, slot):
+            c.wait()
+        start = jnp.minimum(j * block, s - block)
+        slots = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        allowed = (slots >= j * block) & (slots <= last) & (
+            mask_ref[:, pl.ds(start, block)] != 0)
+        out = []
+        for h in range(kv):  # a static loop over the kv heads: [Hg, Dh] · [X, Dh]ᵀ each
+            m, l, o = carry[h]
+            scores = jax.lax.dot_general(
+                q_ref[h], k_buf[slot, h], (((1,), (1,)), ((), ())),
+                preferred_element_type=acc, precision=_precision(q_ref.dtype)) * scale
+            scores = jnp.where(allowed, scores, MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+            p = jnp.where(allowed, jnp.exp(scores - m_new), 0)
+            corr = jnp.exp(m - m_new)
+            pv = jax.lax.dot_general(p.astype(q_ref.dtype), v_buf[slot, h],
+                                     (((1,), (0,)), ((), ())), preferred_element_type=acc,
+                                     precision=_precision(q_ref.dtype))
+            out.append((m_new, l * corr + jnp.sum(p, axis=-1, keepdims=True),
+                        o * corr + pv))
+        return tuple(out)
+
+    init = tuple((jnp.full((g, 1), MASK_VALUE, acc), jnp.zeros((g, 1), acc),
+                  jnp.zeros((g, dh), acc)) for _ in range(kv))
+    final = jax.lax.fori_loop(0, n, body, init)
+    for h, (_, l, o) in enumerate(final):
+        # A row with no real key (not reached in a rollout) gets zeros, not NaN.
+        out_ref[h] = (o / jnp.where(l > 0, l, 1)).astype(out_ref.dtype)
+
+
+def _precision(dtype):
+    """HIGHEST for 32-bit operands (full float32 products, as the model's matmuls); the
+    backend's native pass for 16-bit ones (Mosaic rejects an fp32 precision on them)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+def pallas(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str = "bksd",
+           layer=None, target: str = "tpu", interpret: bool = False):
+    """decode_attention's contract (decode_attention.py) by the ragged kernel. `target`
+    must be "tpu" (Mosaic); `interpret` runs it in the TPU interpreter on any backend."""
+    if target != "tpu":
+        raise ValueError(f"decode_attention pallas: target={target!r}; only 'tpu' is built")
+    if keys != "bksd":
+        raise ValueError(f"decode_attention pallas: the KV cache layout must be 'bksd' "
+                         f"(head-major), got {keys!r}: set model.kv_cache_layout=bksd")
+    b, kv, g, dh = q_BxKVxHgxDh.shape
+    stacked = layer is not None
+    s = k.shape[-2]
+    block = min(block, s)
+    dtype = q_BxKVxHgxDh.dtype
+    k, v = k.astype(dtype), v.astype(dtype)
+    last_B = jnp.broadcast_to(jnp.asarray(last_slot, jnp.int32), (b,))
+    layer_1 = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    mask_Bx1xS = key_mask_BxS.astype(jnp.int32)[:, None, :]
+    row = lambda i, last, lay: (i, 0, 0, 0)
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(b,),
+        in_specs=[pl.BlockSpec((None, kv, g, dh), row),
+                  pl.BlockSpec((None, 1, s), lambda i, last, lay: (i, 0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, kv, g, dh), row),
+        scratch_shapes=[pltpu.VMEM((2, kv, block, dh), dtype),
+                        pltpu.VMEM((2, kv, block, dh), dtype),
+                        pltpu.SemaphoreType.DMA((2, 2))])
+    kernel = functools.partial(_kernel, block=block, s=s, stacked=stacked)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b, kv, g, dh), dtype), grid_spec=spec,
+        compiler_params=None if interpret else pltpu.CompilerParams(
+            dimension_semantics=("parallel",)),
+        interpret=pltpu.InterpretParams(out_of_bounds_reads="raise",
+                                        uninitialized_memory="nan") if interpret else False,
+    )(last_B, layer_1, q_BxKVxHgxDh, mask_Bx1xS, k, v)
