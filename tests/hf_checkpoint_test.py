@@ -131,7 +131,8 @@ def test_every_model_field_is_read_from_config_json_or_kept(tmp_path):
         param_dtype="float32", compute_dtype="bfloat16", init_std=0.05, remat="dots",
         dispatch="grouped", moe_tile=16, gmm_impl="tiles", expert_parallel=True,
         unroll_layers=True, attention_impl="chunked", attention_chunk=8,
-        kv_cache_layout="bksd", decode_block=4, router_z_loss_weight=1e-3)
+        kv_cache_layout="bksd", decode_block=4, decode_attention_impl="pallas_tpu",
+        router_z_loss_weight=1e-3)
     from_json = set(hf_config.checkpoint_fields(hf))
     kept = {f.name for f in dataclasses.fields(ModelConfig)} - from_json | set(hc.RUN_CHOSEN)
     assert all(getattr(run_model, f) != getattr(ckpt, f) for f in kept), \
