@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from stablerl_jax.kernels.dtypes import MASK_VALUE, accum_dtype
+from stablerl_jax.kernels.dtypes import MASK_VALUE, accum_dtype, kernel_precision
 
 
 def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sem,
@@ -80,14 +80,14 @@ def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, 
             m, l, o = carry[h]
             scores = jax.lax.dot_general(
                 q_ref[h], k_buf[slot, h], (((1,), (1,)), ((), ())),
-                preferred_element_type=acc, precision=_precision(q_ref.dtype)) * scale
+                preferred_element_type=acc, precision=kernel_precision(q_ref.dtype)) * scale
             scores = jnp.where(allowed, scores, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
             p = jnp.where(allowed, jnp.exp(scores - m_new), 0)
             corr = jnp.exp(m - m_new)
             pv = jax.lax.dot_general(p.astype(q_ref.dtype), v_buf[slot, h],
                                      (((1,), (0,)), ((), ())), preferred_element_type=acc,
-                                     precision=_precision(q_ref.dtype))
+                                     precision=kernel_precision(q_ref.dtype))
             out.append((m_new, l * corr + jnp.sum(p, axis=-1, keepdims=True),
                         o * corr + pv))
         return tuple(out)
@@ -98,12 +98,6 @@ def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, 
     for h, (_, l, o) in enumerate(final):
         # A row with no real key (not reached in a rollout) gets zeros, not NaN.
         out_ref[h] = (o / jnp.where(l > 0, l, 1)).astype(out_ref.dtype)
-
-
-def _precision(dtype):
-    """HIGHEST for 32-bit operands (full float32 products, as the model's matmuls); the
-    backend's native pass for 16-bit ones (Mosaic rejects an fp32 precision on them)."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
 def pallas(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str = "bksd",

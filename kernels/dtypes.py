@@ -1,4 +1,6 @@
-"""The accumulation dtype and the mask value every op and the model share."""
+"""The accumulation dtype, the mask value and the kernels' product precision that every
+op and the model share."""
+import jax
 import jax.numpy as jnp
 
 # What a masked logit or attention score is set to (and where an online log-sum-exp's
@@ -15,3 +17,11 @@ def accum_dtype(dtype):
     """Accumulation / softmax dtype for operands of `dtype`: float32, or float64 for
     float64 operands (numerical reference runs under `jax.enable_x64`)."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def kernel_precision(dtype):
+    """A Pallas kernel's matmul precision for operands of `dtype`: HIGHEST for float32 and
+    wider (full products, not TF32 or one bf16 pass); the backend's native pass for
+    16-bit operands, whose products it computes exactly (and Mosaic rejects an fp32
+    contract precision on them)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None

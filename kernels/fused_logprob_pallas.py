@@ -52,17 +52,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from stablerl_jax.kernels import TARGETS
-from stablerl_jax.kernels.dtypes import MASK_VALUE
+from stablerl_jax.kernels.dtypes import MASK_VALUE, kernel_precision
 
 
 def _dot(a, b, contract=((1,), (0,))):
     """float32-accumulated a·b over the `contract` dims (default a @ b), in the kernels
-    and in the XLA gradient matmuls alike. HIGHEST for 32-bit inputs: float32 gets
-    full-precision (not TF32) products on the GPU; bf16 products are exact in every
-    backend's native pass, and Mosaic (TPU) rejects an fp32 contract precision on them."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype.itemsize >= 4 else None
+    and in the XLA gradient matmuls alike, at `kernel_precision`."""
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
-                               precision=precision)
+                               precision=kernel_precision(a.dtype))
 
 
 def _logits(h_ref, w_ref, cols, bd):

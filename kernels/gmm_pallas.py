@@ -49,16 +49,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from stablerl_jax.kernels import TARGETS
-from stablerl_jax.kernels.dtypes import accum_dtype
+from stablerl_jax.kernels.dtypes import accum_dtype, kernel_precision
 from stablerl_jax.kernels.gmm import HIGHEST
 from stablerl_jax.kernels.gmm_impls import GmmBlocks
-
-
-def _precision(dtype):
-    """HIGHEST for float32 (no TF32 / single bf16 pass) and wider; bfloat16 products are
-    exact in every backend's native pass (and Mosaic rejects fp32 contract precision on
-    bf16 operands)."""
-    return HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
 def _metadata(group_sizes_E, rows: int, bm: int):
@@ -81,7 +74,7 @@ def _kloop(lhs_slice, rhs_slice, k: int, bk: int, contract, shape, acc):
     def dot(ks):
         a, b = lhs_slice(ks), rhs_slice(ks)
         return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=acc,
-                                   precision=_precision(a.dtype))
+                                   precision=kernel_precision(a.dtype))
 
     if bk >= k:
         return dot(pl.ds(0, k))
@@ -132,7 +125,7 @@ def _tgmm_kernel_tpu(group_ref, row_ref, active_ref, lhs_ref, dout_ref, out_ref,
     def _():
         acc_ref[...] += jax.lax.dot_general(
             lhs_ref[...], dout_ref[...], (((0,), (0,)), ((), ())),
-            preferred_element_type=acc_ref.dtype, precision=_precision(lhs_ref.dtype))
+            preferred_element_type=acc_ref.dtype, precision=kernel_precision(lhs_ref.dtype))
 
     @pl.when(last)
     def _():
@@ -150,7 +143,7 @@ def _tgmm_kernel_gpu(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, bm):
         return acc + jax.lax.dot_general(lhs_ref[rows, ka], dout_ref[rows, nb],
                                          (((0,), (0,)), ((), ())),
                                          preferred_element_type=acc.dtype,
-                                         precision=_precision(lhs_ref.dtype))
+                                         precision=kernel_precision(lhs_ref.dtype))
 
     acc = jax.lax.fori_loop(start_ref[e], end_ref[e], body,
                             jnp.zeros(out_ref.shape, accum_dtype(out_ref.dtype)))
