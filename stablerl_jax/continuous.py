@@ -211,7 +211,9 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         # As in the static sampler: a token is fed back unless it is a stop id or
         # padding; the C-th is fed too (one shape) but its routes are never read (-1).
         fed = live & ~stop
-        cache = dict(st["cache"], index=jnp.minimum(p + i_n, s - 1))
+        # A free slot (no running response) writes and reads at slot P: its output is
+        # dropped, and a ragged decode attention then reads only its prompt's blocks.
+        cache = dict(st["cache"], index=jnp.where(live, jnp.minimum(p + i_n, s - 1), p))
         h, a = tf.forward(d_params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
                           numerics=numerics, cache=cache, mesh=mesh, rules=d_rules)
         recorded_nx1x1 = (fed & (i_n + 1 < c))[:, None, None]

@@ -53,13 +53,15 @@ class SamplerPrices:
 
     def seconds(self, s) -> float:
         """One sampler run (a schedule.Sampling) with the sampler's decode attention:
-        `row_reads_seconds` for a ragged one (decode_attention_impls.RAGGED), else
-        `max_slot_seconds`."""
-        return (self.row_reads_seconds if self.ragged else self.max_slot_seconds)(s)
+        `row_reads_seconds` for a ragged one (decode_attention_impls.RAGGED) where rows
+        sit at their own slots, else `max_slot_seconds` (static passes share one slot:
+        every row, finished or not, reads up to it)."""
+        ragged = self.ragged and not s.shared_slot
+        return (self.row_reads_seconds if ragged else self.max_slot_seconds)(s)
 
     def alt_seconds(self, s) -> float:
         """`seconds` with the other decode attention: the what-if of the other kind."""
-        return (self.max_slot_seconds if self.ragged else self.row_reads_seconds)(s)
+        return dataclasses.replace(self, ragged=not self.ragged).seconds(s)
 
     def max_slot_seconds(self, s) -> float:
         """Its decode steps (each reading every row's key blocks up to the step's largest
@@ -67,11 +69,12 @@ class SamplerPrices:
         return s.runs.sum_of(self.decode_O) + self.prefill_s(s.prefills) + self.once_s
 
     def row_reads_seconds(self, s) -> float:
-        """The same with a decode attention that reads each live row's own key blocks
-        (the ragged kernel, as paged attention does): each step at its first-slot cost,
-        plus, per token written at slot P + o, 1/slots of the extra blocks a step at o
-        reads (decode_O[o] − decode_O[0]): a block costs per row what the reference's
-        block costs over its rows."""
+        """The same with a decode attention that reads each row's own key blocks (the
+        ragged kernel, as paged attention does): each step at its first-slot cost, plus,
+        per token written at slot P + o, 1/slots of the extra blocks a step at o reads
+        (decode_O[o] − decode_O[0]): a block costs per row what the reference's block
+        costs over its rows. A free slot (the continuous sampler's tail) reads only its
+        prompt's blocks, which the first-slot cost holds."""
         extra_O = self.decode_O[:len(s.written_O)] - self.decode_O[0]
         return (s.runs.steps * self.decode_O[0] + float(s.written_O @ extra_O) / s.slots
                 + self.prefill_s(s.prefills) + self.once_s)

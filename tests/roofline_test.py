@@ -57,6 +57,24 @@ def test_row_reads_charge_each_row_its_own_key_blocks():
     assert p.row_reads_seconds(equal) == pytest.approx(p.seconds(equal))
 
 
+def test_a_ragged_decode_attention_prices_rows_at_their_own_slots_only():
+    # With the ragged kernel (the paper preset's model.decode_attention_impl), the
+    # continuous sampler's rows sit at their own slots: row reads. Static passes share
+    # one write slot, so the finished row still reads up to it: the largest slot's price.
+    ragged = schedule_prices.sampler_prices(
+        CFG.replace(model=CFG.model.replace(kv_cache_layout="bksd",
+                                            decode_attention_impl="pallas_tpu")),
+        COSTS, 4, CHIP)
+    blocks = _prices(chips=4)
+    assert ragged.ragged and not blocks.ragged
+    static = schedule.static(np.array([1, 12]), 2)
+    cont = schedule.continuous(np.array([1, 12]), 2)
+    assert ragged.seconds(static) == blocks.seconds(static) == ragged.max_slot_seconds(static)
+    assert ragged.seconds(cont) == ragged.row_reads_seconds(cont) < blocks.seconds(cont)
+    assert ragged.alt_seconds(cont) == blocks.seconds(cont)
+    assert blocks.alt_seconds(cont) == ragged.seconds(cont)
+
+
 def test_schedule_rows_of_fixed_lengths_by_hand():
     # All 128 responses 12 long, B = slots: every schedule decodes 12 steps per global
     # step at offsets 0..11 (8 × 11 + 4 × 15 = 148 s). Partial rollouts queue B + slots:
