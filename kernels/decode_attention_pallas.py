@@ -19,7 +19,8 @@ one layer's [B, KV, S, Dh]) and the program copies its row's blocks itself, [KV,
 of keys and of values per block, double-buffered: block j + 1's copy runs while block
 j is computed, a loop whose trip count is the row's own block count (scalar-prefetched
 `last`). The query, the key mask and the output are the row's blocks of an ordinary
-grid pipeline. Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32, the
+grid pipeline; the mask row is copied whole (S int32 per row and layer, 132 KiB at
+33,792 slots against 1 MiB per key-and-value block of 512 slots × 4 kv heads in bf16). Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32, the
 mask, the running max / normalizer / output update, as the reference does per block.
 The last block of a row that would run past S starts at S − X instead; its slots
 before j · X were read by the previous block and are masked (as in the reference).
