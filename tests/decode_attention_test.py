@@ -172,3 +172,16 @@ def test_on_a_mesh_each_device_runs_the_kernel_on_its_own_rows(interpreted):
            for impl in ("blocks", interpreted)]
     for name, x, y in zip(out[0]._fields, *out):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+def test_the_preflight_refuses_the_tpu_kernel_on_another_platform():
+    """`--preset paper` on a CPU: one line naming the field and the fix, before any work."""
+    from stablerl_jax import presets
+    from stablerl_jax.rl import preflight
+    cfg = presets.preset("paper", ["mesh=1,1,1"])
+    with pytest.raises(ConfigError, match="model.decode_attention_impl='pallas_tpu' compiles "
+                       "for tpu only, not cpu: set model.decode_attention_impl=blocks"):
+        preflight.check_decode_attention(cfg, cpu_devices()[:1])
+    preflight.check_decode_attention(
+        presets.preset("paper", ["mesh=1,1,1", "model.decode_attention_impl=blocks"]),
+        cpu_devices()[:1])

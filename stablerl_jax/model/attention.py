@@ -141,8 +141,7 @@ def decode_attention_fn(cfg, mesh=None, rules: dict | None = None):
 
     if not row.pallas or mesh is None or mesh.size == 1:
         return call
-    batch = (rules or sharding.RULES)["batch"]
-    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    batch = sharding.spec_axes((rules or sharding.RULES)["batch"])
     rows = P(tuple(a for a in batch if mesh.shape[a] > 1) or None)
 
     def run(q, k, v, key_mask_BxS, last_slot, layer):

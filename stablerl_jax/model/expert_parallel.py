@@ -50,15 +50,10 @@ _W_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "
            "w_down": ("experts", "mlp", "embed")}
 
 
-def _axes(part) -> tuple:
-    """Mesh axes of one PartitionSpec entry, as a tuple."""
-    return () if part is None else (part if isinstance(part, tuple) else (part,))
-
-
 def _gather(w, spec: P, keep_axes: tuple):
     """All-gather `w` over the mesh axes of every dim of `spec`, except `keep_axes`."""
     for dim, part in enumerate(spec):
-        axes = tuple(a for a in _axes(part) if a not in keep_axes)
+        axes = tuple(a for a in sharding.spec_axes(part) if a not in keep_axes)
         if axes:
             w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
     return w
@@ -163,8 +158,8 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
     transformer's decode steps): send each token–expert assignment to its expert's shard
     by a ragged all-to-all (`_exchanged`) where that moves fewer bytes than gathering
     the expert-axis peers' tokens, i.e. on many shards (n > 2K/3 in bfloat16)."""
-    batch_axes = tuple(a for a in _axes(rules["batch"]) if mesh.shape[a] > 1)
-    expert_axes = tuple(a for a in _axes(rules["experts"]) if mesh.shape[a] > 1)
+    batch_axes = tuple(a for a in sharding.spec_axes(rules["batch"]) if mesh.shape[a] > 1)
+    expert_axes = tuple(a for a in sharding.spec_axes(rules["experts"]) if mesh.shape[a] > 1)
     ep = cfg.expert_parallel and bool(expert_axes)
     if ep and not set(expert_axes) <= set(batch_axes):
         raise ValueError("expert_parallel: the batch must be split over the expert mesh "
@@ -181,7 +176,7 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
         weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
         specs = [sharding.spec(_W_AXES[name], w.shape, mesh, rules)
                  for name, w in zip(_W_AXES, weights)]
-        if ep and not set(expert_axes) <= set(_axes(specs[0][0])):
+        if ep and not set(expert_axes) <= set(sharding.spec_axes(specs[0][0])):
             raise ValueError(f"expert_parallel: num_experts={w_gate_ExDxF.shape[0]} must "
                              f"be a multiple of the {expert_axes} mesh axes ({n_shards} "
                              "shards)")
@@ -191,7 +186,7 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
             if not ep:
                 return experts_fn(x, idx, w, *ws)
             # The expert shard's index over its axes, in the order the spec splits them.
-            ex_axes = tuple(a for a in _axes(specs[0][0]) if a in expert_axes)
+            ex_axes = tuple(a for a in sharding.spec_axes(specs[0][0]) if a in expert_axes)
             gather = lambda a: jax.lax.all_gather(a, ex_axes, axis=0, tiled=True)
             offset = jax.lax.axis_index(ex_axes) * ws[0].shape[0]
             fn = (few_experts_fn if few_experts_fn is not None
