@@ -66,6 +66,7 @@ def spec_axes(part) -> tuple:
     """Mesh axes of one PartitionSpec entry (None, an axis name or a tuple), as a tuple."""
     return () if part is None else (part if isinstance(part, tuple) else (part,))
 
+
 def slice_count(devices) -> int:
     """Slices (TPU slices joined by the data-center network) that `devices` belong to, by
     their `slice_index`; devices without one (CPU, GPU) count as one slice."""
