@@ -232,13 +232,20 @@ def test_a_failed_save_logs_orbax_tracebacks_to_a_file(tmp_path, caplog):
     assert not (tmp_path / "ck" / "1").exists()
 
 
-# Where SIGINT is ignored (a process started in the background) a Checkpointer leaves it so.
-_NO_SIGINT = pytest.mark.skipif(signal.getsignal(signal.SIGINT) in (signal.SIG_IGN,
-                                                                   signal.SIG_DFL),
-                                reason="SIGINT is ignored here")
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, the one a Checkpointer replaces. A process
+    started in the background (`cmd &` in a script, as CI may run the suite) inherits
+    SIGINT ignored, and a Checkpointer leaves an ignored SIGINT so; the previous handler
+    is restored afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
-@_NO_SIGINT
+@pytest.mark.usefixtures("python_sigint")
 def test_an_interrupt_inside_a_save_is_raised_once_the_save_has_started(tmp_path):
     """Ctrl-C inside orbax's save is held until the save has started (else its writer
     threads wait 300 s for a directory that never comes); `stop` then lets it finish."""
@@ -263,7 +270,7 @@ def test_an_interrupt_inside_a_save_is_raised_once_the_save_has_started(tmp_path
     ck.close()
 
 
-@_NO_SIGINT
+@pytest.mark.usefixtures("python_sigint")
 def test_an_interrupt_python_drops_is_raised_at_the_next_check(tmp_path):
     """A KeyboardInterrupt raised inside a weakref callback is printed and dropped by
     Python; the Checkpointer raises it at its next check, and only once."""
