@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_devices
-from kernel_cases import INTERPRET, impls_here
+from kernel_cases import INTERPRET, impl_params
 
 from stablerl_jax import continuous, sharding
 from stablerl_jax import rollout as ro
@@ -21,7 +21,6 @@ from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
 B, KV, G, DH, S, L, X = 5, 2, 4, 16, 44, 3, 8  # S not a multiple of X: a last block overlaps
-IMPLS = impls_here(DECODE_IMPLS)
 
 
 def _inputs(dtype=jnp.float32, stacked=True):
@@ -44,7 +43,7 @@ def _tolerance(dtype, scale):
     return (DH + S) * float(jnp.finfo(jnp.float32).eps) * scale
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(DECODE_IMPLS))
 @pytest.mark.parametrize("stacked", [True, False])
 def test_every_row_is_the_reference(impl, stacked):
     q, k, v, mask, last = _inputs(stacked=stacked)
@@ -63,7 +62,7 @@ def test_every_row_is_the_reference(impl, stacked):
                                atol=_tolerance(jnp.float32, float(jnp.abs(v).max())))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(DECODE_IMPLS))
 def test_bfloat16_operands(impl):
     q, k, v, mask, last = _inputs(jnp.bfloat16)
     ref = blocks(q, k, v, mask, last, block=X, layer=jnp.int32(2))
@@ -77,7 +76,7 @@ def test_bfloat16_operands(impl):
                                rtol=0, atol=2 * atol)
 
 
-@pytest.mark.parametrize("impl", [i for i in IMPLS if DECODE_IMPLS[i].pallas])
+@pytest.mark.parametrize("impl", impl_params(DECODE_IMPLS, lambda _, row: row.pallas))
 def test_the_ragged_kernel_reads_only_each_rows_own_blocks(impl):
     """NaN in every cache slot past each row's last block: the reference, which reads
     every row up to the largest row's block, turns the short rows to NaN (0 · NaN in

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from kernel_cases import INTERPRET, impls_here
+from kernel_cases import INTERPRET, impl_params
 from stablerl_jax.kernels.fused_logprob import fused_logprob, naive
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
 from tolerance import assert_close, bound
@@ -109,7 +109,7 @@ def _ref64_vjp(h, w, y, g_logp, g_ent):
 
 
 # "naive" is checked by value below; its VJP is JAX's own autodiff of log_softmax.
-@pytest.mark.parametrize("impl", [i for i in impls_here(LOGPROB_IMPLS) if i != "naive"])
+@pytest.mark.parametrize("impl", impl_params(LOGPROB_IMPLS, lambda name, _: name != "naive"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
@@ -125,7 +125,7 @@ def test_value_and_vjp_match_float64_reference(impl, dtype, shape):
         assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("impl", [i for i in impls_here(LOGPROB_IMPLS) if i != "naive"])
+@pytest.mark.parametrize("impl", impl_params(LOGPROB_IMPLS, lambda name, _: name != "naive"))
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(t=st.integers(1, 40), d=st.integers(1, 40), v=st.integers(2, 150),
        seed=st.integers(0, 2**16))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import INTERPRET, impls_here
+from kernel_cases import INTERPRET, impl_params
 from stablerl_jax.kernels.gmm import gmm, loop, tiles
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from tolerance import assert_close
@@ -61,7 +61,7 @@ def test_shape_errors_name_values():
         gmm(jnp.zeros((8, 4)), rhs, jnp.array([8, 0]), 8, impl="fast")
 
 
-@pytest.mark.parametrize("impl", impls_here(GMM_IMPLS))
+@pytest.mark.parametrize("impl", impl_params(GMM_IMPLS))
 def test_every_implementation_in_the_table_equals_the_loop(impl):
     """float32, each row of GMM_IMPLS this backend runs (Pallas interpreted on a CPU) at
     its own default blocks, in value and gradient. The groups fill every row: megablox
