@@ -5,6 +5,7 @@ import os
 import resource
 import shutil
 import signal
+import sys
 import weakref
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 from conftest import cpu_devices
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from stablerl_jax import checkpoint_guards
 from stablerl_jax.checkpoint import (LOG_FILE, Checkpointer, CheckpointSaveError, checksums,
                                      load_params, save_params)
 
@@ -233,16 +235,20 @@ def test_a_failed_save_logs_orbax_tracebacks_to_a_file(tmp_path, caplog):
 
 
 @pytest.fixture
-def python_sigint():
-    """Python's own SIGINT handler for the test, the one a Checkpointer replaces. A process
-    started in the background (`cmd &` in a script, as CI may run the suite) inherits
-    SIGINT ignored, and a Checkpointer leaves an ignored SIGINT so; the previous handler
-    is restored afterwards."""
+def python_sigint(monkeypatch):
+    """Python's own SIGINT handler for the test, the one a Checkpointer replaces, and a
+    fresh interrupt state. A process started in the background (`cmd &` in a script, as CI
+    may run the suite) inherits SIGINT ignored, and a Checkpointer leaves an ignored SIGINT
+    so; a Checkpointer another test left open would keep the shared state's handler. The
+    previous handler and unraisable hook are restored afterwards."""
+    monkeypatch.setattr(checkpoint_guards, "INTERRUPTS", checkpoint_guards.Interrupts())
+    hook = sys.unraisablehook
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, before)
+        sys.unraisablehook = hook
 
 
 @pytest.mark.usefixtures("python_sigint")
