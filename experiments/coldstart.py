@@ -28,6 +28,7 @@ import re
 from experiments import cli
 from experiments.runner import Experiment, Variant
 from stablerl_jax import presets, storage
+from stablerl_jax.data import sft_data
 from stablerl_jax.config import STYLES, ExperimentConfig, apply_overrides
 
 VARIANTS = tuple(Variant(f"sft-{s}", (f"task.style={s}",)) for s in STYLES)
@@ -73,9 +74,10 @@ def sft_data_variants(args, ap) -> tuple[Variant, ...] | None:
                      "names the variant sft-NAME and its directory); rename it")
         if name in names:
             ap.error(f"--sft-data: name {name!r} given twice; give each file its own name")
-        if not storage.isfile(path):
-            ap.error(f"--sft-data: {name}: no file {path!r}; give the path of an existing "
-                     "JSONL file")
+        try:
+            sft_data.data_file(path)  # the same files sft.data reads, directories included
+        except FileNotFoundError as e:
+            ap.error(f"--sft-data: {name}: {e}")
         names.add(name)
         variants.append(Variant(f"sft-{name}", (f"sft.data={storage.abspath(path)}",)))
     return tuple(variants)

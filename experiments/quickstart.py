@@ -68,6 +68,9 @@ def main(argv=None) -> dict:
         compile_cache.enable(args.compile_cache)
         cfg = presets.preset(args.preset, [*args.overrides,
                                            *(["rl.steps=0"] if args.sft_only else [])])
+        if args.sft_only and cfg.sft.steps == 0:
+            raise ConfigError(f"--sft-only: sft.steps is 0 (preset {args.preset!r}), so there "
+                              "is no cold start to train; give sft.steps=N with N > 0")
         preflight.check_run(cfg, args.workdir)
         allow = preflight.allowed_changes(args.allow_config_change, cfg)
     except (ConfigError, ValueError, PermissionError) as e:

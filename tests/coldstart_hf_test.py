@@ -5,9 +5,11 @@ tiny random Qwen3MoeForCausalLM (tests/hf_fixtures.py), scaled down on the comma
 Checked: one variant per named data file, each with its own cold start from the
 checkpoint (its settings name its file and the checkpoint), the RL runs from each, the
 report naming both; the two cold starts differ. Bad `--sft-data` values are one-line
-errors that name the flag; `--dry-run` prints the checkpoint's architecture.
+errors that name the flag, and a directory holding train.jsonl is accepted, as
+`sft.data` accepts it; `--dry-run` prints the checkpoint's architecture.
 """
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -82,6 +84,14 @@ def test_dry_run_shows_the_checkpoint_architecture(setup, capsys):
     out = capsys.readouterr().out
     assert out.startswith("sft-long (seeds [0, 1, 2])") and f"sft.data={files['long']}" in out
     assert f"L=2 D=64 E=8 K=2 V=512 compute=float32 from {setup['ckpt']}" in out
+
+
+def test_sft_data_may_name_a_directory_as_sft_data_does(setup, tmp_path, capsys):
+    # A directory holding train.jsonl (or train.parquet) is what sft.data reads too.
+    shutil.copyfile(setup["files"]["short"], tmp_path / "train.jsonl")
+    coldstart.main(["--preset", "paper", "--hf", setup["ckpt"], "--sft-data",
+                    f"short:{tmp_path}", "--dry-run", *setup["over"]])
+    assert f"sft.data={tmp_path}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("value", ["nocolon", "a:/no/such/file.jsonl", "a b:{long}",

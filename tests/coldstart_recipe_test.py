@@ -5,9 +5,11 @@ it): a tiny random Qwen3MoeForCausalLM with a Qwen-style tokenizer and chat temp
 chat, one trace too long for the budget), then RL from the export.
 
 Checked: the over-long trace is dropped and counted at load; the assistant-token loss
-falls; the SFT-only run evaluates the eval set with the RL sampler and writes samples
-that show their stop token; the export carries the template and both stop ids, loads in
+falls; the batch's trained targets are the assistant turns through `<|im_end|>`, target
+by target against transformers' rendering; the SFT-only run evaluates the eval set with
+the RL sampler and writes samples that show their stop token; the export carries the template and both stop ids, loads in
 transformers and gives the cold-started policy's logits; an RL run starts from it.
+`--sft-only` with no SFT steps is refused.
 """
 import contextlib
 import io
@@ -27,7 +29,9 @@ from experiments import quickstart  # noqa: E402
 from stablerl_jax import presets  # noqa: E402
 from stablerl_jax.checkpoint import load_params  # noqa: E402
 from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
+from stablerl_jax.data import sft_data  # noqa: E402
 from stablerl_jax.metrics_io import read_metrics  # noqa: E402
+from stablerl_jax.rl import loop  # noqa: E402
 from stablerl_jax.model import transformer as tf  # noqa: E402
 
 pytestmark = pytest.mark.interop
@@ -75,7 +79,7 @@ def stages(tmp_path_factory):
                                    "--compile-cache=", *over, *SFT, f"sft.data={sft_file}"])
     cfg = hc.experiment_with_checkpoint(presets.preset("paper", over), str(ckpt))
     return {"root": root, "ckpt": ckpt, "export": export, "over": over, "cfg": cfg,
-            "summary": summary, "tok": tok, "printed": out.getvalue()}
+            "summary": summary, "tok": tok, "printed": out.getvalue(), "sft_file": sft_file}
 
 
 def test_the_cold_start_filters_at_load_and_lowers_the_loss(stages):
@@ -89,6 +93,37 @@ def test_the_cold_start_filters_at_load_and_lowers_the_loss(stages):
     assert last < 0.5 * first, (first, last)
     settings = json.loads((stages["root"] / "sft_only" / "sft.json").read_text())
     assert settings["init"] == str(stages["ckpt"]) and settings["sft.data"].endswith("sft.jsonl")
+
+
+def test_the_trained_targets_are_the_assistant_turns_as_transformers_renders_them(stages):
+    # The batch the cold start trains on, target by target: tokens[:, t + 1] carries loss
+    # where mask_BxT[:, t] = 1. Its trained text must be each assistant turn through the
+    # template's <|im_end|>, its untrained text the generation prompt before it.
+    hf = transformers.AutoTokenizer.from_pretrained(str(stages["ckpt"]))
+    expected = []
+    for chat in _chats()[:-1]:  # the last trace is over the budget (dropped at load)
+        msgs = chat["messages"]
+        for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
+            gen = hf.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            upto = hf.apply_chat_template(msgs[:i + 1], tokenize=False)
+            expected.append((gen, upto[len(gen):].rstrip("\n")))
+    cfg = presets.preset("paper", [*stages["over"], *SFT, f"sft.data={stages['sft_file']}"])
+    cfg = hc.experiment_with_checkpoint(cfg, str(stages["ckpt"]))
+    with contextlib.redirect_stdout(io.StringIO()):
+        data = loop.task_data(cfg, str(stages["root"] / "sft_only"))
+        examples = sft_data.load(cfg, data).examples
+    batch = sft_data.sft_batch(examples, data.tokenizer.pad_id, cfg.task.max_prompt_len,
+                               cfg.task.max_solution_len)
+    raw = lambda ids: data.tokenizer.tok.decode([int(i) for i in ids],
+                                                skip_special_tokens=False)
+    got = []
+    for tokens, attn, mask in zip(batch.tokens_BxS, batch.attn_BxS, batch.mask_BxT > 0):
+        first = int(np.argmax(mask)) + 1  # the first trained token
+        got.append((raw(tokens[:first][attn[:first]]), raw(tokens[1:][mask])))
+        assert not (mask & ~attn[1:]).any()  # no loss on padding
+        assert np.ptp(np.flatnonzero(mask)) + 1 == mask.sum()  # one contiguous trained span
+    assert [t for _, t in got] == [t for _, t in expected]
+    assert [g for g, _ in got] == [g for g, _ in expected]
 
 
 def test_the_sft_only_run_evaluates_and_logs_samples_with_their_stop(stages):
@@ -138,3 +173,15 @@ def test_rl_starts_from_the_export(stages, tmp_path):
     assert summary["steps"] == 1
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [0, 1] and np.isfinite(rows[1]["kl/train_infer_k1"])
+
+
+def test_sft_only_without_sft_steps_is_a_one_line_error(tmp_path, capsys):
+    # The paper preset trains no cold start (sft.steps=0): --sft-only would evaluate and
+    # export the base checkpoint unchanged, so it is refused before anything is written.
+    with pytest.raises(SystemExit) as e:
+        quickstart.main(["--workdir", str(tmp_path / "w"), "--preset", "paper", "--sft-only"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("--sft-only: sft.steps is 0 (preset 'paper'), so there is no cold "
+                        "start to train; give sft.steps=N with N > 0")
+    assert not (tmp_path / "w").exists()

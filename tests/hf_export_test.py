@@ -7,14 +7,17 @@ own) and in chat_template.jinja (what transformers 5's `save_pretrained` writes)
 either, the export renders the same chat template as its source in transformers and in
 `ChatTemplate`, lists both stop ids in generation_config.json (keeping the source's
 sampling settings), gives `HFTokenizer` the source's special and stop ids, and loads as a
-Qwen3MoeForCausalLM.
+Qwen3MoeForCausalLM whose logits are the exported policy's.
 """
 import json
 import shutil
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from hf_fixtures import write_qwen_tokenizer
+from tolerance import LAMBDA, assert_close, forward_chain
 
 torch = pytest.importorskip("torch", reason="the interop extra (torch) is not installed")
 transformers = pytest.importorskip("transformers",
@@ -70,7 +73,8 @@ def test_the_export_serves_the_sources_template_stop_ids_and_model(sources, tmp_
     im_end, endoftext = (source_tok.tok.token_to_id(t) for t in ("<|im_end|>",
                                                                   "<|endoftext|>"))
     assert source_tok.stop_ids == (im_end, endoftext)
-    hc.save_qwen3_moe(tf.init_params(jax.random.key(0), CFG), CFG, out,
+    params = tf.init_params(jax.random.key(0), CFG)
+    hc.save_qwen3_moe(params, CFG, out,
                       config_extra={"eos_token_id": im_end, "pad_token_id": endoftext,
                                     "bos_token_id": None},
                       tokenizer_dir=str(src), stop_ids=(im_end, endoftext))
@@ -93,6 +97,15 @@ def test_the_export_serves_the_sources_template_stop_ids_and_model(sources, tmp_
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert model.config.vocab_size == CFG.vocab_size
+    # The exported weights are the policy's: transformers' logits on the rendered prompt
+    # match this project's forward within the float32 bound (as tests/hf_parity_test.py).
+    ids = np.asarray([exported.encode(want)])
+    with torch.no_grad():
+        ref = model.eval()(input_ids=torch.tensor(ids)).logits.numpy()[0]
+    hidden, _ = tf.forward(params, jnp.asarray(ids), CFG)
+    logits = np.asarray(tf.logits(params, hidden, CFG))[0]
+    assert_close(logits, ref, n=forward_chain(CFG, ids.shape[1]) + CFG.d_model, lam=LAMBDA,
+                 scale="max")
 
 
 def test_without_a_tokenizer_dir_generation_config_still_lists_the_stop_ids(tmp_path):
