@@ -10,20 +10,30 @@ last_slot, *, block, keys, layer[, interpret=]) (decode_attention.py says the co
 """
 from __future__ import annotations
 
+import dataclasses
+
 from stablerl_jax.kernels import Arg, Impl
 
-_OP = "stablerl_jax.kernels.decode_attention"
-DECODE_IMPLS: dict[str, Impl] = {
-    # The reference: pure JAX, every row's key blocks up to the largest row's last slot.
-    "blocks": Impl(f"{_OP}:blocks", ("cpu", "gpu", "tpu")),
-    # The ragged Pallas kernel (decode_attention_pallas.py) compiled by Mosaic: each row
-    # reads its own blocks only. Needs the head-major ('bksd') cache.
-    "pallas_tpu": Impl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"}, pallas=True),
-}
 
-# Implementations that read each row's own key blocks (the sampler's schedules are
-# priced per row for them: schedule_prices.SamplerPrices).
-RAGGED = frozenset({"pallas_tpu"})
+@dataclasses.dataclass(frozen=True)
+class DecodeImpl(Impl):
+    """A row of DECODE_IMPLS. ragged: it reads each row's own key blocks only, of a
+    head-major ('bksd') cache in blocks of model.decode_block (the config requires both
+    for it), and the sampler's schedules are priced per row for it
+    (schedule_prices.SamplerPrices)."""
+
+    ragged: bool = False
+
+
+_OP = "stablerl_jax.kernels.decode_attention"
+DECODE_IMPLS: dict[str, DecodeImpl] = {
+    # The reference: pure JAX, every row's key blocks up to the largest row's last slot.
+    "blocks": DecodeImpl(f"{_OP}:blocks", ("cpu", "gpu", "tpu")),
+    # The ragged Pallas kernel (decode_attention_pallas.py) compiled by Mosaic: each row
+    # reads its own blocks only.
+    "pallas_tpu": DecodeImpl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"},
+                             pallas=True, ragged=True),
+}
 
 
 def decode_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], dict]:

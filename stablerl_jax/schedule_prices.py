@@ -9,12 +9,11 @@ Given response lengths, the sampler's schedules (stablerl_jax/schedule.py: stati
 passes, continuous refilling, partial rollouts) say how many decode steps run and the
 largest write slot of each; a step costs the decode step at that slot (roofline.py's
 programs: the static sampler's step plus its extra key blocks; with a ragged decode
-attention, model.decode_attention_impl = 'pallas_tpu', each row's own blocks), a
-prefilled row of P + t tokens its forward FLOPs at the chips' peak, as the fixed-length
-prefill. The
-global step adds a score pass per version of the batch's tokens (behavior π_old), the
-updates and the amortized evaluation. `placements` is a stated model of a separate
-sampler mesh, scaled from these colocated numbers.
+attention, a `ragged` row of DECODE_IMPLS as model.decode_attention_impl, each row's
+own blocks), a prefilled row of P + t tokens its forward FLOPs at the chips' peak, as
+the fixed-length prefill. The global step adds a score pass per version of the batch's
+tokens (behavior π_old), the updates and the amortized evaluation. `placements` is a
+stated model of a separate sampler mesh, scaled from these colocated numbers.
 """
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ class SamplerPrices:
 
     def seconds(self, s) -> float:
         """One sampler run (a schedule.Sampling) with the sampler's decode attention:
-        `row_reads_seconds` for a ragged one (decode_attention_impls.RAGGED) where rows
+        `row_reads_seconds` for a ragged one (DECODE_IMPLS' `ragged` rows) where rows
         sit at their own slots, else `max_slot_seconds` (static passes share one slot:
         every row, finished or not, reads up to it)."""
         ragged = self.ragged and not s.shared_slot
@@ -89,9 +88,10 @@ def sampler_prices(cfg: ExperimentConfig, costs: SamplerCosts, chips: int,
     decode_O = (np.maximum((f.flops + per * blkc.flops) / chip.peak_flops,
                            (f.hbm_bytes + per * blkc.hbm_bytes) / chip.hbm_bw)
                 + (f.collective_bytes + per * blkc.collective_bytes) / chip.ici_bw)
-    from stablerl_jax.kernels.decode_attention_impls import RAGGED
+    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
     return SamplerPrices(decode_O, costs.once_collective_bytes / chip.ici_bw, cfg.model, p,
-                         chips * chip.peak_flops, cfg.model.decode_attention_impl in RAGGED)
+                         chips * chip.peak_flops,
+                         DECODE_IMPLS[cfg.model.decode_attention_impl].ragged)
 
 
 @dataclasses.dataclass

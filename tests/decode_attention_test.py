@@ -14,9 +14,9 @@ from kernel_cases import INTERPRET, impl_params
 from stablerl_jax import continuous, sharding
 from stablerl_jax import rollout as ro
 from stablerl_jax.config import ConfigError, ModelConfig, SamplingConfig
-from stablerl_jax.kernels import Impl, decode_attention_pallas
+from stablerl_jax.kernels import decode_attention_pallas
 from stablerl_jax.kernels.decode_attention import blocks, decode_attention
-from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
+from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, DecodeImpl
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -76,7 +76,7 @@ def test_bfloat16_operands(impl):
                                rtol=0, atol=2 * atol)
 
 
-@pytest.mark.parametrize("impl", impl_params(DECODE_IMPLS, lambda _, row: row.pallas))
+@pytest.mark.parametrize("impl", impl_params(DECODE_IMPLS, lambda _, row: row.ragged))
 def test_the_ragged_kernel_reads_only_each_rows_own_blocks(impl):
     """NaN in every cache slot past each row's last block: the reference, which reads
     every row up to the largest row's block, turns the short rows to NaN (0 · NaN in
@@ -122,8 +122,8 @@ EOS, PAD = 2, 0
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    monkeypatch.setitem(DECODE_IMPLS, "pallas_tpu_interpreted", Impl(
-        f"{__name__}:interpreted_kernel", ("cpu",), pallas=True))
+    monkeypatch.setitem(DECODE_IMPLS, "pallas_tpu_interpreted", DecodeImpl(
+        f"{__name__}:interpreted_kernel", ("cpu",), pallas=True, ragged=True))
     return "pallas_tpu_interpreted"
 
 

@@ -48,6 +48,14 @@ def _inputs():
 def test_a_new_row_is_a_config_choice(tables):
     assert RLConfig(logprob_impl="naive_again").logprob_impl == "naive_again"
     assert CFG.replace(gmm_impl="loop_again").gmm_impl == "loop_again"
+    assert CFG.replace(decode_attention_impl="blocks_again").decode_attention_impl == \
+        "blocks_again"
+    # What a decode row needs of the cache is read from the row: a ragged one, a blocked
+    # head-major cache.
+    with pytest.raises(ConfigError, match="decode_attention_impl: .*kv_cache_layout=bksd"):
+        CFG.replace(decode_attention_impl="pallas_tpu_again")
+    assert CFG.replace(decode_attention_impl="pallas_tpu_again", decode_block=8,
+                       kv_cache_layout="bksd").decode_attention_impl == "pallas_tpu_again"
 
 
 def test_without_its_row_a_name_is_refused():

@@ -71,10 +71,10 @@ class ModelConfig(Section):
         of being all S slots on every step. 0: one softmax over every slot. The same
         function up to float reassociation; the prefill and the training engine never
         use it.
-      decode_attention_impl: that blocked decode attention's implementation, a row of
-        DECODE_IMPLS (kernels/decode_attention_impls.py): 'blocks' (pure JAX, every row
-        read up to the largest row's slot) or 'pallas_tpu' (the ragged TPU kernel: each
-        row reads its own blocks; needs decode_block > 0 and kv_cache_layout='bksd').
+      decode_attention_impl: that blocked decode attention's implementation, the name of
+        a row of DECODE_IMPLS (kernels/decode_attention_impls.py says what each row is;
+        'blocks', the pure-JAX reference, is the default). A row marked ragged (each row
+        reads its own blocks) needs decode_block > 0 and kv_cache_layout='bksd'.
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
     """
@@ -140,7 +140,7 @@ class ModelConfig(Section):
         check(is_int(self.decode_block) and self.decode_block >= 0, "decode_block",
               f"must be an int >= 0 (slots per block; 0 = off), got {self.decode_block!r}")
         check_choice(self, "decode_attention_impl", DECODE_IMPLS)
-        if self.decode_attention_impl != "blocks":
+        if DECODE_IMPLS[self.decode_attention_impl].ragged:
             check(self.decode_block > 0 and self.kv_cache_layout == "bksd",
                   "decode_attention_impl", f"{self.decode_attention_impl!r} reads the "
                   "cache in blocks of a head-major cache: set model.decode_block (e.g. 512) "
