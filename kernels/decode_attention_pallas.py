@@ -2,7 +2,7 @@
 blocks. The implementation of the row "pallas_tpu" of decode_attention_impls.DECODE_IMPLS.
 
 Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots,
-X slots of one block, L layers (a stacked cache), N = ⌈S / X⌉ blocks.
+X slots of one block, L layers (a stacked cache).
 
 Contract (the reference is `decode_attention.blocks`, beside this file): one query per
 row, at slot last[b]; the row attends to its cache slots [0, last[b]] that the key mask
