@@ -21,8 +21,8 @@ class LossConfig(Section):
     Attributes:
       name: a row of `LOSS_TABLE` (stablerl_jax/loss_table.py: where the loss's function
         lives, its default aggregation, the knobs below it reads). A knob some row lists
-        (eps_low / eps_high, cap_target, clip_ratio_c, the gspo_* three) set away from its
-        default is refused for a loss whose row does not list it.
+        (`loss_table.loss_knobs`) set away from its default is refused for a loss whose
+        row does not list it.
       eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
       clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
       use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
@@ -32,8 +32,7 @@ class LossConfig(Section):
       tis_cap: C, the truncation of the token IS weight.
       cap_target: 'full' caps π_θ/μ_old (MiniRL decision); 'engine' caps only π_old/μ_old
         and multiplies by the uncapped staleness ratio.
-      aggregation: None = the loss's own, its table row's (MiniRL: response_sum; GRPO,
-        GSPO: seq_mean_token_mean; CISPO, DAPO: token_mean); or one of AGGREGATIONS.
+      aggregation: None = the loss's own, its `LOSS_TABLE` row's; or one of AGGREGATIONS.
         MiniRL "+ length normalization" is aggregation='seq_mean_token_mean'.
       row_denominator: the rows a row-mean aggregation (every one but token_mean) divides
         by (ROW_DENOMINATORS): 'scored' (the default) the rows with a scored token, so an
@@ -46,8 +45,8 @@ class LossConfig(Section):
         default, the population std: the paper's "std of the group") keeps this
         project's stored results; verl and tunix use the sample std, ddof=1, whose
         advantages are √((G−1)/G) as large (×0.935 at G = 8).
-      clip_ratio_c: verl's dual-clip for the PPO-clip losses (grpo, dapo: their rows list
-        it): on tokens with Â < 0 the clipped term is bounded below by c·Â, so a token
+      clip_ratio_c: verl's dual-clip for the PPO-clip losses (those whose `LOSS_TABLE` rows
+        list it): on tokens with Â < 0 the clipped term is bounded below by c·Â, so a token
         whose ratio r exceeds c contributes the constant c·Â and no gradient. 0 = off;
         verl's default when on is 3.0; must be > 1 + eps_high.
       max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
