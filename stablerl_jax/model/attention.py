@@ -49,8 +49,6 @@ from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
 from stablerl_jax.kernels.dtypes import MASK_VALUE
 from stablerl_jax.model import numerics as nx
 
-_NEG = MASK_VALUE  # the masked score, shared with the kernels (kernels/dtypes.py says why)
-
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x / sqrt(mean(x²) + eps) · scale, computed in float32 (or wider), returned in x's
@@ -118,7 +116,7 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
         key_mask_BxS[:, None, :].astype(bool))
     if segments is not None:
         allowed_BxTxS = allowed_BxTxS & (segments[0][:, :, None] == segments[1][:, None, :])
-    scores_BxKVxHgxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxHgxTxS, _NEG)
+    scores_BxKVxHgxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxHgxTxS, MASK_VALUE)
     probs_BxKVxHgxTxS = jax.nn.softmax(scores_BxKVxHgxTxS, axis=-1).astype(dtype)
     if keys == "bksd":
         o = _dot("bkgts,bksd->bkgtd", probs_BxKVxHgxTxS, v, dtype)
@@ -194,7 +192,7 @@ def _online_step(carry, q_BxWxKVxHgxDh, k_BxUxKVxDh, v_BxUxKVxDh, allowed_BxWxU,
     m, l, o = carry
     scores = _dot("btkgd,bskd->bkgts", q_BxWxKVxHgxDh, k_BxUxKVxDh, dtype) * head_dim**-0.5
     allowed = allowed_BxWxU[:, None, None]
-    scores = jnp.where(allowed, scores, _NEG)
+    scores = jnp.where(allowed, scores, MASK_VALUE)
     m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(scores, axis=-1)))
     p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0)
     corr = jnp.exp(m - m_new)
@@ -204,7 +202,7 @@ def _online_step(carry, q_BxWxKVxHgxDh, k_BxUxKVxDh, v_BxUxKVxDh, allowed_BxWxU,
 
 def _online_init(b, kv, g, rows, dh, dtype):
     acc = nx.accum_dtype(dtype)
-    return (jnp.full((b, kv, g, rows), _NEG, acc), jnp.zeros((b, kv, g, rows), acc),
+    return (jnp.full((b, kv, g, rows), MASK_VALUE, acc), jnp.zeros((b, kv, g, rows), acc),
             jnp.zeros((b, kv, g, rows, dh), acc))
 
 
