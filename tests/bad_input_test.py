@@ -623,3 +623,47 @@ def test_an_int_setting_beyond_int32_is_refused(tmp_path, capsys, override):
     assert len(err) == 1 and f"{field}: {value.split(',')[-1]} is outside int32 " \
         "[-2147483648, 2147483647]" in err[0] and "use a value within it" in err[0], err
     assert not workdir.exists() and os.listdir(tmp_path) == []
+
+
+# A checkpoint's chat template is code: a hostile one, found by a `--hf` run with
+# task.chat_template=true as the checkpoint's tokenizer_config.json "chat_template" or its
+# chat_template.jinja, is refused when the data loads (before any training) with one line
+# naming that file and the bound (data/template_sandbox.py, RenderLimits).
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
+HOSTILE_TEMPLATES = [  # (file, template, the line must contain)
+    pytest.param("tokenizer_config.json", NESTED.replace("BODY", "x"),
+                 ["builds the rendered text of ~4,194,30", "> 4,194,304 (RenderLimits.chars)"],
+                 id="nested range(100000) loops"),
+    pytest.param("chat_template.jinja", "{{ ('x'*6*10**9)|length }}",
+                 ["builds a string of ~6,000,000,000 characters > 4,194,304 "
+                  "(RenderLimits.chars)"], id="a string of 6e9 characters"),
+    pytest.param("tokenizer_config.json", NESTED.replace("BODY", ""),
+                 ["ran past the time limit of 1 s per render (RenderLimits.seconds)"],
+                 id="nested loops that render nothing"),
+    pytest.param("chat_template.jinja", NESTED.replace("BODY", ""),
+                 ["ran past the time limit of 10 s per render (RenderLimits.seconds)"],
+                 id="nested loops that render nothing, 10 s", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("file, template, needles", HOSTILE_TEMPLATES)
+def test_a_hostile_chat_template_is_one_line_naming_its_file(tmp_path, capsys, monkeypatch,
+                                                            hf_dir, file, template, needles):
+    from hf_fixtures import CHATML_TEMPLATE, write_qwen_tokenizer
+
+    from stablerl_jax.data import chat_template
+    from stablerl_jax.data.template_sandbox import RenderLimits
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_dir, ckpt)
+    write_qwen_tokenizer(ckpt, chat_template=template if file == "tokenizer_config.json"
+                         else CHATML_TEMPLATE)
+    if file == "chat_template.jinja":
+        (ckpt / file).write_text(template)  # wins over tokenizer_config.json's
+    if "1 s per render" in needles[0]:  # the time bound, shortened from 10 s for the suite
+        monkeypatch.setattr(chat_template, "task_template", lambda task: (
+            chat_template.ChatTemplate.from_dir(task.tokenizer_dir, RenderLimits(seconds=1))))
+    _refused_outside_untouched(capsys, tmp_path, ["--hf", str(ckpt), "sft.steps=0",
+                                                  "task.chat_template=true"],
+                               f"{ckpt / file}: the chat template ", *needles,
+                               "fix the template or set task.chat_template=false")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
