@@ -7,8 +7,10 @@ Layout of a run's checkpoint directory (one subdirectory per saved global step):
 
 What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-tmp`, writes
 `commit_success.txt` into it when every item is on disk, then renames it to `<step>`. So:
-- a save killed midway leaves a `*.orbax-checkpoint-tmp*` directory, never listed as a step
-  (and removed when the next `Checkpointer` opens the directory);
+- a save killed midway leaves a `<step>.orbax-checkpoint-tmp` directory, never listed as a
+  step, and removed when the next `Checkpointer` opens the directory if it holds nothing
+  but what such a save writes (`_save_remains`: orbax's step metadata naming no other
+  items, `state`, `meta` and their temporary directories, a step record of that step);
 - a step directory of this module's ("Whose directories" below) without `commit_success.txt`
   (a half-copied step, or a filesystem without atomic rename) is incomplete too. Orbax
   itself would list it on a local disk, and then both resume from it and skip every later
@@ -19,11 +21,12 @@ What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-
 On an object store (a `gs://` directory, where nothing renames atomically: storage.py)
 orbax writes a step in place, into `<step>/`, and `commit_success.txt` last. A save killed
 midway there leaves a `<step>/` without the commit file: one holding orbax's step metadata
-or an item directory (`state/`, `meta/`) is that save's remains and is removed when the
-next `Checkpointer` opens (what orbax's own clean-up does to its temporary directories on
-a disk), so the step can be saved again; anything else is left alone, as on a disk
-(orbax's own clean-up, which would delete every uncommitted directory there, is off).
-Steps set aside are copied object by object, then deleted.
+or an item directory (`state/`, `meta/`) and nothing else (`_save_remains`) is that save's
+remains and is removed when the next `Checkpointer` opens, so the step can be saved
+again; anything else is left alone, as on a disk. Orbax's own clean-up is off everywhere:
+it deletes every entry whose name holds `.orbax-checkpoint-tmp` (other programs' too), and
+on an object store every uncommitted directory. Steps set aside are copied object by
+object, then deleted.
 
 Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
 Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
@@ -43,12 +46,24 @@ Step numbers. `save` also stores the step in the meta (`checkpoint_step`), and
 copied `<step>` directory) as corrupt: falls back past it, says so, moves it aside.
 
 Whose directories. A step directory is this module's when orbax's step metadata in it
-(`_CHECKPOINT_METADATA`) names the items 'state' and 'meta', or its meta stores its step.
-Only those are listed, resumed from, set aside or deleted (keep-N). Anything else in the
-directory (say a `checkpoints/` symlinked to a shared disk that already held `1 2 3 7`) is
-left untouched and named in one warning when a `Checkpointer` opens; a save whose step
-directory such an entry occupies fails with `CheckpointSaveError` instead of overwriting
-it (orbax's own save would delete it first).
+(`_CHECKPOINT_METADATA`) names the items 'state' and 'meta' and its meta (`meta/metadata`)
+holds a step record (`checkpoint_step`; in checkpoints written before `save` stored it,
+the training loop's "step"). Both: another program's orbax checkpoints with items of
+those names have the first, and nothing but these checkpoints writes the second. Every
+committed step of this module holds both (orbax commits a step after its items and its
+step metadata). One exception, for damage: where one of the two files is there but is
+not JSON, the other alone decides, so that a step whose meta was damaged is still set
+aside as corrupt and the run falls back past it (else the run would stop at that step's
+next save). Whether the record equals the directory's name is not part of the test: a
+copied step directory is this module's, and `restore_latest` sets it aside as corrupt.
+A save cut short needs neither record (it may have written neither yet): its remains are
+judged by `_save_remains` above. Only this module's step directories are listed, resumed
+from, set aside or deleted (keep-N). Anything else in the directory (say a `checkpoints/`
+symlinked to a shared disk that already held `1 2 3 7`, or another program's
+`5.orbax-checkpoint-tmp-…`) is left untouched and named in one warning when a
+`Checkpointer` opens; a save whose step directory, or orbax's temporary directory for it,
+such an entry occupies fails with `CheckpointSaveError` instead of overwriting it
+(orbax's own save would delete it first).
 
 Failed saves. An async save that fails in the background (disk full, a file-size limit,
 permissions) leaves only its `*.orbax-checkpoint-tmp` directory, never a step; `check_saves`
@@ -101,6 +116,11 @@ _CHECKSUMS = "checksums"
 _STEP = "checkpoint_step"
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # orbax's step names
 _SET_ASIDE = re.compile(r"[0-9]+\.(incomplete|corrupt|unusable)[0-9]*")  # set_aside's names
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# Orbax's temporary directory of a step (0.12: no timestamp; earlier versions: one), and
+# of an item inside it.
+_TMP_NAME = re.compile(r"(0|[1-9][0-9]*)" + re.escape(_TMP_SUFFIX) + r"(-[0-9]+)?")
+_ITEM_NAME = re.compile(r"(state|meta)(" + re.escape(_TMP_SUFFIX) + r"(-[0-9]+)?)?")
 LOG_FILE = "checkpoints.log"
 INTERRUPT_WAIT_S = 30.0  # the longest an interrupted run waits for the save in flight
 CANCEL_WAIT_S = 10.0  # the longest it then waits for orbax to drop a cancelled save
@@ -183,7 +203,7 @@ def _check_matches(saved_meta, target, where: str) -> None:
 def _check_step(meta: dict, step: int) -> None:
     """A step directory must hold the step it is named for (a copy does not). Checkpoints
     written before `save` stored it are judged by the training loop's "step" entry."""
-    stored = meta.get(_STEP, meta.get("step"))
+    stored = _stored_step(meta)
     if stored is not None and stored != step:
         raise ValueError(f"it holds the state of step {stored}, not {step} (a copied or "
                          "renamed step directory)")
@@ -199,58 +219,120 @@ def set_aside(path: str, suffix: str) -> str:
     return dest
 
 
+_DAMAGED = object()  # what `_read_json` returns for a file that is there but not JSON
+
+
 def _read_json(path: str):
+    """The JSON value of a file; None where there is none, `_DAMAGED` where the file is
+    there but does not parse (or cannot be read)."""
     try:
-        return json.loads(storage.read_text(path))
-    except (OSError, ValueError):
+        text = storage.read_text(path)
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError):
+        return _DAMAGED
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _DAMAGED
 
 
-def _is_own_step(path: str, step: int) -> bool:
-    """Whether the directory `path`, named for `step`, was written by a Checkpointer (module
-    docstring). A symlink never is: a Checkpointer writes none."""
+def _stored_step(meta):
+    """The step record of a step's meta: `checkpoint_step`, or the training loop's "step"
+    in checkpoints written before `save` stored it; None if there is no integer one."""
+    if not isinstance(meta, dict):
+        return None
+    stored = meta.get(_STEP, meta.get("step"))
+    return stored if isinstance(stored, int) and not isinstance(stored, bool) else None
+
+
+def _is_own_step(path: str) -> bool:
+    """Whether the step directory `path` was written by a Checkpointer (module docstring,
+    "Whose directories"): orbax's step metadata names the items 'state' and 'meta', and
+    the meta holds a step record; one of the two files may be damaged (there, but not
+    JSON) if the other says so. A symlink never is: a Checkpointer writes none."""
     if storage.islink(path) or not storage.isdir(path):
         return False
     orbax_meta = _read_json(os.path.join(path, _ORBAX_STEP_META))
-    handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta, dict) else None
-    if isinstance(handlers, dict) and set(handlers) == _ITEMS:
-        return True
     meta = _read_json(os.path.join(path, "meta", "metadata"))
-    return isinstance(meta, dict) and meta.get(_STEP) == step
+    handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta, dict) else None
+    says = [isinstance(handlers, dict) and set(handlers) == _ITEMS,
+            _stored_step(meta) is not None]
+    damaged = [orbax_meta is _DAMAGED, meta is _DAMAGED]
+    return all(s or d for s, d in zip(says, damaged)) and any(says)
 
 
-def _is_step(path: str, step: int) -> bool:
+def _is_step(path: str) -> bool:
     """A committed step directory of this module: what a resume may use."""
-    return storage.exists(os.path.join(path, _COMMIT_FILE)) and _is_own_step(path, step)
+    return storage.exists(os.path.join(path, _COMMIT_FILE)) and _is_own_step(path)
 
 
-def _cut_short(path: str) -> bool:
-    """Whether the uncommitted step directory `path` is the remains of a save written in
-    place (an object store's, module docstring): orbax's step metadata or an item."""
-    return any(storage.exists(os.path.join(path, n)) for n in (_ORBAX_STEP_META, *_ITEMS))
+def _save_remains(path: str, step: int, *, in_place: bool) -> bool:
+    """Whether the directory `path` holds nothing but what a `save` of `step` cut short
+    leaves (module docstring, "Whose directories"): orbax's step metadata, naming no
+    items but 'state' and 'meta' (it names none until the commit), and those items
+    (`state/`, `meta/`, or orbax's temporary `state.orbax-checkpoint-tmp…`), with a
+    step record of `step` where the meta is readable. In place (an object store), at
+    least one of them (there, an empty directory does not exist); in orbax's temporary
+    directory on a disk, also none (a save killed right after creating it). A file
+    killed mid-write (unreadable JSON) does not count against it."""
+    if storage.islink(path) or not storage.isdir(path):
+        return False
+    names = storage.listdir(path)
+    if in_place and not names:
+        return False
+    for name in names:
+        if name == _ORBAX_STEP_META:
+            orbax_meta = _read_json(os.path.join(path, name))
+            if orbax_meta is None or orbax_meta is _DAMAGED:
+                continue
+            handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta,
+                                                                     dict) else False
+            if not (handlers is None or (isinstance(handlers, dict)
+                                         and set(handlers) <= _ITEMS)):
+                return False
+        elif not _ITEM_NAME.fullmatch(name):
+            return False
+        elif name.startswith("meta"):
+            meta = _read_json(os.path.join(path, name, "metadata"))
+            if meta is not None and meta is not _DAMAGED and _stored_step(meta) != step:
+                return False
+    return True
 
 
 def _sort_out(directory: str) -> list[str]:
-    """Move this module's uncommitted step directories aside to `<step>.incomplete` (on an
-    object store: remove the remains of saves cut short; module docstring) and return the
-    names of the entries it did not write, in natural order."""
+    """Remove the remains of this module's saves cut short (orbax's temporary directories
+    on a disk, uncommitted step directories on an object store), move this module's other
+    uncommitted step directories aside to `<step>.incomplete` (module docstring), and
+    return the names of the entries it did not write, in natural order."""
     foreign = []
     in_place = not storage.renames_atomically(directory)
     for name in storage.listdir(directory):
         path = os.path.join(directory, name)
-        if (in_place and _STEP_NAME.fullmatch(name) and _cut_short(path)
-                and not storage.exists(os.path.join(path, _COMMIT_FILE))):
+        tmp = _TMP_NAME.fullmatch(name)
+        if tmp and _save_remains(path, int(tmp.group(1)), in_place=False):
+            logging.info("removing %s (a checkpoint save cut short)", path)
+            storage.rmtree(path)
+        elif (in_place and _STEP_NAME.fullmatch(name)
+              and not storage.exists(os.path.join(path, _COMMIT_FILE))
+              and _save_remains(path, int(name), in_place=True)):
             logging.warning("checkpoint %s has no %s (a save cut short); removed it", path,
                             _COMMIT_FILE)
             storage.rmtree(path)
-        elif _STEP_NAME.fullmatch(name) and _is_own_step(path, int(name)):
+        elif _STEP_NAME.fullmatch(name) and _is_own_step(path):
             if not storage.exists(os.path.join(path, _COMMIT_FILE)):
                 dest = set_aside(path, ".incomplete")
                 logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE,
                                 dest)
-        elif not (_SET_ASIDE.fullmatch(name) or ".orbax-checkpoint-tmp" in name):
+        elif not _SET_ASIDE.fullmatch(name):
             foreign.append(name)
-    return sorted(foreign, key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n))
+    return sorted(foreign, key=_natural)
+
+
+def _natural(name: str):
+    """Names by their leading number (`2`, `5.orbax-checkpoint-tmp`, `10`), then the rest."""
+    number = re.match(r"[0-9]+", name)
+    return (number is None, int(number.group()) if number else 0, name)
 
 
 class _OwnSteps:
@@ -265,15 +347,37 @@ class _OwnSteps:
         return self._names.build_name(step)
 
     def find_all(self, base_path):
-        return (m for m in self._names.find_all(base_path) if _is_step(str(m.path), m.step))
+        return (m for m in self._names.find_all(base_path) if _is_step(str(m.path)))
 
     def find_step(self, base_path, step: int):
         found = self._names.find_step(base_path, step)
-        if not _is_step(str(found.path), step):
+        if not _is_step(str(found.path)):
             raise ValueError(f"{found.path} is not a committed checkpoint of this run")
         return found
 
 
+
+
+class _OwnStepDeleter:
+    """Keep-N's deletions (orbax's CheckpointDeleter protocol, run in orbax's finalize
+    thread after a save commits): exactly `<dir>/<step>`, and only a committed step of this
+    module, by the main process. Orbax's own deleter deletes a `<step>.orbax-checkpoint-
+    tmp…` entry in its place where there is one (another program's too), leaving the step."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def delete(self, step: int) -> None:
+        path = os.path.join(self.directory, str(step))
+        if distributed.is_main() and _is_step(path):
+            storage.rmtree(path)
+
+    def delete_steps(self, steps) -> None:
+        for step in steps:
+            self.delete(step)
+
+    def close(self) -> None:
+        pass
 
 
 class Checkpointer:
@@ -316,15 +420,19 @@ class Checkpointer:
         self._interrupts.open()
 
     def _manager(self):
-        return ocp.CheckpointManager(
+        manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, enable_async_checkpointing=self.async_, create=True,
-                # Leftovers of killed saves (in place: `_sort_out` removed them).
-                cleanup_tmp_directories=storage.renames_atomically(self.directory),
+                # Orbax's clean-up deletes every `*.orbax-checkpoint-tmp*` entry, other
+                # programs' too: `_sort_out` removed the remains of this module's saves.
+                cleanup_tmp_directories=False,
                 step_name_format=_OwnSteps()),
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
+        if hasattr(manager, "_checkpoint_deleter"):
+            manager._checkpoint_deleter = _OwnStepDeleter(self.directory)
+        return manager
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (an async save still in flight is not listed)."""
@@ -350,12 +458,15 @@ class Checkpointer:
         self.check_saves()
         self.wait()
         where = os.path.join(self.directory, str(step))
-        if storage.lexists(where) and step not in self.manager.all_steps():
+        taken = ([where] if storage.lexists(where) and step not in self.manager.all_steps()
+                 else []) + [p for p in [where + _TMP_SUFFIX] if storage.lexists(p)]
+        if taken:  # by an entry `_sort_out` left alone: orbax would delete it
             self._failed = CheckpointSaveError(
-                f"checkpoint {where} could not be saved: {where} exists and was not written "
-                "by these checkpoints (no orbax step metadata naming 'state' and 'meta'); "
-                f"move it out of {self.directory} or use another workdir, then run the same "
-                "command again: it resumes from the last complete checkpoint")
+                f"checkpoint {where} could not be saved: {taken[0]} exists and was not "
+                "written by these checkpoints (no orbax step metadata naming 'state' and "
+                f"'meta' with a step record in the meta); move it out of {self.directory} "
+                "or use another workdir, then run the same command again: it resumes from "
+                "the last complete checkpoint")
             raise self._failed
         with self._interrupts.holding():  # an interrupt in orbax's save: raised after it
             try:

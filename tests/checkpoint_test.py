@@ -104,11 +104,12 @@ def test_partial_checkpoints_are_never_resumed(tmp_path):
     tmp = d / "9.orbax-checkpoint-tmp"
     (tmp / "state.orbax-checkpoint-tmp").mkdir(parents=True)
     (tmp / "_CHECKPOINT_METADATA").write_text("{}")
-    (d / "11.orbax-checkpoint-tmp-1712345678").mkdir()
+    (d / "11.orbax-checkpoint-tmp-1712345678").mkdir()  # an earlier orbax's name
     # A step-named directory without the commit file (half-copied / non-atomic filesystem),
-    # holding orbax's step metadata of these checkpoints.
+    # holding orbax's step metadata and the step record of these checkpoints.
     (d / "7" / "state").mkdir(parents=True)
     shutil.copy(d / "2" / "_CHECKPOINT_METADATA", d / "7")
+    shutil.copytree(d / "2" / "meta", d / "7" / "meta")
     # Unknown names must not crash anything.
     for name in ("not_a_step", "3.backup", "-1", "step_x"):
         (d / name).mkdir()
@@ -119,6 +120,7 @@ def test_partial_checkpoints_are_never_resumed(tmp_path):
     _, meta = ck2.restore(None, _state())
     assert meta == {"step": 2}
     assert not tmp.exists()  # leftovers of killed saves are cleaned up
+    assert not (d / "11.orbax-checkpoint-tmp-1712345678").exists()
     assert (d / "7.incomplete" / "state").is_dir()  # set aside, not deleted
     with pytest.raises(ValueError, match=r"no complete checkpoint for step 7.*\[2\]"):
         ck2.restore(7, _state())
@@ -188,16 +190,39 @@ def test_entries_the_checkpoints_did_not_write_are_left_untouched(tmp_path, capl
         (d / name / "sub").mkdir(parents=True)
         (d / name / "sub" / "data.bin").write_bytes(os.urandom(64))
     (d / "3" / "commit_success.txt").write_text("theirs")  # committed, but not ours
+    # Another program's orbax checkpoint with items named as ours, committed: orbax's step
+    # metadata alone proves nothing. And a meta with a step record alone.
+    (d / "8" / "state").mkdir(parents=True)
+    (d / "8" / "_CHECKPOINT_METADATA").write_text(
+        '{"item_handlers": {"state": "theirs", "meta": "theirs"}}')
+    (d / "8" / "commit_success.txt").write_text("theirs")
+    (d / "9" / "meta").mkdir(parents=True)
+    (d / "9" / "meta" / "metadata").write_text('{"checkpoint_step": 9}')
+    (d / "9" / "commit_success.txt").write_text("theirs")
+    # Another program's saves in flight (or cut short): orbax's own clean-up would delete
+    # both; the second is where orbax would write step 10.
+    for name, item in (("5.orbax-checkpoint-tmp-1712345678", "default"),
+                       ("10.orbax-checkpoint-tmp", "params")):
+        (d / name / item).mkdir(parents=True)
+        (d / name / "_CHECKPOINT_METADATA").write_text('{"item_handlers": null}')
+        (d / name / item / "data.bin").write_bytes(os.urandom(64))
     (d / "notes.txt").write_text("x")
     before = _tree(d)
     with caplog.at_level("WARNING"):
         ck = Checkpointer(str(d), keep=1, async_=False)
     warnings = [r.getMessage() for r in caplog.records if "did not write" in r.getMessage()]
-    assert len(warnings) == 1 and "left untouched: 1, 2, 3, 7, notes.txt" in warnings[0]
+    assert len(warnings) == 1 and (
+        "left untouched: 1, 2, 3, 5.orbax-checkpoint-tmp-1712345678, 7, 8, 9, "
+        "10.orbax-checkpoint-tmp, notes.txt (") in warnings[0]
     assert ck.all_steps() == [] and ck.latest_step() is None
     with pytest.raises(CheckpointSaveError, match=f"{d / '1'} exists and was not written by "
                                                   "these checkpoints.*move it out"):
         ck.save(1, _state(), {"step": 1})
+    ck.close()
+    ck = Checkpointer(str(d), keep=1, async_=False)
+    with pytest.raises(CheckpointSaveError, match=f"{d / '10.orbax-checkpoint-tmp'} exists "
+                                                  "and was not written"):
+        ck.save(10, _state(), {"step": 10})
     ck.close()
     ck = Checkpointer(str(d), keep=1, async_=False)
     for step in (4, 5, 6):  # keep=1 deletes 4 and 5, and nothing of the others

@@ -145,6 +145,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path
     assert rows[-1]["step"] == 3  # the row of the step whose checkpoint died
     _run(in_save, data, cache)
     _assert_same_run(full, in_save)
+    assert sorted(os.listdir(in_save / "checkpoints")) == ["3", "4"]  # the remains removed
     assert json.loads((in_save / "summary.json").read_text()) == json.loads(
         (full / "summary.json").read_text())
 
@@ -261,6 +262,8 @@ def _interrupted_runs(tmp_path, reference, runs: int, seed: int) -> float:
         names = os.listdir(workdir / "checkpoints")
         assert not [n for n in names if n.split(".")[-1].rstrip("0123456789") in (
             "corrupt", "incomplete", "unusable")], f"{where}: {names}"  # nothing set aside
+        # The cancelled save's temporary directory is known as its remains, and removed.
+        assert not [n for n in names if ".orbax-checkpoint-tmp" in n], f"{where}: {names}"
         if restored is None:  # interrupted before its first save committed
             assert aim == 1 and steps == [], f"{where}: {steps}"
         else:
@@ -418,8 +421,10 @@ def test_a_failed_save_stops_the_run_and_the_resume_is_exact(tmp_path, reference
     assert "Traceback" in log.read_text() and "File too large" in log.read_text()
     assert os.listdir(tmp_path) == ["full_disk"]  # nothing written outside the workdir
     assert not (workdir / "checkpoints" / "3").exists()  # never a half-written step
+    assert (workdir / "checkpoints" / "3.orbax-checkpoint-tmp").is_dir()
     _run(workdir, data, cache)  # the same command, with room on the disk
     _assert_same_run(full, workdir)
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "4"]  # the remains removed
 
 
 def _contents(path):
