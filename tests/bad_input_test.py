@@ -526,6 +526,41 @@ def test_a_line_nested_100000_deep_is_one_line_or_skipped_and_counted(tmp_path, 
                              record=sft_data.read_record).skipped == 1
 
 
+def _far_dates(values):
+    """A parquet date32 column of `values` days after 1970-01-01 (3,000,000: year 10183,
+    past Python's datetime.date)."""
+    import pyarrow as pa
+
+    return pa.array(values, pa.int32()).cast(pa.date32())
+
+
+def test_a_parquet_cell_python_cannot_hold_is_a_malformed_row(tmp_path, capsys):
+    # Found by tests/fuzz_test.py (parquet surface) as pyarrow's OverflowError, a traceback
+    # for the whole file, even where no format reads the column; fixed in data/parquet.py.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    manual = tmp_path / "m"
+    manual.mkdir()
+    pq.write_table(pa.table({"question": ["1 + 2 = ?", "2 + 2 = ?"],
+                             "answer": _far_dates([3_000_000, 3])}),
+                   str(manual / "train.parquet"))
+    pq.write_table(pa.table({"question": ["1 + 2 = ?"], "answer": ["3"]}),
+                   str(manual / "test.parquet"))
+    _refused_outside_untouched(
+        capsys, tmp_path, ["sft.steps=0", "task.kind=jsonl", f"task.jsonl_dir={manual}"],
+        f"{manual / 'train.parquet'} row 1: malformed record", "field 'answer' must be a "
+        "string, got Unreadable", "pass skip_malformed=True")
+    with pytest.raises(ValueError, match=r"train.parquet: no records \(2 malformed"):
+        jsonl.parse_jsonl(str(manual / "train.parquet"), skip_malformed=True)
+    # In a column no format reads (verl's extra_info, say) it does not matter.
+    pq.write_table(pa.table({"question": ["1 + 2 = ?", "2 + 2 = ?"], "answer": ["3", "4"],
+                             "created": _far_dates([3, 3_000_000])}),
+                   str(manual / "train.parquet"))
+    parsed = jsonl.parse_jsonl(str(manual / "train.parquet"))
+    assert [r["answer"] for r in parsed.records] == ["3", "4"] and parsed.skipped == 0
+
+
 def test_a_reference_hash_line_holding_a_word_is_a_malformed_record(tmp_path, capsys):
     manual = tmp_path / "m"
     manual.mkdir()

@@ -10,7 +10,10 @@ every column as a key, so a column a format reads but the file lacks is the file
 not a row's: `Row` raises `MissingColumn` for it, and the reader turns that into one
 error naming the file, its columns and what the format reads (`missing_column`), which
 `skip_malformed` does not skip. A file pyarrow cannot read is one line naming it
-(`ParquetError`).
+(`ParquetError`). A cell pyarrow reads but Python cannot hold (a date or timestamp past
+year 9999, which a file may well store) becomes an `Unreadable` value in its row: a
+format that reads that field finds no string there, so the row is malformed (named, or
+skipped under `skip_malformed`); a column no format reads does not matter.
 """
 from __future__ import annotations
 
@@ -30,6 +33,41 @@ class ParquetError(ValueError):
 
 class MissingColumn(KeyError):
     """A column the format reads is not in the file."""
+
+
+class Unreadable:
+    """A cell Python cannot hold (module docstring); says why in its repr."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"<a value Python cannot hold: {self.why}>"
+
+
+_CONVERSION = (OverflowError, ValueError, pa.ArrowException)  # what as_py may raise
+
+
+def _cell(column, i: int):
+    try:
+        return column[i].as_py()
+    except _CONVERSION as e:
+        return Unreadable(_brief(e))
+
+
+def _pylist(batch: pa.RecordBatch) -> list[dict]:
+    """The batch's rows as dicts (`to_pylist`), a cell Python cannot hold as
+    `Unreadable` instead of failing the batch."""
+    try:
+        return batch.to_pylist()
+    except _CONVERSION:
+        columns = {}
+        for name, column in zip(batch.schema.names, batch.columns):
+            try:
+                columns[name] = column.to_pylist()
+            except _CONVERSION:
+                columns[name] = [_cell(column, i) for i in range(len(column))]
+        return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
 class Row(dict):
@@ -55,7 +93,7 @@ def rows(path: str) -> Iterator[tuple[int, Row]]:
         with epath.Path(path).open("rb") as f:
             n = 0
             for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS):
-                for row in batch.to_pylist():
+                for row in _pylist(batch):
                     n += 1
                     yield n, Row(row)
     except (pa.ArrowException, OSError) as e:
