@@ -1,16 +1,17 @@
 """Property-based fuzzing of the four input surfaces a user hands the program: the config
 (`key=value` overrides, and the stored config a resumed run compares), a Hugging Face
-checkpoint's config.json and shard index, an offline rollout file, and JSONL records
-(math problems, cold-start chats). Each input either works or raises a user error, which
-the command line prints as one line (tests/fuzz_helpers.py), within a bound on its time;
-and what works holds what the input said: no value silently changed type, rounded,
-wrapped or dropped.
+checkpoint's config.json and shard index, an offline rollout file, and data records in
+JSONL and parquet files (math problems, cold-start chats). Each input either works or
+raises a user error, which the command line prints as one line (tests/fuzz_helpers.py),
+within a bound on its time; and what works holds what the input said: no value silently
+changed type, rounded, wrapped or dropped.
 
 Every surface runs under the FAST profile in the default suite (60 derandomized examples
-each, about 15 s in all) and under LONG with `pytest -m slow` (2,000 fresh examples
-each, about 4 minutes in all). The library functions are called in-process. Inputs found
-to break the property are kept as tests in tests/fuzz_found_test.py; those still open
-are listed in OPEN.
+each) and under LONG with `pytest -m slow` (2,000 fresh examples each); the times are in
+docs/reliability.md. The library functions are called in-process. Inputs found to break
+the property become table cases in tests/bad_input_test.py (through the command line
+where the surface is reachable from it); those whose fix is still open are listed in
+OPEN.
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ PROFILES = [pytest.param(FAST, id="fast"),
             pytest.param(LONG, id="long", marks=pytest.mark.slow)]
 
 # {surface: {test: whether an example is its input}}: bugs this harness found that are
-# still open, each kept as a strict xfail in tests/fuzz_found_test.py (the test named
-# here). Their inputs are passed over (assumed away) so that the harness goes on looking
-# for others; delete an entry when its test there passes.
+# still open, each kept as a strict xfail among the table cases of
+# tests/bad_input_test.py (the test named here). Their inputs are passed over (assumed
+# away) so that the harness goes on looking for others; delete an entry when its test
+# there passes.
 OPEN: dict = {}
 
 
