@@ -120,11 +120,34 @@ def local_rows(x) -> np.ndarray:
 
 def gather(x_local):
     """The concatenation over processes (in process order) of each process's rows: of an
-    array, or of every array of a pytree (one collective for all of them)."""
+    array, or of every array of a pytree (a scalar leaf is stacked), in one collective:
+    the leaves' bytes travel as one buffer (`process_allgather` alone runs one per leaf).
+    Every process passes leaves of the same shapes and dtypes."""
     x_local = jax.tree.map(np.asarray, x_local)
     if jax.process_count() == 1:
         return x_local
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(x_local, tiled=True))
+    leaves, tree = jax.tree.flatten(x_local)
+    buffer_nxb = np.asarray(multihost_utils.process_allgather(pack_bytes(leaves)))
+    return jax.tree.unflatten(tree, unpack_bytes(buffer_nxb, leaves))
+
+
+def pack_bytes(leaves) -> np.ndarray:
+    """The bytes of host arrays, one after the other, as one uint8 vector."""
+    return np.concatenate([np.zeros(0, np.uint8)] + [
+        np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves])
+
+
+def unpack_bytes(buffer_nxb: np.ndarray, like) -> list[np.ndarray]:
+    """`pack_bytes`' buffers of n processes (row p is process p's) as arrays shaped and typed
+    as the leaves `like`, each the concatenation of the processes' leaves over axis 0
+    (stacked for a scalar leaf)."""
+    out, start = [], 0
+    for x in like:
+        stop = start + x.nbytes
+        parts = [row[start:stop].copy().view(x.dtype).reshape(x.shape) for row in buffer_nxb]
+        out.append(np.stack(parts) if x.ndim == 0 else np.concatenate(parts))
+        start = stop
+    return out
 
 
 def host(x) -> np.ndarray:

@@ -105,8 +105,9 @@ def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
     mine_n = distributed.rows_of_process(len(inflight.attempts_I))
     queue, decode_steps = engine.sample_partial(
         state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
-    inflight.queue = jax.tree.map(
-        lambda x: np.array(distributed.gather(distributed.local_rows(x))), queue)
+    # One gather of every field (np.array: the queue's arrays are written in place).
+    inflight.queue = jax.tree.map(np.array, distributed.gather(
+        jax.tree.map(distributed.local_rows, queue)))
     rows, gids = inflight.take(cfg)
     q = jax.tree.map(lambda x: x[rows], inflight.queue)
     prompt_idx = inflight.prompt_indices(gids, cfg, data)
@@ -233,6 +234,11 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
             key = jax.random.fold_in(jax.random.key(rl.seed), step)
             rollout = engine.sample(state.params, tokens, mask, key)
         rewards_mine, extractors = data.reward_with_source(rollout, answers)
+        # This process's rows: the sampler's lengths are a batch-sharded global array
+        # whose other rows live on the other hosts' devices (only partial rollouts hold
+        # every row on the host), and the rewards exist only here; all four ride the
+        # one HostRows gather below, where reading the global arrays whole would be a
+        # collective each.
         lengths_mine = distributed.local_rows(rollout.lengths_B)
         truncated_mine = distributed.local_rows(rollout.truncated_B)
         source = {"prompts": [int(i) for i in prompt_idx]}
