@@ -1,6 +1,8 @@
 """What an open Checkpointer (checkpoint.py) installs around orbax: orbax's error records
 of a failed save sent to a log file in the workdir instead of the terminal (`ErrorLog`,
-`ORBAX_ERRORS`), and the SIGINT handler that holds a Ctrl-C landing inside orbax's save
+`ORBAX_ERRORS`; so are the "Event loop is closed" errors of TensorStore's callbacks that
+complete after a failed save's event loop closed, which Python prints as unraisable
+exceptions, a traceback each), and the SIGINT handler that holds a Ctrl-C landing inside orbax's save
 until the save has started (`INTERRUPTS`; checkpoint.py's module docstring,
 "Interrupts")."""
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from stablerl_jax import storage
 
@@ -22,13 +25,13 @@ class ErrorLog:
     file is an object, uploaded again whole at each record."""
 
     def __init__(self, path: str, directory: str):
-        self.path, self.directory, self.written = path, directory, False
+        self.path, self.directory, self.written, self.closed = path, directory, False, False
         self._file = storage.log_handler(path)
         self._file.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s [%(threadName)s] %(pathname)s:%(lineno)d: %(message)s"))
         self._file.handleError = self._dropped
         self._failed = False
-        ORBAX_ERRORS.logs.append(self)
+        ORBAX_ERRORS.add(self)
 
     def _dropped(self, record) -> None:
         self._failed = True
@@ -37,25 +40,83 @@ class ErrorLog:
         self._failed = False
         self._file.handle(record)
         self.written = self.written or not self._failed
+        if not self._failed:
+            ORBAX_ERRORS.took(self)
 
     def close(self) -> None:
-        if self in ORBAX_ERRORS.logs:
-            ORBAX_ERRORS.logs.remove(self)
+        """Stop taking orbax's records; the log that took the latest one stays open for
+        the late errors of its failed save (`OrbaxErrors.recent`)."""
+        self.closed = True
+        ORBAX_ERRORS.remove(self)
+        if ORBAX_ERRORS.recent is not self:
+            self._file.close()
+
+    def _close_file(self) -> None:
         self._file.close()
+
+
+def _after_loop_closed(info) -> bool:
+    """Whether an unraisable exception is asyncio's "Event loop is closed" raised in
+    `call_soon_threadsafe`: a TensorStore write of a save completing after the event
+    loop of orbax's save thread closed, which a failed (or cancelled) save leaves."""
+    return (isinstance(info.exc_value, RuntimeError)
+            and str(info.exc_value) == "Event loop is closed"
+            and any(f.name == "call_soon_threadsafe"
+                    for f in traceback.extract_tb(info.exc_traceback)))
 
 
 class OrbaxErrors(logging.Filter):
     """On the 'absl' logger (orbax logs there): while a Checkpointer is open, orbax's error
     records go, tracebacks and all, to the log of the open Checkpointer whose directory
-    they name (else the newest one's) instead of the terminal. Inert otherwise."""
+    they name (else the newest one's) instead of the terminal. What a failed save leaves
+    behind goes to the log that took the latest record (that of the failed save), open
+    or not: on the 'asyncio' logger, "Task exception was never retrieved" of orbax's
+    tasks naming its directory, and, through `sys.unraisablehook`, the unraisable errors
+    of a save's callbacks after its event loop closed (`_after_loop_closed`). Those may
+    come after its Checkpointer closed (TensorStore's writes of a failed save end when
+    they end, its tasks are collected when they are), so that log stays open for them
+    (`recent`), and the hook with it. Inert otherwise: the hook is installed while a log
+    is open or has taken a record."""
 
     def __init__(self):
         super().__init__()
         self.logs: list[ErrorLog] = []
+        self.recent: ErrorLog | None = None  # the log that took the latest record
+        self._hook = None  # the unraisable hook ours replaced, while installed
+
+    def took(self, log: ErrorLog) -> None:
+        if self.recent is not None and self.recent is not log and self.recent.closed:
+            self.recent._close_file()
+        self.recent = log
+
+    def add(self, log: ErrorLog) -> None:
+        self.logs.append(log)
+        if sys.unraisablehook != self._unraisable:  # not installed, or replaced since
+            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+
+    def remove(self, log: ErrorLog) -> None:
+        if log in self.logs:
+            self.logs.remove(log)
+        if not self.logs and self.recent is None and self._hook is not None:
+            if sys.unraisablehook == self._unraisable:  # else another replaced ours
+                sys.unraisablehook = self._hook
+            self._hook = None
+
+    def _unraisable(self, info) -> None:
+        target = self.recent or (self.logs[-1] if self.logs else None)
+        if target is not None and _after_loop_closed(info):
+            target.write(logging.LogRecord(
+                "orbax", logging.ERROR, __file__, 0, "a checkpoint save's callback ran "
+                "after the save's event loop closed (a failed or cancelled save)", None,
+                (info.exc_type, info.exc_value, info.exc_traceback)))
+            return
+        (self._hook or sys.__unraisablehook__)(info)
 
     def filter(self, record) -> bool:
-        if (not self.logs or record.levelno < logging.ERROR
-                or f"{os.sep}orbax{os.sep}" not in record.pathname):
+        orbax = f"{os.sep}orbax{os.sep}"
+        from_orbax = orbax in record.pathname and self.logs
+        late = record.name == "asyncio" and (self.logs or self.recent)
+        if record.levelno < logging.ERROR or not (from_orbax or late):
             return True
         try:
             text = record.getMessage()
@@ -63,14 +124,25 @@ class OrbaxErrors(logging.Filter):
                 text += logging.Formatter().formatException(record.exc_info)
         except Exception:  # noqa: BLE001 (a malformed record still goes to a log)
             text = ""
-        log = next((log for log in reversed(self.logs) if log.directory + os.sep in text),
-                   self.logs[-1])
+        if from_orbax:
+            log = next((log for log in reversed(self.logs)
+                        if log.directory + os.sep in text), self.logs[-1])
+        else:  # asyncio's "Task exception was never retrieved" of a failed save's task
+            logs = self.logs + [log for log in [self.recent] if log not in self.logs]
+            log = next((log for log in reversed(logs) if orbax in text
+                        and log.directory + os.sep in text), None)
+            if log is None:
+                return True
         log.write(record)
         return False
 
 
 ORBAX_ERRORS = OrbaxErrors()
 logging.getLogger("absl").addFilter(ORBAX_ERRORS)
+# Orbax's save tasks that failed are garbage-collected later, maybe after the
+# Checkpointer closed: asyncio then logs "Task exception was never retrieved", a
+# traceback each (the failure is reported already, by CheckpointSaveError).
+logging.getLogger("asyncio").addFilter(ORBAX_ERRORS)
 
 
 class Interrupts:

@@ -1,12 +1,15 @@
 """Orbax checkpoints: bitwise round trip, shardings, keep-N, async, complete steps only,
 entries the checkpoints did not write, errors, failed saves' logs, interrupts."""
+import asyncio
 import hashlib
+import logging
 import os
 import resource
 import shutil
 import signal
 import sys
 import weakref
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -257,6 +260,27 @@ def test_a_failed_save_logs_orbax_tracebacks_to_a_file(tmp_path, caplog):
     assert "Traceback" in text and "File too large" in text
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none on the terminal
     assert not (tmp_path / "ck" / "1").exists()
+    # TensorStore's writes of the failed save may complete after orbax closed the save's
+    # event loop, even after the Checkpointer closed: Python prints each callback's
+    # "Event loop is closed" as an unraisable exception, a traceback on the terminal.
+    # Those go to the same log.
+    loop = asyncio.new_event_loop()
+    loop.close()
+    with pytest.raises(RuntimeError, match="Event loop is closed") as late:
+        loop.call_soon_threadsafe(print)
+    sys.unraisablehook(SimpleNamespace(exc_type=RuntimeError, exc_value=late.value,
+                                       exc_traceback=late.value.__traceback__,
+                                       err_msg=None, object=None))
+    assert "a checkpoint save's callback ran after the save's event loop closed" in \
+        log.read_text() and "call_soon_threadsafe" in log.read_text()
+    # So does asyncio's report of the failed save's tasks, when they are collected.
+    never = ("Task exception was never retrieved\nfuture: <Task finished coro=<write_fragment()"
+             " defined at /site-packages/orbax/checkpoint/serialization.py:126> exception="
+             f"ValueError('Error writing {tmp_path / 'ck' / '1.orbax-checkpoint-tmp'}: File "
+             "too large')>")
+    with caplog.at_level("INFO"):
+        logging.getLogger("asyncio").error(never)
+    assert never in log.read_text() and never not in caplog.text
 
 
 @pytest.fixture
