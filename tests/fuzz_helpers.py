@@ -88,15 +88,16 @@ def json_bytes(value) -> bytes:
 
 
 @st.composite
-def mutated_json_object(draw, base: dict, keys=None):
-    """`base` with a few of its fields replaced by, or given, any JSON value, or deleted;
-    `keys` are the fields mutations pick from (base's by default)."""
+def mutated_json_object(draw, base: dict, keys=None, values=None, min_key_size=0):
+    """`base` with a few of its fields replaced by, or given, any JSON value (any of
+    `values`, when given), or deleted; `keys` are the fields mutations pick from (base's
+    by default)."""
     obj = dict(base)
     keys = list(keys or base)
     for _ in range(draw(st.integers(0, 3))):
-        key = draw(st.sampled_from(keys) | st.text(max_size=8))
+        key = draw(st.sampled_from(keys) | st.text(min_size=min_key_size, max_size=8))
         if draw(st.booleans()) or key not in obj:
-            obj[key] = draw(JSON)
+            obj[key] = draw(JSON if values is None else values)
         else:
             del obj[key]
     return obj
