@@ -220,7 +220,8 @@ def compile_step(engine, name: str) -> Compiled:
     """AOT-compile the Engine's step `name` at its config's batch sizes."""
     from stablerl_jax.model import transformer as tf
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), engine.cfg.model))
-    state_like = jax.eval_shape(engine._jitted["init_state"][0], params_like)
+    state_like = jax.eval_shape(engine._jitted["init_state"][0], params_like,
+                                jax.ShapeDtypeStruct((), jnp.float32))
     args = step_inputs(engine.cfg, name, params_like, state_like)
     out = compile_lowered(name, lambda: engine.lower(name, *args))
     out.model_flops = step_model_flops(engine.cfg, name)

@@ -87,6 +87,36 @@ def test_weight_replay_carries_the_samplers_weights_into_score_and_update():
     assert plain.replay_weights_BxTxLxK is None
 
 
+def test_learning_rates_share_one_compiled_update_and_each_takes_its_own_step():
+    """The peak learning rate is optimizer state: engines that differ only in it share
+    their jitted steps, each state carries its engine's rate, and Adam's first step along
+    the same gradient scales with it (Δθ = -lr · u, u = g / (|g| + eps) the same bits at
+    both rates; lr · u rounds by half an ulp of itself and θ + Δθ by half an ulp of the
+    larger of |θ|, |θ + Δθ|, so 4 Δθ(lr / 4) and Δθ(lr) differ by at most 2.5 such ulps
+    plus 2.5 ulps of Δθ)."""
+    cfg, params, ro = _rollout()
+    fast = _engine(cfg)
+    slow = _engine(tiny_cfg(learning_rate=cfg.rl.optim.learning_rate / 4))
+    assert fast._jitted is slow._jitted
+    batch, _ = fast.score(params, ro, REWARDS)
+    theta = jax.tree.map(lambda x: np.array(x, np.float64), params)
+    moved = []
+    for eng in (fast, slow):
+        state = eng.init_state(params)
+        assert state.opt_state.hyperparams["learning_rate"] == np.float32(eng.learning_rate)
+        new, _ = eng.update(state, batch)
+        moved.append(jax.tree.map(lambda a, t: np.asarray(a, np.float64) - t, new.params,
+                                  theta))
+    ulp = lambda x: np.spacing(np.abs(x).astype(np.float32)).astype(np.float64)
+    for d_fast, d_slow, t in zip(*map(jax.tree.leaves, (*moved, theta))):
+        big = np.maximum(np.abs(t), np.maximum(np.abs(t + d_fast), np.abs(t + d_slow)))
+        assert np.all(np.abs(4 * d_slow - d_fast) <= 2.5 * (ulp(big) + ulp(d_fast)))
+    assert any(np.any(d != 0) for d in jax.tree.leaves(moved[0]))
+    # A state restored at another rate takes this engine's (a resume that changes it).
+    assert slow.with_learning_rate(fast.init_state(params)).opt_state.hyperparams[
+        "learning_rate"] == np.float32(slow.learning_rate)
+
+
 def test_r2_on_policy_first_minibatch_is_bit_identical_to_no_replay():
     cfg, params, ro = _rollout()
     batch, _ = _engine(tiny_cfg(replay="r2")).score(params, ro, REWARDS)

@@ -38,22 +38,48 @@ from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import dynamic, inflight, probe, steps
 
 
-def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW at the schedule of `optim` over `total_steps`."""
+def lr_shape(optim: OptimConfig, total_steps: int):
+    """The learning-rate schedule of `optim` over `total_steps` with a peak of 1 (a function
+    of the optimizer step), or None for a constant rate."""
     warmup = int(optim.warmup_frac * total_steps)
-    lr = optim.learning_rate
     if optim.schedule == "cosine":
         warmup = max(warmup, 1)
-        lr = optax.warmup_cosine_decay_schedule(0.0, optim.learning_rate, warmup,
-                                                max(total_steps, warmup + 1),
-                                                end_value=optim.learning_rate * optim.end_lr_frac)
-    elif warmup:
-        lr = optax.join_schedules([optax.linear_schedule(0.0, optim.learning_rate, warmup),
-                                   optax.constant_schedule(optim.learning_rate)], [warmup])
+        return optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup,
+                                                  max(total_steps, warmup + 1),
+                                                  end_value=optim.end_lr_frac)
+    if warmup:
+        return optax.join_schedules([optax.linear_schedule(0.0, 1.0, warmup),
+                                     optax.constant_schedule(1.0)], [warmup])
+    return None
+
+
+def _clipped_adamw(learning_rate, optim: OptimConfig, total_steps: int):
+    shape = lr_shape(optim, total_steps)
+    lr = learning_rate if shape is None else (lambda n: learning_rate * shape(n))
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
         optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                     weight_decay=optim.weight_decay))
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW at the schedule of `optim` over `total_steps`.
+
+    The peak learning rate is optimizer state (`optax.inject_hyperparams`: a float32
+    scalar beside the moments), not a constant of the update program, so runs that differ
+    only in it share one compiled update (`program_optim`). A constant rate computes
+    exactly what a constant baked into the program did; a schedule multiplies its shape
+    (peak 1) by the rate, which can round the rate's last bit differently than a schedule
+    built around the rate (docs/architecture.md, "Engine")."""
+    return optax.inject_hyperparams(_clipped_adamw, static_args=("optim", "total_steps"))(
+        learning_rate=optim.learning_rate, optim=optim, total_steps=total_steps)
+
+
+def program_optim(optim: OptimConfig, total_steps: int) -> tuple[OptimConfig, int]:
+    """(optim, total_steps) with what the compiled steps do not depend on at defaults: the
+    learning rate (optimizer state), and the step count where the rate is constant."""
+    optim = optim.replace(learning_rate=OptimConfig().learning_rate)
+    return optim, (total_steps if lr_shape(optim, total_steps) is not None else 0)
 
 
 def param_shardings(cfg: ExperimentConfig, devices=None, params_like=None) -> dict:
@@ -70,6 +96,7 @@ class Engine:
     """The steps of one experiment bound to a mesh and an optimizer."""
 
     cfg: ExperimentConfig
+    learning_rate: float   # the optimizer's peak rate, set in its state by init_state
     mesh: jax.sharding.Mesh
     optimizer: optax.GradientTransformation
     param_shardings: dict
@@ -97,12 +124,12 @@ class Engine:
             optim, total_steps = cfg.rl.optim, cfg.rl.steps * cfg.rl.num_minibatches
         # The seed enters a step only as the seed of the sampler's router noise.
         noise_seed = cfg.rl.seed if cfg.sampling.router_noise_std > 0 else 0
-        args = (program_config(cfg), rollout_lib.stop_set(eos_id, stop_ids), pad_id, optim,
-                total_steps, noise_seed,
+        args = (program_config(cfg), rollout_lib.stop_set(eos_id, stop_ids), pad_id,
+                *program_optim(optim, total_steps), noise_seed,
                 None if devices is None else tuple(devices))
         if params_like is None:
-            return cls(cfg, *_shared_steps(*args))
-        return cls(cfg, *_steps(*args, params_like))
+            return cls(cfg, optim.learning_rate, *_shared_steps(*args))
+        return cls(cfg, optim.learning_rate, *_steps(*args, params_like))
 
     def _place(self, name: str, args, leaf):
         """(step, args with each leaf mapped by leaf(x, its input sharding))."""
@@ -128,8 +155,14 @@ class Engine:
         return fn.lower(*abstract)
 
     def init_state(self, params) -> steps.TrainState:
-        """A fresh TrainState (optimizer state, zero counters) for `params`."""
-        return self._call("init_state", params)
+        """A fresh TrainState (optimizer state at this engine's learning rate, zero
+        counters) for `params`."""
+        return self._call("init_state", params, np.float32(self.learning_rate))
+
+    def with_learning_rate(self, state: steps.TrainState) -> steps.TrainState:
+        """`state` (e.g. restored from a checkpoint) at this engine's learning rate."""
+        rate = np.float32(self.learning_rate)
+        return self._call("set_learning_rate", state, rate)
 
     def sample(self, params, prompts_BxP, mask_BxP, key) -> rollout_lib.Rollout:
         """The sampling engine on left-padded prompts (rollout.sample)."""
@@ -207,11 +240,15 @@ LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` with the run's name and the `LOOP_ONLY` fields at their defaults: what the
-    jitted steps are built from (Engine.create passes the seed's one use, the sampler's
-    noise seed, and the optimizer's step count on their own)."""
+    """`cfg` with the run's name, the `LOOP_ONLY` fields and the learning rates (optimizer
+    state) at their defaults: what the jitted steps are built from (Engine.create passes
+    the seed's one use, the sampler's noise seed, and the optimizer on their own)."""
     default = RLConfig()
-    return cfg.replace(name="", rl=cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY}))
+    rate = OptimConfig().learning_rate
+    rl = cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY},
+                        optim=cfg.rl.optim.replace(learning_rate=rate))
+    return cfg.replace(name="", rl=rl, sft=cfg.sft.replace(
+        optim=cfg.sft.optim.replace(learning_rate=rate)))
 
 
 def sampler_model(cfg: ExperimentConfig):
@@ -261,9 +298,15 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                               group_size=cfg.rl.group_size,
                               slots=inflight.slots(cfg))
 
-    def init_state(params):
+    def set_learning_rate(state, rate):
+        hyper = dict(state.opt_state.hyperparams)
+        hyper["learning_rate"] = rate.astype(hyper["learning_rate"].dtype)
+        return state._replace(opt_state=state.opt_state._replace(hyperparams=hyper))
+
+    def init_state(params, rate):
         zero = jnp.zeros((), jnp.int32)
-        return steps.TrainState(params, optimizer.init(params), zero, zero)
+        return set_learning_rate(steps.TrainState(params, optimizer.init(params), zero, zero),
+                                 rate)
 
     def update(loss_fn, microbatches, state, batch_, pack=None):
         return steps.apply_gradients(
@@ -276,7 +319,9 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
     score_slices = cfg.rl.num_minibatches * cfg.rl.microbatches
     onpolicy_fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
     jitted = {
-        "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh,)),
+        "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh, rep)),
+        "set_learning_rate": (jax.jit(set_learning_rate, out_shardings=state_sh),
+                              (state_sh, rep)),
         "sample": (jax.jit(sample, out_shardings=batch), (p_sh, batch, batch, rep)),
         "score": (jax.jit(functools.partial(steps.score, cfg=cfg, n_slices=score_slices,
                                             mesh=model_mesh,

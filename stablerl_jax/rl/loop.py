@@ -442,7 +442,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         if inflight is not None:
             inflight = Inflight.from_state_dict(state_dict.pop("inflight"))
             history = list(state_dict.pop("history"))
-        state = steps.TrainState(**state_dict)
+        # A rate changed on resume (allow_config_change) takes effect here.
+        state = engine.with_learning_rate(steps.TrainState(**state_dict))
         start = latest
         if main:
             resume.report_torn(metrics_path)
