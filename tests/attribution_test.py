@@ -215,6 +215,7 @@ def run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.integration
 def test_a_run_logs_plots_and_dumps_the_attribution_and_resumes_it(run):
     rows = [json.loads(line) for line in open(os.path.join(run, "attribution.jsonl"))]
     # 8 rows a step (rl.attribution_rows=0 on one device), the killed run's row gone.
@@ -228,6 +229,7 @@ def test_a_run_logs_plots_and_dumps_the_attribution_and_resumes_it(run):
             "mismatch_by_pos_mean_square_of_the_total.png"} <= plots, plots
 
 
+@pytest.mark.integration
 def test_the_notebook_reads_the_run_headless(run):
     from notebooks_test import NOTEBOOKS, _execute, _outputs
     # From notebooks/, as Jupyter starts it (it writes no file).
@@ -285,6 +287,7 @@ def test_with_score_in_update_the_one_update_attributes_its_own_forward():
     assert metrics["attr/precision_sqmean"] > 0
 
 
+@pytest.mark.integration
 def test_the_experiments_tables_read_a_sets_runs(run, tmp_path):
     from experiments import mismatch_attribution
     os.makedirs(tmp_path / "minirl")

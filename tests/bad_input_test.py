@@ -200,6 +200,7 @@ def _snapshot(path):
                   for p in path.rglob("*") if p.name != LOCK_FILE)
 
 
+@pytest.mark.integration
 def test_resuming_with_another_model_config_is_refused(finished_run):
     cfg, workdir = finished_run
     before = _snapshot(workdir)
@@ -213,6 +214,7 @@ def test_resuming_with_another_model_config_is_refused(finished_run):
 
 
 # Found by tests/fuzz_test.py as AttributeError / TypeError; fixed in rl/preflight.py.
+@pytest.mark.integration
 @pytest.mark.parametrize("stored", [False, [], "config", 3],
                          ids=["false", "[]", "a string", "a number"])
 def test_a_stored_config_that_is_not_an_object_is_refused(finished_run, tmp_path, stored):
@@ -231,6 +233,7 @@ def test_a_stored_config_that_is_not_an_object_is_refused(finished_run, tmp_path
     assert _snapshot(copy) == before
 
 
+@pytest.mark.integration
 def test_the_only_checkpoint_corrupted_is_refused(finished_run, tmp_path):
     cfg, workdir = finished_run
     copy = tmp_path / "run"
@@ -394,6 +397,7 @@ def test_bad_hf_weights_are_refused_naming_tensor_and_file(tmp_path, capsys, hf_
     assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
+@pytest.mark.integration
 def test_a_read_only_checkpoint_directory_is_one_line(tmp_path, capsys, monkeypatch,
                                                       hf_dir):
     workdir = tmp_path / "run"
@@ -605,6 +609,7 @@ LINKED_LOGS = [("metrics.jsonl", ["sft.steps=0"]), ("samples.jsonl", ["sft.steps
                ("sft_run/metrics.jsonl", ["sft.steps=1"])]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("log, overrides", LINKED_LOGS, ids=[c[0] for c in LINKED_LOGS])
 @pytest.mark.parametrize("dangling", [False, True], ids=["to a file", "dangling"])
 def test_a_linked_log_is_one_line_and_its_target_untouched(tmp_path, capsys, log,

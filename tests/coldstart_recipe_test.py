@@ -82,6 +82,7 @@ def stages(tmp_path_factory):
             "summary": summary, "tok": tok, "printed": out.getvalue(), "sft_file": sft_file}
 
 
+@pytest.mark.integration
 def test_the_cold_start_filters_at_load_and_lowers_the_loss(stages):
     # 3 one-turn chats, the two-turn chat as one example per turn (the template drops
     # the first turn's thinking once a later user message follows), the long trace.
@@ -95,6 +96,7 @@ def test_the_cold_start_filters_at_load_and_lowers_the_loss(stages):
     assert settings["init"] == str(stages["ckpt"]) and settings["sft.data"].endswith("sft.jsonl")
 
 
+@pytest.mark.integration
 def test_the_trained_targets_are_the_assistant_turns_as_transformers_renders_them(stages):
     # The batch the cold start trains on, target by target: tokens[:, t + 1] carries loss
     # where mask_BxT[:, t] = 1. Its trained text must be each assistant turn through the
@@ -126,6 +128,7 @@ def test_the_trained_targets_are_the_assistant_turns_as_transformers_renders_the
     assert [g for g, _ in got] == [g for g, _ in expected]
 
 
+@pytest.mark.integration
 def test_the_sft_only_run_evaluates_and_logs_samples_with_their_stop(stages):
     work = stages["root"] / "sft_only"
     rows = read_metrics(str(work))
@@ -140,6 +143,7 @@ def test_the_sft_only_run_evaluates_and_logs_samples_with_their_stop(stages):
         assert s["prompt"].startswith("<|im_start|>user\nWhat is")
 
 
+@pytest.mark.integration
 def test_the_export_loads_in_transformers_with_its_template_and_logits(stages):
     export, ckpt = str(stages["export"]), str(stages["ckpt"])
     source = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -166,6 +170,7 @@ def test_the_export_loads_in_transformers_with_its_template_and_logits(stages):
     assert np.abs(before - ref).max() > 1.0  # the export is the tuned policy
 
 
+@pytest.mark.integration
 def test_rl_starts_from_the_export(stages, tmp_path):
     summary = quickstart.main(["--workdir", str(tmp_path), "--preset", "paper", "--hf",
                                str(stages["export"]), "--quiet", "--compile-cache=",

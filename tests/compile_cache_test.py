@@ -3,6 +3,10 @@ directory and a second process loads it instead of compiling; '' leaves it off."
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # each test starts Python processes
+
 PROGRAM = """
 import sys, jax, jax.numpy as jnp
 from stablerl_jax import compile_cache

@@ -23,17 +23,15 @@
   persistent cache, keyed by the compiled program, does. It only skips recompiling
   identical programs. A size bound turns on jax's file lock around every read and write,
   so that no process reads an entry another is still writing.
-- After each test module, jax's in-memory caches are cleared (`_release_module_memory`):
-  an xdist worker runs hundreds of modules, and the executables and traces their jitted
-  closures leave in the caches kept each worker growing through the run (5.4 and 6.5 GB
-  at the end of `pytest -n 2`, beside the processes the late tests start). Over the seven
-  model/loss modules (transformer, moe, attention, gmm, losses, logprobs, fused_logprob)
-  in one process, the clearing takes the peak from 3.2 to 1.6 GB at no cost in time
-  (336 vs 299 s), and over the whole suite a worker's peak went from 6.5 to 2.7 GB; the
-  persistent cache above keeps the recompiles cheap.
+- JAX's in-memory caches are kept for the whole session (they were cleared after each
+  module once, when the default suite also held every whole run; docs/testing.md has the
+  workers' peak memory since), so tests that compile the same program share it.
+- The tiers (tests/tiers.py): `pytest_collection_modifyitems` marks the sampled cases of
+  large parameter products and the whole-model tests `integration`, and a test outside
+  the integration, slow and tpu tiers fails if it starts a run, a child process or a
+  notebook (`pytest_runtest_protocol`).
 """
 import atexit
-import gc
 import os
 import shutil
 import tempfile
@@ -72,7 +70,8 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 def cpu_devices(n: int = 8) -> list:
     """The first n CPU devices, whatever the default backend is."""
     devices = jax.devices("cpu")
-    assert len(devices) >= n, f"need {n} CPU devices; conftest sets {_FLAG}"
+    assert len(devices) >= n, (f"need {n} CPU devices; tests/conftest.py sets "
+                               "--xla_force_host_platform_device_count=8 in XLA_FLAGS")
     return devices[:n]
 
 
@@ -89,9 +88,22 @@ def x64():
         jax.config.update("jax_enable_x64", before)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_module_memory():
-    """Clear jax's in-memory caches after each module (module docstring)."""
-    yield
-    jax.clear_caches()
-    gc.collect()
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """The sampled parameter products and whole-model tests marked `integration`
+    (tests/tiers.py)."""
+    from tiers import mark_tiers
+    mark_tiers(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A default-tier test may not start a run, a child process or a notebook, in its
+    body or in a fixture it sets up (tests/tiers.py)."""
+    from tiers import guarded
+    mp = guarded(item)
+    try:
+        yield
+    finally:
+        if mp is not None:
+            mp.undo()

@@ -196,6 +196,7 @@ def test_padded_groups_are_empty_responses_that_carry_no_loss(x64):
         assert_close(results[0][i], results[1][i], n=n, dtype="float64", cond=tokens)
 
 
+@pytest.mark.integration
 def test_no_group_of_equal_rewards_reaches_an_update(full_run):
     _, seen = full_run
     g = tiny_cfg().rl.group_size
@@ -214,6 +215,7 @@ def test_no_group_of_equal_rewards_reaches_an_update(full_run):
         assert (adv_M[mask_MxT.any(1)] != 0).all()
 
 
+@pytest.mark.integration
 def test_the_batch_fills_in_rounds_or_says_it_is_short(full_run, scenario):
     workdir, seen = full_run
     data, draws = scenario
@@ -240,6 +242,7 @@ def test_the_batch_fills_in_rounds_or_says_it_is_short(full_run, scenario):
     assert short["dynamic/filled_frac"] == 0.25 and short["skipped_updates"] == 0
 
 
+@pytest.mark.integration
 def test_same_seed_same_run_and_exact_resume(full_run, scenario, tmp_path):
     """A second run of the same seed stopped after step 2 equals the first, and resumed
     to step 3 from its checkpoint it still does: metrics and compositions."""
@@ -255,6 +258,7 @@ def test_same_seed_same_run_and_exact_resume(full_run, scenario, tmp_path):
     assert read_metrics(f"{part}/minibatches.jsonl") == comp
 
 
+@pytest.mark.integration
 def test_with_every_group_kept_it_is_the_run_without_it(task, tmp_path):
     """Round 0 is the step's own prompts and sampler key: when it keeps every group the
     run is the run without dynamic sampling, bit for bit, plus the `dynamic/…` metrics."""

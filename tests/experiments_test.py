@@ -34,14 +34,14 @@ SMOKE = {
     "mismatch_sweep": ("s0.3+actfp8-minirl", ["rl.prompts_per_step=8"]),
 }
 # The others' smoke runs take ~1.5 min each: `pytest -m slow` runs them.
-SMOKE_IN_DEFAULT_SUITE = ("onpolicy",)
+SMOKE_IN_INTEGRATION = ("onpolicy",)
 
 
 def _smoke_cases() -> list:
     cases = []
     for name, desc in ALL.items():
         only, extra = SMOKE.get(name) or (desc.presets["tiny"]().variants[0].name, [])
-        marks = () if name in SMOKE_IN_DEFAULT_SUITE else pytest.mark.slow
+        marks = pytest.mark.integration if name in SMOKE_IN_INTEGRATION else pytest.mark.slow
         cases.append(pytest.param(desc, only, extra, id=name, marks=marks))
     return cases
 
@@ -53,7 +53,7 @@ def test_every_module_is_listed():
     others, shared = set(experiments.OTHER_ENTRY_POINTS), set(experiments.SHARED)
     assert others | shared <= set(names)  # no stale name
     assert not others & shared and set(ALL) == set(names) - others - shared
-    assert set(SMOKE) <= set(ALL) and set(SMOKE_IN_DEFAULT_SUITE) <= set(ALL)
+    assert set(SMOKE) <= set(ALL) and set(SMOKE_IN_INTEGRATION) <= set(ALL)
     for name in [*ALL, *others]:
         module = importlib.import_module(f"experiments.{name}")
         assert callable(module.main), name
@@ -107,6 +107,7 @@ def test_tiny_preset_smoke(tmp_path, desc, only, extra):
     assert only in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.integration
 def test_long_preset_smoke(tmp_path):
     """Two steps of the long on-policy preset: its context holds 376 new tokens, rollouts
     run past 150 of them, and the sequence log-ratio monitors are logged."""

@@ -149,6 +149,7 @@ def _assert_same_run(cfg, a, b):
     jax.tree.map(np.testing.assert_array_equal, state_b, state_a)
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_a_run_in_a_bucket_resumes_there_without_losing_or_repeating_a_row(bucket, task):
     """The default suite's run in a bucket: stopped after step 1 with a row written after
     its checkpoint (a killed run's), resumed to step 2 (the bit-for-bit comparison with a
@@ -195,6 +196,7 @@ def test_a_run_in_a_bucket_equals_the_local_run_and_resumes_there(tmp_path, buck
     assert LOCK_FILE not in names
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_a_workdir_in_a_bucket_that_cannot_hold_a_run_is_refused(bucket):
     from stablerl_jax.rl.preflight import check_workdir
     with pytest.raises(ValueError, match="^workdir 'gs://no-such-bucket/run': the bucket "
@@ -230,6 +232,7 @@ def _holder_of(lock: str) -> dict:
     return json.loads(storage.read_object(lock).data)
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(bucket, caplog):
     run = f"{bucket}/run"
     holder = _holder(run)
@@ -255,6 +258,7 @@ def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(bucket, capl
     assert storage.read_object(lock) is None  # released: deleted
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_a_stale_lock_is_taken_over_and_its_holder_stops(bucket, caplog, monkeypatch):
     """A live holder that stops renewing (SIGSTOP: a hung process) is taken over once its
     lock is older than STALE_AFTER_S; resumed, it finds out at its next renewal and
@@ -286,6 +290,7 @@ def test_a_stale_lock_is_taken_over_and_its_holder_stops(bucket, caplog, monkeyp
         holder.wait()
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_of_runs_racing_for_one_lock_one_wins(bucket):
     """Three processes take the lock at once: the create-if-absent precondition lets one
     win; the others are refused naming it."""
@@ -305,6 +310,7 @@ def test_of_runs_racing_for_one_lock_one_wins(bucket):
                if line != "won"), lines
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_appended_rows_reach_the_bucket_at_flush(bucket, monkeypatch):
     """An object cannot be appended to: rows wait in memory until `flush` (the loop's,
     before each checkpoint save) or FLUSH_EVERY_S after the last upload, and the log's
@@ -352,6 +358,7 @@ def test_appended_rows_reach_the_bucket_at_flush(bucket, monkeypatch):
     assert "OSError: disk full 0" in text and "OSError: disk full 1" in text
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_a_save_cut_short_in_a_bucket_is_removed_and_foreign_entries_kept(bucket, caplog):
     """Orbax writes a step in place in a bucket: a save killed midway leaves `<step>/`
     without its commit file, which the next Checkpointer removes (that step is saved
@@ -378,6 +385,7 @@ def test_a_save_cut_short_in_a_bucket_is_removed_and_foreign_entries_kept(bucket
     assert storage.read_text(f"{d}/7/part/weights.bin") == "theirs"
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_offline_rollouts_and_an_export_in_a_bucket(tmp_path, bucket):
     from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
     from stablerl_jax.interop.rollouts import OfflineRollouts, write_rollouts
@@ -414,6 +422,7 @@ def test_offline_rollouts_and_an_export_in_a_bucket(tmp_path, bucket):
         OfflineRollouts.load(f"{bucket}/absent.npz")
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_task_data_is_read_from_a_bucket(tmp_path, bucket, monkeypatch):
     """`task.jsonl_dir=gs://…`: the splits read from the bucket are the records the same
     files give on a local disk; a gs:// workdir's task data (array_record files, which
@@ -549,6 +558,7 @@ def test_the_quickstart_runs_and_resumes_in_a_bucket(bucket, tmp_path):
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 
 
+@pytest.mark.integration  # the storage emulator is a process
 def test_a_checkpoint_directory_in_a_bucket_is_read_from_one_local_copy(bucket, tmp_path,
                                                                          monkeypatch):
     """`--hf gs://…` is memory-mapped from a local copy, fetched once (storage.fetch_dir)."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "stablerl_jax"
 # Package -> source directory: stablerl_jax.kernels is the top-level kernels/ (pyproject's
@@ -67,6 +69,7 @@ def test_no_import_cycles():
             visit(m, [m])
 
 
+@pytest.mark.integration
 def test_each_module_imports_on_its_own_and_config_is_a_leaf():
     names = sorted(_modules())
     script = f"""

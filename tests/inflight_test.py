@@ -17,7 +17,7 @@ def _cfg(steps=4, staleness=1, **rl):
     return cfg.replace(sampling=cfg.sampling.replace(max_batch=4))
 
 
-@pytest.mark.parametrize("old_policy", ["behavior",
+@pytest.mark.parametrize("old_policy", [pytest.param("behavior", marks=pytest.mark.integration),
                                         pytest.param("proximal", marks=pytest.mark.slow)])
 def test_partial_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path, old_policy):
     cfg = _cfg(old_policy=old_policy)

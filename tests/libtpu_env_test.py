@@ -31,6 +31,7 @@ def test_quiet_settings_only_without_tpu_chips(clean_env):
     assert os.environ["TPU_SKIP_MDS_QUERY"] == "1"
 
 
+@pytest.mark.integration
 def test_an_entry_point_starts_its_backend_quietly():
     # What `python -m experiments.<name>` does first (import the package), then start
     # JAX's backends, as every run does; without a TPU no libtpu trace may reach stderr.

@@ -24,6 +24,7 @@ def _params_like(cfg):
     return tf.init_params(jax.random.key(0), cfg.model)
 
 
+@pytest.mark.integration
 def test_few_steps_end_to_end_and_exact_resume(tmp_path):
     cfg = tiny_cfg(steps=4, checkpoint_every=2, eval_every=2)
     full = str(tmp_path / "full")
@@ -75,6 +76,7 @@ def test_invalid_workdir_is_a_clear_error(tmp_path):
         loop.run(tiny_cfg(), str(f), progress=False)
 
 
+@pytest.mark.integration
 def test_a_diverging_run_stops_with_an_error(tmp_path):
     # Every update overflows (lr 1e39 is inf in float32) and is skipped: after
     # max_consecutive_skips of them the run raises instead of exiting as if it trained.
@@ -85,6 +87,7 @@ def test_a_diverging_run_stops_with_an_error(tmp_path):
     assert rows[-1]["step"] == 1 and rows[-1]["skipped_updates"] == 1.0
 
 
+@pytest.mark.integration
 def test_a_run_trains_on_an_offline_rollout_file(tmp_path):
     """rl.offline_rollouts: the global step reads its responses (tokens, logp_mu, routes,
     weights, rewards) from the file instead of sampling; R3 with weight replay on."""
@@ -111,6 +114,7 @@ def test_a_run_trains_on_an_offline_rollout_file(tmp_path):
                  init_params=params, progress=False)
 
 
+@pytest.mark.integration
 def test_a_continuous_sampler_run_is_the_static_sampler_run(tmp_path):
     # sampling.continuous refills finished slots; the responses are the static
     # sampler's bit for bit (tests/continuous_test.py), so the whole run is the same.

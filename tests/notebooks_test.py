@@ -38,7 +38,9 @@ def _outputs(nb) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("name, expected, images", [
-    ("losses", ["on-policy MiniRL token weights == Â / B", "diagnostics.clip_fractions says"], 4),
+    pytest.param("losses", ["on-policy MiniRL token weights == Â / B",
+                            "diagnostics.clip_fractions says"], 4,
+                 marks=pytest.mark.integration),
     # ~60 s; the library it is a client of runs in tests/mismatch_test.py and
     # tests/diagnostics_test.py. `pytest -m slow` runs it.
     pytest.param("routing_mismatch", ["replay=r3 shrinks the engine factor", "fp8   KL k1 +"],

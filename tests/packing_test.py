@@ -209,6 +209,7 @@ def test_pack_settings_are_checked():
         tiny_cfg(pack_tokens=-1)
 
 
+@pytest.mark.integration
 def test_a_packed_run_matches_the_padded_run(tmp_path):
     """Three global steps of the tiny run (float32), padded and packed into rows of 40
     tokens (and the packed run stopped after step 2 and resumed: the same run, exactly):

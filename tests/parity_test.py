@@ -61,6 +61,7 @@ def test_a_good_checkpoint_is_within_the_float32_bound(ckpt, capsys):
     assert "parity OK" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_a_transposed_square_weight_fails_against_the_original(ckpt, tmp_path):
     bad = _transposed(ckpt, tmp_path / "bad")
     proc = subprocess.run([sys.executable, "-m", "stablerl_jax.interop.parity", str(bad),

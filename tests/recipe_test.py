@@ -32,7 +32,7 @@ from stablerl_jax.rl import loop  # noqa: E402
 from stablerl_jax.rl.engine import Engine  # noqa: E402
 from stablerl_jax.rollout import Rollout  # noqa: E402
 
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.integration]  # each test reads the run
 N_NEW = 8  # response budget: short, so that some responses are truncated
 
 OVERRIDES = [

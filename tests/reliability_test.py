@@ -104,6 +104,7 @@ def _assert_same_run(a, b, staleness=0):
                  _final_params(a, staleness))
 
 
+@pytest.mark.integration
 def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
     full, data, cache = reference
     # (Determinism, the same command twice writing the same run bit for bit: the first
@@ -169,6 +170,7 @@ def _damage(ckdir, damage):
         meta.write_text("{not json")
 
 
+@pytest.mark.integration
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog,
                                                                    reference):
     """Whatever is wrong with the newest step (truncated, zero-filled, a flipped byte, a
@@ -280,6 +282,7 @@ def _interrupted_runs(tmp_path, reference, runs: int, seed: int) -> float:
     return worst
 
 
+@pytest.mark.integration
 def test_ctrl_c_during_a_save_ends_the_run_in_bounded_time(tmp_path, reference):
     _interrupted_runs(tmp_path, reference, runs=3, seed=0)
 
@@ -315,6 +318,7 @@ def _one_line_error(out: str, *needles):
     return last
 
 
+@pytest.mark.integration
 def test_a_second_run_in_the_same_workdir_is_refused(tmp_path, reference):
     full, data, cache = reference
     workdir, go_on = tmp_path / "run", tmp_path / "go_on"
@@ -336,6 +340,7 @@ def test_a_second_run_in_the_same_workdir_is_refused(tmp_path, reference):
     assert lock.read_text() == ""  # released
 
 
+@pytest.mark.integration
 def test_a_lock_of_a_dead_run_is_taken_over(tmp_path, caplog):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from stablerl_jax import workdir; "
@@ -366,6 +371,7 @@ def _cut_metrics(workdir, row):
     path.write_bytes(b"\n".join(lines[:row]) + b"\n" + lines[row][: len(lines[row]) // 2])
 
 
+@pytest.mark.integration
 def test_a_torn_metrics_row_is_repaired_and_written_again(tmp_path, reference):
     full, data, cache = reference
     torn = _copy(full, tmp_path / "torn")
@@ -437,6 +443,7 @@ def _contents(path):
     return out
 
 
+@pytest.mark.integration
 def test_a_checkpoint_directory_another_program_filled_is_left_untouched(tmp_path, reference):
     """`checkpoints/` a symlink to a directory that already holds step-named folders the
     run did not write: they are named in one warning and never renamed, deleted or
@@ -464,6 +471,7 @@ def test_a_checkpoint_directory_another_program_filled_is_left_untouched(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["run", "shared_disk"]
 
 
+@pytest.mark.integration
 def test_a_symlinked_checkpoint_directory_resumes_like_a_plain_one(tmp_path, reference):
     """`checkpoints/` a symlink to an empty directory on another disk: killed mid-run and
     resumed, the run ends equal bit for bit to the uninterrupted one, writing its steps

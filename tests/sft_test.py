@@ -12,6 +12,8 @@ from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop, sft
 
+pytestmark = pytest.mark.integration  # each test trains a cold start
+
 SMALL = ["task.num_train=64", "task.num_test=16", "sft.batch_size=8", "sft.steps=4",
          "sft.checkpoint_every=2"]
 

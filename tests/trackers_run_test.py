@@ -68,6 +68,7 @@ def test_rl_loop_resumed_logs_each_step_once_to_the_same_run(tmp_path, mlflow_st
     assert os.path.isdir(f"{workdir}/tb")  # asked for on resume
 
 
+@pytest.mark.integration
 def test_a_killed_cold_start_continues_its_tracker_run(tmp_path, mlflow_store, monkeypatch):
     from mlflow.tracking import MlflowClient
     cfg = presets.preset("tiny", ["task.num_train=64", "task.num_test=16", "sft.batch_size=8",

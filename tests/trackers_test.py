@@ -161,6 +161,7 @@ def _wandb_history(run_dir):
     return rows
 
 
+@pytest.mark.integration
 def test_wandb_offline_resume_continues_the_run_and_logs_each_step_once(tmp_path,
                                                                          monkeypatch):
     for var in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):

@@ -1,0 +1,193 @@
+"""The test tiers (docs/testing.md): what a test starts decides its tier.
+
+- default (`pytest`): unit and module tests; no whole run, no child process, no notebook.
+- `integration` (`pytest -m integration`): every test that starts a run (`rl.loop.run`,
+  the SFT cold start), a child process (a CLI in a subprocess, a server, a kill test) or
+  a notebook kernel; and the rest of each large parameter product (`sample_product`).
+- `slow` and `tpu`: as their markers say (pyproject.toml).
+
+`guarded` (conftest.py's pytest_runtest_protocol) fails a default-tier test that starts
+any of these, in its body or in a fixture it sets up, so a test cannot land in the wrong
+tier unnoticed.
+"""
+import multiprocessing.process
+import random
+import re
+import subprocess
+
+import pytest
+
+# Markers whose tests may start runs and processes.
+STARTERS = frozenset({"integration", "slow", "tpu"})
+
+
+# Parameter products whose default-tier run is one fixed-seed case (`sampled_out`); the
+# integration tier runs the other cases. Each product here took over 4 s in all.
+SAMPLED = (
+    "tests/accumulate_test.py::test_accumulated_losses_equal_one_batch",
+    "tests/bad_input_test.py::test_a_hostile_chat_template_is_one_line_naming_its_file",
+    "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file",
+    "tests/bad_input_test.py::test_hostile_rollout_files_are_one_line_naming_the_file",
+    "tests/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics",
+    "tests/continuous_test.py::test_continuous_returns_the_static_rollout_bit_for_bit",
+    "tests/decode_attention_test.py::test_every_row_is_the_reference",
+    "tests/decode_attention_test.py::test_the_samplers_draw_the_same_responses_with_the_kernel",
+    "tests/expert_parallel_test.py::test_decode_exchange_equals_the_gathered_tokens",
+    "tests/fused_logprob_test.py::test_random_shapes_match_float64_reference",
+    "tests/fused_logprob_test.py::test_value_and_vjp_match_float64_reference",
+    "tests/gmm_pallas_test.py::test_value_and_grads_equal_reference",
+    "tests/gmm_test.py::test_every_implementation_in_the_table_equals_the_loop",
+    "tests/gmm_test.py::test_value_and_grad_match_reference",
+    "tests/hf_checkpoint_test.py::test_save_then_load_is_bit_exact",
+    "tests/hf_export_test.py::test_the_export_serves_the_sources_template_stop_ids_and_model",
+    "tests/hf_parity_test.py::test_logits_and_experts_match_transformers",
+    "tests/logprobs_test.py::test_row_does_not_depend_on_other_rows_bitwise",
+    "tests/loss_table_test.py::test_a_row_lists_exactly_the_knobs_its_loss_reads",
+    "tests/losses_test.py::HandDerivedTest::test_cispo_by_hand",
+    "tests/losses_test.py::HandDerivedTest::test_grpo_and_dapo_by_hand",
+    "tests/losses_test.py::HandDerivedTest::test_gspo_by_hand",
+    "tests/losses_test.py::HandDerivedTest::test_minirl_ablations_by_hand",
+    "tests/losses_test.py::test_every_loss_takes_the_row_denominator",
+    "tests/packing_test.py::test_plan_is_first_fit_decreasing_whole_and_within_its_shard",
+    "tests/transformer_test.py::ForwardTest::test_replaying_own_routes_is_bit_identical_and_other_routes_differ",
+    "tests/transformer_test.py::test_dense_dispatch_and_unrolled_layers_agree_with_the_scan",
+    "tests/transformer_test.py::test_grouped_matmul_implementations_agree_in_the_model",
+    "tests/transformer_test.py::test_kv_cache_prefill_then_decode_equals_full_forward",
+)
+
+# Tests (or whole parameter products, by name) that compile whole-model programs (a model
+# forward and backward in float64, a sampler, a score or update step, often two of them
+# to compare) for 5 s or more each on 2 cores: the default tier's five minutes cannot hold
+# them beside the rest, the integration tier runs them. Measured with
+# `pytest --durations=0`; docs/testing.md.
+WHOLE_MODEL = (
+    "tests/overlong_test.py::test_masked_truncated_rows_leave_the_loss",
+    "tests/rollout_test.py::test_any_stop_id_ends_a_row",
+    "tests/dynamic_sampling_test.py::test_padded_groups_are_empty_responses_that_carry_no_loss",
+    "tests/steps_test.py::test_weight_replay_carries_the_samplers_weights_into_score_and_update",
+    "tests/numerics_test.py::test_prepare_params_converts_once_per_preset",
+    "tests/gmm_pallas_test.py::test_random_groups_and_dtypes",
+    "tests/steps_test.py::test_trimmed_rollout_scores_and_updates_like_the_padded_one",
+    "tests/attribution_test.py::test_under_partial_rollouts_each_tokens_terms_come_from_its_version",
+    "tests/attribution_test.py::test_the_parts_add_up_to_the_total_per_token_and_in_every_moment",
+    "tests/decode_attention_test.py::test_on_a_mesh_each_device_runs_the_kernel_on_its_own_rows",
+    "tests/serve_layout_test.py::test_serve_layout_samples_what_the_train_layout_samples[fp8-float32-True-0]",
+    "tests/steps_test.py::test_score_in_update_equals_a_separate_score_pass[r2-2]",
+    "tests/logprobs_test.py::test_temperature_scales_logits_in_value_and_gradient",
+    "tests/adversarial_test.py::test_no_adversarial_batch_reaches_the_parameters",
+    "tests/losses_first_order_test.py::test_one_token_responses_need_the_is_weight_to_be_exact",
+    "tests/accumulate_test.py::test_accumulated_rl_update_equals_one_batch",
+    "tests/moe_test.py::test_grouped_is_dropless_when_all_tokens_pick_one_expert",
+    "tests/continuous_test.py::test_carried_responses_record_mu_and_routes_of_the_version_that_drew_each_token",
+    "tests/attribution_test.py::test_under_r3_the_routing_part_is_zero_and_the_counterfactual_is_not",
+    "tests/transformer_test.py::ForwardTest::test_causality_gradient_from_future_tokens_is_exactly_zero__with_jit",
+    "tests/steps_test.py::test_update_takes_one_step_and_skips_non_finite",
+    "tests/accumulate_test.py::test_engine_microbatches_take_the_same_step",
+    "tests/logprobs_test.py::test_policy_logprobs_shifts_the_frame_once",
+    "tests/steps_test.py::test_score_builds_the_update_batch_with_its_replay",
+    "tests/attribution_test.py::test_at_theta_old_the_total_is_the_score_steps_mismatch_and_staleness_is_zero",
+    "tests/moe_test.py::test_plan_counts_and_sorts_to_the_same_rows",
+    "tests/transformer_test.py::test_logits_and_tied_embeddings",
+    "tests/continuous_test.py::test_float32_engine_samples_the_same_tokens_and_routes",
+    "tests/sharding_test.py::test_sharded_forward_and_grad_equal_unsharded",
+    "tests/numerics_test.py::test_exact_is_train_and_presets_order_the_error",
+    "tests/trackers_test.py::test_mlflow_resume_continues_the_run_and_logs_each_step_once",
+    "tests/transformer_test.py::test_padding_never_influences_real_positions",
+    "tests/attribution_test.py::test_a_layer_whose_routes_alone_differ_carries_the_whole_routing_part",
+    "tests/rollout_test.py::test_rows_are_batch_and_padding_invariant",
+    "tests/rollouts_test.py::test_our_rollouts_survive_the_file_round_trip_and_score_the_same",
+    "tests/moe_test.py::test_router_gradient_reaches_replayed_expert_outside_top_k",
+    "tests/transformer_test.py::test_input_errors",
+    "tests/accumulate_test.py::test_accumulated_sft_update_equals_one_batch",
+    "tests/losses_test.py::test_row_denominator_under_micro_batches_and_packing",
+    "tests/losses_first_order_test.py::test_token_surrogate_is_first_order_approximation_of_sequence_objective",
+    "tests/parity_test.py::test_a_good_checkpoint_is_within_the_float32_bound",
+    "tests/mismatch_test.py::test_mismatch_is_ordered_exact_bf16_fp8",
+    "tests/mismatch_test.py::test_exact_engine_has_no_mismatch",
+    "tests/moe_test.py::test_router_stats_by_hand",
+    "tests/steps_test.py::test_an_update_whose_result_is_not_finite_is_skipped_sft_too",
+    "tests/parity_test.py::test_a_loader_that_reads_a_square_weight_transposed_fails",
+    "tests/kernel_table_test.py::test_a_new_row_runs_through_the_model",
+    "tests/attribution_test.py::test_with_the_training_numerics_in_the_sampler_the_precision_part_vanishes",
+    "tests/steps_test.py::test_sampler_with_its_own_dense_dispatch_samples_like_the_grouped_one",
+    "tests/rollout_test.py::test_a_model_forced_to_emit_a_second_stop_id_stops_there",
+    "tests/accumulate_test.py::test_score_and_sampler_slices_equal_one_pass",
+    "tests/steps_test.py::test_update_ascends_the_advantage_weighted_log_likelihood",
+    "tests/packing_test.py::test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it",
+    "tests/inflight_test.py::test_behavior_score_takes_each_tokens_pi_old_from_its_version",
+    "tests/transformer_test.py::test_chunked_attention_equals_naive",
+    "tests/moe_test.py::test_dense_local_experts_equal_the_grouped_shard",
+    "tests/packing_test.py::test_packed_score_and_update_equal_the_padded_ones",
+    "tests/attribution_test.py::test_the_bins_partition_the_scored_tokens",
+    "tests/moe_test.py::test_dense_and_grouped_agree_in_value_and_gradient",
+    "tests/serve_layout_test.py::test_serve_decode_loop_gathers_no_weight_and_moves_only_activations",
+    "tests/transformer_test.py::test_remat_equal_values_and_gradients",
+    "tests/expert_parallel_test.py::test_sharded_experts_equal_unsharded",
+    "tests/attribution_test.py::test_the_layer_shares_and_the_interaction_add_to_one",
+)
+
+
+def sample_product(cases, k: int, seed: int = 0) -> list:
+    """`cases` (pytest params or argument tuples) with all but a fixed-seed sample of k
+    marked `integration`: the default tier runs the sample, `-m integration` the rest, so
+    the two tiers together run the whole product."""
+    keep = set(random.Random(seed).sample(range(len(cases)), min(k, len(cases))))
+    out = []
+    for i, case in enumerate(cases):
+        values, marks, id_ = ((case.values, list(case.marks), case.id)
+                              if isinstance(case, type(pytest.param())) else
+                              (case if isinstance(case, tuple) else (case,), [], None))
+        if i not in keep:
+            marks.append(pytest.mark.integration)
+        out.append(pytest.param(*values, marks=marks, id=id_))
+    return out
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        pytest.fail(f"a default-tier test started {what}: mark it `integration` "
+                    "(tests/tiers.py, docs/testing.md)", pytrace=False)
+    return refused
+
+
+def guarded(item) -> pytest.MonkeyPatch | None:
+    """For a test without a STARTERS marker, a MonkeyPatch under which starting a run, an
+    SFT run, a child process or a notebook kernel fails the test (undo it afterwards); it
+    covers the test's fixtures of every scope that it sets up. None for the others."""
+    if STARTERS & {m.name for m in item.iter_markers()}:
+        return None
+    from stablerl_jax.rl import loop, sft
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loop, "_run", _refuse("a run (rl.loop.run)"))
+    mp.setattr(sft, "train_sft", _refuse("an SFT run (rl.sft.train_sft)"))
+    mp.setattr(subprocess.Popen, "__init__", _refuse("a child process"))
+    mp.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a child process"))
+    return mp
+
+
+def family(nodeid: str) -> str:
+    """A test's name without its parameters ([...]) or chex variant (__with_jit, ...)."""
+    return re.sub(r"(__with(out)?_jit|__with_device|__without_device)$", "",
+                  re.sub(r"\[.*\]$", "", nodeid))
+
+
+def sampled_out(nodeids: list[str], k: int = 1, seed: int = 0) -> set[str]:
+    """Of the cases of one parameter product, those outside a fixed-seed sample of k."""
+    cases = sorted(nodeids)
+    keep = set(random.Random(seed).sample(cases, min(k, len(cases))))
+    return set(cases) - keep
+
+
+def mark_tiers(items) -> None:
+    """Mark `integration` the cases of each SAMPLED product outside its default-tier
+    sample, and each WHOLE_MODEL test (collection time, before `-m` selects)."""
+    by_family: dict[str, list] = {}
+    for item in items:  # the cases `slow` or `tpu` hold stay there
+        if not {"slow", "tpu"} & {m.name for m in item.iter_markers()}:
+            by_family.setdefault(family(item.nodeid), []).append(item)
+    marked = set()
+    for name in SAMPLED:
+        marked |= sampled_out([i.nodeid for i in by_family.get(name, [])])
+    for item in (i for group in by_family.values() for i in group):
+        if item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(WHOLE_MODEL):
+            item.add_marker(pytest.mark.integration)
