@@ -23,15 +23,19 @@
   persistent cache, keyed by the compiled program, does. It only skips recompiling
   identical programs. A size bound turns on jax's file lock around every read and write,
   so that no process reads an entry another is still writing.
-- JAX's in-memory caches are kept for the whole session (they were cleared after each
-  module once, when the default suite also held every whole run; docs/testing.md has the
-  workers' peak memory since), so tests that compile the same program share it.
+- JAX's in-memory caches are kept through the default tier, whose tests share what they
+  compile (peak 3.2 GB per worker), and cleared after each module of whole runs
+  (`_release_run_memory`): a worker that kept them through the default and integration
+  tests together crashed in the integration tier's largest compile (the `paper` preset
+  on a Hugging Face checkpoint, tests/recipe_test.py), as a worker of the old, untiered
+  suite once aborted compiling a packed update (docs/testing.md).
 - The tiers (tests/tiers.py): `pytest_collection_modifyitems` marks the sampled cases of
   large parameter products and the whole-model tests `integration`, and a test outside
   the integration, slow and tpu tiers fails if it starts a run, a child process or a
   notebook (`pytest_runtest_protocol`).
 """
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -107,3 +111,14 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if mp is not None:
             mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_run_memory(request):
+    """After a module with an `integration` test in this session, clear jax's in-memory
+    caches (module docstring)."""
+    yield
+    if any(item.module is request.module and item.get_closest_marker("integration")
+           for item in request.session.items):
+        jax.clear_caches()
+        gc.collect()
