@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 
 from experiments.cli_errors import one_line_errors
 from experiments.report import report
-from experiments.runner import (Experiment, Variant, finished_runs, run_variants,
+from experiments.runner import (Experiment, Variant, finished_runs, run_dir, run_variants,
                                 task_and_cold_start)
 from stablerl_jax import compile_cache, distributed, storage, trackers, workdir
 from stablerl_jax.config import ConfigError
@@ -111,6 +111,9 @@ def parser(desc: Descriptor) -> argparse.ArgumentParser:
     trackers.add_argument(ap)
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
+    ap.add_argument("--replace-history", action="store_true",
+                    help="start over in run directories whose runs left history (metrics, "
+                         "a summary) but no checkpoint to resume; without it that is refused")
     ap.add_argument("--traceback", action="store_true",
                     help="on an error, print the full traceback (default: one line, exit 2)")
     distributed.add_arguments(ap)
@@ -215,9 +218,14 @@ def _train(desc: Descriptor, exp: Experiment, args, variants, seeds, argv) -> di
     """main's training part, under the workdir's lock."""
     progress = not args.quiet
     allow = [f for f in args.allow_config_change.split(",") if f]  # checked in main
+    for v in variants:  # every run's history, before the cold start
+        for s in seeds:
+            preflight.check_history(exp.config(v, s, args.overrides),
+                                    run_dir(args.workdir, v.name, s), args.replace_history)
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
                             overrides=args.overrides, progress=progress,
-                            allow_config_change=allow, trackers=args.tracker)
+                            allow_config_change=allow, trackers=args.tracker,
+                            replace_history=args.replace_history)
     if desc.cold_start_per_variant:
         runs = {}
         for v in variants:

@@ -50,6 +50,9 @@ def main(argv=None) -> dict:
     trackers.add_argument(ap)
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
+    ap.add_argument("--replace-history", action="store_true",
+                    help="start over in a workdir whose run left history (metrics, a "
+                         "summary) but no checkpoint to resume; without it that is refused")
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
     ap.add_argument("--sft-only", action="store_true",
                     help="the cold start, evaluated and exported; no RL stage (rl.steps=0)")
@@ -82,6 +85,7 @@ def main(argv=None) -> dict:
 
 def _train(args, cfg, allow, main_process: bool) -> dict:
     t0 = time.time()
+    preflight.check_history(cfg, args.workdir, args.replace_history)  # before the cold start
     export_dtype = args.export_dtype
     if args.hf:
         args.hf = storage.fetch_dir(args.hf)  # a gs:// checkpoint: read from a local copy
@@ -107,7 +111,7 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
                        export_dtype=export_dtype, allow_config_change=allow,
-                       trackers=args.tracker)
+                       trackers=args.tracker, replace_history=args.replace_history)
     summary["wall_seconds"] = round(time.time() - t0, 1)
     if main_process:
         print(json.dumps(summary, indent=2))

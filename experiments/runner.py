@@ -72,9 +72,15 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = "",
     return data, params
 
 
+def run_dir(workdir: str, name: str, seed: int) -> str:
+    """Where the run of variant `name` at `seed` lives."""
+    return os.path.join(workdir, name, f"seed{seed}")
+
+
 def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
                  overrides=(), progress: bool = True, prefix: str = "",
-                 allow_config_change=(), trackers=("tensorboard",)) -> dict:
+                 allow_config_change=(), trackers=("tensorboard",),
+                 replace_history: bool = False) -> dict:
     """Every (variant, seed) RL run from `params`, each logging to `trackers`
     (stablerl_jax/trackers.py); returns {name: [records per seed]}."""
     runs = {}
@@ -82,10 +88,11 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
         runs[prefix + v.name] = []
         for seed in seeds or exp.seeds:
             cfg = exp.config(v, seed, overrides)
-            rundir = os.path.join(workdir, prefix + v.name, f"seed{seed}")
+            rundir = run_dir(workdir, prefix + v.name, seed)
             t0 = time.time()
             s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
-                         allow_config_change=allow_config_change, trackers=trackers)
+                         allow_config_change=allow_config_change, trackers=trackers,
+                         replace_history=replace_history)
             if distributed.is_main():  # it alone writes (and so reads) the metrics
                 print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
                       f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "

@@ -346,6 +346,62 @@ def _one_line(capsys, argv, *needles):
     return err
 
 
+def _history(workdir, steps, summary=False, checkpoint=False):
+    workdir.mkdir(parents=True)
+    (workdir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in steps))
+    if summary:
+        (workdir / "summary.json").write_text("{}")
+    if checkpoint:
+        (workdir / "checkpoints" / "2").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("steps, summary, checkpoint, replace, refused", [
+    ((0,), False, False, False, False),       # killed before its first checkpoint: restarts
+    ((0, 1), False, False, False, False),
+    ((0, 1, 2), False, False, False, True),   # step 2 was checkpointed, the checkpoint is gone
+    ((), True, False, False, True),           # a finished run's summary
+    ((0, 1, 2), True, True, False, False),    # a checkpoint: the resume path decides
+    ((0, 1, 2), True, False, True, False),    # --replace-history
+], ids=["step 0", "before the first checkpoint", "checkpoint gone", "summary",
+        "checkpoint kept", "replace"])
+def test_a_workdirs_history_is_replaced_only_when_asked(tmp_path, steps, summary, checkpoint,
+                                                         replace, refused):
+    cfg = tiny_cfg(checkpoint_every=2)
+    _history(tmp_path / "run", steps, summary, checkpoint)
+    if not refused:
+        preflight.check_history(cfg, str(tmp_path / "run"), replace)
+        return
+    with pytest.raises(ValueError) as e:
+        preflight.check_history(cfg, str(tmp_path / "run"), replace)
+    assert "holds another run's history" in str(e.value)
+    assert "--replace-history" in str(e.value) and "another --workdir" in str(e.value)
+
+
+@pytest.mark.integration
+def test_a_finished_run_without_its_checkpoints_keeps_its_history(tmp_path, capsys):
+    """A finished run's checkpoints/ deleted, then the command run again with a setting
+    changed: one line and exit 2 before any work, its metrics and summary unchanged
+    (through the library too); --replace-history starts over there."""
+    work = tmp_path / "run"
+    argv = ["--workdir", str(work), "--quiet", "--compile-cache=", "sft.steps=0",
+            "rl.steps=2", "rl.eval_every=2", "rl.checkpoint_every=1", "task.num_train=64",
+            "task.num_test=16", "rl.prompts_per_step=4", "rl.group_size=2",
+            "rl.eval_problems=8", "rl.eval_k=1"]
+    quickstart.main(argv)
+    shutil.rmtree(work / "checkpoints")
+    kept = {f: (work / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
+    changed = [*argv, "rl.optim.learning_rate=5e-4"]
+    _one_line(capsys, changed, f"{work} holds another run's history (metrics.jsonl: 3 rows "
+              "to step 2, summary.json)", "--replace-history")
+    cfg = presets.preset("tiny", changed[4:])
+    with pytest.raises(ValueError, match="holds another run's history"):
+        loop.run(cfg, str(work), progress=False)
+    assert {f: (work / f).read_bytes() for f in kept} == kept
+    summary = quickstart.main([*changed, "--replace-history"])  # trained again, checkpointed
+    assert summary["steps"] == 2 and sorted(os.listdir(work / "checkpoints")) == ["1", "2"]
+
+
 def test_a_corrupt_cold_start_settings_file_is_one_line(tmp_path, capsys):
     workdir = tmp_path / "run"
     (workdir / "sft").mkdir(parents=True)

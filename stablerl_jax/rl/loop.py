@@ -366,7 +366,8 @@ def task_data(cfg, workdir: str) -> TaskData:
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         progress: bool = True, allow_config_change=(), export_hf: str = "",
-        export_dtype: str = "", trackers=("tensorboard",)) -> dict:
+        export_dtype: str = "", trackers=("tensorboard",), replace_history: bool = False
+        ) -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
     A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
@@ -374,7 +375,9 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
     tokenizer's special ids, and its files when task.tokenizer_dir is set), its tensors
     in `export_dtype` ('' = model.param_dtype; e.g. the dtype of the checkpoint the run
-    started from, while the run trains float32 master weights). `trackers`: where the
+    started from, while the run trains float32 master weights). A workdir holding another
+    run's history and no checkpoint to resume it is refused unless `replace_history`
+    (preflight.check_history). `trackers`: where the
     metrics go besides metrics.jsonl (trackers.NAMES; a resume continues the same
     tracker runs, `<workdir>/trackers.json`). In a multi-process run every process calls
     this; the first writes metrics, logs, plots, the trackers and the summary, and every
@@ -384,11 +387,12 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     preflight.check_workdir(workdir)
     preflight.check_processes(cfg, export_hf)
     main = distributed.is_main()
-    with workdir_lock.Lock(workdir, enabled=main), Trackers(
-            trackers, workdir, run_name=cfg.name, enabled=main) as tracker:
-        return _run(cfg, workdir, init_params=init_params, data=data, progress=progress,
-                    allow_config_change=allow_config_change, export_hf=export_hf,
-                    export_dtype=export_dtype, tracker=tracker)
+    with workdir_lock.Lock(workdir, enabled=main):
+        preflight.check_history(cfg, workdir, replace_history)
+        with Trackers(trackers, workdir, run_name=cfg.name, enabled=main) as tracker:
+            return _run(cfg, workdir, init_params=init_params, data=data,
+                        progress=progress, allow_config_change=allow_config_change,
+                        export_hf=export_hf, export_dtype=export_dtype, tracker=tracker)
 
 
 def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,

@@ -38,6 +38,30 @@ def check_workdir(workdir: str) -> None:
                               "permissions or choose another --workdir")
 
 
+def check_history(cfg, workdir: str, replace: bool = False) -> None:
+    """Refuse to start a run from scratch over another run's history (before any work).
+
+    A workdir with no checkpoint to resume from, whose metrics.jsonl reaches a step the
+    run would have checkpointed (`rl.checkpoint_every`, or step 1 where it never
+    checkpoints) or that holds a summary.json (a finished run), keeps its history unless
+    `replace` (--replace-history) says to start over. A run killed before its first
+    checkpoint starts again and writes its few rows anew; with checkpoints, the resume
+    path decides (a changed config is refused there)."""
+    ckpts = os.path.join(workdir, "checkpoints")
+    if replace or (storage.isdir(ckpts) and storage.listdir(ckpts)):
+        return
+    from stablerl_jax.metrics_io import read_metrics
+    steps = [r["step"] for r in read_metrics(workdir)]
+    finished = storage.exists(os.path.join(workdir, "summary.json"))
+    if finished or (steps and max(steps) >= max(cfg.rl.checkpoint_every, 1)):
+        what = ([f"metrics.jsonl: {len(steps)} rows to step {max(steps)}"] if steps else []
+                ) + ["summary.json"] * finished
+        what = ", ".join(what)
+        raise ValueError(f"{workdir} holds another run's history ({what}) and no checkpoint "
+                         "to resume it from, so a fresh start would replace it; pass "
+                         "--replace-history to start over there, or choose another --workdir")
+
+
 def check_run(cfg, workdir: str, devices=None) -> None:
     """The checks an entry point runs before any work (before the cold start): the
     workdir can hold a run, the mesh fits the visible devices, the batches split over the
