@@ -358,8 +358,8 @@ def _history(workdir, steps, summary=False, checkpoint=False):
 
 @pytest.mark.parametrize("steps, summary, checkpoint, replace, refused", [
     ((0,), False, False, False, False),       # killed before its first checkpoint: restarts
-    ((0, 1), False, False, False, False),
-    ((0, 1, 2), False, False, False, True),   # step 2 was checkpointed, the checkpoint is gone
+    ((0, 1, 2, 3, 4), False, False, False, False),  # the save of step 2 may be unfinished
+    (tuple(range(6)), False, False, False, True),   # step 2's save was done, and is gone
     ((), True, False, False, True),           # a finished run's summary
     ((0, 1, 2), True, True, False, False),    # a checkpoint: the resume path decides
     ((0, 1, 2), True, False, True, False),    # --replace-history

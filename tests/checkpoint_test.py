@@ -342,3 +342,26 @@ def test_an_interrupt_python_drops_is_raised_at_the_next_check(tmp_path):
         ck.check_saves()
     ck.check_saves()
     ck.close()
+
+
+def test_other_unraisable_errors_reach_the_hook_the_guards_replaced(python_sigint,
+                                                                     monkeypatch):
+    """While the guards hold `sys.unraisablehook`, an unraisable error that is neither an
+    interrupt they raise again nor a failed save's late callback goes to the hook that was
+    in place before them, once."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    other = SimpleNamespace(exc_type=ValueError, exc_value=ValueError("in a __del__"),
+                            exc_traceback=None, err_msg=None, object=None)
+    interrupts = checkpoint_guards.INTERRUPTS  # python_sigint's fresh one
+    interrupts.open()
+    try:
+        assert sys.unraisablehook == interrupts._unraisable
+        sys.unraisablehook(other)
+    finally:
+        interrupts.close()
+    assert seen == [other] and sys.unraisablehook == seen.append
+    errors = checkpoint_guards.OrbaxErrors()  # no log open: nothing to write it to
+    errors._hook = seen.append
+    errors._unraisable(other)
+    assert seen == [other, other]

@@ -41,19 +41,20 @@ def check_workdir(workdir: str) -> None:
 def check_history(cfg, workdir: str, replace: bool = False) -> None:
     """Refuse to start a run from scratch over another run's history (before any work).
 
-    A workdir with no checkpoint to resume from, whose metrics.jsonl reaches a step the
-    run would have checkpointed (`rl.checkpoint_every`, or step 1 where it never
-    checkpoints) or that holds a summary.json (a finished run), keeps its history unless
-    `replace` (--replace-history) says to start over. A run killed before its first
-    checkpoint starts again and writes its few rows anew; with checkpoints, the resume
-    path decides (a changed config is refused there)."""
+    A workdir with no checkpoint to resume from, whose metrics.jsonl goes past step
+    2 · `rl.checkpoint_every` (a row is written before its step's save, and a save waits
+    for the one before it, so by then the save of step `checkpoint_every` had completed;
+    past step 0 where the run never checkpoints) or that holds a summary.json (a finished
+    run), keeps its history unless `replace` (--replace-history) says to start over. A run
+    killed before its first checkpoint completed starts again and writes its few rows
+    anew; with checkpoints, the resume path decides (a changed config is refused there)."""
     ckpts = os.path.join(workdir, "checkpoints")
     if replace or (storage.isdir(ckpts) and storage.listdir(ckpts)):
         return
     from stablerl_jax.metrics_io import read_metrics
     steps = [r["step"] for r in read_metrics(workdir)]
     finished = storage.exists(os.path.join(workdir, "summary.json"))
-    if finished or (steps and max(steps) >= max(cfg.rl.checkpoint_every, 1)):
+    if finished or (steps and max(steps) > 2 * cfg.rl.checkpoint_every):
         what = ([f"metrics.jsonl: {len(steps)} rows to step {max(steps)}"] if steps else []
                 ) + ["summary.json"] * finished
         what = ", ".join(what)
