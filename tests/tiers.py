@@ -3,7 +3,8 @@
 - default (`pytest`): unit and module tests; no whole run, no child process, no notebook.
 - `integration` (`pytest -m integration`): every test that starts a run (`rl.loop.run`,
   the SFT cold start), a child process (a CLI in a subprocess, a server, a kill test) or
-  a notebook kernel; and the rest of each large parameter product (`sample_product`).
+  a notebook kernel; the rest of each large parameter product (`SAMPLED`); and the
+  whole-model tests (`WHOLE_MODEL`).
 - `slow` and `tpu`: as their markers say (pyproject.toml).
 
 `guarded` (conftest.py's pytest_runtest_protocol) fails a default-tier test that starts
@@ -125,44 +126,6 @@ WHOLE_MODEL = (
     "tests/expert_parallel_test.py::test_sharded_experts_equal_unsharded",
     "tests/attribution_test.py::test_the_layer_shares_and_the_interaction_add_to_one",
 )
-
-
-def sample_product(cases, k: int, seed: int = 0) -> list:
-    """`cases` (pytest params or argument tuples) with all but a fixed-seed sample of k
-    marked `integration`: the default tier runs the sample, `-m integration` the rest, so
-    the two tiers together run the whole product."""
-    keep = set(random.Random(seed).sample(range(len(cases)), min(k, len(cases))))
-    out = []
-    for i, case in enumerate(cases):
-        values, marks, id_ = ((case.values, list(case.marks), case.id)
-                              if isinstance(case, type(pytest.param())) else
-                              (case if isinstance(case, tuple) else (case,), [], None))
-        if i not in keep:
-            marks.append(pytest.mark.integration)
-        out.append(pytest.param(*values, marks=marks, id=id_))
-    return out
-
-
-def _refuse(what: str):
-    def refused(*args, **kwargs):
-        pytest.fail(f"a default-tier test started {what}: mark it `integration` "
-                    "(tests/tiers.py, docs/testing.md)", pytrace=False)
-    return refused
-
-
-def guarded(item) -> pytest.MonkeyPatch | None:
-    """For a test without a STARTERS marker, a MonkeyPatch under which starting a run, an
-    SFT run, a child process or a notebook kernel fails the test (undo it afterwards); it
-    covers the test's fixtures of every scope that it sets up. None for the others."""
-    if STARTERS & {m.name for m in item.iter_markers()}:
-        return None
-    from stablerl_jax.rl import loop, sft
-    mp = pytest.MonkeyPatch()
-    mp.setattr(loop, "_run", _refuse("a run (rl.loop.run)"))
-    mp.setattr(sft, "train_sft", _refuse("an SFT run (rl.sft.train_sft)"))
-    mp.setattr(subprocess.Popen, "__init__", _refuse("a child process"))
-    mp.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a child process"))
-    return mp
 
 
 def family(nodeid: str) -> str:
