@@ -154,3 +154,25 @@ def mark_tiers(items) -> None:
     for item in (i for group in by_family.values() for i in group):
         if item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(WHOLE_MODEL):
             item.add_marker(pytest.mark.integration)
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        pytest.fail(f"a default-tier test started {what}: mark it `integration` "
+                    "(tests/tiers.py, docs/testing.md)", pytrace=False)
+    return refused
+
+
+def guarded(item) -> pytest.MonkeyPatch | None:
+    """For a test without a STARTERS marker, a MonkeyPatch under which starting a run, an
+    SFT run, a child process or a notebook kernel fails the test (undo it afterwards); it
+    covers the test's fixtures of every scope that it sets up. None for the others."""
+    if STARTERS & {m.name for m in item.iter_markers()}:
+        return None
+    from stablerl_jax.rl import loop, sft
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loop, "_run", _refuse("a run (rl.loop.run)"))
+    mp.setattr(sft, "train_sft", _refuse("an SFT run (rl.sft.train_sft)"))
+    mp.setattr(subprocess.Popen, "__init__", _refuse("a child process"))
+    mp.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a child process"))
+    return mp
