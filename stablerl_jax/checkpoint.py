@@ -10,7 +10,8 @@ What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-
 - a save killed midway leaves a `<step>.orbax-checkpoint-tmp` directory, never listed as a
   step, and removed when the next `Checkpointer` opens the directory if it holds nothing
   but what such a save writes (`_save_remains`: orbax's step metadata naming no other
-  items, `state`, `meta` and their temporary directories, a step record of that step);
+  items, `state`, `meta` and their temporary directories, orbax's commit file (written
+  there before the rename), a step record of that step);
 - a step directory of this module's ("Whose directories" below) without `commit_success.txt`
   (a half-copied step, or a filesystem without atomic rename) is incomplete too. Orbax
   itself would list it on a local disk, and then both resume from it and skip every later
@@ -272,7 +273,9 @@ def _save_remains(path: str, step: int, *, in_place: bool) -> bool:
     leaves (module docstring, "Whose directories"): orbax's step metadata, naming no
     items but 'state' and 'meta' (it names none until the commit), and those items
     (`state/`, `meta/`, or orbax's temporary `state.orbax-checkpoint-tmp…`), with a
-    step record of `step` where the meta is readable. In place (an object store), at
+    step record of `step` where the meta is readable. In orbax's temporary directory
+    also `commit_success.txt`: orbax writes it there before the rename, so a save killed
+    between the two leaves it (never renamed, the step was never committed). In place (an object store), at
     least one of them (there, an empty directory does not exist); in orbax's temporary
     directory on a disk, also none (a save killed right after creating it). A file
     killed mid-write (unreadable JSON) does not count against it."""
@@ -290,6 +293,9 @@ def _save_remains(path: str, step: int, *, in_place: bool) -> bool:
                                                                      dict) else False
             if not (handlers is None or (isinstance(handlers, dict)
                                          and set(handlers) <= _ITEMS)):
+                return False
+        elif name == _COMMIT_FILE:
+            if in_place:  # (in place, the commit file makes a step, never remains)
                 return False
         elif not _ITEM_NAME.fullmatch(name):
             return False

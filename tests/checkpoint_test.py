@@ -2,6 +2,7 @@
 entries the checkpoints did not write, errors, failed saves' logs, interrupts."""
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import resource
@@ -108,6 +109,12 @@ def test_partial_checkpoints_are_never_resumed(tmp_path):
     (tmp / "state.orbax-checkpoint-tmp").mkdir(parents=True)
     (tmp / "_CHECKPOINT_METADATA").write_text("{}")
     (d / "11.orbax-checkpoint-tmp-1712345678").mkdir()  # an earlier orbax's name
+    # A save killed after orbax wrote its commit file into the temporary directory, before
+    # the rename: whole, but never committed.
+    shutil.copytree(d / "2", d / "4.orbax-checkpoint-tmp")
+    meta = json.loads((d / "2" / "meta" / "metadata").read_text())
+    (d / "4.orbax-checkpoint-tmp" / "meta" / "metadata").write_text(
+        json.dumps(dict(meta, checkpoint_step=4)))
     # A step-named directory without the commit file (half-copied / non-atomic filesystem),
     # holding orbax's step metadata and the step record of these checkpoints.
     (d / "7" / "state").mkdir(parents=True)
@@ -124,6 +131,7 @@ def test_partial_checkpoints_are_never_resumed(tmp_path):
     assert meta == {"step": 2}
     assert not tmp.exists()  # leftovers of killed saves are cleaned up
     assert not (d / "11.orbax-checkpoint-tmp-1712345678").exists()
+    assert not (d / "4.orbax-checkpoint-tmp").exists()
     assert (d / "7.incomplete" / "state").is_dir()  # set aside, not deleted
     with pytest.raises(ValueError, match=r"no complete checkpoint for step 7.*\[2\]"):
         ck2.restore(7, _state())
