@@ -186,9 +186,10 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         return jnp.sum(jnp.all(q.finished_I.reshape(-1, group_size), axis=1))
 
     def next_logits(hidden_nxD, first_n):
-        """A response's first token is drawn from logits of the prefill's weights, the
-        rest from the decode loop's (the serving layout's, when it has its own)."""
-        logits = lambda w: tf.logits(w, hidden_nxD[:, None], cfg)[:, 0]
+        """The log-probs a response's next token is drawn from (rollout.next_logprobs):
+        its first token's from the prefill's weights, the rest from the decode loop's
+        (the serving layout's, when it has its own)."""
+        logits = lambda w: rollout_lib.next_logprobs(w, hidden_nxD, cfg, sampling, numerics)
         if d_params is prepared:
             return logits(prepared)
         return jax.lax.cond(jnp.any(first_n),
@@ -202,8 +203,7 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
     def decode_step(st):
         q, live = st["q"], ~st["done"]
         i_n = q.progress_I[st["resp"]]
-        logp_nxV = rollout_lib.sampling_logprobs(next_logits(st["hidden"], i_n == 0),
-                                                 sampling)
+        logp_nxV = next_logits(st["hidden"], i_n == 0)
         tok = jax.vmap(draw)(keys_I[st["resp"]], i_n, logp_nxV)
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_nxV, tok[:, None], axis=1)[:, 0]

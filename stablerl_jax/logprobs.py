@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from stablerl_jax import input_checks, sharding
 from stablerl_jax.kernels import lookup
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
+from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -94,8 +95,14 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    replay_BxTxLxK=replay_BxTxLxK,
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
                                    numerics=numerics, mesh=mesh, checks=checks)
-    logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, tf.unembed_matrix(weights, cfg),
-                                           tokens_BxS[:, 1:], impl=impl,
-                                           temperature=temperature, interpret=interpret,
-                                           mesh=mesh)
+    unembed_DxV = tf.unembed_matrix(weights, cfg)
+    if invariant.on(numerics, cfg):  # the sampler's own per-row log-softmax (model/invariant.py)
+        b, t, _ = hidden_BxTxD.shape
+        logp_N, entropy_N = invariant.token_logprobs(
+            hidden_BxTxD.reshape(b * t, -1), unembed_DxV.astype(hidden_BxTxD.dtype),
+            tokens_BxS[:, 1:].reshape(-1), temperature)
+        return logp_N.reshape(b, t), entropy_N.reshape(b, t), aux
+    logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, unembed_DxV, tokens_BxS[:, 1:],
+                                           impl=impl, temperature=temperature,
+                                           interpret=interpret, mesh=mesh)
     return logp_BxT, entropy_BxT, aux

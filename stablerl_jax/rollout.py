@@ -72,6 +72,7 @@ import numpy as np
 
 from stablerl_jax import sharding, slices
 from stablerl_jax.config import ModelConfig, SamplingConfig
+from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -126,6 +127,17 @@ def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
                          keepdims=True)
         z = jnp.where(z >= cutoff, z, -jnp.inf)
     return jax.nn.log_softmax(z, axis=-1)
+
+
+def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig,
+                  numerics: nx.Numerics):
+    """The log-probs the next token is drawn from, [B, V] float32: `sampling_logprobs`
+    of the logits, or with batch-invariant numerics the trainer's own per-row function
+    (invariant.logprobs_V: the temperature applied to the hidden state, no truncation)."""
+    if invariant.on(numerics, cfg):
+        w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
+        return invariant.logprobs_V(hidden_BxD, w, sampling.temperature)
+    return sampling_logprobs(tf.logits(params, hidden_BxD[:, None], cfg)[:, 0], sampling)
 
 
 def stop_set(eos_id: int, stop_ids=()) -> tuple[int, ...]:
@@ -285,7 +297,7 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
         "i": jnp.zeros((), jnp.int32),
         "cache": aux["cache"],
         # Left padding puts every row's last prompt token in slot P − 1.
-        "logits": tf.logits(params, hidden[:, -1:], cfg)[:, 0],
+        "logp_V": next_logprobs(params, hidden[:, -1], cfg, sampling, numerics),
         "tokens": jnp.full((b, s), pad_id, jnp.int32).at[:, :p].set(prompts),
         "logp": jnp.zeros((b, s), jnp.float32),
         "completion": jnp.zeros((b, s), bool),
@@ -300,7 +312,7 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
     def body(st):
         i = st["i"]
         slot = p + i
-        logp_BxV = sampling_logprobs(st["logits"], sampling)
+        logp_BxV = st["logp_V"]
         tok = jax.vmap(draw, in_axes=(0, None, 0))(keys_B, i, logp_BxV)
         live = ~st["done"]
         tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
@@ -315,7 +327,7 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
         step_routes_BxLxK = jnp.where(recorded_Bx1x1, a["routes"][:, 0], -1)
         step_weights_BxLxK = jnp.where(recorded_Bx1x1, a["route_weights"][:, 0], 0)
         return dict(st, i=i + 1, cache=a["cache"],
-                    logits=tf.logits(d_params, h, cfg)[:, 0],
+                    logp_V=next_logprobs(d_params, h[:, 0], cfg, sampling, numerics),
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),

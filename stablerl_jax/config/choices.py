@@ -11,7 +11,7 @@ from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from stablerl_jax.loss_table import AGGREGATIONS, LOSS_TABLE
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
-INFERENCE_NUMERICS = ("exact", "bf16", "fp8")  # presets of model.numerics for the sampler
+INFERENCE_NUMERICS = ("exact", "bitwise", "bf16", "fp8")  # presets of model.numerics for the sampler
 LOSS_NAMES = tuple(LOSS_TABLE)  # at import; LossConfig.name is checked against the table
 IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
 # The rows a row-mean aggregation divides by (LossConfig.row_denominator).

@@ -33,6 +33,9 @@ class ExperimentConfig(Section):
     mesh_dcn: tuple = (1, 1, 1)
 
     def __post_init__(self):
+        if self.sampling.numerics == "bitwise" and not self.model.batch_invariant:
+            object.__setattr__(self, "model",
+                               dataclasses.replace(self.model, batch_invariant=True))
         need = self.task.max_prompt_len + self.sampling.max_new_tokens
         check(need <= self.model.max_seq_len, "model.max_seq_len",
               f"must be >= task.max_prompt_len + sampling.max_new_tokens = {need}, "
@@ -70,6 +73,12 @@ class ExperimentConfig(Section):
               or self.model.num_experts % dp == 0, "sampling.layout",
               f"'serve' puts num_experts={self.model.num_experts} on data*fsdp*expert = "
               f"{dp} devices, which must divide it; use layout 'train' or another mesh")
+        check(not self.model.batch_invariant or dp == 1, "model.batch_invariant",
+              f"per-token numerics run on one device (mesh=1,1,1) so far, got mesh={self.mesh};"
+              " set mesh=1,1,1 or sampling.numerics=exact")
+        check(not self.model.batch_invariant or not rl.pack_tokens, "rl.pack_tokens",
+              "packed scoring is not per-token yet under model.batch_invariant "
+              "(sampling.numerics=bitwise); set rl.pack_tokens=0")
         rows = self.sampling.max_batch
         if rows:
             check(rows % dp == 0, "sampling.max_batch",

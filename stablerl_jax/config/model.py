@@ -77,6 +77,12 @@ class ModelConfig(Section):
         reads its own blocks) needs decode_block > 0 and kv_cache_layout='bksd'.
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
+      batch_invariant: both engines compute every token's results independently of the
+        call it is in (model/invariant.py): the sampler's log-probs, experts and gate
+        weights then equal the trainer's bit for bit at equal weights and numerics.
+        Replaces dispatch, gmm_impl, attention_impl and decode_block by its own per-token
+        paths. On with sampling.numerics='bitwise'; with another preset it removes every
+        mismatch but that preset's own.
     """
 
     vocab_size: int = 512
@@ -109,6 +115,7 @@ class ModelConfig(Section):
     decode_attention_impl: str = "blocks"
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
+    batch_invariant: bool = False
 
     def __post_init__(self):
         check_positive_int(self, "vocab_size", "d_model", "num_layers", "num_heads",
@@ -147,7 +154,8 @@ class ModelConfig(Section):
                   "and model.kv_cache_layout=bksd, or use 'blocks'")
         check(not self.expert_parallel or self.dispatch == "grouped", "expert_parallel",
               "needs dispatch='grouped' (the dense path runs every expert on every token)")
-        check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob", "unroll_layers")
+        check_bool(self, "tie_embeddings", "expert_parallel", "norm_topk_prob", "unroll_layers",
+                   "batch_invariant")
 
 
 
@@ -162,6 +170,8 @@ class SamplingConfig(Section):
       top_p: keep the smallest set of most likely tokens whose mass reaches top_p
         (1.0 = off).
       numerics: the engine's numerics preset (INFERENCE_NUMERICS, model/numerics.py).
+        'bitwise' is 'exact' computed per token in both engines (model.batch_invariant,
+        which it turns on): log μ equals the trainer's log π_old bit for bit.
       router_noise_std / act_fp8: extra mismatch knobs on top of it (seeded router-logit
         noise; per-token e4m3 activations).
       max_batch: rows decoded at once over the whole mesh; a larger batch is decoded as a
@@ -220,5 +230,9 @@ class SamplingConfig(Section):
         check(is_finite(self.router_noise_std) and self.router_noise_std >= 0,
               "router_noise_std", f"must be a finite number >= 0, got {self.router_noise_std}")
         check_bool(self, "act_fp8", "continuous")
+        check(self.numerics != "bitwise" or (self.top_k == 0 and self.top_p == 1.0),
+              "numerics", f"'bitwise' draws from the trainer's full softmax, so top_k={self.top_k}"
+              f" / top_p={self.top_p} cannot apply; set sampling.top_k=0 sampling.top_p=1.0 "
+              "or use 'exact'")
         check(self.dispatch in ("", "grouped", "dense"), "dispatch",
               f"must be '', 'grouped' or 'dense', got {self.dispatch!r}")

@@ -88,6 +88,7 @@ class Numerics:
     act_fp8: bool = False
     router_noise_std: float = 0.0
     noise_seed: int = 0
+    invariant: bool = False
 
     def __post_init__(self):
         check(self.weights in ("native", "bf16", "fp8"), "weights",
@@ -108,6 +109,7 @@ NUMERICS_PRESETS = {
     "exact": Numerics("exact"),
     "bf16": Numerics("bf16", weights="bf16", compute_dtype="bfloat16", router_dtype="bfloat16"),
     "fp8": Numerics("fp8", weights="fp8", compute_dtype="bfloat16", router_dtype="bfloat16"),
+    "bitwise": Numerics("bitwise", invariant=True),
 }
 TRAIN = NUMERICS_PRESETS["train"]
 assert set(NUMERICS_PRESETS) == {"train", *INFERENCE_NUMERICS}

@@ -20,12 +20,15 @@ sampling and tests.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from stablerl_jax import input_checks
 from stablerl_jax.config import ModelConfig
-from stablerl_jax.model import expert_parallel, moe
+from stablerl_jax.model import attention as att
+from stablerl_jax.model import expert_parallel, invariant, moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.model.attention import (attention, decode_attention_fn, positions_from_mask,
@@ -222,6 +225,15 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
         return (x_BxTxD, kv), ys
 
+    per_token = invariant.on(numerics, cfg)
+    if per_token:
+        if segment_ids_BxT is not None:
+            raise ValueError("forward: batch-invariant numerics do not take packed rows "
+                             "(segment_ids_BxT); score padded rows")
+        layer = invariant.decoder_layer(
+            cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
+            mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT,
+            put_cache=None if cache is None else functools.partial(_put_cache, cfg, index, b))
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
     elif cfg.remat == "dots":
@@ -248,7 +260,12 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         kv = None if cache is None else (cache["k"], cache["v"])
         (x, kv), (routes_LxBxTxK, weights_LxBxTxK, load, z, balance) = jax.lax.scan(
             layer, (x, kv), xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
-    hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if per_token:
+        hidden_BxTxD = invariant.rowwise(
+            lambda r: rms_norm(r, params["final_norm"], cfg.norm_eps),
+            x.reshape(b * t, -1)).reshape(x.shape)
+    else:
+        hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
         "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),
         "route_weights": jnp.transpose(weights_LxBxTxK, (1, 2, 0, 3)),
@@ -262,6 +279,21 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         aux["cache"] = {"k": kv[0], "v": kv[1], "mask": key_mask_BxS,
                         "index": index + t}
     return hidden_BxTxD, aux
+
+
+def _put_cache(cfg: ModelConfig, index, b: int, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer):
+    """The batch-invariant layer's cache write (invariant.decoder_layer): this call's keys
+    and values written at `index` into the carried cache (stacked or one layer's buffers),
+    as `attention.attention` writes them. Returns (kv, k, v, layout) with k, v this
+    layer's whole buffers."""
+    keys = cfg.kv_cache_layout
+    to_cache = (lambda x: x) if keys == "bskd" else (lambda x: jnp.swapaxes(x, 1, 2))
+    own = kv[0].ndim == len(keys)
+    put = att._cache_put(keys, index, None if own else layer, b)
+    kv = tuple(att._write(c, to_cache(x), put) for c, x in zip(kv, (k_BxTxKVxDh, v_BxTxKVxDh)))
+    k, v = kv if own else (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+                           for c in kv)
+    return kv, k, v, keys
 
 
 def _experts_fn(cfg: ModelConfig, gmm, mesh, rules, decode: bool):

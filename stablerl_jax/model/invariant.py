@@ -1,0 +1,261 @@
+"""Batch-invariant numerics: a token's results do not depend on the call it is in.
+
+The sampler (prefill, then one token per row against a KV cache) and the trainer (whole
+sequences) run the same decoder, but XLA compiles a differently shaped program for each,
+and a row's result depends on that shape: on a CPU, the rows of `jnp.dot` differ between
+a [1, D] and a [256, D] call, and a softmax's sum over the last axis of [B, V] differs
+with B. With `Numerics.invariant` (the `bitwise` sampler, ModelConfig.batch_invariant)
+the decoder computes every token in a way that is fixed by the token alone:
+
+- Per-token work (norms, projections, RoPE, router, top-k, the expert combine, residual
+  adds, the final norm, the vocabulary log-softmax) runs in fixed tiles of ROW_TILE rows:
+  `rowwise` pads the rows (repeating the last) to a multiple of the tile and maps one
+  compiled tile body over them (`lax.map`). The body is the same program in every call,
+  fenced by optimization barriers so no surrounding op fuses into it; a row's result then
+  depends only on its own inputs (rows padded or grouped differently, or placed at a
+  different offset in the tile, give the same bits: tests/invariant_test.py checks each
+  such reliance).
+- Attention (`attend`) walks each query's keys in blocks of KEY_BLOCK *positions*
+  (counted from the sequence's first real token, not from its slot), with an online
+  softmax in float32. A block past the query's position is skipped (`lax.cond`), and a
+  skipped block equals a computed one that masks every key (p = 0, rescale by exp(0) =
+  1), so the number of blocks the call holds (cache length, sequence length, left
+  padding, a trimmed window) changes nothing.
+- The expert FFN is the grouped dispatch with the `loop` grouped matmul: each tile of
+  `ModelConfig.moe_tile` rows sorted by expert is one fixed-shape product, whatever the
+  other rows of the tile are; the SwiGLU and the combine over the K experts (in k order)
+  run in row tiles.
+
+A decode step's cost grows by the padding of its B rows to a whole tile and by the
+tile loop; docs/method.md, "Zero mismatch", says what it costs and what it relies on.
+
+Letters: N rows (tokens), W = ROW_TILE rows of a tile, B batch, S key slots, D model,
+H heads, KV kv heads, G = H / KV, Dh head width, E experts, K top-k, V vocab, J key
+positions of a block (KEY_BLOCK).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from stablerl_jax.model import moe
+from stablerl_jax.model import numerics as nx
+
+ROW_TILE = 32
+KEY_BLOCK = 32
+
+
+def on(numerics, cfg) -> bool:
+    """Whether a forward with `numerics` under ModelConfig `cfg` computes per token."""
+    return numerics.invariant or cfg.batch_invariant
+
+
+def _fence(tree):
+    return jax.lax.optimization_barrier(tree)
+
+
+def rowwise(fn, *rows, tile: int = ROW_TILE):
+    """fn applied to fixed tiles of `tile` rows of `rows` (arrays with one leading axis
+    of N rows; None passes through), its outputs concatenated back to N rows. `fn` must
+    treat rows independently. The tile body is rematerialized under differentiation, so
+    the backward keeps only the tiles' inputs."""
+    n = next(r for r in rows if r is not None).shape[0]
+    pad = -n % tile
+
+    def tiles(r):
+        if r is None:
+            return None
+        r = jnp.pad(r, [(0, pad)] + [(0, 0)] * (r.ndim - 1), mode="edge") if pad else r
+        return r.reshape(-1, tile, *r.shape[1:])
+
+    body = jax.checkpoint(lambda xs: _fence(fn(*_fence(xs))), prevent_cse=False)
+    out = jax.lax.map(body, tuple(tiles(r) for r in rows))
+    return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
+
+
+def dot(x, w, dtype):
+    """x [W, I] · w [I, O] with `dtype` operands, float32 (or wider) accumulation."""
+    return jnp.dot(x.astype(dtype), w.astype(dtype), precision=nx.PRECISION,
+                   preferred_element_type=nx.accum_dtype(dtype))
+
+
+def first_slots(key_mask_BxS):
+    """Each row's first real slot (0 for a row with none): where position 0 sits."""
+    return jnp.argmax(key_mask_BxS, axis=1).astype(jnp.int32)
+
+
+def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int,
+           dtype, keys: str = "bskd"):
+    """softmax(q kᵀ / √Dh) v for each query row over the keys at positions 0..pos of its
+    sequence (module docstring). k, v: [B, S, KV, Dh] (keys "bskd") or [B, KV, S, Dh]
+    ("bksd"); query n belongs to row row_N[n], whose position 0 is at slot start_N[n];
+    the key at position p sits at slot start + p and counts if key_mask says it is real.
+    A query with no real key gets 0. Returns [N, H, Dh] in `dtype`."""
+    n, h, dh = q_NxHxDh.shape
+    g = h // kv_heads
+    s = k.shape[keys.index("s")]
+    blocks = -(-s // KEY_BLOCK)
+    acc = nx.accum_dtype(dtype)
+
+    def tile(q, pos, row, start):
+        w = q.shape[0]
+        q = q.reshape(w, kv_heads, g, dh).astype(dtype)
+
+        def block(j, carry):
+            def compute(carry):
+                m, l, o = carry
+                kpos = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)
+                slot = start[:, None] + kpos[None, :]                    # [W, J]
+                at = jnp.minimum(slot, s - 1)
+                real = (kpos[None, :] <= pos[:, None]) & (slot < s) & key_mask_BxS[
+                    row[:, None], at]
+                if keys == "bskd":
+                    kb, vb = k[row[:, None], at], v[row[:, None], at]    # [W, J, KV, Dh]
+                else:
+                    hh = jnp.arange(kv_heads)[None, None, :]
+                    kb = k[row[:, None, None], hh, at[:, :, None]]
+                    vb = v[row[:, None, None], hh, at[:, :, None]]
+                kb, vb, real = _fence((kb.astype(dtype), vb.astype(dtype), real))
+                sc = jnp.einsum("wkgd,wjkd->wkgj", q, kb, precision=nx.PRECISION,
+                                preferred_element_type=acc) * dh**-0.5
+                sc = jnp.where(real[:, None, None, :], sc, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(sc - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                l = alpha * l + jnp.sum(p, axis=-1)
+                pv = jnp.einsum("wkgj,wjkd->wkgd", p.astype(dtype), vb,
+                                precision=nx.PRECISION, preferred_element_type=acc)
+                return _fence((m_new, l, alpha[..., None] * o + pv))
+
+            needed = j * KEY_BLOCK <= jnp.max(pos)
+            return jax.lax.cond(needed, compute, lambda c: c, carry)
+
+        init = (jnp.full((w, kv_heads, g), -jnp.inf, acc), jnp.zeros((w, kv_heads, g), acc),
+                jnp.zeros((w, kv_heads, g, dh), acc))
+        _, l, o = jax.lax.fori_loop(0, blocks, block, init)
+        out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        return out.reshape(w, h, dh).astype(dtype)
+
+    return rowwise(tile, q_NxHxDh, pos_N, row_N, start_N)
+
+
+def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int):
+    """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
+    x's dtype."""
+    n, k = idx_NxK.shape
+    num_experts = w_gate_ExDxF.shape[0]
+    dt = x_NxD.dtype
+    acc = nx.accum_dtype(dt)
+    row_A, padded_E = moe._plan(idx_NxK.reshape(-1), num_experts, tile)
+    rows = moe.padded_rows(n * k, num_experts, tile)
+    x_RxD = jnp.zeros((rows, x_NxD.shape[1]), dt).at[row_A].set(
+        jnp.repeat(x_NxD, k, axis=0), unique_indices=True)
+    gmm = moe.grouped_matmul.loop
+    gate_RxF = gmm(x_RxD, w_gate_ExDxF, padded_E, tile, nx.PRECISION)
+    up_RxF = gmm(x_RxD, w_up_ExDxF, padded_E, tile, nx.PRECISION)
+    h_RxF = rowwise(lambda g_, u_: moe._swiglu(g_.astype(acc), u_.astype(acc)).astype(dt),
+                    gate_RxF, up_RxF, tile=tile)
+    y_RxD = gmm(h_RxF, w_down_ExFxD, padded_E, tile, nx.PRECISION)
+    y_NxKxD = y_RxD[row_A].reshape(n, k, -1)
+
+    def combine(y, wk):
+        out = y[:, 0].astype(acc) * wk[:, :1].astype(acc)
+        for i in range(1, k):
+            out = out + y[:, i].astype(acc) * wk[:, i:i + 1].astype(acc)
+        return out.astype(dt)
+
+    return rowwise(combine, y_NxKxD, w_NxK)
+
+
+def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0):
+    """log softmax((h / τ) · unembed) over the vocabulary, float32 [N, V], per row: what
+    the sampler draws from and the trainer scores (`token_logprobs`)."""
+    return rowwise(lambda h: _logp_V(h, unembed_DxV, temperature), h_NxD)
+
+
+def token_logprobs(h_NxD, unembed_DxV, targets_N, temperature: float = 1.0):
+    """(logp_N, entropy_N) of `targets_N` under `logprobs_V`'s distribution, per row."""
+    def tile(h, tgt):
+        lp = _fence(_logp_V(h, unembed_DxV, temperature))
+        ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+        return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], ent
+
+    return rowwise(tile, h_NxD, targets_N)
+
+
+def _logp_V(h, unembed_DxV, temperature):
+    dt = h.dtype
+    if temperature != 1.0:
+        h = (h.astype(nx.accum_dtype(dt)) / temperature).astype(dt)
+    z = dot(h, unembed_DxV, dt)
+    return jax.nn.log_softmax(z.astype(jnp.float32) if z.dtype != jnp.float64 else z,
+                              axis=-1)
+
+
+def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT,
+                  key_mask_BxS, tokens_BxT, put_cache):
+    """The decoder layer of `transformer.forward` (same carry and outputs) computed per
+    token (module docstring). `put_cache(kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)` writes this
+    call's keys and values into the cache carried in `kv` and returns (kv, k, v, keys):
+    the updated cache and this layer's key and value arrays in layout `keys`; None
+    without a cache."""
+    from stablerl_jax.model.attention import rms_norm, rope  # (attention imports numerics)
+
+    b, t = positions_BxT.shape
+    n, d = b * t, cfg.d_model
+    h_, kvh, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
+    pos_N = positions_BxT.reshape(n)
+    row_N = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    start_N = first_slots(key_mask_BxS)[row_N]
+    quant = lambda x: nx.act_quant(x, numerics)
+
+    def layer(carry, xs):
+        x_BxTxD, kv = carry
+        p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
+        p = {k: nx.dequantize(w) for k, w in p.items()}
+
+        def pre(x, pos):
+            h = quant(rms_norm(x, p["attn_norm"], eps))
+            proj = lambda name, heads: dot(h, p[name].reshape(d, heads * dh), dtype).astype(
+                dtype).reshape(-1, 1, heads, dh)
+            q = rope(rms_norm(proj("wq", h_), p["q_norm"], eps), pos[:, None], cfg.rope_theta)
+            k = rope(rms_norm(proj("wk", kvh), p["k_norm"], eps), pos[:, None], cfg.rope_theta)
+            return q[:, 0], k[:, 0], proj("wv", kvh)[:, 0]
+
+        q_N, k_N, v_N = rowwise(pre, x_BxTxD.reshape(n, d), pos_N)
+        k_new, v_new = (a.reshape(b, t, kvh, dh) for a in (k_N, v_N))
+        if put_cache is None:
+            k_src, v_src, keys = k_new, v_new, "bskd"
+        else:
+            kv, k_src, v_src, keys = put_cache(kv, k_new, v_new, layer_idx)
+        o_N = attend(q_N, pos_N, row_N, start_N, k_src, v_src, key_mask_BxS, kv_heads=kvh,
+                     dtype=dtype, keys=keys)
+        noise = nx.router_noise(numerics, layer_idx, positions_BxT, tokens_BxT,
+                                cfg.num_experts)
+        noise_N = None if noise.ndim == 0 else noise.reshape(n, -1)
+        flat = lambda r: None if r is None else r.reshape(n, -1)
+
+        def post(o, x, noise, replay, replay_w):
+            x = x + dot(quant(o.reshape(o.shape[0], h_ * dh)),
+                        p["wo"].reshape(h_ * dh, d), dtype).astype(dtype)
+            h = rms_norm(x, p["mlp_norm"], eps)
+            logits = dot(h, p["router"], router_dtype)
+            if noise is not None:
+                logits = logits + noise
+            idx, w, probs = moe.route(logits, cfg.top_k, replay, replay_w,
+                                      normalize=cfg.norm_topk_prob)
+            return x, quant(h), idx, w, probs, logits
+
+        x_N, h_N, idx_NxK, w_NxK, probs_NxE, logits_NxE = rowwise(
+            post, o_N, x_BxTxD.reshape(n, d), noise_N, flat(replay_BxTxK),
+            flat(replay_w_BxTxK))
+        y_N = experts(h_N, idx_NxK, w_NxK, p["w_gate"].astype(dtype),
+                      p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile)
+        x_BxTxD = (x_N + y_N).reshape(b, t, d)
+        load_E, z, balance = moe.router_stats(probs_NxE, idx_NxK, logits_NxE,
+                                              mask_BxT.reshape(-1))
+        ys = (idx_NxK.reshape(b, t, -1), w_NxK.reshape(b, t, -1), load_E, z, balance)
+        return (x_BxTxD, kv), ys
+
+    return layer

@@ -1,0 +1,227 @@
+"""Zero mismatch (model/invariant.py): with batch-invariant numerics the sampler's log μ,
+experts and gate weights equal the trainer's bit for bit, whatever the call shapes; and
+the XLA behaviours that rests on, each tested on its own."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+
+from stablerl_jax import continuous
+from stablerl_jax import rollout as ro
+from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
+from stablerl_jax.kernels import gmm as gmm_lib
+from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.model import invariant
+from stablerl_jax.model import numerics as nx
+from stablerl_jax.model import transformer as tf
+
+HI = jax.lax.Precision.HIGHEST
+
+
+# --- what the design relies on ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_tile_body_gives_a_row_the_same_bits_wherever_it_sits(dtype):
+    """`rowwise`'s reliance: inside one compiled tile body, a row's product and its
+    reductions over the last axis do not depend on the other rows, on its offset in the
+    tile or on how many tiles the call has (one tile: XLA may inline the loop)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((96, 64)), dtype)
+    w = jnp.asarray(rng.standard_normal((64, 200)), dtype)
+
+    def body(t):
+        z = invariant.dot(t, w, dtype)
+        return jax.nn.log_softmax(z, axis=-1), jnp.sum(z * z, axis=-1)
+
+    f = jax.jit(lambda r: invariant.rowwise(body, r))
+    full = jax.tree.map(np.asarray, f(x))
+    for start, n in [(0, 1), (5, 1), (3, 2), (7, 7), (13, 31), (1, 33), (40, 56)]:
+        part = f(x[start:start + n])
+        for a, b in zip(part, full):
+            assert np.array_equal(np.asarray(a), b[start:start + n]), (start, n)
+
+
+def test_skipped_and_masked_key_blocks_change_nothing():
+    """`attend`'s reliance: a key block past a query's position, computed with every key
+    masked or skipped, leaves the online softmax's state bit for bit (max(m, −inf) = m,
+    exp(0) = 1, x + 0 = x), so more slots, more left padding or a longer cache give the
+    same output."""
+    rng = np.random.default_rng(2)
+    b, s, kv, dh, h = 2, 40, 2, 8, 4
+    k = jnp.asarray(rng.standard_normal((b, s, kv, dh)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, s, kv, dh)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, h, dh)), jnp.float32)
+    mask = jnp.ones((b, s), bool)
+    pos, row, start = jnp.array([0, 17, 33]), jnp.array([0, 1, 1]), jnp.array([0, 2, 2])
+    run = lambda k_, v_, m_, st: invariant.attend(q, pos, row, st, k_, v_, m_, kv_heads=kv,
+                                                  dtype=jnp.float32)
+    base = np.asarray(run(k, v, mask, start))
+    # 70 more slots after the sequence (a longer cache: blocks never reached) ...
+    pad = lambda a: jnp.concatenate([a, jnp.asarray(rng.standard_normal(
+        (b, 70) + a.shape[2:]), a.dtype)], axis=1)
+    assert np.array_equal(np.asarray(run(pad(k), pad(v), jnp.pad(mask, ((0, 0), (0, 70))),
+                                         start)), base)
+    # ... and 45 more slots of left padding before it (garbage keys, masked).
+    lead = lambda a: jnp.concatenate([jnp.asarray(rng.standard_normal(
+        (b, 45) + a.shape[2:]), a.dtype), a], axis=1)
+    assert np.array_equal(np.asarray(run(lead(k), lead(v), jnp.pad(mask, ((0, 0), (45, 0))),
+                                         start + 45)), base)
+
+
+def test_a_grouped_tile_row_ignores_the_rest_of_its_group():
+    """`experts`' reliance: the `loop` grouped matmul computes each tile of rows as one
+    fixed-shape product, so a row's output does not depend on which rows share its tile
+    or on the other groups."""
+    rng = np.random.default_rng(3)
+    tile, d, f = 8, 16, 24
+    w = jnp.asarray(rng.standard_normal((3, d, f)), jnp.float32)
+    row = jnp.asarray(rng.standard_normal((d,)), jnp.float32)
+    outs = []
+    for seed, sizes, at in [(0, (8, 16, 0), 11), (1, (0, 8, 8), 3), (2, (16, 8, 8), 20)]:
+        lhs = np.random.default_rng(seed).standard_normal((32, d)).astype(np.float32)
+        group = int(np.searchsorted(np.cumsum(sizes), at, side="right"))
+        lhs[at] = np.asarray(row)
+        out = gmm_lib.loop(jnp.asarray(lhs), w, jnp.asarray(sizes, jnp.int32), tile, HI)
+        outs.append((group, np.asarray(out[at])))
+    assert outs[0][0] == outs[1][0] == outs[2][0] == 1
+    assert all(np.array_equal(o, outs[0][1]) for _, o in outs)
+
+
+# --- the sampler against the trainer ------------------------------------------------
+
+def _model(dtype, **kw):
+    return dataclasses.replace(tiny_cfg().model, compute_dtype=dtype, init_std=0.2,
+                               batch_invariant=True, **kw)
+
+
+def _prompts(b=6, p=7, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(2, p - 1, b)
+    prompts, pmask = np.zeros((b, p), np.int32), np.zeros((b, p), bool)
+    for i, n in enumerate(lens):
+        prompts[i, p - n:] = rng.integers(4, 64, n)
+        pmask[i, p - n:] = True
+    return jnp.asarray(prompts), jnp.asarray(pmask)
+
+
+def _sample(m, sampling, prompts, pmask, sampler=ro.sample):
+    params = tf.init_params(jax.random.key(0), m)
+    r = sampler(params, prompts, pmask, jax.random.key(1), m, sampling,
+                nx.of_sampling(sampling, 0), eos_id=EOS_ID, pad_id=PAD_ID)
+    return params, r
+
+
+def _assert_bitwise(params, r, m, temperature, replay=False):
+    """log μ = log π_old, IS weight exactly 1, k1 exactly 0, and the sampler's experts
+    and gate weights are the trainer's, on every token."""
+    attn = r.prompt_mask_BxS | r.completion_mask_BxS
+    lp, _, aux = policy_logprobs(params, r.tokens_BxS, attn, m, temperature=temperature,
+                                 replay_BxTxLxK=r.routes_mu_BxSxLxK[:, :-1] if replay else None)
+    comp = np.asarray(r.completion_mask_BxS[:, 1:])
+    mu, pi = np.asarray(r.logp_mu_BxS[:, 1:])[comp], np.asarray(lp)[comp]
+    assert comp.sum() > 20 and np.array_equal(mu, pi), np.abs(mu - pi).max()
+    assert np.array_equal(np.exp(pi - mu), np.ones_like(mu))
+    assert np.array_equal(mu - pi, np.zeros_like(mu))
+    routes_mu = np.asarray(r.routes_mu_BxSxLxK[:, :-1])
+    rec = routes_mu[..., 0] >= 0
+    assert rec.sum() > 20
+    assert np.array_equal(routes_mu[rec], np.asarray(aux["routes"])[rec])
+    assert np.array_equal(np.asarray(r.route_weights_mu_BxSxLxK[:, :-1])[rec],
+                          np.asarray(aux["route_weights"])[rec])
+    return np.asarray(lp)
+
+
+@pytest.mark.parametrize("dtype,temperature", [("float32", 1.0), ("bfloat16", 0.7)])
+def test_the_static_sampler_scores_as_the_trainer(dtype, temperature):
+    m = _model(dtype)
+    sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise",
+                                   temperature=temperature)
+    prompts, pmask = _prompts()
+    params, r = _sample(m, sampling, prompts, pmask)
+    lp = _assert_bitwise(params, r, m, temperature)
+    # R3: the replayed routes are the live ones, and the scores do not move.
+    assert np.array_equal(_assert_bitwise(params, r, m, temperature, replay=True), lp)
+    # Another batch (a sub-batch, micro-batches) or a trimmed window: the same bits.
+    attn = r.prompt_mask_BxS | r.completion_mask_BxS
+    lo = int(np.argmax(np.asarray(attn).any(0)))
+    assert lo > 0
+    sub, _, _ = policy_logprobs(params, r.tokens_BxS[:2, lo:], attn[:2, lo:], m,
+                                temperature=temperature)
+    assert np.array_equal(np.asarray(sub), lp[:2, lo:])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kw", [{"kv_cache_layout": "bksd"}, {"unroll_layers": True},
+                                {"remat": "full", "moe_tile": 4}])
+def test_cache_layouts_and_layer_loops_keep_it_bitwise(kw):
+    m = _model("bfloat16", **kw)
+    sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise")
+    params, r = _sample(m, sampling, *_prompts(seed=1))
+    _assert_bitwise(params, r, m, 1.0)
+
+
+@pytest.mark.integration
+def test_the_continuous_sampler_scores_as_the_trainer():
+    """Slots refilled as responses finish, one cache index per row: still the trainer's
+    bits."""
+    m = _model("bfloat16")
+    sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise", continuous=True,
+                                   max_batch=4)
+    params, r = _sample(m, sampling, *_prompts(b=8, seed=2), sampler=continuous.sample)
+    _assert_bitwise(params, r, m, 1.0)
+
+
+@pytest.mark.integration
+def test_the_update_differentiates_through_the_tiles():
+    """The trainer's gradient through `rowwise` and the blocked attention: finite and
+    equal to the gradient of the same loss without tiles up to float32 rounding."""
+    m = _model("float32")
+    params = tf.init_params(jax.random.key(0), m)
+    tokens = jax.random.randint(jax.random.key(2), (3, 12), 4, 64)
+    attn = jnp.ones((3, 12), bool).at[0, :4].set(False)
+    scored = attn[:, :-1] & attn[:, 1:]  # (a padding slot's output is not the same function)
+    loss = lambda p, mc: jnp.sum(policy_logprobs(p, tokens, attn, mc)[0] * scored)
+    g_inv = jax.grad(loss)(params, m)
+    g_ref = jax.grad(loss)(params, dataclasses.replace(m, batch_invariant=False))
+    # Reassociated float32 sums of at most n = 64 terms per entry (36 scored tokens, 2
+    # layers, top-2): |error| <= n · eps · Σ|terms|, bounded here by the leaf's scale.
+    bound = 64 * np.finfo(np.float32).eps
+    for a, b in zip(jax.tree.leaves(g_inv), jax.tree.leaves(g_ref)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.all(np.isfinite(a)) and np.abs(a - b).max() <= bound * np.abs(b).max()
+
+
+# --- configuration ------------------------------------------------------------------
+
+def test_bitwise_turns_on_batch_invariance_and_refuses_what_it_cannot_hold():
+    cfg = apply_overrides(ExperimentConfig(), ["sampling.numerics=bitwise"])
+    assert cfg.model.batch_invariant
+    for bad, field in [(["sampling.numerics=bitwise", "sampling.top_k=5"], "numerics"),
+                       (["sampling.numerics=bitwise", "sampling.top_p=0.9"], "numerics"),
+                       (["sampling.numerics=bitwise", "mesh=2,1,1"], "model.batch_invariant"),
+                       (["sampling.numerics=bitwise", "rl.pack_tokens=512"], "rl.pack_tokens")]:
+        with pytest.raises(ConfigError, match=field) as e:
+            apply_overrides(ExperimentConfig(), bad)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.integration
+def test_a_bitwise_run_records_zero_mismatch(tmp_path):
+    """A whole RL run (bf16 compute, R3, two minibatches): every step's logged mismatch
+    is exactly zero and every IS weight exactly 1."""
+    from stablerl_jax.metrics_io import read_metrics
+    from stablerl_jax.rl import loop
+    base = tiny_cfg(steps=2, replay="r3")
+    cfg = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, compute_dtype="bfloat16"),
+        sampling=dataclasses.replace(base.sampling, numerics="bitwise"))
+    assert cfg.model.batch_invariant
+    loop.run(cfg, str(tmp_path / "run"), progress=False)
+    rows = [r for r in read_metrics(str(tmp_path / "run")) if r["step"] > 0]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["mismatch/abs_logp_gap_max"] == 0.0 and r["routing/mismatch_rate"] == 0.0
+        assert r["is/weight_max"] == r["is/weight_min"] == 1.0, r
