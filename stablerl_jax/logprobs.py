@@ -67,7 +67,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                     replay_weights_BxTxLxK=None, segment_ids_BxS=None, positions_BxS=None,
                     numerics: nx.Numerics = nx.TRAIN,
                     temperature: float = 1.0, impl: str = "chunked",
-                    interpret: bool = False, mesh=None, checks: bool | None = None):
+                    interpret: bool = False, mesh=None, checks: bool | None = None,
+                    trace: bool = False):
     """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
 
     One full-sequence forward over inputs = tokens[:, :-1] (attention mask attn[:, :-1]),
@@ -94,7 +95,7 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                                   else positions_BxS[:, :-1]),
                                    replay_BxTxLxK=replay_BxTxLxK,
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
-                                   numerics=numerics, mesh=mesh, checks=checks)
+                                   numerics=numerics, mesh=mesh, checks=checks, trace=trace)
     unembed_DxV = tf.unembed_matrix(weights, cfg)
     if invariant.on(numerics, cfg):  # the sampler's own per-row log-softmax (model/invariant.py)
         b, t, _ = hidden_BxTxD.shape

@@ -225,3 +225,28 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path):
     for r in rows:
         assert r["mismatch/abs_logp_gap_max"] == 0.0 and r["routing/mismatch_rate"] == 0.0
         assert r["is/weight_max"] == r["is/weight_min"] == 1.0, r
+
+
+@pytest.mark.integration
+def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
+    from stablerl_jax import bitwise_check
+    assert bitwise_check.main(["--rows", "4", "--new-tokens", "6",
+                               "model.compute_dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: the sampler computes the trainer's numbers bit for bit" in out
+    assert "layer 1 expert FFN: equal" in out
+    assert bitwise_check.main(["--rows", "4", "--new-tokens", "6", "sampling.numerics=exact",
+                               "model.compute_dtype=bfloat16"]) == 1
+    out = capsys.readouterr().out
+    assert "first to part: layer" in out and "ulps" in out and "DIFFERENT" in out
+    assert bitwise_check.main(["--rows", "0"]) == 2
+    assert "--rows: must be >= 1" in capsys.readouterr().err
+
+
+def test_ulps_counts_units_in_the_last_place():
+    from stablerl_jax.bitwise_check import ulps
+    one = np.float32(1.0)
+    up = np.nextafter(np.nextafter(one, np.float32(2)), np.float32(2))
+    f32 = lambda *x: np.array(x, np.float32)
+    assert ulps(f32(one, -0.0, one), f32(up, 0.0, one)).tolist() == [2, 0, 0]
+    assert ulps(np.array([np.float32(-1e-45)]), np.array([np.float32(1e-45)]))[0] == 2

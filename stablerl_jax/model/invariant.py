@@ -194,12 +194,13 @@ def _logp_V(h, unembed_DxV, temperature):
 
 
 def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT,
-                  key_mask_BxS, tokens_BxT, put_cache):
+                  key_mask_BxS, tokens_BxT, put_cache, trace=False):
     """The decoder layer of `transformer.forward` (same carry and outputs) computed per
     token (module docstring). `put_cache(kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)` writes this
     call's keys and values into the cache carried in `kv` and returns (kv, k, v, keys):
     the updated cache and this layer's key and value arrays in layout `keys`; None
-    without a cache."""
+    without a cache. `trace`: also output the residual stream after attention and after
+    the block (transformer.forward's aux["trace"])."""
     from stablerl_jax.model.attention import rms_norm, rope  # (attention imports numerics)
 
     b, t = positions_BxT.shape
@@ -256,6 +257,7 @@ def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT
         load_E, z, balance = moe.router_stats(probs_NxE, idx_NxK, logits_NxE,
                                               mask_BxT.reshape(-1))
         ys = (idx_NxK.reshape(b, t, -1), w_NxK.reshape(b, t, -1), load_E, z, balance)
-        return (x_BxTxD, kv), ys
+        trace_ys = (x_N.reshape(b, t, d), x_BxTxD) if trace else ()
+        return (x_BxTxD, kv), ys + trace_ys
 
     return layer

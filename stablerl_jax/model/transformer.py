@@ -136,7 +136,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             numerics: nx.Numerics = nx.TRAIN,
             cache: dict | None = None,
             gmm: moe.GroupedMatmul | None = None,
-            mesh=None, rules: dict | None = None, checks: bool | None = None):
+            mesh=None, rules: dict | None = None, checks: bool | None = None,
+            trace: bool = False):
     """Run the decoder. Returns (hidden_BxTxD, aux).
 
     Args:
@@ -161,6 +162,9 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         (attention.decode_attention_fn); None: no mesh, nothing sharded by hand.
       checks: also check the values of the inputs (token ids in [0, V), the mask in
         {0, 1}); shapes and dtypes are always checked (stablerl_jax/input_checks.py).
+      trace: also return every layer's residual stream (aux["trace"]: "attention", after
+        the attention block's residual add, and "block", after the expert FFN's; each
+        [B, T, L, D]), for comparing two engines layer by layer (bitwise_check.py).
 
     aux: routes [B,T,L,K] int32 (the experts used), route_weights [B,T,L,K] (their combine
     weights), expert_load [L,E], router_z_loss [L],
@@ -206,6 +210,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics, dtype,
                           kv, index, layer_idx, segment_ids_BxT, decode)
         x_BxTxD = x_BxTxD + a
+        x_attn = x_BxTxD
         h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
         router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),
                                    p["router"].astype(router_dtype), precision=nx.PRECISION,
@@ -223,7 +228,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, router_logits.reshape(b * t, -1),
                                               mask_BxT.reshape(-1))
         ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
-        return (x_BxTxD, kv), ys
+        return (x_BxTxD, kv), ys + ((x_attn, x_BxTxD) if trace else ())
 
     per_token = invariant.on(numerics, cfg)
     if per_token:
@@ -232,7 +237,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                              "(segment_ids_BxT); score padded rows")
         layer = invariant.decoder_layer(
             cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
-            mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT,
+            mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT, trace=trace,
             put_cache=None if cache is None else functools.partial(_put_cache, cfg, index, b))
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
@@ -252,14 +257,14 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             ys.append(y)
             kv.append(kv_i)
         kv = tuple(zip(*kv))
-        routes_LxBxTxK, weights_LxBxTxK, load, z, balance = jax.tree.map(
-            lambda *a: jnp.stack(a), *ys)
+        ys = jax.tree.map(lambda *a: jnp.stack(a), *ys)
     else:
         # The stacked KV cache is carried (each layer writes its slots in place), not
         # scanned: a scanned cache would be re-stacked across layers on every decode step.
         kv = None if cache is None else (cache["k"], cache["v"])
-        (x, kv), (routes_LxBxTxK, weights_LxBxTxK, load, z, balance) = jax.lax.scan(
-            layer, (x, kv), xs, unroll=cfg.num_layers if cfg.unroll_layers else 1)
+        (x, kv), ys = jax.lax.scan(layer, (x, kv), xs,
+                                   unroll=cfg.num_layers if cfg.unroll_layers else 1)
+    routes_LxBxTxK, weights_LxBxTxK, load, z, balance = ys[:5]
     if per_token:
         hidden_BxTxD = invariant.rowwise(
             lambda r: rms_norm(r, params["final_norm"], cfg.norm_eps),
@@ -275,6 +280,9 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         "router_loss": (cfg.router_z_loss_weight * jnp.mean(z)
                         + cfg.router_aux_loss_weight * jnp.mean(balance)),
     }
+    if trace:
+        aux["trace"] = {name: jnp.transpose(y, (1, 2, 0, 3))
+                        for name, y in zip(("attention", "block"), ys[5:])}
     if cache is not None:
         aux["cache"] = {"k": kv[0], "v": kv[1], "mask": key_mask_BxS,
                         "index": index + t}
