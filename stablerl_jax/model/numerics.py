@@ -8,6 +8,7 @@ inference engine has from the trainer for the *same* weights:
 |--------|--------------------------------------|-------------|----------------------|
 | train  | model param dtype                    | cfg dtype   | cfg dtype, ≥ float32 |
 | exact  | same as train (sanity baseline)      | cfg dtype   | cfg dtype, ≥ float32 |
+| bitwise| exact, computed per token in both engines (model/invariant.py): no mismatch |
 | bf16   | bfloat16                             | bfloat16    | bfloat16             |
 | fp8    | e4m3, per-output-channel scales      | bfloat16    | bfloat16             |
 
@@ -76,6 +77,8 @@ class Numerics:
         float32 or wider.
       act_fp8: quantize each matmul input per token to e4m3 (plus scale).
       router_noise_std: std of Gaussian noise added to router logits (0 = off).
+      invariant: compute every token independently of the call it is in
+        (model/invariant.py; also on for every policy under ModelConfig.batch_invariant).
       noise_seed: seed of that noise. The noise of a token depends only on
         (seed, layer, position, token id), so it is identical in prefill and decode and
         independent of the other rows of the batch.
