@@ -34,13 +34,16 @@ class _Tokens:
         return " ".join(f"<{i}>" for i in ids)
 
 
-def _step(sampling: SamplingConfig | None = None, minibatches: int = 2, **rl):
+def _step(sampling: SamplingConfig | None = None, minibatches: int = 2,
+          batch_invariant: bool = False, **rl):
     """One global step of the tiny model through the Engine, the probe on 4 rows: (the
     step's reduced metrics with `attribution.derive`, the score pass's, the dump rows)."""
     cfg = tiny_cfg(num_minibatches=minibatches, attribution=True, attribution_every=1,
                    attribution_rows=4, **rl)
     cfg = cfg.replace(sampling=sampling or SamplingConfig(max_new_tokens=16,
                                                          router_noise_std=0.5))
+    if batch_invariant:
+        cfg = cfg.replace(model=cfg.model.replace(batch_invariant=True))
     params = tf.init_params(jax.random.key(0), cfg.model.replace(init_std=0.1))
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     prompts = jax.random.randint(jax.random.key(1), (8, 8), 4, 60)
@@ -109,6 +112,32 @@ def test_with_the_training_numerics_in_the_sampler_the_precision_part_vanishes(f
     # (|log 1/64|), a few epsilons per token, against FP8 weights' percent-level error.
     assert exact["attr/precision_sqmean"] < (100 * 4 * EPS32) ** 2
     assert fp8_step[0]["attr/precision_sqmean"] > 1e3 * exact["attr/precision_sqmean"]
+
+
+@pytest.mark.integration
+def test_from_zero_mismatch_each_injected_source_lands_in_its_own_part():
+    """With the `bitwise` sampler (μ = π_old bit for bit) every part is exactly 0, and one
+    source injected at a time shows up in its own part only: staleness (N = 2) in the
+    staleness part; router noise, with its combine weights replayed (r3 +
+    rl.replay_weights), nowhere; FP8 weights over per-token numerics in the precision
+    part, with a routing part of exactly 0 on every row whose experts never flipped."""
+    bitwise = SamplingConfig(max_new_tokens=16, numerics="bitwise")
+    parts = lambda m: {p: m[f"attr/{p}_sqmean"] for p in attribution.PARTS}
+    zero, _, dumped = _step(bitwise, minibatches=1)
+    assert parts(zero) == {p: 0.0 for p in attribution.PARTS}
+    assert zero["attr/total_sqmean"] == 0.0
+    assert all(v == 0.0 for row in dumped for p in attribution.PARTS for v in row[p])
+    stale, _, _ = _step(bitwise, minibatches=2)
+    assert stale["attr/precision_sqmean"] == stale["attr/routing_sqmean"] == 0.0
+    assert stale["attr/staleness_sqmean"] == stale["attr/total_sqmean"] > 0
+    noise, _, _ = _step(bitwise.replace(router_noise_std=0.5), minibatches=1, replay="r3",
+                        replay_weights=True)
+    assert parts(noise) == {p: 0.0 for p in attribution.PARTS}
+    fp8, _, dumped = _step(SamplingConfig(max_new_tokens=16, numerics="fp8"), minibatches=1,
+                           batch_invariant=True)
+    assert fp8["attr/staleness_sqmean"] == 0.0 and fp8["attr/precision_sqmean"] > 0
+    unflipped = [row for row in dumped if not any(row["flipped_layers"])]
+    assert unflipped and all(v == 0.0 for row in unflipped for v in row["routing"])
 
 
 def test_under_r3_the_routing_part_is_zero_and_the_counterfactual_is_not():
