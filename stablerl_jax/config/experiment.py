@@ -76,9 +76,6 @@ class ExperimentConfig(Section):
         check(not self.model.batch_invariant or dp == 1, "model.batch_invariant",
               f"per-token numerics run on one device (mesh=1,1,1) so far, got mesh={self.mesh};"
               " set mesh=1,1,1 or sampling.numerics=exact")
-        check(not self.model.batch_invariant or not rl.pack_tokens, "rl.pack_tokens",
-              "packed scoring is not per-token yet under model.batch_invariant "
-              "(sampling.numerics=bitwise); set rl.pack_tokens=0")
         rows = self.sampling.max_batch
         if rows:
             check(rows % dp == 0, "sampling.max_batch",

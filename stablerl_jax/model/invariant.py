@@ -194,13 +194,14 @@ def _logp_V(h, unembed_DxV, temperature):
 
 
 def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT,
-                  key_mask_BxS, tokens_BxT, put_cache, trace=False):
+                  key_mask_BxS, tokens_BxT, put_cache, trace=False, segment_ids_BxT=None):
     """The decoder layer of `transformer.forward` (same carry and outputs) computed per
     token (module docstring). `put_cache(kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)` writes this
     call's keys and values into the cache carried in `kv` and returns (kv, k, v, keys):
     the updated cache and this layer's key and value arrays in layout `keys`; None
     without a cache. `trace`: also output the residual stream after attention and after
-    the block (transformer.forward's aux["trace"])."""
+    the block (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
+    cache): a token's position 0 is its segment's first slot."""
     from stablerl_jax.model.attention import rms_norm, rope  # (attention imports numerics)
 
     b, t = positions_BxT.shape
@@ -208,7 +209,14 @@ def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT
     h_, kvh, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
     pos_N = positions_BxT.reshape(n)
     row_N = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    start_N = first_slots(key_mask_BxS)[row_N]
+    if segment_ids_BxT is None:
+        start_N = first_slots(key_mask_BxS)[row_N]
+    else:  # each segment is one sequence's real tokens, contiguous (packing.py)
+        seg = segment_ids_BxT
+        new_BxT = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]],
+                                  axis=1)
+        start_N = jax.lax.cummax(jnp.where(new_BxT, jnp.arange(t, dtype=jnp.int32), 0),
+                                 axis=1).reshape(n)
     quant = lambda x: nx.act_quant(x, numerics)
 
     def layer(carry, xs):

@@ -232,12 +232,10 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
 
     per_token = invariant.on(numerics, cfg)
     if per_token:
-        if segment_ids_BxT is not None:
-            raise ValueError("forward: batch-invariant numerics do not take packed rows "
-                             "(segment_ids_BxT); score padded rows")
         layer = invariant.decoder_layer(
             cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
             mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT, trace=trace,
+            segment_ids_BxT=segment_ids_BxT,
             put_cache=None if cache is None else functools.partial(_put_cache, cfg, index, b))
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
