@@ -256,3 +256,21 @@ def test_ulps_counts_units_in_the_last_place():
     f32 = lambda *x: np.array(x, np.float32)
     assert ulps(f32(one, -0.0, one), f32(up, 0.0, one)).tolist() == [2, 0, 0]
     assert ulps(np.array([np.float32(-1e-45)]), np.array([np.float32(1e-45)]))[0] == 2
+
+
+@pytest.mark.integration
+def test_the_check_passes_on_a_hugging_face_qwen3_moe_checkpoint(tmp_path, capsys):
+    """A Qwen3-MoE checkpoint's own architecture (q/k norms, GQA, untied head, its dtype)
+    through --hf: bitwise in its bfloat16."""
+    from hf_fixtures import write_qwen3_moe, write_qwen_tokenizer
+
+    from stablerl_jax import bitwise_check
+    ckpt = tmp_path / "qwen"
+    ckpt.mkdir()
+    write_qwen3_moe(ckpt, write_qwen_tokenizer(ckpt))
+    write_qwen_tokenizer(ckpt)
+    assert bitwise_check.main(["--hf", str(ckpt), "--rows", "4", "--new-tokens", "6",
+                               "model.compute_dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "sampler numerics 'bitwise' (per-token)" in out and "compute bfloat16" in out
+    assert "OK: the sampler computes the trainer's numbers bit for bit" in out
