@@ -9,20 +9,78 @@ over the last `--steps` global steps, from the same cold start) under
 `sampling.numerics=exact` and under `sampling.numerics=bitwise`, in that order, and
 prints one table: the milliseconds of each hop under both and their ratio (bitwise /
 exact). The overrides apply to both (e.g. model.compute_dtype=bfloat16).
+
+    python -m benchmarks.bitwise_cost --model-only [--preset tiny] [--rows 128]
+        [--prompt-len 16] [--new-tokens 48] [--steps 10] [key=value ...]
+
+times the model's three hops alone on random weights and prompts (no data set, no
+tokenizer: what a machine without the data stack can run): the sampler (`rollout.sample`,
+every row decoding --new-tokens tokens), the score forward (`policy_logprobs`) and an
+update's forward and backward (the gradient of the summed log-probs), the median of
+--steps calls after one warm-up, under both arms.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.global_step import SETTINGS, hop_times
-from experiments import runner
-from stablerl_jax import compile_cache
+from stablerl_jax import compile_cache, presets
+from stablerl_jax import rollout as ro
 from stablerl_jax.config import apply_overrides
+from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.model import numerics as nx
+from stablerl_jax.model import transformer as tf
 
 ARMS = ("exact", "bitwise")
+
+
+def model_hops(cfg, rows: int, prompt_len: int, new_tokens: int, steps: int) -> dict:
+    """{hop: median seconds} of the sampler, the score forward and the update's gradient
+    for ExperimentConfig `cfg` on random weights and prompts."""
+    model = cfg.model
+    sampling = dataclasses.replace(cfg.sampling, max_new_tokens=new_tokens, max_batch=0,
+                                   continuous=False)
+    numerics = nx.of_sampling(sampling, 0)
+    params = tf.init_params(jax.random.key(0), model)
+    rng = np.random.default_rng(0)
+    prompts = jnp.asarray(rng.integers(0, model.vocab_size, (rows, prompt_len)), jnp.int32)
+    pmask = jnp.ones((rows, prompt_len), bool)
+    sample = lambda: ro.sample(params, prompts, pmask, jax.random.key(1), model, sampling,
+                               numerics, eos_id=-1, pad_id=0)
+    r = sample()
+    attn = r.prompt_mask_BxS | r.completion_mask_BxS
+    score = jax.jit(lambda p: policy_logprobs(p, r.tokens_BxS, attn, model,
+                                              temperature=sampling.temperature)[0])
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(policy_logprobs(
+        p, r.tokens_BxS, attn, model, temperature=sampling.temperature)[0])))
+    out = {}
+    for hop, fn in (("sample", sample), ("score", lambda: score(params)),
+                    ("update (forward + backward)", lambda: grad(params))):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        out[hop] = float(np.median(times))
+    out["sum"] = sum(out.values())
+    return out
+
+
+def _table(title: str, hops: dict) -> None:
+    print(f"\n{title}\n")
+    print("| hop | exact ms | bitwise ms | bitwise / exact |\n|---|---|---|---|")
+    for hop, exact in hops["exact"].items():
+        exact = exact[1] if isinstance(exact, tuple) else exact
+        bitwise = hops["bitwise"][hop]
+        bitwise = bitwise[1] if isinstance(bitwise, tuple) else bitwise
+        print(f"| {hop} | {exact * 1e3:.1f} | {bitwise * 1e3:.1f} | {bitwise / exact:.2f} |")
 
 
 def main(argv=None) -> None:
@@ -31,23 +89,35 @@ def main(argv=None) -> None:
     ap.add_argument("--workdir", default="/tmp/bench_bitwise")
     ap.add_argument("--only", default="onpolicy")
     ap.add_argument("--cache", default="", help="persistent compilation cache directory")
+    ap.add_argument("--model-only", action="store_true",
+                    help="time the model's hops on random weights (no data)")
+    ap.add_argument("--preset", default="tiny", help="the preset of --model-only")
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to both arms")
     args = ap.parse_args(argv)
     compile_cache.enable(args.cache)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    if args.model_only:
+        base = presets.preset(args.preset, ["mesh=1,1,1", "mesh_dcn=1,1,1", *args.overrides])
+        hops = {arm: model_hops(apply_overrides(base, [f"sampling.numerics={arm}"]),
+                                args.rows, args.prompt_len, args.new_tokens, args.steps)
+                for arm in ARMS}
+        _table(f"{args.preset} model: compute {base.model.compute_dtype}, {args.rows} rows "
+               f"of {args.prompt_len} + {args.new_tokens} tokens, median of {args.steps} "
+               "calls", hops)
+        return
+    from benchmarks.global_step import SETTINGS, hop_times  # (the data stack)
+    from experiments import runner
     for name in args.only.split(","):
         base = apply_overrides(SETTINGS[name](), [f"rl.steps={args.steps}", *args.overrides])
         data, params = runner.task_and_cold_start(base, args.workdir, progress=False)
         hops = {arm: hop_times(apply_overrides(base, [f"sampling.numerics={arm}"]), data,
                                params, args.steps) for arm in ARMS}
-        print(f"\n{name}: compute {base.model.compute_dtype}, "
-              f"{base.rl.prompts_per_step * base.rl.group_size} responses per step, "
-              f"median of {args.steps} steps\n")
-        print("| hop | exact ms | bitwise ms | bitwise / exact |\n|---|---|---|---|")
-        for hop, (_, exact) in hops["exact"].items():
-            bitwise = hops["bitwise"][hop][1]
-            print(f"| {hop} | {exact * 1e3:.1f} | {bitwise * 1e3:.1f} | "
-                  f"{bitwise / exact:.2f} |")
+        _table(f"{name}: compute {base.model.compute_dtype}, "
+               f"{base.rl.prompts_per_step * base.rl.group_size} responses per step, "
+               f"median of {args.steps} steps", hops)
 
 
 if __name__ == "__main__":
