@@ -254,6 +254,52 @@ def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
     return out
 
 
+def expert_load_pairs(routes_BxTxLxK, routed_BxT, num_experts: int, side: str) -> dict:
+    """{"moe/{side}/load": (assignments [L, E], all assignments [L, E])}: how many of a
+    layer's routed (token, k) slots went to each expert, as a pair that sums exactly over
+    batches, micro-batches and devices; `reduce_metrics` turns the reduced shares into
+    `expert_load_stats`. Routes of -1 (nothing routed) and tokens outside `routed_BxT`
+    count nowhere."""
+    use = (routes_BxTxLxK >= 0) & routed_BxT[:, :, None, None]
+    onehot = (routes_BxTxLxK[..., None] == jnp.arange(num_experts)) & use[..., None]
+    counts_LxE = jnp.sum(onehot, axis=(0, 1, 3), dtype=jnp.float32)
+    total_L = jnp.sum(use, axis=(0, 1, 3), dtype=jnp.float32)
+    return {f"moe/{side}/load": (counts_LxE, jnp.broadcast_to(total_L[:, None],
+                                                              counts_LxE.shape))}
+
+
+TOP_EXPERTS = 0.1  # expert_load_stats' top share: the most-loaded tenth of the experts
+
+
+def expert_load_stats(load_LxE: np.ndarray, prefix: str) -> dict:
+    """Per-layer and summary statistics of expert use from each layer's load shares
+    (rows summing to 1; NaN rows: nothing routed):
+
+      {prefix}/max_vio[_l{l}]     E · max_e share − 1 (verl's MaxVio: the most loaded
+                                  expert over the mean load, minus 1; 0 when balanced);
+                                  the mean over layers, layer l's, and `_max` the worst
+      {prefix}/entropy[_l{l}]     −Σ share · log share / log E (1 = uniform use)
+      {prefix}/top10_share[_l{l}] the share of assignments on the ⌈E / 10⌉ most loaded
+                                  experts (0.1 = uniform)
+
+    Every value is a float (a metrics row holds scalars).
+    """
+    load = np.asarray(load_LxE, np.float64)
+    e = load.shape[1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        vio = e * load.max(axis=1) - 1.0
+        ent = -np.sum(np.where(load > 0, load * np.log(np.where(load > 0, load, 1.0)), 0.0),
+                      axis=1) / np.log(e) if e > 1 else np.zeros(load.shape[0])
+        ent = np.where(np.isnan(load).any(axis=1), np.nan, ent)
+    top = np.sort(load, axis=1)[:, ::-1][:, :int(np.ceil(TOP_EXPERTS * e))].sum(axis=1)
+    out = {}
+    for name, per_layer in (("max_vio", vio), ("entropy", ent), ("top10_share", top)):
+        out[f"{prefix}/{name}"] = float(np.mean(per_layer))
+        out.update({f"{prefix}/{name}_l{i}": float(v) for i, v in enumerate(per_layer)})
+    out[f"{prefix}/max_vio_max"] = float(np.max(vio))
+    return out
+
+
 def combine_pairs(stacked: dict, xp=jnp) -> dict:
     """(num, den) pairs stacked over parts (mini-batches, micro-batches: [n, ...] each) ->
     one pair per key: numerators and denominators summed, except `*_max` / `*_min` keys,
@@ -298,6 +344,8 @@ def reduce_metrics(metric_dicts) -> dict:
         if key.endswith("_sqmean") and key[:-len("_sqmean")] + "_mean" in out:
             base = key[:-len("_sqmean")]
             out[base + "_std"] = max(out[key] - out[base + "_mean"] ** 2, 0.0) ** 0.5
+    for key in [k for k in out if k.startswith("moe/") and k.endswith("/load")]:
+        out.update(expert_load_stats(out.pop(key), key[:-len("/load")]))
     if "is/weight_mean" in out and "is/weight_sqmean" in out:
         sq = out["is/weight_sqmean"]
         # Every weight 0 (all tokens dropped by a masked IS) means no effective sample.

@@ -33,6 +33,7 @@ SMOKE = {
     "async_staleness": ("S1-minirl+R3", ["rl.prompts_per_step=8"]),
     "mismatch_sweep": ("s0.3+actfp8-minirl", ["rl.prompts_per_step=8"]),
     "zero_mismatch": ("bitwise-minirl+R3", ["rl.prompts_per_step=8"]),
+    "routing_fixes": ("frozen-fp32-router", ["rl.prompts_per_step=8"]),
 }
 # The others' smoke runs take ~1.5 min each: `pytest -m slow` runs them.
 SMOKE_IN_INTEGRATION = ("onpolicy",)

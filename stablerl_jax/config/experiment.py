@@ -76,6 +76,11 @@ class ExperimentConfig(Section):
         check(not self.model.batch_invariant or dp == 1, "model.batch_invariant",
               f"per-token numerics run on one device (mesh=1,1,1) so far, got mesh={self.mesh};"
               " set mesh=1,1,1 or sampling.numerics=exact")
+        router_losses = [f"model.{f}={getattr(self.model, f)}" for f in (
+            "router_z_loss_weight", "router_aux_loss_weight") if getattr(self.model, f)]
+        check(not rl.freeze_router or not router_losses, "rl.freeze_router",
+              f"a frozen router cannot follow its own losses ({', '.join(router_losses)}); "
+              "set them to 0 or rl.freeze_router=false")
         rows = self.sampling.max_batch
         if rows:
             check(rows % dp == 0, "sampling.max_batch",

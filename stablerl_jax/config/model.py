@@ -77,6 +77,10 @@ class ModelConfig(Section):
         reads its own blocks) needs decode_block > 0 and kv_cache_layout='bksd'.
       router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
       router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
+      router_dtype: the router's arithmetic in the training engine, and in the sampler
+        where its preset does not set one ('exact', 'bitwise'): its matmul's operands in
+        this dtype, accumulated, soft-maxed and ranked (top-k) in it or float32 if wider.
+        '': the compute dtype widened to float32. 'float64' needs JAX_ENABLE_X64=1.
       batch_invariant: both engines compute every token's results independently of the
         call it is in (model/invariant.py): the sampler's log-probs, experts and gate
         weights then equal the trainer's bit for bit at equal weights and numerics.
@@ -116,6 +120,7 @@ class ModelConfig(Section):
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
     batch_invariant: bool = False
+    router_dtype: str = ""
 
     def __post_init__(self):
         check_positive_int(self, "vocab_size", "d_model", "num_layers", "num_heads",
@@ -134,6 +139,9 @@ class ModelConfig(Section):
               f"must be > 0, got {self.init_std}")
         for f in ("param_dtype", "compute_dtype"):
             check_choice(self, f, DTYPES)
+        check(self.router_dtype in ("", *DTYPES), "router_dtype",
+              f"must be '' (the compute dtype, at least float32) or one of {DTYPES}, got "
+              f"{self.router_dtype!r}")
         check(self.dispatch in ("grouped", "dense"), "dispatch",
               f"must be 'grouped' or 'dense', got {self.dispatch!r}")
         for f in ("router_z_loss_weight", "router_aux_loss_weight"):
@@ -174,6 +182,9 @@ class SamplingConfig(Section):
         which it turns on): log μ equals the trainer's log π_old bit for bit.
       router_noise_std / act_fp8: extra mismatch knobs on top of it (seeded router-logit
         noise; per-token e4m3 activations).
+      router_dtype: the sampler's router arithmetic (as model.router_dtype for the
+        trainer), whatever the preset: e.g. 'float32' under 'fp8' (whose router is
+        bfloat16) gives the full-precision router prime-rl runs; '' = the preset's.
       max_batch: rows decoded at once over the whole mesh; a larger batch is decoded as a
         sequence of slices of this many rows (its KV cache is the memory that bounds a
         pod's sampling batch). 0: every row at once. A row's sample does not depend on
@@ -207,6 +218,7 @@ class SamplingConfig(Section):
     top_p: float = 1.0
     numerics: str = "fp8"
     router_noise_std: float = 0.0
+    router_dtype: str = ""
     act_fp8: bool = False
     max_batch: int = 0
     dispatch: str = ""
@@ -230,6 +242,8 @@ class SamplingConfig(Section):
         check(is_finite(self.router_noise_std) and self.router_noise_std >= 0,
               "router_noise_std", f"must be a finite number >= 0, got {self.router_noise_std}")
         check_bool(self, "act_fp8", "continuous")
+        check(self.router_dtype in ("", *DTYPES), "router_dtype",
+              f"must be '' (the preset's) or one of {DTYPES}, got {self.router_dtype!r}")
         check(self.numerics != "bitwise" or (self.top_k == 0 and self.top_p == 1.0),
               "numerics", f"'bitwise' draws from the trainer's full softmax, so top_k={self.top_k}"
               f" / top_p={self.top_p} cannot apply; set sampling.top_k=0 sampling.top_p=1.0 "

@@ -177,6 +177,9 @@ class RLConfig(Section):
       of it inside one jitted step (one optimizer update; losses and metrics equal one
       big batch's, rl/accumulate.py); the score step runs its batch in slices of the
       same size. Memory of a step scales with the slice, not the mini-batch.
+    freeze_router: train every weight but the router's (NeMo-RL's GRPO default): its
+      weights get no update and their optimizer state never changes; the router's z and
+      load-balancing losses (model.router_*_loss_weight) must then be 0.
     replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
       recorded routing (combine) weights, held fixed, instead of recomputing them from the
       live router; the router then gets no gradient through the combine.
@@ -266,6 +269,7 @@ class RLConfig(Section):
     microbatches: int = 1
     replay: str = "none"
     replay_weights: bool = False
+    freeze_router: bool = False
     offline_rollouts: str = ""
     logprob_impl: str = "chunked"
     trim_bucket: int = 0
@@ -335,7 +339,7 @@ class RLConfig(Section):
         check(is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
               f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
         check_bool(self, "async_checkpoints", "replay_weights", "score_in_update",
-                   "dynamic_sampling", "attribution")
+                   "dynamic_sampling", "attribution", "freeze_router")
         check(is_int(self.attribution_every) and self.attribution_every >= 0,
               "attribution_every", f"must be an int >= 0 (0 = no probe), got "
               f"{self.attribution_every!r}")

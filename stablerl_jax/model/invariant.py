@@ -194,14 +194,16 @@ def _logp_V(h, unembed_DxV, temperature):
 
 
 def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT,
-                  key_mask_BxS, tokens_BxT, put_cache, trace=False, segment_ids_BxT=None):
+                  key_mask_BxS, tokens_BxT, put_cache, trace=False, segment_ids_BxT=None,
+                  router_input=None):
     """The decoder layer of `transformer.forward` (same carry and outputs) computed per
     token (module docstring). `put_cache(kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)` writes this
     call's keys and values into the cache carried in `kv` and returns (kv, k, v, keys):
     the updated cache and this layer's key and value arrays in layout `keys`; None
     without a cache. `trace`: also output the residual stream after attention and after
     the block (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
-    cache): a token's position 0 is its segment's first slot."""
+    cache): a token's position 0 is its segment's first slot. `router_input(x, scale)`:
+    the router's own normalized input (transformer.forward), None: the rounded one."""
     from stablerl_jax.model.attention import rms_norm, rope  # (attention imports numerics)
 
     b, t = positions_BxT.shape
@@ -249,7 +251,8 @@ def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT
             x = x + dot(quant(o.reshape(o.shape[0], h_ * dh)),
                         p["wo"].reshape(h_ * dh, d), dtype).astype(dtype)
             h = rms_norm(x, p["mlp_norm"], eps)
-            logits = dot(h, p["router"], router_dtype)
+            h_router = h if router_input is None else router_input(x, p["mlp_norm"])
+            logits = dot(h_router, p["router"], router_dtype)
             if noise is not None:
                 logits = logits + noise
             idx, w, probs = moe.route(logits, cfg.top_k, replay, replay_w,

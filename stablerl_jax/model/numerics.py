@@ -129,8 +129,9 @@ def numerics_preset(name: str, **overrides) -> Numerics:
 def of_sampling(sampling: SamplingConfig, seed: int) -> Numerics:
     """The sampling engine's numerics: its preset plus the mismatch knobs, the router
     noise seeded by the run's seed."""
-    return numerics_preset(sampling.numerics, router_noise_std=sampling.router_noise_std,
-                           act_fp8=sampling.act_fp8, noise_seed=seed)
+    preset = numerics_preset(sampling.numerics, router_noise_std=sampling.router_noise_std,
+                             act_fp8=sampling.act_fp8, noise_seed=seed)
+    return preset.replace(router_dtype=sampling.router_dtype) if sampling.router_dtype else preset
 
 
 def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):
@@ -188,6 +189,9 @@ def prepare_params(params: dict, numerics: Numerics, *, store_fp8: bool = False)
         return params
     bf16 = lambda a: a.astype(jnp.bfloat16)
     out = jax.tree.map(bf16, params)
+    if numerics.router_dtype and jnp.dtype(dtype_of(numerics.router_dtype)).itemsize > 2:
+        # A full-precision router (sampling.router_dtype): its weights stay unrounded.
+        out["layers"] = dict(out["layers"], router=params["layers"]["router"])
     if numerics.weights == "fp8":
         layers = dict(out["layers"])
         for name, axes in _QUANT_AXES.items():

@@ -175,8 +175,14 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
     b, t = tokens_BxT.shape
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
-    router_dtype = (dtype_of(numerics.router_dtype) if numerics.router_dtype
-                    else nx.accum_dtype(dtype))
+    # A named router dtype (the bf16 / fp8 presets', or model / sampling.router_dtype)
+    # also takes the router's input, the normalized hidden state, before its rounding to
+    # the compute dtype; unnamed, the router reads the rounded one.
+    named = numerics.router_dtype or cfg.router_dtype
+    router_dtype = dtype_of(named) if named else nx.accum_dtype(dtype)
+    router_input = ((lambda x, scale: rms_norm(x.astype(router_dtype), scale, cfg.norm_eps))
+                    if named and jnp.dtype(router_dtype).itemsize > jnp.dtype(dtype).itemsize
+                    else None)
     mask_BxT = (jnp.ones((b, t), bool) if attention_mask_BxT is None
                 else attention_mask_BxT.astype(bool))
     if cache is None:
@@ -212,7 +218,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         x_BxTxD = x_BxTxD + a
         x_attn = x_BxTxD
         h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
-        router_logits = jnp.einsum("btd,de->bte", h.astype(router_dtype),
+        h_router = h if router_input is None else router_input(x_BxTxD, p["mlp_norm"])
+        router_logits = jnp.einsum("btd,de->bte", h_router.astype(router_dtype),
                                    p["router"].astype(router_dtype), precision=nx.PRECISION,
                                    preferred_element_type=nx.accum_dtype(router_dtype))
         router_logits = router_logits + nx.router_noise(numerics, layer_idx, positions_BxT,
@@ -235,7 +242,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         layer = invariant.decoder_layer(
             cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
             mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT, trace=trace,
-            segment_ids_BxT=segment_ids_BxT,
+            segment_ids_BxT=segment_ids_BxT, router_input=router_input,
             put_cache=None if cache is None else functools.partial(_put_cache, cfg, index, b))
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)

@@ -53,17 +53,32 @@ def lr_shape(optim: OptimConfig, total_steps: int):
     return None
 
 
-def _clipped_adamw(learning_rate, optim: OptimConfig, total_steps: int):
+def router_leaves(params):
+    """The params tree with True at the router weights (layers.router), False elsewhere."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: [getattr(k, "key", None) for k in path] == ["layers", "router"], params)
+
+
+def _clipped_adamw(learning_rate, optim: OptimConfig, total_steps: int,
+                   freeze_router: bool = False):
     shape = lr_shape(optim, total_steps)
     lr = learning_rate if shape is None else (lambda n: learning_rate * shape(n))
-    return optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                    weight_decay=optim.weight_decay))
+    chain = [optax.clip_by_global_norm(optim.grad_clip),
+             optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                         weight_decay=optim.weight_decay)]
+    if freeze_router:
+        # Zero the router's gradient before the clip (it adds nothing to the norm and its
+        # moments stay 0) and its update after AdamW (whose weight decay would move it).
+        frozen = optax.masked(optax.set_to_zero(), router_leaves)
+        chain = [frozen, *chain, frozen]
+    return optax.chain(*chain)
 
 
-def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW at the schedule of `optim` over `total_steps`.
+def make_optimizer(optim: OptimConfig, total_steps: int,
+                   freeze_router: bool = False) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW at the schedule of `optim` over `total_steps`;
+    with `freeze_router` (rl.freeze_router) the router weights get neither an update nor
+    a change of their optimizer state.
 
     The peak learning rate is optimizer state (`optax.inject_hyperparams`: a float32
     scalar beside the moments), not a constant of the update program, so runs that differ
@@ -71,8 +86,10 @@ def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransf
     exactly what a constant baked into the program did; a schedule multiplies its shape
     (peak 1) by the rate, which can round the rate's last bit differently than a schedule
     built around the rate (docs/architecture.md, "Engine")."""
-    return optax.inject_hyperparams(_clipped_adamw, static_args=("optim", "total_steps"))(
-        learning_rate=optim.learning_rate, optim=optim, total_steps=total_steps)
+    return optax.inject_hyperparams(
+        _clipped_adamw, static_args=("optim", "total_steps", "freeze_router"))(
+        learning_rate=optim.learning_rate, optim=optim, total_steps=total_steps,
+        freeze_router=freeze_router)
 
 
 def program_optim(optim: OptimConfig, total_steps: int) -> tuple[OptimConfig, int]:
@@ -120,6 +137,12 @@ class Engine:
         step counts, eval and checkpoint cadence) share one set of jitted steps in a
         process, so the next seed of a variant traces and compiles nothing again.
         """
+        for field in ("model.router_dtype", "sampling.router_dtype"):
+            section, name = field.split(".")
+            if getattr(getattr(cfg, section), name) == "float64" and not jax.config.jax_enable_x64:
+                raise ValueError(f"{field}: 'float64' needs 64-bit JAX (without it the router "
+                                 "would silently compute in float32); set JAX_ENABLE_X64=1 or "
+                                 f"{field}=float32")
         if optim is None:
             optim, total_steps = cfg.rl.optim, cfg.rl.steps * cfg.rl.num_minibatches
         # The seed enters a step only as the seed of the sampler's router noise.
@@ -265,7 +288,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
            total_steps: int, noise_seed: int, devices, params_like=None):
     """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
     mesh = sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)
-    optimizer = make_optimizer(optim, total_steps)
+    optimizer = make_optimizer(optim, total_steps, cfg.rl.freeze_router)
     shapes = params_like if params_like is not None else jax.eval_shape(
         lambda: tf.init_params(jax.random.key(0), cfg.model))
     p_sh = param_shardings(cfg, devices, shapes)

@@ -75,15 +75,19 @@ class TrainState(NamedTuple):
 
 
 def rollout_monitors(rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK,
-                     routes_BxTxLxK, routed_BxT, tis_cap: float) -> tuple[dict, jax.Array]:
+                     routes_BxTxLxK, routed_BxT, tis_cap: float,
+                     num_experts: int) -> tuple[dict, jax.Array]:
     """(the rollout's monitors as pairs, π_old's routes with -1 where nothing was routed):
-    the training–inference mismatch (`diagnostics.train_infer_mismatch`) and the
-    full-vocabulary entropy of π_old on the sampled prefixes."""
+    the training–inference mismatch (`diagnostics.train_infer_mismatch`), the
+    full-vocabulary entropy of π_old on the sampled prefixes, and the expert load of the
+    sampler's routes and of π_old's (`diagnostics.expert_load_pairs`)."""
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
     metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
                                       routes_old_BxTxLxK, routed_BxT, tis_cap=tis_cap)
     metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
+    metrics.update(dg.expert_load_pairs(routes_mu_BxTxLxK, routed_BxT, num_experts, "sampler"))
+    metrics.update(dg.expert_load_pairs(routes_old_BxTxLxK, routed_BxT, num_experts, "trainer"))
     return metrics, routes_old_BxTxLxK
 
 
@@ -163,7 +167,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     logp_BxT, entropy_BxT, routes_BxTxLxK = versioned(old_policy)
     metrics, routes_old_BxTxLxK = rollout_monitors(
         rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
-        attn_BxS[:, :-1], cfg.loss.tis_cap)
+        attn_BxS[:, :-1], cfg.loss.tis_cap, cfg.model.num_experts)
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
                        advantages_B, replay, replay_w, attr_logp_BxT=attr_logp_BxT)
@@ -274,7 +278,8 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
         monitors, _ = rollout_monitors(batch.rollout_logp_BxT, old_logp_BxT,
                                        jax.lax.stop_gradient(entropy_BxT), batch.mask_BxT,
                                        batch.routes_mu_BxTxLxK, aux["routes"],
-                                       batch.attn_BxS[:, :-1], cfg.loss.tis_cap)
+                                       batch.attn_BxS[:, :-1], cfg.loss.tis_cap,
+                                       cfg.model.num_experts)
     loss_batch = losses_lib.LossBatch(old_logp_BxT, batch.rollout_logp_BxT,
                                       batch.mask_BxT, advantages_B=batch.advantages_B,
                                       totals=None if totals is None else totals.loss,
