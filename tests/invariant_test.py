@@ -274,3 +274,4 @@ def test_the_check_passes_on_a_hugging_face_qwen3_moe_checkpoint(tmp_path, capsy
     out = capsys.readouterr().out
     assert "sampler numerics 'bitwise' (per-token)" in out and "compute bfloat16" in out
     assert "OK: the sampler computes the trainer's numbers bit for bit" in out
+
