@@ -20,6 +20,7 @@ from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine, router_leaves
 
 
+@pytest.mark.integration
 def test_the_samplers_router_dtype_changes_only_the_routers_arithmetic():
     """From zero mismatch (the `bitwise` sampler, both routers float32), a bfloat16
     sampler router is the only difference left: it flips experts against the trainer and
@@ -57,6 +58,7 @@ def test_the_trainers_router_dtype_is_its_arithmetic():
                               np.asarray(full["route_weights"]))
 
 
+@pytest.mark.integration
 def test_a_frozen_router_keeps_its_weights_and_optimizer_state_bit_for_bit():
     cfg = tiny_cfg(freeze_router=True, learning_rate=1e-2)
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
