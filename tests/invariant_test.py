@@ -134,8 +134,8 @@ def _assert_bitwise(params, r, m, temperature, replay=False):
     return np.asarray(lp)
 
 
-@pytest.mark.parametrize("dtype,temperature", [
-    pytest.param("float32", 1.0, marks=pytest.mark.integration), ("bfloat16", 0.7)])
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype,temperature", [("float32", 1.0), ("bfloat16", 0.7)])
 def test_the_static_sampler_scores_as_the_trainer(dtype, temperature):
     m = _model(dtype)
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise",

@@ -44,6 +44,7 @@ def test_the_samplers_router_dtype_changes_only_the_routers_arithmetic():
     assert found["bfloat16"][0] > 0 and found["bfloat16"][1] > 0, found
 
 
+@pytest.mark.integration
 def test_the_trainers_router_dtype_is_its_arithmetic():
     """model.router_dtype sets the trainer's router operands: bfloat16 ones change the
     router's logits (and with them the gate weights), nothing else of the forward."""
