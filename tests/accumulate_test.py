@@ -66,7 +66,7 @@ def _compare(one, acc, cfg, batch):
     for k in m0:
         for i in range(2):
             assert_close(m1[k][i], m0[k][i], n=n, dtype="float64",
-                         scale=term * max(float(m0[k][1]), 1.0), err_msg=k)
+                         scale=term * max(float(np.max(m0[k][1])), 1.0), err_msg=k)
 
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
