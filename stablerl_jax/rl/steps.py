@@ -80,14 +80,18 @@ def rollout_monitors(rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_m
     """(the rollout's monitors as pairs, π_old's routes with -1 where nothing was routed):
     the training–inference mismatch (`diagnostics.train_infer_mismatch`), the
     full-vocabulary entropy of π_old on the sampled prefixes, and the expert load of the
-    sampler's routes and of π_old's (`diagnostics.expert_load_pairs`)."""
+    sampler's routes and of π_old's on the tokens the sampler processed
+    (`diagnostics.expert_load_pairs`)."""
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
     metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
                                       routes_old_BxTxLxK, routed_BxT, tis_cap=tis_cap)
     metrics["entropy"] = dg.masked_mean_pair(entropy_BxT, mask_BxT)
-    metrics.update(dg.expert_load_pairs(routes_mu_BxTxLxK, routed_BxT, num_experts, "sampler"))
-    metrics.update(dg.expert_load_pairs(routes_old_BxTxLxK, routed_BxT, num_experts, "trainer"))
+    # Both loads over the tokens the sampler processed (a response's last token, never fed
+    # back, is an input of the trainer's forward alone when the window goes past it).
+    processed_BxT = routed_BxT & (routes_mu_BxTxLxK[:, :, 0, 0] >= 0)
+    for side, routes in (("sampler", routes_mu_BxTxLxK), ("trainer", routes_old_BxTxLxK)):
+        metrics.update(dg.expert_load_pairs(routes, processed_BxT, num_experts, side))
     return metrics, routes_old_BxTxLxK
 
 
