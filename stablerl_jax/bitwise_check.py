@@ -35,7 +35,6 @@ import numpy as np
 from stablerl_jax import presets
 from stablerl_jax import rollout as ro
 from stablerl_jax.logprobs import policy_logprobs
-from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -126,7 +125,7 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
     attn = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     logp, _, aux = policy_logprobs(params, rollout.tokens_BxS, attn, model,
                                    temperature=sampling.temperature, trace=True)
-    per_token = invariant.on(numerics, model)
+    per_token = model.batch_invariant
     out(f"bitwise_check: {rows} rows, {prompt_len} prompt + {new_tokens} new tokens, "
         f"compute {model.compute_dtype}, sampler numerics {sampling.numerics!r} "
         f"({'per-token' if per_token else 'not per-token'}), {model.num_layers} layers, "

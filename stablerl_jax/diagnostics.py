@@ -261,8 +261,12 @@ def expert_load_pairs(routes_BxTxLxK, routed_BxT, num_experts: int, side: str) -
     `expert_load_stats`. Routes of -1 (nothing routed) and tokens outside `routed_BxT`
     count nowhere."""
     use = (routes_BxTxLxK >= 0) & routed_BxT[:, :, None, None]
-    onehot = (routes_BxTxLxK[..., None] == jnp.arange(num_experts)) & use[..., None]
-    counts_LxE = jnp.sum(onehot, axis=(0, 1, 3), dtype=jnp.float32)
+    layers = routes_BxTxLxK.shape[2]
+    # A scatter-add of each (token, layer, k) into its layer's expert count: no
+    # [tokens, L, K, E] one-hot (a pod's batch of 48-layer, 128-expert routes).
+    layer_BxTxLxK = jnp.broadcast_to(jnp.arange(layers)[:, None], routes_BxTxLxK.shape)
+    counts_LxE = jnp.zeros((layers, num_experts), jnp.float32).at[
+        layer_BxTxLxK, jnp.where(use, routes_BxTxLxK, num_experts)].add(1.0, mode="drop")
     total_L = jnp.sum(use, axis=(0, 1, 3), dtype=jnp.float32)
     return {f"moe/{side}/load": (counts_LxE, jnp.broadcast_to(total_L[:, None],
                                                               counts_LxE.shape))}

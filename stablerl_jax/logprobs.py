@@ -97,7 +97,7 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
                                    numerics=numerics, mesh=mesh, checks=checks, trace=trace)
     unembed_DxV = tf.unembed_matrix(weights, cfg)
-    if invariant.on(numerics, cfg):  # the sampler's own per-row log-softmax (model/invariant.py)
+    if cfg.batch_invariant:  # the sampler's own per-row log-softmax (model/invariant.py)
         b, t, _ = hidden_BxTxD.shape
         logp_N, entropy_N = invariant.token_logprobs(
             hidden_BxTxD.reshape(b * t, -1), unembed_DxV.astype(hidden_BxTxD.dtype),

@@ -134,7 +134,7 @@ def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig
     """The log-probs the next token is drawn from, [B, V] float32: `sampling_logprobs`
     of the logits, or with batch-invariant numerics the trainer's own per-row function
     (invariant.logprobs_V: the temperature applied to the hidden state, no truncation)."""
-    if invariant.on(numerics, cfg):
+    if cfg.batch_invariant:
         w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
         return invariant.logprobs_V(hidden_BxD, w, sampling.temperature)
     return sampling_logprobs(tf.logits(params, hidden_BxD[:, None], cfg)[:, 0], sampling)

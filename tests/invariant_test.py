@@ -275,3 +275,10 @@ def test_the_check_passes_on_a_hugging_face_qwen3_moe_checkpoint(tmp_path, capsy
     assert "sampler numerics 'bitwise' (per-token)" in out and "compute bfloat16" in out
     assert "OK: the sampler computes the trainer's numbers bit for bit" in out
 
+
+
+def test_the_bitwise_preset_without_a_per_token_model_is_an_error():
+    model = dataclasses.replace(tiny_cfg().model, batch_invariant=False)
+    with pytest.raises(ValueError, match="ModelConfig.batch_invariant=True"):
+        tf.forward(tf.init_params(jax.random.key(0), model), jnp.ones((1, 4), jnp.int32),
+                   model, numerics=nx.numerics_preset("bitwise"))

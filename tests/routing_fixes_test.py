@@ -141,3 +141,18 @@ def test_routing_settings_are_checked():
         cfg = apply_overrides(tiny_cfg(), ["model.router_dtype=float64"])
         with pytest.raises(ValueError, match="model.router_dtype: 'float64' needs 64-bit JAX"):
             Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
+
+
+def test_expert_load_counts_equal_a_one_hot_count():
+    """The scatter-add count against the plain one-hot count on random routes, -1 rows
+    and a mask: equal (counts of whole numbers, exact in float32)."""
+    rng = np.random.default_rng(0)
+    routes = rng.integers(-1, 8, (3, 11, 4, 2)).astype(np.int32)
+    routes[routes[..., :1].repeat(2, -1) < 0] = -1
+    routed = rng.random((3, 11)) < 0.7
+    num, den = dg.expert_load_pairs(jnp.asarray(routes), jnp.asarray(routed), 8, "x")["moe/x/load"]
+    use = (routes >= 0) & routed[:, :, None, None]
+    want = ((routes[..., None] == np.arange(8)) & use[..., None]).sum(axis=(0, 1, 3))
+    assert np.array_equal(np.asarray(num), want.astype(np.float32))
+    assert np.array_equal(np.asarray(den), np.broadcast_to(use.sum(axis=(0, 1, 3))[:, None],
+                                                           (4, 8)).astype(np.float32))

@@ -4,8 +4,8 @@ The sampler (prefill, then one token per row against a KV cache) and the trainer
 sequences) run the same decoder, but XLA compiles a differently shaped program for each,
 and a row's result depends on that shape: on a CPU, the rows of `jnp.dot` differ between
 a [1, D] and a [256, D] call, and a softmax's sum over the last axis of [B, V] differs
-with B. With `Numerics.invariant` (the `bitwise` sampler, ModelConfig.batch_invariant)
-the decoder computes every token in a way that is fixed by the token alone:
+with B. With ModelConfig.batch_invariant (which the `bitwise` sampler turns on) the
+decoder computes every token in a way that is fixed by the token alone:
 
 - Per-token work (norms, projections, RoPE, router, top-k, the expert combine, residual
   adds, the final norm, the vocabulary log-softmax) runs in fixed tiles of ROW_TILE rows:
@@ -43,11 +43,6 @@ from stablerl_jax.model import numerics as nx
 
 ROW_TILE = 32
 KEY_BLOCK = 32
-
-
-def on(numerics, cfg) -> bool:
-    """Whether a forward with `numerics` under ModelConfig `cfg` computes per token."""
-    return numerics.invariant or cfg.batch_invariant
 
 
 def _fence(tree):

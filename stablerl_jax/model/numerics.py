@@ -8,7 +8,7 @@ inference engine has from the trainer for the *same* weights:
 |--------|--------------------------------------|-------------|----------------------|
 | train  | model param dtype                    | cfg dtype   | cfg dtype, ≥ float32 |
 | exact  | same as train (sanity baseline)      | cfg dtype   | cfg dtype, ≥ float32 |
-| bitwise| exact, computed per token in both engines (model/invariant.py): no mismatch |
+| bitwise| exact, under ModelConfig.batch_invariant (model/invariant.py): no mismatch |
 | bf16   | bfloat16                             | bfloat16    | bfloat16             |
 | fp8    | e4m3, per-output-channel scales      | bfloat16    | bfloat16             |
 
@@ -77,8 +77,6 @@ class Numerics:
         float32 or wider.
       act_fp8: quantize each matmul input per token to e4m3 (plus scale).
       router_noise_std: std of Gaussian noise added to router logits (0 = off).
-      invariant: compute every token independently of the call it is in
-        (model/invariant.py; also on for every policy under ModelConfig.batch_invariant).
       noise_seed: seed of that noise. The noise of a token depends only on
         (seed, layer, position, token id), so it is identical in prefill and decode and
         independent of the other rows of the batch.
@@ -91,7 +89,6 @@ class Numerics:
     act_fp8: bool = False
     router_noise_std: float = 0.0
     noise_seed: int = 0
-    invariant: bool = False
 
     def __post_init__(self):
         check(self.weights in ("native", "bf16", "fp8"), "weights",
@@ -112,7 +109,7 @@ NUMERICS_PRESETS = {
     "exact": Numerics("exact"),
     "bf16": Numerics("bf16", weights="bf16", compute_dtype="bfloat16", router_dtype="bfloat16"),
     "fp8": Numerics("fp8", weights="fp8", compute_dtype="bfloat16", router_dtype="bfloat16"),
-    "bitwise": Numerics("bitwise", invariant=True),
+    "bitwise": Numerics("bitwise"),  # `exact` under ModelConfig.batch_invariant
 }
 TRAIN = NUMERICS_PRESETS["train"]
 assert set(NUMERICS_PRESETS) == {"train", *INFERENCE_NUMERICS}

@@ -171,6 +171,10 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
     """
     _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT, checks)
+    if numerics.name == "bitwise" and not cfg.batch_invariant:
+        raise ValueError("numerics 'bitwise' computes per token only under "
+                         "ModelConfig.batch_invariant=True (an ExperimentConfig with "
+                         "sampling.numerics=bitwise sets it); pass the model that way")
     if replay_weights_BxTxLxK is not None:
         moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
     b, t = tokens_BxT.shape
@@ -237,7 +241,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
         return (x_BxTxD, kv), ys + ((x_attn, x_BxTxD) if trace else ())
 
-    per_token = invariant.on(numerics, cfg)
+    per_token = cfg.batch_invariant
     if per_token:
         layer = invariant.decoder_layer(
             cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
