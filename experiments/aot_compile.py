@@ -88,9 +88,8 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
           f"({rows / topo.chips:g} per chip); KV cache {kv:.3f} GiB per row "
           f"(+{roofline.row_state_bytes(cfg) / aot.GIB:.3f} GiB of row state); "
           f"≈{fit} rows fit per chip in {topo.hbm_gib} GiB", flush=True)
-    costs = roofline.sampler_costs(engine, compiled["sample"].hlo)
-    sample, step, layer, pass_s, mean, head = roofline.sample_estimate(
-        engine, compiled["sample"].hlo, chip, costs)
+    ests = roofline.estimate(engine, compiled, chip)
+    costs, (step, mean, layer, head) = ests.sampler, ests.decode
     print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
           f"{chip.source}):\n\n| per iteration | collective MiB / chip | DCN KiB / chip | "
           f"HBM GiB / chip | GFLOP / chip | XLA optimal_seconds (ms) | estimate (ms) |\n"
@@ -105,12 +104,7 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
         print(f"| {what} | {c.collective_bytes / 2**20:.2f} | {c.dcn_bytes / 2**10:.1f} | "
               f"{c.hbm_bytes / aot.GIB:.3f} | "
               f"{c.flops / 1e9:.1f} | {opt} | {c.seconds(chip) * 1e3:.3f} |", flush=True)
-    est = {"sample": sample}
-    for name in ("score", "update"):
-        if name in compiled:
-            est[name] = roofline.train_step_estimate(cfg, name, compiled[name].hlo,
-                                                     compiled[name].model_flops, chip,
-                                                     compiled[name].slices)
+    est, pass_s = ests.steps, ests.pass_seconds
     print("\n| step | estimated s | how |\n|---|---|---|")
     for e in est.values():
         print(f"| {e.step} | {_seconds(e.seconds)} | {e.detail} |", flush=True)
@@ -118,11 +112,28 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
         total, parts = roofline.global_step_estimate(cfg, est, pass_s)
         print(f"\nestimated global step of {cfg.name} on {topo.name}: {total:.0f} s ("
               + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items())
-              + "); compiler / roofline estimates, not measurements", flush=True)
+              + "); compiler / roofline estimates, not measurements; score and update at "
+              "100 % of the FLOP peak, a lower bound", flush=True)
+        mfu, source = _mfu(args, topo)
+        if mfu:  # the tables below price score and update at this MFU
+            est = roofline.at_mfu(est, compiled, chip, mfu)
+            total, parts = roofline.global_step_estimate(cfg, est, pass_s)
+            print(f"at {mfu:.1%} MFU for score and update ({source}): {total:.0f} s ("
+                  + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items()) + "); the "
+                  "tables below use this", flush=True)
         for spec in args.lengths:
             _train_table(engine, est, spec, args)
             _length_tables(engine, topo, compiled, costs, est, fit, spec,
                            args.eval_lengths or spec, args)
+
+
+def _mfu(args, topo: aot.Topology) -> tuple[float, str]:
+    """(the achievable MFU of score and update: --mfu, else the chip family's published
+    figure, roofline.PUBLISHED_MFU; 0 without either, and where it comes from)."""
+    if args.mfu:
+        return args.mfu, "--mfu"
+    family = topo.name.split("x", 1)[-1].split("-")[0]
+    return roofline.PUBLISHED_MFU.get(family, (0.0, ""))
 
 
 def _train_table(engine, est, spec, args) -> None:
@@ -239,8 +250,14 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule-steps", type=int, default=20,
                     help="global steps simulated for partial rollouts (default 20)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the length draws")
+    ap.add_argument("--mfu", type=float, default=0.0, metavar="FRACTION",
+                    help="also estimate score and update at this model-FLOP utilization "
+                         "(default: the chip family's published figure, "
+                         "roofline.PUBLISHED_MFU; v5p 0.5256)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
+    if not 0 <= args.mfu <= 1:
+        ap.error(f"--mfu {args.mfu}: a fraction of the peak in (0, 1], e.g. --mfu 0.4")
     topo = aot.topology(args.topology, args.num_slices)
     cfg = presets.preset(args.preset, args.overrides)
     for spec in args.lengths + [args.eval_lengths] * bool(args.eval_lengths):
@@ -269,10 +286,7 @@ def main(argv=None) -> int:
         _estimates(engine, topo, compiled, args)
     elif {"score", "update"} & set(steps):
         chip = roofline.chip_of(topo.name)
-        est = {n: roofline.train_step_estimate(engine.cfg, n, compiled[n].hlo,
-                                               compiled[n].model_flops, chip,
-                                               compiled[n].slices)
-               for n in ("score", "update") if n in compiled}
+        est = roofline.estimate(engine, compiled, chip).steps
         print(f"\nCompiler / roofline estimates, not measurements ({topo.name}: "
               f"{chip.source}):\n\n| step | estimated s | how |\n|---|---|---|")
         for e in est.values():

@@ -35,7 +35,7 @@ from experiments.runner import (Experiment, Variant, finished_runs, run_dir, run
                                 task_and_cold_start)
 from stablerl_jax import compile_cache, distributed, storage, trackers, workdir
 from stablerl_jax.config import ConfigError
-from stablerl_jax.rl import preflight
+from stablerl_jax.rl import preflight, profiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,7 @@ def parser(desc: Descriptor) -> argparse.ArgumentParser:
                          "stored metrics (runs not finished are left out and listed)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     trackers.add_argument(ap)
+    profiling.add_argument(ap)
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--replace-history", action="store_true",
@@ -225,6 +226,7 @@ def _train(desc: Descriptor, exp: Experiment, args, variants, seeds, argv) -> di
     run = functools.partial(run_variants, exp, args.workdir, seeds=seeds,
                             overrides=args.overrides, progress=progress,
                             allow_config_change=allow, trackers=args.tracker,
+                            profile=args.profile,
                             replace_history=args.replace_history)
     if desc.cold_start_per_variant:
         runs = {}

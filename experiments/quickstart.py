@@ -37,7 +37,7 @@ from experiments.cli_errors import one_line_errors
 from stablerl_jax import compile_cache, distributed, presets, trackers, storage, workdir
 from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
-from stablerl_jax.rl import loop, preflight, sft
+from stablerl_jax.rl import loop, preflight, profiling, sft
 from stablerl_jax.rl.engine import param_shardings
 
 
@@ -48,6 +48,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     trackers.add_argument(ap)
+    profiling.add_argument(ap)
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--replace-history", action="store_true",
@@ -111,7 +112,8 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     summary = loop.run(cfg, args.workdir, init_params=params, data=data,
                        progress=not args.quiet, export_hf=args.export_hf,
                        export_dtype=export_dtype, allow_config_change=allow,
-                       trackers=args.tracker, replace_history=args.replace_history)
+                       trackers=args.tracker, replace_history=args.replace_history,
+                       profile=args.profile)
     summary["wall_seconds"] = round(time.time() - t0, 1)
     if main_process:
         print(json.dumps(summary, indent=2))

@@ -192,6 +192,25 @@ def markdown_table(rows: list[dict], keys=None) -> str:
     return "\n".join(lines)
 
 
+def cost_table(runs: dict[str, list[list[dict]]]) -> str:
+    """Seconds per global step and their split by phase, per variant (rl/costs.py
+    time_split of each run, averaged over its seeds); '' when no run recorded times."""
+    from stablerl_jax.rl.costs import PHASES, time_split
+    rows = {}
+    for name, per_seed in runs.items():
+        splits = [s for s in (time_split(records) for records in per_seed) if s]
+        if splits:
+            rows[name] = {k: float(np.mean([s[k] for s in splits])) for k in splits[0]}
+    if not rows:
+        return ""
+    cols = ["step", *(p for p in PHASES if any(r[p] > 0 for r in rows.values())), "other"]
+    lines = ["| variant | " + " | ".join("s / global step" if c == "step" else c
+                                          for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{r[c]:.3g}" for c in cols) + " |"
+              for name, r in rows.items()]
+    return "\n".join(lines)
+
+
 def report(runs: dict, workdir: str, title: str, command: str, groups=None,
            comparisons=(), seeds=None) -> str:
     """Write comparison.png (or comparison_<group>.png per group of variant names) and
@@ -208,6 +227,11 @@ def report(runs: dict, workdir: str, title: str, command: str, groups=None,
     if seeds:
         table += ("\n\nEach run (the same outcomes, one row per seed):\n\n"
                   + markdown_table(per_seed_rows(runs, seeds), PER_SEED_KEYS))
+    costs = cost_table(runs)
+    if costs:
+        table += ("\n\nWhat a global step cost (seconds, wall clock; the mean over each run's "
+                  "rows after its first, whose compiles dominate, then over seeds; "
+                  "stablerl_jax/rl/costs.py names the phases):\n\n" + costs)
     by_seed = {k: dict(zip(seeds[k], v)) for k, v in runs.items()} if seeds else {}
     compared = [r for a, b in comparisons for r in stats.compare(by_seed, a, b)]
     if compared:

@@ -80,7 +80,7 @@ def run_dir(workdir: str, name: str, seed: int) -> str:
 def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, seeds=None,
                  overrides=(), progress: bool = True, prefix: str = "",
                  allow_config_change=(), trackers=("tensorboard",),
-                 replace_history: bool = False) -> dict:
+                 replace_history: bool = False, profile=None) -> dict:
     """Every (variant, seed) RL run from `params`, each logging to `trackers`
     (stablerl_jax/trackers.py); returns {name: [records per seed]}."""
     runs = {}
@@ -92,7 +92,7 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
             t0 = time.time()
             s = loop.run(cfg, rundir, init_params=params, data=data, progress=progress,
                          allow_config_change=allow_config_change, trackers=trackers,
-                         replace_history=replace_history)
+                         replace_history=replace_history, profile=profile)
             if distributed.is_main():  # it alone writes (and so reads) the metrics
                 print(f"{prefix}{v.name} seed {seed}: accuracy {s['start_accuracy']:.3f} -> "
                       f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "

@@ -4,8 +4,9 @@
 `{"step": s, name: value, ...}`, every value a float. A non-finite value (NaN, ±inf) is
 written as `null` (JSON has no NaN), and TensorBoard skips it; `read_metrics` returns it
 as None. On resume, `truncate_after(step)` drops the rows a killed run wrote after its last
-checkpoint, so the file equals the one an uninterrupted run writes, and TensorBoard is told
-to discard those steps too (tensorboardX `purge_step`). TensorBoard is one of a run's
+checkpoint, so the file equals the one an uninterrupted run writes (its `outcome`: the
+measured costs, `MEASURED` keys, are wall times and differ from run to run), and
+TensorBoard is told to discard those steps too (tensorboardX `purge_step`). TensorBoard is one of a run's
 trackers (`tensorboard=False`: no tb/ directory; the others: trackers.py).
 
 A workdir may be a `gs://` bucket path (storage.py): the JSONL logs are then objects
@@ -251,6 +252,15 @@ def _kept(path: str, step: int) -> str:
     return "".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step)
 
 
+# Keys of what a row cost (rl/costs.py): wall times and rates, not results of the run.
+MEASURED = ("time/", "perf/", "est/")
+
+
+def outcome(rows: list[dict]) -> list[dict]:
+    """The rows without their `MEASURED` keys: what a resumed or repeated run reproduces."""
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
+
+
 def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl, or of `<path>/metrics.jsonl` for a workdir ([] if absent).
     A torn last line (the process died mid-write) is dropped; a bad line elsewhere is an
@@ -349,7 +359,37 @@ def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = Non
         path = os.path.join(out_dir, _slug(title) + ".png")
         _save_png(fig, path, dpi=110)
         paths.append(path)
+    if keys is None and panels is None:
+        paths += plot_time_split(records, out_dir)
     return paths
+
+
+# The phases of rl/costs.py in the order they run, stacked from the bottom.
+TIME_PHASES = ("sample", "reward", "score", "update", "attribution", "eval", "logs",
+               "checkpoint", "other")
+
+
+def plot_time_split(records: list[dict], out_dir: str) -> list[str]:
+    """time_per_phase.png: each training row's wall seconds stacked by phase (rl/costs.py),
+    the row's time/step on top of them; [] when no row recorded times."""
+    rows = [r for r in records if r.get("step", 0) > 0 and r.get("time/step") is not None]
+    if not rows:
+        return []
+    x = [r["step"] for r in rows]
+    phases = [p for p in TIME_PHASES if any(r.get(f"time/{p}") for r in rows)]
+    fig = Figure(figsize=(6, 3.4))
+    ax = fig.subplots()
+    ax.stackplot(x, *[[max(r.get(f"time/{p}") or 0.0, 0.0) for r in rows] for p in phases],
+                 labels=phases, colors=[f"C{TIME_PHASES.index(p)}" for p in phases])
+    ax.plot(x, [r["time/step"] for r in rows], color="k", linewidth=0.8, label="step")
+    ax.set_yscale("symlog", linthresh=max(1e-3, min(r["time/step"] for r in rows)))
+    ax.set_title("seconds per global step, by phase", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=6, loc="upper right", ncol=2)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "time_per_phase.png")
+    _save_png(fig, path, dpi=110)
+    return [path]
 
 
 def plot_comparison(runs: dict[str, list[dict]], out_path: str, panels: list | None = None,

@@ -90,6 +90,15 @@ class Rollout(NamedTuple):
     truncated_B: jax.Array | None = None  # bool, no stop id in max_new_tokens
 
 
+def decode_steps(lengths_B, max_batch: int = 0):
+    """Decode steps `sample` ran for responses of `lengths_B`: each pass of
+    sampling.max_batch rows (strided slices, slices.py) runs until its longest response
+    has stopped."""
+    b = lengths_B.shape[0]
+    n = b // max_batch if max_batch else 1
+    return jnp.sum(jnp.max(lengths_B.reshape(b // n, n), axis=0))
+
+
 def used_window(used_S, bucket: int) -> tuple[int, int]:
     """The slots [lo, hi) of a rollout that `trim` keeps: from the first to the last slot
     that any row uses (`used_S`: [S] bool, prompt or completion in some row), widened to

@@ -80,6 +80,13 @@ CHIP_SPECS = {
     "v4": ChipSpec(275e12, 1200e9, 1.1e15 / 4096,
                    "tpu/docs/v4: 275 TFLOP/s bf16, 1,200 GB/s HBM, all-reduce 1.1 PB/s "
                    "per 4,096-chip pod"),
+    # NVIDIA's H100 SXM and H200 datasheets: dense bf16 (the sheets' 1,979 TFLOP/s is
+    # with 2:4 sparsity), HBM bandwidth, NVLink 900 GB/s in both directions together.
+    "h100": ChipSpec(989e12, 3350e9, 900e9 / 2,
+                     "H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink "
+                     "900 GB/s"),
+    "h200": ChipSpec(989e12, 4800e9, 900e9 / 2,
+                     "H200 datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 900 GB/s"),
 }
 
 
@@ -451,6 +458,59 @@ def _s(seconds: float) -> str:
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 / 10 else f"{nbytes / 2**20:.2f} MiB"
+
+
+@dataclasses.dataclass
+class Estimates:
+    """The roofline estimates of an Engine's compiled steps on one chip (`estimate`)."""
+
+    steps: dict                        # {step: StepEstimate} of sample, score, update
+    pass_seconds: float = math.nan     # one sampler pass (the evaluation's unit)
+    sampler: SamplerCosts | None = None
+    decode: tuple = ()                 # Costs of (the first, the mean decode step,
+    #                                    one layer, the head) of a sampler step
+
+
+def estimate(engine, compiled: dict, chip: ChipSpec) -> Estimates:
+    """The estimates of the steps in `compiled` ({name: aot.Compiled} of sample, score,
+    update; any subset) on `chip`: what experiments.aot_compile prints and a run logs
+    as `est/…` (rl/costs.py). The sample step compiles its decode programs here."""
+    out = Estimates({})
+    if "sample" in compiled:
+        out.sampler = sampler_costs(engine, compiled["sample"].hlo)
+        est, first, layer, out.pass_seconds, mean, head = sample_estimate(
+            engine, compiled["sample"].hlo, chip, out.sampler)
+        out.steps["sample"], out.decode = est, (first, mean, layer, head)
+    for name in ("score", "update"):
+        if name in compiled:
+            c = compiled[name]
+            out.steps[name] = train_step_estimate(engine.cfg, name, c.hlo, c.model_flops,
+                                                  chip, c.slices)
+    return out
+
+
+# Achievable model-FLOP utilization of MoE training, published per chip family: MaxText's
+# model tiering table (docs/reference/models/tiering.md), Mixtral 8x7B pre-training in
+# bf16 at sequence length 4,096 on 256 chips.
+PUBLISHED_MFU = {
+    "v5p": (0.5256, "MaxText model tiering: Mixtral 8x7B on v5p-256, bf16, SL 4096: 52.56 %"),
+    "v6e": (0.3523, "MaxText model tiering: Mixtral 8x7B on v6e-256, bf16, SL 4096: 35.23 %"),
+}
+
+
+def at_mfu(est: dict, compiled: dict, chip: ChipSpec, mfu: float) -> dict:
+    """`est` with the FLOP-bound steps (score, update) at a model-FLOP utilization `mfu`
+    instead of the roofline's 100 % of peak: model FLOPs / (peak × mfu), never below the
+    roofline estimate (MFU counts communication in, so none is added). The sampler is
+    bound by memory, not FLOPs, and stays as it is."""
+    out = dict(est)
+    for name in ("score", "update"):
+        if name in est and name in compiled:
+            c, e = compiled[name], est[name]
+            chip_s = c.model_flops / (mfu * chip.peak_flops)
+            out[name] = StepEstimate(name, max(e.seconds, chip_s),
+                                     f"{c.model_flops / 1e12:.0f} TFLOP at {mfu:.0%} MFU")
+    return out
 
 
 def global_step_estimate(cfg: ExperimentConfig, est: dict,

@@ -21,7 +21,7 @@ from rl_helpers import EOS_ID, PAD_ID
 from tolerance import assert_close, backward_chain
 
 from stablerl_jax.checkpoint import Checkpointer
-from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.metrics_io import outcome, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
@@ -80,7 +80,7 @@ def _final_params(workdir, steps, staleness=0):
 def _assert_same_run(single, multi, steps, staleness=0):
     """Metrics rows (sampled counts and rewards exact, the rest within the float64 bound
     of sums over the two collectives' orders) and final parameters of the two runs."""
-    want, got = read_metrics(single), read_metrics(multi)
+    want, got = outcome(read_metrics(single)), outcome(read_metrics(multi))
     assert [r["step"] for r in got] == list(range(steps + 1))  # no step lost or repeated
     cfg = config(steps, staleness)
     n = backward_chain(cfg.model, cfg.task.max_prompt_len + cfg.sampling.max_new_tokens,

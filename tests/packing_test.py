@@ -219,7 +219,7 @@ def test_a_packed_run_matches_the_padded_run(tmp_path):
     of the metric or of its terms (token means of log-probs, at most log V in size, so
     rel · log V absolutely); a `*_std` (√(sqmean − mean²), which cancels) compared as its
     variance, whose terms (IS weights ≈ 1, log-ratios ≪ 1) are at most 1."""
-    from stablerl_jax.metrics_io import read_metrics
+    from stablerl_jax.metrics_io import outcome, read_metrics
     from stablerl_jax.rl import loop
     from tolerance import LAMBDA, bound
     cfg = tiny_cfg(steps=3, eval_every=3, checkpoint_every=2, replay="r3")
@@ -227,7 +227,7 @@ def test_a_packed_run_matches_the_padded_run(tmp_path):
     for pack in (0, 40):
         c = cfg.replace(rl=cfg.rl.replace(pack_tokens=pack))
         loop.run(c, str(tmp_path / str(pack)), progress=False)
-        runs[pack] = read_metrics(str(tmp_path / str(pack)))
+        runs[pack] = outcome(read_metrics(str(tmp_path / str(pack))))
     # A packed run stopped after step 2 and resumed packs and trains as the whole run.
     c = cfg.replace(rl=cfg.rl.replace(pack_tokens=40))
     loop.run(c.replace(rl=c.rl.replace(steps=2)), str(tmp_path / "part"), progress=False)
@@ -235,7 +235,7 @@ def test_a_packed_run_matches_the_padded_run(tmp_path):
     # (The stopped run evaluated at its last step, 2; the whole run did not.)
     no_eval = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")}
                             for r in rows]
-    assert no_eval(read_metrics(str(tmp_path / "part"))) == no_eval(runs[40])
+    assert no_eval(outcome(read_metrics(str(tmp_path / "part")))) == no_eval(runs[40])
     slots = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     rel = bound(cfg.rl.steps * backward_chain(cfg.model, slots, 8 * slots), "float32",
                 lam=LAMBDA)

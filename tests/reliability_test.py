@@ -23,7 +23,7 @@ from reliability_child import STEPS, config
 from rl_helpers import EOS_ID, PAD_ID
 
 from stablerl_jax.checkpoint import CANCEL_WAIT_S, INTERRUPT_WAIT_S, LOG_FILE, Checkpointer
-from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.metrics_io import outcome, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax import workdir as workdir_lock
 from stablerl_jax.rl.engine import Engine
@@ -95,7 +95,7 @@ def _final_params(workdir, staleness=0):
 
 
 def _assert_same_run(a, b, staleness=0):
-    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    rows_a, rows_b = outcome(read_metrics(a)), outcome(read_metrics(b))
     assert [r["step"] for r in rows_b] == list(range(STEPS + 1))  # no gap, no duplicate
     assert rows_b == rows_a
     assert read_metrics(os.path.join(b, "minibatches.jsonl")) == read_metrics(

@@ -260,6 +260,9 @@ class RLConfig(Section):
       0: never.
     attribution_rows: the rows the probe takes (a multiple of data*fsdp*expert); 0: the
       smallest multiple of data*fsdp*expert that is >= 8.
+    phase_sync: wait for the device at the end of the score phase, so that time/score
+      is the score pass's own time (rl/costs.py); false: no wait added, the pass's time
+      may land in time/update.
     """
 
     steps: int = 60
@@ -281,6 +284,7 @@ class RLConfig(Section):
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     async_checkpoints: bool = True
+    phase_sync: bool = True
     seed: int = 0
     max_consecutive_skips: int = 16
     overlong: str = "keep"
@@ -338,7 +342,7 @@ class RLConfig(Section):
               f"must be an int >= 0, got {self.seed!r}")
         check(is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
               f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
-        check_bool(self, "async_checkpoints", "replay_weights", "score_in_update",
+        check_bool(self, "async_checkpoints", "phase_sync", "replay_weights", "score_in_update",
                    "dynamic_sampling", "attribution", "freeze_router")
         check(is_int(self.attribution_every) and self.attribution_every >= 0,
               "attribution_every", f"must be an int >= 0 (0 = no probe), got "

@@ -189,6 +189,11 @@ class Engine:
 
     def sample(self, params, prompts_BxP, mask_BxP, key) -> rollout_lib.Rollout:
         """The sampling engine on left-padded prompts (rollout.sample)."""
+        return self._call("sample", params, prompts_BxP, mask_BxP, key)[0]
+
+    def sample_counted(self, params, prompts_BxP, mask_BxP, key):
+        """(Rollout, decode steps run: a device scalar): `sample` with the number of
+        decode steps its passes took (rl/costs.py's decode steps / s)."""
         return self._call("sample", params, prompts_BxP, mask_BxP, key)
 
     def trim(self, rollout: rollout_lib.Rollout, bucket: int) -> rollout_lib.Rollout:
@@ -256,7 +261,7 @@ class Engine:
 # eval batch is padded to the mesh and sampler multiple, the overlong penalty is added to
 # the rewards on the host).
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "async_checkpoints", "max_consecutive_skips", "seed", "offline_rollouts",
+             "async_checkpoints", "phase_sync", "max_consecutive_skips", "seed", "offline_rollouts",
              "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
              "log_samples", "log_samples_every", "eval_sets", "dynamic_sampling",
              "max_sampling_rounds", "attribution_every", "attribution_rows")
@@ -305,13 +310,17 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
 
     sample_model = sampler_model(cfg)
 
-    sampler = continuous.sample if cfg.sampling.continuous else rollout_lib.sample
-
     def sample(params, prompts_BxP, mask_BxP, key):
-        return sampler(params, prompts_BxP, mask_BxP, key, sample_model,
-                                  cfg.sampling, numerics, eos_id=-1, stop_ids=stops,
-                                  pad_id=pad_id,
-                                  mesh=model_mesh)
+        """(Rollout, decode steps): the static sampler's passes each run to their longest
+        response (rollout.py's loop stops when every row has stopped), the continuous
+        one counts its steps."""
+        kw = dict(eos_id=-1, stop_ids=stops, pad_id=pad_id, mesh=model_mesh)
+        if cfg.sampling.continuous:
+            return continuous.sample(params, prompts_BxP, mask_BxP, key, sample_model,
+                                     cfg.sampling, numerics, with_steps=True, **kw)
+        out = rollout_lib.sample(params, prompts_BxP, mask_BxP, key, sample_model,
+                                 cfg.sampling, numerics, **kw)
+        return out, rollout_lib.decode_steps(out.lengths_B, cfg.sampling.max_batch)
 
     def sample_partial(params, queue, version):
         return continuous.run(params, queue, version, cfg=sample_model,
@@ -345,7 +354,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
         "init_state": (jax.jit(init_state, out_shardings=state_sh), (p_sh, rep)),
         "set_learning_rate": (jax.jit(set_learning_rate, out_shardings=state_sh),
                               (state_sh, rep)),
-        "sample": (jax.jit(sample, out_shardings=batch), (p_sh, batch, batch, rep)),
+        "sample": (jax.jit(sample, out_shardings=(batch, rep)), (p_sh, batch, batch, rep)),
         "score": (jax.jit(functools.partial(steps.score, cfg=cfg, n_slices=score_slices,
                                             mesh=model_mesh,
                                             forward=not onpolicy_fused),

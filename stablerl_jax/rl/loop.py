@@ -57,7 +57,8 @@ from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.rl import dynamic, evals, preflight, probe, resume, steps
+from stablerl_jax.rl import (costs, dynamic, evals, preflight, probe, profiling, resume,
+                             steps)
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
 from stablerl_jax.trackers import Trackers
@@ -91,7 +92,7 @@ def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
 
 
 def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                    inflight: Inflight):
+                    inflight: Inflight, timer: costs.PhaseTimer):
     """Sampling of global step `step` with partial rollouts (rl/inflight.py): (the
     rollout and each token's age [B, S] on the host, all rows; this process's rows of
     the prompt tokens and mask and of the answers; the train-split prompt indices [Q];
@@ -101,13 +102,14 @@ def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
     is derived from the seed and the sampled tokens), hands its block of rows to the
     sampler, and gathers the sampled queue back."""
     cfg = engine.cfg
-    dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
-    mine_n = distributed.rows_of_process(len(inflight.attempts_I))
-    queue, decode_steps = engine.sample_partial(
-        state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
-    # One gather of every field (np.array: the queue's arrays are written in place).
-    inflight.queue = jax.tree.map(np.array, distributed.gather(
-        jax.tree.map(distributed.local_rows, queue)))
+    with timer.phase("sample"):
+        dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
+        mine_n = distributed.rows_of_process(len(inflight.attempts_I))
+        queue, decode_steps = engine.sample_partial(
+            state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
+        # One gather of every field (np.array: the queue's arrays are written in place).
+        inflight.queue = jax.tree.map(np.array, distributed.gather(
+            jax.tree.map(distributed.local_rows, queue)))
     rows, gids = inflight.take(cfg)
     q = jax.tree.map(lambda x: x[rows], inflight.queue)
     prompt_idx = inflight.prompt_indices(gids, cfg, data)
@@ -131,27 +133,30 @@ def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
 
 
 def dynamic_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                    log_samples: int = 0):
+                    timer: costs.PhaseTimer, log_samples: int = 0):
     """Sampling of global step `step` under rl.dynamic_sampling (rl/dynamic.py): rounds
     of Q prompts until Q groups with a reward spread fill the batch, at most
     rl.max_sampling_rounds. Returns (the batch's rollout; this process's rows of the task
     rewards, lengths and truncated flags of every response sampled, all rounds; this
     process's rows of the batch's rewards for the advantages (the length penalty
     included, 0 on padding); the composition's source; the decoded samples, of round 0;
-    the `dynamic/…` metrics)."""
+    the `dynamic/…` metrics; the decode steps of every round)."""
     cfg = engine.cfg
     rl = cfg.rl
     q, g = rl.prompts_per_step, rl.group_size
     fill = dynamic.Fill(q, g)
-    batch, samples, sampled = None, [], []
+    batch, samples, sampled, decode_steps = None, [], [], 0
     for r in range(rl.max_sampling_rounds):
         index, stream = dynamic.round_batch(step, r, rl.max_sampling_rounds)
         prompt_idx = data.train_indices(index, q, rl.seed, stream)
         mine = prompt_idx[distributed.rows_of_process(q)]
         tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], g)
-        rollout = engine.sample(state.params, tokens, mask,
-                                dynamic.round_key(rl.seed, step, r))
-        rewards_mine, extractors = data.reward_with_source(rollout, answers)
+        with timer.phase("sample"):
+            rollout, steps_ = engine.sample_counted(state.params, tokens, mask,
+                                                    dynamic.round_key(rl.seed, step, r))
+            decode_steps += int(distributed.host(steps_))
+        with timer.phase("reward"):
+            rewards_mine, extractors = data.reward_with_source(rollout, answers)
         lengths_mine = distributed.local_rows(rollout.lengths_B)
         sampled.append((rewards_mine, lengths_mine, distributed.local_rows(rollout.truncated_B)))
         penalty_mine = np.zeros_like(rewards_mine)
@@ -168,15 +173,16 @@ def dynamic_rollout(engine: Engine, state: steps.TrainState, data: TaskData, ste
         if r == 0 and fill.full:  # every group kept, in place
             batch = rollout
         else:
-            batch = engine.merge_rows(rollout if batch is None else batch, rollout, src_B,
-                                      fill.real_B())
+            with timer.phase("sample"):
+                batch = engine.merge_rows(rollout if batch is None else batch, rollout,
+                                          src_B, fill.real_B())
         if fill.full:
             break
     rewards_mine, lengths_mine, truncated_mine = (np.concatenate(x) for x in zip(*sampled))
     score_rewards = fill.rewards_B(scored_B.dtype)[distributed.rows_of_process(q * g)]
     source = {"prompts": fill.prompts, "sampled": fill.sampled}
     return (batch, rewards_mine, lengths_mine, truncated_mine, score_rewards, source, samples,
-            fill.metrics())
+            fill.metrics(), decode_steps)
 
 
 class HostRows(NamedTuple):
@@ -191,10 +197,13 @@ class HostRows(NamedTuple):
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
                 offline: OfflineRollouts | None = None, log_samples: int = 0,
-                inflight: Inflight | None = None, history: list | None = None):
+                inflight: Inflight | None = None, history: list | None = None,
+                timer: costs.PhaseTimer | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition,
     decoded samples: this process's first `log_samples` rows, evals.sample_rows; the
-    attribution probe's rows for attribution.jsonl, rl/probe.py, [] on other steps).
+    attribution probe's rows for attribution.jsonl, rl/probe.py, [] on other steps; what
+    the step did for rl/costs.py's perf_row: tokens generated and trained, the batch's
+    rows and width, decode steps). `timer` times its phases (rl/costs.py).
 
     Under rl.overlong=penalty the rewards the advantages use include DAPO's length
     penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
@@ -217,23 +226,30 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     this one (newest first), π_old of each token's version; θ_k is pushed onto it.
     """
     rl = engine.cfg.rl
+    timer = timer or costs.PhaseTimer(sync=rl.phase_sync)
     age_BxS, async_metrics, dynamic_metrics, score_rewards = None, {}, {}, None
+    decode_steps = None
     behavior = inflight is not None and rl.old_policy == "behavior"
     if rl.dynamic_sampling:  # the config refuses it with offline or partial rollouts
         (rollout, rewards_mine, lengths_mine, truncated_mine, score_rewards, source, samples,
-         dynamic_metrics) = dynamic_rollout(engine, state, data, step, log_samples)
+         dynamic_metrics, decode_steps) = dynamic_rollout(engine, state, data, step, timer,
+                                                          log_samples)
     elif offline is None:
         if inflight is not None:
             (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
-             window) = partial_rollout(engine, state, data, step, inflight)
+             window) = partial_rollout(engine, state, data, step, inflight, timer)
+            decode_steps = async_metrics["async/decode_steps"]
         else:
             prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
             mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
             tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
                                                       rl.group_size)
             key = jax.random.fold_in(jax.random.key(rl.seed), step)
-            rollout = engine.sample(state.params, tokens, mask, key)
-        rewards_mine, extractors = data.reward_with_source(rollout, answers)
+            with timer.phase("sample"):
+                rollout, steps_ = engine.sample_counted(state.params, tokens, mask, key)
+                decode_steps = int(distributed.host(steps_))
+        with timer.phase("reward"):
+            rewards_mine, extractors = data.reward_with_source(rollout, answers)
         # This process's rows: the sampler's lengths are a batch-sharded global array
         # whose other rows live on the other hosts' devices (only partial rollouts hold
         # every row on the host), and the rewards exist only here; all four ride the
@@ -247,7 +263,8 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         if age_BxS is not None:  # host arrays: from here on, this process's rows
             rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
     else:  # already this process's rows, on the host
-        rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
+        with timer.phase("sample"):  # the file's responses stand for the sampler's
+            rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
         lengths_mine, truncated_mine = rollout.lengths_B, rollout.truncated_B
         source = {"responses": [int(i) for i in rows]}
         samples = []
@@ -255,38 +272,46 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     if rl.overlong == "penalty":
         penalty_mine = overlong.length_penalty(lengths_mine, engine.cfg.sampling.max_new_tokens,
                                                rl.overlong_buffer, rl.overlong_penalty_factor)
-    if rl.trim_bucket:
-        if age_BxS is not None:
-            age_BxS = age_BxS[:, window[0]:window[1]]
-        rollout = engine.trim(rollout, rl.trim_bucket)
-    if behavior:
-        batch, score_metrics = engine.score_behavior(
-            (state.params, *history), rollout, rewards_mine + penalty_mine, age_BxS)
-    else:
-        batch, score_metrics = engine.score(state.params, rollout,
-                                            rewards_mine + penalty_mine
-                                            if score_rewards is None else score_rewards)
+    with timer.phase("score"):
+        if rl.trim_bucket:
+            if age_BxS is not None:
+                age_BxS = age_BxS[:, window[0]:window[1]]
+            rollout = engine.trim(rollout, rl.trim_bucket)
+        if behavior:
+            batch, score_metrics = engine.score_behavior(
+                (state.params, *history), rollout, rewards_mine + penalty_mine, age_BxS)
+        else:
+            batch, score_metrics = engine.score(state.params, rollout,
+                                                rewards_mine + penalty_mine
+                                                if score_rewards is None else score_rewards)
+        timer.wait((batch, score_metrics))
     probed = None
     if probe.due(rl, step):  # rl.attribution_every: before the updates change θ
-        probed = probe.Probe(engine, (state.params, *history) if behavior else state.params,
-                             rollout, batch, step, age_BxS if behavior else None)
-    if behavior:
-        # θ_k becomes the newest past version (copied: the updates donate the state).
-        history.insert(0, jax.tree.map(jnp.copy, state.params))
-        del history[rl.max_staleness:]
-    minibatches = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size
-                                  ).reshape(rl.num_minibatches, -1)
-    if rl.pack_tokens:  # each batch shard packs its own rows: give them equal tokens
-        tokens_B = engine.row_tokens(batch)
-        minibatches = np.stack([packing.balance_rows(rows, tokens_B[rows],
-                                                     steps.batch_shards(engine.cfg))
-                                for rows in minibatches])
+        with timer.phase("attribution"):
+            probed = probe.Probe(engine, (state.params, *history) if behavior
+                                 else state.params, rollout, batch, step,
+                                 age_BxS if behavior else None)
+    with timer.phase("update"):
+        if behavior:
+            # θ_k becomes the newest past version (copied: the updates donate the state).
+            history.insert(0, jax.tree.map(jnp.copy, state.params))
+            del history[rl.max_staleness:]
+        minibatches = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size
+                                      ).reshape(rl.num_minibatches, -1)
+        if rl.pack_tokens:  # each batch shard packs its own rows: give them equal tokens
+            tokens_B = engine.row_tokens(batch)
+            minibatches = np.stack([packing.balance_rows(rows, tokens_B[rows],
+                                                         steps.batch_shards(engine.cfg))
+                                    for rows in minibatches])
+        trained = float(distributed.host(jnp.sum(batch.mask_BxT)))
     update_metrics = []
-    for rows in minibatches:
+    for i, rows in enumerate(minibatches):
         if probed is not None:
-            probed.before_update(state.params, rows)
-        state, m = engine.update(state, engine.select(batch, rows))
-        update_metrics.append(jax.tree.map(distributed.host, m))
+            with timer.phase("attribution"):
+                probed.before_update(state.params, rows)
+        with timer.phase("update", key=f"update/{i}"):
+            state, m = engine.update(state, engine.select(batch, rows))
+            update_metrics.append(jax.tree.map(distributed.host, m))
     # The step's host rows of every process, in one gather.
     every = distributed.gather(HostRows(rewards_mine, lengths_mine, truncated_mine,
                                         penalty_mine))
@@ -305,9 +330,13 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
     dumped = []
     if probed is not None:
-        dumped, layer_metrics = probed.finish(step + 1, data.tokenizer)
+        with timer.phase("attribution"):
+            dumped, layer_metrics = probed.finish(step + 1, data.tokenizer)
         metrics.update(layer_metrics)
-    return state, metrics, composition, samples, dumped
+    work = {"generated": float(np.sum(every.lengths)), "trained": trained,
+            "rows": int(batch.tokens_BxS.shape[0]), "width": int(batch.tokens_BxS.shape[1]),
+            "decode_steps": decode_steps}
+    return state, metrics, composition, samples, dumped, work
 
 
 def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
@@ -366,8 +395,8 @@ def task_data(cfg, workdir: str) -> TaskData:
 
 def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         progress: bool = True, allow_config_change=(), export_hf: str = "",
-        export_dtype: str = "", trackers=("tensorboard",), replace_history: bool = False
-        ) -> dict:
+        export_dtype: str = "", trackers=("tensorboard",), replace_history: bool = False,
+        profile: tuple[int, int] | None = None) -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
     A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
@@ -383,6 +412,8 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     this; the first writes metrics, logs, plots, the trackers and the summary, and every
     one writes its part of the checkpoints. The first also holds
     the workdir's lock (workdir.py) for the whole run: a second run there is refused.
+    `profile`: (first, last) global steps (as metrics rows number them) to trace with
+    jax.profiler into `<workdir>/profile/` (rl/profiling.py); every process writes its own.
     """
     preflight.check_workdir(workdir)
     preflight.check_processes(cfg, export_hf)
@@ -390,13 +421,16 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     with workdir_lock.Lock(workdir, enabled=main):
         preflight.check_history(cfg, workdir, replace_history)
         with Trackers(trackers, workdir, run_name=cfg.name, enabled=main) as tracker:
-            return _run(cfg, workdir, init_params=init_params, data=data,
-                        progress=progress, allow_config_change=allow_config_change,
-                        export_hf=export_hf, export_dtype=export_dtype, tracker=tracker)
+            with costs.PhaseTimer(sync=cfg.rl.phase_sync) as timer:
+                return _run(cfg, workdir, init_params=init_params, data=data,
+                            progress=progress, allow_config_change=allow_config_change,
+                            export_hf=export_hf, export_dtype=export_dtype, tracker=tracker,
+                            timer=timer, profile=profile)
 
 
 def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
-         export_hf, export_dtype, tracker: Trackers) -> dict:
+         export_hf, export_dtype, tracker: Trackers, timer: costs.PhaseTimer,
+         profile) -> dict:
     main = distributed.is_main()
     data = data or task_data(cfg, workdir)
     preflight.check_eval_problems(cfg, data)
@@ -460,46 +494,67 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         for log in logs:
             log.truncate_after(-1)
-        metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
+        timer.row()  # the row's times start here
+        with timer.phase("eval"):
+            metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
+        metrics.update(timer.row())
         tracker.log(0, writer.write(0, metrics))
         log_samples(writer, samples_log, 0, samples)
         tracker.log_samples(0, samples)
+    estimates, said = costs.estimate_phases(engine)
+    if said and main:
+        print(said, flush=True)
+    acc = last_accuracy(read_metrics(metrics_path) if restored is not None and main else [])
+    profiler = profiling.Profiler(workdir, profile)
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not (progress and main), desc=cfg.name)
     skips = 0
     meta = {"config": flat_dict(cfg)}
+    timer.row()  # the first row's times start with the loop
     try:
         for step in bar:
+            profiler.before(step + 1)
             ckpt.check_saves()  # a failed background save stops the run here
             workdir_lock.check_held()  # so does a lock another run took over
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
-            state, metrics, composition, samples, dumped = global_step(
-                engine, state, data, step, offline, train_samples, inflight, history)
-            minibatch_log.write({"step": step + 1, **composition})
-            for row in dumped:
-                attribution_log.write(row)
+            state, metrics, composition, samples, dumped, work = global_step(
+                engine, state, data, step, offline, train_samples, inflight, history, timer)
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
-                eval_metrics, eval_samples = evaluate(engine, state.params, data, step + 1,
-                                                      cfg.rl.log_samples)
+                with timer.phase("eval"):
+                    eval_metrics, eval_samples = evaluate(engine, state.params, data,
+                                                          step + 1, cfg.rl.log_samples)
                 metrics.update(eval_metrics)
                 samples += eval_samples
-            tracker.log(step + 1, writer.write(step + 1, metrics))
-            log_samples(writer, samples_log, step + 1, samples)
-            tracker.log_samples(step + 1, samples)
+            times = timer.row()
+            metrics.update(times)
+            metrics.update(costs.derived_times(times, metrics, work))
+            metrics.update(costs.perf_row(cfg, times, estimates=estimates, **work))
+            with timer.phase("logs"):
+                minibatch_log.write({"step": step + 1, **composition})
+                for row in dumped:
+                    attribution_log.write(row)
+                tracker.log(step + 1, writer.write(step + 1, metrics))
+                log_samples(writer, samples_log, step + 1, samples)
+                tracker.log_samples(step + 1, samples)
             skips = steps.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
+            acc = metrics.get("eval/accuracy", acc)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}",
                             kl=f"{metrics['kl/train_infer_k1']:.1e}",
-                            acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
+                            acc="-" if acc is None else f"{acc:.3f}")
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
-                for log in (writer, *logs):  # they cover the step
-                    log.flush()
-                ckpt.save(step + 1, saved(), {"step": step + 1, **meta})
+                with timer.phase("logs"):
+                    for log in (writer, *logs):  # they cover the step
+                        log.flush()
+                with timer.phase("checkpoint"):
+                    ckpt.save(step + 1, saved(), {"step": step + 1, **meta})
+            profiler.after(step + 1)
     except KeyboardInterrupt:  # Ctrl-C: stop bounds the wait for the save in flight
         ckpt.stop()
         raise
     finally:  # an error still finishes the saves already started
+        profiler.close()
         try:
             ckpt.wait()  # raises CheckpointSaveError if the last save failed
         finally:
@@ -523,7 +578,14 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     tracker.log_plots(cfg.rl.steps, plot_metrics(records, os.path.join(workdir, "plots")))
     summary = run_summary(records, skipped)
     storage.write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
+    print(costs.cost_table(summary), flush=True)
     return summary
+
+
+def last_accuracy(records: list[dict]) -> float | None:
+    """The last held-out accuracy of a run's rows (the progress bar's until the next)."""
+    evaluated = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+    return evaluated[-1] if evaluated else None
 
 
 def run_summary(records: list[dict], skipped: int) -> dict:
@@ -536,6 +598,10 @@ def run_summary(records: list[dict], skipped: int) -> dict:
             if k.startswith("eval/") and k.endswith("/avg@k")}
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     w = max(1, len(rewards) // 5)
+    cost = {"seconds_per_step": costs.time_split(records),
+            "measured_vs_estimated": [
+                {"phase": p, "measured_s": m, "estimated_s": e, "ratio": q}
+                for p, m, e, q in costs.measured_vs_estimated(records)]}
     return {
         "start_accuracy": evaluated[0]["eval/accuracy"] if evaluated else None,
         "end_accuracy": last.get("eval/accuracy"),
@@ -544,4 +610,5 @@ def run_summary(records: list[dict], skipped: int) -> dict:
         "end_reward": float(np.mean(rewards[-w:])) if rewards else None,
         "steps": records[-1]["step"] if records else 0,
         "skipped_updates": skipped,
+        "cost": cost,
     }

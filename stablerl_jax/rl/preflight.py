@@ -14,7 +14,7 @@ from stablerl_jax.config import ConfigError, changed_fields, flat_dict
 RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_problems",
                "rl.eval_sets", "rl.checkpoint_every", "rl.keep_checkpoints",
                "rl.async_checkpoints", "rl.max_consecutive_skips", "rl.log_samples",
-               "rl.log_samples_every")
+               "rl.log_samples_every", "rl.phase_sync")
 
 
 def check_workdir(workdir: str) -> None:
