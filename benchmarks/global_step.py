@@ -1,11 +1,13 @@
 """Wall time of the RL loop's global step at the experiments' tiny scale, on this machine.
 
     python -m benchmarks.global_step [--steps 40] [--workdir /tmp/bench_global_step]
-        [--only onpolicy,offpolicy-N8,onpolicy-long] [key=value ...]
+        [--only onpolicy,offpolicy-N8,onpolicy-long] [--costs] [key=value ...]
 
 For each setting (on-policy: one update of 128 responses; off-policy N = 8: eight updates
 of 32; `onpolicy-long`, not run by default: the on-policy setting on the long task,
-responses of 220–370 tokens) it prints two tables:
+responses of 220–370 tokens; `onpolicy-long-continuous` and `onpolicy-long-partial`: the
+same with the continuous sampler over 64 slots, and with partial rollouts, S = 1, over
+256) it prints two tables:
 
 - hops: the median milliseconds of each hop of a global step (sample, reward, score,
   the N updates, the metrics pulled to the host), each waited for so that its own time is
@@ -21,6 +23,13 @@ responses of 220–370 tokens) it prints two tables:
   same configuration in the process, which reuses the Engine's steps as the next seed of
   a variant does (rl/engine.program_config). seconds per global step = wall / steps.
 
+With `--costs`, two more: the run's own record of what a step cost (rl/costs.py: the
+mean `time/<phase>` over the rows after the first of the `again` run) beside the hops'
+medians (partial rollouts have no hop timing: their sampler runs only inside the loop);
+and the overhead of the explicit wait that ends the score phase: end-to-end runs with
+`rl.phase_sync` on and off, alternated twice, their mean `time/step` over the rows after
+the first.
+
 The cold start (SFT, 300 steps) is trained once and cached under the workdir.
 """
 from __future__ import annotations
@@ -33,11 +42,12 @@ import time
 import jax
 import numpy as np
 
-from experiments import offpolicy, onpolicy, runner
+from experiments import async_staleness, offpolicy, onpolicy, runner
 from stablerl_jax import compile_cache, distributed
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.diagnostics import reduce_metrics
-from stablerl_jax.rl import loop
+from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.rl import costs, loop
 from stablerl_jax.rl.engine import Engine
 
 SETTINGS = {
@@ -45,6 +55,10 @@ SETTINGS = {
     "onpolicy-long": lambda: onpolicy.long_base(),
     "offpolicy-N8": lambda: apply_overrides(offpolicy.tiny_base(), [
         "rl.num_minibatches=8", "rl.prompts_per_step=32", "rl.replay=r2"]),
+    "onpolicy-long-continuous": lambda: async_staleness.with_continuous(onpolicy.long_base()),
+    "onpolicy-long-partial": lambda: apply_overrides(
+        async_staleness.with_continuous(onpolicy.long_base()),
+        ["rl.max_staleness=1", "sampling.max_batch=256"]),
 }
 
 
@@ -100,11 +114,38 @@ def end_to_end(cfg, data, params, workdir: str) -> float:
     return time.perf_counter() - t0
 
 
+def cost_tables(cfg, data, params, run_dir: str, hops: dict | None) -> None:
+    """The run's own phase split beside the hops, and the phase_sync overhead."""
+    split = costs.time_split(read_metrics(run_dir))
+    hop_of = {"sample": "sample", "reward": "reward", "score": "score",
+              "update": f"{cfg.rl.num_minibatches} update(s)", "eval": None}
+    print("\n| phase | the run's time/<phase>, mean ms | hop median ms |\n|---|---|---|")
+    for phase in ("step", *costs.PHASES, "other"):
+        hop = hop_of.get(phase)
+        ref = (f"{hops[hop][1] * 1e3:.1f}" if hops and hop in hops else
+               f"{hops['global step (sum)'][1] * 1e3:.1f} (sum of hops)" if hops
+               and phase == "step" else "—")
+        if split.get(phase) or phase == "step":
+            print(f"| {phase} | {split[phase] * 1e3:.1f} | {ref} |")
+    per_step = {True: [], False: []}
+    for sync in (False, True, False, True):
+        c = cfg.replace(rl=cfg.rl.replace(phase_sync=sync))
+        end_to_end(c, data, params, run_dir)
+        per_step[sync].append(costs.time_split(read_metrics(run_dir))["step"])
+    on, off = (float(np.mean(per_step[k])) for k in (True, False))
+    print(f"\n| rl.phase_sync | runs | mean time/step s |\n|---|---|---|\n"
+          f"| true | {per_step[True]} | {on:.3f} |\n| false | {per_step[False]} | {off:.3f} |"
+          f"\n\noverhead of the wait: {on / off - 1:+.2%} of the global step")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workdir", default="/tmp/bench_global_step")
     ap.add_argument("--only", default="onpolicy,offpolicy-N8")
+    ap.add_argument("--costs", action="store_true",
+                    help="also the run's own cost record beside the hops, and the overhead "
+                         "of rl.phase_sync")
     ap.add_argument("--cache", default="",
                     help="persistent compilation cache directory (default: none)")
     ap.add_argument("overrides", nargs="*", help="section.field=value, applied to every run")
@@ -119,16 +160,18 @@ def main(argv=None) -> None:
         run_dir = os.path.join(args.workdir, "run_" + name)
         first = end_to_end(cfg, data, params, run_dir)
         again = end_to_end(cfg, data, params, run_dir)
-        hops = hop_times(cfg, data, params, args.steps)
+        hops = None if cfg.rl.max_staleness else hop_times(cfg, data, params, args.steps)
         print(f"\n{name}: rl.num_minibatches={cfg.rl.num_minibatches}, "
               f"{cfg.rl.prompts_per_step * cfg.rl.group_size} responses per step\n")
         print("| hop | first call ms | median ms |\n|---|---|---|")
-        for hop, (first_call, med) in hops.items():
+        for hop, (first_call, med) in (hops or {}).items():
             print(f"| {hop} | {first_call * 1e3:.1f} | {med * 1e3:.1f} |")
         print(f"\n| end to end ({args.steps} steps) | wall s | s per global step |\n"
               "|---|---|---|")
         for label, wall in (("first", first), ("again", again)):
             print(f"| {label} | {wall:.1f} | {wall / args.steps:.3f} |")
+        if args.costs:
+            cost_tables(cfg, data, params, run_dir, hops)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def test_a_run_records_its_costs_resumes_the_series_and_traces_steps(tmp_path, c
     loop.run(tiny_cfg(steps=2, checkpoint_every=1, eval_every=2), wd, progress=False,
              profile=(2, 2))
     summary = loop.run(tiny_cfg(steps=3, checkpoint_every=1, eval_every=2), wd,
-                       progress=False)  # resumed from step 2
+                       progress=True)  # resumed from step 2; the printout
     rows = read_metrics(wd)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[0]["time/eval"] > 0 and rows[0]["time/compile/eval"] > 0

@@ -502,7 +502,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         log_samples(writer, samples_log, 0, samples)
         tracker.log_samples(0, samples)
     estimates, said = costs.estimate_phases(engine)
-    if said and main:
+    if said and main and progress:
         print(said, flush=True)
     acc = last_accuracy(read_metrics(metrics_path) if restored is not None and main else [])
     profiler = profiling.Profiler(workdir, profile)
@@ -578,7 +578,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     tracker.log_plots(cfg.rl.steps, plot_metrics(records, os.path.join(workdir, "plots")))
     summary = run_summary(records, skipped)
     storage.write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
-    print(costs.cost_table(summary), flush=True)
+    if progress:
+        print(costs.cost_table(summary), flush=True)
     return summary
 
 
