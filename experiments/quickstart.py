@@ -93,7 +93,7 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
         cfg = hf_checkpoint.experiment_with_checkpoint(cfg, args.hf)
         export_dtype = export_dtype or hf_checkpoint.checkpoint_dtype(args.hf)
     data = loop.task_data(cfg, args.workdir)
-    preflight.check_eval_problems(cfg, data)  # before the cold start trains
+    preflight.check_data(cfg, data)  # before the cold start trains
     loop.open_offline(cfg)  # likewise: a bad rollout file is refused before any training
     # Straight onto the Engine's mesh and shardings: no host copy of the model; read only
     # when used (a cold start already in the workdir supersedes it).

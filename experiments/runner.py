@@ -59,7 +59,7 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = "",
     `Experiment.config`; read only if the cold start trains or sft.steps = 0), else from
     a fresh init. `trackers`: where the cold start logs (stablerl_jax/trackers.py)."""
     data = loop.task_data(cfg, workdir)
-    preflight.check_eval_problems(cfg, data)  # before the cold start trains
+    preflight.check_data(cfg, data)  # before the cold start trains
     # Straight onto the Engine's shardings: no host copy of the model.
     init = (lambda: hf_checkpoint.load_hf_params(hf, cfg.model, param_shardings(cfg))
             ) if hf else None

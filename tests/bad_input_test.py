@@ -97,6 +97,21 @@ OVERRIDES = [
      ["rl.pack_tokens", "longest possible sequence", "got 20"]),
     ("packing with padded micro-batches", ["rl.pack_tokens=4096", "rl.microbatches=2"],
      ["rl.microbatches", "set rl.microbatches=1"]),
+    # Packing beyond what a batch can fill: had been an OverflowError, an out-of-memory
+    # traceback (1.1e16 bytes) and a TypeError.
+    ("packed rows of 2**31 - 1 tokens", ["rl.pack_tokens=2147483647"],
+     ["rl.pack_tokens: 2,147,483,647 tokens is more than a packed row can ever fill",
+      "set it between 56 and 7168"]),
+    ("packed rows of ten million tokens", ["rl.pack_tokens=10000000"],
+     ["rl.pack_tokens: 10,000,000 tokens", "set it between 56 and 7168"]),
+    ("2**31 - 1 packed rows", ["rl.pack_tokens=200", "rl.pack_rows=2147483647"],
+     ["rl.pack_rows: 2,147,483,647 packed rows", "set rl.pack_rows <= 35"]),
+    ("a rope_theta float32 cannot hold", ["model.rope_theta=1e39"],
+     ["model.rope_theta", "finite in float32"]),
+    ("a million sampling rounds", ["rl.dynamic_sampling=true",
+                                   "rl.max_sampling_rounds=1000000"],
+     ["rl.max_sampling_rounds", "1000000 rounds", "more than the train split's",
+      "set rl.max_sampling_rounds="]),
     ("unknown fields allowed to change", ["--allow-config-change", "rl.bogus_field,zz.top"],
      ["--allow-config-change", "['rl.bogus_field', 'zz.top']"]),
     # Found by tests/fuzz_test.py, read as (1, 1, 1) (the empty entry dropped); fixed in
@@ -719,6 +734,14 @@ HF_CONFIGS = [  # (case, change(config.json dict) or the file's text, the line m
      ["tie_word_embeddings: must be true or false", "correct it in config.json"]),
     ("not JSON", '{"vocab_size": 64,', ["config.json: not valid JSON",
                                         "restore the checkpoint's file"]),
+    # Each float setting is checked in float32, the dtype the model computes it in: a
+    # rope_theta that overflows it had trained on with a numpy warning and a rising loss.
+    ("a rope_theta float32 cannot hold", lambda hf: {**hf, "rope_theta": 1e39},
+     ["rope_theta: is 1e+39, which float32", "cannot hold", "correct it in config.json"]),
+    ("an rms_norm_eps that is 0 in float32", lambda hf: {**hf, "rms_norm_eps": 1e-50},
+     ["rms_norm_eps: is 1e-50, which float32", "correct it in config.json"]),
+    ("a router_aux_loss_coef beyond float32", lambda hf: {**hf, "router_aux_loss_coef": 1e300},
+     ["router_aux_loss_coef: is 1e+300", "correct it in config.json"]),
 ]
 
 

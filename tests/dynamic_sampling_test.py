@@ -3,6 +3,8 @@ an update; the batch fills with Q groups in rounds, or trains short with padding
 carries no loss and says so; rounds are seeded by (seed, step, round), so runs repeat and
 resume exactly; the settings it cannot run with are refused."""
 import dataclasses
+import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +242,9 @@ def test_the_batch_fills_in_rounds_or_says_it_is_short(full_run, scenario):
         assert row["reward"] == kept / (used * q * g)
     short = rows[1]
     assert short["dynamic/filled_frac"] == 0.25 and short["skipped_updates"] == 0
+    # The summary counts the short step; none was empty.
+    summary = json.loads(open(f"{workdir}/summary.json").read())
+    assert (summary["short_batches"], summary["empty_batches"]) == (1, 0)
 
 
 @pytest.mark.integration
@@ -277,6 +282,47 @@ def test_with_every_group_kept_it_is_the_run_without_it(task, tmp_path):
     for c_on, c_off in zip(comp_on, comp_off):
         assert c_on.pop("sampled") == [c_off["prompts"]]
     assert comp_on == comp_off
+
+
+def test_a_short_batch_warns_once_and_empty_ones_in_a_row_stop_the_run(caplog):
+    watch = dynamic.ShortBatches(limit=3)
+    row = lambda filled: {"dynamic/filled_frac": filled, "dynamic/rounds": 4.0}
+    with caplog.at_level(logging.WARNING):
+        for step, filled in enumerate([1.0, 0.5, 0.0, 0.25, 0.0, 0.0], start=1):
+            watch.check(step, row(filled))  # two empty in a row, then full: no stop
+        assert len(caplog.records) == 1 and "step 2 trained on 50% of a batch" in caplog.text
+        with pytest.raises(ValueError) as e:
+            watch.check(7, row(0.0))
+    msg = str(e.value)
+    assert msg.startswith("rl.dynamic_sampling: 3 steps in a row (up to step 7)") and (
+        "\n" not in msg and "rl.max_sampling_rounds" in msg)
+    watch.check(8, {})  # no dynamic sampling: nothing watched
+
+
+def test_more_rounds_than_the_train_split_holds_are_refused(task):
+    from stablerl_jax.rl import preflight
+    q = _cfg().rl.prompts_per_step
+    most = len(task.train) // q
+    preflight.check_sampling_rounds(_cfg(max_sampling_rounds=most), task)
+    with pytest.raises(ConfigError) as e:
+        preflight.check_sampling_rounds(_cfg(max_sampling_rounds=1_000_000), task)
+    assert str(e.value) == (
+        f"rl.max_sampling_rounds=1000000: 1000000 rounds of rl.prompts_per_step={q} prompts "
+        f"is more than the train split's {len(task.train)} problems (a step would draw "
+        f"prompts again); set rl.max_sampling_rounds={most} or fewer")
+
+
+@pytest.mark.integration
+def test_a_run_whose_groups_never_differ_stops_in_one_line(task, tmp_path):
+    """Every reward equal: each step's batch is empty; the run stops after
+    rl.max_consecutive_skips of them, its checkpoints intact."""
+    data = ChosenRewards(**vars(task), flat=frozenset(range(len(task.train))))
+    with pytest.raises(ValueError, match=r"^rl.dynamic_sampling: 2 steps in a row \(up to "
+                                         r"step 2\) found no group"):
+        loop.run(_cfg(steps=4, max_consecutive_skips=2), str(tmp_path), data=data,
+                 progress=False)
+    rows = read_metrics(str(tmp_path))
+    assert [r["dynamic/filled_frac"] for r in rows[1:]] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("rounds", [0, -1, 2.5, True])

@@ -63,6 +63,16 @@ def is_finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# float32's largest finite value and smallest normal one: the model computes RoPE
+# frequencies and RMSNorm in float32 (or wider), so its float settings must hold there.
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
+def fits_float32(v) -> bool:
+    """A finite number that stays finite, and nonzero if it is, in float32."""
+    return is_finite(v) and abs(v) <= FLOAT32_MAX and (v == 0 or abs(v) >= FLOAT32_TINY)
+
+
 class Section:
     """Base of every config section: every int field is checked to lie in int32
     (`check_int_range`) before the section's own `__post_init__` runs, so each section

@@ -105,6 +105,31 @@ class ExperimentConfig(Section):
             check(rl.pack_rows % dp == 0, "rl.pack_rows",
                   f"must be a multiple of data*fsdp*expert = {dp} (each batch shard packs "
                   f"its own rows), got {rl.pack_rows}")
+            # Bounded by what a step's batch can fill: a packed row holds sequences of one
+            # batch shard (at most B/dp of them, each at most `longest`), and a micro-batch
+            # never needs more tokens than the padded batch has slots.
+            b = rl.prompts_per_step * rl.group_size
+            fill = b // dp * longest
+            check(rl.pack_tokens <= fill, "rl.pack_tokens",
+                  f"{rl.pack_tokens:,} tokens is more than a packed row can ever fill: one "
+                  f"batch shard's {b // dp} sequences of at most {longest} tokens = {fill:,}; "
+                  f"set it between {longest} and {fill}")
+            rows = max(rl.pack_rows, dp)
+            check(rows * rl.pack_tokens <= b * longest, "rl.pack_rows",
+                  f"{rows:,} packed rows of rl.pack_tokens={rl.pack_tokens:,} is "
+                  f"{rows * rl.pack_tokens:,} tokens a forward, more than the step's whole "
+                  f"padded batch ({b} rows × {longest} = {b * longest:,}); set rl.pack_rows <= "
+                  f"{max(dp, b * longest // rl.pack_tokens // dp * dp)} (0: one per batch "
+                  "shard)")
+        if rl.dynamic_sampling and self.task.kind == "arithmetic":
+            # The synthetic train split's size is known here (a file's, once read:
+            # rl/preflight.check_sampling_rounds); more rounds would draw prompts again.
+            most = max(1, self.task.num_train // rl.prompts_per_step)
+            check(rl.max_sampling_rounds <= most, "rl.max_sampling_rounds",
+                  f"{rl.max_sampling_rounds} rounds of rl.prompts_per_step="
+                  f"{rl.prompts_per_step} prompts is more than the train split's "
+                  f"task.num_train={self.task.num_train} problems (a step would draw prompts "
+                  f"again); set rl.max_sampling_rounds={most} or fewer")
         if rl.attribution and rl.attribution_every:
             check(rl.attribution_rows % dp == 0, "rl.attribution_rows",
                   f"must be a multiple of data*fsdp*expert = {dp} (the probe's rows are a "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from stablerl_jax.config.checks import (check, is_int, check_positive_int, check_choice,
-                                        check_bool, is_finite, Section)
+                                        check_bool, is_finite, Section, fits_float32,
+                                        FLOAT32_MAX, FLOAT32_TINY)
 from stablerl_jax.config.choices import (DTYPES, INFERENCE_NUMERICS, REMAT_POLICIES, GMM_IMPLS,
                                          DECODE_IMPLS, ATTENTION_IMPLS, SAMPLER_LAYOUTS,
                                          KV_CACHE_LAYOUTS)
@@ -131,10 +132,12 @@ class ModelConfig(Section):
         check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         check(self.top_k <= self.num_experts, "top_k",
               f"must be <= num_experts={self.num_experts}, got {self.top_k}")
-        check(is_finite(self.rope_theta) and self.rope_theta > 0, "rope_theta",
-              f"must be > 0, got {self.rope_theta}")
-        check(is_finite(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
-              f"must be in (0, 1), got {self.norm_eps}")
+        check(fits_float32(self.rope_theta) and self.rope_theta > 0, "rope_theta",
+              f"must be > 0 and finite in float32, the dtype RoPE computes in (at most "
+              f"{FLOAT32_MAX:.4g}), got {self.rope_theta}")
+        check(fits_float32(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
+              f"must be in (0, 1) and a normal float32 (at least {FLOAT32_TINY:.4g}: RMSNorm "
+              f"adds it in float32), got {self.norm_eps}")
         check(is_finite(self.init_std) and self.init_std > 0, "init_std",
               f"must be > 0, got {self.init_std}")
         for f in ("param_dtype", "compute_dtype"):

@@ -43,6 +43,7 @@ num_experts_per_tok <= num_experts). Agreement with the weights' shapes is check
 from __future__ import annotations
 
 from stablerl_jax.config import DTYPES, ConfigError, ModelConfig, is_finite, is_int
+from stablerl_jax.config.checks import FLOAT32_MAX, FLOAT32_TINY, fits_float32
 
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "float64": "float64"}
@@ -85,6 +86,10 @@ class _Reader:
         n, v = self.get(*names, default=default)
         self.refuse(not (is_finite(v) and ok(v)), n,
                     f"must be a finite number {what}, got {v!r}; correct it in config.json")
+        self.refuse(not fits_float32(v), n,
+                    f"is {v!r}, which float32 (the dtype the model computes it in) cannot "
+                    f"hold (finite, nonzero values from {FLOAT32_TINY:.4g} to "
+                    f"{FLOAT32_MAX:.4g}); correct it in config.json")
         return float(v)
 
     def flag(self, name: str) -> bool:

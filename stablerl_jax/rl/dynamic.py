@@ -34,6 +34,7 @@ groups in the batch / Q; < 1 when the rounds ran out).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,37 @@ class Fill:
         return {"dynamic/kept_frac": self.kept / (rounds * self.q),
                 "dynamic/rounds": float(rounds),
                 "dynamic/filled_frac": self.filled / self.q}
+
+
+class ShortBatches:
+    """Watches `dynamic/filled_frac` step by step: warns once when a step trains on a short
+    batch (fewer than prompts_per_step groups with a reward spread: the rest are padding)
+    and stops the run after `limit` steps in a row whose batch was empty (no group with a
+    spread: nothing to learn from, e.g. every reward equal on this data)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.empty_in_a_row, self.warned = limit, 0, False
+
+    def check(self, step: int, metrics: dict) -> None:
+        filled = metrics.get("dynamic/filled_frac")
+        if filled is None:
+            return
+        if filled < 1 and not self.warned:
+            self.warned = True
+            logging.warning(
+                "rl.dynamic_sampling: step %d trained on %.0f%% of a batch (the other groups' "
+                "rewards were all equal in every round); `dynamic/filled_frac` and "
+                "summary.json's `short_batches` count such steps; more rounds "
+                "(rl.max_sampling_rounds) or data whose rewards vary fill it", step,
+                100 * filled)
+        self.empty_in_a_row = self.empty_in_a_row + 1 if filled == 0 else 0
+        if self.empty_in_a_row >= self.limit:
+            raise ValueError(
+                f"rl.dynamic_sampling: {self.empty_in_a_row} steps in a row (up to step "
+                f"{step}) found no group whose rewards differ in {metrics['dynamic/rounds']:.0f}"
+                " rounds, so they trained on nothing; check the rewards of this data, raise "
+                "rl.max_sampling_rounds, or set rl.dynamic_sampling=false (the limit is "
+                "rl.max_consecutive_skips)")
 
 
 def merge_rows(base: Rollout, new: Rollout, src_B, real_B, *, pad_id: int) -> Rollout:

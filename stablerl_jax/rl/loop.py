@@ -433,7 +433,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
          profile) -> dict:
     main = distributed.is_main()
     data = data or task_data(cfg, workdir)
-    preflight.check_eval_problems(cfg, data)
+    preflight.check_data(cfg, data)
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id,
                            stop_ids=data.tokenizer.stop_ids)
     offline = open_offline(cfg)
@@ -509,6 +509,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not (progress and main), desc=cfg.name)
     skips = 0
+    short = dynamic.ShortBatches(cfg.rl.max_consecutive_skips)
     meta = {"config": flat_dict(cfg)}
     timer.row()  # the first row's times start with the loop
     try:
@@ -539,6 +540,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                 tracker.log_samples(step + 1, samples)
             skips = steps.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
+            short.check(step + 1, metrics)
             acc = metrics.get("eval/accuracy", acc)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}",
                             kl=f"{metrics['kl/train_infer_k1']:.1e}",
@@ -611,5 +613,10 @@ def run_summary(records: list[dict], skipped: int) -> dict:
         "end_reward": float(np.mean(rewards[-w:])) if rewards else None,
         "steps": records[-1]["step"] if records else 0,
         "skipped_updates": skipped,
+        # rl.dynamic_sampling: steps that trained on a short batch, and on an empty one.
+        **({"short_batches": sum(r["dynamic/filled_frac"] < 1 for r in filled),
+            "empty_batches": sum(r["dynamic/filled_frac"] == 0 for r in filled)}
+           if (filled := [r for r in records if r.get("dynamic/filled_frac") is not None])
+           else {}),
         "cost": cost,
     }

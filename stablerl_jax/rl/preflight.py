@@ -122,6 +122,30 @@ def allowed_changes(arg: str, cfg) -> list[str]:
     return allow
 
 
+def check_data(cfg, data) -> None:
+    """What the run asks of its data, once it is read: check_eval_problems and
+    check_sampling_rounds."""
+    check_eval_problems(cfg, data)
+    check_sampling_rounds(cfg, data)
+
+
+def check_sampling_rounds(cfg, data) -> None:
+    """Under rl.dynamic_sampling a step draws at most rl.max_sampling_rounds rounds of
+    prompts_per_step prompts; more than the train split holds would draw the same prompts
+    again within one step, so the rounds are bounded by it."""
+    rl = cfg.rl
+    if not rl.dynamic_sampling or rl.offline_rollouts:
+        return
+    have = len(data.train)
+    most = max(1, have // rl.prompts_per_step)
+    if rl.max_sampling_rounds > most:
+        raise ConfigError(
+            f"rl.max_sampling_rounds={rl.max_sampling_rounds}: {rl.max_sampling_rounds} "
+            f"rounds of rl.prompts_per_step={rl.prompts_per_step} prompts is more than the "
+            f"train split's {have} problems (a step would draw prompts again); set "
+            f"rl.max_sampling_rounds={most} or fewer")
+
+
 def check_eval_problems(cfg, data) -> None:
     """rl.eval_problems caps every eval set (its first n problems). Without rl.eval_sets
     the one set is the task's test split, and asking for more problems than it holds is
