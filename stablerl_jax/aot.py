@@ -201,14 +201,16 @@ def engine_for(cfg: ExperimentConfig, topo: Topology, *, eos_id: int = 1, pad_id
 def step_model_flops(cfg: ExperimentConfig, name: str) -> float:
     """Model FLOPs of one call of step `name`, per chip (model/flops.py): the sampler as
     one forward over every slot (an upper bound: rows that stop early do less), the score
-    step one forward (two with rl.attribution), the updates forward + backward of their
-    batch (rematerialized forwards are not model FLOPs)."""
+    step its rl/costs.score_forwards (one; none where the on-policy update scores; one more
+    with rl.attribution), the updates forward + backward of their batch
+    (rematerialized forwards are not model FLOPs)."""
     from stablerl_jax.model.flops import forward_flops, train_flops
+    from stablerl_jax.rl.costs import score_forwards
     rl, mc = cfg.rl, cfg.model
     b = rl.prompts_per_step * rl.group_size
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     flops = {"sample": lambda: forward_flops(mc, b, s),
-             "score": lambda: forward_flops(mc, b, s - 1) * (2 if rl.attribution else 1),
+             "score": lambda: forward_flops(mc, b, s - 1) * score_forwards(cfg),
              "update": lambda: train_flops(mc, b // rl.num_minibatches, s - 1),
              "sft_update": lambda: train_flops(mc, cfg.sft.batch_size,
                                                cfg.task.max_prompt_len

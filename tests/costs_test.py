@@ -94,6 +94,18 @@ def test_estimates_are_scaled_to_the_step_and_compared():
     assert "est/sample" in narrow  # no decode count: the fixed-length estimate
 
 
+def test_a_score_step_without_a_forward_has_no_mfu():
+    from stablerl_jax import aot, presets
+    fused = presets.tiny()  # on-policy, rl.score_in_update: the update's forward scores
+    assert fused.rl.score_in_update and costs.score_forwards(fused) == 0
+    out = costs.perf_row(fused, {"time/score": 0.1, "time/update": 1.0}, generated=1.0,
+                         trained=1.0, rows=8, width=20, decode_steps=None)
+    assert "perf/score_mfu" not in out and out["perf/update_mfu"] > 0
+    assert aot.step_model_flops(fused, "score") == 0
+    both = fused.replace(rl=fused.rl.replace(num_minibatches=2, attribution=True))
+    assert costs.score_forwards(both) == 2  # its own pass and the attribution's
+
+
 def test_profile_steps_are_checked_in_one_line(capsys):
     import argparse
     ap = argparse.ArgumentParser()

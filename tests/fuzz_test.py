@@ -34,6 +34,7 @@ from stablerl_jax.config import flat_dict, is_int
 from stablerl_jax.data import jsonl, sft_data
 from stablerl_jax.interop import hf_checkpoint, rollouts
 from stablerl_jax.rl import preflight
+from stablerl_jax.rl.engine import Engine
 
 PROFILES = [pytest.param(FAST, id="fast"),
             pytest.param(LONG, id="long", marks=pytest.mark.slow)]
@@ -55,7 +56,11 @@ def _pass_over_open(surface: str, example) -> None:
 TINY_FIELDS = flat_dict(presets.tiny())
 EDGY_VALUES = ["nan", "inf", "-inf", "1e309", "-0", "0", "-1", "2147483648", "1.5", "1e3",
                "0x10", "1_000", " 5 ", "٣", "５", "true", "True", "yes", "", "none", "None",
-               "1,2", "(1,2,3)", "1,,1,1", "1,1,1,", "2,2,2", "a,b,c", "=", "\x00"]
+               "1,2", "(1,2,3)", "1,,1,1", "1,1,1,", "2,2,2", "a,b,c", "=", "\x00",
+               # int32 / int64 limits, float32's, and values just past them
+               "2147483647", "-2147483648", "-2147483649", "9223372036854775807",
+               "-9223372036854775808", "9223372036854775808", "3.4028234e38", "3.5e38",
+               "1e-45", "1e-38", "-1e-300", "1e300", "65536", "1048576", "4096"]
 
 
 def _values_like(default):
@@ -89,12 +94,16 @@ def _ints(parts) -> list | None:
         return None
 
 
-def _check_overrides(example):
+def _check_overrides(workdir, example):
     _pass_over_open("overrides", example)
     name, overrides = example
     cfg = works_or_user_error(presets.preset, name, overrides)
     if cfg is REFUSED:
         return
+    if name == "tiny":  # what a run does before its first step: this machine's checks,
+        # then the Engine's mesh, shardings and steps (an accepted config must build)
+        if works_or_user_error(preflight.check_run, cfg, workdir) is not REFUSED:
+            works_or_user_error(Engine.create, cfg, eos_id=3, pad_id=0)
     before, after = flat_dict(presets.EXPERIMENT_PRESETS[name]()), flat_dict(cfg)
     last = {}
     for item in overrides:  # the value each field ends with: its last override
@@ -117,9 +126,11 @@ def _check_overrides(example):
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_config_overrides(profile):
+def test_config_overrides(profile, tmp_path):
     presets_ = st.sampled_from(["tiny", "long", "moe1b"]) | st.text(max_size=6)
-    run(profile, st.tuples(presets_, OVERRIDES), _check_overrides)
+    workdir = str(tmp_path / "run")
+    run(profile, st.tuples(presets_, OVERRIDES), lambda ex: _check_overrides(workdir, ex))
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
 
 
 def _check_stored_config(saved):

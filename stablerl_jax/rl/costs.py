@@ -160,11 +160,19 @@ def device_memory_gib() -> float | None:
     return max(peaks) / 2**30 if peaks else None
 
 
+def score_forwards(cfg) -> int:
+    """Forwards the score step runs: one for π_old, none where the on-policy update takes
+    it from its own forward (rl.score_in_update with one mini-batch); one more for
+    rl.attribution's term at θ_old."""
+    fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
+    return (0 if fused else 1) + (1 if cfg.rl.attribution else 0)
+
+
 def step_flops(cfg, rows: int, width: int) -> dict:
     """Model FLOPs of a global step's score pass and of its N updates, for `rows`
     responses at `width` slots (the trained width: slots − 1)."""
     t = width - 1
-    score = forward_flops(cfg.model, rows, t) * (2 if cfg.rl.attribution else 1)
+    score = forward_flops(cfg.model, rows, t) * score_forwards(cfg)
     return {"score": score, "update": train_flops(cfg.model, rows, t)}
 
 
@@ -188,7 +196,7 @@ def perf_row(cfg, times: dict, *, generated: float, trained: float, rows: int, w
     flops = step_flops(cfg, rows, width)
     for phase in ("score", "update"):
         s = times.get(f"time/{phase}", 0.0)
-        if s > 0:
+        if s > 0 and flops[phase] > 0:  # a score step without a forward has no MFU
             per_device = flops[phase] / s / n
             out[f"perf/{phase}_flops_per_s_per_device"] = per_device
             out[f"perf/{phase}_mfu"] = per_device / peak
@@ -200,7 +208,7 @@ def perf_row(cfg, times: dict, *, generated: float, trained: float, rows: int, w
         full = step_flops(cfg, rows, compiled_width)
         scale = {"sample": (decode_steps or cfg.sampling.max_new_tokens)
                  / (cfg.sampling.max_new_tokens * _passes(cfg, rows)),
-                 "score": flops["score"] / full["score"],
+                 "score": flops["score"] / full["score"] if full["score"] else 1.0,
                  "update": flops["update"] / full["update"]}
         for phase, seconds in estimates.items():
             est = seconds * scale[phase]

@@ -32,12 +32,15 @@ The state is numpy on the host and is saved with every checkpoint (`state_dict` 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from stablerl_jax import continuous
-from stablerl_jax.data.task import TaskData
+
+if TYPE_CHECKING:  # the Engine and its steps need no data stack
+    from stablerl_jax.data.task import TaskData
 
 EMPTY = -1  # group id of a queue place that holds no prompt yet
 
