@@ -528,9 +528,10 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                 metrics.update(eval_metrics)
                 samples += eval_samples
             times = timer.row()
-            metrics.update(times)
-            metrics.update(costs.derived_times(times, metrics, work))
-            metrics.update(costs.perf_row(cfg, times, estimates=estimates, **work))
+            if main:  # every process waits at the same points; process 0 logs
+                metrics.update(times)
+                metrics.update(costs.derived_times(times, metrics, work))
+                metrics.update(costs.perf_row(cfg, times, estimates=estimates, **work))
             with timer.phase("logs"):
                 minibatch_log.write({"step": step + 1, **composition})
                 for row in dumped:
