@@ -25,6 +25,14 @@ the think block), and ids the tokenizer does not have
 (a model's embedding may have more rows than the tokenizer has tokens: Qwen3-30B-A3B has
 151,936 rows for 151,669 tokens), so decoding model output never raises. `decode_raw`
 drops only those ids: every special token stays as its text (`<|im_end|>`).
+
+tokenizer.json is checked before the `tokenizers` library parses it (`read_tokenizer`),
+since the library aborts the process, past recovery, on a file too large for memory: its
+size in bytes (MAX_TOKENIZER_BYTES) and, parsed with Python's json, its shape (an object
+with a "model" of a type the library has, "merges" a list) and counts (vocab entries,
+merges, added tokens: MAX_VOCAB, MAX_MERGES, MAX_ADDED_TOKENS). A file over a limit, not
+of that shape, or that the library refuses (a merge of a token not in the vocab) is a
+ValueError of one line naming the file.
 """
 from __future__ import annotations
 
@@ -33,6 +41,22 @@ import os
 from typing import Iterable
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import models as _models
+
+# Limits on a tokenizer.json, with a margin over the public ones: Qwen3's file is 11.4 MB
+# (151,669 tokens, 151,387 merges, 26 added tokens), Llama 3's 9.1 MB (128,256 tokens,
+# 280,147 merges, 256 added tokens), Gemma 3's 33.4 MB (262,144 tokens), the largest here.
+# Each limit is at least 4x the Qwen3 and Llama 3 values and holds Gemma 3's. The size
+# bounds what Python's json builds to count (at most ~24 bytes per byte of file, ~1.5 GB
+# at the limit, for a file of empty arrays; ~7x for a Qwen3-sized file); the counts bound
+# what the library builds.
+MAX_TOKENIZER_BYTES = 64 << 20   # 5.9x Qwen3's, 2x Gemma 3's
+MAX_VOCAB = 1 << 20              # 1,048,576: 6.9x Qwen3's, 4x Gemma 3's
+MAX_MERGES = 1 << 21             # 2,097,152: 13.9x Qwen3's, 7.5x Llama 3's
+MAX_ADDED_TOKENS = 1 << 16       # 65,536: 256x Llama 3's
+# The model types the library reads ("type" in tokenizer.json: BPE, Unigram, WordLevel,
+# WordPiece), from its model classes.
+MODEL_TYPES = tuple(sorted(m.__name__ for m in _models.Model.__subclasses__()))
 
 
 def read_json(path: str) -> dict:
@@ -45,6 +69,66 @@ def read_json(path: str) -> dict:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path}: not valid JSON ({e}); restore the checkpoint's file"
                          ) from None
+
+
+def _brief(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def read_tokenizer(file: str) -> _HFTokenizer:
+    """The tokenizer of `file` (a tokenizer.json), checked before the library parses it
+    (module docstring); ValueError naming the file and the fix for a bad one."""
+    fix = "restore the checkpoint's tokenizer.json"
+    size = os.path.getsize(file)
+    if size > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"{file}: {size:,} bytes > MAX_TOKENIZER_BYTES "
+                         f"({MAX_TOKENIZER_BYTES:,}), far larger than any real tokenizer; "
+                         f"{fix}")
+    with open(file, "rb") as f:
+        raw = f.read(MAX_TOKENIZER_BYTES + 1)  # the file may have grown since
+    if len(raw) > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"{file}: more than MAX_TOKENIZER_BYTES ({MAX_TOKENIZER_BYTES:,}) "
+                         f"bytes; {fix}")
+    try:
+        text = raw.decode("utf-8")  # as the library reads it
+        del raw
+        obj = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{file}: JSON nested deeper than Python's recursion limit; {fix}"
+                         ) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{file}: not valid JSON ({_brief(e)}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file}: a JSON {type(obj).__name__}, not the object of a "
+                         f"tokenizer; {fix}")
+    model = obj.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{file}: no \"model\" object (the vocabulary and merges); {fix}")
+    kind = model.get("type")
+    if kind is not None and kind not in MODEL_TYPES:  # without one the library infers it
+        raise ValueError(f"{file}: model type {kind!r} is not one the tokenizers library "
+                         f"reads ({', '.join(MODEL_TYPES)}); {fix}")
+    merges = model.get("merges")
+    if merges is not None and not isinstance(merges, list):
+        raise ValueError(f"{file}: model.merges is a JSON {type(merges).__name__}, not a "
+                         f"list of merges; {fix}")
+    vocab = model.get("vocab")
+    added = obj.get("added_tokens")
+    for what, n, limit, name in (
+            ("vocab entries", len(vocab) if isinstance(vocab, (dict, list)) else 0,
+             MAX_VOCAB, "MAX_VOCAB"),
+            ("merges", len(merges or ()), MAX_MERGES, "MAX_MERGES"),
+            ("added tokens", len(added) if isinstance(added, list) else 0,
+             MAX_ADDED_TOKENS, "MAX_ADDED_TOKENS")):
+        if n > limit:
+            raise ValueError(f"{file}: {n:,} {what} > {name} ({limit:,}), far more than "
+                             f"any real tokenizer; {fix}")
+    del obj, model, vocab, merges, added
+    try:
+        return _HFTokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 (the library raises Exception itself)
+        raise ValueError(f"{file}: the tokenizers library cannot read it ({_brief(e)}); "
+                         f"{fix}") from None
 
 
 def token_text(v) -> str | None:
@@ -92,7 +176,7 @@ class HFTokenizer:
         if not os.path.exists(file):
             raise FileNotFoundError(f"{file}: not found; point task.tokenizer_dir at a "
                                     "directory holding the model's tokenizer.json")
-        tok = _HFTokenizer.from_file(file)
+        tok = read_tokenizer(file)
         tcfg = read_json(os.path.join(path, "tokenizer_config.json"))
 
         def id_of(text, field):

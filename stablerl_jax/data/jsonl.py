@@ -23,14 +23,15 @@ JSON, which data/task.py renders in place of the question (system message kept).
 A UTF-8 byte-order mark at the start of a file is ignored. A malformed line or row
 (invalid UTF-8, bad JSON, JSON nested deeper than Python's recursion limit, a record the
 format cannot read, a reference answer math-verify cannot read or that is undefined like
-`\\frac{1}{0}`, a line over MAX_LINE_BYTES) is an error naming the file and line (row)
-number, unless `skip_malformed` is set: then such records are skipped and counted in the
-dataset's metadata (`skipped_counts`), next to the format each split was read as
-(`formats`). A parquet file that cannot be read, or lacks a column its format reads, is
-an error naming the file either way. A split with no record left is an error naming its
-file and the count. The builder config name carries a fingerprint of the files, the
-field mapping and the record fields, so editing any triggers a rebuild. Files are opened
-through `etils.epath`.
+`\\frac{1}{0}`, a line over MAX_LINE_BYTES, a parquet row whose values hold more: never
+decoded, data/parquet.py) is an error naming the file and line (row) number, unless
+`skip_malformed` is set: then such records are skipped and counted in the dataset's
+metadata (`skipped_counts`), next to the format each split was read as (`formats`). A
+parquet file that cannot be read, or lacks a column its format reads, is an error naming
+the file either way. A split with no record left is an error naming its file and the
+count. The builder config name carries a fingerprint of the files, the field mapping and
+the record fields, so editing any triggers a rebuild. Files are opened through
+`etils.epath`.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from stablerl_jax.data.formats import Mapping
 
 SPLITS = ("train", "test")
 SUFFIXES = (".jsonl", parquet.SUFFIX)  # the files a directory may hold per split
-MAX_LINE_BYTES = 1 << 20  # one problem; a longer line is a broken file, not a record
+MAX_LINE_BYTES = 1 << 20  # one problem; a longer line (row) is a broken file, not a record
 _BOM = b"\xef\xbb\xbf"
 # The fields of a built record; part of the fingerprint, so a dataset built with other
 # fields is rebuilt rather than read.
@@ -110,6 +111,17 @@ def load_object(raw: bytes) -> dict:
     return obj
 
 
+def _object(item) -> dict:
+    """The object of a JSONL line (bytes: `load_object`) or parquet row; ValueError for a
+    row over MAX_LINE_BYTES, as for such a line."""
+    if isinstance(item, bytes):
+        return load_object(item)
+    if isinstance(item, parquet.Overlong):
+        raise ValueError(f"row of {item.size:,} bytes > MAX_LINE_BYTES ({MAX_LINE_BYTES:,}; "
+                         f"column {item.column!r} holds {item.column_size:,})")
+    return item
+
+
 def _record(obj: dict, where: str, mapping: Mapping) -> tuple[dict, str]:
     """(record fields, format name) of one parsed line or row (`where` names it); raises
     on a malformed one."""
@@ -152,14 +164,15 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
                                 "(or .parquet) in task.jsonl_dir, or name one data file")
     split = split or os.path.splitext(os.path.basename(path))[0]
     if parquet.is_parquet(path):
-        items, unit, where = parquet.rows(path), "row", lambda n: f"{path} row {n}"
+        items = parquet.rows(path, MAX_LINE_BYTES)
+        unit, where = "row", lambda n: f"{path} row {n}"
     else:
         items, unit, where = _lines(path), "line", lambda n: f"{path}:{n}"
     records, skipped, chosen = [], 0, None
     for n, item in items:
         fmt = chosen or mapping.format
         try:
-            obj = load_object(item) if isinstance(item, bytes) else item
+            obj = _object(item)
             rec, name = record(obj, where(n), mapping._replace(format=fmt))
         except parquet.MissingColumn as e:  # the whole file's: never skipped
             fix = ("set task.prompt_field / task.answer_field / task.solution_field to "
