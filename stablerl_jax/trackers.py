@@ -10,10 +10,17 @@ list keeps that writer on (its absence turns it off). Only the first process log
 (`enabled`); the others import nothing.
 
 Where runs go is each library's own setting: wandb reads WANDB_PROJECT (default
-"stablerl_jax"), WANDB_ENTITY, WANDB_MODE (e.g. offline) and WANDB_DIR (default: the
-workdir, or wandb's own, ./wandb, for a gs:// workdir); MLflow reads MLFLOW_TRACKING_URI (a tracking server, `sqlite:///mlflow.db`, the
-default of the full `mlflow` package, or a `file://` store, which MLflow 3 opens only with
-MLFLOW_ALLOW_FILE_STORE=true) and MLFLOW_EXPERIMENT_NAME (default "stablerl_jax").
+"stablerl_jax"), WANDB_ENTITY, WANDB_MODE (online, the default; offline; disabled),
+WANDB_BASE_URL and WANDB_DIR (default: the workdir, or wandb's own, ./wandb, for a gs://
+workdir); MLflow reads MLFLOW_TRACKING_URI (a tracking server, `sqlite:///mlflow.db`, the
+default of the full `mlflow` package, or a `file://` store, which MLflow 3 opens only
+with MLFLOW_ALLOW_FILE_STORE=true) and MLFLOW_EXPERIMENT_NAME (default "stablerl_jax").
+A bad setting is one line (ValueError) before any training: a tracker package that does
+not import (missing, or broken) as the command line is parsed; as the Trackers open,
+wandb's online mode without an API key (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or the
+netrc entry `wandb login` writes, looked up by wandb without network; offline and
+disabled modes need none), and an http(s) tracking server that does not reply within
+_MLFLOW_PROBE_S = 5 s (MLflow's own calls retry for minutes).
 MLflow metric names allow no "@": `avg@k` is logged as `avg_at_k` (`mlflow_key`).
 
 Resume continues the same tracker runs. `<workdir>/trackers.json` holds each tracker's
@@ -37,7 +44,9 @@ import os
 import pathlib
 import re
 import secrets
+import ssl
 import time
+import urllib.parse
 
 from stablerl_jax import storage
 from stablerl_jax.metrics_io import refuse_link
@@ -46,6 +55,7 @@ NAMES = ("tensorboard", "wandb", "mlflow")
 PROJECT = "stablerl_jax"  # wandb project / MLflow experiment unless the environment names one
 _OWN = ("wandb", "mlflow")  # the trackers this module logs to (TensorBoard: MetricsWriter)
 _MLFLOW_PARAM_LEN = 6000  # MLflow's limit on a param value (mlflow.utils.validation)
+_MLFLOW_PROBE_S = 5  # seconds a tracking server has to accept, then to reply (probe)
 
 
 def parse(spec: str) -> tuple[str, ...]:
@@ -70,15 +80,31 @@ def check_names(names) -> None:
 
 def check(names) -> None:
     """ValueError (one line, naming the fix) when a name is unknown or a tracker's package
-    is not installed: what a command line checks before any work."""
+    is not installed or fails as it imports (a broken install: any exception, or a module
+    it imports missing): what a command line checks before any work."""
     check_names(names)
     for name in names:
         if name in _OWN:
             try:
                 importlib.import_module(name)
-            except ImportError:
+            except ModuleNotFoundError as e:
+                if e.name != name:  # the package is there, a module it imports is not
+                    raise ValueError(_broken(name, e)) from None
                 raise ValueError(f"tracker {name!r}: the {name} package is not installed; "
                                  f"pip install 'stablerl_jax[{name}]'") from None
+            except Exception as e:  # a broken install fails as it imports, in any way
+                raise ValueError(_broken(name, e)) from None
+
+
+def _broken(name: str, e: Exception) -> str:
+    return (f"tracker {name!r}: the {name} package fails to import ({_brief(e)}); "
+            f"reinstall it (uv pip install -e '.[{name}]') or leave {name} out of --tracker")
+
+
+def _brief(e: BaseException) -> str:
+    """`Type: message` of an exception, on one line."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def add_argument(ap) -> None:
@@ -124,7 +150,8 @@ class Trackers:
         check(own)
         self.state = _read_state(self.path)
         # Connected now, so a tracking store that cannot open fails before any training.
-        self._clients = {n: _BACKENDS[n](self.state.setdefault(n, {})) for n in own}
+        self._clients = {n: _BACKENDS[n](self.state.setdefault(n, {}), self.path)
+                         for n in own}
 
     def __enter__(self) -> Trackers:
         return self
@@ -202,12 +229,18 @@ def _read_state(path: str) -> dict:
     return state
 
 
-class _Wandb:
-    """A wandb run. `entry`: its part of trackers.json (run_id, project, logged)."""
+_WANDB_FIX = ("set WANDB_API_KEY or run `wandb login`, or set WANDB_MODE=offline to log "
+              "locally (`wandb sync` uploads it later), or leave wandb out of --tracker")
 
-    def __init__(self, entry: dict):
+
+class _Wandb:
+    """A wandb run. `entry`: its part of trackers.json (run_id, project, logged); `path`:
+    that file (the backends' common signature; wandb's errors name no file)."""
+
+    def __init__(self, entry: dict, path: str):
         import wandb
         self.wandb, self.entry, self.run = wandb, entry, None
+        _check_wandb_login()
 
     def start(self, run_name: str, workdir: str, save) -> None:
         if "run_id" not in self.entry:  # recorded before the run exists: a resume reuses it
@@ -217,9 +250,13 @@ class _Wandb:
         local = None if storage.is_remote(workdir) else workdir  # wandb writes local files
         if local:
             storage.makedirs(local)
-        self.run = self.wandb.init(project=self.entry["project"], id=self.entry["run_id"],
-                                   name=run_name or None, resume="allow",
-                                   dir=os.environ.get("WANDB_DIR") or local)
+        try:
+            self.run = self.wandb.init(project=self.entry["project"],
+                                       id=self.entry["run_id"], name=run_name or None,
+                                       resume="allow", dir=os.environ.get("WANDB_DIR") or local)
+        except self.wandb.errors.Error as e:  # UsageError, CommError, AuthenticationError
+            raise ValueError(f"tracker 'wandb': wandb.init failed ({_brief(e)}); "
+                             f"{_WANDB_FIX}") from None
 
     def metrics(self, step: int, scalars: dict) -> None:
         self.run.log(scalars, step=step)
@@ -244,11 +281,45 @@ class _Wandb:
             self.run = None
 
 
+def _check_wandb_login() -> None:
+    """ValueError (one line, naming the fix) when wandb would log online without
+    credentials, where wandb.init would stop at its login: wandb's own lookup (the
+    settings wandb.init reads, then WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the netrc
+    entry for WANDB_BASE_URL's host, an api_key setting), without network or prompt.
+    Offline and disabled modes need no credentials. A wandb without that lookup (no
+    wandb.sdk.lib.wbauth) is left to wandb.init, whose errors `_Wandb.start` turns into
+    one line."""
+    try:
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import HostUrl, authenticate_session
+    except ImportError:
+        return
+    try:
+        settings = wandb_setup.singleton().settings  # the ones wandb.init uses
+    except ValueError as e:  # pydantic's ValidationError: a WANDB_* value wandb refuses
+        raise ValueError(f"tracker 'wandb': wandb refuses its settings ({_brief(e)}); fix "
+                         "the variable WANDB_<SETTING> of the setting it names (WANDB_MODE: "
+                         "online, offline or disabled; WANDB_BASE_URL: a URL)") from None
+    if settings._noop or settings._offline:
+        return
+    host = HostUrl(settings.base_url, app_url=settings.app_url)
+    try:
+        auth = authenticate_session(host=host, source="stablerl_jax", prompt=False,
+                                    update_session=False)
+    except AuthenticationError as e:  # a key of the wrong form, or two sources at once
+        raise ValueError(f"tracker 'wandb': the W&B credentials for {host.url} are not "
+                         f"valid ({_brief(e)}); {_WANDB_FIX}") from None
+    if auth is None:
+        raise ValueError(f"tracker 'wandb': no W&B API key for {host.url}, which wandb's "
+                         f"{settings.mode} mode needs: {_WANDB_FIX}")
+
+
 class _Mlflow:
     """An MLflow run, through MlflowClient (no active-run global). `entry`: its part of
-    trackers.json (run_id, tracking_uri, experiment, logged)."""
+    trackers.json (run_id, tracking_uri, experiment, logged); `path`: that file."""
 
-    def __init__(self, entry: dict):
+    def __init__(self, entry: dict, path: str):
         import mlflow
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -266,6 +337,8 @@ class _Mlflow:
                 "full mlflow package for sqlite:///mlflow.db, or set "
                 "MLFLOW_ALLOW_FILE_STORE=true for a file:// store") from None
         self.uri = uri
+        if urllib.parse.urlsplit(uri).scheme in ("http", "https"):
+            _probe_mlflow_server(uri, path if entry.get("tracking_uri") else "")
 
     def start(self, run_name: str, workdir: str, save) -> None:
         from mlflow.exceptions import MlflowException
@@ -320,6 +393,40 @@ class _Mlflow:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status=status.upper())
             self.run_id = None
+
+
+def _probe_mlflow_server(uri: str, recorded_in: str) -> None:
+    """ValueError (one line, naming the fix) unless the tracking server at `uri` replies
+    to one GET of its /health, sent as MLflow sends its calls (its credentials, TLS
+    settings and proxies) but not retried, and given up after _MLFLOW_PROBE_S seconds
+    without a connection and as many without a reply (name resolution takes what the
+    system resolver takes). MLflow's own calls retry an unreachable server for minutes
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
+    MLFLOW_HTTP_REQUEST_TIMEOUT). Any reply, an error status included, is a server that
+    is there. `recorded_in`: the trackers.json that named `uri` for a resumed run ('':
+    MLFLOW_TRACKING_URI did)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+    try:
+        http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0,
+                     backoff_factor=0, timeout=_MLFLOW_PROBE_S, raise_on_status=False)
+    except MlflowException as e:
+        cause = e
+        while (cause.__cause__ or cause.__context__) is not None:  # the socket's error
+            cause = cause.__cause__ or cause.__context__
+        if recorded_in:
+            named, fix = (f"recorded in {recorded_in} for this run", "start it, or delete "
+                          f"that file's \"mlflow\" entry to log to a new run")
+        else:
+            named, fix = ("MLFLOW_TRACKING_URI", "start it, or set MLFLOW_TRACKING_URI to a "
+                          "running server, sqlite:///mlflow.db or a file:// store")
+        if isinstance(cause, ssl.SSLError):
+            fix = ("set MLFLOW_TRACKING_SERVER_CERT_PATH to the CA bundle that signed its "
+                   "certificate (MLFLOW_TRACKING_INSECURE_TLS=true skips the check)")
+        raise ValueError(f"the mlflow tracking server {uri} ({named}) fails a "
+                         f"{_MLFLOW_PROBE_S} s reachability check ({_brief(cause)}); "
+                         f"{fix}") from None
 
 
 _BACKENDS = {"wandb": _Wandb, "mlflow": _Mlflow}
