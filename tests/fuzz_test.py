@@ -237,6 +237,54 @@ def test_hf_shard_index(profile, tiny_checkpoint):
 V, E, L, K, P, C, G = 16, 4, 2, 2, 4, 4, 2  # vocab, experts, layers, top-k, budgets, group
 
 
+# -- a Hugging Face checkpoint: tokenizer.json ---------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory):
+    """A Qwen-style byte-level BPE tokenizer.json (tests/hf_fixtures.py) as a dict."""
+    from hf_fixtures import write_qwen_tokenizer
+    path = tmp_path_factory.mktemp("tok")
+    write_qwen_tokenizer(str(path))
+    return json.loads((path / "tokenizer.json").read_text())
+
+
+@st.composite
+def _mutated_tokenizer(draw, tok: dict) -> bytes:
+    """tokenizer.json with its model's fields (type, vocab, merges, unk token, …) or its
+    top-level fields changed, dropped or added as any JSON value, merges naming tokens
+    the vocab lacks, or the bytes damaged."""
+    how = draw(st.sampled_from(["model", "top", "merges", "bytes"]))
+    if how == "bytes":
+        return draw(damaged_bytes(json_bytes(tok)))
+    tok = json.loads(json.dumps(tok))
+    if how == "model":
+        tok["model"] = draw(mutated_json_object(tok["model"], values=JSON | st.sampled_from(
+            ["BPE", "Unigram", "WordPiece", "WordLevel", "Foo", ""])))
+    elif how == "top":
+        tok = draw(mutated_json_object(tok))
+    else:
+        merges = tok["model"].get("merges") or []
+        extra = draw(st.lists(st.text(max_size=4), min_size=1, max_size=3))
+        tok["model"]["merges"] = merges[:draw(st.integers(0, len(merges)))] + [
+            " ".join(extra[:2]) if draw(st.booleans()) else extra[:2]]
+    return json_bytes(tok)
+
+
+def _check_tokenizer(path: str, data: bytes):
+    from stablerl_jax.data import hf_tokenizer
+    with open(path, "wb") as f:
+        f.write(data)
+    tok = works_or_user_error(hf_tokenizer.read_tokenizer, path)
+    if tok is not REFUSED:  # a tokenizer the library reads encodes and decodes text
+        works_or_user_error(lambda: tok.decode(tok.encode("12 + 3 = 15").ids))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_hf_tokenizer_json(profile, tokenizer_json, tmp_path):
+    path = str(tmp_path / "tokenizer.json")
+    run(profile, _mutated_tokenizer(tokenizer_json), lambda data: _check_tokenizer(path, data))
+
+
 @st.composite
 def _responses(draw):
     """Responses as an engine records them (interop/rollouts.py), valid for the model

@@ -85,6 +85,18 @@ BAD_TOKENIZERS = [
     ("invalid UTF-8", b'{"model": "\xff"}', ["not valid JSON", FIX]),
     ("JSON nested 100,000 deep", "[" * 100_000 + "]" * 100_000,
      ["nested deeper than Python's recursion limit", FIX]),
+    # Found by tests/fuzz_test.py: a prefix longer than a merge's right token made the
+    # library panic (pyo3's PanicException, not an Exception: a traceback), and a
+    # WordLevel model without its unk token loaded and then failed on the first text.
+    ("a continuing_subword_prefix the merges lack", _with_model(
+        continuing_subword_prefix="WordPiece"),
+     ["merge 0", "does not start its right token with model.continuing_subword_prefix "
+      "'WordPiece'", FIX]),
+    ("a continuing_subword_prefix that is a number", _with_model(continuing_subword_prefix=3),
+     ["model.continuing_subword_prefix is a JSON int, not a string or null", FIX]),
+    ("a WordLevel model without its unk token", _with_model(type="WordLevel",
+                                                             unk_token="[UNK]"),
+     ["the tokenizer loads but cannot encode text", FIX]),
 ]
 
 

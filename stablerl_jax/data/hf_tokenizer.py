@@ -112,6 +112,7 @@ def read_tokenizer(file: str) -> _HFTokenizer:
     if merges is not None and not isinstance(merges, list):
         raise ValueError(f"{file}: model.merges is a JSON {type(merges).__name__}, not a "
                          f"list of merges; {fix}")
+    _check_affixes(file, model, merges or (), fix)
     vocab = model.get("vocab")
     added = obj.get("added_tokens")
     for what, n, limit, name in (
@@ -125,10 +126,54 @@ def read_tokenizer(file: str) -> _HFTokenizer:
                              f"any real tokenizer; {fix}")
     del obj, model, vocab, merges, added
     try:
-        return _HFTokenizer.from_str(text)
-    except Exception as e:  # noqa: BLE001 (the library raises Exception itself)
+        tok = _HFTokenizer.from_str(text)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 (Exception, or pyo3's PanicException)
         raise ValueError(f"{file}: the tokenizers library cannot read it ({_brief(e)}); "
                          f"{fix}") from None
+    try:  # one that loads may still fail on text (a WordLevel model without its unk)
+        tok.decode(tok.encode(PROBE_TEXT).ids)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        raise ValueError(f"{file}: the tokenizer loads but cannot encode text "
+                         f"({_brief(e)}); {fix}") from None
+    return tok
+
+
+# What read_tokenizer encodes once: digits, operators and words, as the tasks' text holds.
+PROBE_TEXT = "Compute 12 + 3 * (4 - 5) / 6 = ? The answer is 15."
+
+
+def _merge_parts(merge) -> tuple | None:
+    """A merge's (left, right) tokens: "a b" or ["a", "b"]; None for another form (the
+    library refuses those in its own words)."""
+    if isinstance(merge, str):
+        parts = merge.split(" ")
+        return tuple(parts) if len(parts) == 2 else None
+    if isinstance(merge, list) and len(merge) == 2 and all(isinstance(m, str) for m in merge):
+        return tuple(merge)
+    return None
+
+
+def _check_affixes(file: str, model: dict, merges, fix: str) -> None:
+    """A BPE's continuing_subword_prefix / end_of_word_suffix: null or a string, and every
+    merge's right token starting with the prefix (the library cuts the prefix off each
+    merge's right token and panics where that token is shorter)."""
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        affix = model.get(key)
+        if affix is not None and not isinstance(affix, str):
+            raise ValueError(f"{file}: model.{key} is a JSON {type(affix).__name__}, not a "
+                             f"string or null; {fix}")
+    prefix = model.get("continuing_subword_prefix")
+    if not prefix:
+        return
+    for i, merge in enumerate(merges):
+        parts = _merge_parts(merge)
+        if parts is not None and not parts[1].startswith(prefix):
+            raise ValueError(f"{file}: merge {i} ({merge!r}) does not start its right token "
+                             f"with model.continuing_subword_prefix {prefix!r}; {fix}")
 
 
 def token_text(v) -> str | None:
