@@ -300,12 +300,25 @@ def test_a_short_batch_warns_once_and_empty_ones_in_a_row_stop_the_run(caplog):
 
 
 def test_more_rounds_than_the_train_split_holds_are_refused(task):
+    from types import SimpleNamespace
+
     from stablerl_jax.rl import preflight
     q = _cfg().rl.prompts_per_step
+    # Synthetic data: refused with the config (task.num_train is the split's size).
+    with pytest.raises(ConfigError) as e:
+        _cfg(max_sampling_rounds=1_000_000)
+    assert str(e.value) == (
+        f"rl.max_sampling_rounds: 1000000 rounds of rl.prompts_per_step={q} prompts is more "
+        f"than the train split's task.num_train=64 problems (a step would draw prompts "
+        f"again); set rl.max_sampling_rounds=16 or fewer")
+    # A file's split: refused once it is read (a config that passed the first check).
     most = len(task.train) // q
     preflight.check_sampling_rounds(_cfg(max_sampling_rounds=most), task)
+    read_later = SimpleNamespace(rl=SimpleNamespace(
+        dynamic_sampling=True, offline_rollouts="", prompts_per_step=q,
+        max_sampling_rounds=1_000_000))
     with pytest.raises(ConfigError) as e:
-        preflight.check_sampling_rounds(_cfg(max_sampling_rounds=1_000_000), task)
+        preflight.check_sampling_rounds(read_later, task)
     assert str(e.value) == (
         f"rl.max_sampling_rounds=1000000: 1000000 rounds of rl.prompts_per_step={q} prompts "
         f"is more than the train split's {len(task.train)} problems (a step would draw "
