@@ -33,17 +33,25 @@ Both gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/gcs_test
 against a local emulator). fsspec caches directory listings by default, which would hide
 the objects other processes write (orbax's TensorStore writers, the other hosts of a
 pod, the next run): the cache is turned off for gs:// here.
+
+A `gs://` URL is checked against Cloud Storage's naming rules (`check_url`) wherever one
+enters this module, so a misspelt one is refused naming itself and the fix, before any
+request. The first request of a run (`bucket_exists`, the workdir check) gives up within
+REACH_BOUND_S when the endpoint does not answer.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import io
+import ipaddress
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
+import warnings
 from typing import NamedTuple
 
 import fsspec
@@ -57,6 +65,12 @@ for _protocol in ("gs", "gcs"):
 FLUSH_EVERY_S = 30.0  # the longest appended lines wait in memory for an upload
 SCHEMES = ("gs",)  # the object stores a workdir may be on
 CACHE = os.path.join("~", ".cache", "stablerl_jax")  # `local_dir`'s root
+# `bucket_exists`: each request waits REACH_TIMEOUT_S at most, and no retry starts after
+# REACH_DEADLINE_S, so it ends within REACH_BOUND_S.
+REACH_TIMEOUT_S = 5.0
+REACH_DEADLINE_S = 10.0
+REACH_BOUND_S = REACH_DEADLINE_S + REACH_TIMEOUT_S
+EXAMPLE_URL = "gs://my-runs/run1"
 
 
 def is_remote(path) -> bool:
@@ -65,15 +79,107 @@ def is_remote(path) -> bool:
 
 
 def check_scheme(path, what: str) -> None:
-    """A ValueError naming `what` and the fix when `path` is a URI of another store."""
+    """A ValueError naming `what` and the fix when `path` is a URI of another store; a
+    BadURL when it is a gs:// URL that `check_url` refuses."""
+    check_url(path, what)
     scheme = str(path).split("://", 1)[0]
     if is_remote(path) and scheme not in SCHEMES:
         raise ValueError(f"{what} {str(path)!r}: {scheme}:// is not supported; use a local "
                          "path or a gs:// bucket")
 
 
+class BadURL(OSError):
+    """A `gs://` URL that names no possible bucket or object (`check_url`). An OSError, as
+    the FileNotFoundError of a missing path is: the entry points report either in one line
+    (experiments/cli_errors.py)."""
+
+
+# Cloud Storage's naming rules, https://cloud.google.com/storage/docs/buckets#naming:
+# lowercase letters, digits, dashes, underscores and dots; a letter or digit first and
+# last; 3-63 characters, or up to 222 with dots, each dot-separated part up to 63; not an
+# IP address in dotted-decimal notation; no "goog" prefix and no "google" inside.
+_BUCKET_CHARS = re.compile(r"[a-z0-9][a-z0-9._-]*[a-z0-9]")
+# https://cloud.google.com/storage/docs/objects#naming: an object name is valid UTF-8 of
+# 1-1024 bytes, holds no carriage return or line feed, and is not "." or "..". The other
+# control characters are refused too: the naming page advises against them, and typed
+# into a path they are a mistake.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_OBJECT_MAX_BYTES = 1024
+
+
+def _bucket_problem(bucket: str) -> str | None:
+    """What Cloud Storage's naming rules refuse in the bucket name, or None."""
+    if not bucket:
+        return "no bucket name after gs://"
+    bad = f"bucket name {bucket!r} "
+    parts = bucket.split(".")
+    if not 3 <= len(bucket) <= (222 if len(parts) > 1 else 63):
+        return bad + "is not 3-63 characters long (up to 222 with dots)"
+    if not _BUCKET_CHARS.fullmatch(bucket):
+        return bad + ("may hold only lowercase letters, digits, '-', '_' and '.', and must "
+                      "start and end with a letter or digit")
+    if any(not 1 <= len(part) <= 63 for part in parts):
+        return bad + "has an empty dot-separated part or one over 63 characters"
+    try:
+        ipaddress.IPv4Address(bucket)
+        return bad + "is an IP address"
+    except ValueError:
+        pass
+    if bucket.startswith("goog") or "google" in bucket:
+        return bad + "starts with 'goog' or holds 'google', which Cloud Storage reserves"
+    return None
+
+
+def _object_problem(name: str) -> str | None:
+    """What Cloud Storage's rules refuse in the object path after the bucket (`name`, a
+    trailing '/' allowed), or None."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "the object path is not valid Unicode"
+    if size > _OBJECT_MAX_BYTES:
+        return f"the object path is {size} bytes long, over Cloud Storage's 1024"
+    if (m := _CONTROL.search(name)):
+        return f"the object path holds the control character {m.group()!r}"
+    segments = name.removesuffix("/").split("/")
+    if name and "" in segments:
+        return "the object path holds an empty segment (a double slash)"
+    if {".", ".."} & set(segments):
+        return "the object path holds a '.' or '..' segment"
+    return None
+
+
+def check_url(path, what: str = "") -> None:
+    """A BadURL naming `what` (the setting), the URL, what is wrong and a good URL when
+    `path` is a `gs://` URL outside Cloud Storage's naming rules, a `gs:` misspelling of
+    one (`gs:/x`, `gs:bucket`), or one with whitespace around it. Anything else passes."""
+    s = str(path)
+    stripped = s.strip()
+    if not stripped.startswith("gs:"):
+        return
+    head = f"{what} {s!r}" if what else repr(s)
+    if stripped != s:
+        raise BadURL(f"{head}: whitespace around the URL; pass it without, e.g. "
+                     f"{stripped!r}")
+    if not s.startswith("gs://"):
+        fixed = "gs://" + s.removeprefix("gs:").lstrip("/")
+        raise BadURL(f"{head}: a gs URL starts with gs:// (two slashes); e.g. {fixed!r} "
+                     f"(or ./{s} for a local path)")
+    bucket, _, name = s.removeprefix("gs://").partition("/")
+    problem = _bucket_problem(bucket) or _object_problem(name)
+    if problem:
+        raise BadURL(f"{head}: {problem}; write gs://BUCKET/PATH, e.g. {EXAMPLE_URL}")
+
+
+def _epath(p) -> epath.Path:
+    """`p` as an etils path, a gs:// URL checked first (`check_url`)."""
+    check_url(p)
+    return epath.Path(p)
+
+
 def check_local(p, what: str) -> None:
     """A ValueError naming `what` and the fix when `p` is in an object store."""
+    check_url(p, what)
     if is_remote(p):
         raise ValueError(f"{what} {str(p)!r}: read from a local disk only; copy it there "
                          f"first (e.g. gcloud storage cp -r {p} DIR) and pass DIR")
@@ -81,16 +187,17 @@ def check_local(p, what: str) -> None:
 
 def abspath(p: str) -> str:
     """os.path.abspath for a local path; a URI as it is (it is absolute)."""
+    check_url(p)
     return str(p) if is_remote(p) else os.path.abspath(p)
 
 
 def exists(p) -> bool:
-    return epath.Path(p).exists()
+    return _epath(p).exists()
 
 
 def isdir(p) -> bool:
     """A local directory, or a prefix some object lies under."""
-    return epath.Path(p).is_dir()
+    return _epath(p).is_dir()
 
 
 def isfile(p) -> bool:
@@ -117,6 +224,7 @@ def local_dir(p: str) -> str:
     """`p` itself for a local path; for an object store's, a local directory standing in
     for it, CACHE/<scheme>/<bucket>/<path>: where a cache that only a writer of local
     files can fill is kept (module docstring)."""
+    check_url(p)
     if not is_remote(p):
         return p
     scheme, rest = str(p).split("://", 1)
@@ -142,6 +250,7 @@ def fetch_dir(p: str) -> str:
 
 def makedirs(p) -> None:
     """Create a local directory and its parents (an object store has none to create)."""
+    check_url(p)
     if not is_remote(p):
         os.makedirs(p, exist_ok=True)
 
@@ -150,7 +259,7 @@ def listdir(p) -> list[str]:
     """Names in a directory, sorted; [] for a prefix no object lies under (an object
     store's empty directory)."""
     try:
-        return sorted(c.name for c in epath.Path(p).iterdir())
+        return sorted(c.name for c in _epath(p).iterdir())
     except FileNotFoundError:
         if is_remote(p):
             return []
@@ -158,11 +267,11 @@ def listdir(p) -> list[str]:
 
 
 def read_text(p) -> str:
-    return epath.Path(p).read_text(encoding="utf-8")
+    return _epath(p).read_text(encoding="utf-8")
 
 
 def read_bytes(p) -> bytes:
-    return epath.Path(p).read_bytes()
+    return _epath(p).read_bytes()
 
 
 def open_file(p, mode: str = "r"):
@@ -170,10 +279,11 @@ def open_file(p, mode: str = "r"):
     seekable in-memory file, uploaded in one piece when its `with` block ends without an
     exception (nothing is written otherwise); an object cannot be appended to
     (`AppendFile` instead)."""
+    check_url(p)
     if not is_remote(p):
         return open(p, mode)
     if "r" in mode:
-        return epath.Path(p).open(mode)
+        return _epath(p).open(mode)
     if "a" in mode or "+" in mode:
         raise ValueError(f"{p}: an object cannot be opened with mode {mode!r}")
     return _upload(p, binary="b" in mode)
@@ -184,7 +294,7 @@ def _upload(p, binary: bool):
     buf = io.BytesIO() if binary else io.StringIO()
     yield buf
     data = buf.getvalue()
-    epath.Path(p).write_bytes(data if binary else data.encode("utf-8"))
+    _epath(p).write_bytes(data if binary else data.encode("utf-8"))
 
 
 def write_text(p, text: str) -> None:
@@ -256,7 +366,7 @@ def rename(src, dst) -> None:
 def rmtree(p) -> None:
     """Delete a directory tree and everything under a prefix; nothing if absent."""
     if exists(p):
-        epath.Path(p).rmtree()
+        _epath(p).rmtree()
 
 
 class AppendFile:
@@ -375,8 +485,74 @@ def _client(emulator: str | None):
 
 
 def _blob(p: str):
+    check_url(p)
     bucket, _, name = str(p).removeprefix("gs://").partition("/")
     return _client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket).blob(name)
+
+
+# The loggers of the libraries under google-cloud-storage (the client, google.auth,
+# google.api_core's retries, requests' urllib3).
+_LIBRARY_LOGGERS = ("google", "urllib3")
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Keep the storage libraries' log records and Python warnings off the terminal while
+    the block runs (restored after it)."""
+    loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL + 1)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost OS-level reason in the chain of `e` ('Connection refused'), else the
+    name of the innermost error."""
+    chain = []
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for c in reversed(chain):
+        if isinstance(c, OSError) and isinstance(c.strerror, str) and c.strerror:
+            return c.strerror
+    return type(chain[-1]).__name__
+
+
+def bucket_exists(p: str, what: str) -> bool:
+    """Whether the bucket of the gs:// URL `p` (the setting `what`) exists and this
+    account may see it. Retried while the store does not answer, for REACH_BOUND_S at
+    most: then a ConnectionError naming the endpoint (and STORAGE_EMULATOR_HOST where it
+    is set) and the fix. The libraries' records of the retried requests stay off the
+    terminal (`_quiet_libraries`)."""
+    import google.auth.exceptions
+    import requests
+    from google.api_core import exceptions as gexc
+    from google.cloud.storage.retry import DEFAULT_RETRY
+    check_url(p, what)
+    bucket = str(p).removeprefix("gs://").partition("/")[0]
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    retry = DEFAULT_RETRY.with_timeout(REACH_DEADLINE_S).with_delay(initial=0.5, maximum=4.0)
+    try:
+        with _quiet_libraries():
+            client = _client(emulator)
+            return _calling(p, lambda: client.bucket(bucket).exists(
+                timeout=REACH_TIMEOUT_S, retry=retry))
+    except (gexc.RetryError, requests.exceptions.RequestException,
+            google.auth.exceptions.TransportError) as e:
+        where = (f"the storage emulator at {emulator} (STORAGE_EMULATOR_HOST)" if emulator
+                 else f"Cloud Storage at {client.api_endpoint}")
+        fix = ("start the emulator there, or fix or unset STORAGE_EMULATOR_HOST" if emulator
+               else "check this machine's network access to it (DNS, proxy, firewall), or "
+                    "use a local path")
+        raise ConnectionError(f"{what} {str(p)!r}: no answer from {where} within "
+                              f"{REACH_BOUND_S:g} s ({_reason(e)}); {fix}") from e
 
 
 def _calling(p: str, fn):

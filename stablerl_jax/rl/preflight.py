@@ -19,16 +19,19 @@ RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_proble
 
 def check_workdir(workdir: str) -> None:
     """A clear error for a workdir that cannot hold a run (before any work starts). A
-    `gs://` workdir's bucket must exist; whether this account may write it shows when
-    the run lock is written, the run's first write."""
+    `gs://` workdir must be a valid URL (storage.check_url) and its bucket must exist,
+    which is asked first, within storage.REACH_BOUND_S (a ConnectionError when the store
+    does not answer); whether this account may write it shows when the run lock is
+    written, the run's first write."""
     storage.check_scheme(workdir, "workdir")
+    remote = storage.is_remote(workdir)
+    if remote and not storage.bucket_exists(workdir, "workdir"):
+        bucket = "/".join(workdir.split("/")[:3])
+        raise ValueError(f"workdir {workdir!r}: the bucket {bucket} does not exist or this "
+                         "account may not see it; create it or fix the name")
     if storage.isfile(workdir):
         raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
-    if storage.is_remote(workdir):
-        bucket = "/".join(workdir.split("/")[:3])
-        if not storage.exists(bucket):
-            raise ValueError(f"workdir {workdir!r}: the bucket {bucket} does not exist or "
-                             "this account may not see it; create it or fix the name")
+    if remote:
         return
     parent = workdir if os.path.isdir(workdir) else os.path.dirname(os.path.abspath(workdir))
     while not os.path.exists(parent):
