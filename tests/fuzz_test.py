@@ -1,7 +1,8 @@
-"""Property-based fuzzing of the four input surfaces a user hands the program: the config
-(`key=value` overrides, and the stored config a resumed run compares), a Hugging Face
-checkpoint's config.json and shard index, an offline rollout file, and data records in
-JSONL and parquet files (math problems, cold-start chats). Each input either works or
+"""Property-based fuzzing of the input surfaces a user hands the program: the config
+(`key=value` overrides, the Engine each accepted tiny config builds, and the stored config
+a resumed run compares), a Hugging Face checkpoint's config.json, shard index and
+tokenizer.json, `gs://` URLs, the trackers' environment variables, an offline rollout
+file, and data records in JSONL and parquet files (math problems, cold-start chats). Each input either works or
 raises a user error, which the command line prints as one line (tests/fuzz_helpers.py),
 within a bound on its time; and what works holds what the input said: no value silently
 changed type, rounded, wrapped or dropped.
@@ -20,6 +21,7 @@ import math
 import os
 import shutil
 
+import mlflow  # noqa: F401  (its first import runs `uname -p`: here, not in a test)
 import numpy as np
 import pytest
 from fuzz_helpers import (FAST, HF_CFG, JSON, LONG, REFUSED, SCALARS, damaged_bytes,
@@ -235,6 +237,82 @@ def test_hf_shard_index(profile, tiny_checkpoint):
 # -- an offline rollout file ----------------------------------------------------------
 
 V, E, L, K, P, C, G = 16, 4, 2, 2, 4, 4, 2  # vocab, experts, layers, top-k, budgets, group
+
+
+# -- gs:// URLs ------------------------------------------------------------------------
+
+_URL_PARTS = st.sampled_from(["gs://", "gs:/", "gs:", "GS://", "gs:///", " gs://", "s3://",
+                              ""])
+_NAME = st.text(st.sampled_from("abz09-_.A /\\\n\t:%?#*goog"), max_size=70) | st.sampled_from(
+    ["my-runs", "a", "ab", "abc", "x" * 63, "x" * 64, "a." * 111 + "b", "192.168.0.1",
+     "googbucket", "my-google-runs", "-runs", "runs-", "a..b"])
+_PATH = st.lists(st.text(max_size=8) | st.sampled_from([".", "..", "", "run 1", "é"]),
+                 max_size=4).map("/".join)
+
+
+def _check_url(url: str):
+    from stablerl_jax import storage
+    if works_or_user_error(storage.check_url, url, "workdir") is REFUSED:
+        return
+    if not url.startswith("gs://"):
+        return  # not a bucket URL: nothing to hold
+    bucket, _, path = url[len("gs://"):].partition("/")
+    # What passes names a bucket GCS could hold and an object path it could store.
+    assert 3 <= len(bucket) <= 222 and bucket == bucket.lower() and bucket[0].isalnum()
+    assert bucket[-1].isalnum() and "//" not in path and ".." not in path.split("/")
+    assert not any(ord(c) < 32 for c in path)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_gs_urls(profile):
+    urls = st.tuples(_URL_PARTS, _NAME, st.sampled_from(["", "/"]), _PATH).map("".join)
+    run(profile, urls | st.text(max_size=30), _check_url)
+
+
+# -- the trackers' environment ------------------------------------------------------------
+
+_MLFLOW_URIS = st.sampled_from([
+    "http://127.0.0.1:9", "https://127.0.0.1:9", "http://", "http://[::1", "sqlite://",
+    "ftp://127.0.0.1/x", "databricks", "", "  ", "file://", "http://127.0.0.1:notaport",
+    "uc:"]) | st.text(st.characters(blacklist_characters="\x00"), max_size=12)
+_WANDB_MODES = st.sampled_from(["online", "offline", "disabled", "dryrun", "offlne", "", "ON"])
+
+
+def _check_tracker_env(workdir: str, example):
+    from stablerl_jax.trackers import Trackers
+    names, env = example
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_BASE_URL"):
+            mp.delenv(key, raising=False)
+        mp.setenv("WANDB_DIR", workdir)
+        mp.setenv("WANDB_DISABLE_GIT", "true")
+        mp.setenv("HOME", workdir)  # no netrc, no cached login
+        for key, value in env.items():
+            mp.setenv(key, value)
+        tracker = works_or_user_error(Trackers, names, workdir, run_name="fuzz")
+        if tracker is not REFUSED:
+            works_or_user_error(tracker.close)
+
+
+@pytest.mark.parametrize("profile", [
+    pytest.param(FAST.__class__(FAST, max_examples=12), id="fast"),
+    pytest.param(LONG.__class__(LONG, max_examples=150), id="long",
+                 marks=pytest.mark.slow)])
+def test_tracker_environment(profile, tmp_path):
+    """Tracker names with their environment variables set at random (only the trackers'
+    own variables: a closed local port for servers, no network): a tracker opens or the
+    run stops in one line, within the bound (hard_timeout), and nothing is written
+    outside the workdir."""
+    env = st.fixed_dictionaries({}, optional={
+        "MLFLOW_TRACKING_URI": _MLFLOW_URIS, "WANDB_MODE": _WANDB_MODES,
+        "WANDB_API_KEY": st.sampled_from(["", "x", "0" * 40, "local-" + "0" * 40]),
+        "WANDB_BASE_URL": st.sampled_from(["http://127.0.0.1:9", "notaurl", ""])})
+    names = st.sampled_from([("mlflow",), ("wandb",), ("wandb", "mlflow")])
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    before = set(os.listdir(tmp_path))
+    run(profile, st.tuples(names, env), lambda ex: _check_tracker_env(workdir, ex))
+    assert set(os.listdir(tmp_path)) == before  # everything stayed in the workdir
 
 
 # -- a Hugging Face checkpoint: tokenizer.json ---------------------------------------
