@@ -2,6 +2,7 @@
 prompts (no data set, no tokenizer: what a machine without the data stack can run).
 
     python -m benchmarks.run_costs [--preset tiny] [--steps 5] [key=value ...]
+    python -m benchmarks.run_costs --topology v5p-256 --preset paper [key=value ...]
 
 Builds the preset's Engine, prices its sample, score and update programs as a run does
 at its start (rl/costs.estimate_phases: roofline.estimate, what experiments.aot_compile
@@ -10,6 +11,10 @@ loop's phases on random prompts (sample, score on random rewards, the N updates)
 timed by rl/costs.PhaseTimer with the loop's waits, and prints per step the `time/`,
 `perf/` and `est/` values a run logs, and the measured / estimated table over the steps
 after the first (whose compiles dominate).
+
+With `--topology` it is a dry start on that TPU topology's abstract devices (libtpu, no
+TPU: stablerl_jax/aot.py): only the estimates a run there would log at its start, the
+numbers `experiments.aot_compile` prints for the same preset and topology.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--topology", default="",
+                    help="a dry start on this TPU topology (e.g. v5p-256): estimates only")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = presets.preset(args.preset, args.overrides)
@@ -37,9 +44,15 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} × {jax.device_count()}, "
           f"preset {args.preset} {args.overrides}: {b} responses of up to "
           f"{cfg.sampling.max_new_tokens} tokens, {rl.num_minibatches} update(s)", flush=True)
-    engine = Engine.create(cfg, eos_id=1, pad_id=0)
+    if args.topology:
+        from stablerl_jax import aot
+        engine = aot.engine_for(cfg, aot.topology(args.topology))
+    else:
+        engine = Engine.create(cfg, eos_id=1, pad_id=0)
     estimates, said = costs.estimate_phases(engine)
     print(said, flush=True)
+    if args.topology:
+        return
     state = engine.init_state(tf.init_params(jax.random.key(rl.seed), cfg.model))
     rng = np.random.default_rng(0)
     records = []

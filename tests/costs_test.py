@@ -182,3 +182,21 @@ def test_a_run_records_its_costs_resumes_the_series_and_traces_steps(tmp_path, c
                                       "*.xplane.pb"))
     data = jax.profiler.ProfileData.from_file(trace)
     assert any(len(list(line.events)) for plane in data.planes for line in plane.lines)
+
+
+@pytest.mark.tpu
+def test_a_dry_start_on_a_pod_logs_the_estimates_aot_compile_prints(monkeypatch):
+    """The run's start on a topology's abstract devices prices its programs with the
+    function experiments.aot_compile prints, on the chip its devices name."""
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+    from stablerl_jax import aot, presets
+    cfg = presets.preset("tiny", ["mesh=1,4,1"])
+    engine = aot.engine_for(cfg, aot.topology("v5p-8"))
+    real, seen = roofline.estimate, []
+    monkeypatch.setattr(roofline, "estimate", lambda *a: seen.append((a, real(*a))) or seen[-1][1])
+    phases, said = costs.estimate_phases(engine)
+    ((_, compiled, chip), est), = seen
+    assert chip is roofline.CHIP_SPECS["v5p"] and said.startswith("estimates (v5p")
+    assert set(compiled) == {"sample", "score", "update"}
+    assert phases == {k: est.steps[k].seconds for k in ("sample", "score", "update")}
+    assert phases["sample"] > 0 and phases["update"] > 0

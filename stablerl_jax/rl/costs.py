@@ -228,9 +228,10 @@ def estimate_phases(engine) -> tuple[dict | None, str]:
     for its own devices and priced by roofline.estimate (process 0 only; the others
     return None)."""
     from stablerl_jax import aot, roofline
-    key = chip_key(jax.devices()[0])
+    device = engine.mesh.devices.flat[0]  # the engine's own: abstract ones for a dry start
+    key = chip_key(device)
     if key is None:
-        return None, (f"estimates: none on {jax.devices()[0].device_kind} (no chip constants "
+        return None, (f"estimates: none on {device.device_kind} (no chip constants "
                       "in roofline.CHIP_SPECS); perf/…_vs_est not logged")
     if not distributed.is_main():
         return None, ""
