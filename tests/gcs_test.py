@@ -136,13 +136,15 @@ def _final(cfg, workdir):
 
 
 def _assert_same_run(cfg, a, b):
-    """Two workdirs (either kind) hold the same run: every log row, the summary and the
-    final state, bit for bit."""
+    """Two workdirs (either kind) hold the same run: every log row and the summary (but
+    what they measured: wall times, metrics_io.outcome), and the final state, bit for
+    bit."""
     assert [r["step"] for r in read_metrics(b)] == list(range(cfg.rl.steps + 1))
     assert outcome(read_metrics(b)) == outcome(read_metrics(a))
     for log in ("minibatches.jsonl", "samples.jsonl"):
         assert read_metrics(os.path.join(b, log)) == read_metrics(os.path.join(a, log)), log
-    summary = lambda w: json.loads(storage.read_text(os.path.join(w, "summary.json")))
+    summary = lambda w: {k: v for k, v in json.loads(storage.read_text(os.path.join(
+        w, "summary.json"))).items() if k != "cost"}  # `cost`: wall times (rl/costs.py)
     assert summary(b) == summary(a)
     (step_a, state_a), (step_b, state_b) = _final(cfg, a), _final(cfg, b)
     assert step_a == step_b == cfg.rl.steps
