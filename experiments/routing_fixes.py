@@ -45,9 +45,11 @@ EXPERIMENTS = {
 
 def comparisons(names: list[str]) -> list[tuple[str, str]]:
     """Each fix against no fix; indices-only replay against replaying the weights too;
-    the frozen float32 router against the frozen one."""
+    the frozen float32 router against the frozen one; replay against a float32 router
+    (does the router's precision make replay unnecessary?)."""
     pairs = [(v.name, "none") for v in VARIANTS[1:]] + [
-        ("r3-indices", "r3-weights"), ("frozen-fp32-router", "frozen-router")]
+        ("r3-indices", "r3-weights"), ("frozen-fp32-router", "frozen-router"),
+        ("r3-indices", "fp32-router")]
     return [(a, b) for a, b in pairs if a in names and b in names]
 
 

@@ -61,6 +61,11 @@ OUTCOMES = {
     "collapse step": collapse_step,
     "reward last fifth": lambda r: _last_fifth(r, "reward"),
     "KL k1 last fifth": lambda r: _last_fifth(r, "kl/train_infer_k1"),
+    # Expert choices that differ between the engines, and how unevenly the sampler loads
+    # its experts (the most-loaded one's share over the mean: verl's violation); runs
+    # from before these monitors have no value and are skipped.
+    "routing flips last fifth": lambda r: _last_fifth(r, "routing/any_flip"),
+    "expert load max_vio last fifth": lambda r: _last_fifth(r, "moe/sampler/max_vio"),
     # rl.attribution (docs/method.md §11); runs without it have no value and are skipped.
     "E[precision²] last fifth": lambda r: _last_fifth(r, "attr/precision_sqmean"),
     "E[routing_cf²] last fifth": lambda r: _last_fifth(r, "attr/routing_cf_sqmean"),
