@@ -17,9 +17,7 @@ from stablerl_jax import presets
 from stablerl_jax.config import ConfigError, TaskConfig
 from stablerl_jax.data import jsonl
 from stablerl_jax.data.task import load_split
-from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
 from stablerl_jax.interop.rollouts import write_rollouts
-from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.workdir import LOCK_FILE
 
@@ -429,14 +427,6 @@ def test_a_corrupt_cold_start_settings_file_is_one_line(tmp_path, capsys):
     assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """The tiny preset's model as a Hugging Face checkpoint (random weights, float32)."""
-    path = tmp_path_factory.mktemp("hf") / "ckpt"
-    cfg = presets.preset("tiny").model
-    save_qwen3_moe(tf.init_params(jax.random.key(3), cfg), cfg, str(path),
-                   config_extra={"eos_token_id": 3, "pad_token_id": 0, "bos_token_id": 2})
-    return path
 
 
 def _damaged(src, dest, change):

@@ -122,3 +122,12 @@ def _release_run_memory(request):
            for item in request.session.items):
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The tiny preset's model as a Hugging Face checkpoint (hf_fixtures.tiny_checkpoint)."""
+    from hf_fixtures import tiny_checkpoint
+    path = tmp_path_factory.mktemp("hf") / "ckpt"
+    tiny_checkpoint(path)
+    return path

@@ -172,3 +172,16 @@ def write_parquet(path, rows) -> str:
 
     pq.write_table(pa.Table.from_pylist(list(rows)), str(path))
     return str(path)
+
+
+def tiny_checkpoint(path) -> None:
+    """The tiny preset's model as a Hugging Face checkpoint in `path` (random weights,
+    float32; the SentencePiece tokenizer's special ids)."""
+    import jax
+
+    from stablerl_jax import presets
+    from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+    from stablerl_jax.model import transformer as tf
+    cfg = presets.preset("tiny").model
+    save_qwen3_moe(tf.init_params(jax.random.key(3), cfg), cfg, str(path),
+                   config_extra={"eos_token_id": 3, "pad_token_id": 0, "bos_token_id": 2})

@@ -10,7 +10,6 @@ import json
 import shutil
 import tracemalloc
 
-import jax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,11 +17,8 @@ from hf_fixtures import write_qwen_tokenizer
 from tokenizers import pre_tokenizers
 
 from experiments import quickstart
-from stablerl_jax import presets
 from stablerl_jax.data import hf_tokenizer, jsonl, parquet
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
-from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
-from stablerl_jax.model import transformer as tf
 
 FIX = "restore the checkpoint's tokenizer.json"
 
@@ -304,14 +300,6 @@ def test_value_bytes_reads_sizes_from_offsets(tmp_path):
 
 # The same through the command line: one line, exit status 2, nothing trained, nothing
 # outside the workdir changed.
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """The tiny preset's model as a Hugging Face checkpoint (random weights, float32)."""
-    path = tmp_path_factory.mktemp("hf") / "ckpt"
-    cfg = presets.preset("tiny").model
-    save_qwen3_moe(tf.init_params(jax.random.key(3), cfg), cfg, str(path),
-                   config_extra={"eos_token_id": 3, "pad_token_id": 0, "bos_token_id": 2})
-    return path
 
 
 def _snapshot(root, workdir):
