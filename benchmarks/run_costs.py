@@ -70,7 +70,7 @@ def main(argv=None) -> None:
                 batch, _ = timer.wait(engine.score(state.params, rollout, rewards))
             order = rng.permutation(b).reshape(rl.num_minibatches, -1)
             for i, rows in enumerate(order):
-                with timer.phase("update", key=f"update/{i}"):
+                with timer.phase("update", key=f"update_{i}"):
                     state, m = engine.update(state, engine.select(batch, rows))
                     jax.block_until_ready(m)
             times = timer.row()

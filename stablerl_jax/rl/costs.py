@@ -7,11 +7,11 @@ Every training row of metrics.jsonl carries (rl/loop.py marks the phases):
                        row after a start: since the loop began), so the log writes and the
                        checkpoint save that followed the previous row are in it
     time/sample        the sampler (every round of dynamic sampling, the merges of rounds;
-                       time/sample/round: per round; time/sample/decode_step: per decode step)
+                       time/sample_per_round, time/sample_per_decode_step)
     time/reward        decoding the completions and scoring them on the host
     time/score         the π_old pass (with rl.trim_bucket, the trim before it)
     time/update        the N optimizer steps and their mini-batch selection
-                       (time/update/<i>: mini-batch i)
+                       (time/update_<i>: mini-batch i)
     time/attribution   rl.attribution's probe passes, on the steps it runs
     time/eval          the held-out evaluation, on the steps it runs
     time/logs          writing the previous row: metrics.jsonl, TensorBoard, the trackers,
@@ -20,9 +20,12 @@ Every training row of metrics.jsonl carries (rl/loop.py marks the phases):
                        with rl.async_checkpoints the write goes on in the background)
     time/other         time/step minus the phases above: the host's work between them
     time/compile       seconds JAX spent tracing, lowering and compiling in this row
-                       (time/compile/<phase>: in that phase; its first call of a program)
+                       (time/compile_<phase>: in that phase; its first call of a program)
 
-and `perf/…`: generated tokens / s and trained (loss) tokens / s, in total and per
+No key is a path prefix of another (`time/update`, `time/update_0`): MLflow's file store
+keeps a metric as a file at its name's path.
+
+And `perf/…`: generated tokens / s and trained (loss) tokens / s, in total and per
 device; decode steps / s; the score and update phases' model FLOP/s per device and MFU
 (model/flops.py at the shapes the step ran: a padded row counts whole, rematerialized
 forwards do not count) against the device's peak (`peak_flops`); the peak device memory
@@ -144,7 +147,7 @@ class PhaseTimer:
         out["time/step"] = step
         out["time/other"] = step - sum(self.times.get(p, 0.0) for p in PHASES)
         out["time/compile"] = sum(self.compile.values())
-        out.update({f"time/compile/{k}": v for k, v in self.compile.items() if v})
+        out.update({f"time/compile_{k}": v for k, v in self.compile.items() if v})
         self.times, self.compile, self._row_start = {}, {}, now
         return out
 
@@ -272,9 +275,9 @@ def derived_times(times: dict, metrics: dict, work: dict) -> dict:
     out = {}
     sample_s = times.get("time/sample", 0.0)
     if metrics.get("dynamic/rounds"):
-        out["time/sample/round"] = sample_s / metrics["dynamic/rounds"]
+        out["time/sample_per_round"] = sample_s / metrics["dynamic/rounds"]
     if work.get("decode_steps"):
-        out["time/sample/decode_step"] = sample_s / work["decode_steps"]
+        out["time/sample_per_decode_step"] = sample_s / work["decode_steps"]
     return out
 
 

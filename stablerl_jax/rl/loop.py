@@ -309,7 +309,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         if probed is not None:
             with timer.phase("attribution"):
                 probed.before_update(state.params, rows)
-        with timer.phase("update", key=f"update/{i}"):
+        with timer.phase("update", key=f"update_{i}"):
             state, m = engine.update(state, engine.select(batch, rows))
             update_metrics.append(jax.tree.map(distributed.host, m))
     # The step's host rows of every process, in one gather.
