@@ -20,7 +20,9 @@ It prints one line per check; where two engines part, the first layer and op, ho
 tokens differ and by how many ulps (units in the last place of the compared dtype). Exit
 status 0 only when everything agrees bit for bit, 1 when something differs, 2 for a bad
 argument. On another preset (`sampling.numerics=exact`) it shows where the mismatch
-starts. The model runs on one device.
+starts. The model runs on one device unless a `mesh=data,fsdp,expert` override names a
+mesh of this machine's devices (with `sampling.layout=serve`, the sampler's decode loop
+in the serving layout); --rows must then be a multiple of the mesh's devices.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import presets
+from stablerl_jax import presets, sharding
 from stablerl_jax import rollout as ro
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
@@ -64,15 +66,16 @@ def _prompts(rng, rows: int, length: int, vocab: int):
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
-def _replay(weights, rollout, prompt_len: int, cfg, sampling, numerics):
+def _replay(weights, rollout, prompt_len: int, cfg, sampling, numerics, mesh):
     """The sampler's own calls on its drawn tokens: (trace [B, S−1, L, D] per op, routes
     and gate weights [B, S−1, L, K], log-probs of the drawn tokens [B, S−1]) by slot."""
     tokens, pmask = rollout.tokens_BxS, rollout.prompt_mask_BxS
     b, s = tokens.shape
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
     call = jax.jit(lambda w, t, m, c: tf.forward(w, t, cfg, attention_mask_BxT=m,
-                                                 numerics=numerics, cache=c, trace=True))
-    next_lp = jax.jit(lambda w, h: ro.next_logprobs(w, h, cfg, sampling, numerics))
+                                                 numerics=numerics, cache=c, trace=True,
+                                                 mesh=mesh))
+    next_lp = jax.jit(lambda w, h: ro.next_logprobs(w, h, cfg, sampling, numerics, mesh))
     h, aux = call(weights, tokens[:, :prompt_len], pmask[:, :prompt_len],
                   tf.init_cache(cfg, b, s, dtype))
     parts = [(aux["trace"], aux["routes"], aux["route_weights"])]
@@ -120,16 +123,26 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
     numerics = nx.of_sampling(sampling, seed)
     prompts, pmask = _prompts(np.random.default_rng(seed), rows, prompt_len,
                               model.vocab_size)
+    mesh = None
+    if np.prod(cfg.mesh) > 1:
+        mesh = sharding.config_mesh(cfg.mesh, dcn_shape=cfg.mesh_dcn)
+        dp = mesh.size
+        if rows % dp:
+            raise ValueError(f"--rows={rows} must be a multiple of the mesh's {dp} devices "
+                             f"(mesh={','.join(map(str, cfg.mesh))}); change --rows")
+        params = jax.device_put(params, sharding.tree_shardings(
+            tf.param_logical_axes(model), params, mesh))
     rollout = ro.sample(params, prompts, pmask, jax.random.key(seed), model, sampling,
-                        numerics, eos_id=-1, pad_id=0)
+                        numerics, eos_id=-1, pad_id=0, mesh=mesh)
     attn = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     logp, _, aux = policy_logprobs(params, rollout.tokens_BxS, attn, model,
-                                   temperature=sampling.temperature, trace=True)
+                                   temperature=sampling.temperature, trace=True, mesh=mesh)
     per_token = model.batch_invariant
     out(f"bitwise_check: {rows} rows, {prompt_len} prompt + {new_tokens} new tokens, "
         f"compute {model.compute_dtype}, sampler numerics {sampling.numerics!r} "
         f"({'per-token' if per_token else 'not per-token'}), {model.num_layers} layers, "
-        f"backend {jax.default_backend()}")
+        f"backend {jax.default_backend()}, "
+        + (f"mesh {cfg.mesh}, sampler layout {sampling.layout}" if mesh else "one device"))
     processed = np.asarray(rollout.routes_mu_BxSxLxK[:, :-1, 0, 0] >= 0)
     drawn = np.asarray(rollout.completion_mask_BxS[:, 1:])
     results = [("end to end", [
@@ -138,7 +151,7 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
         _compare("gate weights", rollout.route_weights_mu_BxSxLxK[:, :-1],
                  aux["route_weights"], processed)])]
     trace, routes, gates, replay_logp = _replay(nx.prepare_params(params, numerics), rollout,
-                                                prompt_len, model, sampling, numerics)
+                                                prompt_len, model, sampling, numerics, mesh)
     train_trace = aux["trace"]
     layered = []
     for layer in range(model.num_layers):
@@ -187,7 +200,8 @@ def main(argv=None) -> int:
         overrides = list(args.overrides)
         if not any(o.startswith("sampling.numerics=") for o in overrides):
             overrides.insert(0, "sampling.numerics=bitwise")
-        overrides += ["mesh=1,1,1", "mesh_dcn=1,1,1"]
+        if not any(o.startswith("mesh=") for o in overrides):
+            overrides += ["mesh=1,1,1", "mesh_dcn=1,1,1"]
         cfg = presets.preset(args.preset, overrides)
         if args.hf:
             from stablerl_jax.interop import hf_checkpoint

@@ -189,13 +189,14 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         """The log-probs a response's next token is drawn from (rollout.next_logprobs):
         its first token's from the prefill's weights, the rest from the decode loop's
         (the serving layout's, when it has its own)."""
-        logits = lambda w: rollout_lib.next_logprobs(w, hidden_nxD, cfg, sampling, numerics)
+        logits = lambda w, rules=None: rollout_lib.next_logprobs(
+            w, hidden_nxD, cfg, sampling, numerics, mesh, rules)
         if d_params is prepared:
             return logits(prepared)
         return jax.lax.cond(jnp.any(first_n),
                             lambda: jnp.where(first_n[:, None], logits(prepared),
-                                              logits(d_params)),
-                            lambda: logits(d_params))
+                                              logits(d_params, d_rules)),
+                            lambda: logits(d_params, d_rules))
 
     def draw(row_key, i, logp_V):
         return jax.random.categorical(jax.random.fold_in(row_key, i), logp_V)

@@ -98,11 +98,16 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    numerics=numerics, mesh=mesh, checks=checks, trace=trace)
     unembed_DxV = tf.unembed_matrix(weights, cfg)
     if cfg.batch_invariant:  # the sampler's own per-row log-softmax (model/invariant.py)
-        b, t, _ = hidden_BxTxD.shape
-        logp_N, entropy_N = invariant.token_logprobs(
-            hidden_BxTxD.reshape(b * t, -1), unembed_DxV.astype(hidden_BxTxD.dtype),
-            tokens_BxS[:, 1:].reshape(-1), temperature)
-        return logp_N.reshape(b, t), entropy_N.reshape(b, t), aux
+        def per_row(rows, unembed):
+            h_BxTxD, targets_BxT = rows
+            b, t, _ = h_BxTxD.shape
+            logp_N, entropy_N = invariant.token_logprobs(
+                h_BxTxD.reshape(b * t, -1), unembed, targets_BxT.reshape(-1), temperature)
+            return logp_N.reshape(b, t), entropy_N.reshape(b, t)
+
+        logp_BxT, entropy_BxT = invariant.on_mesh(per_row, mesh)(
+            (hidden_BxTxD, tokens_BxS[:, 1:]), unembed_DxV.astype(hidden_BxTxD.dtype))
+        return logp_BxT, entropy_BxT, aux
     logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, unembed_DxV, tokens_BxS[:, 1:],
                                            impl=impl, temperature=temperature,
                                            interpret=interpret, mesh=mesh)

@@ -139,13 +139,15 @@ def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
 
 
 def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig,
-                  numerics: nx.Numerics):
+                  numerics: nx.Numerics, mesh=None, rules=None):
     """The log-probs the next token is drawn from, [B, V] float32: `sampling_logprobs`
     of the logits, or with batch-invariant numerics the trainer's own per-row function
-    (invariant.logprobs_V: the temperature applied to the hidden state, no truncation)."""
+    (invariant.logprobs_V: the temperature applied to the hidden state, no truncation),
+    on each device's own rows of `mesh` (split by `rules`)."""
     if cfg.batch_invariant:
         w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
-        return invariant.logprobs_V(hidden_BxD, w, sampling.temperature)
+        per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature)
+        return invariant.on_mesh(per_row, mesh, rules)(hidden_BxD, w)
     return sampling_logprobs(tf.logits(params, hidden_BxD[:, None], cfg)[:, 0], sampling)
 
 
@@ -306,7 +308,7 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
         "i": jnp.zeros((), jnp.int32),
         "cache": aux["cache"],
         # Left padding puts every row's last prompt token in slot P − 1.
-        "logp_V": next_logprobs(params, hidden[:, -1], cfg, sampling, numerics),
+        "logp_V": next_logprobs(params, hidden[:, -1], cfg, sampling, numerics, mesh),
         "tokens": jnp.full((b, s), pad_id, jnp.int32).at[:, :p].set(prompts),
         "logp": jnp.zeros((b, s), jnp.float32),
         "completion": jnp.zeros((b, s), bool),
@@ -336,7 +338,8 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
         step_routes_BxLxK = jnp.where(recorded_Bx1x1, a["routes"][:, 0], -1)
         step_weights_BxLxK = jnp.where(recorded_Bx1x1, a["route_weights"][:, 0], 0)
         return dict(st, i=i + 1, cache=a["cache"],
-                    logp_V=next_logprobs(d_params, h[:, 0], cfg, sampling, numerics),
+                    logp_V=next_logprobs(d_params, h[:, 0], cfg, sampling, numerics, mesh,
+                                         d_rules),
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
-from stablerl_jax import continuous
+from stablerl_jax import continuous, sharding
 from stablerl_jax import rollout as ro
-from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
+from stablerl_jax.config import ConfigError, ExperimentConfig, SamplingConfig, apply_overrides
 from stablerl_jax.kernels import gmm as gmm_lib
 from stablerl_jax.logprobs import policy_logprobs
 from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.rl.engine import Engine
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -88,6 +89,32 @@ def test_a_grouped_tile_row_ignores_the_rest_of_its_group():
         outs.append((group, np.asarray(out[at])))
     assert outs[0][0] == outs[1][0] == outs[2][0] == 1
     assert all(np.array_equal(o, outs[0][1]) for _, o in outs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_expert_row_crosses_the_mesh_unchanged(dtype):
+    """Expert parallelism's reliance (`invariant.experts` on a mesh): an all-gather of the
+    expert-axis peers' rows, and a reduce-scatter in which every row is non-zero on one
+    shard only (its expert's; the others hold exact zeros), return each row's bits."""
+    from jax.sharding import PartitionSpec as P
+    mesh = sharding.make_mesh(1, 2, 4, devices=jax.devices()[:8])
+    axes = ("fsdp", "expert")
+    rng = np.random.default_rng(4)
+    rows = jnp.asarray(rng.standard_normal((8, 5, 16)) * 10.0 ** rng.integers(-6, 6, (8, 5, 1)),
+                       dtype)  # 5 rows per device
+
+    def local(r):
+        every = jax.lax.all_gather(r[0], axes, axis=0, tiled=True)           # [8·5, 16]
+        owner = (3 * jnp.arange(every.shape[0]) + 1) % 8  # the shard holding its expert
+        mine = jnp.where((owner == jax.lax.axis_index(axes))[:, None], every, 0)
+        back = jax.lax.psum_scatter(mine, axes, scatter_dimension=0, tiled=True)
+        return back[None], every[None]
+
+    back, every = jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                                check_vma=False)(rows)
+    bits = lambda a: np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
+    assert np.array_equal(bits(every[3]), bits(rows.reshape(-1, 16)))
+    assert np.array_equal(bits(back), bits(rows))
 
 
 # --- the sampler against the trainer ------------------------------------------------
@@ -195,14 +222,75 @@ def test_the_update_differentiates_through_the_tiles():
         assert np.all(np.isfinite(a)) and np.abs(a - b).max() <= bound * np.abs(b).max()
 
 
+def _mesh_engine(mesh, layout="train", expert_parallel=True, continuous=False):
+    cfg = tiny_cfg(mesh=mesh, num_minibatches=1)
+    return Engine.create(cfg.replace(
+        model=cfg.model.replace(compute_dtype="bfloat16", expert_parallel=expert_parallel,
+                                init_std=0.2),
+        sampling=SamplingConfig(max_new_tokens=12, numerics="bitwise", layout=layout,
+                                continuous=continuous, max_batch=8 if continuous else 0)),
+        eos_id=EOS_ID, pad_id=PAD_ID)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mesh,layout,expert_parallel,continuous", [
+    ((2, 2, 2), "train", True, False), ((1, 1, 8), "train", True, False),
+    ((8, 1, 1), "train", False, False), ((2, 2, 2), "serve", True, False),
+    ((1, 1, 8), "serve", True, True), ((2, 2, 2), "train", False, True)])
+def test_on_a_mesh_the_sampler_scores_as_the_trainer(mesh, layout, expert_parallel,
+                                                     continuous):
+    """8 CPU devices, bfloat16: each device runs the tiles on its own rows (experts
+    exchanged over the expert axes, or gathered), so the score step's log π_old equals
+    the sampler's log μ bit for bit, in the training layout and in the serving one (whose
+    weights are split otherwise), and both equal one device's bits."""
+    eng = _mesh_engine(mesh, layout, expert_parallel, continuous)
+    params = tf.init_params(jax.random.key(0), eng.cfg.model)
+    prompts, pmask = _prompts(b=8, p=8, seed=3)
+    r = eng.sample(params, prompts, pmask, jax.random.key(2))
+    batch, _ = eng.score(params, r, jnp.linspace(0.0, 1.0, 8))
+    scored = np.asarray(batch.mask_BxT) > 0
+    mu = np.asarray(batch.rollout_logp_BxT)[scored]
+    assert scored.sum() > 40 and np.array_equal(mu, np.asarray(batch.old_logp_BxT)[scored])
+    attn = r.prompt_mask_BxS | r.completion_mask_BxS
+    one, _, aux = jax.jit(lambda p: policy_logprobs(p, r.tokens_BxS, attn, eng.cfg.model))(
+        params)
+    assert np.array_equal(np.asarray(one)[np.asarray(r.completion_mask_BxS[:, 1:])],
+                          np.asarray(r.logp_mu_BxS[:, 1:])[np.asarray(r.completion_mask_BxS[:, 1:])])
+    rec = np.asarray(r.routes_mu_BxSxLxK[:, :-1, :, 0]) >= 0
+    assert np.array_equal(np.asarray(r.routes_mu_BxSxLxK[:, :-1])[rec],
+                          np.asarray(aux["routes"])[rec])
+
+
+@pytest.mark.integration
+def test_on_a_mesh_the_gradient_is_one_devices_up_to_rounding():
+    """The update's gradient through the per-device tiles (shard_map sums a gathered
+    weight's cotangent over the devices): one device's within float32 reassociation."""
+    m = _model("float32", expert_parallel=True)
+    params = tf.init_params(jax.random.key(0), m)
+    tokens = jax.random.randint(jax.random.key(2), (8, 12), 4, 64)
+    attn = jnp.ones((8, 12), bool).at[0, :4].set(False)
+    scored = attn[:, :-1] & attn[:, 1:]
+    loss = lambda p, mesh: jnp.sum(policy_logprobs(p, tokens, attn, m, mesh=mesh)[0] * scored)
+    mesh = sharding.make_mesh(2, 2, 2, devices=jax.devices()[:8])
+    placed = jax.device_put(params, sharding.tree_shardings(tf.param_logical_axes(m), params,
+                                                            mesh))
+    g_one = jax.jit(jax.grad(lambda p: loss(p, None)))(params)
+    g_mesh = jax.jit(jax.grad(lambda p: loss(p, mesh)))(placed)
+    # Per-device partial sums reassociate the one-device sum over 80 scored tokens (at
+    # most 2·80 terms per entry with top-2): |error| <= 160 · eps · max|g|.
+    bound = 160 * np.finfo(np.float32).eps
+    for a, b in zip(jax.tree.leaves(g_one), jax.tree.leaves(g_mesh)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= bound * np.abs(a).max()
+
+
 # --- configuration ------------------------------------------------------------------
 
 def test_bitwise_turns_on_batch_invariance_and_refuses_what_it_cannot_hold():
     cfg = apply_overrides(ExperimentConfig(), ["sampling.numerics=bitwise"])
     assert cfg.model.batch_invariant
     for bad, field in [(["sampling.numerics=bitwise", "sampling.top_k=5"], "numerics"),
-                       (["sampling.numerics=bitwise", "sampling.top_p=0.9"], "numerics"),
-                       (["sampling.numerics=bitwise", "mesh=2,1,1"], "model.batch_invariant")]:
+                       (["sampling.numerics=bitwise", "sampling.top_p=0.9"], "numerics")]:
         with pytest.raises(ConfigError, match=field) as e:
             apply_overrides(ExperimentConfig(), bad)
         assert "\n" not in str(e.value)
@@ -211,8 +299,10 @@ def test_bitwise_turns_on_batch_invariance_and_refuses_what_it_cannot_hold():
 @pytest.mark.integration
 @pytest.mark.parametrize("rl", [{}, {"pack_tokens": 48, "pack_rows": 2},
                                 {"num_minibatches": 1, "score_in_update": True},
-                                {"max_staleness": 1, "old_policy": "behavior"}],
-                         ids=["padded", "packed", "score_in_update", "partial_rollouts"])
+                                {"max_staleness": 1, "old_policy": "behavior"},
+                                {"mesh": (2, 1, 2)}],
+                         ids=["padded", "packed", "score_in_update", "partial_rollouts",
+                              "mesh"])
 def test_a_bitwise_run_records_zero_mismatch(tmp_path, rl):
     """A whole RL run (bf16 compute, R3; two mini-batches, packed scoring and update, or
     the score pass inside the update): every step's logged mismatch is exactly zero and
@@ -247,6 +337,19 @@ def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
     assert "first to part: layer" in out and "ulps" in out and "DIFFERENT" in out
     assert bitwise_check.main(["--rows", "0"]) == 2
     assert "--rows: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_check_command_on_a_mesh_in_the_serving_layout(capsys):
+    """8 CPU devices, experts spread over all of them in the sampler's decode loop."""
+    from stablerl_jax import bitwise_check
+    args = ["--new-tokens", "6", "model.compute_dtype=bfloat16", "mesh=1,2,4",
+            "sampling.layout=serve"]
+    assert bitwise_check.main(args) == 0
+    out = capsys.readouterr().out
+    assert "mesh (1, 2, 4), sampler layout serve" in out and "OK:" in out
+    assert bitwise_check.main(["--rows", "6", *args]) == 2
+    assert "--rows=6 must be a multiple of the mesh's 8 devices" in capsys.readouterr().err
 
 
 def test_ulps_counts_units_in_the_last_place():

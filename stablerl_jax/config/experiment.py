@@ -73,9 +73,6 @@ class ExperimentConfig(Section):
               or self.model.num_experts % dp == 0, "sampling.layout",
               f"'serve' puts num_experts={self.model.num_experts} on data*fsdp*expert = "
               f"{dp} devices, which must divide it; use layout 'train' or another mesh")
-        check(not self.model.batch_invariant or dp == 1, "model.batch_invariant",
-              f"per-token numerics run on one device (mesh=1,1,1) so far, got mesh={self.mesh};"
-              " set mesh=1,1,1 or sampling.numerics=exact")
         router_losses = [f"model.{f}={getattr(self.model, f)}" for f in (
             "router_z_loss_weight", "router_aux_loss_weight") if getattr(self.model, f)]
         check(not rl.freeze_router or not router_losses, "rl.freeze_router",

@@ -35,9 +35,14 @@ positions of a block (KEY_BLOCK).
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from stablerl_jax import sharding
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
 
@@ -135,32 +140,73 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
     return rowwise(tile, q_NxHxDh, pos_N, row_N, start_N)
 
 
-def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int):
+def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
+            ep_axes: tuple = ()):
     """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
-    x's dtype."""
+    x's dtype. `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
+    are this shard's experts, the shards are split over these mesh axes."""
+    if not ep_axes:
+        return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                                   tile=tile), w_NxK)
+    # Every assignment's output row is computed by the shard holding its expert, from
+    # its expert-axis peers' gathered tokens; the other shards give it exact zeros, so
+    # the sum over shards moves each row unchanged to its token's shard, where the K
+    # rows are combined in k order as on one device.
+    gather = lambda a: jax.lax.all_gather(a, ep_axes, axis=0, tiled=True)
+    offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
+    y_all = expert_rows(gather(x_NxD), gather(idx_NxK), w_gate_ExDxF, w_up_ExDxF,
+                        w_down_ExFxD, tile=tile, expert_offset=offset)
+    y_NxKxD = jax.lax.psum_scatter(y_all, ep_axes, scatter_dimension=0, tiled=True)
+    return combine(y_NxKxD, w_NxK)
+
+
+def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
+                expert_offset=None):
+    """Each token–expert assignment's expert output, [N, K, D] in x's dtype, computed in
+    fixed tiles of `tile` rows sorted by expert. `expert_offset`: the weights are the E
+    experts [offset, offset + E) of a larger set (ids are global) and the rows of the
+    other experts' assignments are 0."""
     n, k = idx_NxK.shape
     num_experts = w_gate_ExDxF.shape[0]
     dt = x_NxD.dtype
     acc = nx.accum_dtype(dt)
-    row_A, padded_E = moe._plan(idx_NxK.reshape(-1), num_experts, tile)
-    rows = moe.padded_rows(n * k, num_experts, tile)
+    expert_A = idx_NxK.reshape(-1)
+    if expert_offset is None:
+        mine_A, budget = None, n * k
+    else:
+        local_A = expert_A - expert_offset
+        mine_A = (local_A >= 0) & (local_A < num_experts)
+        expert_A = jnp.where(mine_A, local_A, num_experts)
+        budget = n * min(k, num_experts)  # a token's K experts are distinct
+    row_A, padded_E = moe._plan(expert_A, num_experts, tile)
+    rows = moe.padded_rows(budget, num_experts, tile)
+    if mine_A is not None:  # other shards' assignments: written nowhere, read as 0
+        row_A = jnp.where(mine_A, row_A, rows)
     x_RxD = jnp.zeros((rows, x_NxD.shape[1]), dt).at[row_A].set(
-        jnp.repeat(x_NxD, k, axis=0), unique_indices=True)
+        jnp.repeat(x_NxD, k, axis=0), unique_indices=mine_A is None, mode="drop")
     gmm = moe.grouped_matmul.loop
     gate_RxF = gmm(x_RxD, w_gate_ExDxF, padded_E, tile, nx.PRECISION)
     up_RxF = gmm(x_RxD, w_up_ExDxF, padded_E, tile, nx.PRECISION)
     h_RxF = rowwise(lambda g_, u_: moe._swiglu(g_.astype(acc), u_.astype(acc)).astype(dt),
                     gate_RxF, up_RxF, tile=tile)
     y_RxD = gmm(h_RxF, w_down_ExFxD, padded_E, tile, nx.PRECISION)
-    y_NxKxD = y_RxD[row_A].reshape(n, k, -1)
+    y_AxD = jnp.take(y_RxD, row_A, axis=0, mode="fill", fill_value=0)
+    return y_AxD.reshape(n, k, -1)
 
-    def combine(y, wk):
+
+def combine(y_NxKxD, w_NxK):
+    """Σ_k w[:, k] · y[:, k] in k order, float32 (or wider) accumulation, per row; in
+    y's dtype."""
+    dt = y_NxKxD.dtype
+    acc = nx.accum_dtype(dt)
+
+    def tile(y, wk):
         out = y[:, 0].astype(acc) * wk[:, :1].astype(acc)
-        for i in range(1, k):
+        for i in range(1, wk.shape[1]):
             out = out + y[:, i].astype(acc) * wk[:, i:i + 1].astype(acc)
         return out.astype(dt)
 
-    return rowwise(combine, y_NxKxD, w_NxK)
+    return rowwise(tile, y_NxKxD, w_NxK)
 
 
 def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0):
@@ -189,18 +235,127 @@ def _logp_V(h, unembed_DxV, temperature):
 
 
 def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT,
-                  key_mask_BxS, tokens_BxT, put_cache, trace=False, segment_ids_BxT=None,
-                  router_input=None):
+                  key_mask_BxS, tokens_BxT, put_cache, cache_index=None, trace=False,
+                  segment_ids_BxT=None, router_input=None, mesh=None, rules=None):
     """The decoder layer of `transformer.forward` (same carry and outputs) computed per
-    token (module docstring). `put_cache(kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)` writes this
-    call's keys and values into the cache carried in `kv` and returns (kv, k, v, keys):
-    the updated cache and this layer's key and value arrays in layout `keys`; None
-    without a cache. `trace`: also output the residual stream after attention and after
-    the block (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
+    token (module docstring). `put_cache(index, b, kv, k_BxTxKVxDh, v_BxTxKVxDh,
+    layer)` writes this call's keys and values into the cache carried in `kv` at
+    `cache_index` (a scalar, or [B]) for `b` rows and returns (kv, k, v, keys): the
+    updated cache and this layer's key and value arrays in layout `keys`; None without
+    a cache. `trace`: also output the residual stream after attention and after the
+    block (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
     cache): a token's position 0 is its segment's first slot. `router_input(x, scale)`:
-    the router's own normalized input (transformer.forward), None: the rounded one."""
+    the router's own normalized input (transformer.forward), None: the rounded one.
+    `mesh` of more than one device: the layer runs under `shard_map`, each device on
+    its own rows (`on_mesh`)."""
+    ctx = {"positions_BxT": positions_BxT, "mask_BxT": mask_BxT, "key_mask_BxS": key_mask_BxS,
+           "tokens_BxT": tokens_BxT, "segment_ids_BxT": segment_ids_BxT,
+           "index": cache_index}
+    build = functools.partial(_local_layer, cfg, numerics, dtype, router_dtype,
+                              put_cache=put_cache, trace=trace, router_input=router_input)
+    if mesh is None or mesh.size == 1:
+        body = lambda carry, xs: build(ctx)(carry, xs)
+    else:
+        body = _sharded_layer(build, ctx, cfg, mesh, rules, outputs=6 if trace else 4)
+
+    def layer(carry, xs):
+        carry, (idx, w, probs, logits, *trace_ys) = body(carry, xs)
+        flat = lambda a: a.reshape(-1, a.shape[-1])
+        load_E, z, balance = moe.router_stats(flat(probs), flat(idx), flat(logits),
+                                              mask_BxT.reshape(-1))
+        return carry, (idx, w, load_E, z, balance, *trace_ys)
+
+    return layer
+
+
+def batch_axes(mesh, rules) -> tuple:
+    """The mesh axes of more than one device the batch is split over."""
+    return tuple(a for a in sharding.spec_axes(rules["batch"]) if mesh.shape[a] > 1)
+
+
+def on_mesh(fn, mesh, rules=None):
+    """`fn(rows, shared)` on each device's own rows: `rows` (a pytree of batch-major
+    arrays) split over the batch's mesh axes, `shared` (a pytree) replicated, the output
+    (batch-major) split as the rows are. The rows' results are then the bits one device
+    gives (the module docstring's tiles run per device); gathering `shared` and
+    splitting the rows only move data. No mesh or one device: `fn` itself."""
+    if mesh is None or mesh.size == 1:
+        return fn
+    rules = sharding.RULES if rules is None else rules
+    axes = batch_axes(mesh, rules)
+    rows_spec = P(axes or None)
+
+    def run(rows, shared):
+        _divides(jax.tree.leaves(rows)[0].shape[0], mesh, axes)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(rows_spec, P()), out_specs=rows_spec,
+                             check_vma=False)(rows, shared)
+
+    return run
+
+
+def _divides(b: int, mesh, axes):
+    dp = math.prod(mesh.shape[a] for a in axes)
+    if b % dp:
+        raise ValueError(f"batch-invariant numerics: {b} rows do not split over the {dp} "
+                         "data-parallel devices; make the batch a multiple of "
+                         "data*fsdp*expert")
+
+
+_EXPERT_WEIGHTS = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
+                   "w_down": ("experts", "mlp", "embed")}
+
+
+def _sharded_layer(build, ctx, cfg, mesh, rules, outputs: int):
+    """The per-token layer under `shard_map` over the batch's mesh axes: each device runs
+    `build(ctx)`'s layer on its own rows and cache rows, with the layer's weights
+    gathered whole (FSDP's per-layer all-gather) except, with expert parallelism, the
+    experts: a device keeps its expert shard's and `experts` exchanges rows over the
+    expert axes. Router statistics are left to the caller, on the whole batch."""
+    rules = sharding.RULES if rules is None else rules
+    axes = batch_axes(mesh, rules)
+    row = P(axes or None)
+    ex_part = sharding.spec(_EXPERT_WEIGHTS["w_gate"],
+                            (cfg.num_experts, cfg.d_model, cfg.expert_ffn_dim), mesh, rules)[0]
+    ep_axes = tuple(a for a in sharding.spec_axes(ex_part) if mesh.shape[a] > 1)
+    ep_axes = ep_axes if cfg.expert_parallel else ()
+    if ep_axes and not set(ep_axes) <= set(axes):
+        raise ValueError("expert_parallel: the batch must be split over the expert mesh "
+                         f"axes {ep_axes} (sharding.RULES['batch'])")
+    ctx_specs = {k: (None if v is None else P() if v.ndim == 0 else row)
+                 for k, v in ctx.items()}
+
+    def weight_specs(p):
+        return {k: jax.tree.map(lambda _: P(ex_part) if ep_axes and k in _EXPERT_WEIGHTS
+                                else P(), w) for k, w in p.items()}
+
+    def layer(carry, xs):
+        x, kv = carry
+        _divides(x.shape[0], mesh, axes)
+        p, layer_idx, replay, replay_w = xs
+        # A stacked cache [L, B, ...] is split on its second axis, a layer's own on its first.
+        kv_spec = jax.tree.map(lambda c: row if c.ndim == 4 else P(None, axes or None), kv)
+        opt = lambda a: None if a is None else row
+        specs = ((row, kv_spec), (weight_specs(p), P(), opt(replay), opt(replay_w)),
+                 ctx_specs)
+        out_specs = ((row, kv_spec), (row,) * outputs)
+
+        def local(carry, xs, ctx):
+            return build(ctx, ep_axes=ep_axes)(carry, xs)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                             check_vma=False)(carry, xs, ctx)
+
+    return layer
+
+
+def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, router_input,
+                 ep_axes=()):
+    """The per-token layer over the rows of `ctx` (decoder_layer's arrays): returns
+    layer(carry, xs) -> (carry, (idx, w, probs, logits[, x_attn, x_block])), batch-major."""
     from stablerl_jax.model.attention import rms_norm, rope  # (attention imports numerics)
 
+    positions_BxT, key_mask_BxS = ctx["positions_BxT"], ctx["key_mask_BxS"]
+    tokens_BxT, segment_ids_BxT = ctx["tokens_BxT"], ctx["segment_ids_BxT"]
     b, t = positions_BxT.shape
     n, d = b * t, cfg.d_model
     h_, kvh, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
@@ -234,7 +389,7 @@ def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT
         if put_cache is None:
             k_src, v_src, keys = k_new, v_new, "bskd"
         else:
-            kv, k_src, v_src, keys = put_cache(kv, k_new, v_new, layer_idx)
+            kv, k_src, v_src, keys = put_cache(ctx["index"], b, kv, k_new, v_new, layer_idx)
         o_N = attend(q_N, pos_N, row_N, start_N, k_src, v_src, key_mask_BxS, kv_heads=kvh,
                      dtype=dtype, keys=keys)
         noise = nx.router_noise(numerics, layer_idx, positions_BxT, tokens_BxT,
@@ -258,11 +413,10 @@ def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT
             post, o_N, x_BxTxD.reshape(n, d), noise_N, flat(replay_BxTxK),
             flat(replay_w_BxTxK))
         y_N = experts(h_N, idx_NxK, w_NxK, p["w_gate"].astype(dtype),
-                      p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile)
+                      p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile,
+                      ep_axes=ep_axes)
         x_BxTxD = (x_N + y_N).reshape(b, t, d)
-        load_E, z, balance = moe.router_stats(probs_NxE, idx_NxK, logits_NxE,
-                                              mask_BxT.reshape(-1))
-        ys = (idx_NxK.reshape(b, t, -1), w_NxK.reshape(b, t, -1), load_E, z, balance)
+        ys = tuple(a.reshape(b, t, -1) for a in (idx_NxK, w_NxK, probs_NxE, logits_NxE))
         trace_ys = (x_N.reshape(b, t, d), x_BxTxD) if trace else ()
         return (x_BxTxD, kv), ys + trace_ys
 

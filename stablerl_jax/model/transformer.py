@@ -247,7 +247,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
             mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT, trace=trace,
             segment_ids_BxT=segment_ids_BxT, router_input=router_input,
-            put_cache=None if cache is None else functools.partial(_put_cache, cfg, index, b))
+            put_cache=None if cache is None else functools.partial(_put_cache, cfg),
+            cache_index=index, mesh=mesh, rules=rules)
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
     elif cfg.remat == "dots":
@@ -275,9 +276,10 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                                    unroll=cfg.num_layers if cfg.unroll_layers else 1)
     routes_LxBxTxK, weights_LxBxTxK, load, z, balance = ys[:5]
     if per_token:
-        hidden_BxTxD = invariant.rowwise(
-            lambda r: rms_norm(r, params["final_norm"], cfg.norm_eps),
-            x.reshape(b * t, -1)).reshape(x.shape)
+        norm = lambda x, scale: invariant.rowwise(
+            lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1])
+        ).reshape(x.shape)
+        hidden_BxTxD = invariant.on_mesh(norm, mesh, rules)(x, params["final_norm"])
     else:
         hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
