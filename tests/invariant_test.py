@@ -300,12 +300,13 @@ def test_bitwise_turns_on_batch_invariance_and_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("rl", [{}, {"pack_tokens": 48, "pack_rows": 2},
                                 {"num_minibatches": 1, "score_in_update": True},
                                 {"max_staleness": 1, "old_policy": "behavior"},
-                                {"mesh": (2, 1, 2)}],
+                                {"microbatches": 2}, {"mesh": (2, 1, 2)}],
                          ids=["padded", "packed", "score_in_update", "partial_rollouts",
-                              "mesh"])
+                              "microbatches", "mesh"])
 def test_a_bitwise_run_records_zero_mismatch(tmp_path, rl):
-    """A whole RL run (bf16 compute, R3; two mini-batches, packed scoring and update, or
-    the score pass inside the update): every step's logged mismatch is exactly zero and
+    """A whole RL run (bf16 compute, R3; two mini-batches, packed scoring and update, the
+    score pass inside the update, micro-batches, or 4 devices): every step's logged
+    mismatch is exactly zero and
     every IS weight exactly 1. Under partial rollouts each token against π_old of the
     version that drew it."""
     from stablerl_jax.metrics_io import read_metrics
