@@ -4,7 +4,7 @@
 - `integration` (`pytest -m integration`): every test that starts a run (`rl.loop.run`,
   the SFT cold start), a child process (a CLI in a subprocess, a server, a kill test) or
   a notebook kernel; the rest of each large parameter product (`SAMPLED`); and the
-  whole-model tests (`WHOLE_MODEL`).
+  tests of 5 s or more (`HEAVY`).
 - `slow` and `tpu`: as their markers say (pyproject.toml). CI runs the `slow` tests
   but those of `BEYOND_CI` (marked `beyond_ci`), which take too long for it.
 
@@ -57,12 +57,14 @@ SAMPLED = (
     "tests/transformer_test.py::test_kv_cache_prefill_then_decode_equals_full_forward",
 )
 
-# Tests (or whole parameter products, by name) that compile whole-model programs (a model
-# forward and backward in float64, a sampler, a score or update step, often two of them
-# to compare) for 5 s or more each on 2 cores: the default tier's five minutes cannot hold
-# them beside the rest, the integration tier runs them. Measured with
-# `pytest --durations=0`; docs/testing.md.
-WHOLE_MODEL = (
+# Tests (or whole parameter products, by name) of 5 s or more each on 2 cores: most
+# compile whole-model programs (a model forward and backward in float64, a sampler, a
+# score or update step, often two of them to compare), others run a Pallas kernel in the
+# interpreter, an op-by-op (`__without_jit`) variant, or build a Hugging Face checkpoint
+# or tokenizer fixture. The default tier's five minutes cannot hold them beside the
+# rest; the integration tier runs them. Measured with `pytest --durations=0` on a fresh
+# clone (docs/testing.md).
+HEAVY = (
     "tests/steps_test.py::test_learning_rates_share_one_compiled_update_and_each_takes_its_own_step",
     "tests/expert_parallel_test.py::test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis",
     "tests/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics[variant1]",
@@ -129,6 +131,76 @@ WHOLE_MODEL = (
     "tests/transformer_test.py::test_remat_equal_values_and_gradients",
     "tests/expert_parallel_test.py::test_sharded_experts_equal_unsharded",
     "tests/attribution_test.py::test_the_layer_shares_and_the_interaction_add_to_one",
+    "tests/accumulate_test.py::test_accumulated_losses_equal_one_batch[gspo]",
+    "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file[nan]",
+    "tests/bad_library_input_test.py::test_loss_batch_values_and_emptiness",
+    "tests/bad_library_input_test.py::test_value_checks_under_jit_through_checkify",
+    "tests/checkpoint_test.py::test_restore_lands_on_target_shardings",
+    "tests/coldstart_hf_test.py::test_dry_run_shows_the_checkpoint_architecture",
+    "tests/continuous_test.py::test_continuous_returns_the_static_rollout_bit_for_bit[1]",
+    "tests/continuous_test.py::test_slots_given_to_run_override_max_batch",
+    "tests/decode_attention_test.py::test_every_row_is_the_reference[True-pallas_tpu]",
+    "tests/decode_attention_test.py::test_the_samplers_draw_the_same_responses_with_the_kernel[static]",
+    "tests/diagnostics_test.py::test_first_order_residual_by_hand_and_stable",
+    "tests/diagnostics_test.py::test_pairs_accumulate_exactly_and_jit_with_numpy",
+    "tests/expert_parallel_test.py::test_decode_exchange_equals_the_gathered_tokens[32-False]",
+    "tests/fused_logprob_test.py::test_chunked_check_grads_x64",
+    "tests/fused_logprob_test.py::test_naive_reference_is_the_float32_formula",
+    "tests/fused_logprob_test.py::test_random_shapes_match_float64_reference[pallas_gpu]",
+    "tests/fused_logprob_test.py::test_shape_errors_name_values",
+    "tests/fused_logprob_test.py::test_value_and_vjp_match_float64_reference[shape2-bfloat16-chunked]",
+    "tests/fuzz_test.py::test_hf_config_json[fast]",
+    "tests/gcs_bad_input_test.py::test_an_endpoint_refusing_connections_is_one_line_within_the_bound",
+    "tests/gmm_pallas_test.py::test_value_and_grads_equal_reference[sizes3-gpu]",
+    "tests/gmm_test.py::test_every_implementation_in_the_table_equals_the_loop[pallas_tpu]",
+    "tests/gmm_test.py::test_value_and_grad_match_reference[sizes3-loop]",
+    "tests/hf_checkpoint_test.py::test_a_hostile_shard_index_is_refused_naming_it[a shard that is config.json-config.json: not a readable safetensors file]",
+    "tests/hf_checkpoint_test.py::test_every_model_field_is_read_from_config_json_or_kept",
+    "tests/hf_export_test.py::test_the_export_serves_the_sources_template_stop_ids_and_model[jinja]",
+    "tests/hf_parity_test.py::test_logits_and_experts_match_transformers[3-True-False]",
+    "tests/hf_parity_test.py::test_our_saved_checkpoint_loads_in_transformers[per_expert]",
+    "tests/hostile_files_test.py::test_a_hostile_tokenizer_json_is_one_line_at_the_command_line",
+    "tests/hostile_files_test.py::test_the_limits_hold_real_qwen_and_llama_tokenizers",
+    "tests/inflight_test.py::test_stale_responses_are_dropped_and_redrawn_with_a_new_key",
+    "tests/invariant_test.py::test_a_tile_body_gives_a_row_the_same_bits_wherever_it_sits[bfloat16]",
+    "tests/invariant_test.py::test_a_tile_body_gives_a_row_the_same_bits_wherever_it_sits[float32]",
+    "tests/invariant_test.py::test_an_expert_row_crosses_the_mesh_unchanged[bfloat16]",
+    "tests/invariant_test.py::test_an_expert_row_crosses_the_mesh_unchanged[float32]",
+    "tests/invariant_test.py::test_skipped_and_masked_key_blocks_change_nothing",
+    "tests/logprobs_test.py::test_row_does_not_depend_on_other_rows_bitwise[pallas_gpu]",
+    "tests/loss_table_test.py::test_a_row_lists_exactly_the_knobs_its_loss_reads[gspo]",
+    "tests/losses_inputs_test.py::test_jits_with_numpy_inputs",
+    "tests/losses_inputs_test.py::test_minibatch_metrics_reduce_to_the_full_batch",
+    "tests/losses_inputs_test.py::test_non_finite_old_logp_on_a_real_token_makes_the_loss_nan",
+    "tests/losses_test.py::HandDerivedTest::test_cispo_by_hand__without_jit",
+    "tests/losses_test.py::HandDerivedTest::test_grpo_and_dapo_by_hand__without_jit",
+    "tests/losses_test.py::HandDerivedTest::test_gspo_by_hand__without_jit",
+    "tests/losses_test.py::test_aggregations_by_hand",
+    "tests/losses_test.py::test_every_loss_takes_the_row_denominator[gspo]",
+    "tests/losses_test.py::test_is_corrections_by_hand",
+    "tests/losses_test.py::test_row_denominator_by_hand",
+    "tests/mismatch_test.py::test_measured_at_the_sampling_temperature",
+    "tests/mismatch_test.py::test_shifted_logp_gives_hand_derived_kl",
+    "tests/moe_test.py::test_route_replay_by_hand_with_minus_one_rows",
+    "tests/moe_test.py::test_weight_replay_uses_the_recorded_weights_and_stops_their_gradient",
+    "tests/numerics_test.py::test_fake_quant_values_are_e4m3_times_channel_scale",
+    "tests/numerics_test.py::test_knobs_increase_mismatch",
+    "tests/packing_test.py::test_plan_is_first_fit_decreasing_whole_and_within_its_shard[1]",
+    "tests/rollout_test.py::test_exact_preset_matches_training_path",
+    "tests/rollout_test.py::test_kv_cache_layouts_sample_the_same_rows[False]",
+    "tests/rollout_test.py::test_truncation_support",
+    "tests/rollouts_test.py::test_files_that_cannot_feed_the_run_are_refused",
+    "tests/routing_fixes_test.py::test_expert_load_counts_equal_a_one_hot_count",
+    "tests/routing_fixes_test.py::test_expert_load_monitors_by_hand",
+    "tests/routing_fixes_test.py::test_indices_only_replay_takes_the_live_routers_weights",
+    "tests/schedule_test.py::test_train_shares_of_padded_and_packed_steps_by_hand",
+    "tests/steps_test.py::test_r2_on_policy_first_minibatch_is_bit_identical_to_no_replay",
+    "tests/steps_test.py::test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps",
+    "tests/steps_test.py::test_score_in_update_is_ignored_with_several_minibatches",
+    "tests/transformer_test.py::ForwardTest::test_replaying_own_routes_is_bit_identical_and_other_routes_differ__without_jit",
+    "tests/transformer_test.py::test_dense_dispatch_and_unrolled_layers_agree_with_the_scan[variant1]",
+    "tests/transformer_test.py::test_grouped_matmul_implementations_agree_in_the_model[tiles]",
+    "tests/transformer_test.py::test_kv_cache_prefill_then_decode_equals_full_forward[bskd-True-0]",
 )
 
 
@@ -162,7 +234,7 @@ BEYOND_CI = (
 
 def mark_tiers(items) -> None:
     """Mark `integration` the cases of each SAMPLED product outside its default-tier
-    sample, and each WHOLE_MODEL test; mark `beyond_ci` the `slow` tests of BEYOND_CI
+    sample, and each HEAVY test; mark `beyond_ci` the `slow` tests of BEYOND_CI
     (collection time, before `-m` selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
@@ -175,7 +247,7 @@ def mark_tiers(items) -> None:
     for name in SAMPLED:
         marked |= sampled_out([i.nodeid for i in by_family.get(name, [])])
     for item in (i for group in by_family.values() for i in group):
-        if item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(WHOLE_MODEL):
+        if item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(HEAVY):
             item.add_marker(pytest.mark.integration)
 
 
