@@ -3,10 +3,11 @@
 - default (`pytest`): unit and module tests; no whole run, no child process, no notebook.
 - `integration` (`pytest -m integration`): every test that starts a run (`rl.loop.run`,
   the SFT cold start), a child process (a CLI in a subprocess, a server, a kill test) or
-  a notebook kernel; the rest of each large parameter product (`SAMPLED`); and the
-  tests of 5 s or more (`HEAVY`).
-- `slow` and `tpu`: as their markers say (pyproject.toml). CI runs the `slow` tests
-  but those of `BEYOND_CI` (marked `beyond_ci`), which take too long for it.
+  a notebook kernel; and the tests of 5 s or more (`HEAVY`).
+- `slow` and `tpu`: as their markers say (pyproject.toml). `slow` also holds the rest of
+  each large parameter product (`SAMPLED`, marked `sampled` too), so the default and
+  `slow` tiers together run every case. CI runs no `slow` test (docs/testing.md);
+  `BEYOND_CI` (marked `beyond_ci`) names the longest of them.
 
 `guarded` (conftest.py's pytest_runtest_protocol) fails a default-tier test that starts
 any of these, in its body or in a fixture it sets up, so a test cannot land in the wrong
@@ -24,7 +25,8 @@ STARTERS = frozenset({"integration", "slow", "tpu"})
 
 
 # Parameter products whose default-tier run is one fixed-seed case (`sampled_out`); the
-# integration tier runs the other cases. Each product here took over 4 s in all.
+# `slow` tier runs the other cases (marked `sampled`). Each product here took over 4 s
+# in all.
 SAMPLED = (
     "tests/accumulate_test.py::test_accumulated_losses_equal_one_batch",
     "tests/bad_input_test.py::test_a_hostile_chat_template_is_one_line_naming_its_file",
@@ -222,8 +224,9 @@ def sampled_out(nodeids: list[str], k: int = 1, seed: int = 0) -> set[str]:
     return set(cases) - keep
 
 
-# `slow` tests CI leaves out (`beyond_ci`): their times on 2 cores beside other work
-# (docs/testing.md) add up to over an hour. Run them with `pytest -m beyond_ci`.
+# The longest `slow` tests (`beyond_ci`): their times on 2 cores beside other work
+# (docs/testing.md) add up to over an hour. Run them with `pytest -m beyond_ci`, the
+# others with `pytest -m 'slow and not beyond_ci'`.
 BEYOND_CI = (
     "tests/packing_test.py::test_every_loss_aggregation_and_replay_packed_equals_padded",
     "tests/reliability_test.py::test_ctrl_c_during_a_save_ends_the_run_in_bounded_time_20_times",
@@ -238,9 +241,9 @@ BEYOND_CI = (
 
 
 def mark_tiers(items) -> None:
-    """Mark `integration` the cases of each SAMPLED product outside its default-tier
-    sample, and each HEAVY test; mark `beyond_ci` the `slow` tests of BEYOND_CI
-    (collection time, before `-m` selects)."""
+    """Mark `slow` and `sampled` the cases of each SAMPLED product outside its
+    default-tier sample, `integration` each HEAVY test, and `beyond_ci` the `slow` tests
+    of BEYOND_CI (collection time, before `-m` selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
             item.add_marker(pytest.mark.beyond_ci)
@@ -252,7 +255,10 @@ def mark_tiers(items) -> None:
     for name in SAMPLED:
         marked |= sampled_out([i.nodeid for i in by_family.get(name, [])])
     for item in (i for group in by_family.values() for i in group):
-        if item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(HEAVY):
+        if item.nodeid in marked:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.sampled)
+        elif {item.nodeid, family(item.nodeid)} & set(HEAVY):
             item.add_marker(pytest.mark.integration)
 
 
