@@ -59,6 +59,23 @@ SAMPLED = (
     "tests/transformer_test.py::test_kv_cache_prefill_then_decode_equals_full_forward",
 )
 
+# Sampled products whose other cases stay in `integration` (and so in CI): between them
+# they run lines of the Hugging Face loader and validator, the rollout-file reader, the
+# Pallas fused log-prob and the grouped-matmul table that no other CI test runs
+# (`pytest-cov`, docs/testing.md).
+SAMPLED_IN_CI = (
+    "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file",
+    "tests/bad_input_test.py::test_hostile_rollout_files_are_one_line_naming_the_file",
+    "tests/fused_logprob_test.py::test_random_shapes_match_float64_reference",
+    "tests/fused_logprob_test.py::test_value_and_vjp_match_float64_reference",
+    "tests/gmm_pallas_test.py::test_value_and_grads_equal_reference",
+    "tests/gmm_test.py::test_every_implementation_in_the_table_equals_the_loop",
+    "tests/gmm_test.py::test_value_and_grad_match_reference",
+    "tests/hf_checkpoint_test.py::test_save_then_load_is_bit_exact",
+    "tests/hf_export_test.py::test_the_export_serves_the_sources_template_stop_ids_and_model",
+    "tests/hf_parity_test.py::test_logits_and_experts_match_transformers",
+)
+
 # Tests (or whole parameter products, by name) of 5 s or more each on 2 cores: most
 # compile whole-model programs (a model forward and backward in float64, a sampler, a
 # score or update step, often two of them to compare), others run a Pallas kernel in the
@@ -242,8 +259,9 @@ BEYOND_CI = (
 
 def mark_tiers(items) -> None:
     """Mark `slow` and `sampled` the cases of each SAMPLED product outside its
-    default-tier sample, `integration` each HEAVY test, and `beyond_ci` the `slow` tests
-    of BEYOND_CI (collection time, before `-m` selects)."""
+    default-tier sample (`integration` for those of SAMPLED_IN_CI), `integration` each
+    HEAVY test, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before
+    `-m` selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
             item.add_marker(pytest.mark.beyond_ci)
@@ -255,10 +273,10 @@ def mark_tiers(items) -> None:
     for name in SAMPLED:
         marked |= sampled_out([i.nodeid for i in by_family.get(name, [])])
     for item in (i for group in by_family.values() for i in group):
-        if item.nodeid in marked:
+        if item.nodeid in marked and family(item.nodeid) not in SAMPLED_IN_CI:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.sampled)
-        elif {item.nodeid, family(item.nodeid)} & set(HEAVY):
+        elif item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(HEAVY):
             item.add_marker(pytest.mark.integration)
 
 
