@@ -5,8 +5,8 @@
   the SFT cold start), a child process (a CLI in a subprocess, a server, a kill test) or
   a notebook kernel; and the tests of 5 s or more (`HEAVY`).
 - `slow` and `tpu`: as their markers say (pyproject.toml). `slow` also holds the rest of
-  each large parameter product (`SAMPLED`, marked `sampled` too), so the default and
-  `slow` tiers together run every case. CI runs no `slow` test (docs/testing.md);
+  each large parameter product (`SAMPLED`, marked `sampled` too; `integration` holds
+  those of `SAMPLED_IN_CI`), so the three tiers together run every case. CI runs no `slow` test (docs/testing.md);
   `BEYOND_CI` (marked `beyond_ci`) names the longest of them.
 
 `guarded` (conftest.py's pytest_runtest_protocol) fails a default-tier test that starts
