@@ -24,41 +24,6 @@ import pytest
 STARTERS = frozenset({"integration", "slow", "tpu"})
 
 
-# Parameter products whose default-tier run is one fixed-seed case (`sampled_out`); the
-# `slow` tier runs the other cases (marked `sampled`). Each product here took over 4 s
-# in all.
-SAMPLED = (
-    "tests/accumulate_test.py::test_accumulated_losses_equal_one_batch",
-    "tests/bad_input_test.py::test_a_hostile_chat_template_is_one_line_naming_its_file",
-    "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file",
-    "tests/bad_input_test.py::test_hostile_rollout_files_are_one_line_naming_the_file",
-    "tests/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics",
-    "tests/continuous_test.py::test_continuous_returns_the_static_rollout_bit_for_bit",
-    "tests/decode_attention_test.py::test_every_row_is_the_reference",
-    "tests/decode_attention_test.py::test_the_samplers_draw_the_same_responses_with_the_kernel",
-    "tests/expert_parallel_test.py::test_decode_exchange_equals_the_gathered_tokens",
-    "tests/fused_logprob_test.py::test_random_shapes_match_float64_reference",
-    "tests/fused_logprob_test.py::test_value_and_vjp_match_float64_reference",
-    "tests/gmm_pallas_test.py::test_value_and_grads_equal_reference",
-    "tests/gmm_test.py::test_every_implementation_in_the_table_equals_the_loop",
-    "tests/gmm_test.py::test_value_and_grad_match_reference",
-    "tests/hf_checkpoint_test.py::test_save_then_load_is_bit_exact",
-    "tests/hf_export_test.py::test_the_export_serves_the_sources_template_stop_ids_and_model",
-    "tests/hf_parity_test.py::test_logits_and_experts_match_transformers",
-    "tests/logprobs_test.py::test_row_does_not_depend_on_other_rows_bitwise",
-    "tests/loss_table_test.py::test_a_row_lists_exactly_the_knobs_its_loss_reads",
-    "tests/losses_test.py::HandDerivedTest::test_cispo_by_hand",
-    "tests/losses_test.py::HandDerivedTest::test_grpo_and_dapo_by_hand",
-    "tests/losses_test.py::HandDerivedTest::test_gspo_by_hand",
-    "tests/losses_test.py::HandDerivedTest::test_minirl_ablations_by_hand",
-    "tests/losses_test.py::test_every_loss_takes_the_row_denominator",
-    "tests/packing_test.py::test_plan_is_first_fit_decreasing_whole_and_within_its_shard",
-    "tests/transformer_test.py::ForwardTest::test_replaying_own_routes_is_bit_identical_and_other_routes_differ",
-    "tests/transformer_test.py::test_dense_dispatch_and_unrolled_layers_agree_with_the_scan",
-    "tests/transformer_test.py::test_grouped_matmul_implementations_agree_in_the_model",
-    "tests/transformer_test.py::test_kv_cache_prefill_then_decode_equals_full_forward",
-)
-
 # Sampled products whose other cases stay in `integration` (and so in CI): between them
 # they run lines of the Hugging Face loader and validator, the rollout-file reader, the
 # Pallas fused log-prob and the grouped-matmul table that no other CI test runs
@@ -74,6 +39,31 @@ SAMPLED_IN_CI = (
     "tests/hf_checkpoint_test.py::test_save_then_load_is_bit_exact",
     "tests/hf_export_test.py::test_the_export_serves_the_sources_template_stop_ids_and_model",
     "tests/hf_parity_test.py::test_logits_and_experts_match_transformers",
+)
+
+# Parameter products whose default-tier run is one fixed-seed case (`sampled_out`); the
+# `slow` tier runs the other cases (marked `sampled`), `integration` those of
+# SAMPLED_IN_CI. Each product here took over 4 s in all.
+SAMPLED = SAMPLED_IN_CI + (
+    "tests/accumulate_test.py::test_accumulated_losses_equal_one_batch",
+    "tests/bad_input_test.py::test_a_hostile_chat_template_is_one_line_naming_its_file",
+    "tests/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics",
+    "tests/continuous_test.py::test_continuous_returns_the_static_rollout_bit_for_bit",
+    "tests/decode_attention_test.py::test_every_row_is_the_reference",
+    "tests/decode_attention_test.py::test_the_samplers_draw_the_same_responses_with_the_kernel",
+    "tests/expert_parallel_test.py::test_decode_exchange_equals_the_gathered_tokens",
+    "tests/logprobs_test.py::test_row_does_not_depend_on_other_rows_bitwise",
+    "tests/loss_table_test.py::test_a_row_lists_exactly_the_knobs_its_loss_reads",
+    "tests/losses_test.py::HandDerivedTest::test_cispo_by_hand",
+    "tests/losses_test.py::HandDerivedTest::test_grpo_and_dapo_by_hand",
+    "tests/losses_test.py::HandDerivedTest::test_gspo_by_hand",
+    "tests/losses_test.py::HandDerivedTest::test_minirl_ablations_by_hand",
+    "tests/losses_test.py::test_every_loss_takes_the_row_denominator",
+    "tests/packing_test.py::test_plan_is_first_fit_decreasing_whole_and_within_its_shard",
+    "tests/transformer_test.py::ForwardTest::test_replaying_own_routes_is_bit_identical_and_other_routes_differ",
+    "tests/transformer_test.py::test_dense_dispatch_and_unrolled_layers_agree_with_the_scan",
+    "tests/transformer_test.py::test_grouped_matmul_implementations_agree_in_the_model",
+    "tests/transformer_test.py::test_kv_cache_prefill_then_decode_equals_full_forward",
 )
 
 # Tests (or whole parameter products, by name) of 5 s or more each on 2 cores: most
