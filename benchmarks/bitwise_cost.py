@@ -30,12 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import compile_cache, presets
-from stablerl_jax import rollout as ro
+from stablerl_jax import presets
 from stablerl_jax.config import apply_overrides
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.runs import compile_cache
+from stablerl_jax.sampling import rollout as ro
 
 ARMS = ("exact", "bitwise")
 

@@ -43,12 +43,13 @@ import jax
 import numpy as np
 
 from experiments import async_staleness, offpolicy, onpolicy, runner
-from stablerl_jax import compile_cache, distributed
+from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
-from stablerl_jax.diagnostics import reduce_metrics
-from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.method.diagnostics import reduce_metrics
 from stablerl_jax.rl import costs, loop
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.runs import compile_cache
+from stablerl_jax.runs.metrics_io import read_metrics
 
 SETTINGS = {
     "onpolicy": lambda: onpolicy.tiny_base(),

@@ -31,11 +31,12 @@ import time
 import jax
 import numpy as np
 
-from stablerl_jax import presets, schedule
+from stablerl_jax import presets
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import schedule
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rollout import Rollout
+from stablerl_jax.sampling.rollout import Rollout
 
 
 def synthetic_batch(cfg, lengths: str, seed: int = 0) -> tuple[Rollout, np.ndarray]:
@@ -121,7 +122,7 @@ def main(argv=None):
     for name, cfg, t in configs:
         r = run(cfg, ro, rewards, args.reps)
         if t:
-            from stablerl_jax import packing
+            from stablerl_jax.rl import packing
             p = packing.plan(ro.prompt_mask_BxS | ro.completion_mask_BxS, t, 1)
             rows, slots = int(p.rows_used_D.sum()), int(p.rows_used_D.sum()) * t
         else:

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.timing import median_seconds
-from stablerl_jax import rollout as ro
 from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.sampling import rollout as ro
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "new"))

@@ -13,7 +13,7 @@ timed by rl/costs.PhaseTimer with the loop's waits, and prints per step the `tim
 after the first (whose compiles dominate).
 
 With `--topology` it is a dry start on that TPU topology's abstract devices (libtpu, no
-TPU: stablerl_jax/aot.py): only the estimates a run there would log at its start, the
+TPU: stablerl_jax/pod/aot.py): only the estimates a run there would log at its start, the
 numbers `experiments.aot_compile` prints for the same preset and topology.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
           f"preset {args.preset} {args.overrides}: {b} responses of up to "
           f"{cfg.sampling.max_new_tokens} tokens, {rl.num_minibatches} update(s)", flush=True)
     if args.topology:
-        from stablerl_jax import aot
+        from stablerl_jax.pod import aot
         engine = aot.engine_for(cfg, aot.topology(args.topology))
     else:
         engine = Engine.create(cfg, eos_id=1, pad_id=0)

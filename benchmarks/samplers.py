@@ -51,12 +51,14 @@ import jax
 import numpy as np
 
 from experiments import onpolicy
-from stablerl_jax import checkpoint, distributed, schedule
+from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import schedule
 from stablerl_jax.rl import loop, sft
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
+from stablerl_jax.runs import checkpoint
 
 PRESETS = {"long": onpolicy.long_base, "tiny": onpolicy.tiny_base}
 

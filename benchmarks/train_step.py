@@ -36,7 +36,7 @@ from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.flops import train_flops
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rollout import Rollout
+from stablerl_jax.sampling.rollout import Rollout
 
 
 def small() -> ExperimentConfig:

@@ -8,14 +8,14 @@ one file. `OTHER_ENTRY_POINTS` run something else under their own command line, 
 
 Importing the package comes before anything else an entry point does, so this is where a
 host without a TPU tells libtpu (the `tpu` extra) not to probe for hardware, before JAX
-starts a backend (stablerl_jax/libtpu_env.py; a TPU host is left as it is).
+starts a backend (stablerl_jax/pod/libtpu_env.py; a TPU host is left as it is).
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-from stablerl_jax.libtpu_env import quiet_libtpu
+from stablerl_jax.pod.libtpu_env import quiet_libtpu
 
 quiet_libtpu()
 

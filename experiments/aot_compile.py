@@ -7,7 +7,7 @@
 
 Needs libtpu: `pip install -e '.[tpu]'` (no TPU is used: the compiler runs here). Lowers
 the Engine's own sample, score and update steps (its mesh, shardings and jitted
-functions, built on the topology's abstract devices; stablerl_jax/aot.py) and prints,
+functions, built on the topology's abstract devices; stablerl_jax/pod/aot.py) and prints,
 per step and per chip: argument / output / temp GiB and their total (argument + output +
 temp − aliased), the chip's HBM, whether it fits, compile seconds, XLA's FLOP count of
 the program (its cost analysis counts a loop body — the layer scan, the micro-batch scan,
@@ -16,8 +16,8 @@ chip (stablerl_jax/model/flops.py, every loop iteration counted), the collective
 instructions in the optimized HLO (an instruction inside a loop counts once) and the
 collective bytes per chip of one call (every loop at its trip count, the sampler's decode
 loop at all max_new_tokens steps) inside a slice (ICI) and between slices (DCN;
-stablerl_jax/hlo_loops.py); then the roofline time estimates of the compiled steps
-(stablerl_jax/roofline.py; with the sample step, the sampler's too). `--num-slices K`
+stablerl_jax/pod/hlo_loops.py); then the roofline time estimates of the compiled steps
+(stablerl_jax/pod/roofline.py; with the sample step, the sampler's too). `--num-slices K`
 (or a topology written `Kxv5p-128`) compiles for K slices joined by the data-center
 network; the config's `mesh_dcn` says which mesh axes span them (e.g. `mesh=2,8,8
 mesh_dcn=2,1,1`: data parallel across two slices), and the roofline estimates price
@@ -33,7 +33,7 @@ fit.
 `--lengths SPEC` (repeatable; `--eval-lengths` for the evaluation's) adds, per
 distribution, the score and update at those lengths (padded rows trimmed to the longest,
 or with rl.pack_tokens the packed micro-batches in use: schedule_prices.train_shares),
-and (when the sample step is compiled too) the sampler's schedules (stablerl_jax/schedule.py: static, continuous,
+and (when the sample step is compiled too) the sampler's schedules (stablerl_jax/pod/schedule.py: static, continuous,
 partial rollouts with S = 1 and 2) priced per decode step at its largest write slot
 (schedule_prices.schedule_rows): sample, score passes, updates, amortized eval and global step
 seconds, slot occupancy, the partial rollouts' drops and token ages, and whether a
@@ -49,7 +49,8 @@ import sys
 import numpy as np
 
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import aot, presets, roofline, schedule, schedule_prices
+from stablerl_jax import presets
+from stablerl_jax.pod import aot, roofline, schedule, schedule_prices
 
 
 def _row(c: aot.Compiled, hbm: float, cfg) -> str:
@@ -78,7 +79,7 @@ HEADER = ("| step | argument GiB | output GiB | temp GiB | total GiB | HBM GiB |
 
 
 def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
-    """Rows per pass and the roofline time estimates (stablerl_jax/roofline.py); with
+    """Rows per pass and the roofline time estimates (stablerl_jax/pod/roofline.py); with
     --lengths, the schedules' tables (_length_tables)."""
     cfg, chip = engine.cfg, roofline.chip_of(topo.name)
     rows = roofline.rows_per_pass(cfg)
@@ -161,7 +162,7 @@ def _train_table(engine, est, spec, args) -> None:
 
 
 def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, args) -> None:
-    """The sampler's schedules (stablerl_jax/schedule.py) at a length distribution,
+    """The sampler's schedules (stablerl_jax/pod/schedule.py) at a length distribution,
     priced per decode step (schedule_prices.schedule_rows), and the sampler / trainer split."""
     cfg, chip, rl = engine.cfg, roofline.chip_of(topo.name), engine.cfg.rl
     cap, b, slots = cfg.sampling.max_new_tokens, rl.prompts_per_step * rl.group_size, \
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
                     help="also write each step's optimized HLO to DIR/<step>.hlo.txt")
     ap.add_argument("--lengths", action="append", default=[], metavar="SPEC",
                     help="also estimate the sampler's schedules at this response-length "
-                         "distribution (stablerl_jax/schedule.py: lognormal:mean=8192"
+                         "distribution (stablerl_jax/pod/schedule.py: lognormal:mean=8192"
                          "[,sigma=0.75], fixed:N, file:PATH); repeatable")
     ap.add_argument("--eval-lengths", default="", metavar="SPEC",
                     help="the evaluation's length distribution (default: --lengths')")

@@ -16,7 +16,7 @@ architecture and tokenizer in every run's config (after the overrides), its weig
 cold start's starting point (read only when the cold start trains, or as the RL start when
 sft.steps = 0). `--tracker` names the experiment trackers (tensorboard, wandb, mlflow;
 default tensorboard) every run and the cold start log to besides metrics.jsonl
-(stablerl_jax/trackers.py; a tracker whose package is missing is refused here). A module
+(stablerl_jax/runs/trackers.py; a tracker whose package is missing is refused here). A module
 adds its own flags and variants through the descriptor's `add_arguments` and
 `variants_from`. `experiments.descriptors()` lists every module's descriptor.
 """
@@ -31,11 +31,18 @@ from collections.abc import Callable, Mapping
 
 from experiments.cli_errors import one_line_errors
 from experiments.report import report
-from experiments.runner import (Experiment, Variant, finished_runs, run_dir, run_variants,
-                                task_and_cold_start)
-from stablerl_jax import compile_cache, distributed, storage, trackers, workdir
+from experiments.runner import (
+    Experiment,
+    Variant,
+    finished_runs,
+    run_dir,
+    run_variants,
+    task_and_cold_start,
+)
+from stablerl_jax import distributed
 from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import preflight, profiling
+from stablerl_jax.runs import compile_cache, storage, trackers, workdir
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ prints as one line on stderr and exits with status 2, the way argparse reports a
 argument; `--traceback` shows the full traceback instead. Ctrl-C (KeyboardInterrupt) also
 ends in one line, with status 130 (128 + SIGINT: what a shell reports for a command that
 Ctrl-C ended); the training loops have by then finished or dropped the checkpoint save in
-flight, within the bound stablerl_jax/checkpoint.py states. Anything else (a bug) keeps
+flight, within the bound stablerl_jax/runs/checkpoint.py states. Anything else (a bug) keeps
 its traceback."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 
-from stablerl_jax.checkpoint import CheckpointSaveError
+from stablerl_jax.runs.checkpoint import CheckpointSaveError
 
 # ValueError covers ConfigError, WorkdirBusy and JSON decoding errors; OSError a workdir
 # or file that cannot be read or written (permissions, a full disk, a missing path).

@@ -27,9 +27,10 @@ import re
 
 from experiments import cli
 from experiments.runner import Experiment, Variant
-from stablerl_jax import presets, storage
-from stablerl_jax.data import sft_data
+from stablerl_jax import presets
 from stablerl_jax.config import STYLES, ExperimentConfig, apply_overrides
+from stablerl_jax.data import sft_data
+from stablerl_jax.runs import storage
 
 VARIANTS = tuple(Variant(f"sft-{s}", (f"task.style={s}",)) for s in STYLES)
 RECIPE = ("rl.replay=r2", "rl.num_minibatches=2")

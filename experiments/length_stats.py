@@ -26,8 +26,8 @@ from experiments import onpolicy, runner
 from experiments.cli_errors import one_line_errors
 from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
-from stablerl_jax.diagnostics import reduce_metrics
-from stablerl_jax.mismatch import mismatch_pairs
+from stablerl_jax.method.diagnostics import reduce_metrics
+from stablerl_jax.method.mismatch import mismatch_pairs
 from stablerl_jax.rl.engine import Engine
 
 BASES = {"tiny": onpolicy.tiny_base, "long": onpolicy.long_base}

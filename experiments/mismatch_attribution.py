@@ -28,9 +28,9 @@ import numpy as np
 from experiments import cli, onpolicy, report, stats
 from experiments.runner import Experiment, Variant
 from stablerl_jax import presets
-from stablerl_jax.attribution import BINS
 from stablerl_jax.config import ExperimentConfig
-from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.method.attribution import BINS
+from stablerl_jax.runs.metrics_io import read_metrics
 
 VARIANTS = (
     Variant("minirl-lr3e-4", ("rl.optim.learning_rate=3e-4",)),

@@ -34,11 +34,12 @@ import time
 from flax import traverse_util
 
 from experiments.cli_errors import one_line_errors
-from stablerl_jax import compile_cache, distributed, presets, trackers, storage, workdir
+from stablerl_jax import distributed, presets
 from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, profiling, sft
 from stablerl_jax.rl.engine import param_shardings
+from stablerl_jax.runs import compile_cache, storage, trackers, workdir
 
 
 @one_line_errors

@@ -11,9 +11,8 @@ import os
 import numpy as np
 
 from experiments import stats
-from stablerl_jax import storage
-from stablerl_jax.metrics_io import plot_comparison
-
+from stablerl_jax.runs import storage
+from stablerl_jax.runs.metrics_io import plot_comparison
 
 # The comparison figure: one metric per panel, so each line is one variant (seed mean).
 COMPARISON_PANELS = [

@@ -15,12 +15,13 @@ import dataclasses
 import os
 import time
 
-from stablerl_jax import distributed, storage
+from stablerl_jax import distributed
 from stablerl_jax.config import ExperimentConfig, apply_overrides
 from stablerl_jax.interop import hf_checkpoint
-from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.rl.engine import param_shardings
+from stablerl_jax.runs import storage
+from stablerl_jax.runs.metrics_io import read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = "",
     """(TaskData, SFT params) of `cfg`, trained once and cached under `workdir`: from the
     weights of the checkpoint directory `hf` (cfg already carries its architecture,
     `Experiment.config`; read only if the cold start trains or sft.steps = 0), else from
-    a fresh init. `trackers`: where the cold start logs (stablerl_jax/trackers.py)."""
+    a fresh init. `trackers`: where the cold start logs (stablerl_jax/runs/trackers.py)."""
     data = loop.task_data(cfg, workdir)
     preflight.check_data(cfg, data)  # before the cold start trains
     # Straight onto the Engine's shardings: no host copy of the model.
@@ -82,7 +83,7 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
                  allow_config_change=(), trackers=("tensorboard",),
                  replace_history: bool = False, profile=None) -> dict:
     """Every (variant, seed) RL run from `params`, each logging to `trackers`
-    (stablerl_jax/trackers.py); returns {name: [records per seed]}."""
+    (stablerl_jax/runs/trackers.py); returns {name: [records per seed]}."""
     runs = {}
     for v in variants or exp.variants:
         runs[prefix + v.name] = []

@@ -19,10 +19,17 @@ with target="gpu"). A caller that picks a row by name looks it up once: `lookup(
 name, field).load(block=, interpret=)` is the callable, and the dispatcher is that
 call on the op's arguments.
 
-Ops: the fused token log-prob / entropy (fused_logprob*, `LOGPROB_IMPLS`, chosen by
-RLConfig.logprob_impl), the grouped matmul of the MoE expert FFN (gmm*, `GMM_IMPLS`,
-chosen by ModelConfig.gmm_impl) and a decode step's blocked attention
-(decode_attention*, `DECODE_IMPLS`, chosen by ModelConfig.decode_attention_impl). The model, the config, the AOT kernel list, the kernel
+Ops, each as X.py, X_pallas.py and X_impls.py:
+
+    fused_logprob     the fused token log-prob / entropy (`LOGPROB_IMPLS`,
+                      RLConfig.logprob_impl)
+    gmm               the grouped matmul of the MoE expert FFN (`GMM_IMPLS`,
+                      ModelConfig.gmm_impl)
+    decode_attention  a decode step's blocked attention (`DECODE_IMPLS`,
+                      ModelConfig.decode_attention_impl)
+    dtypes.py         the dtype helpers the kernels share
+
+The model, the config, the AOT kernel list, the kernel
 tests and the benchmarks all read the tables, so a new implementation is one function
 and one table row (docs/architecture.md, "Add a kernel"). Shape letters are those of
 docs/architecture.md's "Names"; each module lists the ones it uses.

@@ -3,7 +3,7 @@
 #
 # The paper optimizes a token-level surrogate whose gradient is the first-order
 # approximation of the sequence-level objective: Σ_t w_t · Â · ∇log π_θ(y_t), with a
-# per-token weight w_t. Every loss in `stablerl_jax.losses.LOSSES` has the signature
+# per-token weight w_t. Every loss in `stablerl_jax.method.losses.LOSSES` has the signature
 # `loss_fn(logp_BxT, batch, cfg) -> (loss, metrics)`: `logp_BxT` are the training
 # policy's log-probs π_θ(y_t) of the sampled tokens, `batch` holds the old policy's
 # log-probs (π_old), the inference engine's (μ_old), advantages and the completion mask,
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from stablerl_jax import diagnostics, losses
 from stablerl_jax.config import LossConfig
+from stablerl_jax.method import diagnostics, losses
 
 # %% [markdown]
 # A synthetic batch of 8 responses × 12 tokens (ragged lengths). μ_old and π_old differ by

@@ -2,7 +2,7 @@
 # # Where a run's training–inference mismatch comes from
 #
 # A run with `rl.attribution=true` splits each scored token's log π_θ − log μ into three
-# parts that add up to it (`stablerl_jax/attribution.py`, docs/method.md §11):
+# parts that add up to it (`stablerl_jax/method/attribution.py`, docs/method.md §11):
 #
 # - **precision**: log π(θ_old, the sampler's experts) − log μ, the arithmetic alone;
 # - **routing**: log π_old − log π(θ_old, the sampler's experts), the trainer's experts
@@ -28,9 +28,9 @@ import numpy as np
 # notebook runs from the root or from notebooks/.
 sys.path.insert(0, os.path.abspath(".." if os.path.isdir("../experiments") else "."))
 from experiments import stats  # noqa: E402
-from stablerl_jax import storage  # noqa: E402
-from stablerl_jax.attribution import BINS, PARTS  # noqa: E402
-from stablerl_jax.metrics_io import read_metrics  # noqa: E402
+from stablerl_jax.method.attribution import BINS, PARTS  # noqa: E402
+from stablerl_jax.runs import storage  # noqa: E402
+from stablerl_jax.runs.metrics_io import read_metrics  # noqa: E402
 
 default = "runs/attribution" if os.path.isdir("runs") else "../runs/attribution"
 workdir = os.environ.get("STABLERL_WORKDIR", default)

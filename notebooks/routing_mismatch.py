@@ -24,13 +24,19 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from stablerl_jax import diagnostics, mismatch, rollout
-from stablerl_jax.config import (INFERENCE_NUMERICS, ExperimentConfig, ModelConfig, RLConfig,
-                                 SamplingConfig)
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.config import (
+    INFERENCE_NUMERICS,
+    ExperimentConfig,
+    ModelConfig,
+    RLConfig,
+    SamplingConfig,
+)
+from stablerl_jax.method import diagnostics, mismatch
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import steps
+from stablerl_jax.sampling import rollout
 
 cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, num_experts=8, top_k=2, expert_ffn_dim=32, max_seq_len=40,

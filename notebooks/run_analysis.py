@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Image, display
 
-from stablerl_jax.metrics_io import PANELS, plot_comparison, read_metrics
+from stablerl_jax.runs.metrics_io import PANELS, plot_comparison, read_metrics
 
 # Relative to the repository root, or to notebooks/ (where Jupyter starts the kernel).
 default = "runs/quickstart" if os.path.isdir("runs") else "../runs/quickstart"

@@ -10,10 +10,10 @@ import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 from tolerance import assert_close, backward_chain, engine_chain
 
-from stablerl_jax import losses
 from stablerl_jax.config import AGGREGATIONS, LOSS_NAMES, LossConfig
 from stablerl_jax.data.batching import SFTBatch
-from stablerl_jax.losses import LossBatch
+from stablerl_jax.method import losses
+from stablerl_jax.method.losses import LossBatch
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import accumulate, steps
 from stablerl_jax.rl.engine import Engine

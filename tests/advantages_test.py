@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from tolerance import assert_close
 
-from stablerl_jax import advantages as adv
+from stablerl_jax.method import advantages as adv
 
 # Rewards are exact; a group mean over G ≤ 4 values is a sum (G − 1 roundings) and a
 # division (1), the centring a subtraction (1): n = 5. Exact zeros stay exactly zero.

@@ -1,11 +1,12 @@
-"""AOT compilation for TPU topologies (stablerl_jax/aot.py): topology names, and — with
+"""AOT compilation for TPU topologies (stablerl_jax/pod/aot.py): topology names, and — with
 libtpu installed (the `tpu` extra; tests marked `tpu`, run by .ci/run) — a 2-layer
 paper-preset update step and the Pallas kernels compiled for a v5p-8, the update's
 per-chip memory checked against the analytic account of `aot_helpers.update_memory_bound`."""
 import pytest
 from aot_helpers import expert_weight_gathers, update_memory_bound
 
-from stablerl_jax import aot, presets
+from stablerl_jax import presets
+from stablerl_jax.pod import aot
 
 
 @pytest.mark.parametrize("name,jax_name,chips,hbm", [
@@ -87,7 +88,7 @@ backend_config={"known_trip_count":{"n":"3"}}
 
 
 def test_collective_bytes_multiply_nested_loops_by_their_trip_counts():
-    from stablerl_jax import hlo_loops
+    from stablerl_jax.pod import hlo_loops
     m = hlo_loops.Module(_HLO)
     assert m.entry == "main"
     loops = {lp.body: lp for lp in m.loops()}
@@ -107,7 +108,7 @@ def test_collective_bytes_multiply_nested_loops_by_their_trip_counts():
 
 
 def test_roofline_is_the_slower_of_compute_and_memory_plus_communication():
-    from stablerl_jax import roofline
+    from stablerl_jax.pod import roofline
     chip = roofline.ChipSpec(peak_flops=100.0, hbm_bw=10.0, ici_bw=4.0, source="test")
     assert roofline.Cost(flops=300, hbm_bytes=20, collective_bytes=8).seconds(chip) == 5.0
     assert roofline.Cost(flops=100, hbm_bytes=50, collective_bytes=0).seconds(chip) == 5.0
@@ -116,7 +117,7 @@ def test_roofline_is_the_slower_of_compute_and_memory_plus_communication():
 
 
 def test_decode_steps_by_the_key_blocks_they_read():
-    from stablerl_jax import roofline
+    from stablerl_jax.pod import roofline
     # Slots 3..8 with blocks of 4: slot 3 reads block 0; 4..7 blocks 0-1; 8 blocks 0-2.
     assert roofline.extra_blocks(3, 6, 4) == {0: 1, 1: 4, 2: 1}
     assert roofline.extra_blocks(3, 6, 0) == {0: 6}
@@ -136,7 +137,7 @@ def test_a_bad_length_spec_is_refused_before_any_compile(capsys):
 
 
 def test_kv_cache_bytes_per_row_of_the_paper_preset():
-    from stablerl_jax import roofline
+    from stablerl_jax.pod import roofline
     cfg = presets.preset("paper")
     # 48 layers × (keys, values) × 33,792 slots × 4 KV heads × 128 × 2 bytes (bf16).
     assert roofline.kv_bytes_per_row(cfg) == 48 * 2 * 33_792 * 4 * 128 * 2
@@ -187,7 +188,8 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k):
     Top-8 over 4 expert shards gathers the shards' tokens; top-2 exchanges them by a
     ragged all-to-all (expert_parallel._exchange_moves_less)."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
-    from stablerl_jax import hlo_loops
+
+    from stablerl_jax.pod import hlo_loops
     topo = aot.topology("v5p-8")
     # Short sequences: the layout, not the KV cache's size, is under test.
     cfg = presets.preset("paper", CI_OVERRIDES + [
@@ -198,6 +200,7 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k):
     loop = hlo_loops.decode_loop(module)
     body = module.instructions_under(loop.body)
     import jax
+
     from stablerl_jax.model import transformer as tf
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model))
     shapes = hlo_loops.weight_shapes(params_like, cfg.model.num_experts, cfg.mesh[2])
@@ -228,7 +231,8 @@ def test_decode_block_reads_one_block_of_the_cache_on_v5p_8():
     counted once) are those of one block's keys and values of this chip's rows plus
     the small per-row state, not of the whole cache."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
-    from stablerl_jax import roofline
+
+    from stablerl_jax.pod import roofline
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
     engine = aot.engine_for(cfg, topo)
@@ -253,7 +257,8 @@ def test_scanned_decode_layer_reads_its_cache_by_blocks_on_v5p_8():
     slice feeds the block loop) would count at least that, reading and writing both
     (3.96 GB here; 1.67 GB with the blocks sliced in place; the bound is 2 × 1.11 GB)."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
-    from stablerl_jax import roofline
+
+    from stablerl_jax.pod import roofline
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
     assert not cfg.model.unroll_layers

@@ -1,5 +1,5 @@
 """The per-token attribution of the training–inference mismatch (rl.attribution,
-stablerl_jax/attribution.py): the parts add up to the total, each vanishes where its
+stablerl_jax/method/attribution.py): the parts add up to the total, each vanishes where its
 source does, the bins partition the tokens, the per-layer split adds up with its
 interaction, partial rollouts take each token's terms from its version, and a run logs,
 plots, dumps and resumes it, and the notebook reads it. `slow`: packed steps and
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg, versions_and_rollout
 
-from stablerl_jax import attribution
 from stablerl_jax.config import SamplingConfig
-from stablerl_jax.diagnostics import reduce_metrics
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method import attribution
+from stablerl_jax.method.diagnostics import reduce_metrics
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop, probe
 from stablerl_jax.rl.engine import Engine

@@ -10,9 +10,10 @@ import pytest
 from jax.experimental import checkify
 from rl_helpers import tiny_cfg
 
-from stablerl_jax import input_checks, losses, presets
+from stablerl_jax import input_checks, presets
 from stablerl_jax.config import ConfigError, LossConfig
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method import losses
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import moe
 from stablerl_jax.model import transformer as tf
 

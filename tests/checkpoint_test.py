@@ -18,11 +18,18 @@ import numpy as np
 import optax
 import pytest
 from conftest import cpu_devices
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from stablerl_jax import checkpoint_guards
-from stablerl_jax.checkpoint import (LOG_FILE, Checkpointer, CheckpointSaveError, checksums,
-                                     load_params, save_params)
+from stablerl_jax.runs import checkpoint_guards
+from stablerl_jax.runs.checkpoint import (
+    LOG_FILE,
+    Checkpointer,
+    CheckpointSaveError,
+    checksums,
+    load_params,
+    save_params,
+)
 
 # clip + adamw: a NamedTuple chain that includes an EmptyState, as the trainer's optimizer does.
 _OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))

@@ -21,8 +21,8 @@ pytest.importorskip("torch", reason="the interop extra (torch) is not installed"
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
 
 from experiments import coldstart  # noqa: E402
-from stablerl_jax.checkpoint import load_params  # noqa: E402
-from stablerl_jax.metrics_io import read_metrics  # noqa: E402
+from stablerl_jax.runs.checkpoint import load_params  # noqa: E402
+from stablerl_jax.runs.metrics_io import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.interop
 

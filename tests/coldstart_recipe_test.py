@@ -27,12 +27,12 @@ transformers = pytest.importorskip("transformers",
 
 from experiments import quickstart  # noqa: E402
 from stablerl_jax import presets  # noqa: E402
-from stablerl_jax.checkpoint import load_params  # noqa: E402
-from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
 from stablerl_jax.data import sft_data  # noqa: E402
-from stablerl_jax.metrics_io import read_metrics  # noqa: E402
-from stablerl_jax.rl import loop  # noqa: E402
+from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
 from stablerl_jax.model import transformer as tf  # noqa: E402
+from stablerl_jax.rl import loop  # noqa: E402
+from stablerl_jax.runs.checkpoint import load_params  # noqa: E402
+from stablerl_jax.runs.metrics_io import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.interop
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.integration  # each test starts Python processes
 
 PROGRAM = """
 import sys, jax, jax.numpy as jnp
-from stablerl_jax import compile_cache
+from stablerl_jax.runs import compile_cache
 hits = []
 jax.monitoring.register_event_listener(
     lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)

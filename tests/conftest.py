@@ -52,7 +52,7 @@ _add_xla_flag("--xla_force_host_platform_device_count=8")
 if not os.path.exists("/dev/nvidiactl"):  # CPU only: LLVM at -O0 (module docstring)
     _add_xla_flag("--xla_backend_optimization_level=0")
 
-from stablerl_jax.libtpu_env import quiet_libtpu  # noqa: E402  (before jax starts a backend)
+from stablerl_jax.pod.libtpu_env import quiet_libtpu  # noqa: E402  (before jax starts a backend)
 
 quiet_libtpu()  # only without TPU chips
 

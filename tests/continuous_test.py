@@ -1,4 +1,4 @@
-"""Continuous batching (stablerl_jax/continuous.py): the static sampler's responses, bit for
+"""Continuous batching (stablerl_jax/sampling/continuous.py): the static sampler's responses, bit for
 bit, in fewer decode steps when lengths differ; every numerics preset, cache layout and
 dispatch the static sampler has."""
 import functools
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from tolerance import LAMBDA, assert_close, engine_chain
 
-from stablerl_jax import continuous, schedule
-from stablerl_jax import rollout as ro
 from stablerl_jax.config import ModelConfig, SamplingConfig
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import schedule
+from stablerl_jax.sampling import continuous
+from stablerl_jax.sampling import rollout as ro
 
 CFG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64, max_seq_len=40,
@@ -69,7 +70,7 @@ def test_continuous_returns_the_static_rollout_bit_for_bit(slots):
     # holds several responses. One slot: the responses run one after another in both
     # (Σ lengths); one slot per row: nothing to refill (the longest row).
     assert steps >= -(-lengths.sum() // slots) and steps >= lengths.max()
-    # The schedule the pod estimates price (stablerl_jax/schedule.py) is this sampler's.
+    # The schedule the pod estimates price (stablerl_jax/pod/schedule.py) is this sampler's.
     assert steps == schedule.continuous(lengths, slots).runs.steps
     assert schedule.static(lengths, slots).runs.steps == static_steps(lengths, slots)
     expected = {1: lengths.sum(), 16: lengths.max()}

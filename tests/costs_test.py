@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
-from stablerl_jax import rollout, roofline
-from stablerl_jax.metrics_io import read_metrics
+from stablerl_jax.pod import roofline
 from stablerl_jax.rl import costs, loop, profiling
+from stablerl_jax.runs.metrics_io import read_metrics
+from stablerl_jax.sampling import rollout
 
 
 def _adds_up(row: dict) -> None:
@@ -95,7 +96,8 @@ def test_estimates_are_scaled_to_the_step_and_compared():
 
 
 def test_a_score_step_without_a_forward_has_no_mfu():
-    from stablerl_jax import aot, presets
+    from stablerl_jax import presets
+    from stablerl_jax.pod import aot
     fused = presets.tiny()  # on-policy, rl.score_in_update: the update's forward scores
     assert fused.rl.score_in_update and costs.score_forwards(fused) == 0
     out = costs.perf_row(fused, {"time/score": 0.1, "time/update": 1.0}, generated=1.0,
@@ -191,7 +193,9 @@ def test_a_dry_start_on_a_pod_logs_the_estimates_aot_compile_prints(monkeypatch)
     """The run's start on a topology's abstract devices prices its programs with the
     function experiments.aot_compile prints, on the chip its devices name."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
-    from stablerl_jax import aot, presets
+
+    from stablerl_jax import presets
+    from stablerl_jax.pod import aot
     cfg = presets.preset("tiny", ["mesh=1,4,1"])
     engine = aot.engine_for(cfg, aot.topology("v5p-8"))
     real, seen = roofline.estimate, []

@@ -11,14 +11,15 @@ import pytest
 from conftest import cpu_devices
 from kernel_cases import INTERPRET, impl_params
 
-from stablerl_jax import continuous, sharding
-from stablerl_jax import rollout as ro
+from stablerl_jax import sharding
 from stablerl_jax.config import ConfigError, ModelConfig, SamplingConfig
 from stablerl_jax.kernels import decode_attention_pallas
 from stablerl_jax.kernels.decode_attention import blocks, decode_attention
 from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, DecodeImpl
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.sampling import continuous
+from stablerl_jax.sampling import rollout as ro
 
 B, KV, G, DH, S, L, X = 5, 2, 4, 16, 44, 3, 8  # S not a multiple of X: a last block overlaps
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from tolerance import assert_close
 
-from stablerl_jax import diagnostics as dg
-from stablerl_jax import losses
+from stablerl_jax.method import diagnostics as dg
+from stablerl_jax.method import losses
 
 LOG = np.log
 

@@ -15,10 +15,10 @@ from tolerance import assert_close, backward_chain
 
 from stablerl_jax.config import ConfigError, RLConfig
 from stablerl_jax.data.task import TaskData
-from stablerl_jax.metrics_io import outcome, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import dynamic, loop
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.runs.metrics_io import outcome, read_metrics
 
 ROUNDS, STEPS = 2, 3
 

@@ -10,7 +10,7 @@ from hf_fixtures import write_qwen_tokenizer
 
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
 from stablerl_jax.rl import evals
-from stablerl_jax.rollout import Rollout
+from stablerl_jax.sampling.rollout import Rollout
 
 
 @pytest.mark.parametrize("n, k, multiple, processes, want", [

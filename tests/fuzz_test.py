@@ -24,9 +24,20 @@ import shutil
 import mlflow  # noqa: F401  (its first import runs `uname -p`: here, not in a test)
 import numpy as np
 import pytest
-from fuzz_helpers import (FAST, HF_CFG, JSON, LONG, REFUSED, SCALARS, damaged_bytes,
-                          json_bytes, mutated_json_object, run, works_or_user_error,
-                          write_tiny_checkpoint)
+from fuzz_helpers import (
+    FAST,
+    HF_CFG,
+    JSON,
+    LONG,
+    REFUSED,
+    SCALARS,
+    damaged_bytes,
+    json_bytes,
+    mutated_json_object,
+    run,
+    works_or_user_error,
+    write_tiny_checkpoint,
+)
 from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -251,7 +262,7 @@ _PATH = st.lists(st.text(max_size=8) | st.sampled_from([".", "..", "", "run 1", 
 
 
 def _check_url(url: str):
-    from stablerl_jax import storage
+    from stablerl_jax.runs import storage
     if works_or_user_error(storage.check_url, url, "workdir") is REFUSED:
         return
     if not url.startswith("gs://"):
@@ -279,7 +290,7 @@ _WANDB_MODES = st.sampled_from(["online", "offline", "disabled", "dryrun", "offl
 
 
 def _check_tracker_env(workdir: str, example):
-    from stablerl_jax.trackers import Trackers
+    from stablerl_jax.runs.trackers import Trackers
     names, env = example
     with pytest.MonkeyPatch.context() as mp:
         for key in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_BASE_URL"):

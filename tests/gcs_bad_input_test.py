@@ -10,7 +10,7 @@ import time
 import pytest
 
 from experiments import quickstart
-from stablerl_jax import storage
+from stablerl_jax.runs import storage
 
 # (case, URL, the message must contain this)
 BAD_URLS = [

@@ -22,8 +22,8 @@ in a bucket.
 """
 import json
 import logging
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,17 +35,23 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
-from stablerl_jax import storage
-from stablerl_jax import workdir as workdir_lock
-from stablerl_jax.checkpoint import Checkpointer
-from stablerl_jax.checkpoint_guards import ErrorLog
 from stablerl_jax.data.task import TaskData
-from stablerl_jax.metrics_io import (JsonlLog, MetricsWriter, outcome, read_metrics, torn_tail,
-                                     truncate_jsonl)
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.workdir import LOCK_FILE, WorkdirBusy
+from stablerl_jax.runs import storage
+from stablerl_jax.runs import workdir as workdir_lock
+from stablerl_jax.runs.checkpoint import Checkpointer
+from stablerl_jax.runs.checkpoint_guards import ErrorLog
+from stablerl_jax.runs.metrics_io import (
+    JsonlLog,
+    MetricsWriter,
+    outcome,
+    read_metrics,
+    torn_tail,
+    truncate_jsonl,
+)
+from stablerl_jax.runs.workdir import LOCK_FILE, WorkdirBusy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -216,7 +222,7 @@ def test_a_workdir_in_a_bucket_that_cannot_hold_a_run_is_refused(bucket):
 def _holder(workdir, heartbeat_s=60.0):
     """A process that takes the lock of `workdir`, prints 'held', and then checks every
     50 ms that it still holds it: it prints the error and exits 3 once it does not."""
-    code = ("import sys, time; from stablerl_jax import workdir as w; "
+    code = ("import sys, time; from stablerl_jax.runs import workdir as w; "
             "w.HEARTBEAT_S = float(sys.argv[2]); w.acquire(sys.argv[1]); "
             "print('held', flush=True)\n"
             "for _ in range(2400):\n"
@@ -297,7 +303,7 @@ def test_of_runs_racing_for_one_lock_one_wins(bucket):
     """Three processes take the lock at once: the create-if-absent precondition lets one
     win; the others are refused naming it."""
     run = f"{bucket}/run"
-    code = ("import sys; from stablerl_jax import workdir as w\n"
+    code = ("import sys; from stablerl_jax.runs import workdir as w\n"
             "try: w.acquire(sys.argv[1]); print('won', flush=True); sys.stdin.read()\n"
             "except w.WorkdirBusy as e: print(e, flush=True)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, run], stdin=subprocess.PIPE,

@@ -2,6 +2,7 @@
 modules stay leaves (no model, data, TFDS or even JAX behind `config` and `presets`)."""
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -69,6 +70,57 @@ def test_no_import_cycles():
             visit(m, [m])
 
 
+
+# The layers, lowest first: a module imports (at module level) only from its own layer or
+# a lower one, so the arrows of the package map (docs/architecture.md) point one way. The
+# tables of names (the kernels' `*_impls`, the loss table) import nothing of the package's
+# upper layers, so the config validates names against them from the bottom layer.
+LAYERS = (
+    ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices", "stablerl_jax.input_checks",
+     "stablerl_jax.distributed", "stablerl_jax.kernels.__init__", "stablerl_jax.kernels.*_impls",
+     "stablerl_jax.method.loss_table"),
+    ("stablerl_jax.config", "stablerl_jax.presets"),
+    ("stablerl_jax.kernels", "stablerl_jax.data"),
+    ("stablerl_jax.model",),
+    ("stablerl_jax.method",),
+    ("stablerl_jax.sampling", "stablerl_jax.runs"),
+    ("stablerl_jax.interop",),
+    ("stablerl_jax.rl", "stablerl_jax.pod"),
+)
+
+
+def _layer(name: str, path: pathlib.Path) -> int:
+    """The first layer holding `name`: a module, its package, or a pattern of file names."""
+    for i, layer in enumerate(LAYERS):
+        for entry in layer:
+            package, _, leaf = entry.rpartition(".")
+            if leaf == "__init__" and (name == package and path.name == "__init__.py"):
+                return i
+            if "*" in leaf and name.startswith(package + ".") and path.match(leaf + ".py"):
+                return i
+            if name == entry or name.startswith(entry + "."):
+                return i
+    raise AssertionError(f"{name} is in no layer of LAYERS")
+
+
+def test_imports_point_down_the_layers():
+    modules = _modules()
+    wrong = [f"{m} (layer {_layer(m, p)}) imports {d} (layer {_layer(d, modules[d])})"
+             for m, p in modules.items() for d in sorted(_imports(m, p, modules))
+             if _layer(d, modules[d]) > _layer(m, p)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_subpackage_opens_with_a_map_of_its_files():
+    """Each subpackage's __init__ docstring names every module in it (a kernel's
+    X_pallas.py and X_impls.py are named by its op X)."""
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        missing = [p.stem for p in init.parent.glob("*.py")
+                   if p.name != "__init__.py" and p.name not in doc
+                   and re.sub(r"_(pallas|impls)$", "", p.stem) not in doc.split()]
+        assert not missing, f"{init.parent.name}/__init__.py does not name {missing}"
+
 @pytest.mark.integration
 def test_each_module_imports_on_its_own_and_config_is_a_leaf():
     names = sorted(_modules())
@@ -78,7 +130,7 @@ import importlib, sys
 import stablerl_jax.config, stablerl_jax.presets
 heavy = [m for m in sys.modules if m.split(".")[0] in ("jax", "tensorflow_datasets",
          "sentencepiece") or m.startswith(("stablerl_jax.model", "stablerl_jax.data",
-         "stablerl_jax.rollout", "stablerl_jax.rl"))]
+         "stablerl_jax.sampling.rollout", "stablerl_jax.rl"))]
 assert not heavy, f"config imports {{sorted(heavy)[:5]}}"
 import tensorflow_datasets as tfds
 for name in {names!r}:

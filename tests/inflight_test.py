@@ -5,9 +5,9 @@ import pytest
 from rl_helpers import tiny_cfg, versions_and_rollout
 
 from stablerl_jax.config import ConfigError
-from stablerl_jax.metrics_io import outcome, read_metrics
 from stablerl_jax.rl import loop
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
+from stablerl_jax.runs.metrics_io import outcome, read_metrics
 
 
 def _cfg(steps=4, staleness=1, **rl):
@@ -118,6 +118,7 @@ def test_behavior_score_takes_each_tokens_pi_old_from_its_version():
     # steps.score with (θ_k, θ_k−1, θ_k−2) and per-token ages equals, token by token, the
     # one-version score at that token's parameters; a version no token has is skipped.
     import jax.numpy as jnp
+
     from stablerl_jax.rl import steps
 
     cfg = tiny_cfg(max_staleness=2)

@@ -10,15 +10,16 @@ import pytest
 from conftest import cpu_devices
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
-from stablerl_jax import continuous, sharding
-from stablerl_jax import rollout as ro
+from stablerl_jax import sharding
 from stablerl_jax.config import ConfigError, ExperimentConfig, SamplingConfig, apply_overrides
 from stablerl_jax.kernels import gmm as gmm_lib
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.sampling import continuous
+from stablerl_jax.sampling import rollout as ro
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -309,8 +310,8 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, rl):
     mismatch is exactly zero and
     every IS weight exactly 1. Under partial rollouts each token against π_old of the
     version that drew it."""
-    from stablerl_jax.metrics_io import read_metrics
     from stablerl_jax.rl import loop
+    from stablerl_jax.runs.metrics_io import read_metrics
     base = tiny_cfg(steps=2, replay="r3", **rl)
     cfg = dataclasses.replace(
         base, model=dataclasses.replace(base.model, compute_dtype="bfloat16"),
@@ -326,7 +327,7 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, rl):
 
 @pytest.mark.integration
 def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
-    from stablerl_jax import bitwise_check
+    from stablerl_jax.sampling import bitwise_check
     assert bitwise_check.main(["--rows", "4", "--new-tokens", "6",
                                "model.compute_dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
@@ -343,7 +344,7 @@ def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
 @pytest.mark.integration
 def test_the_check_command_on_a_mesh_in_the_serving_layout(capsys):
     """8 CPU devices, experts spread over all of them in the sampler's decode loop."""
-    from stablerl_jax import bitwise_check
+    from stablerl_jax.sampling import bitwise_check
     args = ["--new-tokens", "6", "model.compute_dtype=bfloat16", "mesh=1,2,4",
             "sampling.layout=serve"]
     assert bitwise_check.main(args) == 0
@@ -354,7 +355,7 @@ def test_the_check_command_on_a_mesh_in_the_serving_layout(capsys):
 
 
 def test_ulps_counts_units_in_the_last_place():
-    from stablerl_jax.bitwise_check import ulps
+    from stablerl_jax.sampling.bitwise_check import ulps
     one = np.float32(1.0)
     up = np.nextafter(np.nextafter(one, np.float32(2)), np.float32(2))
     f32 = lambda *x: np.array(x, np.float32)
@@ -368,7 +369,7 @@ def test_the_check_passes_on_a_hugging_face_qwen3_moe_checkpoint(tmp_path, capsy
     through --hf: bitwise in its bfloat16."""
     from hf_fixtures import write_qwen3_moe, write_qwen_tokenizer
 
-    from stablerl_jax import bitwise_check
+    from stablerl_jax.sampling import bitwise_check
     ckpt = tmp_path / "qwen"
     ckpt.mkdir()
     write_qwen3_moe(ckpt, write_qwen_tokenizer(ckpt))

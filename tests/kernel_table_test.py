@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from kernel_cases import impls_here
-from stablerl_jax import aot, presets
+
+from stablerl_jax import kernels, presets
 from stablerl_jax.config import ConfigError, ModelConfig, RLConfig
-from stablerl_jax import kernels
 from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import aot
 
 CFG = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
                   head_dim=8, num_experts=4, top_k=2, expert_ffn_dim=16, max_seq_len=16,

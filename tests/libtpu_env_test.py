@@ -1,4 +1,4 @@
-"""libtpu on a host without a TPU (stablerl_jax/libtpu_env.py): the entry points start
+"""libtpu on a host without a TPU (stablerl_jax/pod/libtpu_env.py): the entry points start
 quietly, and a host with TPU chips is left as it is."""
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stablerl_jax import libtpu_env
+from stablerl_jax.pod import libtpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def test_an_entry_point_starts_its_backend_quietly():
     env = {k: v for k, v in os.environ.items() if k not in libtpu_env.QUIET_ENV}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     script = ("import os, experiments, jax\n"
-              "from stablerl_jax.libtpu_env import tpu_chips\n"
+              "from stablerl_jax.pod.libtpu_env import tpu_chips\n"
               "print(jax.default_backend(), tpu_chips(), os.environ.get('TPU_SKIP_MDS_QUERY'))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
@@ -66,7 +66,7 @@ def test_two_processes_start_libtpu_side_by_side_without_a_tpu():
     try:
         assert first.stdout.readline().strip() == "up"
         second = subprocess.run(
-            [sys.executable, "-c", "import experiments\nfrom stablerl_jax import aot\n"
+            [sys.executable, "-c", "import experiments\nfrom stablerl_jax.pod import aot\n"
              "print(len(aot.devices(aot.topology('v5p-8'))))"],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
         assert second.returncode == 0, second.stderr[-2000:]

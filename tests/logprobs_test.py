@@ -11,7 +11,7 @@ from tolerance import assert_close, bound, engine_chain
 
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.kernels.fused_logprob_impls import LogprobBlocks
-from stablerl_jax.logprobs import policy_logprobs, token_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs, token_logprobs
 from stablerl_jax.model import transformer as tf
 
 BLOCK = LogprobBlocks(chunk=16, tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=16,

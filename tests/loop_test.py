@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, responses_from_rollout, tiny_cfg
 
-from stablerl_jax.checkpoint import Checkpointer
-from stablerl_jax.metrics_io import outcome, read_metrics
 from stablerl_jax.rl import loop
 from stablerl_jax.rl.engine import Engine
+from stablerl_jax.runs.checkpoint import Checkpointer
+from stablerl_jax.runs.metrics_io import outcome, read_metrics
 
 
 def _final_state(cfg, workdir):

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import losses
-from stablerl_jax.losses import LossBatch
+from stablerl_jax.method import losses
+from stablerl_jax.method.losses import LossBatch
 
 L = np.log
 # float32 roundings behind a hand-sized loss value or gradient entry. A weight

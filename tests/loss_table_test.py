@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stablerl_jax import losses, presets
-from stablerl_jax.config import (AGGREGATIONS, LOSS_NAMES, ConfigError, LossConfig,
-                                 apply_overrides)
-from stablerl_jax.loss_table import (LOSS_TABLE, SHARED_KNOBS, LossRow, loss_knobs,
-                                     readers)
-from stablerl_jax.losses import LossBatch
+from stablerl_jax import presets
+from stablerl_jax.config import AGGREGATIONS, LOSS_NAMES, ConfigError, LossConfig, apply_overrides
+from stablerl_jax.method import losses
+from stablerl_jax.method.loss_table import LOSS_TABLE, SHARED_KNOBS, LossRow, loss_knobs, readers
+from stablerl_jax.method.losses import LossBatch
 
 # A value of each loss-specific knob that changes what a loss reading it computes on
 # `_batch()`. A knob added to a row needs one here (test_every_knob_has_a_test_value).
@@ -55,12 +54,12 @@ def test_rows_are_well_formed():
                                                                   "cfg"], name
         assert row.aggregation in AGGREGATIONS and set(row.knobs) <= fields, name
     with pytest.raises(AttributeError, match="defines no 'minirl_again'"):
-        LossRow("stablerl_jax.losses:minirl_again", "token_mean").load()
-    for bad, match in [(dict(fn="stablerl_jax.losses.minirl"), "module:attribute"),
+        LossRow("stablerl_jax.method.losses:minirl_again", "token_mean").load()
+    for bad, match in [(dict(fn="stablerl_jax.method.losses.minirl"), "module:attribute"),
                        (dict(aggregation="mean"), "aggregation"),
                        (dict(knobs=("clip",)), "SHARED_KNOBS")]:
         with pytest.raises(ValueError, match=match):
-            LossRow(**{"fn": "stablerl_jax.losses:minirl", "aggregation": "token_mean",
+            LossRow(**{"fn": "stablerl_jax.method.losses:minirl", "aggregation": "token_mean",
                        **bad})
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from tolerance import assert_close, bound
 
-from stablerl_jax import losses
 from stablerl_jax.config import LossConfig
-from stablerl_jax.losses import LossBatch
+from stablerl_jax.method import losses
+from stablerl_jax.method.losses import LossBatch
 
 
 def test_minirl_gradient_equals_eq4_when_no_cap_binds(x64):

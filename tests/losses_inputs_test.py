@@ -7,10 +7,10 @@ import pytest
 from loss_helpers import BATCH, LOGP, vg
 from tolerance import assert_close
 
-from stablerl_jax import diagnostics as dg
-from stablerl_jax import losses
 from stablerl_jax.config import LOSS_NAMES, ConfigError, LossConfig
-from stablerl_jax.losses import LossBatch
+from stablerl_jax.method import diagnostics as dg
+from stablerl_jax.method import losses
+from stablerl_jax.method.losses import LossBatch
 
 
 def test_non_finite_old_logp_on_a_real_token_makes_the_loss_nan():

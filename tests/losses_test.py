@@ -8,9 +8,9 @@ import pytest
 from loss_helpers import BATCH, BATCH2, LOGP, LOGP2, L, N, batch_of, value_and_grad, vg
 from tolerance import assert_close
 
-from stablerl_jax import diagnostics as dg
-from stablerl_jax import losses
 from stablerl_jax.config import LossConfig
+from stablerl_jax.method import diagnostics as dg
+from stablerl_jax.method import losses
 from stablerl_jax.rl import accumulate
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
-
-from stablerl_jax import metrics_io as mio
 from tolerance import bound
+
+from stablerl_jax.runs import metrics_io as mio
 
 
 def _events(tb_dir):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from tolerance import LAMBDA, assert_close, bound, engine_chain
 
-from stablerl_jax import rollout as ro
 from stablerl_jax.config import ModelConfig, SamplingConfig
-from stablerl_jax.mismatch import measure_mismatch
+from stablerl_jax.method.mismatch import measure_mismatch
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.sampling import rollout as ro
 
 CFG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64, max_seq_len=40,

@@ -20,11 +20,11 @@ from multihost_child import config
 from rl_helpers import EOS_ID, PAD_ID
 from tolerance import assert_close, backward_chain
 
-from stablerl_jax.checkpoint import Checkpointer
-from stablerl_jax.metrics_io import outcome, read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
+from stablerl_jax.runs.checkpoint import Checkpointer
+from stablerl_jax.runs.metrics_io import outcome, read_metrics
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_child.py")
 pytestmark = pytest.mark.slow  # ~3 minutes of processes on 2 cores

@@ -9,8 +9,9 @@ import math
 import pytest
 from conftest import cpu_devices
 
-from stablerl_jax import aot, hlo_loops, presets, roofline, sharding
+from stablerl_jax import presets, sharding
 from stablerl_jax.config import ConfigError
+from stablerl_jax.pod import aot, hlo_loops, roofline
 
 
 def test_a_mesh_dcn_that_does_not_divide_the_mesh_is_refused_in_one_line():

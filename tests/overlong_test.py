@@ -8,8 +8,8 @@ from rl_helpers import tiny_cfg
 from steps_test import REWARDS, _rollout64
 from tolerance import assert_close, backward_chain
 
-from stablerl_jax import overlong
 from stablerl_jax.config import LossConfig
+from stablerl_jax.method import overlong
 from stablerl_jax.rl import steps
 
 

@@ -1,4 +1,4 @@
-"""Token-budget packing (rl.pack_tokens, stablerl_jax/packing.py): the plan is first-fit
+"""Token-budget packing (rl.pack_tokens, stablerl_jax/rl/packing.py): the plan is first-fit
 decreasing and whole; a token's log-prob does not depend on what is packed beside it;
 score and update on packed rows equal the padded ones (float64) for every loss,
 aggregation and replay mode; a packed run's metrics match the padded run's."""
@@ -13,10 +13,10 @@ from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 from steps_test import REWARDS, _assert_same_update, _engine, _rollout64
 from tolerance import assert_close, backward_chain, forward_chain
 
-from stablerl_jax import packing
 from stablerl_jax.config import AGGREGATIONS, LOSS_NAMES, ConfigError, LossConfig
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.rl import packing
 
 
 def _ffd_reference(lengths, width):
@@ -219,9 +219,10 @@ def test_a_packed_run_matches_the_padded_run(tmp_path):
     of the metric or of its terms (token means of log-probs, at most log V in size, so
     rel · log V absolutely); a `*_std` (√(sqmean − mean²), which cancels) compared as its
     variance, whose terms (IS weights ≈ 1, log-ratios ≪ 1) are at most 1."""
-    from stablerl_jax.metrics_io import outcome, read_metrics
-    from stablerl_jax.rl import loop
     from tolerance import LAMBDA, bound
+
+    from stablerl_jax.rl import loop
+    from stablerl_jax.runs.metrics_io import outcome, read_metrics
     cfg = tiny_cfg(steps=3, eval_every=3, checkpoint_every=2, replay="r3")
     runs = {}
     for pack in (0, 40):

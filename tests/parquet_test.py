@@ -312,7 +312,7 @@ def test_the_paper_recipe_trains_and_evaluates_on_parquet(tmp_path):
     from hf_fixtures import write_recipe_dirs
 
     from experiments import quickstart
-    from stablerl_jax.metrics_io import read_metrics
+    from stablerl_jax.runs.metrics_io import read_metrics
 
     ckpt, _, _ = write_recipe_dirs(tmp_path)
     data = tmp_path / "dapo"

@@ -25,12 +25,12 @@ transformers = pytest.importorskip("transformers",
 
 from experiments import quickstart  # noqa: E402
 from stablerl_jax import presets  # noqa: E402
-from stablerl_jax.checkpoint import Checkpointer  # noqa: E402
 from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
-from stablerl_jax.metrics_io import read_metrics  # noqa: E402
 from stablerl_jax.rl import loop  # noqa: E402
 from stablerl_jax.rl.engine import Engine  # noqa: E402
-from stablerl_jax.rollout import Rollout  # noqa: E402
+from stablerl_jax.runs.checkpoint import Checkpointer  # noqa: E402
+from stablerl_jax.runs.metrics_io import read_metrics  # noqa: E402
+from stablerl_jax.sampling.rollout import Rollout  # noqa: E402
 
 pytestmark = [pytest.mark.interop, pytest.mark.integration]  # each test reads the run
 N_NEW = 8  # response budget: short, so that some responses are truncated

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rl_helpers import tiny_cfg  # noqa: E402
 
 from experiments.cli_errors import one_line_errors  # noqa: E402
-from stablerl_jax import checkpoint  # noqa: E402
 from stablerl_jax.data.task import TaskData  # noqa: E402
 from stablerl_jax.rl import loop  # noqa: E402
+from stablerl_jax.runs import checkpoint  # noqa: E402
 
 STEPS = 4
 FSIZE_LIMIT = 64 * 1024

@@ -2,8 +2,8 @@
 step s needs the log to hold each of 0…s exactly once; a torn last line is found."""
 import pytest
 
-from stablerl_jax.metrics_io import torn_tail
 from stablerl_jax.rl import resume
+from stablerl_jax.runs.metrics_io import torn_tail
 
 
 def test_gap_names_what_the_log_lacks_or_repeats():

@@ -2,8 +2,16 @@
 SentencePiece tokenizer's: pad 0, eos 3), and a sampled rollout as offline-file records."""
 import numpy as np
 
-from stablerl_jax.config import (ExperimentConfig, LossConfig, ModelConfig, OptimConfig,
-                                 RLConfig, SamplingConfig, SFTConfig, TaskConfig)
+from stablerl_jax.config import (
+    ExperimentConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RLConfig,
+    SamplingConfig,
+    SFTConfig,
+    TaskConfig,
+)
 
 EOS_ID, PAD_ID = 3, 0
 
@@ -70,9 +78,9 @@ def versions_and_rollout(cfg: ExperimentConfig, factors=(1.0, 1.1, 0.9), rows: i
     import jax
     import jax.numpy as jnp
 
-    from stablerl_jax import rollout as ro
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.model import transformer as tf
+    from stablerl_jax.sampling import rollout as ro
     params = [jax.tree.map(lambda w, f=f: w * f, tf.init_params(jax.random.key(0), cfg.model))
               for f in factors]
     p = cfg.task.max_prompt_len

@@ -10,13 +10,13 @@ import pytest
 from conftest import cpu_devices
 from tolerance import LAMBDA, assert_close, engine_chain
 
-from stablerl_jax import rollout as ro
 from stablerl_jax import sharding
 from stablerl_jax.config import ConfigError, ModelConfig, SamplingConfig
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.sampling import rollout as ro
 
 # Same config, prompts and sampling as tests/mismatch_test.py, so a shared process
 # compiles the sampler once.

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, responses_from_rollout, tiny_cfg
 
-from stablerl_jax.interop.rollouts import (OfflineRollouts, engine_routes_to_replay,
-                                           write_rollouts)
+from stablerl_jax.interop.rollouts import OfflineRollouts, engine_routes_to_replay, write_rollouts
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rollout import truncated_rows
+from stablerl_jax.sampling.rollout import truncated_rows
 
 E = 8
 

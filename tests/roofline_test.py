@@ -1,12 +1,13 @@
-"""The length-aware estimates of stablerl_jax/schedule_prices.py fed synthetic per-step costs (no
+"""The length-aware estimates of stablerl_jax/pod/schedule_prices.py fed synthetic per-step costs (no
 compile): a decode step priced at its largest write slot, the static schedule of
 all-truncated responses equal to the fixed-length sample estimate, hand-derived global
 steps of each schedule, and the sampler / trainer split."""
 import numpy as np
 import pytest
 
-from stablerl_jax import presets, roofline, schedule, schedule_prices
+from stablerl_jax import presets
 from stablerl_jax.model.flops import forward_flops
+from stablerl_jax.pod import roofline, schedule, schedule_prices
 
 # Round constants so that seconds are the cost numbers themselves.
 CHIP = roofline.ChipSpec(peak_flops=1.0, hbm_bw=1.0, ici_bw=1.0, source="test")

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
-from stablerl_jax import diagnostics as dg
-from stablerl_jax import rollout as ro
 from stablerl_jax.config import ConfigError, ExperimentConfig, apply_overrides
-from stablerl_jax.mismatch import measure_mismatch
+from stablerl_jax.method import diagnostics as dg
+from stablerl_jax.method.mismatch import measure_mismatch
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine, router_leaves
+from stablerl_jax.sampling import rollout as ro
 
 
 @pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The sampler schedules (stablerl_jax/schedule.py): hand-derived small cases of each, the
+"""The sampler schedules (stablerl_jax/pod/schedule.py): hand-derived small cases of each, the
 event simulator against a step-by-step reference, the invariants of partial rollouts
 (S = 0 is continuous, every consumed token's age ≤ S, the queue ≤ B + slots), and the
 length specs."""
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from stablerl_jax import schedule
+from stablerl_jax.pod import schedule
 
 
 def _continuous_reference(lengths, slots):
@@ -195,8 +195,9 @@ def test_train_shares_of_padded_and_packed_steps_by_hand():
     longest row; packed into rows of 40 slots (prompts of 16), one row per shard per
     micro-batch, the micro-batches the fullest shard needs."""
     from rl_helpers import tiny_cfg
-    from stablerl_jax import schedule_prices
+
     from stablerl_jax.model.flops import train_flops
+    from stablerl_jax.pod import schedule_prices
     comp = np.array([[16, 16, 16, 16, 4, 4, 4, 4],     # shard 0: 32-token rows alone; shard 1: 20+20
                      [4, 4, 4, 4, 4, 4, 4, 4]])       # every shard: 20+20, 20+20
     cfg = tiny_cfg(mesh=(2, 1, 1), num_minibatches=1, pack_tokens=40, pack_rows=2)
@@ -216,7 +217,7 @@ def test_train_shares_of_padded_and_packed_steps_by_hand():
 
 
 def test_balanced_rows_give_each_shard_about_the_same_tokens():
-    from stablerl_jax import packing
+    from stablerl_jax.rl import packing
     rows = np.array([7, 3, 5, 1, 0, 2, 6, 4])
     tokens = np.array([32, 32, 32, 32, 20, 20, 20, 20])
     out = packing.balance_rows(rows, tokens, 2)

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from conftest import cpu_devices
 
-from stablerl_jax import hlo_loops, sharding
-from stablerl_jax import rollout as ro
+from stablerl_jax import sharding
 from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import hlo_loops
+from stablerl_jax.sampling import rollout as ro
 
 # 8 experts, one per device in the serving layout; vocab, widths and rows chosen so that
 # no activation has the dims of a weight (the gather check recognizes weights by dims).

@@ -8,9 +8,9 @@ from rl_helpers import kill_cold_start_at
 
 from stablerl_jax import presets
 from stablerl_jax.data import sft_data
-from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop, sft
+from stablerl_jax.runs.metrics_io import read_metrics
 
 pytestmark = pytest.mark.integration  # each test trains a cold start
 

@@ -14,7 +14,7 @@ from tolerance import LAMBDA, assert_close, backward_chain, engine_chain
 from stablerl_jax import presets
 from stablerl_jax.config import SFTConfig
 from stablerl_jax.data.batching import SFTBatch
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.steps import count_skips
@@ -231,7 +231,7 @@ def test_consecutive_skips_stop_the_run():
 
 
 def test_used_window_covers_used_slots_in_bucket_multiples():
-    from stablerl_jax.rollout import used_window
+    from stablerl_jax.sampling.rollout import used_window
     used = np.zeros(24, bool)
     used[9:] = True
     assert used_window(used, 1) == (9, 24)
@@ -247,7 +247,7 @@ def test_trimmed_rollout_scores_and_updates_like_the_padded_one(x64):
     """A rollout with 6 all-padding slots on each side (a longer prompt budget and a
     completion budget no row reached) trims back to its used slots, and score + update on
     it equal those on the padded rollout (float64: only summation order differs)."""
-    from stablerl_jax import rollout as rollout_lib
+    from stablerl_jax.sampling import rollout as rollout_lib
     cfg, params, ro, _ = _rollout64()
     fill = {"tokens_BxS": PAD_ID, "prompt_mask_BxS": False, "completion_mask_BxS": False,
             "logp_mu_BxS": 0.0, "routes_mu_BxSxLxK": -1, "route_weights_mu_BxSxLxK": 0.0}

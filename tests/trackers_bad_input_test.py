@@ -1,5 +1,5 @@
 """Bad tracker settings and installs, each refused with one line naming the fix before
-any training (stablerl_jax/trackers.py): wandb's online mode without an API key, a
+any training (stablerl_jax/runs/trackers.py): wandb's online mode without an API key, a
 tracker package that fails as it imports, an MLflow tracking server that does not reply
 (refused within a stated bound, where MLflow's own retries take minutes). The command
 line cases run `experiments.quickstart`, which opens its trackers as the cold start
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from experiments import quickstart
-from stablerl_jax import trackers as trk
+from stablerl_jax.runs import trackers as trk
 
 # Imported here, at collection: a first import of mlflow runs `uname -p` (its telemetry
 # asks platform.platform()), a child process that tests/tiers.py refuses in a test.

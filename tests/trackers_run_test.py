@@ -10,10 +10,10 @@ from rl_helpers import kill_cold_start_at, tiny_cfg
 
 from experiments import onpolicy, quickstart
 from stablerl_jax import presets
-from stablerl_jax import trackers as trk
 from stablerl_jax.data import sft_data
-from stablerl_jax.metrics_io import read_metrics
 from stablerl_jax.rl import loop, sft
+from stablerl_jax.runs import trackers as trk
+from stablerl_jax.runs.metrics_io import read_metrics
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from stablerl_jax import trackers as trk
-from stablerl_jax.metrics_io import MetricsWriter, plot_metrics, read_metrics
+from stablerl_jax.runs import trackers as trk
+from stablerl_jax.runs.metrics_io import MetricsWriter, plot_metrics, read_metrics
 
 SAMPLES = [{"split": "train", "prompt": "1+1=", "response": "2<|im_end|>", "reward": 1.0,
             "length": 3, "truncated": False}]

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 
-from stablerl_jax.config.checks import (check, is_int, check_positive_int, check_choice,
-                                        check_bool, is_finite, Section, fits_float32,
-                                        FLOAT32_MAX, FLOAT32_TINY)
-from stablerl_jax.config.choices import (DTYPES, INFERENCE_NUMERICS, REMAT_POLICIES, GMM_IMPLS,
-                                         DECODE_IMPLS, ATTENTION_IMPLS, SAMPLER_LAYOUTS,
-                                         KV_CACHE_LAYOUTS)
+from stablerl_jax.config.checks import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    Section,
+    check,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    fits_float32,
+    is_finite,
+    is_int,
+)
+from stablerl_jax.config.choices import (
+    ATTENTION_IMPLS,
+    DECODE_IMPLS,
+    DTYPES,
+    GMM_IMPLS,
+    INFERENCE_NUMERICS,
+    KV_CACHE_LAYOUTS,
+    REMAT_POLICIES,
+    SAMPLER_LAYOUTS,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +223,7 @@ class SamplingConfig(Section):
         with per-channel scales), so a decode step moves only activations. The prefill
         runs in the training layout either way (one pass per slice, compute bound). Same
         tokens, log μ and routes as 'train' up to float reassociation.
-      continuous: continuous batching (stablerl_jax/continuous.py): max_batch slots
+      continuous: continuous batching (stablerl_jax/sampling/continuous.py): max_batch slots
         (0: one per row), and a slot whose response is complete takes the next pending
         response at once, instead of idling until its slice's longest row stops. The
         static sampler's responses (up to the rounding of a prefill batch's size,

@@ -5,13 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 
-from stablerl_jax.config.checks import (check, is_int, check_positive_int, check_choice,
-                                        check_bool, is_finite, Section)
-from stablerl_jax.config.choices import (LOSS_TABLE, IS_CORRECTIONS, AGGREGATIONS,
-                                         ROW_DENOMINATORS, ADVANTAGE_NAMES, REPLAY_MODES,
-                                         OVERLONG_MODES, OLD_POLICIES,
-                                         LOGPROB_IMPLS, EVAL_SET_NAME, SFT_FORMATS)
-from stablerl_jax.loss_table import loss_knobs, readers
+from stablerl_jax.config.checks import (
+    Section,
+    check,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    is_finite,
+    is_int,
+)
+from stablerl_jax.config.choices import (
+    ADVANTAGE_NAMES,
+    AGGREGATIONS,
+    EVAL_SET_NAME,
+    IS_CORRECTIONS,
+    LOGPROB_IMPLS,
+    LOSS_TABLE,
+    OLD_POLICIES,
+    OVERLONG_MODES,
+    REPLAY_MODES,
+    ROW_DENOMINATORS,
+    SFT_FORMATS,
+)
+from stablerl_jax.method.loss_table import loss_knobs, readers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +35,7 @@ class LossConfig(Section):
     """Surrogate loss settings. Defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
 
     Attributes:
-      name: a row of `LOSS_TABLE` (stablerl_jax/loss_table.py: where the loss's function
+      name: a row of `LOSS_TABLE` (stablerl_jax/method/loss_table.py: where the loss's function
         lives, its default aggregation, the knobs below it reads). A knob some row lists
         (`loss_table.loss_knobs`) set away from its default is refused for a loss whose
         row does not list it.
@@ -241,7 +257,7 @@ class RLConfig(Section):
       the clip controls (Eq. 5). 'proximal' (AReaL's decoupled objective): π_old is the
       current parameters; the IS weight π_old / μ_old then carries the lag too.
     pack_tokens: T, token-budget sequence packing of the score and update steps
-      (stablerl_jax/packing.py). 0: every row at the batch's width (padded). T > 0: each
+      (stablerl_jax/rl/packing.py). 0: every row at the batch's width (padded). T > 0: each
       step's sequences (prompt + completion, whole) are packed first-fit decreasing into
       rows of T tokens, each sequence a segment (RoPE restarts, attention never crosses a
       segment); T must hold the longest possible sequence (task.max_prompt_len +
@@ -251,7 +267,7 @@ class RLConfig(Section):
       batch shards. Micro-batches run only while some shard has packed rows left, so a
       step's time follows its tokens.
     attribution: split each scored token's log π_θ − log μ into precision, routing and
-      staleness parts (stablerl_jax/attribution.py, docs/method.md §11) and log their
+      staleness parts (stablerl_jax/method/attribution.py, docs/method.md §11) and log their
       moments, covariances and token bins every step (`attr/…`, `attr_bin/…`); costs one
       more forward of the score step. Off by default.
     attribution_every: every this many steps (with attribution on) a probe of

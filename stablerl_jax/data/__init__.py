@@ -14,4 +14,6 @@
     answers.py       final-answer extraction (after </think>; boxed, ####, "the answer is")
     rewards.py       exact-match, math-verify and format rewards, with the extractor used
     evaluation.py    avg@k / pass@k on held-out problems given any sampler
+    sft_data.py      cold-start records → chats → token ids and the loss mask
+    template_sandbox.py the jinja environment a chat template renders in
 """

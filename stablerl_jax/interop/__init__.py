@@ -1,3 +1,8 @@
-"""Interoperation with the outside world: Hugging Face Qwen3-MoE checkpoints in and out
-(`hf_config`, `hf_checkpoint`), and rollouts recorded by an external inference engine
-(vLLM / SGLang routes, offline rollout files: `rollouts`)."""
+"""Interoperation with the outside world.
+
+    hf_config.py      Hugging Face `Qwen3MoeConfig` (config.json) ↔ `ModelConfig`
+    hf_checkpoint.py  Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`) and out
+    hf_validate.py    what a checkpoint's tensors must hold before training starts
+    parity.py         logit parity with transformers, as one command
+    rollouts.py       rollouts recorded by vLLM / SGLang: their routes as our replay
+"""

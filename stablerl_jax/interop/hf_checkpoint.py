@@ -55,13 +55,14 @@ from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
-from stablerl_jax import sharding, storage
+from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.data.hf_tokenizer import read_json
 from stablerl_jax.interop import hf_config, hf_validate
 from stablerl_jax.interop.hf_config import hf_config_from_model
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
+from stablerl_jax.runs import storage
 
 _L = "model.layers.{l}."
 # Per-layer leaves: (HF name, how ours is read from it; see _read).

@@ -50,8 +50,8 @@ import zlib
 
 import numpy as np
 
-from stablerl_jax import storage
-from stablerl_jax.rollout import Rollout
+from stablerl_jax.runs import storage
+from stablerl_jax.sampling.rollout import Rollout
 
 
 def _check_routes(routed, field: str, num_layers: int, top_k: int):

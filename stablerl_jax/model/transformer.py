@@ -15,7 +15,7 @@ weights, so Routing Replay works with scanned and rematerialized layers alike. T
 cache rides in the scan's carry and each layer writes its slots in place.
 
 `forward` returns hidden states, not logits: log-probs are computed from them by a fused
-op that never builds [B, T, V] logits (stablerl_jax/logprobs.py). `logits` exists for
+op that never builds [B, T, V] logits (stablerl_jax/method/logprobs.py). `logits` exists for
 sampling and tests.
 """
 from __future__ import annotations
@@ -30,9 +30,13 @@ from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import attention as att
 from stablerl_jax.model import expert_parallel, invariant, moe
 from stablerl_jax.model import numerics as nx
+from stablerl_jax.model.attention import (
+    attention,
+    decode_attention_fn,
+    positions_from_mask,
+    rms_norm,
+)
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.model.attention import (attention, decode_attention_fn, positions_from_mask,
-                                          rms_norm)
 
 
 def _shapes(cfg: ModelConfig) -> dict:
@@ -144,7 +148,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       attention_mask_BxT: True for real tokens (default: all real). Padding never
         influences real positions.
       positions_BxT: RoPE positions (default: counted over real tokens).
-      segment_ids_BxT: packed rows (stablerl_jax/packing.py): one id per slot, 0 on
+      segment_ids_BxT: packed rows (stablerl_jax/rl/packing.py): one id per slot, 0 on
         padding, non-decreasing along a row's real tokens; a token attends only to its
         own segment and the default positions restart at each segment. No cache.
       replay_BxTxLxK: expert indices to use instead of the router's top-k, per token and

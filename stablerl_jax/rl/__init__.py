@@ -1,0 +1,17 @@
+"""The training engine and the global-step loop that drives sampler and trainer.
+
+    loop.py        `run`: the global-step loop with eval, checkpoints and logs
+    engine.py      the jitted, mesh-sharded steps of one experiment, built once
+    steps.py       score (π_old), update (π_θ) and SFT update as pure functions
+    accumulate.py  micro-batching: a mini-batch's loss and gradient as a sum over slices
+    packing.py     token-budget sequence packing of the score and update steps
+    dynamic.py     dynamic sampling (DAPO): refill groups with zero advantage
+    inflight.py    partial rollouts under a staleness bound
+    probe.py       the attribution probe, every few steps
+    evals.py       held-out evaluation and the decoded samples a run logs
+    costs.py       wall time per phase, throughput, model FLOP/s and MFU
+    profiling.py   `--profile FIRST:LAST`: a jax.profiler trace of chosen steps
+    preflight.py   checks before any work: workdir, devices, processes, layout
+    resume.py      which checkpoint a run may resume from, and the log's repair
+    sft.py         the supervised cold start
+"""

@@ -82,7 +82,7 @@ def chip_key(device) -> str | None:
 
 def peak_flops(device) -> tuple[float, str]:
     """(peak bf16 FLOP/s of one device, where the figure comes from)."""
-    from stablerl_jax import roofline
+    from stablerl_jax.pod import roofline
     key = chip_key(device)
     if key is not None:
         spec = roofline.CHIP_SPECS[key]
@@ -230,7 +230,7 @@ def estimate_phases(engine) -> tuple[dict | None, str]:
     a line saying what was done): the engine's sample, score and update steps compiled
     for its own devices and priced by roofline.estimate (process 0 only; the others
     return None)."""
-    from stablerl_jax import aot, roofline
+    from stablerl_jax.pod import aot, roofline
     device = engine.mesh.devices.flat[0]  # the engine's own: abstract ones for a dry start
     key = chip_key(device)
     if key is None:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax.rollout import Rollout
+from stablerl_jax.sampling.rollout import Rollout
 
 ROUNDS_STREAM = 2  # the prompt stream of rounds r >= 1 (data/batching.py's `stream`)
 

@@ -11,7 +11,7 @@ arguments on those shardings (a no-op for arrays already there) and calls its st
 The devices may be abstract: `Engine.create(cfg, devices=topology.devices)` with the
 devices of `jax.experimental.topologies.get_topology_desc` builds the same mesh,
 shardings and jitted steps for a TPU pod on any host, and `Engine.lower(name, *args)`
-lowers a step for arguments given as `jax.ShapeDtypeStruct`s (stablerl_jax/aot.py
+lowers a step for arguments given as `jax.ShapeDtypeStruct`s (stablerl_jax/pod/aot.py
 compiles them and reads their memory).
 
 Memory knobs, all in the config: the update accumulates over `rl.microbatches` slices
@@ -25,17 +25,17 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from stablerl_jax import continuous, distributed
-from stablerl_jax import rollout as rollout_lib
-from stablerl_jax import sharding
+from stablerl_jax import distributed, sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import dynamic, inflight, probe, steps
+from stablerl_jax.sampling import continuous
+from stablerl_jax.sampling import rollout as rollout_lib
 
 
 def lr_shape(optim: OptimConfig, total_steps: int):
@@ -171,7 +171,7 @@ class Engine:
 
     def lower(self, name: str, *args):
         """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs of
-        the step's arguments, e.g. from stablerl_jax/aot.py), placed on the step's input
+        the step's arguments, e.g. from stablerl_jax/pod/aot.py), placed on the step's input
         shardings: what `.compile()` turns into the program this Engine would run."""
         fn, abstract = self._place(name, args, lambda a, sh: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=sh))

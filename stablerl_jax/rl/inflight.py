@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from stablerl_jax import continuous
+from stablerl_jax.sampling import continuous
 
 if TYPE_CHECKING:  # the Engine and its steps need no data stack
     from stablerl_jax.data.task import TaskData

@@ -45,23 +45,35 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import attribution, continuous, distributed, overlong, packing, storage
-from stablerl_jax import rollout as rollout_lib
-from stablerl_jax import workdir as workdir_lock
-from stablerl_jax.checkpoint import Checkpointer
+from stablerl_jax import distributed
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
-from stablerl_jax.diagnostics import reduce_metrics
 from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
 from stablerl_jax.interop.rollouts import OfflineRollouts
-from stablerl_jax.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
+from stablerl_jax.method import attribution, overlong
+from stablerl_jax.method.diagnostics import reduce_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
-from stablerl_jax.rl import (costs, dynamic, evals, preflight, probe, profiling, resume,
-                             steps)
+from stablerl_jax.rl import (
+    costs,
+    dynamic,
+    evals,
+    packing,
+    preflight,
+    probe,
+    profiling,
+    resume,
+    steps,
+)
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
-from stablerl_jax.trackers import Trackers
+from stablerl_jax.runs import storage
+from stablerl_jax.runs import workdir as workdir_lock
+from stablerl_jax.runs.checkpoint import Checkpointer
+from stablerl_jax.runs.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
+from stablerl_jax.runs.trackers import Trackers
+from stablerl_jax.sampling import continuous
+from stablerl_jax.sampling import rollout as rollout_lib
 
 
 def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:

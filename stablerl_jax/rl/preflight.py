@@ -6,8 +6,9 @@ import os
 
 import jax
 
-from stablerl_jax import distributed, sharding, storage
+from stablerl_jax import distributed, sharding
 from stablerl_jax.config import ConfigError, changed_fields, flat_dict
+from stablerl_jax.runs import storage
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
 # what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
@@ -54,7 +55,7 @@ def check_history(cfg, workdir: str, replace: bool = False) -> None:
     ckpts = os.path.join(workdir, "checkpoints")
     if replace or (storage.isdir(ckpts) and storage.listdir(ckpts)):
         return
-    from stablerl_jax.metrics_io import read_metrics
+    from stablerl_jax.runs.metrics_io import read_metrics
     steps = [r["step"] for r in read_metrics(workdir)]
     finished = storage.exists(os.path.join(workdir, "summary.json"))
     if finished or (steps and max(steps) > 2 * cfg.rl.checkpoint_every):

@@ -1,6 +1,6 @@
 """The attribution probe (rl.attribution with rl.attribution_every): every few steps, on a
 seeded sample of rows, the per-layer split of the routing part and a dump of the rows'
-tokens with their parts (`attribution.jsonl`). stablerl_jax/attribution.py defines the
+tokens with their parts (`attribution.jsonl`). stablerl_jax/method/attribution.py defines the
 parts.
 
 Letters: B rows (the probed ones in a probe's arrays), S slots, T = S − 1 scored
@@ -18,8 +18,8 @@ import functools
 
 import numpy as np
 
-from stablerl_jax import attribution
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method import attribution
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.rl import steps
 
 DUMP_DIGITS = 5  # significant digits of the floats in attribution.jsonl

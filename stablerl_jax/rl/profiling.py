@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from stablerl_jax import storage
+from stablerl_jax.runs import storage
 
 
 def parse(spec: str) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from stablerl_jax.metrics_io import read_metrics, torn_tail
+from stablerl_jax.runs.metrics_io import read_metrics, torn_tail
 
 
 def _span(steps: list[int]) -> str:

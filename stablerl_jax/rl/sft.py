@@ -22,17 +22,24 @@ import os
 import jax
 from tqdm import tqdm
 
-from stablerl_jax import distributed, storage, workdir as workdir_lock
-from stablerl_jax.checkpoint import (Checkpointer, is_complete, load_params, save_params,
-                                     set_aside)
+from stablerl_jax import distributed
 from stablerl_jax.config import ExperimentConfig, flat_dict
 from stablerl_jax.data import sft_data
-from stablerl_jax.diagnostics import reduce_metrics
-from stablerl_jax.metrics_io import MetricsWriter, read_metrics
+from stablerl_jax.method.diagnostics import reduce_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.steps import TrainState, count_skips, skipped
-from stablerl_jax.trackers import Trackers
+from stablerl_jax.runs import storage
+from stablerl_jax.runs import workdir as workdir_lock
+from stablerl_jax.runs.checkpoint import (
+    Checkpointer,
+    is_complete,
+    load_params,
+    save_params,
+    set_aside,
+)
+from stablerl_jax.runs.metrics_io import MetricsWriter, read_metrics
+from stablerl_jax.runs.trackers import Trackers
 
 
 def sft_engine(cfg, data, devices=None) -> Engine:

@@ -37,16 +37,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stablerl_jax import advantages as adv_lib
-from stablerl_jax import attribution
-from stablerl_jax import diagnostics as dg
-from stablerl_jax import losses as losses_lib
+from stablerl_jax import slices
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.data.batching import SFTBatch
-from stablerl_jax.logprobs import policy_logprobs
-from stablerl_jax import packing, slices
-from stablerl_jax.rl import accumulate
-from stablerl_jax.rollout import Rollout
+from stablerl_jax.method import advantages as adv_lib
+from stablerl_jax.method import attribution
+from stablerl_jax.method import diagnostics as dg
+from stablerl_jax.method import losses as losses_lib
+from stablerl_jax.method.logprobs import policy_logprobs
+from stablerl_jax.rl import accumulate, packing
+from stablerl_jax.sampling.rollout import Rollout
 
 
 class TrainBatch(NamedTuple):
@@ -64,7 +64,7 @@ class TrainBatch(NamedTuple):
     routes_mu_BxTxLxK: jax.Array | None = None  # the sampler's routes, for the monitors an
                                                 # on-policy update computes (else None)
     attr_logp_BxT: jax.Array | None = None  # rl.attribution: the score step's extra
-                                            # forward (stablerl_jax/attribution.py)
+                                            # forward (stablerl_jax/method/attribution.py)
 
 
 class TrainState(NamedTuple):
@@ -146,7 +146,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         return logp, entropy, aux["routes"]
 
     replay_in = routes_mu_BxTxLxK if rl.replay == "r3" else None
-    if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/packing.py)
+    if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/rl/packing.py)
         lay = packing.layout(attn_BxS, rl.pack_tokens, batch_shards(cfg), rl.pack_rows)
 
     def old_policy(p, replay=replay_in, weights=replay_w):
@@ -159,7 +159,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
 
     versioned = lambda fn: by_version(fn, params, None if age_BxS is None else age_BxS[:, 1:])
     attr_logp_BxT = None
-    if rl.attribution:  # the term the score pass does not give (stablerl_jax/attribution.py)
+    if rl.attribution:  # the term the score pass does not give (stablerl_jax/method/attribution.py)
         other = None if rl.replay == "r3" else routes_mu_BxTxLxK
         attr_logp_BxT = versioned(lambda p: old_policy(p, other, None)[0])
     if not forward:
@@ -290,7 +290,7 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
                                       rows=rows)
     loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
     metrics.update(monitors)
-    if batch.attr_logp_BxT is not None:  # rl.attribution (stablerl_jax/attribution.py)
+    if batch.attr_logp_BxT is not None:  # rl.attribution (stablerl_jax/method/attribution.py)
         mu_routes_BxT, routing_cf_BxT = attribution.score_terms(
             cfg.rl.replay, old_logp_BxT, batch.attr_logp_BxT)
         parts = attribution.token_parts(batch.rollout_logp_BxT, mu_routes_BxT, old_logp_BxT,
@@ -329,7 +329,7 @@ def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.Gradient
     the batch (rl/accumulate.py), each slice's loss normalized by the batch's `BatchTotals`;
     n = 1 differentiates `loss_fn(params, batch, None)` directly. `pack` = (rl.pack_tokens,
     batch shards, rl.pack_rows): the sum runs over the packed micro-batches instead
-    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/packing.py).
+    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/rl/packing.py).
 
     The update is applied only when the loss, the gradient and the new parameters and
     optimizer state are all finite; otherwise params and optimizer state stay as they

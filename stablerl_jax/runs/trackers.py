@@ -48,8 +48,8 @@ import ssl
 import time
 import urllib.parse
 
-from stablerl_jax import storage
-from stablerl_jax.metrics_io import refuse_link
+from stablerl_jax.runs import storage
+from stablerl_jax.runs.metrics_io import refuse_link
 
 NAMES = ("tensorboard", "wandb", "mlflow")
 PROJECT = "stablerl_jax"  # wandb project / MLflow experiment unless the environment names one

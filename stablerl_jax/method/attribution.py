@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import diagnostics as dg
+from stablerl_jax.method import diagnostics as dg
 
 PARTS = ("precision", "routing", "staleness")
 # Token bins: (family, values' edges, labels). mu: the sampler's probability of the

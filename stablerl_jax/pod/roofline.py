@@ -29,7 +29,7 @@ attention of a layer is itself a loop over the key blocks the rollout has filled
 one block is compiled as a program of its own, and the decode step at slot σ is the
 step program plus L·(⌈(σ + 1) / block⌉ − 1) blocks. Collective bytes of a whole
 step come from its optimized HLO with every loop counted trip-count times
-(stablerl_jax/hlo_loops.py). The score and update steps are estimated from their model
+(stablerl_jax/pod/hlo_loops.py). The score and update steps are estimated from their model
 FLOPs (model/flops.py; the update's rematerialized forward added) and their collective
 bytes; their HBM traffic is not modeled (33k-token micro-batches are compute bound).
 
@@ -48,8 +48,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stablerl_jax import hlo_loops, sharding
+from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.pod import hlo_loops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +164,10 @@ def row_state_bytes(cfg: ExperimentConfig) -> int:
 def _sampler_weights(engine):
     """(model, numerics, abstract weights in the decode loop's layout, their shardings,
     rules, serve?) of the Engine's sampler."""
-    from stablerl_jax import rollout
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.model import transformer as tf
     from stablerl_jax.rl.engine import sampler_model
+    from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
     model = sampler_model(cfg)
     numerics = nx.of_sampling(cfg.sampling, 0)
@@ -193,9 +194,9 @@ def decode_step_program(engine):
     engine's weights already in the decode loop's layout (the serving layout's e4m3 +
     scales and shardings, or the training shardings), one token per row of a pass and
     the KV cache, and returns the sampled distribution and the cache."""
-    from stablerl_jax import rollout
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.model import transformer as tf
+    from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
     # Priced with the reference decode attention: XLA's cost analysis cannot see into a
@@ -232,10 +233,10 @@ def decode_step_program(engine):
 def head_program(engine):
     """The decode step without its layers (embedding lookup, final norm, logits, the
     sampled distribution), in the same layout: (function, abstract args). Loop-free."""
-    from stablerl_jax import rollout
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.model import transformer as tf
     from stablerl_jax.model.attention import rms_norm
+    from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, _, _ = _sampler_weights(engine)
     dtype = nx.compute_dtype(numerics, model.compute_dtype)
@@ -412,7 +413,7 @@ def step_trips(cfg: ExperimentConfig, name: str, module: hlo_loops.Module) -> di
         loops.update(map_slices=rl.num_minibatches * rl.microbatches,
                      value_and_grad=rl.microbatches)
         if rl.pack_tokens:
-            from stablerl_jax import packing
+            from stablerl_jax.rl import packing
             b = rl.prompts_per_step * rl.group_size // (rl.num_minibatches
                                                         if name == "update" else 1)
             count = packing.micro_batches(b, math.prod(cfg.mesh), rl.pack_rows)[1]

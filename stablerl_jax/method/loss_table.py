@@ -60,7 +60,7 @@ class LossRow:
         return fn
 
 
-_MOD = "stablerl_jax.losses"
+_MOD = "stablerl_jax.method.losses"
 _PPO = ("eps_low", "eps_high")  # the clip range on the staleness ratio r = π_θ/π_old
 _GSPO = ("gspo_eps_low", "gspo_eps_high", "gspo_max_log_ratio")
 LOSS_TABLE: dict[str, LossRow] = {

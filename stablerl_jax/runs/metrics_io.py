@@ -33,7 +33,7 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: files only, the caller's backend untouched
 from tensorboardX import SummaryWriter
 
-from stablerl_jax import storage
+from stablerl_jax.runs import storage
 
 # (title, keys, log-scale y). A panel is drawn when any of its keys has a value.
 PANELS = [
@@ -55,7 +55,7 @@ PANELS = [
                              "eval/truncated_frac"], False),
 ]
 _EVAL_SET = re.compile(r"eval/([^/]+)/avg@k")
-# rl.attribution (stablerl_jax/attribution.py): the parts of log π_θ − log μ.
+# rl.attribution (stablerl_jax/method/attribution.py): the parts of log π_θ − log μ.
 ATTRIBUTION_PANELS = [
     ("mismatch parts: mean log ratio",
      ["attr/precision_mean", "attr/routing_mean", "attr/staleness_mean",

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablerl_jax import diagnostics as dg
 from stablerl_jax.config import ModelConfig
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method import diagnostics as dg
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 
 

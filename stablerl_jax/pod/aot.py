@@ -33,9 +33,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from stablerl_jax import hlo_loops, sharding
-from stablerl_jax.libtpu_env import quiet_libtpu
+from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.pod import hlo_loops
+from stablerl_jax.pod.libtpu_env import quiet_libtpu
 
 GIB = 2**30
 # name: (JAX topology prefix, TensorCores per chip, torus dims, HBM GiB per chip).
@@ -110,7 +111,7 @@ def step_inputs(cfg: ExperimentConfig, name: str, params_like, state_like=None) 
     if name == "sample":
         return (params_like, sds((b, p), jnp.int32), sds((b, p), jnp.bool_), _key_spec())
     from stablerl_jax.rl import steps
-    from stablerl_jax.rollout import Rollout
+    from stablerl_jax.sampling.rollout import Rollout
     if name == "score":
         rollout = Rollout(sds((b, s), jnp.int32), sds((b, s), jnp.bool_),
                           sds((b, s), jnp.bool_), sds((b,), jnp.int32),
@@ -252,10 +253,10 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     gradients of the replicated arguments summed over the mesh (psum), as the update
     does; the decode attention forward only, at the sampler's rows per chip against its
     whole cache. Lowering a program compiles nothing; `compile_kernels` compiles them."""
-    from stablerl_jax import roofline
     from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
     from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
     from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
+    from stablerl_jax.pod import roofline
     mesh = sharding.config_mesh(cfg.mesh, devices_, cfg.mesh_dcn)
     axes = sharding.RULES["batch"]
     mc, rl = cfg.model, cfg.rl

@@ -3,9 +3,9 @@ evaluation and a global step, and a stated model of a separate sampler mesh. Com
 roofline estimates, not measurements.
 
 Letters: P prompt slots, C = max_new_tokens, O decode-slot offsets (a write slot is
-P + o), R responses of a stream (as in stablerl_jax/schedule.py).
+P + o), R responses of a stream (as in stablerl_jax/pod/schedule.py).
 
-Given response lengths, the sampler's schedules (stablerl_jax/schedule.py: static
+Given response lengths, the sampler's schedules (stablerl_jax/pod/schedule.py: static
 passes, continuous refilling, partial rollouts) say how many decode steps run and the
 largest write slot of each; a step costs the decode step at that slot (roofline.py's
 programs: the static sampler's step plus its extra key blocks; with a ragged decode
@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from stablerl_jax.config import ExperimentConfig
-from stablerl_jax.roofline import ChipSpec, Cost, SamplerCosts, rows_per_pass
-from stablerl_jax import schedule
+from stablerl_jax.pod import schedule
+from stablerl_jax.pod.roofline import ChipSpec, Cost, SamplerCosts, rows_per_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
     lengths_R (≥ steps·B + slots responses; static and continuous take its step-sized
     slices), priced by `prices`. Evaluation: static for the static row, else continuous
     (no staleness) over eval_lengths (eval_problems × eval_k rows)."""
-    from stablerl_jax import schedule
+    from stablerl_jax.pod import schedule
     rl = cfg.rl
     b, g = rl.prompts_per_step * rl.group_size, rl.group_size
     slots, train = rows_per_pass(cfg), rl.num_minibatches * update_s
@@ -229,8 +229,8 @@ def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainS
     import jax
     import jax.numpy as jnp
 
-    from stablerl_jax import packing
     from stablerl_jax.model.flops import train_flops
+    from stablerl_jax.rl import packing
     rl, mc = cfg.rl, cfg.model
     full = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     widths = prompt_tokens + completions_KxB.max(axis=1)

@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 
-from stablerl_jax import storage
+from stablerl_jax.runs import storage
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 60.0  # how often a run on an object store renews its lock object

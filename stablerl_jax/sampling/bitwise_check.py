@@ -1,6 +1,6 @@
 """Does the sampler compute the trainer's numbers on this machine? One command, before a run:
 
-    python -m stablerl_jax.bitwise_check [--preset tiny] [--hf DIR] [--rows 8]
+    python -m stablerl_jax.sampling.bitwise_check [--preset tiny] [--hf DIR] [--rows 8]
         [--prompt-len 12] [--new-tokens 12] [--seed 0] [key=value ...]
 
 It builds the preset's model (seeded random weights, or a Hugging Face Qwen3-MoE
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablerl_jax import presets, sharding
-from stablerl_jax import rollout as ro
-from stablerl_jax.logprobs import policy_logprobs
+from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.sampling import rollout as ro
 
 
 def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -182,7 +182,7 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stablerl_jax.bitwise_check",
+    ap = argparse.ArgumentParser(prog="python -m stablerl_jax.sampling.bitwise_check",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", help=f"one of {sorted(presets.EXPERIMENT_PRESETS)}")
     ap.add_argument("--hf", default="", help="a Hugging Face Qwen3-MoE checkpoint directory")

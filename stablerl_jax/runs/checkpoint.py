@@ -108,7 +108,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from stablerl_jax import checkpoint_guards, distributed, storage
+from stablerl_jax import distributed
+from stablerl_jax.runs import checkpoint_guards, storage
 
 _COMMIT_FILE = "commit_success.txt"
 _ORBAX_STEP_META = "_CHECKPOINT_METADATA"

@@ -15,7 +15,7 @@ import sys
 import threading
 import traceback
 
-from stablerl_jax import storage
+from stablerl_jax.runs import storage
 
 
 class ErrorLog:

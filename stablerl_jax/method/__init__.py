@@ -1,0 +1,13 @@
+"""The paper's method as pure functions over arrays: what a token's loss, advantage and
+monitors are, independent of how a run is driven (docs/method.md).
+
+    losses.py        the first-order surrogate losses (MiniRL, Eq. 7, and its ablations)
+    loss_table.py    one row per loss: its function, knobs and aggregation (no JAX import,
+                     so the config validates names against it)
+    advantages.py    group baselines (GRPO mean, leave-one-out, standardized)
+    overlong.py      DAPO's soft over-long penalty and the length monitors
+    logprobs.py      token log-probs and entropy, from hidden states or from tokens
+    mismatch.py      training–inference mismatch of a rollout (k1, k3, flips)
+    attribution.py   a per-token split of that mismatch into its causes
+    diagnostics.py   every monitor of the trainer and its (numerator, denominator) pairs
+"""

@@ -1,0 +1,9 @@
+"""What a step costs on a TPU pod, read from programs compiled here for its topology.
+
+    aot.py              topology names, abstract steps, `.lower().compile()` for a pod
+    hlo_loops.py        loops and collectives of an optimized HLO module
+    roofline.py         time estimates from the compiled programs (compiler and roofline)
+    schedule.py         response lengths and the sampler's schedules, simulated (numpy)
+    schedule_prices.py  those schedules priced: length-aware sample-step estimates
+    libtpu_env.py       libtpu on a host without a TPU, started quietly
+"""

@@ -1,0 +1,10 @@
+"""Where a run's state lives and how it survives: files, locks, checkpoints, logs.
+
+    storage.py            a local directory or a `gs://` bucket behind one interface
+    workdir.py            one run per workdir: the lock file and its take-over rules
+    checkpoint.py         orbax checkpoints: atomic, async, keep-N, resume from complete steps
+    checkpoint_guards.py  what an open checkpointer installs around orbax (errors, signals)
+    metrics_io.py         metrics.jsonl (the source of truth), TensorBoard events, plots
+    trackers.py           Weights & Biases and MLflow beside metrics.jsonl
+    compile_cache.py      JAX's persistent compilation cache
+"""
