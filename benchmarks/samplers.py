@@ -32,7 +32,7 @@ ones); tokens = their completion tokens (for partial some were generated in the 
 before); ms per decode step = wall / decode steps (prefills and host work included);
 host s (partial): `prepare` + `take`, the queue's bookkeeping on the host; decode
 steps: static and continuous from `schedule.static/continuous` of the response lengths
-(the continuous sampler's own count equals the latter, tests/continuous_test.py),
+(the continuous sampler's own count equals the latter, tests/sampling/continuous_test.py),
 partial as the sampler returns it; occupancy = tokens generated in the timed calls /
 (decode steps × n); dropped (partial): responses reset for staleness.
 

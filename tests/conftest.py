@@ -27,7 +27,7 @@
   compile (peak 3.2 GB per worker), and cleared after each module of whole runs
   (`_release_run_memory`): a worker that kept them through the default and integration
   tests together crashed in the integration tier's largest compile (the `paper` preset
-  on a Hugging Face checkpoint, tests/recipe_test.py), as a worker of the old, untiered
+  on a Hugging Face checkpoint, tests/experiments/recipe_test.py), as a worker of the old, untiered
   suite once aborted compiling a packed update (docs/testing.md).
 - The tiers (tests/tiers.py): `pytest_collection_modifyitems` marks the sampled cases of
   large parameter products and the whole-model tests `integration`, and a test outside

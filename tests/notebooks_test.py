@@ -41,8 +41,8 @@ def _outputs(nb) -> tuple[str, int]:
     pytest.param("losses", ["on-policy MiniRL token weights == Â / B",
                             "diagnostics.clip_fractions says"], 4,
                  marks=pytest.mark.integration),
-    # ~60 s; the library it is a client of runs in tests/mismatch_test.py and
-    # tests/diagnostics_test.py. `pytest -m slow` runs it.
+    # ~60 s; the library it is a client of runs in tests/method/mismatch_test.py and
+    # tests/method/diagnostics_test.py. `pytest -m slow` runs it.
     pytest.param("routing_mismatch", ["replay=r3 shrinks the engine factor", "fp8   KL k1 +"],
                  2, marks=pytest.mark.slow),
 ])

@@ -117,7 +117,7 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, reference):
 
 
 @pytest.mark.slow  # two subprocess runs; the default suite resumes S = 1 in-process
-# (tests/inflight_test.py)
+# (tests/rl/inflight_test.py)
 def test_a_killed_partial_rollout_run_resumes_to_the_uninterrupted_run(tmp_path, reference):
     # rl.max_staleness=1: responses in flight at the kill continue after the resume
     # exactly as they would have (the queue, its keys and versions are checkpointed).

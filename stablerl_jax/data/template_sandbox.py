@@ -23,7 +23,7 @@ expandtabs, replace, join, translate, format, format_map, indent, wordwrap, batc
 sum, tojson, lipsum), and the text of any value a filter is given; the result of every
 call and filter is checked after. A value's text size is its str() length, estimated
 without building it. Exceeding a limit raises `RenderLimitError` naming the limit; a
-normal template renders exactly as with transformers (tests/chat_template_test.py).
+normal template renders exactly as with transformers (tests/data/chat_template_test.py).
 
 Jinja compiles `{% for x in xs %}` as a plain Python loop, `a ~ b` and `{{ a }}` inline;
 to reach them the parsed template is rewritten before compilation: each loop's iterable,

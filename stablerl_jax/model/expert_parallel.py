@@ -17,7 +17,7 @@ Two layouts, chosen by ModelConfig.expert_parallel:
   (`moe.experts_grouped(expert_offset=)`), and reduce-scatters the partial outputs back
   over `expert` (each token's output is the sum over its K experts, which live on
   different shards). Expert weights never cross the `expert` axis: in the compiled HLO
-  every all-gather of an expert weight keeps E/n experts (tests/expert_parallel_test.py).
+  every all-gather of an expert weight keeps E/n experts (tests/model/expert_parallel_test.py).
   The sorted buffer is sized for the dropless worst case, every one of the n·T·K
   assignments choosing this shard's experts; the matmuls skip its unused tiles.
   A decode step on many shards (the sampler's serving layout) exchanges instead of

@@ -13,7 +13,7 @@ decoder computes every token in a way that is fixed by the token alone:
   compiled tile body over them (`lax.map`). The body is the same program in every call,
   fenced by optimization barriers so no surrounding op fuses into it; a row's result then
   depends only on its own inputs (rows padded or grouped differently, or placed at a
-  different offset in the tile, give the same bits: tests/invariant_test.py checks each
+  different offset in the tile, give the same bits: tests/model/invariant_test.py checks each
   such reliance).
 - Attention (`attend`) walks each query's keys in blocks of KEY_BLOCK *positions*
   (counted from the sequence's first real token, not from its slot), with an online

@@ -38,7 +38,7 @@ Decode steps come back as `Runs`: with model.decode_block a step's attention rea
 key blocks up to its largest write slot over live rows, so that slot is all its cost
 depends on. Within an iteration-free stretch every live response advances one slot per
 step, so the simulators jump from one finishing step to the next (events, not steps);
-tests/schedule_test.py checks them against a step-by-step reference.
+tests/pod/schedule_test.py checks them against a step-by-step reference.
 """
 from __future__ import annotations
 

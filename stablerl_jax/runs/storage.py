@@ -29,7 +29,7 @@ here, once; the rest of the code calls these functions with either kind of path:
   google-cloud-storage: gcsfs exposes no precondition on a rewrite) with a heartbeat
   (workdir.py).
 
-Both gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/gcs_test.py runs
+Both gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/runs/gcs_test.py runs
 against a local emulator). fsspec caches directory listings by default, which would hide
 the objects other processes write (orbax's TensorStore writers, the other hosts of a
 pod, the next run): the cache is turned off for gs:// here.

@@ -54,7 +54,7 @@ their outputs; model/expert_parallel.py). The prefill keeps the training layout 
 both: it runs once per slice over P tokens a row, where gathering each layer's weights
 is amortized, and an expert exchange of all prompt tokens over every device would need
 a buffer of every device's tokens. The two layouts sample the same tokens, log μ and routes
-(tests/serve_layout_test.py).
+(tests/sampling/serve_layout_test.py).
 
 Randomness: row b draws its token at decode step i from fold_in(key_b, i), where key_b is
 row b's own key (pass [B] keys, or one key that is split into B). With per-row keys a

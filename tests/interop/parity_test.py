@@ -66,7 +66,7 @@ def test_a_transposed_square_weight_fails_against_the_original(ckpt, tmp_path):
     bad = _transposed(ckpt, tmp_path / "bad")
     proc = subprocess.run([sys.executable, "-m", "stablerl_jax.interop.parity", str(bad),
                            "--reference", str(ckpt)], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           timeout=600)
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.strip().splitlines()

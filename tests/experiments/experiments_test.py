@@ -19,7 +19,7 @@ ALL = experiments.descriptors()
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
 # = 64 rows, the size of every variant's rollout batch, so eval reuses the compiled sampler.
 # A trim bucket wider than any context keeps every rollout at its full width: one score
-# and one update program per run instead of one per width (trimming: tests/steps_test.py).
+# and one update program per run instead of one per width (trimming: tests/rl/steps_test.py).
 FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
         "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=16",
         "rl.trim_bucket=4096"]
@@ -127,7 +127,7 @@ def test_long_preset_smoke(tmp_path):
     assert last["seq/log_ratio_sq"] >= last["seq/log_ratio"] ** 2 - 1e-6
 
 
-@pytest.mark.slow  # ~30 s; its monitors are the trainer's (tests/diagnostics_test.py)
+@pytest.mark.slow  # ~30 s; its monitors are the trainer's (tests/method/diagnostics_test.py)
 def test_length_stats_prints_a_row_per_noise_level(tmp_path):
     rows = length_stats.main(["--preset", "long", "--workdir", str(tmp_path), "--noise",
                               "0,0.4", "--batches", "1", *FAST, "rl.prompts_per_step=4",

@@ -197,7 +197,7 @@ def test_chunked_attention_equals_naive(x64, impl, chunk):
 def test_grouped_matmul_implementations_agree_in_the_model(x64, impl):
     """The model with each grouped matmul (the Pallas kernels interpreted, on CPU devices
     whatever the default backend: float64 has no Triton lowering; the compiled kernels
-    are tests/gmm_pallas_test.py's) equals the pure-JAX loop, in value and gradient."""
+    are tests/kernels/gmm_pallas_test.py's) equals the pure-JAX loop, in value and gradient."""
     with jax.default_device(jax.devices("cpu")[0]):
         _grouped_matmul_agrees(impl)
 

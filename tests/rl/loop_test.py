@@ -117,7 +117,7 @@ def test_a_run_trains_on_an_offline_rollout_file(tmp_path):
 @pytest.mark.integration
 def test_a_continuous_sampler_run_is_the_static_sampler_run(tmp_path):
     # sampling.continuous refills finished slots; the responses are the static
-    # sampler's bit for bit (tests/continuous_test.py), so the whole run is the same.
+    # sampler's bit for bit (tests/sampling/continuous_test.py), so the whole run is the same.
     cfg = tiny_cfg(steps=2)
     runs = {}
     for continuous in (False, True):

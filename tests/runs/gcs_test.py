@@ -53,8 +53,8 @@ from stablerl_jax.runs.metrics_io import (
 )
 from stablerl_jax.runs.workdir import LOCK_FILE, WorkdirBusy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port() -> int:

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 from rl_helpers import tiny_cfg
-from steps_test import REWARDS, _rollout64
+from step_helpers import REWARDS, step_rollout64
 from tolerance import assert_close, backward_chain
 
 from stablerl_jax.config import LossConfig
@@ -41,7 +41,7 @@ def test_masked_truncated_rows_leave_the_loss(x64):
     """Rows 1 and 4 truncated, rl.overlong=mask: advantages are those of `keep` (computed
     over every row), the truncated rows' mask is 0, and the loss and its gradient equal
     those of the six other rows alone (float64: only summation order differs)."""
-    cfg, params, ro, model = _rollout64()
+    cfg, params, ro, model = step_rollout64()
     truncated = np.zeros(8, bool)
     truncated[[1, 4]] = True
     ro = ro._replace(truncated_B=jax.numpy.asarray(truncated))

@@ -2,15 +2,14 @@
 decreasing and whole; a token's log-prob does not depend on what is packed beside it;
 score and update on packed rows equal the padded ones (float64) for every loss,
 aggregation and replay mode; a packed run's metrics match the padded run's."""
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_devices
-from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
-from steps_test import REWARDS, _assert_same_update, _engine, _rollout64
+from rl_helpers import tiny_cfg
+from step_helpers import REWARDS, assert_same_update, step_engine, step_rollout64
 from tolerance import assert_close, backward_chain, forward_chain
 
 from stablerl_jax.config import AGGREGATIONS, LOSS_NAMES, ConfigError, LossConfig
@@ -122,7 +121,7 @@ def no_cache_writes():
 
 
 def _score_and_update(cfg, params, ro):
-    eng = _engine(cfg)
+    eng = step_engine(cfg)
     batch, score_metrics = eng.score(params, ro, REWARDS)
     state, metrics = eng.update(eng.init_state(params), batch)
     return (jax.tree.map(np.asarray, state.params),
@@ -134,7 +133,7 @@ def _score_and_update(cfg, params, ro):
 def _check_packed_equals_padded(loss: LossConfig, replay: str, pack_rows: int = 0,
                                 attention: str = "naive", num_minibatches: int = 1,
                                 score_in_update: bool = False):
-    cfg0, params, ro, model = _rollout64()
+    cfg0, params, ro, model = step_rollout64()
     model = model.replace(attention_impl=attention, attention_chunk=8)
     base = tiny_cfg(replay=replay, num_minibatches=num_minibatches,
                     score_in_update=score_in_update).replace(model=model, loss=loss)
@@ -148,7 +147,7 @@ def _check_packed_equals_padded(loss: LossConfig, replay: str, pack_rows: int = 
     assert_close(packed[2], padded[2], n=n, dtype="float64", scale="max")
     if replay != "none":  # the replay the updates use: R2's recorded routes, R3's μ routes
         np.testing.assert_array_equal(packed[3].replay_BxTxLxK, padded[3].replay_BxTxLxK)
-    _assert_same_update(padded[:2], packed[:2], cfg=base, n=n, tokens=tokens)
+    assert_same_update(padded[:2], packed[:2], cfg=base, n=n, tokens=tokens)
 
 
 # pack_rows=1: the 8 sequences in several micro-batches (each loss sees the micro-batch
@@ -181,19 +180,19 @@ def test_every_loss_aggregation_and_replay_packed_equals_padded(x64, no_cache_wr
 @pytest.mark.slow
 def test_sharded_packed_update_equals_unsharded(x64, no_cache_writes):
     """A 2×2×2 mesh: each of the 8 batch shards packs its own row(s)."""
-    cfg, params, ro, model = _rollout64()
+    cfg, params, ro, model = step_rollout64()
     results = []
     for mesh in [(1, 1, 1), (2, 2, 2)]:
         c = tiny_cfg(mesh=mesh, replay="r3", num_minibatches=1, pack_tokens=40).replace(
             model=model)
-        eng = _engine(c, devices=cpu_devices())
+        eng = step_engine(c, devices=cpu_devices())
         batch, _ = eng.score(params, ro, REWARDS)
         state, metrics = eng.update(eng.init_state(params), batch)
         results.append((jax.tree.map(np.asarray, state.params),
                         {k: np.asarray(v) for k, v in metrics.items()}))
     tokens = int(np.asarray(batch.attn_BxS).sum())
     n = backward_chain(c.model, batch.tokens_BxS.shape[1], tokens) + 16
-    _assert_same_update(*results, cfg=c, n=n, tokens=tokens)
+    assert_same_update(*results, cfg=c, n=n, tokens=tokens)
 
 
 def test_pack_settings_are_checked():

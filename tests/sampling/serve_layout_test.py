@@ -110,7 +110,7 @@ def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
     # Tokens reach their experts by a ragged all-to-all (8 shards, top-2: fewer bytes
     # than gathering every shard's rows), not an all-gather + reduce-scatter of partial
     # outputs. XLA:CPU builds that exchange from an all-gather, so the bytes it moves
-    # per decode step are checked on the TPU program (tests/aot_test.py).
+    # per decode step are checked on the TPU program (tests/pod/aot_test.py).
     kinds = {ins.collective for ins in module.instructions_under(loop.body)
              if ins.collective}
     assert "reduce-scatter" not in kinds, kinds

@@ -98,7 +98,7 @@ def test_the_export_serves_the_sources_template_stop_ids_and_model(sources, tmp_
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert model.config.vocab_size == CFG.vocab_size
     # The exported weights are the policy's: transformers' logits on the rendered prompt
-    # match this project's forward within the float32 bound (as tests/hf_parity_test.py).
+    # match this project's forward within the float32 bound (as tests/interop/hf_parity_test.py).
     ids = np.asarray([exported.encode(want)])
     with torch.no_grad():
         ref = model.eval()(input_ids=torch.tensor(ids)).logits.numpy()[0]

@@ -119,7 +119,7 @@ def test_carried_responses_record_mu_and_routes_of_the_version_that_drew_each_to
     # are complete, then continued with version 1's (the unfinished responses
     # re-prefilled). Every token's log μ and routes must be those of a full-sequence
     # pass of the weights of the version recorded for it (the `exact` engine computes
-    # what the training path computes, tests/rollout_test.py).
+    # what the training path computes, tests/sampling/rollout_test.py).
     params, prompts, mask = _setup()
     later = jax.tree.map(lambda w: w * 1.05, params)
     sampling = SamplingConfig(max_new_tokens=C, max_batch=4)

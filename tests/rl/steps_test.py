@@ -1,7 +1,6 @@
 """Score / update steps through the Engine: the score step builds the update's batch with
 the replay its mode asks for, R2 on-policy is a no-op, non-finite updates are skipped,
 and a sharded update equals the unsharded one."""
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,48 +8,21 @@ import numpy as np
 import pytest
 from conftest import cpu_devices
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+from step_helpers import REWARDS, assert_same_update, step_engine, step_rollout, step_rollout64
 from tolerance import LAMBDA, assert_close, backward_chain, engine_chain
 
 from stablerl_jax import presets
 from stablerl_jax.config import SFTConfig
 from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.method.logprobs import policy_logprobs
-from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.steps import count_skips
 
+
 # Rewards of 4 groups of 2: advantages ±0.5 in two groups, 0 in the others.
-REWARDS = np.array([1, 0, 0, 1, 1, 1, 0, 0], np.float32)
-
-
-def _engine(cfg, **kw):
-    return Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID, **kw)
-
-
-@functools.lru_cache(maxsize=None)
-def _rollout(seed=0):
-    cfg = tiny_cfg()
-    params = tf.init_params(jax.random.key(seed), cfg.model)
-    b, p = 8, 8
-    prompts = jax.random.randint(jax.random.key(1), (b, p), 4, 60)
-    mask = jnp.ones((b, p), bool).at[:2, :3].set(False)
-    ro = _engine(cfg).sample(params, jnp.where(mask, prompts, 0), mask, jax.random.key(2))
-    return cfg, params, ro
-
-
-def _rollout64():
-    """`_rollout()` with float64 params and rollout, and the float64 model config."""
-    cfg, params, ro = _rollout()
-    f64 = lambda t: jax.tree.map(
-        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-    model = cfg.model.replace(param_dtype="float64", compute_dtype="float64")
-    return cfg, f64(params), f64(ro), model
-
-
 def test_score_builds_the_update_batch_with_its_replay():
-    cfg, params, ro = _rollout()
+    cfg, params, ro = step_rollout()
     for mode in ("none", "r2", "r3"):
-        batch, metrics = _engine(tiny_cfg(replay=mode)).score(params, ro, REWARDS)
+        batch, metrics = step_engine(tiny_cfg(replay=mode)).score(params, ro, REWARDS)
         np.testing.assert_array_equal(batch.advantages_B, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
         np.testing.assert_array_equal(batch.mask_BxT, ro.completion_mask_BxS[:, 1:])
         np.testing.assert_array_equal(batch.rollout_logp_BxT, ro.logp_mu_BxS[:, 1:])
@@ -69,8 +41,8 @@ def test_score_builds_the_update_batch_with_its_replay():
 
 
 def test_weight_replay_carries_the_samplers_weights_into_score_and_update():
-    cfg, params, ro = _rollout()
-    eng = _engine(tiny_cfg(replay="r3", replay_weights=True))
+    cfg, params, ro = step_rollout()
+    eng = step_engine(tiny_cfg(replay="r3", replay_weights=True))
     batch, _ = eng.score(params, ro, REWARDS)
     np.testing.assert_array_equal(batch.replay_weights_BxTxLxK,
                                   ro.route_weights_mu_BxSxLxK[:, :-1])
@@ -83,7 +55,7 @@ def test_weight_replay_carries_the_samplers_weights_into_score_and_update():
     new, _ = eng.update(eng.init_state(params), batch)
     assert int(new.skipped) == 0
     # Index-only replay leaves the batch without weights.
-    plain, _ = _engine(tiny_cfg(replay="r3")).score(params, ro, REWARDS)
+    plain, _ = step_engine(tiny_cfg(replay="r3")).score(params, ro, REWARDS)
     assert plain.replay_weights_BxTxLxK is None
 
 
@@ -94,9 +66,9 @@ def test_learning_rates_share_one_compiled_update_and_each_takes_its_own_step():
     both rates; lr · u rounds by half an ulp of itself and θ + Δθ by half an ulp of the
     larger of |θ|, |θ + Δθ|, so 4 Δθ(lr / 4) and Δθ(lr) differ by at most 2.5 such ulps
     plus 2.5 ulps of Δθ)."""
-    cfg, params, ro = _rollout()
-    fast = _engine(cfg)
-    slow = _engine(tiny_cfg(learning_rate=cfg.rl.optim.learning_rate / 4))
+    cfg, params, ro = step_rollout()
+    fast = step_engine(cfg)
+    slow = step_engine(tiny_cfg(learning_rate=cfg.rl.optim.learning_rate / 4))
     assert fast._jitted is slow._jitted
     batch, _ = fast.score(params, ro, REWARDS)
     theta = jax.tree.map(lambda x: np.array(x, np.float64), params)
@@ -118,8 +90,8 @@ def test_learning_rates_share_one_compiled_update_and_each_takes_its_own_step():
 
 
 def test_r2_on_policy_first_minibatch_is_bit_identical_to_no_replay():
-    cfg, params, ro = _rollout()
-    batch, _ = _engine(tiny_cfg(replay="r2")).score(params, ro, REWARDS)
+    cfg, params, ro = step_rollout()
+    batch, _ = step_engine(tiny_cfg(replay="r2")).score(params, ro, REWARDS)
     lp = jax.jit(lambda p, r: policy_logprobs(p, batch.tokens_BxS, batch.attn_BxS, cfg.model,
                                               replay_BxTxLxK=r)[0])
     live = lp(params, None)
@@ -131,8 +103,8 @@ def test_r2_on_policy_first_minibatch_is_bit_identical_to_no_replay():
 
 
 def test_update_takes_one_step_and_skips_non_finite():
-    cfg, params, ro = _rollout()
-    eng = _engine(cfg)
+    cfg, params, ro = step_rollout()
+    eng = step_engine(cfg)
     batch, _ = eng.score(params, ro, REWARDS)
     state = eng.init_state(params)
     new, metrics = eng.update(state, batch)
@@ -152,9 +124,9 @@ def test_update_ascends_the_advantage_weighted_log_likelihood():
     """The whole chain (forward, fused log-prob VJP, loss, optimizer) points uphill: a small
     step raises Σ_b Â_b Σ_t log π(y_bt) on the batch it was computed from, and lowers it
     when the advantages are negated."""
-    _, params, ro = _rollout()
+    _, params, ro = step_rollout()
     cfg = tiny_cfg(learning_rate=1e-4)
-    eng = _engine(cfg)
+    eng = step_engine(cfg)
     batch, _ = eng.score(params, ro, REWARDS)
     lp = jax.jit(lambda p: policy_logprobs(p, batch.tokens_BxS, batch.attn_BxS, cfg.model)[0])
     objective = lambda p, adv: float(jnp.sum(adv[:, None] * lp(p) * batch.mask_BxT))
@@ -169,12 +141,12 @@ def test_update_ascends_the_advantage_weighted_log_likelihood():
 def test_sharded_update_equals_unsharded(x64):
     """Score + update on one CPU device and on a 2×2×2 mesh of CPU devices, in float64 (the
     test is about the sharded program, not float32 summation order)."""
-    cfg, params, ro, model = _rollout64()
+    cfg, params, ro, model = step_rollout64()
     results = []
     for mesh in [(1, 1, 1), (2, 2, 2)]:
         # One mini-batch of 8 rows: the batch is split over all 8 devices.
         cfg = tiny_cfg(mesh=mesh, replay="r2", num_minibatches=1).replace(model=model)
-        eng = _engine(cfg, devices=cpu_devices())
+        eng = step_engine(cfg, devices=cpu_devices())
         batch, _ = eng.score(params, ro, REWARDS)
         state, metrics = eng.update(eng.init_state(params), batch)
         results.append((jax.tree.map(np.asarray, state.params),
@@ -184,28 +156,13 @@ def test_sharded_update_equals_unsharded(x64):
             assert batch.replay_BxTxLxK.sharding.spec[0] == ("data", "fsdp", "expert")
     tokens = int(np.asarray(batch.attn_BxS).sum())
     n = backward_chain(cfg.model, batch.tokens_BxS.shape[1], tokens) + 16  # + AdamW
-    _assert_same_update(*results, cfg=cfg, n=n, tokens=tokens)
-
-
-def _assert_same_update(first, second, *, cfg, n, tokens):
-    """Two (params, metric pairs) results of one update computed two ways, in float64
-    within the chain of `n` roundings."""
-    (p0, m0), (p1, m1) = first[:2], second[:2]
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
-        assert_close(a, b, n=n, dtype="float64", cond=tokens, scale="max")
-    # Every metric numerator sums at most `den` per-token terms, each at most
-    # max_log_ratio² in size (the largest: a squared clipped log-ratio).
-    term = cfg.loss.max_log_ratio ** 2
-    for k in m0:
-        for i in range(2):
-            assert_close(m1[k][i], m0[k][i], n=n, dtype="float64",
-                         scale=term * max(float(np.max(m0[k][1])), 1.0), err_msg=k)
+    assert_same_update(*results, cfg=cfg, n=n, tokens=tokens)
 
 
 def test_mesh_larger_than_devices_is_a_clear_error():
     with pytest.raises(ValueError, match="mesh="):
         cfg = tiny_cfg(prompts_per_step=8, num_minibatches=1, eval_problems=16)
-        _engine(cfg.replace(mesh=(1, 1, 16), sft=SFTConfig(steps=2, batch_size=16)),
+        step_engine(cfg.replace(mesh=(1, 1, 16), sft=SFTConfig(steps=2, batch_size=16)),
                 devices=cpu_devices())
 
 
@@ -213,9 +170,9 @@ def test_an_update_whose_result_is_not_finite_is_skipped_sft_too():
     """A finite loss and gradient can still give non-finite parameters (a learning rate
     that overflows float32): the guard checks the new params and optimizer state, for the
     SFT update as for the RL one."""
-    cfg, params, _ = _rollout()
+    cfg, params, _ = step_rollout()
     optim = cfg.sft.optim.replace(learning_rate=1e39, schedule="constant", warmup_frac=0.0)
-    eng = _engine(cfg, optim=optim, total_steps=1)
+    eng = step_engine(cfg, optim=optim, total_steps=1)
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (8, 12), 4, 60), np.int32)
     batch = SFTBatch(tokens, np.ones((8, 12), bool), np.ones((8, 11), np.float32))
     state, metrics = eng.sft_update(eng.init_state(params), batch)
@@ -247,8 +204,7 @@ def test_trimmed_rollout_scores_and_updates_like_the_padded_one(x64):
     """A rollout with 6 all-padding slots on each side (a longer prompt budget and a
     completion budget no row reached) trims back to its used slots, and score + update on
     it equal those on the padded rollout (float64: only summation order differs)."""
-    from stablerl_jax.sampling import rollout as rollout_lib
-    cfg, params, ro, _ = _rollout64()
+    cfg, params, ro, _ = step_rollout64()
     fill = {"tokens_BxS": PAD_ID, "prompt_mask_BxS": False, "completion_mask_BxS": False,
             "logp_mu_BxS": 0.0, "routes_mu_BxSxLxK": -1, "route_weights_mu_BxSxLxK": 0.0}
     pad = lambda x, v: jnp.concatenate([jnp.full((x.shape[0], 6, *x.shape[2:]), v, x.dtype),
@@ -258,7 +214,7 @@ def test_trimmed_rollout_scores_and_updates_like_the_padded_one(x64):
     model = cfg.model.replace(param_dtype="float64", compute_dtype="float64",
                               max_seq_len=cfg.model.max_seq_len + 12)
     cfg = tiny_cfg(replay="r2", num_minibatches=1).replace(model=model)
-    eng = _engine(cfg)
+    eng = step_engine(cfg)
     trimmed = eng.trim(wide, 1)
     s = ro.tokens_BxS.shape[1]
     np.testing.assert_array_equal(trimmed.tokens_BxS, ro.tokens_BxS)  # bucket 1: exact window
@@ -274,19 +230,19 @@ def test_trimmed_rollout_scores_and_updates_like_the_padded_one(x64):
     n = backward_chain(cfg.model, s + 12, tokens) + 16  # + AdamW
     # log π_old where it is used (completions), then the update.
     assert_close(results[1][2], results[0][2][:, 6:-6], n=n, dtype="float64", scale="max")
-    _assert_same_update(*results, cfg=cfg, n=n, tokens=tokens)
+    assert_same_update(*results, cfg=cfg, n=n, tokens=tokens)
 
 
 def test_sampler_with_its_own_dense_dispatch_samples_like_the_grouped_one():
     """sampling.dispatch='dense' changes the engine's kernels, not its distribution: the
     same tokens and routes, log μ within the float32 reassociation bound."""
-    cfg, params, _ = _rollout()
+    cfg, params, _ = step_rollout()
     prompts = jax.random.randint(jax.random.key(1), (8, 8), 4, 60)
     mask = jnp.ones((8, 8), bool).at[:2, :3].set(False)
     out = []
     for dispatch in ("", "dense"):
         c = cfg.replace(sampling=cfg.sampling.replace(numerics="exact", dispatch=dispatch))
-        out.append(_engine(c).sample(params, jnp.where(mask, prompts, 0), mask,
+        out.append(step_engine(c).sample(params, jnp.where(mask, prompts, 0), mask,
                                      jax.random.key(2)))
     grouped, dense = out
     np.testing.assert_array_equal(dense.tokens_BxS, grouped.tokens_BxS)
@@ -301,12 +257,12 @@ def test_score_in_update_equals_a_separate_score_pass(x64, replay, microbatches)
     """rl.score_in_update (one mini-batch): π_old from the update's own forward gives the
     update and every monitor of a separate score pass + update (float64: the two paths
     differ only in summation order), and the score step then runs no forward."""
-    cfg, params, ro, model = _rollout64()
+    cfg, params, ro, model = step_rollout64()
     results = []
     for fused in (False, True):
         c = tiny_cfg(replay=replay, num_minibatches=1, microbatches=microbatches,
                      score_in_update=fused).replace(model=model)
-        eng = _engine(c)
+        eng = step_engine(c)
         batch, score_metrics = eng.score(params, ro, REWARDS)
         assert (batch.old_logp_BxT is None) == fused and (score_metrics == {}) == fused
         state, metrics = eng.update(eng.init_state(params), batch)
@@ -315,7 +271,7 @@ def test_score_in_update_equals_a_separate_score_pass(x64, replay, microbatches)
     assert set(results[0][1]) == set(results[1][1])
     s = ro.tokens_BxS.shape[1]
     tokens = int(np.asarray(ro.prompt_mask_BxS | ro.completion_mask_BxS).sum())
-    _assert_same_update(*results, cfg=cfg, n=backward_chain(cfg.model, s, tokens) + 16,
+    assert_same_update(*results, cfg=cfg, n=backward_chain(cfg.model, s, tokens) + 16,
                         tokens=tokens)
     # The monitors see the same routing: R3 replays μ's routes, R2 routes live.
     flips = results[1][1]["routing/mismatch_rate"]
@@ -323,8 +279,8 @@ def test_score_in_update_equals_a_separate_score_pass(x64, replay, microbatches)
 
 
 def test_score_in_update_is_ignored_with_several_minibatches():
-    cfg, params, ro = _rollout()
-    batch, metrics = _engine(tiny_cfg(num_minibatches=2, score_in_update=True)).score(
+    cfg, params, ro = step_rollout()
+    batch, metrics = step_engine(tiny_cfg(num_minibatches=2, score_in_update=True)).score(
         params, ro, REWARDS)
     assert batch.old_logp_BxT is not None and "kl/train_infer_k1" in metrics
 
@@ -346,12 +302,12 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
     assert set(engine_lib.LOOP_ONLY) <= set(type(cfg.rl).__dataclass_fields__)
     for name in presets.EXPERIMENT_PRESETS:  # valid for every preset (no cross-section check trips)
         engine_lib.program_config(presets.preset(name))
-    a, b = _engine(cfg), _engine(other, total_steps=cfg.rl.steps * 2, optim=cfg.rl.optim)
+    a, b = step_engine(cfg), step_engine(other, total_steps=cfg.rl.steps * 2, optim=cfg.rl.optim)
     assert a._jitted is b._jitted and a.cfg.rl.seed == 0 and b.cfg.rl.seed == 7
     noisy = lambda seed: cfg.replace(sampling=cfg.sampling.replace(router_noise_std=0.5),
                                      rl=cfg.rl.replace(seed=seed))
-    assert _engine(noisy(0))._jitted is not _engine(noisy(1))._jitted
-    _, params, ro = _rollout()
+    assert step_engine(noisy(0))._jitted is not step_engine(noisy(1))._jitted
+    _, params, ro = step_rollout()
     state = a.init_state(params)
     batch, _ = a.score(params, ro, REWARDS)
     args = {"sample": (params, ro.tokens_BxS[:, :8], ro.prompt_mask_BxS[:, :8],
@@ -364,20 +320,20 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
         assert first == second, name
 
 
-# The default suite checks the same end to end (tests/recipe_test.py, lr 1e-6 on float32
+# The default suite checks the same end to end (tests/experiments/recipe_test.py, lr 1e-6 on float32
 # master weights of a bfloat16 checkpoint); this one counts the weights bf16 would lose.
 @pytest.mark.slow
 def test_float32_master_weights_take_an_update_that_bfloat16_rounds_away():
     """One AdamW step at lr 1e-6 moves each weight by about 1e-6: below half a bfloat16
     ulp of weights of size ~0.02 (6e-5), far above a float32 one (1e-9). float32 params
     change nearly everywhere the gradient is non-zero; bfloat16 params almost nowhere."""
-    cfg, params, ro = _rollout()
+    cfg, params, ro = step_rollout()
     changed = {}
     for dtype in ("float32", "bfloat16"):
         c = tiny_cfg(num_minibatches=1, learning_rate=1e-6).replace(
             model=cfg.model.replace(param_dtype=dtype))
         p = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-        eng = _engine(c)
+        eng = step_engine(c)
         batch, _ = eng.score(p, ro, REWARDS)
         state, _ = eng.update(eng.init_state(p), batch)
         leaves = zip(jax.tree.leaves(p), jax.tree.leaves(state.params))

@@ -161,7 +161,7 @@ def test_the_export_loads_in_transformers_with_its_template_and_logits(stages):
     params = load_params(str(stages["root"] / "sft_only" / "sft"))
     hidden, _ = tf.forward(params, jnp.asarray(ids), cfg)
     logits = np.asarray(tf.logits(params, hidden, cfg))[0]
-    # As tests/hf_parity_test.py: two float32 evaluations of the same function.
+    # As tests/interop/hf_parity_test.py: two float32 evaluations of the same function.
     assert_close(logits, ref, n=forward_chain(cfg, ids.shape[1]) + cfg.d_model, lam=LAMBDA,
                  scale="max")
     base = transformers.AutoModelForCausalLM.from_pretrained(ckpt).float().eval()

@@ -18,7 +18,7 @@ from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.sampling import rollout as ro
 
-# Same config, prompts and sampling as tests/mismatch_test.py, so a shared process
+# Same config, prompts and sampling as tests/method/mismatch_test.py, so a shared process
 # compiles the sampler once.
 CFG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=8, top_k=2, expert_ffn_dim=64, max_seq_len=40,
