@@ -10,7 +10,7 @@
 # (`setup` below does both from a git URL). The workdir must be one place every host
 # sees: a Cloud Storage bucket (`--workdir gs://BUCKET/run`) or a shared filesystem (NFS,
 # Filestore): each process writes its part of the orbax checkpoint there, and process 0
-# alone writes metrics, logs and plots. docs/pod.md walks through a run from zero.
+# alone writes metrics, logs and plots. docs/guides/pod.md walks through a run from zero.
 set -euo pipefail
 if [ "$#" -lt 3 ]; then
   echo "usage: $0 TPU_NAME ZONE MODULE [ARGS...]   (or: $0 TPU_NAME ZONE setup GIT_URL)" >&2

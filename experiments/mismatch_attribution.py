@@ -7,7 +7,7 @@ routing and staleness (rl.attribution) in a run that collapses and one that does
 The on-policy set's settings (experiments/onpolicy.py: one mini-batch per step, FP8
 sampling with router noise) with the attribution on and a probe of 8 rows every 10 steps
 (the routing part by layer, the tokens in attribution.jsonl). Variants: MiniRL at lr
-3e-4, which collapses on the long task (docs/results.md, on-policy at lr 3e-4), and
+3e-4, which collapses on the long task (docs/records/results.md, on-policy at lr 3e-4), and
 MiniRL + R3 at lr 1e-4, which does not; MiniRL at lr 1e-4 beside them separates the
 step size from the replay. With one mini-batch π_θ = π_old at the update, so the
 staleness part is 0 here and the total is the training–inference mismatch itself. The

@@ -18,7 +18,7 @@ from stablerl_jax.config import ExperimentConfig
 LEN_NORM = "loss.aggregation=seq_mean_token_mean"
 NO_IS = "loss.use_is=false"
 R3 = "rl.replay=r3"
-LONG_ROUTER_NOISE = 0.4  # σ of the long preset: per-token KL 4.1e-2 at its cold start (docs/results.md)
+LONG_ROUTER_NOISE = 0.4  # σ of the long preset: per-token KL 4.1e-2 at its cold start (docs/records/results.md)
 VARIANTS = (
     Variant("minirl"),
     Variant("minirl+lennorm", (LEN_NORM,)),

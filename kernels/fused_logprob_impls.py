@@ -24,7 +24,7 @@ class LogprobBlocks:
     logits over (the matmul K loop; ≥ D means one dot over all of D); Triton launch knobs
     `num_warps`, `num_stages` (GPU only). Powers of two keep the GPU (Triton) lowering
     happy; TPU wants multiples of 8 (tokens) and 128. The defaults are the fastest of a
-    sweep on an H100 in bf16 at (T, D, V) = (8192, 512, 65536) (docs/benchmarks.md)."""
+    sweep on an H100 in bf16 at (T, D, V) = (8192, 512, 65536) (docs/records/benchmarks.md)."""
 
     chunk: int = 2048
     tokens: int = 128

@@ -47,7 +47,7 @@ class GmmBlocks:
 # Mosaic: lane-aligned tiles of (8, 128) multiples, one weight tile of 256 × 256 bf16.
 GMM_TPU_BLOCKS = GmmBlocks()
 # Triton on an H100: the best of the block sweep at the Qwen3-30B-A3B expert shape
-# (docs/benchmarks.md, `python -m benchmarks.gmm --sweep`).
+# (docs/records/benchmarks.md, `python -m benchmarks.gmm --sweep`).
 GMM_GPU_BLOCKS = GmmBlocks(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, t_depth=128,
                            num_warps=8, num_stages=5, t_num_warps=8, t_num_stages=3)
 

@@ -19,7 +19,7 @@ from stablerl_jax.config import (ConfigError, ExperimentConfig, LossConfig, Mode
 # Difficulty presets. The problem space must hold num_test / test_fraction problems or more
 # (easy: 10^3 · 2^2 = 4,000 prompts, of which ~400 hash to test). Held-out accuracy after
 # the `tiny` experiment's cold start (2-layer MoE, d_model 64, 300 SFT steps, sampling at
-# temperature 1): easy ≈ 0.30, medium ≈ 0.11, hard ≈ 0.01 (see docs/benchmarks.md).
+# temperature 1): easy ≈ 0.30, medium ≈ 0.11, hard ≈ 0.01 (see docs/records/benchmarks.md).
 TASKS = {
     "easy": TaskConfig(num_operands=3, max_digits=1, num_train=3000, num_test=300),
     "medium": TaskConfig(num_operands=4, max_digits=1),
@@ -40,7 +40,7 @@ def task(name: str, **overrides) -> TaskConfig:
 def tiny() -> ExperimentConfig:
     """SFT + RL on the synthetic task; minutes on 2 CPU cores."""
     # 'easy' (3 single-digit operands): the cold start lands at ~30 % avg@4, inside the
-    # band where RL has signal; 'medium' starts near 10 % (docs/benchmarks.md).
+    # band where RL has signal; 'medium' starts near 10 % (docs/records/benchmarks.md).
     return ExperimentConfig(
         name="tiny",
         # Speed on 2 CPU cores (benchmarks/global_step.py): batched-tile grouped matmul,
@@ -63,7 +63,7 @@ def tiny() -> ExperimentConfig:
 
 def long() -> ExperimentConfig:
     """`tiny`'s model and settings on the 'long' task: responses of 220–370 tokens, ten
-    times the easy task's, with the context to hold them (docs/results.md, long responses)."""
+    times the easy task's, with the context to hold them (docs/records/results.md, long responses)."""
     base = tiny()
     t = task("long")
     return base.replace(
@@ -76,7 +76,7 @@ def long() -> ExperimentConfig:
         sft=base.sft.replace(steps=1200))
 
 
-# The paper's recipe as launched (docs/recipe.md): the user turn of the chat template, and
+# The paper's recipe as launched (docs/guides/recipe.md): the user turn of the chat template, and
 # the three eval sets, each a JSONL file in task.jsonl_dir (relative eval paths are looked
 # up there first).
 BOXED_PROMPT = ("{question}\nPlease reason step by step, and put your final answer within "
@@ -106,7 +106,7 @@ def paper() -> ExperimentConfig:
     and a length penalty would change the paper's binary reward.
 
     Pod layout, chosen so that every step fits a v5p-256 (128 chips, 95.7 GiB HBM each;
-    the compiled table is in docs/benchmarks.md): mesh (data, fsdp, expert) =
+    the compiled table is in docs/records/benchmarks.md): mesh (data, fsdp, expert) =
     (1, 16, 8), batch split over all 128 chips; the update accumulates over 8
     micro-batches of 128 responses (one 33k-token response per chip at a time), the
     score step runs in the same slices; the sampler decodes all 1,024 rows in one pass
@@ -147,7 +147,7 @@ def paper() -> ExperimentConfig:
 def moe1b() -> ExperimentConfig:
     """A ≈1B-parameter MoE (16 layers, d_model 1024, 32 experts top-4) in bf16 on one
     accelerator host: the benchmark size of benchmarks/train_step.py and the v5e-8 AOT
-    table (docs/benchmarks.md). 2k-token sequences, 64 responses per mini-batch, the
+    table (docs/records/benchmarks.md). 2k-token sequences, 64 responses per mini-batch, the
     sampler in the serving layout (4 experts per chip, weights resident)."""
     return ExperimentConfig(
         name="moe1b",

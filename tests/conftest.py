@@ -28,7 +28,7 @@
   (`_release_run_memory`): a worker that kept them through the default and integration
   tests together crashed in the integration tier's largest compile (the `paper` preset
   on a Hugging Face checkpoint, tests/experiments/recipe_test.py), as a worker of the old, untiered
-  suite once aborted compiling a packed update (docs/testing.md).
+  suite once aborted compiling a packed update (docs/guides/testing.md).
 - The tiers (tests/tiers.py): `pytest_collection_modifyitems` marks the sampled cases of
   large parameter products and the whole-model tests `integration`, and a test outside
   the integration, slow and tpu tiers fails if it starts a run, a child process or a

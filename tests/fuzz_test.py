@@ -9,7 +9,7 @@ changed type, rounded, wrapped or dropped.
 
 Every surface runs under the FAST profile in the default suite (60 derandomized examples
 each) and under LONG with `pytest -m slow` (2,000 fresh examples each); the times are in
-docs/reliability.md. The library functions are called in-process. Inputs found to break
+docs/records/reliability.md. The library functions are called in-process. Inputs found to break
 the property become table cases in tests/bad_input_test.py (through the command line
 where the surface is reachable from it); those whose fix is still open are listed in
 OPEN.

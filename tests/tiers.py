@@ -1,4 +1,4 @@
-"""The test tiers (docs/testing.md): what a test starts decides its tier.
+"""The test tiers (docs/guides/testing.md): what a test starts decides its tier.
 
 - default (`pytest`): unit and module tests; no whole run, no child process, no notebook.
 - `integration` (`pytest -m integration`): every test that starts a run (`rl.loop.run`,
@@ -6,7 +6,7 @@
   a notebook kernel; and the tests of 5 s or more (`HEAVY`).
 - `slow` and `tpu`: as their markers say (pyproject.toml). `slow` also holds the rest of
   each large parameter product (`SAMPLED`, marked `sampled` too; `integration` holds
-  those of `SAMPLED_IN_CI`), so the three tiers together run every case. CI runs no `slow` test (docs/testing.md);
+  those of `SAMPLED_IN_CI`), so the three tiers together run every case. CI runs no `slow` test (docs/guides/testing.md);
   `BEYOND_CI` (marked `beyond_ci`) names the longest of them.
 
 `guarded` (conftest.py's pytest_runtest_protocol) fails a default-tier test that starts
@@ -27,7 +27,7 @@ STARTERS = frozenset({"integration", "slow", "tpu"})
 # Sampled products whose other cases stay in `integration` (and so in CI): between them
 # they run lines of the Hugging Face loader and validator, the rollout-file reader, the
 # Pallas fused log-prob and the grouped-matmul table that no other CI test runs
-# (`pytest-cov`, docs/testing.md).
+# (`pytest-cov`, docs/guides/testing.md).
 SAMPLED_IN_CI = (
     "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file",
     "tests/bad_input_test.py::test_hostile_rollout_files_are_one_line_naming_the_file",
@@ -72,7 +72,7 @@ SAMPLED = SAMPLED_IN_CI + (
 # interpreter, an op-by-op (`__without_jit`) variant, or build a Hugging Face checkpoint
 # or tokenizer fixture. The default tier's five minutes cannot hold them beside the
 # rest; the integration tier runs them. Measured with `pytest --durations=0` on a fresh
-# clone (docs/testing.md).
+# clone (docs/guides/testing.md).
 HEAVY = (
     "tests/rl/steps_test.py::test_learning_rates_share_one_compiled_update_and_each_takes_its_own_step",
     "tests/model/expert_parallel_test.py::test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis",
@@ -232,7 +232,7 @@ def sampled_out(nodeids: list[str], k: int = 1, seed: int = 0) -> set[str]:
 
 
 # The longest `slow` tests (`beyond_ci`): their times on 2 cores beside other work
-# (docs/testing.md) add up to over an hour. Run them with `pytest -m beyond_ci`, the
+# (docs/guides/testing.md) add up to over an hour. Run them with `pytest -m beyond_ci`, the
 # others with `pytest -m 'slow and not beyond_ci'`.
 BEYOND_CI = (
     "tests/rl/packing_test.py::test_every_loss_aggregation_and_replay_packed_equals_padded",
@@ -273,7 +273,7 @@ def mark_tiers(items) -> None:
 def _refuse(what: str):
     def refused(*args, **kwargs):
         pytest.fail(f"a default-tier test started {what}: mark it `integration` "
-                    "(tests/tiers.py, docs/testing.md)", pytrace=False)
+                    "(tests/tiers.py, docs/guides/testing.md)", pytrace=False)
     return refused
 
 

@@ -208,7 +208,7 @@ class SamplingConfig(Section):
         sequence of slices of this many rows (its KV cache is the memory that bounds a
         pod's sampling batch). 0: every row at once. A row's sample does not depend on
         the slicing (each row draws from its own key), up to how the matmul kernels
-        round a prefill of another batch size (docs/benchmarks.md). It divides the
+        round a prefill of another batch size (docs/records/benchmarks.md). It divides the
         step's B responses, except under partial rollouts (rl.max_staleness >= 1), where
         it is the sampler's slots and may exceed B (rl/inflight.slots).
       dispatch: the engine's own expert dispatch ('grouped' or 'dense', the same function

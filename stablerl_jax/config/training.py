@@ -207,7 +207,7 @@ class RLConfig(Section):
     logprob_impl: the fused log-prob op: the name of a row of LOGPROB_IMPLS
       (kernels/fused_logprob_impls.py says what each row is; 'chunked', the default, runs
       everywhere). On a GPU with bf16 compute 'pallas_gpu' is the fast one (forward +
-      backward 0.16× naive, 'chunked' 1.4×; docs/benchmarks.md).
+      backward 0.16× naive, 'chunked' 1.4×; docs/records/benchmarks.md).
     trim_bucket: before scoring, cut each step's rollout to the slots some row used (the
       longest prompt's first slot to the longest completion's end), the width rounded up
       to a multiple of this many slots, so score and updates skip the all-padding slots

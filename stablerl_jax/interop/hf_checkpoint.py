@@ -301,7 +301,7 @@ def check_config_against_weights(path: str) -> dict:
     weight_map, else the safetensors headers), and from the headers' shapes of the
     embedding and of layer 0 the vocab rows, hidden size, head width, head counts, expert
     count and expert width. `load_hf_params` then checks every tensor's shape. A square
-    weight stored transposed has the right shape: see docs/interop.md for the check that
+    weight stored transposed has the right shape: see docs/guides/interop.md for the check that
     catches it."""
     source = os.path.join(path, "config.json")
     fields = hf_config.checkpoint_fields(_hf_json(path), source=source)

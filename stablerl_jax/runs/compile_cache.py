@@ -6,7 +6,7 @@ builds its own Engine, a resumed run starts from nothing, and each trimmed rollo
 program once per machine and every later run loads it (jax keys an entry by the
 program, the compile options and the jax / XLA version, so a stale entry is never used).
 On 2 CPU cores this takes about 10 s off the start of every tiny run
-(docs/benchmarks.md).
+(docs/records/benchmarks.md).
 """
 from __future__ import annotations
 

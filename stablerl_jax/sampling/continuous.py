@@ -25,7 +25,7 @@ steps compute its row alone. So a response's tokens, log μ, routes and weights 
 static sampler's, in the same row order, after fewer decode steps when the lengths
 differ, as far as the matmul kernels round a row alike whatever the batch around it.
 On CPU the FP8 and bf16 engines agree bit for bit with prefills of up to 32 rows
-(tests/sampling/continuous_test.py; docs/benchmarks.md, "Samplers side by side"); a refill's
+(tests/sampling/continuous_test.py; docs/records/benchmarks.md, "Samplers side by side"); a refill's
 [1, P] prefill can round differently from a pass's [64, P] one, and a response started
 by a refill may then draw another token (another sample of the same distribution, its
 log μ the one it was drawn from). With float32 weights and activations the differently

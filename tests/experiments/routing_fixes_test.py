@@ -26,7 +26,7 @@ def test_the_samplers_router_dtype_changes_only_the_routers_arithmetic():
     sampler router is the only difference left: it flips experts against the trainer and
     moves log μ, and sampling.router_dtype=float32 (or '': the model's) flips none.
     (Under the `fp8` preset the FP8 weights' error in the hidden states dominates the
-    flips, and the router's precision moves them within noise: docs/results.md.)"""
+    flips, and the router's precision moves them within noise: docs/records/results.md.)"""
     model = dataclasses.replace(tiny_cfg().model, init_std=0.3, compute_dtype="bfloat16",
                                 batch_invariant=True, router_dtype="float32")
     params = tf.init_params(jax.random.key(0), model)
