@@ -262,8 +262,8 @@ _PATH = st.lists(st.text(max_size=8) | st.sampled_from([".", "..", "", "run 1", 
 
 
 def _check_url(url: str):
-    from stablerl_jax.runs import storage
-    if works_or_user_error(storage.check_url, url, "workdir") is REFUSED:
+    from stablerl_jax.runs import storage_gcs
+    if works_or_user_error(storage_gcs.check_url, url, "workdir") is REFUSED:
         return
     if not url.startswith("gs://"):
         return  # not a bucket URL: nothing to hold

@@ -1,6 +1,7 @@
 """Where a run's state lives and how it survives: files, locks, checkpoints, logs.
 
     storage.py            a local directory or a `gs://` bucket behind one interface
+    storage_gcs.py        Cloud Storage's naming rules (`check_url`), its client (the run lock)
     workdir.py            one run per workdir: the lock file and its take-over rules
     checkpoint.py         orbax checkpoints: atomic, async, keep-N, resume from complete steps
     checkpoint_guards.py  what an open checkpointer installs around orbax (errors, signals)

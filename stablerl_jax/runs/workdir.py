@@ -17,7 +17,7 @@ loop that locks it again share one hold.
 
 On an object store (a `gs://` workdir) there is no flock and no process that ends with
 its holder: the lock is the object `<workdir>/run.lock`, written under generation
-preconditions (storage.py). It is created only if absent, so of two runs racing one
+preconditions (storage_gcs.py). It is created only if absent, so of two runs racing one
 wins; its content names the holder (host, pid, start time, boot id), and a daemon
 thread rewrites it every HEARTBEAT_S seconds, each time only if it is still the version
 this run wrote. A run finding the object refuses, naming the holder, unless the holder
@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 
-from stablerl_jax.runs import storage
+from stablerl_jax.runs import storage, storage_gcs
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 60.0  # how often a run on an object store renews its lock object
@@ -176,10 +176,10 @@ class _ObjectLock:
 
     def _take(self) -> int:
         for _ in range(8):  # each round: another run wrote the object in between
-            generation = storage.create_object(self.path, self._data())
+            generation = storage_gcs.create_object(self.path, self._data())
             if generation is not None:
                 return generation
-            found = storage.read_object(self.path)
+            found = storage_gcs.read_object(self.path)
             if found is None:
                 continue  # released in between
             holder = _parse_holder(found.data)
@@ -192,7 +192,7 @@ class _ObjectLock:
                     f"workdir {self.workdir!r} is in use by {_holder_text(holder)}, its "
                     f"lock renewed {age:.0f} s ago (lock object {self.path}); wait for "
                     "that run to finish or stop it, or pass another --workdir")
-            generation = storage.replace_object(self.path, self._data(), found.generation)
+            generation = storage_gcs.replace_object(self.path, self._data(), found.generation)
             if generation is not None:
                 logging.warning("workdir %s: taking over the lock of %s: %s", self.workdir,
                                 _holder_text(holder), why)
@@ -217,7 +217,7 @@ class _ObjectLock:
     def _renew(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                generation = storage.replace_object(self.path, self._data(), self.generation)
+                generation = storage_gcs.replace_object(self.path, self._data(), self.generation)
             except Exception as e:  # noqa: BLE001 (a network error: try again next time)
                 logging.warning("workdir %s: could not renew the run lock (%s); trying again "
                                 "in %.0f s", self.workdir, " ".join(str(e).split())[:200],
@@ -230,7 +230,7 @@ class _ObjectLock:
 
     def _lose(self) -> None:
         try:
-            found = storage.read_object(self.path)
+            found = storage_gcs.read_object(self.path)
         except Exception:  # noqa: BLE001 (the run stops either way)
             found = None
         who = _holder_text(_parse_holder(found.data)) if found else "another run"
@@ -244,7 +244,7 @@ class _ObjectLock:
         self._stop.set()
         self._thread.join()
         if not self.lost:
-            storage.delete_object(self.path, self.generation)
+            storage_gcs.delete_object(self.path, self.generation)
 
 
 def _parse_holder(raw: bytes) -> dict:

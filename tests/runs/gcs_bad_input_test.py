@@ -10,7 +10,7 @@ import time
 import pytest
 
 from experiments import quickstart
-from stablerl_jax.runs import storage
+from stablerl_jax.runs import storage, storage_gcs
 
 # (case, URL, the message must contain this)
 BAD_URLS = [
@@ -86,7 +86,7 @@ def test_a_bad_gs_checkpoint_is_one_line_naming_it(capsys, tmp_path):
 @pytest.mark.parametrize("fn", [storage.abspath, storage.fetch_dir, storage.makedirs,
                                 storage.exists, storage.local_dir, storage.open_file])
 def test_storage_refuses_a_bad_gs_url_where_it_enters(fn):
-    with pytest.raises(storage.BadURL, match="'gs://my-runs//run': the object path holds "
+    with pytest.raises(storage_gcs.BadURL, match="'gs://my-runs//run': the object path holds "
                                              "an empty segment"):
         fn("gs://my-runs//run")
 
@@ -102,8 +102,8 @@ def test_an_endpoint_refusing_connections_is_one_line_within_the_bound(
     libraries = ("urllib3", "google", "gcsfs", "fsspec", "aiohttp")
     noisy = [r for r in caplog.records if r.name.startswith(libraries) or r.exc_info]
     assert not noisy, [(r.name, r.getMessage()[:100]) for r in noisy]
-    assert took < storage.REACH_BOUND_S + 10, took  # the slack: a busy machine
+    assert took < storage_gcs.REACH_BOUND_S + 10, took  # the slack: a busy machine
     assert (f"workdir 'gs://my-runs/run1': no answer from the storage emulator at "
             f"{unreachable_store} (STORAGE_EMULATOR_HOST) within "
-            f"{storage.REACH_BOUND_S:g} s (Connection refused)") in err, err
+            f"{storage_gcs.REACH_BOUND_S:g} s (Connection refused)") in err, err
     assert "fix or unset STORAGE_EMULATOR_HOST" in err, err

@@ -39,7 +39,7 @@ from stablerl_jax.data.task import TaskData
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.runs import storage
+from stablerl_jax.runs import storage, storage_gcs
 from stablerl_jax.runs import workdir as workdir_lock
 from stablerl_jax.runs.checkpoint import Checkpointer
 from stablerl_jax.runs.checkpoint_guards import ErrorLog
@@ -237,7 +237,7 @@ def _holder(workdir, heartbeat_s=60.0):
 
 
 def _holder_of(lock: str) -> dict:
-    return json.loads(storage.read_object(lock).data)
+    return json.loads(storage_gcs.read_object(lock).data)
 
 
 @pytest.mark.integration  # the storage emulator is a process
@@ -263,7 +263,7 @@ def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(bucket, capl
     workdir_lock.release(path)
     assert _holder_of(lock)["pid"] == os.getpid()  # still held once
     workdir_lock.release(path)
-    assert storage.read_object(lock) is None  # released: deleted
+    assert storage_gcs.read_object(lock) is None  # released: deleted
 
 
 @pytest.mark.integration  # the storage emulator is a process
@@ -283,16 +283,16 @@ def test_a_stale_lock_is_taken_over_and_its_holder_stops(bucket, caplog, monkeyp
             path = workdir_lock.acquire(run)
         assert f"taking over the lock of pid {holder.pid} on host" in caplog.text
         assert re.search(r"its lock was last renewed \d+ s ago \(> 1 s\)", caplog.text)
-        ours = storage.read_object(path)
+        ours = storage_gcs.read_object(path)
         holder.send_signal(signal.SIGCONT)
         out, _ = holder.communicate(timeout=60)
         assert holder.returncode == 3, out
         assert (f"workdir '{run}': the run lock was taken over by pid {os.getpid()} on host"
                 in out.decode()), out
-        assert storage.read_object(path).generation == ours.generation  # not clobbered
+        assert storage_gcs.read_object(path).generation == ours.generation  # not clobbered
         workdir_lock.check_held()  # ours is still held
         workdir_lock.release(path)
-        assert storage.read_object(path) is None
+        assert storage_gcs.read_object(path) is None
     finally:
         holder.kill()
         holder.wait()
