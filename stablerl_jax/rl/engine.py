@@ -259,7 +259,7 @@ class Engine:
 
 # RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them (the
 # eval batch is padded to the mesh and sampler multiple, the overlong penalty is added to
-# the rewards on the host).
+# the rewards on the host, so rl.overlong=penalty builds the steps of 'keep').
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
              "async_checkpoints", "phase_sync", "max_consecutive_skips", "seed", "offline_rollouts",
              "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
@@ -273,7 +273,8 @@ def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
     the seed's one use, the sampler's noise seed, and the optimizer on their own)."""
     default = RLConfig()
     rate = OptimConfig().learning_rate
-    rl = cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY},
+    overlong = "keep" if cfg.rl.overlong == "penalty" else cfg.rl.overlong
+    rl = cfg.rl.replace(**{f: getattr(default, f) for f in LOOP_ONLY}, overlong=overlong,
                         optim=cfg.rl.optim.replace(learning_rate=rate))
     return cfg.replace(name="", rl=rl, sft=cfg.sft.replace(
         optim=cfg.sft.optim.replace(learning_rate=rate)))

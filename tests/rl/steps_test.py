@@ -304,6 +304,9 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
         engine_lib.program_config(presets.preset(name))
     a, b = step_engine(cfg), step_engine(other, total_steps=cfg.rl.steps * 2, optim=cfg.rl.optim)
     assert a._jitted is b._jitted and a.cfg.rl.seed == 0 and b.cfg.rl.seed == 7
+    # DAPO's length penalty is added on the host: its steps are those of 'keep'.
+    penalty = other.replace(rl=other.rl.replace(overlong="penalty"))
+    assert step_engine(penalty, total_steps=cfg.rl.steps * 2, optim=cfg.rl.optim)._jitted is a._jitted
     noisy = lambda seed: cfg.replace(sampling=cfg.sampling.replace(router_noise_std=0.5),
                                      rl=cfg.rl.replace(seed=seed))
     assert step_engine(noisy(0))._jitted is not step_engine(noisy(1))._jitted
