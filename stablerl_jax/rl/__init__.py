@@ -1,6 +1,8 @@
 """The training engine and the global-step loop that drives sampler and trainer.
 
     loop.py        `run`: the global-step loop with eval, checkpoints and logs
+    sources.py     where a step's responses come from (static, dynamic, partial, offline):
+                   one record, `Responses`, for all
     engine.py      the jitted, mesh-sharded steps of one experiment, built once
     steps.py       score (π_old), update (π_θ) and SFT update as pure functions
     accumulate.py  micro-batching: a mini-batch's loss and gradient as a sum over slices

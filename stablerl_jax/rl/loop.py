@@ -5,25 +5,17 @@ N mini-batches, M = B/N responses per mini-batch.
 
 One global step, every hop a call from here into one module and back:
 
-    1. data.task      the step's prompts, left-padded, G rows each
-    2. rl.engine      sample(θ_old): the sampling engine's rollout (tokens, logp_mu, routes_mu)
-    3. data.task      rewards of the decoded completions (then, with rl.trim_bucket, the
-                      rollout is cut to the slots some row uses: rl.engine trim)
+    1–3. rl.sources   the step's responses, whatever made them (`Responses`): the
+                      prompts (data.task), the sampling engine's rollout (rl.engine
+                      sample(θ_old): tokens, logp_mu, routes_mu) and their rewards; or
+                      dynamic-sampling rounds, partial rollouts, an offline file
     4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors
+                      (with rl.trim_bucket, on the rollout cut to the slots some row uses)
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
     7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
                       rl/evals.py), decoded samples (samples.jsonl); the same to the
-                      run's trackers (trackers.py: wandb, MLflow)
-
-With `rl.dynamic_sampling` hops 1–3 run in rounds (`dynamic_rollout`, rl/dynamic.py):
-groups whose rewards are all equal are dropped and further prompts sampled until
-rl.prompts_per_step groups with a reward spread fill the batch, at most
-rl.max_sampling_rounds rounds (a short batch is padded with empty responses).
-
-With `rl.offline_rollouts` set, hops 1–3 read the step's responses from an offline
-rollout file instead (tokens, logp_mu, routes and rewards recorded by an external engine
-such as vLLM or SGLang: interop/rollouts.py); everything from hop 4 on is unchanged.
+                      run's trackers (runs/trackers.py: wandb, MLflow)
 
 Everything random is derived from (seed, step), so a run resumed from its last complete
 checkpoint reproduces the uninterrupted run bit for bit on CPU.
@@ -38,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,17 +54,16 @@ from stablerl_jax.rl import (
     probe,
     profiling,
     resume,
+    sources,
     steps,
 )
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
+from stablerl_jax.rl.inflight import Inflight
 from stablerl_jax.runs import storage
 from stablerl_jax.runs import workdir as workdir_lock
 from stablerl_jax.runs.checkpoint import Checkpointer
 from stablerl_jax.runs.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
 from stablerl_jax.runs.trackers import Trackers
-from stablerl_jax.sampling import continuous
-from stablerl_jax.sampling import rollout as rollout_lib
 
 
 def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
@@ -81,240 +71,83 @@ def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
     return np.random.default_rng([seed, step, 1]).permutation(responses)
 
 
-def offline_batch(offline: OfflineRollouts, cfg, data: TaskData, step: int):
-    """(this process's rows of the step's rollout, their rewards, the file's response
-    indices of the whole step) of global step `step`."""
-    b = cfg.rl.prompts_per_step * cfg.rl.group_size
-    rows = np.arange(step * b, (step + 1) * b)
-    rollout, rewards_B, answers = offline.batch(
-        rows, max_prompt_len=cfg.task.max_prompt_len,
-        max_new_tokens=cfg.sampling.max_new_tokens, pad_id=data.tokenizer.pad_id,
-        num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
-        num_experts=cfg.model.num_experts)
-    mine = distributed.rows_of_process(b)
-    if rollout.truncated_B is None:  # a file's rows: no stop id within max_new_tokens
-        rollout = rollout._replace(truncated_B=rollout_lib.truncated_rows(
-            rollout.tokens_BxS, rollout.completion_mask_BxS, data.tokenizer.stop_ids,
-            cfg.sampling.max_new_tokens))
-    if rewards_B is None:
-        rewards_B = data.reward(rollout, list(answers)[mine])
-    else:
-        rewards_B = np.asarray(rewards_B)[mine]
-    return jax.tree.map(lambda x: np.asarray(x)[mine], rollout), rewards_B, rows
+def minibatches_of(engine: Engine, batch: steps.TrainBatch, step: int) -> np.ndarray:
+    """[N, M] response indices of the step's mini-batches: a seeded permutation; under
+    rl.pack_tokens each batch shard's rows balanced to equal tokens."""
+    rl = engine.cfg.rl
+    order = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size)
+    minibatches = order.reshape(rl.num_minibatches, -1)
+    if rl.pack_tokens:  # each batch shard packs its own rows: give them equal tokens
+        tokens_B = engine.row_tokens(batch)
+        minibatches = np.stack([packing.balance_rows(rows, tokens_B[rows],
+                                                     steps.batch_shards(engine.cfg))
+                                for rows in minibatches])
+    return minibatches
 
 
-def partial_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                    inflight: Inflight, timer: costs.PhaseTimer):
-    """Sampling of global step `step` with partial rollouts (rl/inflight.py): (the
-    rollout and each token's age [B, S] on the host, all rows; this process's rows of
-    the prompt tokens and mask and of the answers; the train-split prompt indices [Q];
-    `async/…` metrics; the trim window (lo, hi) of the rollout or None).
-
-    Every process keeps the whole queue on the host (the same on each: everything in it
-    is derived from the seed and the sampled tokens), hands its block of rows to the
-    sampler, and gathers the sampled queue back."""
-    cfg = engine.cfg
-    with timer.phase("sample"):
-        dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
-        mine_n = distributed.rows_of_process(len(inflight.attempts_I))
-        queue, decode_steps = engine.sample_partial(
-            state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
-        # One gather of every field (np.array: the queue's arrays are written in place).
-        inflight.queue = jax.tree.map(np.array, distributed.gather(
-            jax.tree.map(distributed.local_rows, queue)))
-    rows, gids = inflight.take(cfg)
-    q = jax.tree.map(lambda x: x[rows], inflight.queue)
-    prompt_idx = inflight.prompt_indices(gids, cfg, data)
-    g, p = cfg.rl.group_size, cfg.task.max_prompt_len
-    carried = inflight.group_ids != EMPTY
-    metrics = {**age_stats(q.version_IxS, q.completion_IxS, step, cfg.rl.max_staleness),
-               "async/dropped": float(dropped),
-               "async/decode_steps": float(distributed.host(decode_steps)),
-               "async/carried_tokens": float(inflight.queue.completion_IxS[
-                   np.repeat(carried, g)].sum())}
-    window = None
-    if cfg.rl.trim_bucket:  # the window Engine.trim cuts from the whole rollout
-        window = rollout_lib.used_window(np.any(q.prompt_mask_IxS | q.completion_IxS, 0),
-                                         cfg.rl.trim_bucket)
-    mine = distributed.rows_of_process(len(rows))
-    answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)][mine]
-    rollout = jax.tree.map(np.asarray, continuous.to_rollout(q))
-    return (rollout, age_of_tokens(q.version_IxS, q.completion_IxS, step),
-            q.tokens_IxS[mine, :p], q.prompt_mask_IxS[mine, :p], answers, prompt_idx,
-            metrics, window)
-
-
-def dynamic_rollout(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                    timer: costs.PhaseTimer, log_samples: int = 0):
-    """Sampling of global step `step` under rl.dynamic_sampling (rl/dynamic.py): rounds
-    of Q prompts until Q groups with a reward spread fill the batch, at most
-    rl.max_sampling_rounds. Returns (the batch's rollout; this process's rows of the task
-    rewards, lengths and truncated flags of every response sampled, all rounds; this
-    process's rows of the batch's rewards for the advantages (the length penalty
-    included, 0 on padding); the composition's source; the decoded samples, of round 0;
-    the `dynamic/…` metrics; the decode steps of every round)."""
-    cfg = engine.cfg
-    rl = cfg.rl
-    q, g = rl.prompts_per_step, rl.group_size
-    fill = dynamic.Fill(q, g)
-    batch, samples, sampled, decode_steps = None, [], [], 0
-    for r in range(rl.max_sampling_rounds):
-        index, stream = dynamic.round_batch(step, r, rl.max_sampling_rounds)
-        prompt_idx = data.train_indices(index, q, rl.seed, stream)
-        mine = prompt_idx[distributed.rows_of_process(q)]
-        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], g)
-        with timer.phase("sample"):
-            rollout, steps_ = engine.sample_counted(state.params, tokens, mask,
-                                                    dynamic.round_key(rl.seed, step, r))
-            decode_steps += int(distributed.host(steps_))
-        with timer.phase("reward"):
-            rewards_mine, extractors = data.reward_with_source(rollout, answers)
-        lengths_mine = distributed.local_rows(rollout.lengths_B)
-        sampled.append((rewards_mine, lengths_mine, distributed.local_rows(rollout.truncated_B)))
-        penalty_mine = np.zeros_like(rewards_mine)
-        if rl.overlong == "penalty":
-            penalty_mine = overlong.length_penalty(lengths_mine, cfg.sampling.max_new_tokens,
-                                                   rl.overlong_buffer,
-                                                   rl.overlong_penalty_factor)
-        if r == 0:
-            samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
-                                        extractors, log_samples, split="train")
-        # Gathered: every process reads the same rewards and keeps the same groups.
-        scored_B = distributed.gather(rewards_mine + penalty_mine)
-        src_B = fill.add(prompt_idx, scored_B)
-        if r == 0 and fill.full:  # every group kept, in place
-            batch = rollout
-        else:
-            with timer.phase("sample"):
-                batch = engine.merge_rows(rollout if batch is None else batch, rollout,
-                                          src_B, fill.real_B())
-        if fill.full:
-            break
-    rewards_mine, lengths_mine, truncated_mine = (np.concatenate(x) for x in zip(*sampled))
-    score_rewards = fill.rewards_B(scored_B.dtype)[distributed.rows_of_process(q * g)]
-    source = {"prompts": fill.prompts, "sampled": fill.sampled}
-    return (batch, rewards_mine, lengths_mine, truncated_mine, score_rewards, source, samples,
-            fill.metrics(), decode_steps)
-
-
-class HostRows(NamedTuple):
-    """What the loop reads on the host of a step's responses, this process's rows (all
-    rounds under dynamic sampling); `distributed.gather` gives every process all rows."""
-
-    rewards: np.ndarray    # the task's reward
-    lengths: np.ndarray    # completion tokens
-    truncated: np.ndarray  # no stop id within max_new_tokens
-    penalty: np.ndarray    # DAPO's length penalty (rl.overlong=penalty), else 0
+def step_metrics(cfg, every: sources.HostRows, source_metrics: dict, score_metrics,
+                 update_metrics) -> dict:
+    """The step's metrics row: rewards and lengths of every response (`every`: the host
+    rows of every process), the source's, the score's and the updates' monitors."""
+    metrics = {"reward": float(np.mean(every.rewards)),
+               "response_length": float(np.mean(every.lengths)),
+               **overlong.response_stats(every.lengths, every.truncated,
+                                         cfg.sampling.max_new_tokens)}
+    if cfg.rl.overlong == "penalty":
+        metrics["reward/overlong_penalty"] = float(np.mean(every.penalty))
+    metrics.update(source_metrics)
+    metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
+    metrics.update(reduce_metrics(update_metrics))
+    metrics.update(attribution.derive(metrics))
+    return metrics
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                offline: OfflineRollouts | None = None, log_samples: int = 0,
-                inflight: Inflight | None = None, history: list | None = None,
-                timer: costs.PhaseTimer | None = None):
+                source: sources.Source = sources.static, log_samples: int = 0,
+                history: list | None = None, timer: costs.PhaseTimer | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition,
     decoded samples: this process's first `log_samples` rows, evals.sample_rows; the
     attribution probe's rows for attribution.jsonl, rl/probe.py, [] on other steps; what
     the step did for rl/costs.py's perf_row: tokens generated and trained, the batch's
     rows and width, decode steps). `timer` times its phases (rl/costs.py).
 
+    `source` gives the step's responses (rl/sources.py). The composition is its
+    provenance ({"prompts": train-split indices of the step's prompts} or {"responses":
+    indices in an offline file}), "minibatches": response indices per mini-batch, and
+    "skipped": 1 for each mini-batch whose update was skipped as non-finite; response r
+    answers prompt r // G.
+
     Under rl.overlong=penalty the rewards the advantages use include DAPO's length
     penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
     comparable across modes (`reward/overlong_penalty` is the mean penalty).
 
-    The composition is {"prompts": train-split indices of the step's prompts,
-    "minibatches": response indices per mini-batch, "skipped": 1 for each mini-batch whose
-    update was skipped as non-finite}; response r answers prompt r // G. With `offline`, the
-    step's responses come from that file and "responses" lists their indices in it instead
-    of "prompts".
-
-    Under rl.dynamic_sampling (`dynamic_rollout`) "prompts" lists the batch's real groups'
-    prompts (rows from len(prompts)·G on are padding) and "sampled" each round's Q
-    prompts; `reward`, `response_length` and the `response/…` monitors are over every
-    response sampled, all rounds.
-
-    With `inflight` (rl.max_staleness >= 1) the step's responses are the first complete
-    groups of the carried queue (rl/inflight.py), "prompts" lists their prompts, and
-    under rl.old_policy=behavior `history` holds the parameters of the S versions before
-    this one (newest first), π_old of each token's version; θ_k is pushed onto it.
+    Under rl.old_policy=behavior (partial rollouts) `history` holds the parameters of
+    the S versions before this one (newest first): π_old of each token is its version's;
+    θ_k is pushed onto it.
     """
     rl = engine.cfg.rl
     timer = timer or costs.PhaseTimer(sync=rl.phase_sync)
-    age_BxS, async_metrics, dynamic_metrics, score_rewards = None, {}, {}, None
-    decode_steps = None
-    behavior = inflight is not None and rl.old_policy == "behavior"
-    if rl.dynamic_sampling:  # the config refuses it with offline or partial rollouts
-        (rollout, rewards_mine, lengths_mine, truncated_mine, score_rewards, source, samples,
-         dynamic_metrics, decode_steps) = dynamic_rollout(engine, state, data, step, timer,
-                                                          log_samples)
-    elif offline is None:
-        if inflight is not None:
-            (rollout, age_BxS, tokens, mask, answers, prompt_idx, async_metrics,
-             window) = partial_rollout(engine, state, data, step, inflight, timer)
-            decode_steps = async_metrics["async/decode_steps"]
-        else:
-            prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-            mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
-            tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine],
-                                                      rl.group_size)
-            key = jax.random.fold_in(jax.random.key(rl.seed), step)
-            with timer.phase("sample"):
-                rollout, steps_ = engine.sample_counted(state.params, tokens, mask, key)
-                decode_steps = int(distributed.host(steps_))
-        with timer.phase("reward"):
-            rewards_mine, extractors = data.reward_with_source(rollout, answers)
-        # This process's rows: the sampler's lengths are a batch-sharded global array
-        # whose other rows live on the other hosts' devices (only partial rollouts hold
-        # every row on the host), and the rewards exist only here; all four ride the
-        # one HostRows gather below, where reading the global arrays whole would be a
-        # collective each.
-        lengths_mine = distributed.local_rows(rollout.lengths_B)
-        truncated_mine = distributed.local_rows(rollout.truncated_B)
-        source = {"prompts": [int(i) for i in prompt_idx]}
-        samples = evals.sample_rows(data, tokens, mask, rollout, rewards_mine, answers,
-                                    extractors, log_samples, split="train")
-        if age_BxS is not None:  # host arrays: from here on, this process's rows
-            rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
-    else:  # already this process's rows, on the host
-        with timer.phase("sample"):  # the file's responses stand for the sampler's
-            rollout, rewards_mine, rows = offline_batch(offline, engine.cfg, data, step)
-        lengths_mine, truncated_mine = rollout.lengths_B, rollout.truncated_B
-        source = {"responses": [int(i) for i in rows]}
-        samples = []
-    penalty_mine = np.zeros_like(rewards_mine)
-    if rl.overlong == "penalty":
-        penalty_mine = overlong.length_penalty(lengths_mine, engine.cfg.sampling.max_new_tokens,
-                                               rl.overlong_buffer, rl.overlong_penalty_factor)
+    behavior = bool(history)
+    got = source(engine, state, data, step, timer, log_samples)
+    old = (state.params, *history) if behavior else state.params
+    age_BxS = got.age_BxS if behavior else None
     with timer.phase("score"):
-        if rl.trim_bucket:
-            if age_BxS is not None:
-                age_BxS = age_BxS[:, window[0]:window[1]]
-            rollout = engine.trim(rollout, rl.trim_bucket)
+        rollout = engine.trim(got.rollout, rl.trim_bucket) if rl.trim_bucket else got.rollout
         if behavior:
-            batch, score_metrics = engine.score_behavior(
-                (state.params, *history), rollout, rewards_mine + penalty_mine, age_BxS)
+            batch, score_metrics = engine.score_behavior(old, rollout, got.rewards, age_BxS)
         else:
-            batch, score_metrics = engine.score(state.params, rollout,
-                                                rewards_mine + penalty_mine
-                                                if score_rewards is None else score_rewards)
+            batch, score_metrics = engine.score(old, rollout, got.rewards)
         timer.wait((batch, score_metrics))
     probed = None
     if probe.due(rl, step):  # rl.attribution_every: before the updates change θ
         with timer.phase("attribution"):
-            probed = probe.Probe(engine, (state.params, *history) if behavior
-                                 else state.params, rollout, batch, step,
-                                 age_BxS if behavior else None)
+            probed = probe.Probe(engine, old, rollout, batch, step, age_BxS)
     with timer.phase("update"):
         if behavior:
             # θ_k becomes the newest past version (copied: the updates donate the state).
             history.insert(0, jax.tree.map(jnp.copy, state.params))
             del history[rl.max_staleness:]
-        minibatches = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size
-                                      ).reshape(rl.num_minibatches, -1)
-        if rl.pack_tokens:  # each batch shard packs its own rows: give them equal tokens
-            tokens_B = engine.row_tokens(batch)
-            minibatches = np.stack([packing.balance_rows(rows, tokens_B[rows],
-                                                         steps.batch_shards(engine.cfg))
-                                    for rows in minibatches])
+        minibatches = minibatches_of(engine, batch, step)
         trained = float(distributed.host(jnp.sum(batch.mask_BxT)))
     update_metrics = []
     for i, rows in enumerate(minibatches):
@@ -324,31 +157,19 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
         with timer.phase("update", key=f"update_{i}"):
             state, m = engine.update(state, engine.select(batch, rows))
             update_metrics.append(jax.tree.map(distributed.host, m))
-    # The step's host rows of every process, in one gather.
-    every = distributed.gather(HostRows(rewards_mine, lengths_mine, truncated_mine,
-                                        penalty_mine))
-    metrics = {"reward": float(np.mean(every.rewards)),
-               "response_length": float(np.mean(every.lengths)),
-               **overlong.response_stats(every.lengths, every.truncated,
-                                         engine.cfg.sampling.max_new_tokens)}
-    if rl.overlong == "penalty":
-        metrics["reward/overlong_penalty"] = float(np.mean(every.penalty))
-    metrics.update(async_metrics)
-    metrics.update(dynamic_metrics)
-    metrics.update(reduce_metrics([jax.tree.map(distributed.host, score_metrics)]))
-    metrics.update(reduce_metrics(update_metrics))
-    metrics.update(attribution.derive(metrics))
-    composition = {**source, "minibatches": minibatches.tolist(),
+    every = distributed.gather(got.host)  # the step's host rows of every process, once
+    metrics = step_metrics(engine.cfg, every, got.metrics, score_metrics, update_metrics)
+    composition = {**got.provenance, "minibatches": minibatches.tolist(),
                    "skipped": [int(steps.skipped(m)) for m in update_metrics]}
     dumped = []
     if probed is not None:
         with timer.phase("attribution"):
             dumped, layer_metrics = probed.finish(step + 1, data.tokenizer)
         metrics.update(layer_metrics)
-    work = {"generated": float(np.sum(every.lengths)), "trained": trained,
-            "rows": int(batch.tokens_BxS.shape[0]), "width": int(batch.tokens_BxS.shape[1]),
-            "decode_steps": decode_steps}
-    return state, metrics, composition, samples, dumped, work
+    work = {"generated": float(np.sum(every.lengths)),
+            "trained": trained, "rows": int(batch.tokens_BxS.shape[0]),
+            "width": int(batch.tokens_BxS.shape[1]), "decode_steps": got.decode_steps}
+    return state, metrics, composition, got.samples, dumped, work
 
 
 def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
@@ -513,6 +334,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         tracker.log(0, writer.write(0, metrics))
         log_samples(writer, samples_log, 0, samples)
         tracker.log_samples(0, samples)
+    source = sources.for_run(cfg, offline, inflight)
     estimates, said = costs.estimate_phases(engine)
     if said and main and progress:
         print(said, flush=True)
@@ -532,7 +354,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
             state, metrics, composition, samples, dumped, work = global_step(
-                engine, state, data, step, offline, train_samples, inflight, history, timer)
+                engine, state, data, step, source, train_samples, history, timer)
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
                 with timer.phase("eval"):
                     eval_metrics, eval_samples = evaluate(engine, state.params, data,
