@@ -127,10 +127,10 @@ def write_tiny_checkpoint(path: str, cfg: ModelConfig = HF_CFG) -> tuple[dict, d
     its (config.json, model.safetensors.index.json) as dicts."""
     import jax
 
-    from stablerl_jax.interop import hf_checkpoint
+    from stablerl_jax.interop import hf_export
     from stablerl_jax.model import transformer
 
-    hf_checkpoint.save_qwen3_moe(transformer.init_params(jax.random.key(0), cfg), cfg, path)
+    hf_export.save_qwen3_moe(transformer.init_params(jax.random.key(0), cfg), cfg, path)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(path, "model.safetensors.index.json")) as f:

@@ -180,7 +180,7 @@ def tiny_checkpoint(path) -> None:
     import jax
 
     from stablerl_jax import presets
-    from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+    from stablerl_jax.interop.hf_export import save_qwen3_moe
     from stablerl_jax.model import transformer as tf
     cfg = presets.preset("tiny").model
     save_qwen3_moe(tf.init_params(jax.random.key(3), cfg), cfg, str(path),

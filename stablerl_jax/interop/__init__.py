@@ -1,7 +1,11 @@
 """Interoperation with the outside world.
 
     hf_config.py      Hugging Face `Qwen3MoeConfig` (config.json) ↔ `ModelConfig`
-    hf_checkpoint.py  Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`) and out
+    hf_layout.py      the name map: each of our parameters ↔ its HF tensor(s), and how
+    hf_checkpoint.py  Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`), config.json
+                      checked against the weights first
+    hf_export.py      ... and out (`save_qwen3_moe`), servable as is (tokenizer files,
+                      generation_config.json)
     hf_validate.py    what a checkpoint's tensors must hold before training starts
     parity.py         logit parity with transformers, as one command
     rollouts.py       rollouts recorded by vLLM / SGLang: their routes as our replay

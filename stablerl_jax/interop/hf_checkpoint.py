@@ -1,32 +1,6 @@
-"""Hugging Face Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`) and out
-(`save_qwen3_moe`).
-
-Letters: L layers, V vocab, D model, H heads, KV kv heads, Dh head width, E experts,
-F expert FFN width. HF `nn.Linear` weights are [out, in] (y = x Wᵀ); ours are [in, out].
-Prefix `model.layers.{l}.` on every per-layer name:
-
-    ours                 HF tensor(s)                                  how
-    embed      V×D       model.embed_tokens.weight         V×D        as is
-    unembed    D×V       lm_head.weight                    V×D        transposed (untied only)
-    final_norm D         model.norm.weight                 D          as is
-    attn_norm  L×D       input_layernorm.weight            D          stacked over l
-    mlp_norm   L×D       post_attention_layernorm.weight   D          stacked over l
-    wq         L×D×H×Dh  self_attn.q_proj.weight           (H·Dh)×D   transposed, split heads
-    wk, wv     L×D×KV×Dh self_attn.{k,v}_proj.weight       (KV·Dh)×D  transposed, split heads
-    wo         L×H×Dh×D  self_attn.o_proj.weight           D×(H·Dh)   transposed, split heads
-    q_norm, k_norm L×Dh  self_attn.{q,k}_norm.weight       Dh         stacked over l
-    router     L×D×E     mlp.gate.weight                   E×D        transposed
-    w_gate     L×E×D×F   mlp.experts.{e}.gate_proj.weight  F×D        per expert, transposed
-                         or mlp.experts.gate_up_proj       E×2F×D     rows [0, F), transposed
-    w_up       L×E×D×F   mlp.experts.{e}.up_proj.weight    F×D        per expert, transposed
-                         or mlp.experts.gate_up_proj       E×2F×D     rows [F, 2F), transposed
-    w_down     L×E×F×D   mlp.experts.{e}.down_proj.weight  D×F        per expert, transposed
-                         or mlp.experts.down_proj          E×D×F      transposed
-
-The per-expert layout is what the released Qwen3-MoE checkpoints hold (and what
-transformers 5 writes back); the fused `gate_up_proj` / `down_proj` is the in-memory
-layout of transformers 5, found in some converted checkpoints. Both load; the saver
-writes either (`experts=`).
+"""Hugging Face Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`): the weights read
+by the name map of hf_layout.py, after config.json is checked against them. Out:
+hf_export.py (`save_qwen3_moe`, re-exported here).
 
 Loading never builds a host copy of the model: each parameter is a
 `jax.make_array_from_callback` on its sharding, and the callback reads, for one device's
@@ -37,14 +11,10 @@ dense MLP) is an error naming it, never silently dropped; so is a tensor whose d
 config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py). Before anything is
 built, config.json is checked field by field (hf_config.py) and against the weights' names
 and headers (`check_config_against_weights`), each error naming the field and the file.
-Saving gathers one layer at a time to the host and writes one safetensors file per layer
-plus `model.safetensors.index.json` (single process; a multi-host job would gather each
-layer with `jax.experimental.multihost_utils.process_allgather` first).
 """
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 
@@ -53,46 +23,19 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' num
 import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig, ModelConfig
 from stablerl_jax.data.hf_tokenizer import read_json
 from stablerl_jax.interop import hf_config, hf_validate
-from stablerl_jax.interop.hf_config import hf_config_from_model
+
+# Re-exported: the way out beside the way in (docs/guides/interop.md, rl/loop.py).
+from stablerl_jax.interop.hf_export import save_qwen3_moe as save_qwen3_moe
+from stablerl_jax.interop.hf_layout import FUSED, LAYER, PER_EXPERT, PREFIX
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of
 from stablerl_jax.runs import storage
 
-_L = "model.layers.{l}."
-# Per-layer leaves: (HF name, how ours is read from it; see _read).
-_LAYER = {
-    "attn_norm": ("input_layernorm.weight", "as_is"),
-    "mlp_norm": ("post_attention_layernorm.weight", "as_is"),
-    "wq": ("self_attn.q_proj.weight", "in_heads"),
-    "wk": ("self_attn.k_proj.weight", "in_heads"),
-    "wv": ("self_attn.v_proj.weight", "in_heads"),
-    "wo": ("self_attn.o_proj.weight", "heads_in"),
-    "q_norm": ("self_attn.q_norm.weight", "as_is"),
-    "k_norm": ("self_attn.k_norm.weight", "as_is"),
-    "router": ("mlp.gate.weight", "transposed"),
-}
-_PER_EXPERT = {"w_gate": "mlp.experts.{e}.gate_proj.weight",
-               "w_up": "mlp.experts.{e}.up_proj.weight",
-               "w_down": "mlp.experts.{e}.down_proj.weight"}
-_FUSED = {"w_gate": ("mlp.experts.gate_up_proj", "gate_half"),
-          "w_up": ("mlp.experts.gate_up_proj", "up_half"),
-          "w_down": ("mlp.experts.down_proj", "transposed")}
-# What transformers' tokenizer `save_pretrained` writes and `from_pretrained` reads: the
-# fast tokenizer, its config, the chat template (transformers 5 writes it to
-# chat_template.jinja, not into tokenizer_config.json, and named extra templates to
-# additional_chat_templates/), the legacy added-token / special-token maps, and the
-# vocabulary files of slow BPE / SentencePiece tokenizers. generation_config.json is
-# written, not copied (`generation_config`).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                    "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                    "merges.txt", "tokenizer.model")
-_TOKENIZER_DIRS = ("additional_chat_templates",)
 # Buffers some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
@@ -198,7 +141,7 @@ def _read(ts, how: str, idx: tuple, shape: tuple, cfg: ModelConfig) -> np.ndarra
 
 def _fused(ckpt: _Checkpoint) -> bool:
     """Which expert layout the checkpoint holds (its shapes are checked with the rest)."""
-    return _L.format(l=0) + "mlp.experts.gate_up_proj" in ckpt
+    return PREFIX.format(l=0) + "mlp.experts.gate_up_proj" in ckpt
 
 
 def _sources(ckpt: _Checkpoint, cfg: ModelConfig) -> dict:
@@ -207,11 +150,11 @@ def _sources(ckpt: _Checkpoint, cfg: ModelConfig) -> dict:
            "final_norm": ("model.norm.weight", "as_is", "")}
     if not cfg.tie_embeddings:
         src["unembed"] = ("lm_head.weight", "transposed", "")
-    layers = {k: (_L + n, how, "l") for k, (n, how) in _LAYER.items()}
+    layers = {k: (PREFIX + n, how, "l") for k, (n, how) in LAYER.items()}
     if _fused(ckpt):
-        layers.update({k: (_L + n, how, "l") for k, (n, how) in _FUSED.items()})
+        layers.update({k: (PREFIX + n, how, "l") for k, (n, how) in FUSED.items()})
     else:
-        layers.update({k: (_L + n, "transposed", "le") for k, n in _PER_EXPERT.items()})
+        layers.update({k: (PREFIX + n, "transposed", "le") for k, n in PER_EXPERT.items()})
     return {**src, "layers": layers}
 
 
@@ -329,7 +272,7 @@ def check_config_against_weights(path: str) -> dict:
     vocab, hidden = dims("model.embed_tokens.weight", 2)
     agree("vocab_size", fields["vocab_size"], vocab, "rows of model.embed_tokens.weight")
     agree("hidden_size", fields["d_model"], hidden, "columns of model.embed_tokens.weight")
-    l0 = _L.format(l=0)
+    l0 = PREFIX.format(l=0)
     (head_dim,) = dims(l0 + "self_attn.q_norm.weight", 1)
     agree("head_dim", fields["head_dim"], head_dim, f"the width of {l0}self_attn.q_norm")
     for field, key, proj in [("num_attention_heads", "num_heads", "q_proj"),
@@ -339,8 +282,8 @@ def check_config_against_weights(path: str) -> dict:
               f"{l0}self_attn.{proj} has {rows} rows of {head_dim}-wide heads")
     agree("num_experts", fields["num_experts"], dims(l0 + "mlp.gate.weight", 2)[0],
           f"rows of the router {l0}mlp.gate.weight")
-    ffn = (dims(l0 + _FUSED["w_gate"][0], 3)[1] // 2 if _fused(ckpt) else
-           dims(l0 + _PER_EXPERT["w_gate"].format(e=0), 2)[0])
+    ffn = (dims(l0 + FUSED["w_gate"][0], 3)[1] // 2 if _fused(ckpt) else
+           dims(l0 + PER_EXPERT["w_gate"].format(e=0), 2)[0])
     agree("moe_intermediate_size", fields["expert_ffn_dim"], ffn,
           f"the width of {l0}mlp.experts' gate_proj")
     return fields
@@ -439,95 +382,3 @@ def load_qwen3_moe(path: str, *, mesh=None, **overrides) -> tuple[dict, ModelCon
         shapes = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg))
         shardings = sharding.tree_shardings(tf.param_logical_axes(cfg), shapes, mesh)
     return load_hf_params(path, cfg, shardings), cfg
-
-
-def _to_hf(x: np.ndarray, how: str, cfg: ModelConfig) -> np.ndarray:
-    """Inverse of `_read` for a whole (unstacked) tensor."""
-    if how == "as_is":
-        return x
-    if how == "transposed":
-        return np.swapaxes(x, -1, -2)
-    if how == "in_heads":  # [D, H, Dh] -> [H·Dh, D]
-        return x.transpose(1, 2, 0).reshape(-1, x.shape[0])
-    if how == "heads_in":  # [H, Dh, D] -> [D, H·Dh]
-        return x.transpose(2, 0, 1).reshape(x.shape[2], -1)
-    raise ValueError(how)
-
-
-def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = "per_expert",
-                   config_extra: dict | None = None, tokenizer_dir: str = "",
-                   stop_ids: tuple[int, ...] = ()) -> None:
-    """Write `params` as a Qwen3MoeForCausalLM checkpoint directory: config.json
-    (`hf_config.hf_config_from_model(cfg, **config_extra)`), one safetensors file for
-    the embeddings and final norm, one per layer, and model.safetensors.index.json.
-    Tensors keep their dtype, so `load_qwen3_moe` returns the params bit for bit.
-
-    experts: 'per_expert' (mlp.experts.{e}.*_proj.weight, the released checkpoints'
-    layout) or 'fused' (mlp.experts.gate_up_proj / down_proj). tokenizer_dir: copy the
-    tokenizer files found there (`_TOKENIZER_FILES`: tokenizer.json, tokenizer_config.json,
-    chat_template.jinja, …) alongside, so the directory is servable as is. stop_ids: every
-    id that ends a response (`Tokenizer.stop_ids`); generation_config.json gets them as
-    "eos_token_id" (`generation_config`)."""
-    if experts not in ("per_expert", "fused"):
-        raise ValueError(f"experts={experts!r} must be 'per_expert' or 'fused'")
-    storage.makedirs(path)  # `path` may be a gs:// directory (storage.py)
-    n_files = cfg.num_layers + 1
-    fname = lambda i: f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
-    weight_map, total = {}, 0
-
-    def write(i, tensors):
-        nonlocal total
-        tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-        storage.write_bytes(os.path.join(path, fname(i)),
-                            save(tensors, metadata={"format": "pt"}))
-        weight_map.update({k: fname(i) for k in tensors})
-        total += sum(v.nbytes for v in tensors.values())
-
-    host = lambda x: np.asarray(jax.device_get(x))
-    top = {"model.embed_tokens.weight": host(params["embed"]),
-           "model.norm.weight": host(params["final_norm"])}
-    if not cfg.tie_embeddings:
-        top["lm_head.weight"] = host(params["unembed"]).T
-    write(0, top)
-    for l in range(cfg.num_layers):
-        layer = {k: host(v[l]) for k, v in params["layers"].items()}
-        out = {_L.format(l=l) + n: _to_hf(layer[k], how, cfg) for k, (n, how) in _LAYER.items()}
-        if experts == "fused":
-            out[_L.format(l=l) + "mlp.experts.gate_up_proj"] = np.concatenate(
-                [layer["w_gate"].transpose(0, 2, 1), layer["w_up"].transpose(0, 2, 1)], axis=1)
-            out[_L.format(l=l) + "mlp.experts.down_proj"] = layer["w_down"].transpose(0, 2, 1)
-        else:
-            for k, n in _PER_EXPERT.items():
-                for e in range(cfg.num_experts):
-                    out[(_L + n).format(l=l, e=e)] = layer[k][e].T
-        write(l + 1, out)
-    storage.write_text(os.path.join(path, "model.safetensors.index.json"), json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    storage.write_text(os.path.join(path, "config.json"), json.dumps(
-        hf_config_from_model(cfg, **(config_extra or {})), indent=2))
-    for name in _TOKENIZER_FILES if tokenizer_dir else ():
-        if storage.isfile(os.path.join(tokenizer_dir, name)):
-            storage.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
-    for name in _TOKENIZER_DIRS if tokenizer_dir else ():
-        if storage.isdir(os.path.join(tokenizer_dir, name)):
-            storage.copytree(os.path.join(tokenizer_dir, name), os.path.join(path, name))
-    source = os.path.join(tokenizer_dir, "generation_config.json") if tokenizer_dir else ""
-    generation = generation_config(read_json(source) if source else {},
-                                   stop_ids, config_extra or {})
-    if generation:
-        storage.write_text(os.path.join(path, "generation_config.json"),
-                           json.dumps(generation, indent=2))
-
-
-def generation_config(source: dict, stop_ids: tuple[int, ...], config_extra: dict) -> dict:
-    """The exported generation_config.json: the source checkpoint's (`source`; sampling
-    settings such as temperature and top_p kept) with "eos_token_id" = every stop id (an
-    int when there is one; config_extra's eos_token_id without stop ids) and config_extra's
-    "pad_token_id" / "bos_token_id", each replacing the source's where it is not None.
-    Serving stacks (transformers' generate, vLLM, SGLang) stop on the ids listed here, so
-    a response ends where the run's sampler ended it; config.json keeps eos_id alone."""
-    eos = list(stop_ids) or config_extra.get("eos_token_id")
-    ids = {"eos_token_id": eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
-           "pad_token_id": config_extra.get("pad_token_id"),
-           "bos_token_id": config_extra.get("bos_token_id")}
-    return {**source, **{k: v for k, v in ids.items() if v is not None}}

@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from stablerl_jax import sharding
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.interop import hf_checkpoint as hc
+from stablerl_jax.interop.hf_export import save_qwen3_moe
 from stablerl_jax.model import transformer as tf
 
 CFG = ModelConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -33,7 +34,7 @@ def _assert_same(a, b):
 def test_save_then_load_is_bit_exact(tmp_path, experts, tied, dtype):
     cfg = CFG.replace(tie_embeddings=tied, param_dtype=dtype, norm_topk_prob=not tied)
     params = tf.init_params(jax.random.key(0), cfg)
-    hc.save_qwen3_moe(params, cfg, str(tmp_path), experts=experts)
+    save_qwen3_moe(params, cfg, str(tmp_path), experts=experts)
     loaded, cfg2 = hc.load_qwen3_moe(str(tmp_path))
     # Every field config.json carries comes back; the others are run settings.
     assert cfg2 == cfg
@@ -46,16 +47,16 @@ def test_save_then_load_is_bit_exact(tmp_path, experts, tied, dtype):
 
 def test_loading_a_saved_checkpoint_and_saving_it_again_reproduces_its_files(tmp_path):
     params = tf.init_params(jax.random.key(1), CFG)
-    hc.save_qwen3_moe(params, CFG, str(tmp_path / "a"))
+    save_qwen3_moe(params, CFG, str(tmp_path / "a"))
     loaded, cfg = hc.load_qwen3_moe(str(tmp_path / "a"))
-    hc.save_qwen3_moe(loaded, cfg, str(tmp_path / "b"))
+    save_qwen3_moe(loaded, cfg, str(tmp_path / "b"))
     for name in sorted(os.listdir(tmp_path / "a")):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
 def test_sharded_load_equals_unsharded_and_uses_the_rules_table(tmp_path):
     params = tf.init_params(jax.random.key(2), CFG)
-    hc.save_qwen3_moe(params, CFG, str(tmp_path))
+    save_qwen3_moe(params, CFG, str(tmp_path))
     mesh = sharding.make_mesh(2, 2, 2, devices=cpu_devices())
     loaded, _ = hc.load_qwen3_moe(str(tmp_path), mesh=mesh)
     want = sharding.tree_shardings(tf.param_logical_axes(CFG), params, mesh)
@@ -68,7 +69,7 @@ def test_sharded_load_equals_unsharded_and_uses_the_rules_table(tmp_path):
 
 def test_a_single_file_checkpoint_loads_too(tmp_path):
     params = tf.init_params(jax.random.key(3), CFG)
-    hc.save_qwen3_moe(params, CFG, str(tmp_path / "sharded"))
+    save_qwen3_moe(params, CFG, str(tmp_path / "sharded"))
     merged = {}
     for name in sorted(os.listdir(tmp_path / "sharded")):
         if name.endswith(".safetensors"):
@@ -97,7 +98,7 @@ def test_unusable_checkpoints_are_refused_naming_the_tensor(tmp_path):
     params = tf.init_params(jax.random.key(4), CFG)
     for case in ("bias", "missing", "shape"):
         d = str(tmp_path / case)
-        hc.save_qwen3_moe(params, CFG, d)
+        save_qwen3_moe(params, CFG, d)
         if case == "bias":
             _rewrite(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias":
                                             np.zeros(32, np.float32)}))
@@ -124,7 +125,7 @@ def test_every_model_field_is_read_from_config_json_or_kept(tmp_path):
     # The checkpoint's own run fields (dense dispatch) never reach config.json.
     ckpt = CFG.replace(param_dtype="bfloat16", norm_topk_prob=False, rope_theta=5e5,
                        dispatch="dense")
-    hc.save_qwen3_moe(tf.init_params(jax.random.key(5), ckpt), ckpt, str(tmp_path))
+    save_qwen3_moe(tf.init_params(jax.random.key(5), ckpt), ckpt, str(tmp_path))
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf == hf_config.hf_config_from_model(ckpt)
     run_model = ModelConfig(
@@ -150,8 +151,8 @@ def test_a_config_json_that_disagrees_with_the_weights_is_refused_naming_the_fie
     """Each architecture field config.json states is compared with the weights' names
     and headers before anything is built: the error names the field, config.json's path,
     what the weights hold, and the value to set."""
-    hc.save_qwen3_moe(tf.init_params(jax.random.key(6), CFG), CFG, str(tmp_path),
-                      experts=experts)
+    save_qwen3_moe(tf.init_params(jax.random.key(6), CFG), CFG, str(tmp_path),
+                   experts=experts)
     good = json.loads((tmp_path / "config.json").read_text())
     cases = [("num_hidden_layers", 3, 2), ("num_hidden_layers", 10**6, 2),
              ("vocab_size", 97, 96), ("hidden_size", 48, 32), ("head_dim", 16, 8),
@@ -170,7 +171,7 @@ def test_a_config_json_that_disagrees_with_the_weights_is_refused_naming_the_fie
 
 
 def test_an_index_that_names_a_missing_shard_is_refused(tmp_path):
-    hc.save_qwen3_moe(tf.init_params(jax.random.key(7), CFG), CFG, str(tmp_path))
+    save_qwen3_moe(tf.init_params(jax.random.key(7), CFG), CFG, str(tmp_path))
     os.remove(tmp_path / "model-00002-of-00003.safetensors")
     with pytest.raises(FileNotFoundError, match="lists model-00002-of-00003.safetensors, "
                                                 "which is not in"):
@@ -186,7 +187,7 @@ def test_an_index_that_names_a_missing_shard_is_refused(tmp_path):
     ("a shard that is config.json", "config.json: not a readable safetensors file"),
 ])
 def test_a_hostile_shard_index_is_refused_naming_it(tmp_path, index, needle):
-    hc.save_qwen3_moe(tf.init_params(jax.random.key(8), CFG), CFG, str(tmp_path))
+    save_qwen3_moe(tf.init_params(jax.random.key(8), CFG), CFG, str(tmp_path))
     path = tmp_path / "model.safetensors.index.json"
     if index == "a shard that is config.json":
         index = json.loads(path.read_text())

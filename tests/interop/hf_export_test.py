@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers",
 from stablerl_jax.config import ModelConfig  # noqa: E402
 from stablerl_jax.data.chat_template import ChatTemplate  # noqa: E402
 from stablerl_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
-from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
+from stablerl_jax.interop import hf_export  # noqa: E402
 from stablerl_jax.model import transformer as tf  # noqa: E402
 
 pytestmark = pytest.mark.interop
@@ -74,10 +74,10 @@ def test_the_export_serves_the_sources_template_stop_ids_and_model(sources, tmp_
                                                                   "<|endoftext|>"))
     assert source_tok.stop_ids == (im_end, endoftext)
     params = tf.init_params(jax.random.key(0), CFG)
-    hc.save_qwen3_moe(params, CFG, out,
-                      config_extra={"eos_token_id": im_end, "pad_token_id": endoftext,
-                                    "bos_token_id": None},
-                      tokenizer_dir=str(src), stop_ids=(im_end, endoftext))
+    hf_export.save_qwen3_moe(params, CFG, out,
+                             config_extra={"eos_token_id": im_end, "pad_token_id": endoftext,
+                                           "bos_token_id": None},
+                             tokenizer_dir=str(src), stop_ids=(im_end, endoftext))
 
     render = lambda tok: tok.apply_chat_template(MESSAGES, tokenize=False,
                                                  add_generation_prompt=True)
@@ -110,9 +110,10 @@ def test_the_export_serves_the_sources_template_stop_ids_and_model(sources, tmp_
 
 def test_without_a_tokenizer_dir_generation_config_still_lists_the_stop_ids(tmp_path):
     # The SentencePiece tokenizer (the tiny preset) has no files to copy: one stop id.
-    hc.save_qwen3_moe(tf.init_params(jax.random.key(1), CFG), CFG, str(tmp_path),
-                      config_extra={"eos_token_id": 3, "pad_token_id": 0, "bos_token_id": 2},
-                      stop_ids=(3,))
+    hf_export.save_qwen3_moe(tf.init_params(jax.random.key(1), CFG), CFG, str(tmp_path),
+                             config_extra={"eos_token_id": 3, "pad_token_id": 0,
+                                           "bos_token_id": 2},
+                             stop_ids=(3,))
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {
         "eos_token_id": 3, "pad_token_id": 0, "bos_token_id": 2}
     assert not (tmp_path / "tokenizer.json").exists()
@@ -121,6 +122,6 @@ def test_without_a_tokenizer_dir_generation_config_still_lists_the_stop_ids(tmp_
 
 def test_generation_config_replaces_only_the_ids():
     source = {"eos_token_id": 7, "bos_token_id": 5, "pad_token_id": 7, "top_k": 20}
-    got = hc.generation_config(source, (1, 2), {"pad_token_id": 2, "bos_token_id": None})
+    got = hf_export.generation_config(source, (1, 2), {"pad_token_id": 2, "bos_token_id": None})
     assert got == {"eos_token_id": [1, 2], "bos_token_id": 5, "pad_token_id": 2, "top_k": 20}
-    assert hc.generation_config({}, (), {}) == {}
+    assert hf_export.generation_config({}, (), {}) == {}

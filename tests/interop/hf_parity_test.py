@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers",
 import jax.numpy as jnp  # noqa: E402
 
 from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
+from stablerl_jax.interop.hf_export import save_qwen3_moe  # noqa: E402
 from stablerl_jax.model import transformer as tf  # noqa: E402
 
 pytestmark = pytest.mark.interop
@@ -93,7 +94,7 @@ def test_logits_and_experts_match_transformers(tmp_path, layers, norm_topk_prob,
 def test_our_saved_checkpoint_loads_in_transformers(tmp_path, experts):
     model = _hf_model(str(tmp_path / "hf"), layers=2, norm_topk_prob=True, tied=False)
     params, cfg = hc.load_qwen3_moe(str(tmp_path / "hf"))
-    hc.save_qwen3_moe(params, cfg, str(tmp_path / "ours"), experts=experts)
+    save_qwen3_moe(params, cfg, str(tmp_path / "ours"), experts=experts)
     again = transformers.Qwen3MoeForCausalLM.from_pretrained(
         str(tmp_path / "ours"), dtype=torch.float32).eval()
     tokens, mask = _batch()

@@ -395,7 +395,7 @@ def test_a_save_cut_short_in_a_bucket_is_removed_and_foreign_entries_kept(bucket
 
 @pytest.mark.integration  # the storage emulator is a process
 def test_offline_rollouts_and_an_export_in_a_bucket(tmp_path, bucket):
-    from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+    from stablerl_jax.interop.hf_export import save_qwen3_moe
     from stablerl_jax.interop.rollouts import OfflineRollouts, write_rollouts
     cfg = tiny_cfg()
     params = tf.init_params(jax.random.key(0), cfg.model)
