@@ -31,13 +31,8 @@ from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.steps import TrainState, count_skips, skipped
 from stablerl_jax.runs import storage
 from stablerl_jax.runs import workdir as workdir_lock
-from stablerl_jax.runs.checkpoint import (
-    Checkpointer,
-    is_complete,
-    load_params,
-    save_params,
-    set_aside,
-)
+from stablerl_jax.runs.checkpoint import Checkpointer, is_complete, load_params, save_params
+from stablerl_jax.runs.checkpoint_steps import set_aside
 from stablerl_jax.runs.metrics_io import MetricsWriter, read_metrics
 from stablerl_jax.runs.trackers import Trackers
 

@@ -4,6 +4,8 @@
     storage_gcs.py        Cloud Storage's naming rules (`check_url`), its client (the run lock)
     workdir.py            one run per workdir: the lock file and its take-over rules
     checkpoint.py         orbax checkpoints: atomic, async, keep-N, resume from complete steps
+    checkpoint_steps.py   which entries of a checkpoint directory are its steps, the
+                          remains of a save cut short, and their clean-up
     checkpoint_guards.py  what an open checkpointer installs around orbax (errors, signals)
     metrics_io.py         metrics.jsonl (the source of truth), TensorBoard events, plots
     trackers.py           Weights & Biases and MLflow beside metrics.jsonl

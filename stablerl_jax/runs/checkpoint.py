@@ -5,29 +5,11 @@ Layout of a run's checkpoint directory (one subdirectory per saved global step):
     <dir>/<step>/state/   the train state: a pytree of arrays (params, optimizer state, counters)
     <dir>/<step>/meta/    a small JSON dict (config, data position, ...)
 
-What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-tmp`, writes
-`commit_success.txt` into it when every item is on disk, then renames it to `<step>`. So:
-- a save killed midway leaves a `<step>.orbax-checkpoint-tmp` directory, never listed as a
-  step, and removed when the next `Checkpointer` opens the directory if it holds nothing
-  but what such a save writes (`_save_remains`: orbax's step metadata naming no other
-  items, `state`, `meta` and their temporary directories, orbax's commit file (written
-  there before the rename), a step record of that step);
-- a step directory of this module's ("Whose directories" below) without `commit_success.txt`
-  (a half-copied step, or a filesystem without atomic rename) is incomplete too. Orbax
-  itself would list it on a local disk, and then both resume from it and skip every later
-  save whose step is not above it, so it is renamed aside to `<step>.incomplete` (kept,
-  never deleted) when a `Checkpointer` opens, and only committed steps are ever listed.
-- any other name in the directory is left alone.
-
-On an object store (a `gs://` directory, where nothing renames atomically: storage.py)
-orbax writes a step in place, into `<step>/`, and `commit_success.txt` last. A save killed
-midway there leaves a `<step>/` without the commit file: one holding orbax's step metadata
-or an item directory (`state/`, `meta/`) and nothing else (`_save_remains`) is that save's
-remains and is removed when the next `Checkpointer` opens, so the step can be saved
-again; anything else is left alone, as on a disk. Orbax's own clean-up is off everywhere:
-it deletes every entry whose name holds `.orbax-checkpoint-tmp` (other programs' too), and
-on an object store every uncommitted directory. Steps set aside are copied object by
-object, then deleted.
+What "complete" means, and whose directories a Checkpointer lists, resumes from, sets
+aside or deletes: checkpoint_steps.py. In short, only committed step directories this
+module wrote; a save cut short is removed when the next `Checkpointer` opens, an
+uncommitted step of its own is renamed aside to `<step>.incomplete`, anything else is
+left alone and named in one warning.
 
 Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
 Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
@@ -45,26 +27,6 @@ saves of that step are not skipped.
 Step numbers. `save` also stores the step in the meta (`checkpoint_step`), and
 `restore_latest` treats a step directory whose stored step differs from its name (a
 copied `<step>` directory) as corrupt: falls back past it, says so, moves it aside.
-
-Whose directories. A step directory is this module's when orbax's step metadata in it
-(`_CHECKPOINT_METADATA`) names the items 'state' and 'meta' and its meta (`meta/metadata`)
-holds a step record (`checkpoint_step`; in checkpoints written before `save` stored it,
-the training loop's "step"). Both: another program's orbax checkpoints with items of
-those names have the first, and nothing but these checkpoints writes the second. Every
-committed step of this module holds both (orbax commits a step after its items and its
-step metadata). One exception, for damage: where one of the two files is there but is
-not JSON, the other alone decides, so that a step whose meta was damaged is still set
-aside as corrupt and the run falls back past it (else the run would stop at that step's
-next save). Whether the record equals the directory's name is not part of the test: a
-copied step directory is this module's, and `restore_latest` sets it aside as corrupt.
-A save cut short needs neither record (it may have written neither yet): its remains are
-judged by `_save_remains` above. Only this module's step directories are listed, resumed
-from, set aside or deleted (keep-N). Anything else in the directory (say a `checkpoints/`
-symlinked to a shared disk that already held `1 2 3 7`, or another program's
-`5.orbax-checkpoint-tmp-…`) is left untouched and named in one warning when a
-`Checkpointer` opens; a save whose step directory, or orbax's temporary directory for it,
-such an entry occupies fails with `CheckpointSaveError` instead of overwriting it
-(orbax's own save would delete it first).
 
 Failed saves. An async save that fails in the background (disk full, a file-size limit,
 permissions) leaves only its `*.orbax-checkpoint-tmp` directory, never a step; `check_saves`
@@ -99,7 +61,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from typing import Any
 
@@ -110,19 +71,9 @@ import orbax.checkpoint as ocp
 
 from stablerl_jax import distributed
 from stablerl_jax.runs import checkpoint_guards, storage
+from stablerl_jax.runs import checkpoint_steps as steps_lib
 
-_COMMIT_FILE = "commit_success.txt"
-_ORBAX_STEP_META = "_CHECKPOINT_METADATA"
-_ITEMS = {"state", "meta"}
 _CHECKSUMS = "checksums"
-_STEP = "checkpoint_step"
-_STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # orbax's step names
-_SET_ASIDE = re.compile(r"[0-9]+\.(incomplete|corrupt|unusable)[0-9]*")  # set_aside's names
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
-# Orbax's temporary directory of a step (0.12: no timestamp; earlier versions: one), and
-# of an item inside it.
-_TMP_NAME = re.compile(r"(0|[1-9][0-9]*)" + re.escape(_TMP_SUFFIX) + r"(-[0-9]+)?")
-_ITEM_NAME = re.compile(r"(state|meta)(" + re.escape(_TMP_SUFFIX) + r"(-[0-9]+)?)?")
 LOG_FILE = "checkpoints.log"
 INTERRUPT_WAIT_S = 30.0  # the longest an interrupted run waits for the save in flight
 CANCEL_WAIT_S = 10.0  # the longest it then waits for orbax to drop a cancelled save
@@ -205,186 +156,10 @@ def _check_matches(saved_meta, target, where: str) -> None:
 def _check_step(meta: dict, step: int) -> None:
     """A step directory must hold the step it is named for (a copy does not). Checkpoints
     written before `save` stored it are judged by the training loop's "step" entry."""
-    stored = _stored_step(meta)
+    stored = steps_lib.stored_step(meta)
     if stored is not None and stored != step:
         raise ValueError(f"it holds the state of step {stored}, not {step} (a copied or "
                          "renamed step directory)")
-
-
-def set_aside(path: str, suffix: str) -> str:
-    """Rename `path` to `path + suffix` (or `…suffix<n>` if taken); returns the new path.
-    Nothing is deleted: a bad checkpoint stays for inspection."""
-    dest, n = path + suffix, 1
-    while storage.lexists(dest):
-        dest, n = f"{path}{suffix}{n}", n + 1
-    storage.rename(path, dest)
-    return dest
-
-
-_DAMAGED = object()  # what `_read_json` returns for a file that is there but not JSON
-
-
-def _read_json(path: str):
-    """The JSON value of a file; None where there is none, `_DAMAGED` where the file is
-    there but does not parse (or cannot be read)."""
-    try:
-        text = storage.read_text(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return _DAMAGED
-    try:
-        return json.loads(text)
-    except ValueError:
-        return _DAMAGED
-
-
-def _stored_step(meta):
-    """The step record of a step's meta: `checkpoint_step`, or the training loop's "step"
-    in checkpoints written before `save` stored it; None if there is no integer one."""
-    if not isinstance(meta, dict):
-        return None
-    stored = meta.get(_STEP, meta.get("step"))
-    return stored if isinstance(stored, int) and not isinstance(stored, bool) else None
-
-
-def _is_own_step(path: str) -> bool:
-    """Whether the step directory `path` was written by a Checkpointer (module docstring,
-    "Whose directories"): orbax's step metadata names the items 'state' and 'meta', and
-    the meta holds a step record; one of the two files may be damaged (there, but not
-    JSON) if the other says so. A symlink never is: a Checkpointer writes none."""
-    if storage.islink(path) or not storage.isdir(path):
-        return False
-    orbax_meta = _read_json(os.path.join(path, _ORBAX_STEP_META))
-    meta = _read_json(os.path.join(path, "meta", "metadata"))
-    handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta, dict) else None
-    says = [isinstance(handlers, dict) and set(handlers) == _ITEMS,
-            _stored_step(meta) is not None]
-    damaged = [orbax_meta is _DAMAGED, meta is _DAMAGED]
-    return all(s or d for s, d in zip(says, damaged)) and any(says)
-
-
-def _is_step(path: str) -> bool:
-    """A committed step directory of this module: what a resume may use."""
-    return storage.exists(os.path.join(path, _COMMIT_FILE)) and _is_own_step(path)
-
-
-def _save_remains(path: str, step: int, *, in_place: bool) -> bool:
-    """Whether the directory `path` holds nothing but what a `save` of `step` cut short
-    leaves (module docstring, "Whose directories"): orbax's step metadata, naming no
-    items but 'state' and 'meta' (it names none until the commit), and those items
-    (`state/`, `meta/`, or orbax's temporary `state.orbax-checkpoint-tmp…`), with a
-    step record of `step` where the meta is readable. In orbax's temporary directory
-    also `commit_success.txt`: orbax writes it there before the rename, so a save killed
-    between the two leaves it (never renamed, the step was never committed). In place (an object store), at
-    least one of them (there, an empty directory does not exist); in orbax's temporary
-    directory on a disk, also none (a save killed right after creating it). A file
-    killed mid-write (unreadable JSON) does not count against it."""
-    if storage.islink(path) or not storage.isdir(path):
-        return False
-    names = storage.listdir(path)
-    if in_place and not names:
-        return False
-    for name in names:
-        if name == _ORBAX_STEP_META:
-            orbax_meta = _read_json(os.path.join(path, name))
-            if orbax_meta is None or orbax_meta is _DAMAGED:
-                continue
-            handlers = orbax_meta.get("item_handlers") if isinstance(orbax_meta,
-                                                                     dict) else False
-            if not (handlers is None or (isinstance(handlers, dict)
-                                         and set(handlers) <= _ITEMS)):
-                return False
-        elif name == _COMMIT_FILE:
-            if in_place:  # (in place, the commit file makes a step, never remains)
-                return False
-        elif not _ITEM_NAME.fullmatch(name):
-            return False
-        elif name.startswith("meta"):
-            meta = _read_json(os.path.join(path, name, "metadata"))
-            if meta is not None and meta is not _DAMAGED and _stored_step(meta) != step:
-                return False
-    return True
-
-
-def _sort_out(directory: str) -> list[str]:
-    """Remove the remains of this module's saves cut short (orbax's temporary directories
-    on a disk, uncommitted step directories on an object store), move this module's other
-    uncommitted step directories aside to `<step>.incomplete` (module docstring), and
-    return the names of the entries it did not write, in natural order."""
-    foreign = []
-    in_place = not storage.renames_atomically(directory)
-    for name in storage.listdir(directory):
-        path = os.path.join(directory, name)
-        tmp = _TMP_NAME.fullmatch(name)
-        if tmp and _save_remains(path, int(tmp.group(1)), in_place=False):
-            logging.info("removing %s (a checkpoint save cut short)", path)
-            storage.rmtree(path)
-        elif (in_place and _STEP_NAME.fullmatch(name)
-              and not storage.exists(os.path.join(path, _COMMIT_FILE))
-              and _save_remains(path, int(name), in_place=True)):
-            logging.warning("checkpoint %s has no %s (a save cut short); removed it", path,
-                            _COMMIT_FILE)
-            storage.rmtree(path)
-        elif _STEP_NAME.fullmatch(name) and _is_own_step(path):
-            if not storage.exists(os.path.join(path, _COMMIT_FILE)):
-                dest = set_aside(path, ".incomplete")
-                logging.warning("checkpoint %s has no %s; moved to %s", path, _COMMIT_FILE,
-                                dest)
-        elif not _SET_ASIDE.fullmatch(name):
-            foreign.append(name)
-    return sorted(foreign, key=_natural)
-
-
-def _natural(name: str):
-    """Names by their leading number (`2`, `5.orbax-checkpoint-tmp`, `10`), then the rest."""
-    number = re.match(r"[0-9]+", name)
-    return (number is None, int(number.group()) if number else 0, name)
-
-
-class _OwnSteps:
-    """Orbax's standard step names, listing only committed steps of this module: orbax then
-    neither resumes from, counts (it skips every save not above its latest step) nor
-    deletes (keep-N) a directory it did not write."""
-
-    def __init__(self):
-        self._names = ocp.path.step.standard_name_format()
-
-    def build_name(self, step: int) -> str:
-        return self._names.build_name(step)
-
-    def find_all(self, base_path):
-        return (m for m in self._names.find_all(base_path) if _is_step(str(m.path)))
-
-    def find_step(self, base_path, step: int):
-        found = self._names.find_step(base_path, step)
-        if not _is_step(str(found.path)):
-            raise ValueError(f"{found.path} is not a committed checkpoint of this run")
-        return found
-
-
-
-
-class _OwnStepDeleter:
-    """Keep-N's deletions (orbax's CheckpointDeleter protocol, run in orbax's finalize
-    thread after a save commits): exactly `<dir>/<step>`, and only a committed step of this
-    module, by the main process. Orbax's own deleter deletes a `<step>.orbax-checkpoint-
-    tmp…` entry in its place where there is one (another program's too), leaving the step."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-
-    def delete(self, step: int) -> None:
-        path = os.path.join(self.directory, str(step))
-        if distributed.is_main() and _is_step(path):
-            storage.rmtree(path)
-
-    def delete_steps(self, steps) -> None:
-        for step in steps:
-            self.delete(step)
-
-    def close(self) -> None:
-        pass
 
 
 class Checkpointer:
@@ -404,7 +179,7 @@ class Checkpointer:
             raise PermissionError(f"checkpoint directory {directory!r} is not writable; fix "
                                   "its permissions or use another workdir")
         if distributed.is_main():
-            foreign = _sort_out(directory)
+            foreign = steps_lib.sort_out(directory)
             if foreign:
                 logging.warning(
                     "checkpoint directory %s holds entries these checkpoints did not write, "
@@ -432,19 +207,19 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, enable_async_checkpointing=self.async_, create=True,
                 # Orbax's clean-up deletes every `*.orbax-checkpoint-tmp*` entry, other
-                # programs' too: `_sort_out` removed the remains of this module's saves.
+                # programs' too: `checkpoint_steps.sort_out` removed the remains of its saves.
                 cleanup_tmp_directories=False,
-                step_name_format=_OwnSteps()),
+                step_name_format=steps_lib.OwnSteps()),
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
         if hasattr(manager, "_checkpoint_deleter"):
-            manager._checkpoint_deleter = _OwnStepDeleter(self.directory)
+            manager._checkpoint_deleter = steps_lib.OwnStepDeleter(self.directory)
         return manager
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (an async save still in flight is not listed)."""
         return sorted(s for s in self.manager.all_steps() if storage.exists(
-            os.path.join(self.directory, str(s), _COMMIT_FILE)))
+            os.path.join(self.directory, str(s), steps_lib.COMMIT_FILE)))
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -459,15 +234,15 @@ class Checkpointer:
         except TypeError as e:
             raise ValueError(f"checkpoint meta must be JSON-serializable: {e}") from None
         _abstract(state)  # rejects typed PRNG keys before anything is written
-        meta = {**meta, _CHECKSUMS: checksums(state), _STEP: int(step)}
+        meta = {**meta, _CHECKSUMS: checksums(state), steps_lib.STEP: int(step)}
         # Orbax waits for the previous save before starting this one anyway; waiting
         # here names the step whose save failed, if one did.
         self.check_saves()
         self.wait()
         where = os.path.join(self.directory, str(step))
         taken = ([where] if storage.lexists(where) and step not in self.manager.all_steps()
-                 else []) + [p for p in [where + _TMP_SUFFIX] if storage.lexists(p)]
-        if taken:  # by an entry `_sort_out` left alone: orbax would delete it
+                 else []) + [p for p in [where + steps_lib.TMP_SUFFIX] if storage.lexists(p)]
+        if taken:  # by an entry `checkpoint_steps.sort_out` left alone: orbax would delete it
             self._failed = CheckpointSaveError(
                 f"checkpoint {where} could not be saved: {taken[0]} exists and was not "
                 "written by these checkpoints (no orbax step metadata naming 'state' and "
@@ -541,7 +316,7 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         meta = dict(out.meta)
-        meta.pop(_STEP, None)
+        meta.pop(steps_lib.STEP, None)
         saved = meta.pop(_CHECKSUMS, None)
         if saved is not None:
             got = checksums(out.state)
@@ -558,7 +333,7 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = dict(out.meta)
         _check_step(meta, step)
-        meta.pop(_STEP, None)
+        meta.pop(steps_lib.STEP, None)
         return meta
 
     def restore_latest(self, target_state, check_meta=None,
@@ -602,7 +377,7 @@ class Checkpointer:
         path = os.path.join(self.directory, str(step))
         logging.warning("checkpoint %s %s", path, why)
         if distributed.is_main():
-            logging.warning("moved %s to %s", path, set_aside(path, suffix))
+            logging.warning("moved %s to %s", path, steps_lib.set_aside(path, suffix))
         distributed.barrier("checkpoint set aside")
         self.manager.close()
         self.manager = self._manager()
@@ -687,7 +462,7 @@ def save_params(path: str, params) -> None:
 
 def is_complete(path: str) -> bool:
     """Whether a `save_params` directory (or a checkpoint step) was fully written."""
-    return storage.exists(os.path.join(path, _COMMIT_FILE))
+    return storage.exists(os.path.join(path, steps_lib.COMMIT_FILE))
 
 
 def load_params(path: str, target=None):
@@ -695,7 +470,7 @@ def load_params(path: str, target=None):
     from jax.eval_shape(init_params)), structure/shapes/dtypes are checked and the result
     lands on the target's shardings; without it, arrays come back as saved on one device."""
     path = storage.abspath(path)
-    if not storage.exists(os.path.join(path, _COMMIT_FILE)):
+    if not storage.exists(os.path.join(path, steps_lib.COMMIT_FILE)):
         raise ValueError(f"no complete params checkpoint at {path!r}; run the SFT cold start "
                          "first (it writes one there) or pass the right path")
     with ocp.StandardCheckpointer() as ckpt:
