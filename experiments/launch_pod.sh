@@ -4,7 +4,7 @@
 # metadata, so each process is started with --tpu-pod).
 #
 #   experiments/launch_pod.sh TPU_NAME ZONE MODULE [ARGS...]
-#   experiments/launch_pod.sh my-v5p-256 us-east5-a quickstart --preset paper --workdir /mnt/shared/run1
+#   experiments/launch_pod.sh my-v5p-256 us-east5-a train --preset paper --workdir /mnt/shared/run1
 #
 # Every host must hold this repository at the same path with its venv installed
 # (`setup` below does both from a git URL). The workdir must be one place every host

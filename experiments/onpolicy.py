@@ -30,7 +30,7 @@ VARIANTS = (
 
 
 def tiny_base() -> ExperimentConfig:
-    """The quickstart model and task; FP8 sampling plus router logit noise (σ = 0.3) puts
+    """The training run's (`tiny`) model and task; FP8 sampling plus router logit noise (σ = 0.3) puts
     the training–inference k1 KL near 1e-2, inside the paper's range."""
     base = presets.tiny()
     rl = base.rl.replace(steps=300, prompts_per_step=16, group_size=8, num_minibatches=1,

@@ -3,7 +3,7 @@
 #
 # Every run writes one JSON row of floats per global step to `<workdir>/metrics.jsonl`
 # (the source of truth; TensorBoard files and PNGs are derived from it). This notebook
-# loads a workdir — the quickstart's by default, or the one named by the environment
+# loads a workdir — the training run's by default, or the one named by the environment
 # variable `STABLERL_WORKDIR` (several, separated by `:`, are overlaid) — and plots the
 # monitors the experiments report: reward, held-out accuracy, full-vocabulary entropy,
 # training–inference KL (log scale), clip / IS-truncation fractions, routing mismatch and
@@ -19,12 +19,12 @@ from IPython.display import Image, display
 from stablerl_jax.runs.metrics_io import PANELS, plot_comparison, read_metrics
 
 # Relative to the repository root, or to notebooks/ (where Jupyter starts the kernel).
-default = "runs/quickstart" if os.path.isdir("runs") else "../runs/quickstart"
+default = "runs/train" if os.path.isdir("runs") else "../runs/train"
 workdirs = os.environ.get("STABLERL_WORKDIR", default).split(os.pathsep)
 runs = {}
 for workdir in workdirs:
     records = read_metrics(workdir)
-    assert records, f"no metrics.jsonl in {workdir!r}; run `python -m experiments.quickstart` first"
+    assert records, f"no metrics.jsonl in {workdir!r}; run `python -m experiments.train` first"
     runs[os.path.basename(os.path.normpath(workdir))] = records
     print(f"{workdir}: {len(records)} rows, steps {records[0]['step']}..{records[-1]['step']}")
 keys = sorted({k for records in runs.values() for r in records for k in r if k != "step"})

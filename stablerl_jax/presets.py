@@ -94,7 +94,7 @@ def paper() -> ExperimentConfig:
     is a local JSONL of 4,096 verified math problems (task.jsonl_dir, any of the named
     formats: data/formats.py), beside aime24.jsonl, aime25.jsonl and hmmt25.jsonl (the
     eval sets). Start from the real checkpoint with
-    `experiments.quickstart --preset paper --hf DIR`: its weights (read into float32
+    `experiments.train --preset paper --hf DIR`: its weights (read into float32
     master weights), its own tokenizer for the 151,936-entry vocabulary
     (task.tokenizer_dir, data/hf_tokenizer.py), its chat template around the boxed-answer
     instruction, and its stop ids (generation_config.json). The checkpoint is taken as

@@ -1,6 +1,6 @@
 """Bad input, one case per row: each is refused with an error that names the field (or
 file, line, tensor) and says what to change, and nothing is written. Cases through the
-command line run `experiments.quickstart` and check that the workdir was not created."""
+command line run `experiments.train` and check that the workdir was not created."""
 import json
 import os
 import shutil
@@ -12,7 +12,7 @@ import pytest
 from rl_helpers import tiny_cfg
 from safetensors.numpy import load_file, save_file
 
-from experiments import quickstart
+from experiments import train
 from stablerl_jax import presets
 from stablerl_jax.config import ConfigError, TaskConfig
 from stablerl_jax.data import jsonl
@@ -127,7 +127,7 @@ OVERRIDES = [
 def test_bad_overrides_write_nothing(tmp_path, capsys, case, overrides, needles):
     workdir = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        quickstart.main(["--workdir", str(workdir), "--quiet", "--compile-cache=", *overrides])
+        train.main(["--workdir", str(workdir), "--quiet", "--compile-cache=", *overrides])
     assert e.value.code == 2
     err = capsys.readouterr().err
     for needle in needles:
@@ -139,7 +139,7 @@ def test_a_workdir_that_is_a_file(tmp_path, capsys):
     path = tmp_path / "file"
     path.write_text("x")
     with pytest.raises(SystemExit):
-        quickstart.main(["--workdir", str(path), "--quiet", "--compile-cache="])
+        train.main(["--workdir", str(path), "--quiet", "--compile-cache="])
     assert "is a file" in capsys.readouterr().err and path.read_text() == "x"
 
 
@@ -148,7 +148,7 @@ def test_a_read_only_workdir(tmp_path, monkeypatch, capsys):
     # is exercised: os.access says the parent is not writable.
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(SystemExit):
-        quickstart.main(["--workdir", str(tmp_path / "run"), "--quiet", "--compile-cache="])
+        train.main(["--workdir", str(tmp_path / "run"), "--quiet", "--compile-cache="])
     assert "not writable" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
@@ -349,7 +349,7 @@ def test_named_eval_sets_smaller_than_the_cap_are_evaluated_whole_and_said_so(ca
 # the full traceback instead.
 def _one_line(capsys, argv, *needles):
     with pytest.raises(SystemExit) as e:
-        quickstart.main(argv)
+        train.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
@@ -401,7 +401,7 @@ def test_a_finished_run_without_its_checkpoints_keeps_its_history(tmp_path, caps
             "rl.steps=2", "rl.eval_every=2", "rl.checkpoint_every=1", "task.num_train=64",
             "task.num_test=16", "rl.prompts_per_step=4", "rl.group_size=2",
             "rl.eval_problems=8", "rl.eval_k=1"]
-    quickstart.main(argv)
+    train.main(argv)
     shutil.rmtree(work / "checkpoints")
     kept = {f: (work / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
     changed = [*argv, "rl.optim.learning_rate=5e-4"]
@@ -411,7 +411,7 @@ def test_a_finished_run_without_its_checkpoints_keeps_its_history(tmp_path, caps
     with pytest.raises(ValueError, match="holds another run's history"):
         loop.run(cfg, str(work), progress=False)
     assert {f: (work / f).read_bytes() for f in kept} == kept
-    summary = quickstart.main([*changed, "--replace-history"])  # trained again, checkpointed
+    summary = train.main([*changed, "--replace-history"])  # trained again, checkpointed
     assert summary["steps"] == 2 and sorted(os.listdir(work / "checkpoints")) == ["1", "2"]
 
 
@@ -423,7 +423,7 @@ def test_a_corrupt_cold_start_settings_file_is_one_line(tmp_path, capsys):
     argv = ["--workdir", str(workdir), "--quiet", "--compile-cache="]
     _one_line(capsys, argv, f"{workdir / 'sft.json'}: not valid JSON", "delete it")
     with pytest.raises(ValueError, match="sft.json: not valid JSON"):
-        quickstart.main([*argv, "--traceback"])
+        train.main([*argv, "--traceback"])
     assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
@@ -793,7 +793,7 @@ def test_a_bad_hf_shard_index_is_one_line_naming_the_file(tmp_path, capsys, hf_d
 def test_an_int_setting_beyond_int32_is_refused(tmp_path, capsys, override):
     workdir = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        quickstart.main(["--workdir", str(workdir), "--quiet", "--compile-cache=", override])
+        train.main(["--workdir", str(workdir), "--quiet", "--compile-cache=", override])
     assert e.value.code == 2
     field, value = override.split("=")
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]

@@ -16,7 +16,7 @@ import pytest
 from hf_fixtures import write_qwen_tokenizer
 from tokenizers import pre_tokenizers
 
-from experiments import quickstart
+from experiments import train
 from stablerl_jax.data import hf_tokenizer, jsonl, parquet
 from stablerl_jax.data.hf_tokenizer import HFTokenizer
 
@@ -311,7 +311,7 @@ def _one_line(capsys, tmp_path, overrides, *needles):
     workdir = tmp_path / "run"
     before = _snapshot(tmp_path, workdir)
     with pytest.raises(SystemExit) as e:
-        quickstart.main(["--workdir", str(workdir), "--quiet", "--compile-cache=",
+        train.main(["--workdir", str(workdir), "--quiet", "--compile-cache=",
                          *overrides])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()

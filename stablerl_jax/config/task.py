@@ -38,7 +38,7 @@ class TaskConfig(Section):
       failing on the first one.
     chat_template: render prompts with the tokenizer_dir's jinja chat template
       (data/chat_template.py); needs tokenizer_dir when the data loads (a preset may
-      leave it to `experiments.quickstart --hf`, which sets it to the checkpoint).
+      leave it to `experiments.train --hf`, which sets it to the checkpoint).
     system_prompt: a system message ('' = none; needs chat_template).
     prompt_template: the user message, "{question}" replaced by the question.
     enable_thinking / add_generation_prompt: passed to the chat template.

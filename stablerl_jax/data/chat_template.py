@@ -158,7 +158,7 @@ def task_template(task: TaskConfig) -> ChatTemplate:
     """The template of task.tokenizer_dir, which task.chat_template needs."""
     check(bool(task.tokenizer_dir), "task.chat_template",
           "renders the checkpoint's template, so it needs task.tokenizer_dir (the "
-          "directory with tokenizer_config.json; `experiments.quickstart --hf DIR` sets "
+          "directory with tokenizer_config.json; `experiments.train --hf DIR` sets "
           "it); set it or task.chat_template=false")
     return ChatTemplate.from_dir(task.tokenizer_dir)
 

@@ -5,7 +5,7 @@ It runs through the same Engine as RL (sharded over the mesh, state donated, non
 updates skipped), with the optimizer of `cfg.sft.optim`, and the same model, forward and
 fused log-prob op, so the cold-start policy is exactly the policy RL starts from. It
 starts from a fresh init, or from given parameters (a Hugging Face checkpoint,
-`experiments.quickstart --hf`, read as float32 master weights). In a workdir it logs
+`experiments.train --hf`, read as float32 master weights). In a workdir it logs
 `<workdir>/sft_run/metrics.jsonl` (and to its trackers: TensorBoard unless left out,
 wandb / MLflow when asked for, continued on resume through
 `<workdir>/sft_run/trackers.json`), saves its state every `sft.checkpoint_every` steps to

@@ -311,7 +311,7 @@ def test_the_paper_recipe_trains_and_evaluates_on_parquet(tmp_path):
                         "installed")
     from hf_fixtures import write_recipe_dirs
 
-    from experiments import quickstart
+    from experiments import train
     from stablerl_jax.runs.metrics_io import read_metrics
 
     ckpt, _, _ = write_recipe_dirs(tmp_path)
@@ -322,7 +322,7 @@ def test_the_paper_recipe_trains_and_evaluates_on_parquet(tmp_path):
     write_parquet(data / "train.parquet", dapo_rows("{}"))
     write_parquet(data / "aime24.parquet", verl_aime_rows())
     work = tmp_path / "run"
-    quickstart.main([
+    train.main([
         "--workdir", str(work), "--preset", "paper", "--hf", str(ckpt), "--quiet",
         "--compile-cache=", "mesh=1,1,1", "model.compute_dtype=float32",
         "model.remat=none", "model.gmm_impl=tiles", "model.expert_parallel=false",

@@ -1,6 +1,6 @@
 """The two-stage recipe from a checkpoint (marker `interop`: transformers and torch build
 it): a tiny random Qwen3MoeForCausalLM with a Qwen-style tokenizer and chat template
-(tests/hf_fixtures.py), cold-started by `experiments.quickstart --preset paper --hf DIR
+(tests/hf_fixtures.py), cold-started by `experiments.train --preset paper --hf DIR
 --sft-only` on chat-format reasoning traces (`messages`, system prompts, a two-turn
 chat, one trace too long for the budget), then RL from the export.
 
@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch", reason="the interop extra (torch) is not in
 transformers = pytest.importorskip("transformers",
                                    reason="the interop extra (transformers) is not installed")
 
-from experiments import quickstart  # noqa: E402
+from experiments import train  # noqa: E402
 from stablerl_jax import presets  # noqa: E402
 from stablerl_jax.data import sft_data  # noqa: E402
 from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
@@ -73,7 +73,7 @@ def stages(tmp_path_factory):
     export = root / "export"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = quickstart.main(["--workdir", str(root / "sft_only"), "--preset", "paper",
+        summary = train.main(["--workdir", str(root / "sft_only"), "--preset", "paper",
                                    "--hf", str(ckpt), "--sft-only", "--export-hf",
                                    str(export), "--export-dtype", "float32", "--quiet",
                                    "--compile-cache=", *over, *SFT, f"sft.data={sft_file}"])
@@ -172,7 +172,7 @@ def test_the_export_loads_in_transformers_with_its_template_and_logits(stages):
 
 @pytest.mark.integration
 def test_rl_starts_from_the_export(stages, tmp_path):
-    summary = quickstart.main(["--workdir", str(tmp_path), "--preset", "paper", "--hf",
+    summary = train.main(["--workdir", str(tmp_path), "--preset", "paper", "--hf",
                                str(stages["export"]), "--quiet", "--compile-cache=",
                                *stages["over"], "rl.steps=1", "rl.eval_every=1"])
     assert summary["steps"] == 1
@@ -184,7 +184,7 @@ def test_sft_only_without_sft_steps_is_a_one_line_error(tmp_path, capsys):
     # The paper preset trains no cold start (sft.steps=0): --sft-only would evaluate and
     # export the base checkpoint unchanged, so it is refused before anything is written.
     with pytest.raises(SystemExit) as e:
-        quickstart.main(["--workdir", str(tmp_path / "w"), "--preset", "paper", "--sft-only"])
+        train.main(["--workdir", str(tmp_path / "w"), "--preset", "paper", "--sft-only"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("--sft-only: sft.steps is 0 (preset 'paper'), so there is no cold "

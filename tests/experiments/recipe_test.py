@@ -4,7 +4,7 @@ torch build the checkpoint).
 A tiny random Qwen3MoeForCausalLM is saved in bfloat16 with a Qwen-style tokenizer (chat
 template, two stop ids in generation_config.json: tests/hf_fixtures.py), beside
 MATH-format training data with boxed answers and two AIME-format eval sets named by
-relative paths, as the preset names its own. `experiments.quickstart --preset paper --hf`
+relative paths, as the preset names its own. `experiments.train --preset paper --hf`
 trains two steps at lr 1e-6 and exports the policy. Then: the prompts carry the template;
 a hand-made boxed completion earns reward 1 through the run's reward path; the sampler
 stops on either stop id; truncated rows are masked out of the loss (rl.overlong=mask);
@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch", reason="the interop extra (torch) is not in
 transformers = pytest.importorskip("transformers",
                                    reason="the interop extra (transformers) is not installed")
 
-from experiments import quickstart  # noqa: E402
+from experiments import train  # noqa: E402
 from stablerl_jax import presets  # noqa: E402
 from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
 from stablerl_jax.rl import loop  # noqa: E402
@@ -75,7 +75,7 @@ def run(tmp_path_factory):
                                          for a in (1, 2, 3)])
     _write_jsonl(data / "hmmt25.jsonl", [{"problem": "Find x if 2x + 3 = 11.", "answer": "4"}])
     overrides = OVERRIDES + [f"task.jsonl_dir={data}"]
-    summary = quickstart.main(["--workdir", str(work), "--preset", "paper", "--hf", str(ckpt),
+    summary = train.main(["--workdir", str(work), "--preset", "paper", "--hf", str(ckpt),
                                "--export-hf", str(root / "export"), "--quiet",
                                "--compile-cache=", *overrides])
     cfg = hc.experiment_with_checkpoint(presets.preset("paper", overrides), str(ckpt))
@@ -181,7 +181,7 @@ def test_partial_rollouts_run_on_the_checkpoint_recipe(run, tmp_path):
     # trains on whole groups of the stream's prompts, within the bound.
     work = tmp_path / "partial"
     data = run["root"] / "data"
-    quickstart.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
+    train.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
                      "--quiet", "--compile-cache=", *OVERRIDES, f"task.jsonl_dir={data}",
                      "rl.steps=3", "rl.checkpoint_every=3", "rl.eval_every=3",
                      "sampling.continuous=true", "sampling.max_batch=2",
@@ -200,7 +200,7 @@ def test_packed_score_and_update_run_on_the_checkpoint_recipe(run, tmp_path):
     # The same recipe with token-budget packing (rl.pack_tokens): rows of 144 tokens hold
     # two 72-token sequences; the step trains and its monitors are finite.
     work = tmp_path / "packed"
-    quickstart.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
+    train.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
                      "--quiet", "--compile-cache=", *OVERRIDES,
                      f"task.jsonl_dir={run['root'] / 'data'}", "rl.steps=1",
                      "rl.checkpoint_every=1", "rl.eval_every=1", "rl.pack_tokens=144",

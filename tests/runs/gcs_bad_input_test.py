@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from experiments import quickstart
+from experiments import train
 from stablerl_jax.runs import storage, storage_gcs
 
 # (case, URL, the message must contain this)
@@ -59,7 +59,7 @@ def unreachable_store(monkeypatch, tmp_path):
 
 def _one_line(capsys, argv) -> str:
     with pytest.raises(SystemExit) as e:
-        quickstart.main(argv)
+        train.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -17,7 +17,7 @@ the logs' appends, a save cut short, offline rollouts, a Hugging Face export and
 task's data in the bucket. `slow`: a run in a bucket equals the same run on a local
 disk, bit for bit, also once stopped and resumed there; SIGKILLed runs (mid-run and mid-save) resume to the
 uninterrupted run, a second run started beside a training one is refused
-(tests/reliability_child.py with a gs:// workdir), and the quickstart runs and resumes
+(tests/reliability_child.py with a gs:// workdir), and the training run (experiments.train) runs and resumes
 in a bucket.
 """
 import json
@@ -545,7 +545,7 @@ def test_the_quickstart_runs_and_resumes_in_a_bucket(bucket, tmp_path):
     (its checkpoints, parameters and settings), RL, the summary; the same command again
     reuses the cold start and finds the run done."""
     run = f"{bucket}/qs"
-    cmd = [sys.executable, "-m", "experiments.quickstart", "--workdir", run, "--quiet",
+    cmd = [sys.executable, "-m", "experiments.train", "--workdir", run, "--quiet",
            "--compile-cache", os.environ["STABLERL_TEST_JAX_CACHE"], "sft.steps=4",
            "sft.checkpoint_every=2", "rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16"]
     env = dict(os.environ, HOME=str(tmp_path))  # the task data's local cache: storage.CACHE

@@ -2,7 +2,7 @@
 any training (stablerl_jax/runs/trackers.py): wandb's online mode without an API key, a
 tracker package that fails as it imports, an MLflow tracking server that does not reply
 (refused within a stated bound, where MLflow's own retries take minutes). The command
-line cases run `experiments.quickstart`, which opens its trackers as the cold start
+line cases run `experiments.train`, which opens its trackers as the cold start
 begins; a case that reached training would fail here (tests/tiers.py refuses a run in
 this tier)."""
 import http.server
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from experiments import quickstart
+from experiments import train
 from stablerl_jax.runs import trackers as trk
 
 # Imported here, at collection: a first import of mlflow runs `uname -p` (its telemetry
@@ -73,7 +73,7 @@ def _open_wandb(workdir):
 def test_wandb_online_without_an_api_key_is_one_line_before_the_cold_start(
         tmp_path, capsys, wandb_without_key):
     with pytest.raises(SystemExit) as e:
-        quickstart.main(_cli(tmp_path, "--tracker", "tensorboard,wandb"))
+        train.main(_cli(tmp_path, "--tracker", "tensorboard,wandb"))
     assert e.value.code == 2
     err = _error_lines(capsys)
     assert len(err) == 1, err
@@ -139,7 +139,7 @@ def test_a_package_that_fails_to_import_is_one_line_naming_it(tmp_path, capsys, 
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(sys.modules, name, raising=False)  # imported afresh: the broken one
     with pytest.raises(SystemExit) as e:
-        quickstart.main(_cli(tmp_path, "--tracker", f"tensorboard,{name}"))
+        train.main(_cli(tmp_path, "--tracker", f"tensorboard,{name}"))
     assert e.value.code == 2
     err = _error_lines(capsys)
     assert err == [f"{os.path.basename(sys.argv[0])}: error: argument --tracker: tracker "
@@ -241,7 +241,7 @@ def test_an_mlflow_server_not_listening_is_one_line_before_the_cold_start(
     uri = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     with pytest.raises(SystemExit) as e:
-        quickstart.main(_cli(tmp_path, "--tracker", "mlflow"))
+        train.main(_cli(tmp_path, "--tracker", "mlflow"))
     assert e.value.code == 2
     err = _error_lines(capsys)
     assert len(err) == 1 and f"error: the mlflow tracking server {uri} (MLFLOW_TRACKING_URI) " \

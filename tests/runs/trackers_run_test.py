@@ -1,6 +1,6 @@
 """Trackers wired into the RL loop, the cold start and the command lines: loop.run,
 sft.cold_start and experiments/runner.py take `trackers=`, MetricsWriter `tensorboard=`,
-and the quickstart and every experiment module take --tracker."""
+and the training run and every experiment module take --tracker."""
 import json
 import os
 import sys
@@ -8,7 +8,7 @@ import sys
 import pytest
 from rl_helpers import kill_cold_start_at, tiny_cfg
 
-from experiments import onpolicy, quickstart
+from experiments import onpolicy, train
 from stablerl_jax import presets
 from stablerl_jax.data import sft_data
 from stablerl_jax.rl import loop, sft
@@ -96,7 +96,7 @@ def test_a_killed_cold_start_continues_its_tracker_run(tmp_path, mlflow_store, m
 def test_the_command_lines_refuse_bad_trackers_before_any_work(tmp_path, capsys,
                                                                monkeypatch):
     workdir = tmp_path / "run"
-    for main, argv in ((quickstart.main, []), (onpolicy.main, ["--seeds", "0"])):
+    for main, argv in ((train.main, []), (onpolicy.main, ["--seeds", "0"])):
         with pytest.raises(SystemExit) as e:
             main(["--workdir", str(workdir), "--quiet", "--compile-cache=", *argv,
                   "--tracker", "tensorboard,tb"])
