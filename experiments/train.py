@@ -1,10 +1,14 @@
 """SFT cold start, then MiniRL on the synthetic arithmetic task, with FP8 inference.
 
     python -m experiments.train [--workdir runs/train] [--preset tiny]
-        [--hf CHECKPOINT_DIR] [--sft-only] [--export-hf OUT_DIR] [--export-dtype DTYPE]
-        [--tracker NAMES] [key=value ...]
+        [--layout auto|preset|single-host] [--hf CHECKPOINT_DIR] [--sft-only]
+        [--export-hf OUT_DIR] [--export-dtype DTYPE] [--tracker NAMES] [key=value ...]
 
-e.g. `rl.steps=20 rl.replay=r3`. Writes to the workdir: sft/ (cold-start params),
+e.g. `rl.steps=20 rl.replay=r3`. --preset names what to train, --layout where: the
+preset's own layout (`paper`'s is a v5p-256's mesh and TPU kernels), or single-host
+(this host's devices, the kernels that compile here: presets.single_host); the default,
+auto, keeps the preset's where it runs and otherwise says in one line that it runs the
+preset single-host. Overrides apply last. Writes to the workdir: sft/ (cold-start params),
 sft_run/ (the cold start's metrics.jsonl, TensorBoard and checkpoints), checkpoints/,
 metrics.jsonl, samples.jsonl (decoded samples), tb/ (TensorBoard), plots/*.png and
 summary.json; prints the start and end held-out accuracy. Re-running resumes from the
@@ -46,7 +50,13 @@ from stablerl_jax.runs import compile_cache, storage, trackers, workdir
 def main(argv=None, *, default_workdir: str = "runs/train") -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=default_workdir)
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="tiny", help="what to train: " + ", ".join(
+        presets.EXPERIMENT_PRESETS))
+    ap.add_argument("--layout", default="auto", choices=("auto", *presets.LAYOUTS),
+                    help="where it runs: the preset's own layout (mesh, kernels, the "
+                         "sampler's pass size), 'single-host' (this host's devices, "
+                         "kernels that compile here), or 'auto' (the preset's where it runs "
+                         "here, else single-host, said in one line)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     trackers.add_argument(ap)
     profiling.add_argument(ap)
@@ -71,8 +81,10 @@ def main(argv=None, *, default_workdir: str = "runs/train") -> dict:
     try:
         distributed.initialize_from(args)
         compile_cache.enable(args.compile_cache)
-        cfg = presets.preset(args.preset, [*args.overrides,
-                                           *(["rl.steps=0"] if args.sft_only else [])])
+        cfg, said = preflight.choose_layout(args.layout, args.preset, [
+            *args.overrides, *(["rl.steps=0"] if args.sft_only else [])])
+        if said and distributed.is_main():
+            print(said, flush=True)
         if args.sft_only and cfg.sft.steps == 0:
             raise ConfigError(f"--sft-only: sft.steps is 0 (preset {args.preset!r}), so there "
                               "is no cold start to train; give sft.steps=N with N > 0")

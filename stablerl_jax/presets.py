@@ -169,9 +169,52 @@ def moe1b() -> ExperimentConfig:
 
 EXPERIMENT_PRESETS = {"tiny": tiny, "long": long, "paper": paper, "moe1b": moe1b}
 
+# Where a recipe runs. A preset states what to train together with the layout it was
+# sized for (`paper`: the v5p-256 mesh, TPU kernels, the sampler's pass size); a layout
+# changes only these fields, never what is trained. 'preset' keeps the preset's own;
+# 'single-host' fits one host (`single_host`).
+LAYOUTS = ("preset", "single-host")
+# (section, field, ExperimentConfig default's table) of each kernel a config names.
+KERNEL_FIELDS = (("model", "gmm_impl", "GMM_IMPLS"),
+                 ("model", "decode_attention_impl", "DECODE_IMPLS"),
+                 ("rl", "logprob_impl", "LOGPROB_IMPLS"))
 
-def preset(name: str, overrides=()) -> ExperimentConfig:
-    """The named experiment preset with `overrides` applied (validated once, together)."""
+
+def kernel_tables() -> dict:
+    """{table name: the table} of KERNEL_FIELDS (the kernels' tables import no JAX)."""
+    from stablerl_jax.config import choices
+    return {name: getattr(choices, name) for _, _, name in KERNEL_FIELDS}
+
+
+def single_host(cfg: ExperimentConfig, platform: str, devices: int) -> ExperimentConfig:
+    """`cfg` laid out on one host's `devices` devices of `platform` ('cpu', 'gpu', 'tpu'):
+    the mesh (1, devices, 1) over this host alone (parameters and batch split over fsdp,
+    no expert parallelism), each kernel that does not compile for `platform` replaced by
+    its field's default (the reference, which compiles everywhere), and the sampler
+    decoding the whole batch in one pass (sampling.max_batch=0). Everything else (the
+    model, dtypes, remat, micro-batches, the loss, the schedule) is the preset's."""
+    tables = kernel_tables()
+    default = ExperimentConfig()
+    sections = {"model": {}, "rl": {}}
+    for section, field, table in KERNEL_FIELDS:
+        name = getattr(getattr(cfg, section), field)
+        if platform not in tables[table][name].backends:
+            sections[section][field] = getattr(getattr(default, section), field)
+    return cfg.replace(
+        mesh=(1, devices, 1), mesh_dcn=(1, 1, 1),
+        model=cfg.model.replace(expert_parallel=False, **sections["model"]),
+        rl=cfg.rl.replace(**sections["rl"]),
+        sampling=cfg.sampling.replace(max_batch=0))
+
+
+def preset(name: str, overrides=(), *, layout: str = "preset", platform: str = "cpu",
+           devices: int = 1) -> ExperimentConfig:
+    """The named experiment preset in `layout` (LAYOUTS; 'single-host' on `devices`
+    devices of `platform`) with `overrides` applied last (validated once, together)."""
     if name not in EXPERIMENT_PRESETS:
         raise ConfigError(f"preset: unknown {name!r}; choose one of {sorted(EXPERIMENT_PRESETS)}")
-    return apply_overrides(EXPERIMENT_PRESETS[name](), overrides)
+    check(layout in LAYOUTS, "layout", f"unknown {layout!r}; choose one of {list(LAYOUTS)}")
+    cfg = EXPERIMENT_PRESETS[name]()
+    if layout == "single-host":
+        cfg = single_host(cfg, platform, devices)
+    return apply_overrides(cfg, overrides)

@@ -59,3 +59,52 @@ def test_bad_overrides_are_clear_errors(override, needle):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="unknown 'huge'"):
         presets.preset("huge")
+
+
+LAYOUT_KEYS = {"mesh", "mesh_dcn", "model.expert_parallel", "model.gmm_impl",
+               "model.decode_attention_impl", "rl.logprob_impl", "sampling.max_batch"}
+
+
+@pytest.mark.parametrize("platform, replaced", [
+    ("cpu", {"model.gmm_impl": "loop", "model.decode_attention_impl": "blocks"}),
+    ("gpu", {"model.gmm_impl": "loop", "model.decode_attention_impl": "blocks"}),
+    ("tpu", {})])
+def test_single_host_changes_the_layout_and_nothing_of_the_recipe(platform, replaced):
+    from stablerl_jax.config import flat_dict
+    own = flat_dict(presets.preset("paper"))
+    here = flat_dict(presets.preset("paper", layout="single-host", platform=platform,
+                                    devices=4))
+    changed = {k for k in own if own[k] != here[k]}
+    assert changed <= LAYOUT_KEYS  # bf16 compute, remat, micro-batches stay the preset's
+    assert here["mesh"] == [1, 4, 1] and here["model.expert_parallel"] is False
+    assert here["sampling.max_batch"] == 0
+    kernels = {"model.gmm_impl", "model.decode_attention_impl", "rl.logprob_impl"}
+    assert {k: here[k] for k in kernels if own[k] != here[k]} == replaced
+    # Overrides apply after the layout.
+    assert presets.preset("paper", ["mesh=1,2,2", "model.expert_parallel=true"],
+                          layout="single-host").mesh == (1, 2, 2)
+
+
+def test_an_unknown_layout_is_one_line_naming_the_choices():
+    with pytest.raises(ConfigError, match=r"layout: unknown 'v5p'; choose one of"):
+        presets.preset("paper", layout="v5p")
+
+
+def test_auto_keeps_a_layout_that_runs_and_says_when_it_lays_one_out():
+    from conftest import cpu_devices
+    from stablerl_jax.rl import preflight
+    one = cpu_devices(1)
+    assert preflight.choose_layout("auto", "tiny", ["rl.steps=3"], one) == (
+        presets.preset("tiny", ["rl.steps=3"]), "")
+    cfg, said = preflight.choose_layout("auto", "paper", [], one)
+    assert cfg == presets.preset("paper", layout="single-host")
+    assert said.startswith("layout: the paper preset's own does not run here (mesh=(1, 16, 8) "
+                           "needs 128 devices, only 1 are visible")
+    assert "model.gmm_impl=loop" in said and "mesh=1,1,1" in said and "\n" not in said
+    assert preflight.choose_layout("preset", "paper", [], one)[0] == presets.preset("paper")
+    # A layout that cannot run here, named: one line with the field and the fix.
+    with pytest.raises(ConfigError, match=r"model.gmm_impl='megablox' compiles for tpu only, "
+                       "not cpu: set model.gmm_impl=loop, or --layout single-host"):
+        preflight.check_kernels(presets.preset("paper", ["mesh=1,1,1",
+                                                         "model.decode_attention_impl=blocks"]),
+                                one)

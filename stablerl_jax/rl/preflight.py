@@ -81,19 +81,84 @@ def check_run(cfg, workdir: str, devices=None) -> None:
             raise ConfigError(f"rl.eval_problems: must be <= task.num_test={cfg.task.num_test}"
                               f" (the test problems there are), got {cfg.rl.eval_problems}")
     sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)  # raises when it does not fit
-    check_decode_attention(cfg, devices)
+    check_kernels(cfg, devices)
 
 
-def check_decode_attention(cfg, devices=None) -> None:
-    """The sampler's decode attention compiles for the devices' platform (a Pallas row
-    for TPU does not run on a CPU or a GPU: the `paper` preset's 'pallas_tpu')."""
-    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
+def check_kernels(cfg, devices=None) -> None:
+    """Every kernel the config names compiles for the devices' platform (a Pallas row for
+    TPU does not run on a CPU or a GPU: the `paper` preset's 'megablox' and 'pallas_tpu');
+    the decode attention only where the sampler uses it (model.decode_block)."""
+    from stablerl_jax import presets
     platform = (devices or jax.devices())[0].platform
-    name = cfg.model.decode_attention_impl
-    if cfg.model.decode_block and platform not in DECODE_IMPLS[name].backends:
-        raise ConfigError(f"model.decode_attention_impl={name!r} compiles for "
-                          f"{'/'.join(DECODE_IMPLS[name].backends)} only, not {platform}: "
-                          "set model.decode_attention_impl=blocks")
+    tables = presets.kernel_tables()
+    for section, field, table in presets.KERNEL_FIELDS:
+        name = getattr(getattr(cfg, section), field)
+        if field == "decode_attention_impl" and not cfg.model.decode_block:
+            continue
+        backends = tables[table][name].backends
+        if platform not in backends:
+            default = getattr(getattr(type(cfg)(), section), field)
+            raise ConfigError(f"{section}.{field}={name!r} compiles for "
+                              f"{'/'.join(backends)} only, not {platform}: set "
+                              f"{section}.{field}={default}, or --layout single-host")
+
+
+def layout_problem(cfg, devices=None) -> str:
+    """Why the config's layout (mesh, kernels) does not run on `devices` (default: every
+    device of the default backend), or '' where it does."""
+    try:
+        sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)
+        check_kernels(cfg, devices)
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return ""
+
+
+def choose_layout(name: str, preset: str, overrides, devices=None):
+    """(config, the line to print or '') of `--preset preset --layout name`: 'auto' keeps
+    the preset's layout where it runs on these devices and lays it out single-host where
+    it does not, on one process (a multi-process run is a pod job: its layout is never
+    replaced); 'preset' and 'single-host' as LAYOUTS say. Overrides apply last."""
+    from stablerl_jax import presets
+    devices = list(devices or jax.local_devices())
+    host = {"platform": devices[0].platform, "devices": len(devices)}
+    if name == "single-host":
+        return _single_host(preset, overrides, host), ""
+    if name != "auto":
+        return presets.preset(preset, overrides, layout=name), ""
+    try:
+        cfg = presets.preset(preset, overrides)
+        why = layout_problem(cfg, devices)
+    except ConfigError as e:  # e.g. a batch cut to this host no longer fills the pod mesh
+        cfg, why = None, str(e)
+    if not why or jax.process_count() > 1:
+        if cfg is None:
+            raise ConfigError(why)
+        return cfg, ""
+    single = _single_host(preset, overrides, host)
+    host["devices"] = single.mesh[1]
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else v
+    own, moved = (flat_dict(c) for c in (presets.preset(preset), presets.preset(
+        preset, layout="single-host", **host)))
+    changed = [f"{k}={show(v)}" for k, v in moved.items() if own[k] != v]
+    return single, (f"layout: the {preset} preset's own does not run here "
+                    f"({why.split('; ')[0]}); running it single-host on {host['devices']} "
+                    f"{host['platform']} device(s): {' '.join(changed)} (--layout preset "
+                    "refuses instead)")
+
+
+def _single_host(preset: str, overrides, host: dict):
+    """The preset single-host on as many of the host's devices as its batches split
+    over: the most devices d (a divisor of the host's) whose config validates."""
+    from stablerl_jax import presets
+    n = host["devices"]
+    for d in [d for d in range(n, 0, -1) if n % d == 0]:
+        try:
+            return presets.preset(preset, overrides, layout="single-host",
+                                  platform=host["platform"], devices=d)
+        except ConfigError:
+            if d == 1:
+                raise
 
 
 def check_resumed_config(saved: dict | None, cfg, allow, where: str) -> None:

@@ -209,3 +209,47 @@ def test_packed_score_and_update_run_on_the_checkpoint_recipe(run, tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     assert np.isfinite(rows[1]["kl/train_infer_k1"]) and np.isfinite(rows[1]["entropy"])
     assert rows[1]["skipped_updates"] == 0
+
+
+# What only fits this recipe to a CPU test's seconds: the batch, lengths and eval sets cut.
+SCALE = ["task.max_prompt_len=64", "task.max_solution_len=32", f"sampling.max_new_tokens={N_NEW}",
+         "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.microbatches=1",
+         "rl.eval_every=1", "rl.eval_k=2", "rl.eval_problems=2", "rl.checkpoint_every=1",
+         "rl.eval_sets=aime24:aime24.jsonl,hmmt25:hmmt25.jsonl"]
+
+
+def test_the_paper_recipe_runs_on_this_cpu_with_no_layout_override(run, tmp_path, capsys):
+    """`--preset paper --hf DIR` with the recipe only cut in scale: the preflight finds
+    that the v5p-256 layout does not run here, says so in one line, and runs the recipe
+    single-host (bf16 compute, full remat, chunked attention: the preset's) with the
+    kernels that compile on a CPU."""
+    from stablerl_jax.config import flat_dict
+    work = tmp_path / "here"
+    summary = train.main(["--workdir", str(work), "--preset", "paper", "--hf", run["ckpt"],
+                          "--quiet", "--compile-cache=", *SCALE,
+                          f"task.jsonl_dir={run['root'] / 'data'}"])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("layout:")]
+    # 8 CPU devices here (tests/conftest.py); the 4 rows of a step split over 4.
+    assert len(said) == 1 and "running it single-host on 4 cpu device(s)" in said[0]
+    assert summary["steps"] == 1 and summary["skipped_updates"] == 0
+    rows = read_metrics(str(work))
+    assert np.isfinite(rows[1]["kl/train_infer_k1"]) and rows[1]["eval/aime24/avg@k"] is not None
+    ckpt = Checkpointer(str(work / "checkpoints"))
+    try:
+        stored = ckpt.read_meta(1)["config"]
+    finally:
+        ckpt.close()
+    expect = flat_dict(presets.preset("paper", [*SCALE, f"task.jsonl_dir={run['root'] / 'data'}"],
+                                      layout="single-host", devices=4))
+    assert {k: stored[k] for k in ("mesh", "model.gmm_impl", "model.decode_attention_impl",
+                                   "model.compute_dtype", "model.remat", "sampling.max_batch")} \
+        == {k: expect[k] for k in ("mesh", "model.gmm_impl", "model.decode_attention_impl",
+                                   "model.compute_dtype", "model.remat", "sampling.max_batch")}
+    assert stored["model.compute_dtype"] == "bfloat16" and stored["model.remat"] == "full"
+    # --layout preset keeps the pod layout, and is refused here in one line.
+    with pytest.raises(SystemExit) as e:
+        train.main(["--workdir", str(tmp_path / "pod"), "--preset", "paper", "--layout",
+                    "preset", "--hf", run["ckpt"], "--quiet", "--compile-cache=", *SCALE,
+                    f"task.jsonl_dir={run['root'] / 'data'}"])
+    assert e.value.code == 2 and "mesh" in capsys.readouterr().err
+    assert not (tmp_path / "pod").exists()

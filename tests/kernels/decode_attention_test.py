@@ -175,13 +175,14 @@ def test_on_a_mesh_each_device_runs_the_kernel_on_its_own_rows(interpreted):
 
 
 def test_the_preflight_refuses_the_tpu_kernel_on_another_platform():
-    """`--preset paper` on a CPU: one line naming the field and the fix, before any work."""
+    """`--preset paper --layout preset` on a CPU: one line naming the field and the fix,
+    before any work."""
     from stablerl_jax import presets
     from stablerl_jax.rl import preflight
-    cfg = presets.preset("paper", ["mesh=1,1,1"])
+    cfg = presets.preset("paper", ["mesh=1,1,1", "model.gmm_impl=loop"])
     with pytest.raises(ConfigError, match="model.decode_attention_impl='pallas_tpu' compiles "
                        "for tpu only, not cpu: set model.decode_attention_impl=blocks"):
-        preflight.check_decode_attention(cfg, cpu_devices()[:1])
-    preflight.check_decode_attention(
-        presets.preset("paper", ["mesh=1,1,1", "model.decode_attention_impl=blocks"]),
-        cpu_devices()[:1])
+        preflight.check_kernels(cfg, cpu_devices()[:1])
+    preflight.check_kernels(
+        presets.preset("paper", ["mesh=1,1,1", "model.gmm_impl=loop",
+                                 "model.decode_attention_impl=blocks"]), cpu_devices()[:1])
