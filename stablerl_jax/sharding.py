@@ -54,6 +54,11 @@ RULES = {
 # in training, so the reshard gathers only those (the other order makes the partitioner
 # replicate whole expert weights first).
 SERVE_RULES = {**RULES, "embed": None, "experts": ("expert", "fsdp", "data")}
+# The logical axes of one layer's expert weights (transformer.param_logical_axes without
+# the leading `layers`): what the expert FFN's shard_map shards them by.
+EXPERT_WEIGHT_AXES = {"w_gate": ("experts", "embed", "mlp"),
+                      "w_up": ("experts", "embed", "mlp"),
+                      "w_down": ("experts", "mlp", "embed")}
 
 
 def serve_rules(expert_parallel: bool) -> dict:

@@ -46,10 +46,6 @@ from stablerl_jax import sharding
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
-_W_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
-           "w_down": ("experts", "mlp", "embed")}
-
-
 def _gather(w, spec: P, keep_axes: tuple):
     """All-gather `w` over the mesh axes of every dim of `spec`, except `keep_axes`."""
     for dim, part in enumerate(spec):
@@ -174,8 +170,8 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
                              f"{dp} data-parallel devices; make the batch a multiple of "
                              "data*fsdp*expert")
         weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-        specs = [sharding.spec(_W_AXES[name], w.shape, mesh, rules)
-                 for name, w in zip(_W_AXES, weights)]
+        specs = [sharding.spec(sharding.EXPERT_WEIGHT_AXES[name], w.shape, mesh, rules)
+                 for name, w in zip(sharding.EXPERT_WEIGHT_AXES, weights)]
         if ep and not set(expert_axes) <= set(sharding.spec_axes(specs[0][0])):
             raise ValueError(f"expert_parallel: num_experts={w_gate_ExDxF.shape[0]} must "
                              f"be a multiple of the {expert_axes} mesh axes ({n_shards} "

@@ -301,10 +301,6 @@ def _divides(b: int, mesh, axes):
                          "data*fsdp*expert")
 
 
-_EXPERT_WEIGHTS = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
-                   "w_down": ("experts", "mlp", "embed")}
-
-
 def _sharded_layer(build, ctx, cfg, mesh, rules, outputs: int):
     """The per-token layer under `shard_map` over the batch's mesh axes: each device runs
     `build(ctx)`'s layer on its own rows and cache rows, with the layer's weights
@@ -314,7 +310,7 @@ def _sharded_layer(build, ctx, cfg, mesh, rules, outputs: int):
     rules = sharding.RULES if rules is None else rules
     axes = batch_axes(mesh, rules)
     row = P(axes or None)
-    ex_part = sharding.spec(_EXPERT_WEIGHTS["w_gate"],
+    ex_part = sharding.spec(sharding.EXPERT_WEIGHT_AXES["w_gate"],
                             (cfg.num_experts, cfg.d_model, cfg.expert_ffn_dim), mesh, rules)[0]
     ep_axes = tuple(a for a in sharding.spec_axes(ex_part) if mesh.shape[a] > 1)
     ep_axes = ep_axes if cfg.expert_parallel else ()
@@ -325,8 +321,9 @@ def _sharded_layer(build, ctx, cfg, mesh, rules, outputs: int):
                  for k, v in ctx.items()}
 
     def weight_specs(p):
-        return {k: jax.tree.map(lambda _: P(ex_part) if ep_axes and k in _EXPERT_WEIGHTS
-                                else P(), w) for k, w in p.items()}
+        experts = sharding.EXPERT_WEIGHT_AXES if ep_axes else {}
+        return {k: jax.tree.map(lambda _: P(ex_part) if k in experts else P(), w)
+                for k, w in p.items()}
 
     def layer(carry, xs):
         x, kv = carry
