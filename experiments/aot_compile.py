@@ -50,7 +50,7 @@ import numpy as np
 
 from experiments.cli_errors import one_line_errors
 from stablerl_jax import presets
-from stablerl_jax.pod import aot, roofline, schedule, schedule_prices
+from stablerl_jax.pod import aot, roofline, sampler_programs, schedule, schedule_prices
 
 
 def _row(c: aot.Compiled, hbm: float, cfg) -> str:
@@ -82,12 +82,13 @@ def _estimates(engine, topo: aot.Topology, compiled: dict, args) -> None:
     """Rows per pass and the roofline time estimates (stablerl_jax/pod/roofline.py); with
     --lengths, the schedules' tables (_length_tables)."""
     cfg, chip = engine.cfg, roofline.chip_of(topo.name)
-    rows = roofline.rows_per_pass(cfg)
-    kv = roofline.kv_bytes_per_row(cfg) / aot.GIB
-    fit = roofline.rows_that_fit(cfg, compiled["sample"].total_gib, topo.hbm_gib, topo.chips)
+    rows = sampler_programs.rows_per_pass(cfg)
+    kv = sampler_programs.kv_bytes_per_row(cfg) / aot.GIB
+    fit = sampler_programs.rows_that_fit(cfg, compiled["sample"].total_gib, topo.hbm_gib,
+                                         topo.chips)
     print(f"\nsampler layout {cfg.sampling.layout!r}: {rows} rows per pass "
           f"({rows / topo.chips:g} per chip); KV cache {kv:.3f} GiB per row "
-          f"(+{roofline.row_state_bytes(cfg) / aot.GIB:.3f} GiB of row state); "
+          f"(+{sampler_programs.row_state_bytes(cfg) / aot.GIB:.3f} GiB of row state); "
           f"≈{fit} rows fit per chip in {topo.hbm_gib} GiB", flush=True)
     ests = roofline.estimate(engine, compiled, chip)
     costs, (step, mean, layer, head) = ests.sampler, ests.decode
@@ -166,7 +167,7 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
     priced per decode step (schedule_prices.schedule_rows), and the sampler / trainer split."""
     cfg, chip, rl = engine.cfg, roofline.chip_of(topo.name), engine.cfg.rl
     cap, b, slots = cfg.sampling.max_new_tokens, rl.prompts_per_step * rl.group_size, \
-        roofline.rows_per_pass(cfg)
+        sampler_programs.rows_per_pass(cfg)
     rng = np.random.default_rng(args.seed)
     k = args.schedule_steps
     lengths = schedule.lengths_from_spec(spec, cap, k * b + slots, rng)
@@ -209,7 +210,7 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
     best = min(rows, key=lambda r: r.global_s)
     print(f"\nplacement (one-step-lag model, schedule_prices.placements): colocated, the best "
           f"schedule is {best.name} at {best.global_s:.1f} s per global step", flush=True)
-    weight_bytes = roofline.sampler_weight_bytes(engine)
+    weight_bytes = sampler_programs.sampler_weight_bytes(engine)
     for r in rows[1:]:
         splits = schedule_prices.placements(r, topo.chips, slots, fit, upd.total_gib - upd.temp_gib,
                                      upd.temp_gib, topo.hbm_gib, weight_bytes, chip,

@@ -2,6 +2,7 @@
 
     aot.py              topology names, abstract steps, `.lower().compile()` for a pod
     hlo_loops.py        loops and collectives of an optimized HLO module
+    sampler_programs.py the sampler's rows per pass and their bytes; its decode-step programs
     roofline.py         time estimates from the compiled programs (compiler and roofline)
     schedule.py         response lengths and the sampler's schedules, simulated (numpy)
     schedule_prices.py  those schedules priced: length-aware sample-step estimates

@@ -256,7 +256,7 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
     from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
     from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
-    from stablerl_jax.pod import roofline
+    from stablerl_jax.pod import sampler_programs
     mesh = sharding.config_mesh(cfg.mesh, devices_, cfg.mesh_dcn)
     axes = sharding.RULES["batch"]
     mc, rl = cfg.model, cfg.rl
@@ -266,7 +266,7 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
             logprob_example_args(t, mc.d_model, mc.vocab_size, mc.compute_dtype)),
            ("gmm", GMM_IMPLS, gmm_example_args(t, mc)),
            ("decode_attention", DECODE_IMPLS, decode_example_args(
-               max(roofline.rows_per_pass(cfg) // mesh.size, 1), mc,
+               max(sampler_programs.rows_per_pass(cfg) // mesh.size, 1), mc,
                cfg.task.max_prompt_len + cfg.sampling.max_new_tokens)))
     label = lambda op, args: f"{op} {{}} {'fwd+bwd' if any(a.diff for a in args) else 'fwd'}"
     return [(label(op, args).format(name), *_fwd_bwd_program(row.load(), args, static, mesh,

@@ -25,7 +25,8 @@ import numpy as np
 
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.pod import schedule
-from stablerl_jax.pod.roofline import ChipSpec, Cost, SamplerCosts, rows_per_pass
+from stablerl_jax.pod.roofline import ChipSpec, Cost, SamplerCosts
+from stablerl_jax.pod.sampler_programs import rows_per_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +141,6 @@ def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
     lengths_R (≥ steps·B + slots responses; static and continuous take its step-sized
     slices), priced by `prices`. Evaluation: static for the static row, else continuous
     (no staleness) over eval_lengths (eval_problems × eval_k rows)."""
-    from stablerl_jax.pod import schedule
     rl = cfg.rl
     b, g = rl.prompts_per_step * rl.group_size, rl.group_size
     slots, train = rows_per_pass(cfg), rl.num_minibatches * update_s

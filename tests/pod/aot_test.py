@@ -137,11 +137,11 @@ def test_a_bad_length_spec_is_refused_before_any_compile(capsys):
 
 
 def test_kv_cache_bytes_per_row_of_the_paper_preset():
-    from stablerl_jax.pod import roofline
+    from stablerl_jax.pod import sampler_programs
     cfg = presets.preset("paper")
     # 48 layers × (keys, values) × 33,792 slots × 4 KV heads × 128 × 2 bytes (bf16).
-    assert roofline.kv_bytes_per_row(cfg) == 48 * 2 * 33_792 * 4 * 128 * 2
-    assert roofline.rows_per_pass(cfg) == 1024
+    assert sampler_programs.kv_bytes_per_row(cfg) == 48 * 2 * 33_792 * 4 * 128 * 2
+    assert sampler_programs.rows_per_pass(cfg) == 1024
 
 
 # The paper preset with 2 layers on a v5p-8 (4 chips: fsdp 2 × expert 2), full-size
@@ -232,11 +232,11 @@ def test_decode_block_reads_one_block_of_the_cache_on_v5p_8():
     the small per-row state, not of the whole cache."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
 
-    from stablerl_jax.pod import roofline
+    from stablerl_jax.pod import roofline, sampler_programs
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
     engine = aot.engine_for(cfg, topo)
-    fn, args = roofline.decode_block_program(engine)
+    fn, args = sampler_programs.decode_block_program(engine)
     cost = roofline.of_compiled(fn.lower(*args).compile())
     mc = cfg.model
     rows_per_chip = cfg.sampling.max_batch // topo.chips

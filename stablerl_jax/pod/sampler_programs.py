@@ -1,0 +1,169 @@
+"""The sampler as roofline.py prices it: the rows of a pass and what each holds in HBM,
+and the programs of one decode step, its head and one layer's key-block attention, each
+compiled on its own (roofline.py's docstring: why these programs, and how their costs
+make a decode step). Nothing here runs them.
+
+Letters: B rows of a sample pass, P prompt slots, C = max_new_tokens, S = P + C, L
+layers, KV key/value heads, Dh head width.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from stablerl_jax import sharding
+from stablerl_jax.config import ExperimentConfig
+
+
+def rows_per_pass(cfg: ExperimentConfig) -> int:
+    """Rows the sampler decodes at once (sampling.max_batch, else the whole step)."""
+    return cfg.sampling.max_batch or cfg.rl.prompts_per_step * cfg.rl.group_size
+
+
+def kv_bytes_per_row(cfg: ExperimentConfig) -> int:
+    """KV cache bytes of one sampled row: L × 2 (keys, values) × S × KV × Dh in the
+    engine's compute dtype."""
+    from stablerl_jax.model import numerics as nx
+    mc = cfg.model
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    dtype = nx.compute_dtype(nx.numerics_preset(cfg.sampling.numerics), mc.compute_dtype)
+    return mc.num_layers * 2 * s * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize
+
+
+def row_state_bytes(cfg: ExperimentConfig) -> int:
+    """Per-row bytes of the sampler besides its KV cache: the S-slot tokens, log μ,
+    masks, routes and route weights (int32 / float32 per layer and expert), and the
+    float32 logits over the vocabulary."""
+    mc = cfg.model
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    return s * (4 + 4 + 2 + 8 * mc.num_layers * mc.top_k) + 4 * mc.vocab_size
+
+
+def rows_that_fit(cfg: ExperimentConfig, sample_total_gib: float, hbm_gib: float,
+                  chips: int) -> int:
+    """Rows per chip whose KV cache and row state fit in `hbm_gib`, given the compiled
+    sample step's per-chip total at its own rows per chip (the rest is taken as fixed:
+    weights, buffers of the program)."""
+    per_row = (kv_bytes_per_row(cfg) + row_state_bytes(cfg)) / 2**30
+    fixed = sample_total_gib - rows_per_pass(cfg) / chips * per_row
+    return int((hbm_gib - fixed) // per_row)
+
+
+def _sampler_weights(engine):
+    """(model, numerics, abstract weights in the decode loop's layout, their shardings,
+    rules, serve?) of the Engine's sampler."""
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.rl.engine import sampler_model
+    from stablerl_jax.sampling import rollout
+    cfg, mesh = engine.cfg, engine.mesh
+    model = sampler_model(cfg)
+    numerics = nx.of_sampling(cfg.sampling, 0)
+    serve = cfg.sampling.layout == "serve"
+    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), model))
+    weights_like = jax.eval_shape(
+        lambda p: nx.prepare_params(p, numerics, store_fp8=serve), params_like)
+    rules = sharding.serve_rules(model.expert_parallel) if serve else sharding.RULES
+    w_sh = rollout.serving_shardings(weights_like, model, mesh, rules)
+    return model, numerics, weights_like, w_sh, rules, serve
+
+
+def sampler_weight_bytes(engine) -> int:
+    """Bytes of the sampler's weights in its decode layout, all chips together: what a
+    trainer pushes to a separate sampler after each update."""
+    weights_like = _sampler_weights(engine)[2]
+    return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(weights_like))
+
+
+def decode_step_program(engine):
+    """The jitted, compilable program of one decode step of the Engine's sampler, as its
+    decode loop runs it (a one-token forward of all L layers against the KV cache, the
+    logits and the sampled distribution): (function, abstract args). It takes the
+    engine's weights already in the decode loop's layout (the serving layout's e4m3 +
+    scales and shardings, or the training shardings), one token per row of a pass and
+    the KV cache, and returns the sampled distribution and the cache."""
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.sampling import rollout
+    cfg, mesh = engine.cfg, engine.mesh
+    model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
+    # Priced with the reference decode attention: XLA's cost analysis cannot see into a
+    # Pallas kernel (it counts a custom call's whole cache operand as read), and the
+    # ragged kernel reads per row what the reference reads per row up to that row's
+    # slot (schedule_prices.SamplerPrices prices the difference).
+    model = model.replace(decode_attention_impl="blocks")
+    model_mesh = mesh if mesh.size > 1 else None
+    b = rows_per_pass(cfg)
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    cache_like = jax.eval_shape(lambda: tf.init_cache(
+        model, b, s, nx.compute_dtype(numerics, model.compute_dtype)))
+    rows = sharding.RULES["batch"]
+    # [L, B, ...] stacked, or L buffers [B, ...] (unrolled layers), in either cache layout
+    kv_sh = jax.tree.map(lambda a: NamedSharding(mesh, P(*(None,) * (a.ndim - 4), rows)),
+                         cache_like["k"])
+    cache_sh = {"k": kv_sh, "v": kv_sh, "mask": NamedSharding(mesh, P(rows)),
+                "index": sharding.replicated(mesh)}
+    batch = sharding.batch_sharding(mesh)
+
+    def step(weights, tok_B, cache):
+        h, aux = tf.forward(weights, tok_B[:, None], model,
+                            attention_mask_BxT=jnp.ones((b, 1), bool), numerics=numerics,
+                            cache=cache, mesh=model_mesh,
+                            rules=rules if serve and model_mesh else None)
+        logp = rollout.sampling_logprobs(tf.logits(weights, h, model)[:, 0], cfg.sampling)
+        return logp, aux["cache"], aux["routes"]
+
+    fn = jax.jit(step, in_shardings=(w_sh, batch, cache_sh),
+                 out_shardings=(batch, cache_sh, batch), donate_argnums=2)
+    return fn, (weights_like, jax.ShapeDtypeStruct((b,), jnp.int32), cache_like)
+
+
+def head_program(engine):
+    """The decode step without its layers (embedding lookup, final norm, logits, the
+    sampled distribution), in the same layout: (function, abstract args). Loop-free."""
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model import transformer as tf
+    from stablerl_jax.model.attention import rms_norm
+    from stablerl_jax.sampling import rollout
+    cfg, mesh = engine.cfg, engine.mesh
+    model, numerics, weights_like, w_sh, _, _ = _sampler_weights(engine)
+    dtype = nx.compute_dtype(numerics, model.compute_dtype)
+    batch = sharding.batch_sharding(mesh)
+
+    def head(weights, tok_B):
+        h = rms_norm(weights["embed"][tok_B[:, None]].astype(dtype), weights["final_norm"],
+                     model.norm_eps)
+        return rollout.sampling_logprobs(tf.logits(weights, h, model)[:, 0], cfg.sampling)
+
+    fn = jax.jit(head, in_shardings=(w_sh, batch), out_shardings=batch)
+    return fn, (weights_like, jax.ShapeDtypeStruct((rows_per_pass(cfg),), jnp.int32))
+
+
+def decode_block_program(engine):
+    """The jitted program of one layer's decode attention (the reference "blocks" of
+    kernels/decode_attention.py) for every row of a pass against the whole S-slot cache,
+    rows split as in the sampler: (function, abstract args). XLA counts its loop body, one key block, once: the cost
+    of one block (a cache as small as one block would be staged whole into on-chip
+    memory instead, which is not what a decode step does)."""
+    from stablerl_jax.kernels import decode_attention
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.rl.engine import sampler_model
+    cfg, mesh = engine.cfg, engine.mesh
+    model = sampler_model(cfg)
+    dtype = nx.compute_dtype(nx.of_sampling(cfg.sampling, 0), model.compute_dtype)
+    b, blk, keys = rows_per_pass(cfg), model.decode_block, model.kv_cache_layout
+    s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    kv_shape = tuple({"b": b, "s": s, "k": model.num_kv_heads, "d": model.head_dim}[a]
+                     for a in keys)
+    q_like = jax.ShapeDtypeStruct((b, model.num_kv_heads, model.num_heads // model.num_kv_heads,
+                                   model.head_dim), dtype)
+    kv_like = jax.ShapeDtypeStruct(kv_shape, dtype)
+    args = (q_like, kv_like, kv_like, jax.ShapeDtypeStruct((b, s), bool),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    rows = NamedSharding(mesh, P(sharding.RULES["batch"]))
+    fn = jax.jit(lambda q, k, v, m, last: decode_attention.blocks(
+        q, k, v, m, last, block=blk, keys=keys),
+        in_shardings=(rows, rows, rows, rows, sharding.replicated(mesh)), out_shardings=rows)
+    return fn, args
