@@ -16,4 +16,5 @@
     evaluation.py    avg@k / pass@k on held-out problems given any sampler
     sft_data.py      cold-start records → chats → token ids and the loss mask
     template_sandbox.py the jinja environment a chat template renders in
+    template_sizes.py   how long its text can get, estimated before it is built
 """
