@@ -1,6 +1,6 @@
 """Hugging Face Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`): the weights read
 by the name map of hf_layout.py, after config.json is checked against them. Out:
-hf_export.py (`save_qwen3_moe`, re-exported here).
+hf_export.py (`save_qwen3_moe`).
 
 Loading never builds a host copy of the model: each parameter is a
 `jax.make_array_from_callback` on its sharding, and the callback reads, for one device's
@@ -30,7 +30,6 @@ from stablerl_jax.data.hf_tokenizer import read_json
 from stablerl_jax.interop import hf_config, hf_validate
 
 # Re-exported: the way out beside the way in (docs/guides/interop.md, rl/loop.py).
-from stablerl_jax.interop.hf_export import save_qwen3_moe as save_qwen3_moe
 from stablerl_jax.interop.hf_layout import FUSED, LAYER, PER_EXPERT, PREFIX
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.numerics import dtype_of

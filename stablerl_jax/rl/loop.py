@@ -39,7 +39,7 @@ from tqdm import tqdm
 from stablerl_jax import distributed
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
-from stablerl_jax.interop.hf_checkpoint import save_qwen3_moe
+from stablerl_jax.interop.hf_export import save_qwen3_moe
 from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.method import attribution, overlong
 from stablerl_jax.method.diagnostics import reduce_metrics

@@ -8,7 +8,7 @@ import jax
 
 from stablerl_jax import distributed, sharding
 from stablerl_jax.config import ConfigError, changed_fields, flat_dict
-from stablerl_jax.runs import storage
+from stablerl_jax.runs import storage, storage_gcs
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
 # what it trains. The cold start (sft.*) is checked where it is cached (rl/sft.py).
@@ -20,13 +20,13 @@ RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_proble
 
 def check_workdir(workdir: str) -> None:
     """A clear error for a workdir that cannot hold a run (before any work starts). A
-    `gs://` workdir must be a valid URL (storage.check_url) and its bucket must exist,
-    which is asked first, within storage.REACH_BOUND_S (a ConnectionError when the store
+    `gs://` workdir must be a valid URL (storage_gcs.check_url) and its bucket must exist,
+    which is asked first, within storage_gcs.REACH_BOUND_S (a ConnectionError when the store
     does not answer); whether this account may write it shows when the run lock is
     written, the run's first write."""
     storage.check_scheme(workdir, "workdir")
     remote = storage.is_remote(workdir)
-    if remote and not storage.bucket_exists(workdir, "workdir"):
+    if remote and not storage_gcs.bucket_exists(workdir, "workdir"):
         bucket = "/".join(workdir.split("/")[:3])
         raise ValueError(f"workdir {workdir!r}: the bucket {bucket} does not exist or this "
                          "account may not see it; create it or fix the name")

@@ -52,7 +52,6 @@ import fsspec
 from etils import epath
 
 # Re-exported: rl/preflight.py's first request of a gs:// run (the client's, storage_gcs.py).
-from stablerl_jax.runs.storage_gcs import bucket_exists as bucket_exists
 from stablerl_jax.runs.storage_gcs import check_url
 
 # Listings must show what other writers made (module docstring). Read when the gcsfs
