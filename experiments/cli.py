@@ -117,11 +117,7 @@ def parser(desc: Descriptor) -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     trackers.add_argument(ap)
     profiling.add_argument(ap)
-    ap.add_argument("--allow-config-change", default="",
-                    help="comma-separated section.field names a resumed run may change")
-    ap.add_argument("--replace-history", action="store_true",
-                    help="start over in run directories whose runs left history (metrics, "
-                         "a summary) but no checkpoint to resume; without it that is refused")
+    preflight.add_arguments(ap, where="run directories whose runs left")
     ap.add_argument("--traceback", action="store_true",
                     help="on an error, print the full traceback (default: one line, exit 2)")
     distributed.add_arguments(ap)

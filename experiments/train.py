@@ -60,11 +60,7 @@ def main(argv=None, *, default_workdir: str = "runs/train") -> dict:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     trackers.add_argument(ap)
     profiling.add_argument(ap)
-    ap.add_argument("--allow-config-change", default="",
-                    help="comma-separated section.field names a resumed run may change")
-    ap.add_argument("--replace-history", action="store_true",
-                    help="start over in a workdir whose run left history (metrics, a "
-                         "summary) but no checkpoint to resume; without it that is refused")
+    preflight.add_arguments(ap, where="a workdir whose run left")
     ap.add_argument("--hf", default="", help="start from this HF Qwen3-MoE checkpoint dir")
     ap.add_argument("--sft-only", action="store_true",
                     help="the cold start, evaluated and exported; no RL stage (rl.steps=0)")

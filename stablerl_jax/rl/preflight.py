@@ -18,6 +18,16 @@ RUN_CONTROL = ("name", "rl.steps", "rl.eval_every", "rl.eval_k", "rl.eval_proble
                "rl.log_samples_every", "rl.phase_sync")
 
 
+def add_arguments(ap, where: str) -> None:
+    """A command line's `--allow-config-change` (`allowed_changes`) and `--replace-history`
+    (`check_history`); `where` names what may hold another run's history."""
+    ap.add_argument("--allow-config-change", default="",
+                    help="comma-separated section.field names a resumed run may change")
+    ap.add_argument("--replace-history", action="store_true",
+                    help=f"start over in {where} history (metrics, a summary) but no "
+                         "checkpoint to resume; without it that is refused")
+
+
 def check_workdir(workdir: str) -> None:
     """A clear error for a workdir that cannot hold a run (before any work starts). A
     `gs://` workdir must be a valid URL (storage_gcs.check_url) and its bucket must exist,
