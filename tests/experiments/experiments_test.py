@@ -274,3 +274,15 @@ def test_mismatch_sweep_compares_each_level():
     pairs = mismatch_sweep.comparisons(names)
     assert len(pairs) == len(mismatch_sweep.LEVELS)
     assert all(a.endswith("-noIS") and b in names for a, b in pairs)
+
+
+def test_quickstart_is_the_training_run_under_its_former_name(monkeypatch):
+    """`python -m experiments.quickstart` runs experiments.train's main with its old
+    default workdir, so a run started under that name resumes under it."""
+    import runpy
+
+    from experiments import train
+    calls = []
+    monkeypatch.setattr(train, "main", lambda **kw: calls.append(kw))
+    runpy.run_module("experiments.quickstart", run_name="__main__")
+    assert calls == [{"default_workdir": "runs/quickstart"}]
