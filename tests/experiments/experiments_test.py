@@ -284,5 +284,7 @@ def test_quickstart_is_the_training_run_under_its_former_name(monkeypatch):
     from experiments import train
     calls = []
     monkeypatch.setattr(train, "main", lambda **kw: calls.append(kw))
+    # Not imported before: runpy would warn that it runs a module already in sys.modules.
+    monkeypatch.delitem(sys.modules, "experiments.quickstart", raising=False)
     runpy.run_module("experiments.quickstart", run_name="__main__")
     assert calls == [{"default_workdir": "runs/quickstart"}]
