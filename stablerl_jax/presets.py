@@ -15,6 +15,7 @@ from __future__ import annotations
 from stablerl_jax.config import (ConfigError, ExperimentConfig, LossConfig, ModelConfig,
                                  OptimConfig, RLConfig, SamplingConfig, SFTConfig, TaskConfig,
                                  apply_overrides, check)
+from stablerl_jax.config.choices import DECODE_IMPLS, GMM_IMPLS, LOGPROB_IMPLS
 
 # Difficulty presets. The problem space must hold num_test / test_fraction problems or more
 # (easy: 10^3 · 2^2 = 4,000 prompts, of which ~400 hash to test). Held-out accuracy after
@@ -174,16 +175,10 @@ EXPERIMENT_PRESETS = {"tiny": tiny, "long": long, "paper": paper, "moe1b": moe1b
 # changes only these fields, never what is trained. 'preset' keeps the preset's own;
 # 'single-host' fits one host (`single_host`).
 LAYOUTS = ("preset", "single-host")
-# (section, field, ExperimentConfig default's table) of each kernel a config names.
-KERNEL_FIELDS = (("model", "gmm_impl", "GMM_IMPLS"),
-                 ("model", "decode_attention_impl", "DECODE_IMPLS"),
-                 ("rl", "logprob_impl", "LOGPROB_IMPLS"))
-
-
-def kernel_tables() -> dict:
-    """{table name: the table} of KERNEL_FIELDS (the kernels' tables import no JAX)."""
-    from stablerl_jax.config import choices
-    return {name: getattr(choices, name) for _, _, name in KERNEL_FIELDS}
+# (section, field, its table) of each kernel a config names (the tables import no JAX).
+KERNEL_FIELDS = (("model", "gmm_impl", GMM_IMPLS),
+                 ("model", "decode_attention_impl", DECODE_IMPLS),
+                 ("rl", "logprob_impl", LOGPROB_IMPLS))
 
 
 def single_host(cfg: ExperimentConfig, platform: str, devices: int) -> ExperimentConfig:
@@ -193,12 +188,11 @@ def single_host(cfg: ExperimentConfig, platform: str, devices: int) -> Experimen
     its field's default (the reference, which compiles everywhere), and the sampler
     decoding the whole batch in one pass (sampling.max_batch=0). Everything else (the
     model, dtypes, remat, micro-batches, the loss, the schedule) is the preset's."""
-    tables = kernel_tables()
     default = ExperimentConfig()
     sections = {"model": {}, "rl": {}}
     for section, field, table in KERNEL_FIELDS:
         name = getattr(getattr(cfg, section), field)
-        if platform not in tables[table][name].backends:
+        if platform not in table[name].backends:
             sections[section][field] = getattr(getattr(default, section), field)
     return cfg.replace(
         mesh=(1, devices, 1), mesh_dcn=(1, 1, 1),

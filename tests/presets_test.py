@@ -108,3 +108,16 @@ def test_auto_keeps_a_layout_that_runs_and_says_when_it_lays_one_out():
         preflight.check_kernels(presets.preset("paper", ["mesh=1,1,1",
                                                          "model.decode_attention_impl=blocks"]),
                                 one)
+
+
+def test_the_layouts_kernel_list_names_every_kernel_table_of_the_config():
+    """KERNEL_FIELDS, kept beside the kernels' tables, names each of them once, with the
+    config field that chooses a row of it."""
+    from stablerl_jax.config import ExperimentConfig, choices
+    from stablerl_jax.kernels import Impl
+    tables = [v for v in vars(choices).values()
+              if isinstance(v, dict) and v and all(isinstance(i, Impl) for i in v.values())]
+    assert sorted(map(id, tables)) == sorted(id(t) for _, _, t in presets.KERNEL_FIELDS)
+    default = ExperimentConfig()
+    for section, field, table in presets.KERNEL_FIELDS:
+        assert getattr(getattr(default, section), field) in table, field

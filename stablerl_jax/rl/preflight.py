@@ -100,12 +100,11 @@ def check_kernels(cfg, devices=None) -> None:
     the decode attention only where the sampler uses it (model.decode_block)."""
     from stablerl_jax import presets
     platform = (devices or jax.devices())[0].platform
-    tables = presets.kernel_tables()
     for section, field, table in presets.KERNEL_FIELDS:
         name = getattr(getattr(cfg, section), field)
         if field == "decode_attention_impl" and not cfg.model.decode_block:
             continue
-        backends = tables[table][name].backends
+        backends = table[name].backends
         if platform not in backends:
             default = getattr(getattr(type(cfg)(), section), field)
             raise ConfigError(f"{section}.{field}={name!r} compiles for "

@@ -21,7 +21,7 @@ here, once; the rest of the code calls these functions with either kind of path:
   upload on an object store, where a reader sees the old object or the new one, never a
   part of either.
 - Renames (`rename`): atomic on a disk; on an object store a copy of every object, then
-  the deletion of the old ones. Only checkpoint.set_aside renames (a step directory set
+  the deletion of the old ones. Only checkpoint_steps.set_aside renames (a step directory set
   aside), and each state a crash there leaves is sorted out again at the next start.
 - Symbolic links, permission bits and `fcntl` locks exist on a disk only; the run lock
   on an object store is an object written under generation preconditions
