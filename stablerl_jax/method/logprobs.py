@@ -76,8 +76,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     the fused log-prob of targets = tokens[:, 1:]; `replay_weights_BxTxLxK` replays
     their recorded combine weights too (weight replay). `aux` is the forward's
     (aux["routes"] [B, T, L, K]). `segment_ids_BxS` / `positions_BxS`: packed rows
-    (stablerl_jax/rl/packing.py; `transformer.forward`'s segment ids and positions). Weights are converted for `numerics` (identity for
-    "train"). `mesh`: the devices the expert FFN is sharded over (`transformer.forward`).
+    (stablerl_jax/rl/packing.py; `transformer.forward`'s segment ids and positions).
+    Weights are converted for `numerics` (identity for "train"). `mesh`: the devices the expert FFN is sharded over (`transformer.forward`).
     Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})
     under `checks` (stablerl_jax/input_checks.py).
     """
@@ -98,12 +98,17 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    numerics=numerics, mesh=mesh, checks=checks, trace=trace)
     unembed_DxV = tf.unembed_matrix(weights, cfg)
     if cfg.batch_invariant:  # the sampler's own per-row log-softmax (model/invariant.py)
-        def per_row(rows, unembed):
-            h_BxTxD, targets_BxT = rows
+        def tiled(h_BxTxD, unembed, targets_BxT):
             b, t, _ = h_BxTxD.shape
             logp_N, entropy_N = invariant.token_logprobs(
                 h_BxTxD.reshape(b * t, -1), unembed, targets_BxT.reshape(-1), temperature)
             return logp_N.reshape(b, t), entropy_N.reshape(b, t)
+
+        # Its gradient is the fused op's (the same function up to rounding).
+        per_row = lambda rows, unembed: invariant.with_reference_gradient(
+            tiled, lambda _, *args: token_logprobs(*args, impl=impl, temperature=temperature,
+                                                    interpret=interpret))(
+            rows[0], unembed, rows[1])
 
         logp_BxT, entropy_BxT = invariant.on_mesh(per_row, mesh)(
             (hidden_BxTxD, tokens_BxS[:, 1:]), unembed_DxV.astype(hidden_BxTxD.dtype))

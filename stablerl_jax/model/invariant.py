@@ -26,8 +26,13 @@ decoder computes every token in a way that is fixed by the token alone:
   other rows of the tile are; the SwiGLU and the combine over the K experts (in k order)
   run in row tiles.
 
-A decode step's cost grows by the padding of its B rows to a whole tile and by the
-tile loop; docs/method.md, "Zero mismatch", says what it costs and what it relies on.
+Only values must be per token: the trainer's backward pass runs the untiled path's VJP
+(`with_reference_gradient`; transformer.forward wraps each layer with it, the routes of
+the tiles replayed, and the final norm; method/logprobs.py the log-softmax), so a tile
+is never differentiated in an RL run: an update costs the untiled update plus one tiled
+forward. A decode step's cost grows by the padding of its B rows to a whole tile and by
+the tile loop; docs/method.md, "Zero mismatch", says what it costs and what it relies
+on.
 
 Letters: N rows (tokens), W = ROW_TILE rows of a tile, B batch, S key slots, D model,
 H heads, KV kv heads, G = H / KV, Dh head width, E experts, K top-k, V vocab, J key
@@ -71,6 +76,30 @@ def rowwise(fn, *rows, tile: int = ROW_TILE):
     body = jax.checkpoint(lambda xs: _fence(fn(*_fence(xs))), prevent_cse=False)
     out = jax.lax.map(body, tuple(tiles(r) for r in rows))
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
+
+
+def with_reference_gradient(fn, reference, keep=lambda out: ()):
+    """`fn`'s values with `reference`'s gradient. `reference(kept, *args)` computes what
+    `fn(*args)` does by the untiled path (equal up to float rounding), `kept =
+    keep(fn's outputs)` (e.g. its routes, which the reference replays so that it
+    differentiates the same routed function). The forward keeps the tiles' bits; the
+    backward runs the fast path's VJP linearized at the tiled forward's inputs, so the
+    gradient differs from the tiles' own by float reassociation only, and only `args`
+    and `kept` are saved for it (as under full rematerialization)."""
+    @jax.custom_vjp
+    def f(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        out = fn(*args)
+        return out, (args, keep(out))
+
+    def bwd(res, g):
+        args, kept = res
+        return jax.vjp(lambda *a: reference(kept, *a), *args)[1](g)
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 def dot(x, w, dtype):

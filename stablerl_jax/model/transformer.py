@@ -214,45 +214,70 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     decode = (decode_attention_fn(cfg, mesh, rules)
               if cache is not None and t == 1 and cfg.decode_block else None)
 
-    def layer(carry, xs):
-        x_BxTxD, kv = carry
-        p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
-        # FP8-stored weights (numerics.prepare_params(store_fp8=True)) are widened here,
-        # one layer at a time, so only their e4m3 bytes stay resident.
-        p = {k: nx.dequantize(w) for k, w in p.items()}
-        h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
-        a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics, dtype,
-                          kv, index, layer_idx, segment_ids_BxT, decode)
-        x_BxTxD = x_BxTxD + a
-        x_attn = x_BxTxD
-        h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
-        h_router = h if router_input is None else router_input(x_BxTxD, p["mlp_norm"])
-        router_logits = jnp.einsum("btd,de->bte", h_router.astype(router_dtype),
-                                   p["router"].astype(router_dtype), precision=nx.PRECISION,
-                                   preferred_element_type=nx.accum_dtype(router_dtype))
-        router_logits = router_logits + nx.router_noise(numerics, layer_idx, positions_BxT,
-                                                        tokens_BxT, cfg.num_experts)
-        flat = lambda r: None if r is None else r.reshape(b * t, -1)
-        idx_TxK, w_TxK, probs_TxE = moe.route(router_logits.reshape(b * t, -1), cfg.top_k,
-                                              flat(replay_BxTxK), flat(replay_w_BxTxK),
-                                              normalize=cfg.norm_topk_prob)
-        h_TxD = nx.act_quant(h.reshape(b * t, -1), numerics)
-        y = experts(h_TxD, idx_TxK, w_TxK, p["w_gate"].astype(dtype),
-                    p["w_up"].astype(dtype), p["w_down"].astype(dtype))
-        x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
-        load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, router_logits.reshape(b * t, -1),
-                                              mask_BxT.reshape(-1))
-        ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
-        return (x_BxTxD, kv), ys + ((x_attn, x_BxTxD) if trace else ())
+    def untiled_layer(ctx):
+        """The decoder layer (scanned over the layers) for the tokens of `ctx`."""
+        positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT = ctx
 
+        def layer(carry, xs):
+            x_BxTxD, kv = carry
+            p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
+            # FP8-stored weights (numerics.prepare_params(store_fp8=True)) are widened
+            # here, one layer at a time, so only their e4m3 bytes stay resident.
+            p = {k: nx.dequantize(w) for k, w in p.items()}
+            h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
+            a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics,
+                              dtype, kv, index, layer_idx, segment_ids_BxT, decode)
+            x_BxTxD = x_BxTxD + a
+            x_attn = x_BxTxD
+            h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
+            h_router = h if router_input is None else router_input(x_BxTxD, p["mlp_norm"])
+            router_logits = jnp.einsum("btd,de->bte", h_router.astype(router_dtype),
+                                       p["router"].astype(router_dtype),
+                                       precision=nx.PRECISION,
+                                       preferred_element_type=nx.accum_dtype(router_dtype))
+            router_logits = router_logits + nx.router_noise(
+                numerics, layer_idx, positions_BxT, tokens_BxT, cfg.num_experts)
+            flat = lambda r: None if r is None else r.reshape(b * t, -1)
+            logits_TxE = router_logits.reshape(b * t, -1)
+            idx_TxK, w_TxK, probs_TxE = moe.route(logits_TxE, cfg.top_k, flat(replay_BxTxK),
+                                                  flat(replay_w_BxTxK),
+                                                  normalize=cfg.norm_topk_prob)
+            h_TxD = nx.act_quant(h.reshape(b * t, -1), numerics)
+            y = experts(h_TxD, idx_TxK, w_TxK, p["w_gate"].astype(dtype),
+                        p["w_up"].astype(dtype), p["w_down"].astype(dtype))
+            x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
+            load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, logits_TxE,
+                                                  mask_BxT.reshape(-1))
+            ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
+            return (x_BxTxD, kv), ys + ((x_attn, x_BxTxD) if trace else ())
+
+        return layer
+
+    ctx = (positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT)
+    layer = untiled_layer(ctx)
     per_token = cfg.batch_invariant
     if per_token:
-        layer = invariant.decoder_layer(
-            cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
-            mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT, trace=trace,
-            segment_ids_BxT=segment_ids_BxT, router_input=router_input,
-            put_cache=None if cache is None else functools.partial(_put_cache, cfg),
-            cache_index=index, mesh=mesh, rules=rules)
+        def tiled_layer(ctx):
+            positions_BxT, key_mask_BxS, _, mask_BxT, tokens_BxT, segment_ids_BxT = ctx
+            return invariant.decoder_layer(
+                cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
+                mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT,
+                trace=trace, segment_ids_BxT=segment_ids_BxT, router_input=router_input,
+                put_cache=None if cache is None else functools.partial(_put_cache, cfg),
+                cache_index=index, mesh=mesh, rules=rules)
+
+        if cache is not None:
+            layer = tiled_layer(ctx)
+        else:
+            # The trainer's backward pass is the untiled layer's, with the tiles' routes
+            # replayed: only the values must be per token, and the tiles' backward is
+            # most of their cost. (ctx passes explicitly: a custom VJP closes over nothing.)
+            layer = invariant.with_reference_gradient(
+                lambda ctx, carry, xs: tiled_layer(ctx)(carry, xs),
+                lambda routes, ctx, carry, xs: untiled_layer(ctx)(
+                    carry, (xs[0], xs[1], routes, xs[3])),
+                keep=lambda out: out[1][0])
+            layer = functools.partial(layer, ctx)
     if cfg.remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
     elif cfg.remat == "dots":
@@ -280,9 +305,11 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                                    unroll=cfg.num_layers if cfg.unroll_layers else 1)
     routes_LxBxTxK, weights_LxBxTxK, load, z, balance = ys[:5]
     if per_token:
-        norm = lambda x, scale: invariant.rowwise(
-            lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1])
-        ).reshape(x.shape)
+        norm = invariant.with_reference_gradient(
+            lambda x, scale: invariant.rowwise(
+                lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1])
+            ).reshape(x.shape),
+            lambda _, x, scale: rms_norm(x, scale, cfg.norm_eps))
         hidden_BxTxD = invariant.on_mesh(norm, mesh, rules)(x, params["final_norm"])
     else:
         hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)

@@ -204,10 +204,25 @@ def test_the_continuous_sampler_scores_as_the_trainer():
     _assert_bitwise(params, r, m, 1.0)
 
 
+def test_values_come_from_the_tiles_and_the_gradient_from_the_reference_at_their_routes():
+    """with_reference_gradient: the forward's bits are fn's; the backward is the
+    reference's VJP at what fn kept (its route), not at a route of its own. The reference
+    here differs on purpose (3x, not 2x) so that each part shows where it came from."""
+    x = jnp.array([0.3, 2.0, -1.0, 1.5])
+    tiled = lambda x: (2.0 * x[jnp.argmax(x)], jnp.argmax(x))
+    reference = lambda route, x: (3.0 * x[route], route)
+    f = invariant.with_reference_gradient(tiled, reference, keep=lambda out: out[1])
+    value, route = jax.jit(f)(x)
+    assert float(value) == 4.0 and int(route) == 1
+    grad = jax.jit(jax.grad(lambda x: f(x)[0]))(x)
+    assert np.array_equal(np.asarray(grad), np.array([0.0, 3.0, 0.0, 0.0], np.float32))
+
+
 @pytest.mark.integration
 def test_the_update_differentiates_through_the_tiles():
-    """The trainer's gradient through `rowwise` and the blocked attention: finite and
-    equal to the gradient of the same loss without tiles up to float32 rounding."""
+    """The trainer's gradient under per-token numerics (the untiled layers' backward at
+    the tiles' routes and activations): finite and equal to the gradient of the same
+    loss without tiles up to float32 rounding."""
     m = _model("float32")
     params = tf.init_params(jax.random.key(0), m)
     tokens = jax.random.randint(jax.random.key(2), (3, 12), 4, 64)
