@@ -16,8 +16,8 @@ exact). The overrides apply to both (e.g. model.compute_dtype=bfloat16).
 times the model's three hops alone on random weights and prompts (no data set, no
 tokenizer: what a machine without the data stack can run): the sampler (`rollout.sample`,
 every row decoding --new-tokens tokens), the score forward (`policy_logprobs`) and an
-update's forward and backward (the gradient of the summed log-probs), the median of
---steps calls after one warm-up, under both arms.
+update's forward and backward (the gradient of the summed log-probs) under both arms,
+the median of --steps calls after one warm-up, the arms' calls alternating.
 """
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ from stablerl_jax.sampling import rollout as ro
 ARMS = ("exact", "bitwise")
 
 
-def model_hops(cfg, rows: int, prompt_len: int, new_tokens: int, steps: int) -> dict:
-    """{hop: median seconds} of the sampler, the score forward and the update's gradient
-    for ExperimentConfig `cfg` on random weights and prompts."""
+def model_hops(cfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
+    """{hop: call} of the sampler, the score forward and the update's gradient for
+    ExperimentConfig `cfg` on random weights and prompts (each call waits for its
+    result)."""
     model = cfg.model
     sampling = dataclasses.replace(cfg.sampling, max_new_tokens=new_tokens, max_batch=0,
                                    continuous=False)
@@ -60,17 +61,28 @@ def model_hops(cfg, rows: int, prompt_len: int, new_tokens: int, steps: int) -> 
                                               temperature=sampling.temperature)[0])
     grad = jax.jit(jax.grad(lambda p: jnp.sum(policy_logprobs(
         p, r.tokens_BxS, attn, model, temperature=sampling.temperature)[0])))
-    out = {}
-    for hop, fn in (("sample", sample), ("score", lambda: score(params)),
-                    ("update (forward + backward)", lambda: grad(params))):
-        jax.block_until_ready(fn())
-        times = []
+    return {hop: (lambda fn=fn: jax.block_until_ready(fn())) for hop, fn in (
+        ("sample", sample), ("score", lambda: score(params)),
+        ("update (forward + backward)", lambda: grad(params)))}
+
+
+def interleaved(calls: dict, steps: int) -> dict:
+    """{arm: {hop: median seconds}} of `calls` ({arm: {hop: call}}): per hop, one warm-up
+    call of each arm, then `steps` rounds of one call of each arm in turn, so that a
+    drift in the machine's speed falls on both arms alike."""
+    times = {arm: {} for arm in calls}
+    for hop in next(iter(calls.values())):
+        for arm in calls:
+            calls[arm][hop]()
         for _ in range(steps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        out[hop] = float(np.median(times))
-    out["sum"] = sum(out.values())
+            for arm in calls:
+                t0 = time.perf_counter()
+                calls[arm][hop]()
+                times[arm].setdefault(hop, []).append(time.perf_counter() - t0)
+    out = {arm: {hop: float(np.median(t)) for hop, t in by_hop.items()}
+           for arm, by_hop in times.items()}
+    for by_hop in out.values():
+        by_hop["sum"] = sum(by_hop.values())
     return out
 
 
@@ -102,9 +114,9 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
     if args.model_only:
         base = presets.preset(args.preset, ["mesh=1,1,1", "mesh_dcn=1,1,1", *args.overrides])
-        hops = {arm: model_hops(apply_overrides(base, [f"sampling.numerics={arm}"]),
-                                args.rows, args.prompt_len, args.new_tokens, args.steps)
-                for arm in ARMS}
+        hops = interleaved({arm: model_hops(apply_overrides(base, [f"sampling.numerics={arm}"]),
+                                            args.rows, args.prompt_len, args.new_tokens)
+                            for arm in ARMS}, args.steps)
         _table(f"{args.preset} model: compute {base.model.compute_dtype}, {args.rows} rows "
                f"of {args.prompt_len} + {args.new_tokens} tokens, median of {args.steps} "
                "calls", hops)

@@ -11,10 +11,12 @@ same with the continuous sampler over 64 slots, and with partial rollouts, S = 1
 
 - hops: the median milliseconds of each hop of a global step (sample, reward, score,
   the N updates, the metrics pulled to the host), each waited for so that its own time is
-  measured, over the last `--steps` steps of a run started from the cold start; and the
-  first call of each (after the end-to-end runs, so the programs already exist in this
-  process: what is left is the first call's own overhead). `eval` is one avg@k
-  evaluation.
+  measured, over the last `--steps` steps of a run started from the cold start, run a
+  second time on one engine (the first pass compiles the programs of every trimmed
+  window the steps meet, which would otherwise land in some later step's median); and
+  the first call of each from the first pass (after the end-to-end runs, so the programs
+  already exist in this process: what is left is the first call's own overhead).
+  `eval` is one avg@k evaluation.
 - end to end: `rl.loop.run` for `--steps` global steps in a fresh workdir (eval every 10
   steps, two checkpoints, metrics, logs and plots written: an experiment's run), run
   first, twice in this process: `first` traces and compiles every program (or loads it,
@@ -70,10 +72,20 @@ def _timed(fn):
 
 
 def hop_times(cfg, data, params, steps: int) -> dict:
-    """{hop: (first call s, median s over the following steps)} of `steps` global steps."""
+    """{hop: (first call s, median s)} of `steps` + 1 global steps from `params`, run
+    twice on one engine: the first pass gives each hop's first call (with its compile)
+    and compiles every shape the steps meet (trimmed windows vary by step), the second
+    pass, the same steps again, gives the medians (of its steps after the first)."""
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    warm = _pass(engine, data, params, steps)
+    return {k: (warm[k][0], float(np.median(v[1:])))
+            for k, v in _pass(engine, data, params, steps).items()}
+
+
+def _pass(engine, data, params, steps: int) -> dict[str, list[float]]:
+    """Each hop's seconds in `steps` + 1 global steps, then 3 evaluations."""
     state = engine.init_state(params)
-    rl = cfg.rl
+    rl = engine.cfg.rl
     times: dict[str, list[float]] = {}
     for step in range(steps + 1):
         t_step = time.perf_counter()
@@ -105,7 +117,7 @@ def hop_times(cfg, data, params, steps: int) -> dict:
     for _ in range(3):
         _, t = _timed(lambda: loop.evaluate(engine, state.params, data, 0))
         times.setdefault("eval (avg@k)", []).append(t)
-    return {k: (v[0], float(np.median(v[1:]))) for k, v in times.items()}
+    return times
 
 
 def end_to_end(cfg, data, params, workdir: str) -> float:
