@@ -55,6 +55,8 @@ class ModelConfig(Section):
         'none' (every activation), 'full' (only the layer's input; the layer is recomputed
         in the backward pass), 'dots' (matmul outputs without batch dimensions are kept,
         the rest is recomputed: jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
+        Under batch_invariant every policy is 'full': the backward pass recomputes each
+        layer untiled from its input (model/invariant.py).
       dispatch: expert dispatch path: 'grouped' (sorted, dropless, fast) or 'dense'
         (every expert on every token, the reference).
       moe_tile: rows per tile of the grouped path (groups are padded to a multiple).

@@ -84,7 +84,7 @@ def with_reference_gradient(fn, reference, keep=lambda out: ()):
     keep(fn's outputs)` (e.g. its routes, which the reference replays so that it
     differentiates the same routed function). The forward keeps the tiles' bits; the
     backward runs the fast path's VJP linearized at the tiled forward's inputs, so the
-    gradient differs from the tiles' own by float reassociation only, and only `args`
+    gradient differs from the tiles' own by rounding only, and only `args`
     and `kept` are saved for it (as under full rematerialization)."""
     @jax.custom_vjp
     def f(*args):

@@ -255,7 +255,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
 
     ctx = (positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT)
     layer = untiled_layer(ctx)
-    per_token = cfg.batch_invariant
+    per_token, remat = cfg.batch_invariant, cfg.remat
     if per_token:
         def tiled_layer(ctx):
             positions_BxT, key_mask_BxS, _, mask_BxT, tokens_BxT, segment_ids_BxT = ctx
@@ -278,9 +278,10 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                     carry, (xs[0], xs[1], routes, xs[3])),
                 keep=lambda out: out[1][0])
             layer = functools.partial(layer, ctx)
-    if cfg.remat == "full":
+            remat = "none"  # the custom VJP keeps only the layer's inputs (remat "full")
+    if remat == "full":
         layer = jax.checkpoint(layer, prevent_cse=False)
-    elif cfg.remat == "dots":
+    elif remat == "dots":
         layer = jax.checkpoint(layer, prevent_cse=False,
                                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     layer_major = lambda r: None if r is None else jnp.transpose(r, (2, 0, 1, 3))
