@@ -271,7 +271,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
         else:
             # The trainer's backward pass is the untiled layer's, with the tiles' routes
             # replayed: only the values must be per token, and the tiles' backward is
-            # most of their cost. (ctx is an argument: a custom VJP may not close over traced arrays.)
+            # most of their cost. (ctx is an argument: a custom VJP may not close over
+            # traced arrays.)
             layer = invariant.with_reference_gradient(
                 lambda ctx, carry, xs: tiled_layer(ctx)(carry, xs),
                 lambda routes, ctx, carry, xs: untiled_layer(ctx)(
