@@ -88,8 +88,21 @@ def _exchanged(experts_fn, axes, n, x_TxD, idx_TxK, w_TxK, ws, offset):
     """One decode step's expert FFN with the tokens exchanged, not gathered: each of
     this shard's T·K token–expert assignments goes to the shard holding its expert (a
     ragged all-to-all over `axes`, n shards, E' experts each), which runs `experts_fn`
-    on the rows it received and sends each output back; the token then sums its K
-    outputs times their weights in k order, as experts_grouped does.
+    on the rows it received and sends each output back (`exchanged_rows`); the token
+    then sums its K outputs times their weights in k order, as experts_grouped does."""
+    rows_fn = lambda x, e, *ws, expert_offset: experts_fn(
+        x, e, jnp.ones(e.shape, w_TxK.dtype), *ws, expert_offset=expert_offset)
+    y_TxKxD = exchanged_rows(rows_fn, axes, n, x_TxD, idx_TxK, ws, offset)
+    acc = accum_dtype(x_TxD.dtype)
+    return jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
+                      precision=PRECISION).astype(x_TxD.dtype)
+
+
+def exchanged_rows(rows_fn, axes, n, x_TxD, idx_TxK, ws, offset):
+    """Each token–expert assignment's expert output [T, K, D], computed on the shard
+    that holds the expert: `rows_fn(x_RxD, expert_Rx1, *ws, expert_offset=offset)` ->
+    [R, D] runs on the rows a shard received (expert -1: a padding row, output 0), and
+    the ragged all-to-alls over `axes` (n shards) move rows and outputs unchanged.
 
     A chip sends T·K rows each way (and receives as many on average; its receive buffer
     is sized for the dropless worst case, every peer's tokens choosing its experts)
@@ -100,7 +113,6 @@ def _exchanged(experts_fn, axes, n, x_TxD, idx_TxK, w_TxK, ws, offset):
     t, k = idx_TxK.shape
     per_shard = ws[0].shape[0]
     dt = x_TxD.dtype
-    acc = accum_dtype(dt)
     expert_A = idx_TxK.reshape(-1)
     order_A = jnp.argsort(expert_A, stable=True)                 # by expert, so by shard
     count_E = jnp.bincount(expert_A, length=n * per_shard).astype(jnp.int32)
@@ -121,20 +133,16 @@ def _exchanged(experts_fn, axes, n, x_TxD, idx_TxK, w_TxK, ws, offset):
         count_NxE, me * per_shard, per_shard, axis=1).reshape(-1))
     seg_R = jnp.searchsorted(ends_S, jnp.arange(rows, dtype=ends_S.dtype), side="right")
     e_R = jnp.where(seg_R < ends_S.shape[0], offset + seg_R % per_shard, -1)
-    # Each received row is one assignment: its expert with weight 1 (a padding row
-    # matches no expert and is 0); the weight is applied by the token's own shard.
-    y_R = experts_fn(x_R, e_R[:, None].astype(idx_TxK.dtype),
-                     jnp.ones((rows, 1), w_TxK.dtype), *ws, expert_offset=offset)
+    # Each received row is one assignment (a padding row matches no expert and is 0);
+    # its combine weight is applied by the token's own shard.
+    y_R = rows_fn(x_R, e_R[:, None].astype(idx_TxK.dtype), *ws, expert_offset=offset)
     home_N = (jnp.cumsum(sizes_NxN, axis=1) - sizes_NxN)[:, me]  # senders' start_N[me]
     y_A = a2a(y_R.astype(dt), jnp.zeros((t * k, x_TxD.shape[1]), dt), at_NxN[:, me],
               recv_N, home_N, send_N)
-    y_TxKxD = jnp.zeros_like(y_A).at[order_A].set(y_A, unique_indices=True).reshape(
-        t, k, -1)
-    return jnp.einsum("tkd,tk->td", y_TxKxD.astype(acc), w_TxK.astype(acc),
-                      precision=PRECISION).astype(dt)
+    return jnp.zeros_like(y_A).at[order_A].set(y_A, unique_indices=True).reshape(t, k, -1)
 
 
-def _exchange_moves_less(dtype, k: int, n: int) -> bool:
+def exchange_moves_less(dtype, k: int, n: int) -> bool:
     """Whether a shard's T tokens cost fewer bytes exchanged (T·K rows each way, in the
     compute dtype) than gathered (n·T rows in, and n·T partial outputs in the
     accumulation dtype reduce-scattered back): 2·K·b < n·(b + b_acc)."""
@@ -187,7 +195,7 @@ def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.R
             offset = jax.lax.axis_index(ex_axes) * ws[0].shape[0]
             fn = (few_experts_fn if few_experts_fn is not None
                   and ws[0].shape[0] <= idx.shape[1] else experts_fn)
-            if exchange and _exchange_moves_less(x.dtype, idx.shape[1], n_shards):
+            if exchange and exchange_moves_less(x.dtype, idx.shape[1], n_shards):
                 return _exchanged(fn, ex_axes, n_shards, x, idx, w, ws, offset)
             y_all = fn(gather(x), gather(idx), gather(w), *ws, expert_offset=offset)
             y = jax.lax.psum_scatter(y_all, ex_axes, scatter_dimension=0, tiled=True)

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
-from stablerl_jax.model import moe
+from stablerl_jax.model import expert_parallel, moe
 from stablerl_jax.model import numerics as nx
 
 ROW_TILE = 32
@@ -170,19 +170,31 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
 
 
 def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
-            ep_axes: tuple = ()):
+            ep_axes: tuple = (), exchange: bool = False):
     """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
     x's dtype. `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
-    are this shard's experts, the shards are split over these mesh axes."""
+    are this shard's experts, the shards are split over these mesh axes. `exchange` (a
+    decode step): send each assignment to its expert's shard where that moves fewer
+    bytes than gathering the peers' tokens (expert_parallel.exchanged_rows)."""
     if not ep_axes:
         return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                    tile=tile), w_NxK)
+    offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
+    shards = jax.lax.axis_size(ep_axes)
+    if exchange and expert_parallel.exchange_moves_less(x_NxD.dtype, idx_NxK.shape[1],
+                                                        shards):
+        # The all-to-alls move rows and outputs unchanged, and the expert's shard
+        # computes an assignment's row in its fixed tiles as one device would.
+        rows_fn = lambda x, e, *ws, expert_offset: expert_rows(
+            x, e, *ws, tile=tile, expert_offset=expert_offset)[:, 0]
+        return combine(expert_parallel.exchanged_rows(
+            rows_fn, ep_axes, shards, x_NxD, idx_NxK,
+            (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD), offset), w_NxK)
     # Every assignment's output row is computed by the shard holding its expert, from
     # its expert-axis peers' gathered tokens; the other shards give it exact zeros, so
     # the sum over shards moves each row unchanged to its token's shard, where the K
     # rows are combined in k order as on one device.
     gather = lambda a: jax.lax.all_gather(a, ep_axes, axis=0, tiled=True)
-    offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
     y_all = expert_rows(gather(x_NxD), gather(idx_NxK), w_gate_ExDxF, w_up_ExDxF,
                         w_down_ExFxD, tile=tile, expert_offset=offset)
     y_NxKxD = jax.lax.psum_scatter(y_all, ep_axes, scatter_dimension=0, tiled=True)
@@ -440,7 +452,7 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
             flat(replay_w_BxTxK))
         y_N = experts(h_N, idx_NxK, w_NxK, p["w_gate"].astype(dtype),
                       p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile,
-                      ep_axes=ep_axes)
+                      ep_axes=ep_axes, exchange=put_cache is not None and t == 1)
         x_BxTxD = (x_N + y_N).reshape(b, t, d)
         ys = tuple(a.reshape(b, t, -1) for a in (idx_NxK, w_NxK, probs_NxE, logits_NxE))
         trace_ys = (x_N.reshape(b, t, d), x_BxTxD) if trace else ()

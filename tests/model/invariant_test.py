@@ -119,6 +119,30 @@ def test_an_expert_row_crosses_the_mesh_unchanged(dtype):
     assert np.array_equal(bits(back), bits(rows))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype):
+    """`invariant.experts` on 8 expert shards, with the decode step's exchange (ragged
+    all-to-alls carry each assignment to its expert's shard and its output back) and
+    with the gather: the FFN's rows equal one device's bit for bit."""
+    from jax.sharding import PartitionSpec as P
+    mesh = sharding.make_mesh(1, 1, 8, devices=cpu_devices())
+    rng = np.random.default_rng(5)
+    n, e, d, f, k = 32, 16, 16, 24, 2
+    x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+    idx = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :k], jnp.int32)
+    w = jnp.asarray(rng.random((n, k)), dtype)
+    ws = [jnp.asarray(rng.standard_normal(shape) * 0.3, dtype)
+          for shape in ((e, d, f), (e, d, f), (e, f, d))]
+    one = invariant.experts(x, idx, w, *ws, tile=4)
+    bits = lambda a: np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
+    for exchange in (True, False):
+        local = lambda *a, exchange=exchange: invariant.experts(
+            *a, tile=4, ep_axes=("expert",), exchange=exchange)
+        many = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("expert"),
+                                     out_specs=P("expert"), check_vma=False))(x, idx, w, *ws)
+        assert np.array_equal(bits(many), bits(one)), exchange
+
+
 # --- the sampler against the trainer ------------------------------------------------
 
 def _model(dtype, **kw):
