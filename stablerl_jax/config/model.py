@@ -106,6 +106,10 @@ class ModelConfig(Section):
         Replaces dispatch, gmm_impl, attention_impl and decode_block by its own per-token
         paths. On with sampling.numerics='bitwise'; with another preset it removes every
         mismatch but that preset's own.
+      row_tile: rows per tile of the batch-invariant path (its per-token ops and
+        attention queries; a different tile gives other bits, the same in both engines).
+        Larger tiles run fewer iterations of the sequential tile loop (an accelerator
+        computes a tile's rows in parallel) and pad a decode step's rows to a whole tile.
     """
 
     vocab_size: int = 512
@@ -139,12 +143,14 @@ class ModelConfig(Section):
     router_z_loss_weight: float = 0.0
     router_aux_loss_weight: float = 0.0
     batch_invariant: bool = False
+    row_tile: int = 32
     router_dtype: str = ""
 
     def __post_init__(self):
         check_positive_int(self, "vocab_size", "d_model", "num_layers", "num_heads",
                            "num_kv_heads", "head_dim", "num_experts", "top_k",
-                           "expert_ffn_dim", "max_seq_len", "moe_tile", "attention_chunk")
+                           "expert_ffn_dim", "max_seq_len", "moe_tile", "attention_chunk",
+                           "row_tile")
         check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
               f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
         check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")

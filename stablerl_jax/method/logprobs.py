@@ -77,7 +77,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     their recorded combine weights too (weight replay). `aux` is the forward's
     (aux["routes"] [B, T, L, K]). `segment_ids_BxS` / `positions_BxS`: packed rows
     (stablerl_jax/rl/packing.py; `transformer.forward`'s segment ids and positions).
-    Weights are converted for `numerics` (identity for "train"). `mesh`: the devices the expert FFN is sharded over (`transformer.forward`).
+    Weights are converted for `numerics` (identity for "train"). `mesh`: the devices
+    the expert FFN is sharded over (`transformer.forward`).
     Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})
     under `checks` (stablerl_jax/input_checks.py).
     """
@@ -101,7 +102,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
         def tiled(h_BxTxD, unembed, targets_BxT):
             b, t, _ = h_BxTxD.shape
             logp_N, entropy_N = invariant.token_logprobs(
-                h_BxTxD.reshape(b * t, -1), unembed, targets_BxT.reshape(-1), temperature)
+                h_BxTxD.reshape(b * t, -1), unembed, targets_BxT.reshape(-1), temperature,
+                cfg.row_tile)
             return logp_N.reshape(b, t), entropy_N.reshape(b, t)
 
         # Its gradient is the fused op's (the same function up to rounding).

@@ -8,7 +8,8 @@ with B. With ModelConfig.batch_invariant (which the `bitwise` sampler turns on) 
 decoder computes every token in a way that is fixed by the token alone:
 
 - Per-token work (norms, projections, RoPE, router, top-k, the expert combine, residual
-  adds, the final norm, the vocabulary log-softmax) runs in fixed tiles of ROW_TILE rows:
+  adds, the final norm, the vocabulary log-softmax) runs in fixed tiles of
+  ModelConfig.row_tile rows (ROW_TILE by default):
   `rowwise` pads the rows (repeating the last) to a multiple of the tile and maps one
   compiled tile body over them (`lax.map`). The body is the same program in every call,
   fenced by optimization barriers so no surrounding op fuses into it; a row's result then
@@ -34,7 +35,7 @@ forward. A decode step's cost grows by the padding of its B rows to a whole tile
 the tile loop; docs/method.md, "Zero mismatch", says what it costs and what it relies
 on.
 
-Letters: N rows (tokens), W = ROW_TILE rows of a tile, B batch, S key slots, D model,
+Letters: N rows (tokens), W rows of a tile (row_tile), B batch, S key slots, D model,
 H heads, KV kv heads, G = H / KV, Dh head width, E experts, K top-k, V vocab, J key
 positions of a block (KEY_BLOCK).
 """
@@ -114,7 +115,7 @@ def first_slots(key_mask_BxS):
 
 
 def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int,
-           dtype, keys: str = "bskd"):
+           dtype, keys: str = "bskd", tile: int = ROW_TILE):
     """softmax(q kᵀ / √Dh) v for each query row over the keys at positions 0..pos of its
     sequence (module docstring). k, v: [B, S, KV, Dh] (keys "bskd") or [B, KV, S, Dh]
     ("bksd"); query n belongs to row row_N[n], whose position 0 is at slot start_N[n];
@@ -126,7 +127,7 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
     blocks = -(-s // KEY_BLOCK)
     acc = nx.accum_dtype(dtype)
 
-    def tile(q, pos, row, start):
+    def queries(q, pos, row, start):
         w = q.shape[0]
         q = q.reshape(w, kv_heads, g, dh).astype(dtype)
 
@@ -166,19 +167,20 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
         out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
         return out.reshape(w, h, dh).astype(dtype)
 
-    return rowwise(tile, q_NxHxDh, pos_N, row_N, start_N)
+    return rowwise(queries, q_NxHxDh, pos_N, row_N, start_N, tile=tile)
 
 
 def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
-            ep_axes: tuple = (), exchange: bool = False):
+            ep_axes: tuple = (), exchange: bool = False, row_tile: int = ROW_TILE):
     """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
-    x's dtype. `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
+    x's dtype; `tile` rows per expert tile, `row_tile` per tile of the combine.
+    `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
     are this shard's experts, the shards are split over these mesh axes. `exchange` (a
     decode step): send each assignment to its expert's shard where that moves fewer
     bytes than gathering the peers' tokens (expert_parallel.exchanged_rows)."""
     if not ep_axes:
         return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                                   tile=tile), w_NxK)
+                                   tile=tile), w_NxK, row_tile)
     offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
     shards = jax.lax.axis_size(ep_axes)
     if exchange and expert_parallel.exchange_moves_less(x_NxD.dtype, idx_NxK.shape[1],
@@ -189,7 +191,7 @@ def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ti
             x, e, *ws, tile=tile, expert_offset=expert_offset)[:, 0]
         return combine(expert_parallel.exchanged_rows(
             rows_fn, ep_axes, shards, x_NxD, idx_NxK,
-            (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD), offset), w_NxK)
+            (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD), offset), w_NxK, row_tile)
     # Every assignment's output row is computed by the shard holding its expert, from
     # its expert-axis peers' gathered tokens; the other shards give it exact zeros, so
     # the sum over shards moves each row unchanged to its token's shard, where the K
@@ -198,7 +200,7 @@ def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ti
     y_all = expert_rows(gather(x_NxD), gather(idx_NxK), w_gate_ExDxF, w_up_ExDxF,
                         w_down_ExFxD, tile=tile, expert_offset=offset)
     y_NxKxD = jax.lax.psum_scatter(y_all, ep_axes, scatter_dimension=0, tiled=True)
-    return combine(y_NxKxD, w_NxK)
+    return combine(y_NxKxD, w_NxK, row_tile)
 
 
 def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
@@ -235,35 +237,36 @@ def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile:
     return y_AxD.reshape(n, k, -1)
 
 
-def combine(y_NxKxD, w_NxK):
+def combine(y_NxKxD, w_NxK, row_tile: int = ROW_TILE):
     """Σ_k w[:, k] · y[:, k] in k order, float32 (or wider) accumulation, per row; in
     y's dtype."""
     dt = y_NxKxD.dtype
     acc = nx.accum_dtype(dt)
 
-    def tile(y, wk):
+    def rows(y, wk):
         out = y[:, 0].astype(acc) * wk[:, :1].astype(acc)
         for i in range(1, wk.shape[1]):
             out = out + y[:, i].astype(acc) * wk[:, i:i + 1].astype(acc)
         return out.astype(dt)
 
-    return rowwise(tile, y_NxKxD, w_NxK)
+    return rowwise(rows, y_NxKxD, w_NxK, tile=row_tile)
 
 
-def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0):
+def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0, tile: int = ROW_TILE):
     """log softmax((h / τ) · unembed) over the vocabulary, float32 [N, V], per row: what
     the sampler draws from and the trainer scores (`token_logprobs`)."""
-    return rowwise(lambda h: _logp_V(h, unembed_DxV, temperature), h_NxD)
+    return rowwise(lambda h: _logp_V(h, unembed_DxV, temperature), h_NxD, tile=tile)
 
 
-def token_logprobs(h_NxD, unembed_DxV, targets_N, temperature: float = 1.0):
+def token_logprobs(h_NxD, unembed_DxV, targets_N, temperature: float = 1.0,
+                   tile: int = ROW_TILE):
     """(logp_N, entropy_N) of `targets_N` under `logprobs_V`'s distribution, per row."""
-    def tile(h, tgt):
+    def rows(h, tgt):
         lp = _fence(_logp_V(h, unembed_DxV, temperature))
         ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
         return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], ent
 
-    return rowwise(tile, h_NxD, targets_N)
+    return rowwise(rows, h_NxD, targets_N, tile=tile)
 
 
 def _logp_V(h, unembed_DxV, temperature):
@@ -422,14 +425,14 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
             k = rope(rms_norm(proj("wk", kvh), p["k_norm"], eps), pos[:, None], cfg.rope_theta)
             return q[:, 0], k[:, 0], proj("wv", kvh)[:, 0]
 
-        q_N, k_N, v_N = rowwise(pre, x_BxTxD.reshape(n, d), pos_N)
+        q_N, k_N, v_N = rowwise(pre, x_BxTxD.reshape(n, d), pos_N, tile=cfg.row_tile)
         k_new, v_new = (a.reshape(b, t, kvh, dh) for a in (k_N, v_N))
         if put_cache is None:
             k_src, v_src, keys = k_new, v_new, "bskd"
         else:
             kv, k_src, v_src, keys = put_cache(ctx["index"], b, kv, k_new, v_new, layer_idx)
         o_N = attend(q_N, pos_N, row_N, start_N, k_src, v_src, key_mask_BxS, kv_heads=kvh,
-                     dtype=dtype, keys=keys)
+                     dtype=dtype, keys=keys, tile=cfg.row_tile)
         noise = nx.router_noise(numerics, layer_idx, positions_BxT, tokens_BxT,
                                 cfg.num_experts)
         noise_N = None if noise.ndim == 0 else noise.reshape(n, -1)
@@ -449,10 +452,11 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
 
         x_N, h_N, idx_NxK, w_NxK, probs_NxE, logits_NxE = rowwise(
             post, o_N, x_BxTxD.reshape(n, d), noise_N, flat(replay_BxTxK),
-            flat(replay_w_BxTxK))
+            flat(replay_w_BxTxK), tile=cfg.row_tile)
         y_N = experts(h_N, idx_NxK, w_NxK, p["w_gate"].astype(dtype),
                       p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile,
-                      ep_axes=ep_axes, exchange=put_cache is not None and t == 1)
+                      ep_axes=ep_axes, exchange=put_cache is not None and t == 1,
+                      row_tile=cfg.row_tile)
         x_BxTxD = (x_N + y_N).reshape(b, t, d)
         ys = tuple(a.reshape(b, t, -1) for a in (idx_NxK, w_NxK, probs_NxE, logits_NxE))
         trace_ys = (x_N.reshape(b, t, d), x_BxTxD) if trace else ()

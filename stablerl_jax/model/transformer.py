@@ -309,8 +309,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     if per_token:
         norm = invariant.with_reference_gradient(
             lambda x, scale: invariant.rowwise(
-                lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1])
-            ).reshape(x.shape),
+                lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1]),
+                tile=cfg.row_tile).reshape(x.shape),
             lambda _, x, scale: rms_norm(x, scale, cfg.norm_eps))
         hidden_BxTxD = invariant.on_mesh(norm, mesh, rules)(x, params["final_norm"])
     else:

@@ -146,7 +146,7 @@ def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig
     on each device's own rows of `mesh` (split by `rules`)."""
     if cfg.batch_invariant:
         w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
-        per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature)
+        per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature, cfg.row_tile)
         return invariant.on_mesh(per_row, mesh, rules)(hidden_BxD, w)
     return sampling_logprobs(tf.logits(params, hidden_BxD[:, None], cfg)[:, 0], sampling)
 

@@ -209,8 +209,9 @@ def test_the_static_sampler_scores_as_the_trainer(dtype, temperature):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kw", [{"kv_cache_layout": "bksd"}, {"unroll_layers": True},
-                                {"remat": "full", "moe_tile": 4}])
-def test_cache_layouts_and_layer_loops_keep_it_bitwise(kw):
+                                {"remat": "full", "moe_tile": 4}, {"row_tile": 8},
+                                {"row_tile": 128}])
+def test_cache_layouts_layer_loops_and_row_tiles_keep_it_bitwise(kw):
     m = _model("bfloat16", **kw)
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise")
     params, r = _sample(m, sampling, *_prompts(seed=1))
