@@ -46,6 +46,7 @@ from stablerl_jax import sharding
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model.numerics import PRECISION, accum_dtype
 
+
 def _gather(w, spec: P, keep_axes: tuple):
     """All-gather `w` over the mesh axes of every dim of `spec`, except `keep_axes`."""
     for dim, part in enumerate(spec):
