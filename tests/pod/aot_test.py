@@ -180,13 +180,14 @@ def test_pallas_kernels_compile_for_v5p_8():
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("top_k", [8, 2])
-def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k):
+@pytest.mark.parametrize("top_k,numerics", [(8, "fp8"), (2, "fp8"), (2, "bitwise")])
+def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numerics):
     """The sample step of the 2-layer paper preset under the serving layout, compiled for
     a v5p-8: no loop body of the decode loop (the decode step, its layer loop) all-gathers
     a weight, and its collectives per decode step stay within the activations' bytes.
     Top-8 over 4 expert shards gathers the shards' tokens; top-2 exchanges them by a
-    ragged all-to-all (expert_parallel.exchange_moves_less)."""
+    ragged all-to-all (expert_parallel.exchange_moves_less), the batch-invariant sampler
+    (`bitwise`, model/invariant.py) too."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
 
     from stablerl_jax.pod import hlo_loops
@@ -194,7 +195,7 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k):
     # Short sequences: the layout, not the KV cache's size, is under test.
     cfg = presets.preset("paper", CI_OVERRIDES + [
         "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
-        f"model.top_k={top_k}"])
+        f"model.top_k={top_k}", f"sampling.numerics={numerics}"])
     c = aot.compile_step(aot.engine_for(cfg, topo), "sample")
     module = hlo_loops.Module(c.hlo)
     loop = hlo_loops.decode_loop(module)
