@@ -183,8 +183,9 @@ def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ti
                                    tile=tile), w_NxK, row_tile)
     offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
     shards = jax.lax.axis_size(ep_axes)
-    if exchange and expert_parallel.exchange_moves_less(x_NxD.dtype, idx_NxK.shape[1],
-                                                        shards):
+    k = idx_NxK.shape[1]
+    if exchange and expert_parallel.exchange_moves_less(
+            x_NxD.dtype, k, shards, out_bytes=k * jnp.dtype(x_NxD.dtype).itemsize):
         # The all-to-alls move rows and outputs unchanged, and the expert's shard
         # computes an assignment's row in its fixed tiles as one device would.
         rows_fn = lambda x, e, *ws, expert_offset: expert_rows(
