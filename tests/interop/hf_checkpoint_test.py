@@ -133,7 +133,8 @@ def test_every_model_field_is_read_from_config_json_or_kept(tmp_path):
         dispatch="grouped", moe_tile=16, gmm_impl="tiles", expert_parallel=True,
         unroll_layers=True, attention_impl="chunked", attention_chunk=8,
         kv_cache_layout="bksd", decode_block=4, decode_attention_impl="pallas_tpu",
-        router_z_loss_weight=1e-3, batch_invariant=True, router_dtype="float32")
+        router_z_loss_weight=1e-3, batch_invariant=True, router_dtype="float32",
+        row_tile=8)
     from_json = set(hf_config.checkpoint_fields(hf))
     kept = {f.name for f in dataclasses.fields(ModelConfig)} - from_json | set(hc.RUN_CHOSEN)
     assert all(getattr(run_model, f) != getattr(ckpt, f) for f in kept), \
