@@ -51,23 +51,35 @@ GMM_TPU_BLOCKS = GmmBlocks()
 GMM_GPU_BLOCKS = GmmBlocks(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, t_depth=128,
                            num_warps=8, num_stages=5, t_num_warps=8, t_num_stages=3)
 
+@dataclasses.dataclass(frozen=True)
+class GmmImpl(Impl):
+    """A row of GMM_IMPLS. invariant: batch-invariant: an output row is fixed by its own
+    lhs row and its group's matrix, whatever the other rows and however many there are
+    (fixed tile shapes, a fixed reduction order). The batch-invariant expert FFN
+    (model/invariant.py) runs the model's row when it is so marked and the reference,
+    `loop`, otherwise; tests/model/invariant_test.py checks every marked row."""
+
+    invariant: bool = False
+
+
 _OP = "stablerl_jax.kernels.gmm"
 _ALL = ("cpu", "gpu", "tpu")
-GMM_IMPLS: dict[str, Impl] = {
+GMM_IMPLS: dict[str, GmmImpl] = {
     # The reference: pure JAX, a loop over groups and their tiles; the CPU default.
-    "loop": Impl(f"{_OP}:loop", _ALL),
+    "loop": GmmImpl(f"{_OP}:loop", _ALL, invariant=True),
     # Pure JAX, every tile in one batched matmul against its gathered expert weight:
     # fewer, larger ops (small models on CPU), at one weight copy per tile.
-    "tiles": Impl(f"{_OP}:tiles", _ALL),
+    "tiles": GmmImpl(f"{_OP}:tiles", _ALL),
     # jax.lax.ragged_dot.
-    "ragged_dot": Impl(f"{_OP}:ragged_dot", _ALL),
-    # This project's Pallas kernels (gmm_pallas.py) compiled by Triton / Mosaic.
-    "pallas_gpu": Impl(f"{_OP}_pallas:pallas", ("gpu",), {"target": "gpu"}, GMM_GPU_BLOCKS,
-                       pallas=True),
-    "pallas_tpu": Impl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"}, GMM_TPU_BLOCKS,
-                       pallas=True),
+    "ragged_dot": GmmImpl(f"{_OP}:ragged_dot", _ALL),
+    # This project's Pallas kernels (gmm_pallas.py) compiled by Triton / Mosaic; a program
+    # multiplies fixed [Bm, Bk] x [Bk, Bn] tiles in K order, so they are batch-invariant.
+    "pallas_gpu": GmmImpl(f"{_OP}_pallas:pallas", ("gpu",), {"target": "gpu"},
+                          GMM_GPU_BLOCKS, pallas=True, invariant=True),
+    "pallas_tpu": GmmImpl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"},
+                          GMM_TPU_BLOCKS, pallas=True, invariant=True),
     # jax's TPU megablox kernel.
-    "megablox": Impl(f"{_OP}:megablox", ("tpu",), pallas=True),
+    "megablox": GmmImpl(f"{_OP}:megablox", ("tpu",), pallas=True),
 }
 
 

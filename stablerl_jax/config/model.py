@@ -103,9 +103,11 @@ class ModelConfig(Section):
       batch_invariant: both engines compute every token's results independently of the
         call it is in (model/invariant.py): the sampler's log-probs, experts and gate
         weights then equal the trainer's bit for bit at equal weights and numerics.
-        Replaces dispatch, gmm_impl, attention_impl and decode_block by its own per-token
-        paths. On with sampling.numerics='bitwise'; with another preset it removes every
-        mismatch but that preset's own.
+        Replaces dispatch, attention_impl and decode_block by its own per-token paths,
+        and gmm_impl by the reference 'loop' unless its row is batch-invariant (the
+        Pallas kernels; kernels/gmm_impls.py), in the values; the trainer's backward pass
+        runs the chosen ones. On with sampling.numerics='bitwise'; with another preset
+        it removes every mismatch but that preset's own.
       row_tile: rows per tile of the batch-invariant path (its per-token ops and
         attention queries; a different tile gives other bits, the same in both engines).
         Larger tiles run fewer iterations of the sequential tile loop (an accelerator

@@ -22,10 +22,12 @@ decoder computes every token in a way that is fixed by the token alone:
   skipped block equals a computed one that masks every key (p = 0, rescale by exp(0) =
   1), so the number of blocks the call holds (cache length, sequence length, left
   padding, a trimmed window) changes nothing.
-- The expert FFN is the grouped dispatch with the `loop` grouped matmul: each tile of
-  `ModelConfig.moe_tile` rows sorted by expert is one fixed-shape product, whatever the
-  other rows of the tile are; the SwiGLU and the combine over the K experts (in k order)
-  run in row tiles.
+- The expert FFN is the grouped dispatch with a batch-invariant grouped matmul
+  (`grouped_matmul`: the model's gmm_impl where its row of GMM_IMPLS is marked
+  `invariant`, the Pallas kernels among them, else the reference `loop`): each tile of
+  `ModelConfig.moe_tile` rows sorted by expert is computed in fixed-shape products,
+  whatever the other rows of the tile are; the SwiGLU and the combine over the K experts
+  (in k order) run in row tiles.
 
 Only values must be per token: the trainer's backward pass runs the untiled path's VJP
 (`with_reference_gradient`; transformer.forward wraps each layer with it, the routes of
@@ -49,6 +51,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
+from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from stablerl_jax.model import expert_parallel, moe
 from stablerl_jax.model import numerics as nx
 
@@ -171,16 +175,18 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
 
 
 def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
-            ep_axes: tuple = (), exchange: bool = False, row_tile: int = ROW_TILE):
+            ep_axes: tuple = (), exchange: bool = False, row_tile: int = ROW_TILE,
+            gmm=None):
     """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
-    x's dtype; `tile` rows per expert tile, `row_tile` per tile of the combine.
+    x's dtype; `tile` rows per expert tile, multiplied by `gmm` (`expert_rows`),
+    `row_tile` per tile of the combine.
     `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
     are this shard's experts, the shards are split over these mesh axes. `exchange` (a
     decode step): send each assignment to its expert's shard where that moves fewer
     bytes than gathering the peers' tokens (expert_parallel.exchanged_rows)."""
     if not ep_axes:
         return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                                   tile=tile), w_NxK, row_tile)
+                                   tile=tile, gmm=gmm), w_NxK, row_tile)
     offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
     shards = jax.lax.axis_size(ep_axes)
     k = idx_NxK.shape[1]
@@ -189,7 +195,7 @@ def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ti
         # The all-to-alls move rows and outputs unchanged, and the expert's shard
         # computes an assignment's row in its fixed tiles as one device would.
         rows_fn = lambda x, e, *ws, expert_offset: expert_rows(
-            x, e, *ws, tile=tile, expert_offset=expert_offset)[:, 0]
+            x, e, *ws, tile=tile, expert_offset=expert_offset, gmm=gmm)[:, 0]
         return combine(expert_parallel.exchanged_rows(
             rows_fn, ep_axes, shards, x_NxD, idx_NxK,
             (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD), offset), w_NxK, row_tile)
@@ -199,17 +205,18 @@ def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ti
     # rows are combined in k order as on one device.
     gather = lambda a: jax.lax.all_gather(a, ep_axes, axis=0, tiled=True)
     y_all = expert_rows(gather(x_NxD), gather(idx_NxK), w_gate_ExDxF, w_up_ExDxF,
-                        w_down_ExFxD, tile=tile, expert_offset=offset)
+                        w_down_ExFxD, tile=tile, expert_offset=offset, gmm=gmm)
     y_NxKxD = jax.lax.psum_scatter(y_all, ep_axes, scatter_dimension=0, tiled=True)
     return combine(y_NxKxD, w_NxK, row_tile)
 
 
 def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
-                expert_offset=None):
+                expert_offset=None, gmm=None):
     """Each token–expert assignment's expert output, [N, K, D] in x's dtype, computed in
-    fixed tiles of `tile` rows sorted by expert. `expert_offset`: the weights are the E
-    experts [offset, offset + E) of a larger set (ids are global) and the rows of the
-    other experts' assignments are 0."""
+    fixed tiles of `tile` rows sorted by expert by `gmm` (a batch-invariant grouped
+    matmul, `grouped_matmul`; default the reference). `expert_offset`: the weights are
+    the E experts [offset, offset + E) of a larger set (ids are global) and the rows of
+    the other experts' assignments are 0."""
     n, k = idx_NxK.shape
     num_experts = w_gate_ExDxF.shape[0]
     dt = x_NxD.dtype
@@ -228,7 +235,7 @@ def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile:
         row_A = jnp.where(mine_A, row_A, rows)
     x_RxD = jnp.zeros((rows, x_NxD.shape[1]), dt).at[row_A].set(
         jnp.repeat(x_NxD, k, axis=0), unique_indices=mine_A is None, mode="drop")
-    gmm = moe.grouped_matmul.loop
+    gmm = gmm or moe.grouped_matmul.loop
     gate_RxF = gmm(x_RxD, w_gate_ExDxF, padded_E, tile, nx.PRECISION)
     up_RxF = gmm(x_RxD, w_up_ExDxF, padded_E, tile, nx.PRECISION)
     h_RxF = rowwise(lambda g_, u_: moe._swiglu(g_.astype(acc), u_.astype(acc)).astype(dt),
@@ -236,6 +243,13 @@ def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile:
     y_RxD = gmm(h_RxF, w_down_ExFxD, padded_E, tile, nx.PRECISION)
     y_AxD = jnp.take(y_RxD, row_A, axis=0, mode="fill", fill_value=0)
     return y_AxD.reshape(n, k, -1)
+
+
+def grouped_matmul(impl: str):
+    """The grouped matmul the per-token expert FFN runs for `ModelConfig.gmm_impl`: its
+    row of GMM_IMPLS when the row is batch-invariant, else the reference `loop`."""
+    row = lookup(GMM_IMPLS, impl, "gmm_impl")
+    return row.load() if getattr(row, "invariant", False) else moe.grouped_matmul.loop
 
 
 def combine(y_NxKxD, w_NxK, row_tile: int = ROW_TILE):
@@ -457,7 +471,7 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
         y_N = experts(h_N, idx_NxK, w_NxK, p["w_gate"].astype(dtype),
                       p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile,
                       ep_axes=ep_axes, exchange=put_cache is not None and t == 1,
-                      row_tile=cfg.row_tile)
+                      row_tile=cfg.row_tile, gmm=grouped_matmul(cfg.gmm_impl))
         x_BxTxD = (x_N + y_N).reshape(b, t, d)
         ys = tuple(a.reshape(b, t, -1) for a in (idx_NxK, w_NxK, probs_NxE, logits_NxE))
         trace_ys = (x_N.reshape(b, t, d), x_BxTxD) if trace else ()

@@ -13,6 +13,8 @@ from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 from stablerl_jax import sharding
 from stablerl_jax.config import ConfigError, ExperimentConfig, SamplingConfig, apply_overrides
 from stablerl_jax.kernels import gmm as gmm_lib
+from stablerl_jax.kernels import gmm_pallas
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks, GmmImpl
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
@@ -74,23 +76,56 @@ def test_skipped_and_masked_key_blocks_change_nothing():
                                          start + 45)), base)
 
 
-def test_a_grouped_tile_row_ignores_the_rest_of_its_group():
-    """`experts`' reliance: the `loop` grouped matmul computes each tile of rows as one
-    fixed-shape product, so a row's output does not depend on which rows share its tile
-    or on the other groups."""
+ON_CPU = jax.default_backend() == "cpu"
+# Pallas blocks that split the MoE tile (32) into two row blocks and D, F into several
+# column and K blocks (16: Triton's smallest dot when the suite runs on a GPU).
+PALLAS_BLOCK = GmmBlocks(rows=16, cols=16, depth=16, t_rows=16, t_cols=16, t_depth=16)
+
+
+def _invariant_gmms():
+    """The batch-invariant rows of GMM_IMPLS this backend runs (a Pallas row on a CPU in
+    the interpreter), each as (name, callable)."""
+    here = jax.default_backend()
+    return [(name, row.load(block=PALLAS_BLOCK if row.pallas else None,
+                            interpret=here not in row.backends))
+            for name, row in GMM_IMPLS.items()
+            if row.invariant and (here in row.backends or (ON_CPU and row.pallas))]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,gmm", _invariant_gmms(), ids=lambda a: a if isinstance(
+    a, str) else "")
+def test_a_grouped_tile_row_ignores_the_rest_of_its_group(name, gmm, dtype):
+    """`experts`' reliance, for every row of GMM_IMPLS marked batch-invariant (the
+    reference `loop` and the Pallas kernels): a row's output does not depend on which
+    rows share its tile, on the other groups or on how many rows the call has."""
     rng = np.random.default_rng(3)
-    tile, d, f = 8, 16, 24
-    w = jnp.asarray(rng.standard_normal((3, d, f)), jnp.float32)
-    row = jnp.asarray(rng.standard_normal((d,)), jnp.float32)
+    tile, d, f = 32, 40, 48
+    w = jnp.asarray(rng.standard_normal((3, d, f)), dtype)
+    row = jnp.asarray(rng.standard_normal((d,)), dtype)
     outs = []
-    for seed, sizes, at in [(0, (8, 16, 0), 11), (1, (0, 8, 8), 3), (2, (16, 8, 8), 20)]:
-        lhs = np.random.default_rng(seed).standard_normal((32, d)).astype(np.float32)
+    for seed, sizes, rows, at in [(0, (32, 64, 0), 96, 41), (1, (0, 32, 32), 96, 3),
+                                  (2, (64, 32, 32), 160, 90), (3, (0, 32, 0), 32, 31)]:
+        lhs = np.random.default_rng(seed).standard_normal((rows, d)).astype(np.float32)
         group = int(np.searchsorted(np.cumsum(sizes), at, side="right"))
-        lhs[at] = np.asarray(row)
-        out = gmm_lib.loop(jnp.asarray(lhs), w, jnp.asarray(sizes, jnp.int32), tile, HI)
-        outs.append((group, np.asarray(out[at])))
-    assert outs[0][0] == outs[1][0] == outs[2][0] == 1
-    assert all(np.array_equal(o, outs[0][1]) for _, o in outs)
+        lhs = jnp.asarray(lhs, dtype).at[at].set(row)
+        out = jax.jit(lambda a, b, g: gmm(a, b, g, tile, HI))(lhs, w, jnp.asarray(sizes,
+                                                                              jnp.int32))
+        outs.append((group, np.asarray(out[at], np.float32)))
+    assert {g for g, _ in outs} == {1}
+    assert all(np.array_equal(o, outs[0][1]) for _, o in outs), name
+
+
+def test_the_per_token_ffn_runs_the_models_grouped_matmul_where_it_is_batch_invariant():
+    """`invariant.grouped_matmul`: the model's gmm_impl where its row is marked
+    batch-invariant, else the reference."""
+    assert {n for n, r in GMM_IMPLS.items() if r.invariant} == {"loop", "pallas_gpu",
+                                                               "pallas_tpu"}
+    for name in ("tiles", "ragged_dot", "megablox", "loop"):
+        assert invariant.grouped_matmul(name) is gmm_lib.loop, name
+    for target in ("gpu", "tpu"):
+        fn = invariant.grouped_matmul(f"pallas_{target}")
+        assert fn.func is gmm_pallas.pallas and fn.keywords["target"] == target
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -120,10 +155,14 @@ def test_an_expert_row_crosses_the_mesh_unchanged(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype):
+@pytest.mark.parametrize("gmm", ["loop", "pallas"])
+def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype, gmm):
     """`invariant.experts` on 8 expert shards, with the decode step's exchange (ragged
     all-to-alls carry each assignment to its expert's shard and its output back) and
-    with the gather: the FFN's rows equal one device's bit for bit."""
+    with the gather: the FFN's rows equal one device's bit for bit, with the reference
+    grouped matmul and with the Pallas kernel (run on each shard)."""
+    gmm = dict(_invariant_gmms())["pallas_tpu" if ON_CPU else "pallas_gpu"] \
+        if gmm == "pallas" else None
     from jax.sharding import PartitionSpec as P
     mesh = sharding.make_mesh(1, 1, 8, devices=cpu_devices())
     rng = np.random.default_rng(5)
@@ -133,11 +172,11 @@ def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype):
     w = jnp.asarray(rng.random((n, k)), dtype)
     ws = [jnp.asarray(rng.standard_normal(shape) * 0.3, dtype)
           for shape in ((e, d, f), (e, d, f), (e, f, d))]
-    one = invariant.experts(x, idx, w, *ws, tile=4)
+    one = invariant.experts(x, idx, w, *ws, tile=4, gmm=gmm)
     bits = lambda a: np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
     for exchange in (True, False):
         local = lambda *a, exchange=exchange: invariant.experts(
-            *a, tile=4, ep_axes=("expert",), exchange=exchange)
+            *a, tile=4, ep_axes=("expert",), exchange=exchange, gmm=gmm)
         many = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("expert"),
                                      out_specs=P("expert"), check_vma=False))(x, idx, w, *ws)
         assert np.array_equal(bits(many), bits(one)), exchange
@@ -227,6 +266,36 @@ def test_the_continuous_sampler_scores_as_the_trainer():
                                    max_batch=4)
     params, r = _sample(m, sampling, *_prompts(b=8, seed=2), sampler=continuous.sample)
     _assert_bitwise(params, r, m, 1.0)
+
+
+KERNEL_CALLS = []
+
+
+def pallas_gmm(*args, interpret=False, **kw):
+    """The Pallas grouped matmul as a row of GMM_IMPLS registered for the test below: the
+    TPU lowering, interpreted on a CPU; the rows it is traced for are counted."""
+    del interpret
+    KERNEL_CALLS.append(args[0].shape[0])
+    target = "gpu" if jax.default_backend() == "gpu" else "tpu"
+    return gmm_pallas.pallas(*args, target=target, interpret=ON_CPU, **kw)
+
+
+@pytest.mark.integration
+def test_a_pallas_grouped_matmul_keeps_it_bitwise(monkeypatch):
+    """With the Pallas grouped matmul as gmm_impl (a batch-invariant row), the sampler's
+    prefill and decode steps and the trainer's forward run it, and the sampler still
+    scores as the trainer, bit for bit, in bfloat16."""
+    monkeypatch.setitem(GMM_IMPLS, "pallas_here", GmmImpl(
+        f"{__name__}:pallas_gmm", ("cpu", "gpu"), blocks=PALLAS_BLOCK, pallas=True,
+        invariant=True))
+    KERNEL_CALLS.clear()
+    m = _model("bfloat16", gmm_impl="pallas_here", moe_tile=16)
+    sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise")
+    params, r = _sample(m, sampling, *_prompts(seed=3))
+    sampled = len(KERNEL_CALLS)
+    assert sampled >= 6  # 3 per layer, prefill and decode step traced
+    _assert_bitwise(params, r, m, 1.0)
+    assert len(KERNEL_CALLS) > sampled
 
 
 def test_values_come_from_the_tiles_and_the_gradient_from_the_reference_at_their_routes():

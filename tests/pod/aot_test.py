@@ -226,6 +226,27 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numeric
 
 
 @pytest.mark.tpu
+@pytest.mark.parametrize("gmm_impl", ["pallas_tpu", "megablox"])
+def test_the_bitwise_decode_step_runs_an_invariant_grouped_matmul_on_v5p_8(gmm_impl):
+    """Under `bitwise` the per-token expert FFN runs the model's grouped matmul where its
+    row is batch-invariant (the Pallas kernel: the decode loop calls Mosaic) and the
+    reference `loop` where it is not (megablox: no Mosaic call in the decode loop, whose
+    attention is the per-token path's); the sample step compiles for a v5p-8 either
+    way."""
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+
+    from stablerl_jax.pod import hlo_loops
+    cfg = presets.preset("paper", CI_OVERRIDES + [
+        "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
+        "model.top_k=2", "sampling.numerics=bitwise", f"model.gmm_impl={gmm_impl}"])
+    c = aot.compile_step(aot.engine_for(cfg, aot.topology("v5p-8")), "sample")
+    module = hlo_loops.Module(c.hlo)
+    body = module.instructions_under(hlo_loops.decode_loop(module).body)
+    mosaic = [i for i in body if i.opcode == "custom-call" and "tpu_custom_call" in i.attrs]
+    assert bool(mosaic) == (gmm_impl == "pallas_tpu"), [i.attrs[:80] for i in mosaic]
+
+
+@pytest.mark.tpu
 def test_decode_block_reads_one_block_of_the_cache_on_v5p_8():
     """One layer's blocked decode attention (model.decode_block) against the whole
     33k-slot cache, compiled for a v5p-8 on its own: XLA's HBM bytes (its loop body
