@@ -175,15 +175,18 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
 
 
 def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
-            ep_axes: tuple = (), exchange: bool = False, row_tile: int = ROW_TILE,
+            ep_axes: tuple = (), exchange: bool = True, row_tile: int = ROW_TILE,
             gmm=None):
     """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
     x's dtype; `tile` rows per expert tile, multiplied by `gmm` (`expert_rows`),
     `row_tile` per tile of the combine.
     `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
-    are this shard's experts, the shards are split over these mesh axes. `exchange` (a
-    decode step): send each assignment to its expert's shard where that moves fewer
-    bytes than gathering the peers' tokens (expert_parallel.exchanged_rows)."""
+    are this shard's experts, the shards are split over these mesh axes. `exchange`:
+    send each assignment to its expert's shard where that moves fewer bytes than
+    gathering the peers' tokens and reduce-scattering their K output rows
+    (expert_parallel.exchanged_rows), in decode, prefill and the training forward
+    alike: its dropless receive buffer holds no more rows than the gathered tokens'
+    [n·N, K, D] outputs would. False: always gather."""
     if not ep_axes:
         return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                    tile=tile, gmm=gmm), w_NxK, row_tile)
@@ -470,8 +473,8 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
             flat(replay_w_BxTxK), tile=cfg.row_tile)
         y_N = experts(h_N, idx_NxK, w_NxK, p["w_gate"].astype(dtype),
                       p["w_up"].astype(dtype), p["w_down"].astype(dtype), tile=cfg.moe_tile,
-                      ep_axes=ep_axes, exchange=put_cache is not None and t == 1,
-                      row_tile=cfg.row_tile, gmm=grouped_matmul(cfg.gmm_impl))
+                      ep_axes=ep_axes, row_tile=cfg.row_tile,
+                      gmm=grouped_matmul(cfg.gmm_impl))
         x_BxTxD = (x_N + y_N).reshape(b, t, d)
         ys = tuple(a.reshape(b, t, -1) for a in (idx_NxK, w_NxK, probs_NxE, logits_NxE))
         trace_ys = (x_N.reshape(b, t, d), x_BxTxD) if trace else ()

@@ -157,7 +157,7 @@ def test_an_expert_row_crosses_the_mesh_unchanged(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gmm", ["loop", "pallas"])
 def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype, gmm):
-    """`invariant.experts` on 8 expert shards, with the decode step's exchange (ragged
+    """`invariant.experts` on 8 expert shards, with the exchange (ragged
     all-to-alls carry each assignment to its expert's shard and its output back) and
     with the gather: the FFN's rows equal one device's bit for bit, with the reference
     grouped matmul and with the Pallas kernel (run on each shard)."""
