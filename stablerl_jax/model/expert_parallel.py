@@ -143,15 +143,13 @@ def exchanged_rows(rows_fn, axes, n, x_TxD, idx_TxK, ws, offset):
     return jnp.zeros_like(y_A).at[order_A].set(y_A, unique_indices=True).reshape(t, k, -1)
 
 
-def exchange_moves_less(dtype, k: int, n: int, out_bytes: int | None = None) -> bool:
+def exchange_moves_less(dtype, k: int, n: int) -> bool:
     """Whether a shard's T tokens cost fewer bytes exchanged (T·K rows each way, in the
     compute dtype, b bytes a value) than gathered (n·T rows in, and n·T partial outputs
-    reduce-scattered back, `out_bytes` a value of a token's row each): 2·K·b < n·(b +
-    out). Default `out_bytes`: one row in the accumulation dtype (this module's combined
-    output); the batch-invariant path reduce-scatters a token's K rows in `dtype`."""
+    reduce-scattered back in the accumulation dtype, b_acc bytes a value):
+    2·K·b < n·(b + b_acc)."""
     b = jnp.dtype(dtype).itemsize
-    out = jnp.dtype(accum_dtype(dtype)).itemsize if out_bytes is None else out_bytes
-    return 2 * k * b < n * (b + out)
+    return 2 * k * b < n * (b + jnp.dtype(accum_dtype(dtype)).itemsize)
 
 
 def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.RULES, *,

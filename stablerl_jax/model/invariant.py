@@ -175,42 +175,29 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
 
 
 def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
-            ep_axes: tuple = (), exchange: bool = True, row_tile: int = ROW_TILE,
-            gmm=None):
+            ep_axes: tuple = (), row_tile: int = ROW_TILE, gmm=None):
     """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
     x's dtype; `tile` rows per expert tile, multiplied by `gmm` (`expert_rows`),
-    `row_tile` per tile of the combine.
-    `ep_axes` (inside `on_mesh`'s shard_map, expert parallel): the weights
-    are this shard's experts, the shards are split over these mesh axes. `exchange`:
-    send each assignment to its expert's shard where that moves fewer bytes than
-    gathering the peers' tokens and reduce-scattering their K output rows
-    (expert_parallel.exchanged_rows), in decode, prefill and the training forward
-    alike: its dropless receive buffer holds no more rows than the gathered tokens'
-    [n·N, K, D] outputs would. False: always gather."""
+    `row_tile` per tile of the combine. `ep_axes` (inside `on_mesh`'s shard_map, expert
+    parallel): the weights are this shard's experts, the shards are split over these
+    mesh axes, and each token–expert assignment goes to its expert's shard and its
+    output row back (expert_parallel.exchanged_rows), in decode, prefill and the
+    training forward alike."""
     if not ep_axes:
         return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                    tile=tile, gmm=gmm), w_NxK, row_tile)
+    # The all-to-alls move rows and outputs unchanged, the expert's shard computes an
+    # assignment's row in its fixed tiles as one device would, and the token's shard
+    # combines its K rows in k order. (Gathering the expert-axis peers' tokens instead
+    # and reduce-scattering their [N, K, D] outputs moves n·(1 + K) rows a token
+    # against the exchange's 2·K, and its outputs take as much memory as the exchange's
+    # dropless receive buffer: the exchange is never the worse of the two.)
     offset = jax.lax.axis_index(ep_axes) * w_gate_ExDxF.shape[0]
-    shards = jax.lax.axis_size(ep_axes)
-    k = idx_NxK.shape[1]
-    if exchange and expert_parallel.exchange_moves_less(
-            x_NxD.dtype, k, shards, out_bytes=k * jnp.dtype(x_NxD.dtype).itemsize):
-        # The all-to-alls move rows and outputs unchanged, and the expert's shard
-        # computes an assignment's row in its fixed tiles as one device would.
-        rows_fn = lambda x, e, *ws, expert_offset: expert_rows(
-            x, e, *ws, tile=tile, expert_offset=expert_offset, gmm=gmm)[:, 0]
-        return combine(expert_parallel.exchanged_rows(
-            rows_fn, ep_axes, shards, x_NxD, idx_NxK,
-            (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD), offset), w_NxK, row_tile)
-    # Every assignment's output row is computed by the shard holding its expert, from
-    # its expert-axis peers' gathered tokens; the other shards give it exact zeros, so
-    # the sum over shards moves each row unchanged to its token's shard, where the K
-    # rows are combined in k order as on one device.
-    gather = lambda a: jax.lax.all_gather(a, ep_axes, axis=0, tiled=True)
-    y_all = expert_rows(gather(x_NxD), gather(idx_NxK), w_gate_ExDxF, w_up_ExDxF,
-                        w_down_ExFxD, tile=tile, expert_offset=offset, gmm=gmm)
-    y_NxKxD = jax.lax.psum_scatter(y_all, ep_axes, scatter_dimension=0, tiled=True)
-    return combine(y_NxKxD, w_NxK, row_tile)
+    rows_fn = lambda x, e, *ws, expert_offset: expert_rows(
+        x, e, *ws, tile=tile, expert_offset=expert_offset, gmm=gmm)[:, 0]
+    return combine(expert_parallel.exchanged_rows(
+        rows_fn, ep_axes, jax.lax.axis_size(ep_axes), x_NxD, idx_NxK,
+        (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD), offset), w_NxK, row_tile)
 
 
 def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,

@@ -130,37 +130,37 @@ def test_the_per_token_ffn_runs_the_models_grouped_matmul_where_it_is_batch_inva
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_an_expert_row_crosses_the_mesh_unchanged(dtype):
-    """Expert parallelism's reliance (`invariant.experts` on a mesh): an all-gather of the
-    expert-axis peers' rows, and a reduce-scatter in which every row is non-zero on one
-    shard only (its expert's; the others hold exact zeros), return each row's bits."""
+    """Expert parallelism's reliance (`invariant.experts` on a mesh, the layer's weight
+    gathers): an all-gather of the peers' rows and an all-to-all (what the exchange's
+    ragged all-to-all is built from where XLA has none: expert_parallel.ragged_all_to_all)
+    return each row's bits."""
     from jax.sharding import PartitionSpec as P
     mesh = sharding.make_mesh(1, 2, 4, devices=cpu_devices())
     axes = ("fsdp", "expert")
     rng = np.random.default_rng(4)
-    rows = jnp.asarray(rng.standard_normal((8, 5, 16)) * 10.0 ** rng.integers(-6, 6, (8, 5, 1)),
-                       dtype)  # 5 rows per device
+    rows = jnp.asarray(rng.standard_normal((8, 8, 16)) * 10.0 ** rng.integers(-6, 6, (8, 8, 1)),
+                       dtype)  # 8 rows per device
 
     def local(r):
-        every = jax.lax.all_gather(r[0], axes, axis=0, tiled=True)           # [8·5, 16]
-        owner = (3 * jnp.arange(every.shape[0]) + 1) % 8  # the shard holding its expert
-        mine = jnp.where((owner == jax.lax.axis_index(axes))[:, None], every, 0)
-        back = jax.lax.psum_scatter(mine, axes, scatter_dimension=0, tiled=True)
-        return back[None], every[None]
+        every = jax.lax.all_gather(r[0], axes, axis=0, tiled=True)           # [8·8, 16]
+        moved = jax.lax.all_to_all(r[0], axes, 0, 0, tiled=True)             # row i to i
+        return every[None], moved[None]
 
-    back, every = jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
-                                check_vma=False)(rows)
+    every, moved = jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                                 check_vma=False)(rows)
     bits = lambda a: np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
     assert np.array_equal(bits(every[3]), bits(rows.reshape(-1, 16)))
-    assert np.array_equal(bits(back), bits(rows))
+    # Device j's row i went to device i, as its row j.
+    assert np.array_equal(bits(moved), bits(np.swapaxes(np.asarray(rows), 0, 1)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gmm", ["loop", "pallas"])
-def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype, gmm):
-    """`invariant.experts` on 8 expert shards, with the exchange (ragged
-    all-to-alls carry each assignment to its expert's shard and its output back) and
-    with the gather: the FFN's rows equal one device's bit for bit, with the reference
-    grouped matmul and with the Pallas kernel (run on each shard)."""
+def test_an_exchanged_expert_row_is_one_devices(dtype, gmm):
+    """`invariant.experts` on 8 expert shards (ragged all-to-alls carry each assignment
+    to its expert's shard and its output back): the FFN's rows equal one device's bit
+    for bit, with the reference grouped matmul and with the Pallas kernel (run on each
+    shard)."""
     gmm = dict(_invariant_gmms())["pallas_tpu" if ON_CPU else "pallas_gpu"] \
         if gmm == "pallas" else None
     from jax.sharding import PartitionSpec as P
@@ -174,12 +174,10 @@ def test_exchanged_or_gathered_an_expert_row_is_one_devices(dtype, gmm):
           for shape in ((e, d, f), (e, d, f), (e, f, d))]
     one = invariant.experts(x, idx, w, *ws, tile=4, gmm=gmm)
     bits = lambda a: np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
-    for exchange in (True, False):
-        local = lambda *a, exchange=exchange: invariant.experts(
-            *a, tile=4, ep_axes=("expert",), exchange=exchange, gmm=gmm)
-        many = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("expert"),
-                                     out_specs=P("expert"), check_vma=False))(x, idx, w, *ws)
-        assert np.array_equal(bits(many), bits(one)), exchange
+    local = lambda *a: invariant.experts(*a, tile=4, ep_axes=("expert",), gmm=gmm)
+    many = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("expert"),
+                                 out_specs=P("expert"), check_vma=False))(x, idx, w, *ws)
+    assert np.array_equal(bits(many), bits(one))
 
 
 # --- the sampler against the trainer ------------------------------------------------
