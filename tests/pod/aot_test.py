@@ -186,8 +186,8 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numeric
     a v5p-8: no loop body of the decode loop (the decode step, its layer loop) all-gathers
     a weight, and its collectives per decode step stay within the activations' bytes.
     Top-8 over 4 expert shards gathers the shards' tokens; top-2 exchanges them by a
-    ragged all-to-all (expert_parallel.exchange_moves_less), the batch-invariant sampler
-    (`bitwise`, model/invariant.py) too."""
+    ragged all-to-all (expert_parallel.exchange_moves_less), as the batch-invariant
+    sampler (`bitwise`, model/invariant.py) always does."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
 
     from stablerl_jax.pod import hlo_loops
