@@ -348,7 +348,7 @@ def _mesh_engine(mesh, layout="train", expert_parallel=True, continuous=False):
 def test_on_a_mesh_the_sampler_scores_as_the_trainer(mesh, layout, expert_parallel,
                                                      continuous):
     """8 CPU devices, bfloat16: each device runs the tiles on its own rows (experts
-    exchanged over the expert axes, or gathered), so the score step's log π_old equals
+    exchanged over the expert axes, or their weights gathered), so the score step's log π_old equals
     the sampler's log μ bit for bit, in the training layout and in the serving one (whose
     weights are split otherwise), and both equal one device's bits."""
     eng = _mesh_engine(mesh, layout, expert_parallel, continuous)
