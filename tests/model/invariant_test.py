@@ -348,9 +348,9 @@ def _mesh_engine(mesh, layout="train", expert_parallel=True, continuous=False):
 def test_on_a_mesh_the_sampler_scores_as_the_trainer(mesh, layout, expert_parallel,
                                                      continuous):
     """8 CPU devices, bfloat16: each device runs the tiles on its own rows (experts
-    exchanged over the expert axes, or their weights gathered), so the score step's log π_old equals
-    the sampler's log μ bit for bit, in the training layout and in the serving one (whose
-    weights are split otherwise), and both equal one device's bits."""
+    exchanged over the expert axes, or their weights gathered), so the score step's
+    log π_old equals the sampler's log μ bit for bit, in the training layout and in the
+    serving one (whose weights are split otherwise), and both equal one device's bits."""
     eng = _mesh_engine(mesh, layout, expert_parallel, continuous)
     params = tf.init_params(jax.random.key(0), eng.cfg.model)
     prompts, pmask = _prompts(b=8, p=8, seed=3)
