@@ -239,7 +239,7 @@ def grouped_matmul(impl: str):
     """The grouped matmul the per-token expert FFN runs for `ModelConfig.gmm_impl`: its
     row of GMM_IMPLS when the row is batch-invariant, else the reference `loop`."""
     row = lookup(GMM_IMPLS, impl, "gmm_impl")
-    return row.load() if getattr(row, "invariant", False) else moe.grouped_matmul.loop
+    return row.load() if row.invariant else moe.grouped_matmul.loop
 
 
 def combine(y_NxKxD, w_NxK, row_tile: int = ROW_TILE):

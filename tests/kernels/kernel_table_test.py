@@ -17,9 +17,13 @@ from kernel_cases import impls_here
 
 from stablerl_jax import kernels, presets
 from stablerl_jax.config import ConfigError, ModelConfig, RLConfig
-from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
+from stablerl_jax.kernels.decode_attention_impls import (
+    DECODE_IMPLS,
+    DecodeImpl,
+    decode_example_args,
+)
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
-from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmImpl, gmm_example_args
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.pod import aot
@@ -122,6 +126,9 @@ def test_table_rows_are_well_formed():
             if "target" in row.options:  # a Pallas kernel told to compile for a backend
                 assert row.pallas and row.options["target"] in row.backends, name
             assert row.blocks is None or dataclasses.is_dataclass(row.blocks), name
+    # The ops whose callers read a field of their own off a row.
+    assert all(isinstance(row, GmmImpl) for row in GMM_IMPLS.values())
+    assert all(isinstance(row, DecodeImpl) for row in DECODE_IMPLS.values())
 
 
 def _contract(example_args) -> list[str]:
