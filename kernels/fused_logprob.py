@@ -11,10 +11,14 @@ U is the unembedding matrix (unembed_DxV).
     lse = log Σ_v exp z_v,   E_p[z] = Σ_v p_v z_v,   p = softmax(z)
     logp = z_y − lse,        entropy = lse − E_p[z]
 
+(`pallas` takes z_y from its own logit tile and can return every logp of a row, so a
+sampler that draws from them records the trainer's logp bit for bit.)
+
 `naive` is the reference: full float32 logits, log_softmax, gather; O(T·V) memory. The
 others stream vocab chunks with an online log-sum-exp (running max m, Σ e^{z−m},
-Σ e^{z−m}·z) and save only lse and E_p[z] per token. The target logit z_y = h · U[:, y]
-is a [T, D] gather and a row-wise dot, not a compare over every logit. The backward
+Σ e^{z−m}·z) and save only lse and E_p[z] per token. In `chunked` the target logit
+z_y = h · U[:, y] is a [T, D] gather and a row-wise dot, not a compare over every logit;
+`pallas` picks it from the logit tile its kernel computes anyway. The backward
 (custom VJP) recomputes each chunk's logits:
 
     dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
@@ -142,10 +146,11 @@ def _fused(hidden_TxD, unembed_DxV, targets_T, block, target, interpret):
 
 def _fused_fwd(hidden_TxD, unembed_DxV, targets_T, block, target, interpret):
     if target is not None:
-        lse, ez = _pallas.stats_pallas(hidden_TxD, unembed_DxV, block, target, interpret)
+        lse, ez, zy = _pallas.stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, target,
+                                           interpret)
     else:
         lse, ez = _stats_chunked(hidden_TxD, unembed_DxV, min(block.chunk, unembed_DxV.shape[1]))
-    zy = _target_logit(hidden_TxD, unembed_DxV, targets_T)
+        zy = _target_logit(hidden_TxD, unembed_DxV, targets_T)
     return (zy - lse, lse - ez), (hidden_TxD, unembed_DxV, targets_T, lse, ez)
 
 
@@ -174,7 +179,15 @@ def chunked(hidden_TxD, unembed_DxV, targets_T, *, block: LogprobBlocks = Logpro
 def pallas(hidden_TxD, unembed_DxV, targets_T, *, target: str,
            block: LogprobBlocks = LogprobBlocks(), interpret: bool = False):
     """(logp_T, entropy_T) by the Pallas kernels, compiled for `target` ("gpu" |
-    "tpu"), or interpreted (on any backend) when `interpret` is True."""
+    "tpu"), or interpreted (on any backend) when `interpret` is True. z_y is the target's
+    entry of the kernel's own logit tile, so every token's result is fixed by its row
+    (fixed [Bt, Bv] tiles, the vocabulary and D in a fixed order): batch-invariant.
+    targets_T None: the whole distribution instead, log p [T, V] (no gradient), whose
+    entry at a target is that target's logp bit for bit (what a sampler draws from)."""
+    if targets_T is None:
+        _check(hidden_TxD, unembed_DxV, jnp.zeros(hidden_TxD.shape[:1], jnp.int32))
+        return _pallas.logprobs_pallas(hidden_TxD, unembed_DxV, block, target,
+                                       bool(interpret))
     _check(hidden_TxD, unembed_DxV, targets_T)
     return _fused(hidden_TxD, unembed_DxV, targets_T.astype(jnp.int32), block, target,
                   bool(interpret))

@@ -48,18 +48,30 @@ class LogprobBlocks:
 LOGPROB_TPU_BLOCKS = LogprobBlocks(chunk=2048, tokens=256, vocab=512, vocab_tiles=2,
                                    dim=1 << 30, bwd_chunk=8192, bwd_tokens=256, bwd_vocab=512)
 
+@dataclasses.dataclass(frozen=True)
+class LogprobImpl(Impl):
+    """A row of LOGPROB_IMPLS. `invariant`: a token's (logp, entropy) depend on its row
+    alone (fixed tiles in a fixed order), and `fn(hidden, unembed, None)` returns the
+    row's whole log p [T, V], whose entry at a target is that target's logp bit for bit.
+    The batch-invariant model (model/invariant.py) then runs it in both engines: the
+    sampler draws from the [T, V] form, the trainer scores with the fused form."""
+
+    invariant: bool = False
+
+
 _OP = "stablerl_jax.kernels.fused_logprob"
-LOGPROB_IMPLS: dict[str, Impl] = {
+LOGPROB_IMPLS: dict[str, LogprobImpl] = {
     # The reference: full float32 logits, log_softmax, gather. O(T·V) memory.
-    "naive": Impl(f"{_OP}:naive", ("cpu", "gpu", "tpu")),
+    "naive": LogprobImpl(f"{_OP}:naive", ("cpu", "gpu", "tpu")),
     # Pure JAX, a scan over vocab chunks with a custom VJP. O(T·W) memory; the default.
-    "chunked": Impl(f"{_OP}:chunked", ("cpu", "gpu", "tpu"), blocks=LogprobBlocks()),
+    "chunked": LogprobImpl(f"{_OP}:chunked", ("cpu", "gpu", "tpu"), blocks=LogprobBlocks()),
     # The same custom VJP with the Pallas kernels (fused_logprob_pallas.py) compiled by
-    # Triton / Mosaic.
-    "pallas_gpu": Impl(f"{_OP}:pallas", ("gpu",), {"target": "gpu"}, LogprobBlocks(),
-                       pallas=True),
-    "pallas_tpu": Impl(f"{_OP}:pallas", ("tpu",), {"target": "tpu"}, LOGPROB_TPU_BLOCKS,
-                       pallas=True),
+    # Triton / Mosaic. Batch-invariant: fixed [Bt, Bv] logit tiles, D and the vocabulary
+    # in a fixed order, the target's logit taken from its tile.
+    "pallas_gpu": LogprobImpl(f"{_OP}:pallas", ("gpu",), {"target": "gpu"}, LogprobBlocks(),
+                              pallas=True, invariant=True),
+    "pallas_tpu": LogprobImpl(f"{_OP}:pallas", ("tpu",), {"target": "tpu"},
+                              LOGPROB_TPU_BLOCKS, pallas=True, invariant=True),
 }
 
 

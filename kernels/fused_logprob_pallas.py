@@ -77,26 +77,40 @@ def _logits(h_ref, w_ref, cols, bd):
     return jax.lax.fori_loop(0, dp // bd, body, jnp.zeros((bt, cols.size), jnp.float32))
 
 
-def _fwd_kernel(h_ref, w_ref, m_ref, s_ref, sz_ref, *, v, bv, bd, tiles, ragged):
+def _fwd_kernel(h_ref, w_ref, y_ref, m_ref, s_ref, sz_ref, zy_ref, *, v, bv, bd, tiles,
+                ragged):
     j = pl.program_id(1)
     bt = h_ref.shape[0]
 
     def body(k, carry):
-        m, s, sz = carry
+        m, s, sz, zy = carry
         z = _logits(h_ref, w_ref, pl.ds(pl.multiple_of(k * bv, bv), bv), bd)  # [Bt, Bv]
+        col = (j * tiles + k) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
         if ragged:
-            col = (j * tiles + k) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
             z = jnp.where(col < v, z, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
         scale = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new)
+        # The target's logit, picked from this tile (one column at most; the rest add 0).
+        zy = zy + jnp.sum(jnp.where(col == y_ref[...], z, 0.0), axis=1, keepdims=True)
         return (m_new, s * scale + jnp.sum(e, axis=1, keepdims=True),
-                sz * scale + jnp.sum(e * z, axis=1, keepdims=True))
+                sz * scale + jnp.sum(e * z, axis=1, keepdims=True), zy)
 
-    init = (jnp.full((bt, 1), MASK_VALUE, jnp.float32), jnp.zeros((bt, 1), jnp.float32),
-            jnp.zeros((bt, 1), jnp.float32))
-    m, s, sz = jax.lax.fori_loop(0, tiles, body, init)
-    m_ref[...], s_ref[...], sz_ref[...] = m, s, sz
+    zeros = jnp.zeros((bt, 1), jnp.float32)
+    init = (jnp.full((bt, 1), MASK_VALUE, jnp.float32), zeros, zeros, zeros)
+    m, s, sz, zy = jax.lax.fori_loop(0, tiles, body, init)
+    m_ref[...], s_ref[...], sz_ref[...], zy_ref[...] = m, s, sz, zy
+
+
+def _logp_kernel(h_ref, w_ref, lse_ref, out_ref, *, bv, bd, tiles):
+    """log p = z − lse over the program's `tiles` vocab tiles: each logit tile computed
+    by the forward kernel's own `_logits` call on the same blocks, so z carries its bits."""
+    def body(k, carry):
+        cols = pl.ds(pl.multiple_of(k * bv, bv), bv)
+        out_ref[:, cols] = _logits(h_ref, w_ref, cols, bd) - lse_ref[...]
+        return carry
+
+    jax.lax.fori_loop(0, tiles, body, 0)
 
 
 def _dz(z, col, y, lse, ez, gl, ge):
@@ -176,10 +190,10 @@ def _col(x_T, tp, dtype=jnp.float32):
     return jnp.pad(x_T.astype(dtype), (0, tp - x_T.shape[0]))[:, None]
 
 
-def stats_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
-    """(lse_T, E_p[z]_T), float32, via the forward kernel."""
-    t = hidden_TxD.shape[0]
-    v = unembed_DxV.shape[1]
+def _forward_grid(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
+    """The forward grid's padded operands and sizes: (h, w, bt, bv, bd, tiles, splits, tp,
+    triton)."""
+    t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
     bt, bv = block.tokens, block.vocab
     tiles = min(block.vocab_tiles, -(-v // bv))
     splits = -(-v // (bv * tiles))
@@ -187,28 +201,66 @@ def stats_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
     triton = _triton(target, interpret)
     _check_mosaic(block, hidden_TxD.shape[1], target, interpret)
     h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, vp, block.dim, triton)
-    dp = h.shape[1]
+    return h, w, bt, bv, bd, tiles, splits, tp, triton
+
+
+def _forward_specs(h, bt, bv, tiles):
+    """The forward grid's operand blocks: program (i, j) reads token block i and vocab
+    split j (`tiles` tiles of Bv columns)."""
+    return [pl.BlockSpec((bt, h.shape[1]), lambda i, j: (i, 0)),
+            pl.BlockSpec((h.shape[1], tiles * bv), lambda i, j: (0, j))]
+
+
+def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, target: str, interpret: bool):
+    """(lse_T, E_p[z]_T, z_y_T), float32, via the forward kernel; z_y is the target's
+    logit from the kernel's own logit tile."""
+    t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
+    h, w, bt, bv, bd, tiles, splits, tp, triton = _forward_grid(
+        hidden_TxD, unembed_DxV, block, target, interpret)
     part = jax.ShapeDtypeStruct((splits * tp, 1), jnp.float32)
     # Partial statistics of program (i, j) land in rows [j·Tp + i·Bt, +Bt).
     out_block = pl.BlockSpec((bt, 1), lambda i, j: (j * (tp // bt) + i, 0))
-    kernel = functools.partial(_fwd_kernel, v=v, bv=bv, bd=bd, tiles=tiles, ragged=vp != v)
-    m, s, sz = pl.pallas_call(
+    kernel = functools.partial(_fwd_kernel, v=v, bv=bv, bd=bd, tiles=tiles,
+                               ragged=splits * tiles * bv != v)
+    m, s, sz, zy = pl.pallas_call(
         kernel,
         grid=(tp // bt, splits),
-        in_specs=[pl.BlockSpec((bt, dp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((dp, tiles * bv), lambda i, j: (0, j))],
-        out_specs=[out_block] * 3,
-        out_shape=[part] * 3,
+        in_specs=_forward_specs(h, bt, bv, tiles) + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))],
+        out_specs=[out_block] * 4,
+        out_shape=[part] * 4,
         compiler_params=_params(block, triton),
         interpret=_interp(interpret),
-    )(h, w)
-    m, s, sz = (x.reshape(splits, tp)[:, :t] for x in (m, s, sz))
+    )(h, w, _col(targets_T, tp, jnp.int32))
+    m, s, sz, zy = (x.reshape(splits, tp)[:, :t] for x in (m, s, sz, zy))
     if splits == 1:
-        return m[0] + jnp.log(s[0]), sz[0] / s[0]
+        return m[0] + jnp.log(s[0]), sz[0] / s[0], zy[0]
     big = jnp.max(m, axis=0)
     scale = jnp.exp(m - big)
     total = jnp.sum(s * scale, axis=0)
-    return big + jnp.log(total), jnp.sum(sz * scale, axis=0) / total
+    # One split holds the target; the others add exact zeros.
+    return big + jnp.log(total), jnp.sum(sz * scale, axis=0) / total, jnp.sum(zy, axis=0)
+
+
+def logprobs_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
+    """log softmax(h U) over the whole vocabulary, float32 [T, V]: `stats_pallas`'s lse,
+    then the logits again on the forward grid. Every entry carries the bits of the
+    forward kernel's (z, lse), so the log-prob `stats_pallas` gives a target (z_y − lse)
+    is this array's entry at the target: what a sampler drawing from it records."""
+    t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
+    lse_T = stats_pallas(hidden_TxD, unembed_DxV, jnp.zeros((t,), jnp.int32), block, target,
+                         interpret)[0]
+    h, w, bt, bv, bd, tiles, splits, tp, triton = _forward_grid(
+        hidden_TxD, unembed_DxV, block, target, interpret)
+    logp = pl.pallas_call(
+        functools.partial(_logp_kernel, bv=bv, bd=bd, tiles=tiles),
+        grid=(tp // bt, splits),
+        in_specs=_forward_specs(h, bt, bv, tiles) + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))],
+        out_specs=pl.BlockSpec((bt, tiles * bv), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((tp, w.shape[1]), jnp.float32),
+        compiler_params=_params(block, triton),
+        interpret=_interp(interpret),
+    )(h, w, _col(lse_T, tp))
+    return logp[:t, :v]
 
 
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,

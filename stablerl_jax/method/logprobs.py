@@ -49,10 +49,8 @@ def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunk
                          f"{hidden_BxTxD.shape=}, {targets_BxT.shape=}")
     b, t, d = hidden_BxTxD.shape
     h_TxD = hidden_BxTxD.reshape(b * t, d)
-    if temperature != 1.0:
-        # Scale in float32 (or wider), then back to the compute dtype the op streams in.
-        acc = nx.accum_dtype(h_TxD.dtype)
-        h_TxD = (h_TxD.astype(acc) / temperature).astype(hidden_BxTxD.dtype)
+    # Scaled in float32 (or wider), then back to the compute dtype the op streams in.
+    h_TxD = invariant.scaled(h_TxD, temperature)
     fused = row.load(block=block, interpret=interpret)
     if row.pallas and mesh is not None and mesh.size > 1:
         rows = P(tuple(a for a in sharding.RULES["batch"] if mesh.shape[a] > 1))
@@ -98,7 +96,9 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
                                    numerics=numerics, mesh=mesh, checks=checks, trace=trace)
     unembed_DxV = tf.unembed_matrix(weights, cfg)
-    if cfg.batch_invariant:  # the sampler's own per-row log-softmax (model/invariant.py)
+    if cfg.batch_invariant and invariant.vocab_kernel(impl) is None:
+        # The sampler's own per-row log-softmax (model/invariant.py); an invariant row of
+        # LOGPROB_IMPLS is the sampler's own as it is (invariant.vocab_kernel).
         def tiled(h_BxTxD, unembed, targets_BxT):
             b, t, _ = h_BxTxD.shape
             logp_N, entropy_N = invariant.token_logprobs(

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
 from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from stablerl_jax.model import expert_parallel, moe
 from stablerl_jax.model import numerics as nx
@@ -257,9 +258,24 @@ def combine(y_NxKxD, w_NxK, row_tile: int = ROW_TILE):
     return rowwise(rows, y_NxKxD, w_NxK, tile=row_tile)
 
 
-def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0, tile: int = ROW_TILE):
+def vocab_kernel(logprob_impl: str):
+    """The row of LOGPROB_IMPLS both engines run for the vocabulary log-softmax when it
+    is batch-invariant (the Pallas kernels: `fn(h, unembed, None)` is a row's whole
+    distribution, `fn(h, unembed, targets)` the trainer's fused op with its own gradient,
+    the same bits at the targets); None: the row tiles of `logprobs_V` /
+    `token_logprobs`."""
+    row = lookup(LOGPROB_IMPLS, logprob_impl, "logprob_impl")
+    return row if row.invariant else None
+
+
+def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0, tile: int = ROW_TILE,
+               logprob_impl: str = "chunked"):
     """log softmax((h / τ) · unembed) over the vocabulary, float32 [N, V], per row: what
-    the sampler draws from and the trainer scores (`token_logprobs`)."""
+    the sampler draws from and the trainer scores (`token_logprobs`, or the fused op of
+    `vocab_kernel(logprob_impl)` where that is a row)."""
+    row = vocab_kernel(logprob_impl)
+    if row is not None:
+        return row.load()(scaled(h_NxD, temperature), unembed_DxV, None)
     return rowwise(lambda h: _logp_V(h, unembed_DxV, temperature), h_NxD, tile=tile)
 
 
@@ -274,10 +290,17 @@ def token_logprobs(h_NxD, unembed_DxV, targets_N, temperature: float = 1.0,
     return rowwise(rows, h_NxD, targets_N, tile=tile)
 
 
+def scaled(h, temperature: float):
+    """h / τ, divided in float32 (or wider) and rounded back to h's dtype: the logits'
+    temperature applied to the hidden state (method/logprobs.py does the same)."""
+    if temperature == 1.0:
+        return h
+    return (h.astype(nx.accum_dtype(h.dtype)) / temperature).astype(h.dtype)
+
+
 def _logp_V(h, unembed_DxV, temperature):
     dt = h.dtype
-    if temperature != 1.0:
-        h = (h.astype(nx.accum_dtype(dt)) / temperature).astype(dt)
+    h = scaled(h, temperature)
     z = dot(h, unembed_DxV, dt)
     return jax.nn.log_softmax(z.astype(jnp.float32) if z.dtype != jnp.float64 else z,
                               axis=-1)

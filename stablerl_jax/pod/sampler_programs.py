@@ -112,7 +112,9 @@ def decode_step_program(engine):
                             attention_mask_BxT=jnp.ones((b, 1), bool), numerics=numerics,
                             cache=cache, mesh=model_mesh,
                             rules=rules if serve and model_mesh else None)
-        logp = rollout.sampling_logprobs(tf.logits(weights, h, model)[:, 0], cfg.sampling)
+        logp = rollout.next_logprobs(weights, h[:, 0], model, cfg.sampling, numerics,
+                                     model_mesh, rules if serve and model_mesh else None,
+                                     cfg.rl.logprob_impl)
         return logp, aux["cache"], aux["routes"]
 
     fn = jax.jit(step, in_shardings=(w_sh, batch, cache_sh),
@@ -124,18 +126,20 @@ def head_program(engine):
     """The decode step without its layers (embedding lookup, final norm, logits, the
     sampled distribution), in the same layout: (function, abstract args). Loop-free."""
     from stablerl_jax.model import numerics as nx
-    from stablerl_jax.model import transformer as tf
     from stablerl_jax.model.attention import rms_norm
     from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
-    model, numerics, weights_like, w_sh, _, _ = _sampler_weights(engine)
+    model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
     dtype = nx.compute_dtype(numerics, model.compute_dtype)
     batch = sharding.batch_sharding(mesh)
 
     def head(weights, tok_B):
         h = rms_norm(weights["embed"][tok_B[:, None]].astype(dtype), weights["final_norm"],
                      model.norm_eps)
-        return rollout.sampling_logprobs(tf.logits(weights, h, model)[:, 0], cfg.sampling)
+        return rollout.next_logprobs(weights, h[:, 0], model, cfg.sampling, numerics,
+                                     mesh if mesh.size > 1 else None,
+                                     rules if serve and mesh.size > 1 else None,
+                                     cfg.rl.logprob_impl)
 
     fn = jax.jit(head, in_shardings=(w_sh, batch), out_shardings=batch)
     return fn, (weights_like, jax.ShapeDtypeStruct((rows_per_pass(cfg),), jnp.int32))

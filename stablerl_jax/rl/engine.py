@@ -315,7 +315,8 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
         """(Rollout, decode steps): the static sampler's passes each run to their longest
         response (rollout.py's loop stops when every row has stopped), the continuous
         one counts its steps."""
-        kw = dict(eos_id=-1, stop_ids=stops, pad_id=pad_id, mesh=model_mesh)
+        kw = dict(eos_id=-1, stop_ids=stops, pad_id=pad_id, mesh=model_mesh,
+                  logprob_impl=cfg.rl.logprob_impl)
         if cfg.sampling.continuous:
             return continuous.sample(params, prompts_BxP, mask_BxP, key, sample_model,
                                      cfg.sampling, numerics, with_steps=True, **kw)
@@ -327,6 +328,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
         return continuous.run(params, queue, version, cfg=sample_model,
                               sampling=cfg.sampling, numerics=numerics, stops=stops,
                               pad_id=pad_id, mesh=model_mesh,
+                              logprob_impl=cfg.rl.logprob_impl,
                               need_groups=cfg.rl.prompts_per_step,
                               group_size=cfg.rl.group_size,
                               slots=inflight.slots(cfg))

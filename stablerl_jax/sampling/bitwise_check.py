@@ -66,7 +66,8 @@ def _prompts(rng, rows: int, length: int, vocab: int):
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
-def _replay(weights, rollout, prompt_len: int, cfg, sampling, numerics, mesh):
+def _replay(weights, rollout, prompt_len: int, cfg, sampling, numerics, mesh,
+            logprob_impl: str):
     """The sampler's own calls on its drawn tokens: (trace [B, S−1, L, D] per op, routes
     and gate weights [B, S−1, L, K], log-probs of the drawn tokens [B, S−1]) by slot."""
     tokens, pmask = rollout.tokens_BxS, rollout.prompt_mask_BxS
@@ -75,7 +76,8 @@ def _replay(weights, rollout, prompt_len: int, cfg, sampling, numerics, mesh):
     call = jax.jit(lambda w, t, m, c: tf.forward(w, t, cfg, attention_mask_BxT=m,
                                                  numerics=numerics, cache=c, trace=True,
                                                  mesh=mesh))
-    next_lp = jax.jit(lambda w, h: ro.next_logprobs(w, h, cfg, sampling, numerics, mesh))
+    next_lp = jax.jit(lambda w, h: ro.next_logprobs(w, h, cfg, sampling, numerics, mesh,
+                                                    logprob_impl=logprob_impl))
     h, aux = call(weights, tokens[:, :prompt_len], pmask[:, :prompt_len],
                   tf.init_cache(cfg, b, s, dtype))
     parts = [(aux["trace"], aux["routes"], aux["route_weights"])]
@@ -133,10 +135,12 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
         params = jax.device_put(params, sharding.tree_shardings(
             tf.param_logical_axes(model), params, mesh))
     rollout = ro.sample(params, prompts, pmask, jax.random.key(seed), model, sampling,
-                        numerics, eos_id=-1, pad_id=0, mesh=mesh)
+                        numerics, eos_id=-1, pad_id=0, mesh=mesh,
+                        logprob_impl=cfg.rl.logprob_impl)
     attn = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     logp, _, aux = policy_logprobs(params, rollout.tokens_BxS, attn, model,
-                                   temperature=sampling.temperature, trace=True, mesh=mesh)
+                                   temperature=sampling.temperature, trace=True, mesh=mesh,
+                                   impl=cfg.rl.logprob_impl)
     per_token = model.batch_invariant
     out(f"bitwise_check: {rows} rows, {prompt_len} prompt + {new_tokens} new tokens, "
         f"compute {model.compute_dtype}, sampler numerics {sampling.numerics!r} "
@@ -151,7 +155,8 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
         _compare("gate weights", rollout.route_weights_mu_BxSxLxK[:, :-1],
                  aux["route_weights"], processed)])]
     trace, routes, gates, replay_logp = _replay(nx.prepare_params(params, numerics), rollout,
-                                                prompt_len, model, sampling, numerics, mesh)
+                                                prompt_len, model, sampling, numerics, mesh,
+                                                cfg.rl.logprob_impl)
     train_trace = aux["trace"]
     layered = []
     for layer in range(model.num_layers):

@@ -102,7 +102,7 @@ def to_rollout(q: Queue) -> rollout_lib.Rollout:
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int, pad_id: int,
-           stop_ids=(), mesh=None, with_steps: bool = False):
+           stop_ids=(), mesh=None, with_steps: bool = False, logprob_impl: str = "chunked"):
     """`rollout.sample`'s Rollout (same arguments, same rows, same values), by continuous
     batching over `slots_of(sampling, B)` slots. `with_steps`: return (Rollout, the
     number of decode steps run) instead."""
@@ -112,15 +112,17 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
                       cfg, sampling, int(pad_id))
     queue, steps = run(params, queue, 0, cfg=cfg, sampling=sampling, numerics=numerics,
                        stops=rollout_lib.stop_set(eos_id, stop_ids), pad_id=int(pad_id),
-                       mesh=mesh)
+                       mesh=mesh, logprob_impl=logprob_impl)
     out = to_rollout(queue)
     return (out, steps) if with_steps else out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
-                                             "mesh", "need_groups", "group_size", "slots"))
+                                             "mesh", "need_groups", "group_size", "slots",
+                                             "logprob_impl"))
 def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id, mesh,
-        need_groups: int = 0, group_size: int = 1, slots: int = 0):
+        need_groups: int = 0, group_size: int = 1, slots: int = 0,
+        logprob_impl: str = "chunked"):
     """(the queue advanced, decode steps run) with the weights `params` of `version`.
 
     Slots are filled with the queue's unfinished responses in queue order (those with
@@ -129,7 +131,7 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
     response is complete or, with `need_groups`, until that many groups of `group_size`
     adjacent responses are complete (partial rollouts: the rest stay unfinished).
     `slots`: n (0: `slots_of(sampling, I)`; partial rollouts pass the step's, whose
-    queue holds more responses than slots)."""
+    queue holds more responses than slots). `logprob_impl`: as `rollout.sample`'s."""
     num_i, s = queue.tokens_IxS.shape
     n, c = min(slots or slots_of(sampling, num_i), num_i), sampling.max_new_tokens
     p = s - c
@@ -190,7 +192,7 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         its first token's from the prefill's weights, the rest from the decode loop's
         (the serving layout's, when it has its own)."""
         logits = lambda w, rules=None: rollout_lib.next_logprobs(
-            w, hidden_nxD, cfg, sampling, numerics, mesh, rules)
+            w, hidden_nxD, cfg, sampling, numerics, mesh, rules, logprob_impl)
         if d_params is prepared:
             return logits(prepared)
         return jax.lax.cond(jnp.any(first_n),

@@ -139,14 +139,16 @@ def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
 
 
 def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig,
-                  numerics: nx.Numerics, mesh=None, rules=None):
+                  numerics: nx.Numerics, mesh=None, rules=None, logprob_impl: str = "chunked"):
     """The log-probs the next token is drawn from, [B, V] float32: `sampling_logprobs`
     of the logits, or with batch-invariant numerics the trainer's own per-row function
-    (invariant.logprobs_V: the temperature applied to the hidden state, no truncation),
-    on each device's own rows of `mesh` (split by `rules`)."""
+    (invariant.logprobs_V: the temperature applied to the hidden state, no truncation;
+    the fused log-prob kernel the trainer scores with, `logprob_impl`, where its row is
+    batch-invariant), on each device's own rows of `mesh` (split by `rules`)."""
     if cfg.batch_invariant:
         w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
-        per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature, cfg.row_tile)
+        per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature, cfg.row_tile,
+                                                    logprob_impl)
         return invariant.on_mesh(per_row, mesh, rules)(hidden_BxD, w)
     return sampling_logprobs(tf.logits(params, hidden_BxD[:, None], cfg)[:, 0], sampling)
 
@@ -215,7 +217,7 @@ def row_keys(key, b: int):
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int,
-           pad_id: int, stop_ids=(), mesh=None) -> Rollout:
+           pad_id: int, stop_ids=(), mesh=None, logprob_impl: str = "chunked") -> Rollout:
     """Sample completions of left-padded prompts with the inference engine.
 
     Validates the inputs, then runs a jitted prefill + decode (cfg, sampling, numerics and
@@ -226,7 +228,9 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
     than the batch, rows are decoded in strided slices of that many rows (`lax.map`; each
     row's sample is the same). `mesh`: the devices the expert FFN is sharded over.
     `sampling.layout='serve'`: the decode loop runs on the weights of `serving_layout`
-    (resharded once per call); the prefill keeps the training layout.
+    (resharded once per call); the prefill keeps the training layout. `logprob_impl`:
+    the trainer's fused log-prob row (RLConfig.logprob_impl), which a batch-invariant
+    model samples with where the row is batch-invariant (`next_logprobs`).
     """
     validate_inputs(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id,
                     tuple(stop_ids))
@@ -236,19 +240,20 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
                          f"{b} rows")
     return _sample(params, prompt_tokens_BxP.astype(jnp.int32),
                    prompt_mask_BxP.astype(bool), key, cfg, sampling, numerics,
-                   stop_set(eos_id, stop_ids), int(pad_id), mesh)
+                   stop_set(eos_id, stop_ids), int(pad_id), mesh, logprob_impl)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
-                                             "mesh"))
-def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id, mesh):
+                                             "mesh", "logprob_impl"))
+def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id, mesh,
+            logprob_impl):
     b = prompts.shape[0]
     n = b // sampling.max_batch if sampling.max_batch else 1
     prepared = nx.prepare_params(params, numerics)
     layout = serving_layout(params, cfg, numerics, mesh) if sampling.layout == "serve" \
         else None
     decode = lambda rows: _decode(prepared, *rows, cfg, sampling, numerics, stops, pad_id,
-                                  mesh, layout)
+                                  mesh, layout, logprob_impl)
     return slices.map_slices(decode, (prompts, pmask, row_keys(key, b)), n,
                              "sampling.max_batch")
 
@@ -285,7 +290,7 @@ def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
 
 
 def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_id, mesh,
-            layout=None):
+            layout=None, logprob_impl="chunked"):
     """Prefill + decode of one batch of rows (weights already prepared); `stops`: the
     sorted stop ids (`stop_set`). `layout`: the decode loop's own (weights, sharding
     rules) (`serving_layout`); None: `params`."""
@@ -308,7 +313,8 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
         "i": jnp.zeros((), jnp.int32),
         "cache": aux["cache"],
         # Left padding puts every row's last prompt token in slot P − 1.
-        "logp_V": next_logprobs(params, hidden[:, -1], cfg, sampling, numerics, mesh),
+        "logp_V": next_logprobs(params, hidden[:, -1], cfg, sampling, numerics, mesh,
+                                logprob_impl=logprob_impl),
         "tokens": jnp.full((b, s), pad_id, jnp.int32).at[:, :p].set(prompts),
         "logp": jnp.zeros((b, s), jnp.float32),
         "completion": jnp.zeros((b, s), bool),
@@ -339,7 +345,7 @@ def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_
         step_weights_BxLxK = jnp.where(recorded_Bx1x1, a["route_weights"][:, 0], 0)
         return dict(st, i=i + 1, cache=a["cache"],
                     logp_V=next_logprobs(d_params, h[:, 0], cfg, sampling, numerics, mesh,
-                                         d_rules),
+                                         d_rules, logprob_impl),
                     tokens=st["tokens"].at[:, slot].set(tok),
                     logp=st["logp"].at[:, slot].set(jnp.where(live, lp, 0.0)),
                     completion=st["completion"].at[:, slot].set(live),

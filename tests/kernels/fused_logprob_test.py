@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
-
 from kernel_cases import INTERPRET, impl_params
+from tolerance import assert_close, bound
+
 from stablerl_jax.kernels.fused_logprob import fused_logprob, naive
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
-from tolerance import assert_close, bound
 
 run = functools.partial(fused_logprob, interpret=INTERPRET)
 
@@ -206,3 +206,34 @@ def test_naive_reference_is_the_float32_formula():
     tol_logp, tol_ent, _ = _bounds(h, w, jnp.float32)
     assert_close(logp, want_logp, **tol_logp)
     assert_close(ent, want_ent, **tol_ent)
+
+
+@pytest.mark.parametrize("impl", impl_params(LOGPROB_IMPLS, lambda _, row: row.invariant))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_invariant_row_scores_a_token_as_its_distribution_does_in_any_batch(impl, dtype):
+    """A batch-invariant row (what the `bitwise` sampler and trainer both run): a token's
+    logp is the same bits whichever rows share the call (3, 37 or 100 rows, the row at
+    another offset of its token block, other rows' values changed), and equals the entry
+    at the target of the row's whole distribution (targets None), which a sampler draws
+    from and records. Both block sets: several vocab splits with a D loop (float32), and
+    one split over all of D (bfloat16); V = 101 is ragged."""
+    h, w, y, _, _ = _inputs(100, 40, 101, dtype, seed=5)
+    fn = LOGPROB_IMPLS[impl].load(block=BLOCKS[dtype], interpret=INTERPRET)
+    logp, ent = jax.jit(fn)(h, w, y)
+    dist = jax.jit(lambda h, w: fn(h, w, None))
+    logp_V = np.asarray(dist(h, w))
+    assert logp_V.shape == (100, 101) and logp_V.dtype == np.float32
+    np.testing.assert_array_equal(logp_V[np.arange(100), np.asarray(y)], np.asarray(logp))
+    others = h.at[:50].set(-h[:50])
+    for rows in (slice(0, 3), slice(5, 42), slice(63, 100)):
+        sub_logp, sub_ent = jax.jit(fn)(h[rows], w, y[rows])
+        np.testing.assert_array_equal(np.asarray(sub_logp), np.asarray(logp[rows]))
+        np.testing.assert_array_equal(np.asarray(sub_ent), np.asarray(ent[rows]))
+        np.testing.assert_array_equal(np.asarray(dist(h[rows], w)), logp_V[rows])
+    moved, _ = jax.jit(fn)(others, w, y)
+    np.testing.assert_array_equal(np.asarray(moved[50:]), np.asarray(logp[50:]))
+    # And it is the log-softmax: each row's distribution sums to 1 (float32 rounding of a
+    # V-term sum of p ≤ 1 and of lse's error, as _bounds derives for logp).
+    value, _, _ = _bounds(h, w, dtype)
+    mass = np.exp(logp_V.astype(np.float64)).sum(-1)
+    assert_close(np.log(mass), np.zeros(100), **value)

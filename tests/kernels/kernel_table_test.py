@@ -22,7 +22,11 @@ from stablerl_jax.kernels.decode_attention_impls import (
     DecodeImpl,
     decode_example_args,
 )
-from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
+from stablerl_jax.kernels.fused_logprob_impls import (
+    LOGPROB_IMPLS,
+    LogprobImpl,
+    logprob_example_args,
+)
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmImpl, gmm_example_args
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
@@ -129,6 +133,7 @@ def test_table_rows_are_well_formed():
     # The ops whose callers read a field of their own off a row.
     assert all(isinstance(row, GmmImpl) for row in GMM_IMPLS.values())
     assert all(isinstance(row, DecodeImpl) for row in DECODE_IMPLS.values())
+    assert all(isinstance(row, LogprobImpl) for row in LOGPROB_IMPLS.values())
 
 
 def _contract(example_args) -> list[str]:

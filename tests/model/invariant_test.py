@@ -12,8 +12,9 @@ from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ConfigError, ExperimentConfig, SamplingConfig, apply_overrides
+from stablerl_jax.kernels import fused_logprob, gmm_pallas
 from stablerl_jax.kernels import gmm as gmm_lib
-from stablerl_jax.kernels import gmm_pallas
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks, LogprobImpl
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, GmmBlocks, GmmImpl
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import invariant
@@ -204,12 +205,14 @@ def _sample(m, sampling, prompts, pmask, sampler=ro.sample):
     return params, r
 
 
-def _assert_bitwise(params, r, m, temperature, replay=False):
+def _assert_bitwise(params, r, m, temperature, replay=False, impl="chunked"):
     """log μ = log π_old, IS weight exactly 1, k1 exactly 0, and the sampler's experts
-    and gate weights are the trainer's, on every token."""
+    and gate weights are the trainer's, on every token (`impl`: the trainer's fused
+    log-prob row)."""
     attn = r.prompt_mask_BxS | r.completion_mask_BxS
     lp, _, aux = policy_logprobs(params, r.tokens_BxS, attn, m, temperature=temperature,
-                                 replay_BxTxLxK=r.routes_mu_BxSxLxK[:, :-1] if replay else None)
+                                 replay_BxTxLxK=r.routes_mu_BxSxLxK[:, :-1] if replay else None,
+                                 impl=impl)
     comp = np.asarray(r.completion_mask_BxS[:, 1:])
     mu, pi = np.asarray(r.logp_mu_BxS[:, 1:])[comp], np.asarray(lp)[comp]
     assert comp.sum() > 20 and np.array_equal(mu, pi), np.abs(mu - pi).max()
@@ -294,6 +297,46 @@ def test_a_pallas_grouped_matmul_keeps_it_bitwise(monkeypatch):
     assert sampled >= 6  # 3 per layer, prefill and decode step traced
     _assert_bitwise(params, r, m, 1.0)
     assert len(KERNEL_CALLS) > sampled
+
+
+def pallas_logprob(hidden, unembed, targets, interpret=False, **kw):
+    """The Pallas fused log-prob as a row of LOGPROB_IMPLS registered for the test below
+    (the TPU lowering interpreted on a CPU); each trace is counted, by form: "dist" (the
+    sampler's whole distribution) or "fused" (the trainer's op)."""
+    del interpret
+    KERNEL_CALLS.append("dist" if targets is None else "fused")
+    target = "gpu" if jax.default_backend() == "gpu" else "tpu"
+    return fused_logprob.pallas(hidden, unembed, targets, target=target, interpret=ON_CPU,
+                                **kw)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sampler", [ro.sample, continuous.sample], ids=["static", "continuous"])
+def test_a_pallas_fused_logprob_keeps_it_bitwise(monkeypatch, sampler):
+    """With the Pallas fused log-prob as rl.logprob_impl (a batch-invariant row), the
+    sampler draws every token from the kernel's whole distribution and the trainer scores
+    with the fused kernel (its own gradient, no per-row tiles), and the two agree bit for
+    bit in bfloat16 at temperature 0.7; blocks of 16 tokens, 2 vocabulary splits of 2
+    tiles of 16 and a D loop of 2 slices."""
+    monkeypatch.setitem(LOGPROB_IMPLS, "pallas_here", LogprobImpl(
+        f"{__name__}:pallas_logprob", ("cpu", "gpu"), blocks=LogprobBlocks(
+            tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=32, bwd_tokens=16,
+            bwd_vocab=16), pallas=True, invariant=True))
+    KERNEL_CALLS.clear()
+    m = _model("bfloat16")
+    sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise", temperature=0.7)
+    prompts, pmask = _prompts(b=8, seed=4)
+    params = tf.init_params(jax.random.key(0), m)
+    r = sampler(params, prompts, pmask, jax.random.key(1), m, sampling,
+                nx.of_sampling(sampling, 0), eos_id=EOS_ID, pad_id=PAD_ID,
+                logprob_impl="pallas_here")
+    assert set(KERNEL_CALLS) == {"dist"}
+    _assert_bitwise(params, r, m, 0.7, impl="pallas_here")
+    assert KERNEL_CALLS.count("fused") == 1
+    # The default row samples otherwise (the kernel's tiles are not the row tiles').
+    r_tiles = sampler(params, prompts, pmask, jax.random.key(1), m, sampling,
+                      nx.of_sampling(sampling, 0), eos_id=EOS_ID, pad_id=PAD_ID)
+    assert not np.array_equal(np.asarray(r_tiles.logp_mu_BxS), np.asarray(r.logp_mu_BxS))
 
 
 def test_values_come_from_the_tiles_and_the_gradient_from_the_reference_at_their_routes():

@@ -2,6 +2,8 @@
 libtpu installed (the `tpu` extra; tests marked `tpu`, run by .ci/run) — a 2-layer
 paper-preset update step and the Pallas kernels compiled for a v5p-8, the update's
 per-chip memory checked against the analytic account of `aot_helpers.update_memory_bound`."""
+import re
+
 import pytest
 from aot_helpers import expert_weight_gathers, update_memory_bound
 
@@ -226,24 +228,33 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numeric
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("gmm_impl", ["pallas_tpu", "megablox"])
-def test_the_bitwise_decode_step_runs_an_invariant_grouped_matmul_on_v5p_8(gmm_impl):
+@pytest.mark.parametrize("gmm_impl,logprob_impl", [("pallas_tpu", "chunked"),
+                                                  ("megablox", "chunked"),
+                                                  ("megablox", "pallas_tpu")])
+def test_the_bitwise_decode_step_runs_the_invariant_kernels_on_v5p_8(gmm_impl, logprob_impl):
     """Under `bitwise` the per-token expert FFN runs the model's grouped matmul where its
     row is batch-invariant (the Pallas kernel: the decode loop calls Mosaic) and the
-    reference `loop` where it is not (megablox: no Mosaic call in the decode loop, whose
-    attention is the per-token path's); the sample step compiles for a v5p-8 either
-    way."""
+    reference `loop` where it is not (megablox); the sampler draws from the trainer's
+    fused log-prob kernel where its row is batch-invariant (pallas_tpu: Mosaic again),
+    else from the row tiles. No other Mosaic call is in the decode loop (its attention is
+    the per-token path's); the sample step compiles for a v5p-8 every way."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
 
     from stablerl_jax.pod import hlo_loops
     cfg = presets.preset("paper", CI_OVERRIDES + [
         "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
-        "model.top_k=2", "sampling.numerics=bitwise", f"model.gmm_impl={gmm_impl}"])
+        "model.top_k=2", "sampling.numerics=bitwise", f"model.gmm_impl={gmm_impl}",
+        f"rl.logprob_impl={logprob_impl}"])
     c = aot.compile_step(aot.engine_for(cfg, aot.topology("v5p-8")), "sample")
     module = hlo_loops.Module(c.hlo)
     body = module.instructions_under(hlo_loops.decode_loop(module).body)
-    mosaic = [i for i in body if i.opcode == "custom-call" and "tpu_custom_call" in i.attrs]
-    assert bool(mosaic) == (gmm_impl == "pallas_tpu"), [i.attrs[:80] for i in mosaic]
+    # A Mosaic call's op_name says which loops hold it: the log-prob kernels (statistics,
+    # then the distribution) run once per decode step, the grouped matmul in the layer
+    # loop inside it.
+    depth = [re.search(r'op_name="([^"]*)"', i.attrs).group(1).count("while/body")
+             for i in body if i.opcode == "custom-call" and "tpu_custom_call" in i.attrs]
+    assert depth.count(1) == (2 if logprob_impl == "pallas_tpu" else 0), depth
+    assert bool([d for d in depth if d > 1]) == (gmm_impl == "pallas_tpu"), depth
 
 
 @pytest.mark.tpu
