@@ -365,6 +365,15 @@ def on_mesh(fn, mesh, rules=None):
     return run
 
 
+def row_splits(mesh, rules=None) -> int:
+    """How many parts `on_mesh` splits the rows into (1 without a mesh): a call's rows
+    must be a multiple of it."""
+    if mesh is None or mesh.size == 1:
+        return 1
+    return math.prod(mesh.shape[a] for a in batch_axes(
+        mesh, sharding.RULES if rules is None else rules))
+
+
 def _divides(b: int, mesh, axes):
     dp = math.prod(mesh.shape[a] for a in axes)
     if b % dp:

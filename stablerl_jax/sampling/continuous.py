@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from stablerl_jax.config import ModelConfig, SamplingConfig
+from stablerl_jax.model import invariant
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.sampling import rollout as rollout_lib
@@ -242,8 +243,12 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         return ~st["q"].finished_I & ~st["started"]
 
     def refill(st):
-        """The lowest free slot takes the next pending response (one 1-row prefill)."""
-        return prefill(st, jnp.argmax(pending(st))[None], jnp.argmax(st["done"])[None])
+        """The lowest free slot takes the next pending response (one 1-row prefill; with
+        batch-invariant numerics on a mesh, whose devices each prefill their own rows,
+        the row repeated once per data-parallel device: the copies write the same bits)."""
+        copies = invariant.row_splits(mesh) if cfg.batch_invariant else 1
+        return prefill(st, jnp.full((copies,), jnp.argmax(pending(st))),
+                       jnp.full((copies,), jnp.argmax(st["done"])))
 
     def wanted(st):
         return groups_complete(st["q"]) < need

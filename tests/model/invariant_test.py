@@ -451,17 +451,24 @@ def test_bitwise_turns_on_batch_invariance_and_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("rl", [{}, {"pack_tokens": 48, "pack_rows": 2},
                                 {"num_minibatches": 1, "score_in_update": True},
                                 {"max_staleness": 1, "old_policy": "behavior"},
-                                {"microbatches": 2}, {"mesh": (2, 1, 2)}],
+                                {"microbatches": 2}, {"mesh": (2, 1, 2)},
+                                {"logprob_impl": "pallas_here", "max_staleness": 1,
+                                 "old_policy": "behavior", "mesh": (2, 1, 2)}],
                          ids=["padded", "packed", "score_in_update", "partial_rollouts",
-                              "microbatches", "mesh"])
-def test_a_bitwise_run_records_zero_mismatch(tmp_path, rl):
+                              "microbatches", "mesh", "pallas_logprob_partial_mesh"])
+def test_a_bitwise_run_records_zero_mismatch(tmp_path, monkeypatch, rl):
     """A whole RL run (bf16 compute, R3; two mini-batches, packed scoring and update, the
-    score pass inside the update, micro-batches, or 4 devices): every step's logged
-    mismatch is exactly zero and
-    every IS weight exactly 1. Under partial rollouts each token against π_old of the
-    version that drew it."""
+    score pass inside the update, micro-batches, 4 devices, or the Pallas fused log-prob
+    under partial rollouts on 4 devices): every step's logged mismatch is exactly zero
+    and every IS weight exactly 1. Under partial rollouts each token against π_old of
+    the version that drew it."""
     from stablerl_jax.rl import loop
     from stablerl_jax.runs.metrics_io import read_metrics
+    monkeypatch.setitem(LOGPROB_IMPLS, "pallas_here", LogprobImpl(
+        f"{__name__}:pallas_logprob", ("cpu", "gpu"), blocks=LogprobBlocks(
+            tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=32, bwd_tokens=16,
+            bwd_vocab=16), pallas=True, invariant=True))
+    KERNEL_CALLS.clear()
     base = tiny_cfg(steps=2, replay="r3", **rl)
     cfg = dataclasses.replace(
         base, model=dataclasses.replace(base.model, compute_dtype="bfloat16"),
@@ -473,6 +480,8 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, rl):
     for r in rows:
         assert r["mismatch/abs_logp_gap_max"] == 0.0 and r["routing/mismatch_rate"] == 0.0
         assert r["is/weight_max"] == r["is/weight_min"] == 1.0, r
+    if rl.get("logprob_impl"):
+        assert {"dist", "fused"} <= set(KERNEL_CALLS)
 
 
 @pytest.mark.integration
