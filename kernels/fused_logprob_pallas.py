@@ -12,12 +12,18 @@ Every kernel computes a logit tile z = h U[:, tile] as a matmul K loop over D in
 slices (float32 accumulation) and consumes it in registers.
 
 Forward, grid (T/Bt, splits): program (i, j) streams `tiles` vocab tiles of its token
-block through an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z). Logits
-never leave the program. With splits > 1 (more programs than token blocks alone give) a
-small combine in JAX merges the partial statistics ([splits, T], not [T, V]):
+block through an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z) and picks
+the target's logit z_y out of the tile that holds it. Logits never leave the program.
+With splits > 1 (more programs than token blocks alone give) a small combine in JAX
+merges the partial statistics ([splits, T], not [T, V]):
 
     m* = max_j m_j,  s* = Σ_j s_j e^{m_j − m*},  lse = m* + log s*,
-    E_p[z] = Σ_j sz_j e^{m_j − m*} / s*
+    E_p[z] = Σ_j sz_j e^{m_j − m*} / s*,  z_y = Σ_j zy_j (one nonzero term)
+
+Distribution (`logprobs_pallas`, what a sampler draws from): the same grid and blocks
+again, each logit tile recomputed and written as z − lse, [T, V]. A token's numbers come
+from its own row of fixed tiles in a fixed order, so they do not depend on the other
+rows of the call, and its entry at a target is the forward's z_y − lse bit for bit.
 
 Backward, from the saved lse and E_p[z], a `lax.scan` over J vocab chunks of W =
 `block.bwd_chunk` columns. Per chunk the dz kernel, grid (T/Bt, W/Bv), recomputes each
