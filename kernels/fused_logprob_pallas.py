@@ -51,6 +51,7 @@ looks at the platform.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -196,9 +197,40 @@ def _col(x_T, tp, dtype=jnp.float32):
     return jnp.pad(x_T.astype(dtype), (0, tp - x_T.shape[0]))[:, None]
 
 
-def _forward_grid(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
-    """The forward grid's padded operands and sizes: (h, w, bt, bv, bd, tiles, splits, tp,
-    triton)."""
+class _Grid(NamedTuple):
+    """The forward grid: padded operands h [Tp, Dp], w [Dp, Vp], and its sizes."""
+
+    h: jax.Array
+    w: jax.Array
+    t: int
+    v: int
+    bt: int
+    bv: int
+    bd: int
+    tiles: int
+    splits: int
+    tp: int
+    triton: bool
+    interpret: bool
+
+    def call(self, kernel, out_specs, out_shape, block, *cols):
+        """pallas_call of `kernel` over the grid: program (i, j) reads token block i,
+        vocab split j (`tiles` tiles of Bv columns) and the [Bt, 1] blocks of `cols`."""
+        row = pl.BlockSpec((self.bt, 1), lambda i, j: (i, 0))
+        dp = self.h.shape[1]
+        return pl.pallas_call(
+            kernel,
+            grid=(self.tp // self.bt, self.splits),
+            in_specs=[pl.BlockSpec((self.bt, dp), lambda i, j: (i, 0)),
+                      pl.BlockSpec((dp, self.tiles * self.bv), lambda i, j: (0, j))]
+            + [row] * len(cols),
+            out_specs=out_specs, out_shape=out_shape,
+            compiler_params=_params(block, self.triton),
+            interpret=_interp(self.interpret),
+        )(self.h, self.w, *cols)
+
+
+def _forward_grid(hidden_TxD, unembed_DxV, block, target: str, interpret: bool) -> _Grid:
     t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
     bt, bv = block.tokens, block.vocab
     tiles = min(block.vocab_tiles, -(-v // bv))
@@ -207,38 +239,20 @@ def _forward_grid(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
     triton = _triton(target, interpret)
     _check_mosaic(block, hidden_TxD.shape[1], target, interpret)
     h, w, bd = _padded(hidden_TxD, unembed_DxV, tp, vp, block.dim, triton)
-    return h, w, bt, bv, bd, tiles, splits, tp, triton
+    return _Grid(h, w, t, v, bt, bv, bd, tiles, splits, tp, triton, interpret)
 
 
-def _forward_specs(h, bt, bv, tiles):
-    """The forward grid's operand blocks: program (i, j) reads token block i and vocab
-    split j (`tiles` tiles of Bv columns)."""
-    return [pl.BlockSpec((bt, h.shape[1]), lambda i, j: (i, 0)),
-            pl.BlockSpec((h.shape[1], tiles * bv), lambda i, j: (0, j))]
-
-
-def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, target: str, interpret: bool):
-    """(lse_T, E_p[z]_T, z_y_T), float32, via the forward kernel; z_y is the target's
-    logit from the kernel's own logit tile."""
-    t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
-    h, w, bt, bv, bd, tiles, splits, tp, triton = _forward_grid(
-        hidden_TxD, unembed_DxV, block, target, interpret)
-    part = jax.ShapeDtypeStruct((splits * tp, 1), jnp.float32)
+def _stats(g: _Grid, targets_T, block):
+    """(lse_T, E_p[z]_T, z_y_T) on the grid's padded operands (`stats_pallas`)."""
+    part = jax.ShapeDtypeStruct((g.splits * g.tp, 1), jnp.float32)
     # Partial statistics of program (i, j) land in rows [j·Tp + i·Bt, +Bt).
-    out_block = pl.BlockSpec((bt, 1), lambda i, j: (j * (tp // bt) + i, 0))
-    kernel = functools.partial(_fwd_kernel, v=v, bv=bv, bd=bd, tiles=tiles,
-                               ragged=splits * tiles * bv != v)
-    m, s, sz, zy = pl.pallas_call(
-        kernel,
-        grid=(tp // bt, splits),
-        in_specs=_forward_specs(h, bt, bv, tiles) + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))],
-        out_specs=[out_block] * 4,
-        out_shape=[part] * 4,
-        compiler_params=_params(block, triton),
-        interpret=_interp(interpret),
-    )(h, w, _col(targets_T, tp, jnp.int32))
-    m, s, sz, zy = (x.reshape(splits, tp)[:, :t] for x in (m, s, sz, zy))
-    if splits == 1:
+    out_block = pl.BlockSpec((g.bt, 1), lambda i, j: (j * (g.tp // g.bt) + i, 0))
+    kernel = functools.partial(_fwd_kernel, v=g.v, bv=g.bv, bd=g.bd, tiles=g.tiles,
+                               ragged=g.splits * g.tiles * g.bv != g.v)
+    m, s, sz, zy = g.call(kernel, [out_block] * 4, [part] * 4, block,
+                          _col(targets_T, g.tp, jnp.int32))
+    m, s, sz, zy = (x.reshape(g.splits, g.tp)[:, :g.t] for x in (m, s, sz, zy))
+    if g.splits == 1:
         return m[0] + jnp.log(s[0]), sz[0] / s[0], zy[0]
     big = jnp.max(m, axis=0)
     scale = jnp.exp(m - big)
@@ -247,26 +261,26 @@ def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, target: str, interpr
     return big + jnp.log(total), jnp.sum(sz * scale, axis=0) / total, jnp.sum(zy, axis=0)
 
 
+def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, target: str, interpret: bool):
+    """(lse_T, E_p[z]_T, z_y_T), float32, via the forward kernel; z_y is the target's
+    logit from the kernel's own logit tile."""
+    return _stats(_forward_grid(hidden_TxD, unembed_DxV, block, target, interpret),
+                  targets_T, block)
+
+
 def logprobs_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
     """log softmax(h U) over the whole vocabulary, float32 [T, V]: `stats_pallas`'s lse,
-    then the logits again on the forward grid. Every entry carries the bits of the
-    forward kernel's (z, lse), so the log-prob `stats_pallas` gives a target (z_y − lse)
-    is this array's entry at the target: what a sampler drawing from it records."""
-    t, v = hidden_TxD.shape[0], unembed_DxV.shape[1]
-    lse_T = stats_pallas(hidden_TxD, unembed_DxV, jnp.zeros((t,), jnp.int32), block, target,
-                         interpret)[0]
-    h, w, bt, bv, bd, tiles, splits, tp, triton = _forward_grid(
-        hidden_TxD, unembed_DxV, block, target, interpret)
-    logp = pl.pallas_call(
-        functools.partial(_logp_kernel, bv=bv, bd=bd, tiles=tiles),
-        grid=(tp // bt, splits),
-        in_specs=_forward_specs(h, bt, bv, tiles) + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))],
-        out_specs=pl.BlockSpec((bt, tiles * bv), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((tp, w.shape[1]), jnp.float32),
-        compiler_params=_params(block, triton),
-        interpret=_interp(interpret),
-    )(h, w, _col(lse_T, tp))
-    return logp[:t, :v]
+    then the logits again on the same grid and padded operands. Every entry carries the
+    bits of the forward kernel's (z, lse), so the log-prob `stats_pallas` gives a target
+    (z_y − lse) is this array's entry at the target: what a sampler drawing from it
+    records."""
+    g = _forward_grid(hidden_TxD, unembed_DxV, block, target, interpret)
+    lse_T = _stats(g, jnp.zeros((g.t,), jnp.int32), block)[0]
+    logp = g.call(functools.partial(_logp_kernel, bv=g.bv, bd=g.bd, tiles=g.tiles),
+                  pl.BlockSpec((g.bt, g.tiles * g.bv), lambda i, j: (i, j)),
+                  jax.ShapeDtypeStruct((g.tp, g.w.shape[1]), jnp.float32), block,
+                  _col(lse_T, g.tp))
+    return logp[:g.t, :g.v]
 
 
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,
