@@ -15,7 +15,9 @@ decoder computes every token in a way that is fixed by the token alone:
   fenced by optimization barriers so no surrounding op fuses into it; a row's result then
   depends only on its own inputs (rows padded or grouped differently, or placed at a
   different offset in the tile, give the same bits: tests/model/invariant_test.py checks each
-  such reliance).
+  such reliance). Where RLConfig.logprob_impl names a batch-invariant row of
+  LOGPROB_IMPLS (the Pallas kernels), both engines run that kernel for the vocabulary
+  log-softmax instead (`vocab_kernel`).
 - Attention (`attend`) walks each query's keys in blocks of KEY_BLOCK *positions*
   (counted from the sequence's first real token, not from its slot), with an online
   softmax in float32. A block past the query's position is skipped (`lax.cond`), and a
