@@ -246,7 +246,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
                                              "mesh", "logprob_impl"))
 def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id, mesh,
-            logprob_impl):
+            logprob_impl="chunked"):
     b = prompts.shape[0]
     n = b // sampling.max_batch if sampling.max_batch else 1
     prepared = nx.prepare_params(params, numerics)
