@@ -310,6 +310,16 @@ def pallas_logprob(hidden, unembed, targets, interpret=False, **kw):
                                 **kw)
 
 
+def _register_pallas_logprob(monkeypatch):
+    """`pallas_logprob` as the batch-invariant row "pallas_here": blocks of 16 tokens,
+    2 vocabulary splits of 2 tiles of 16, a D loop of 2 slices; its traces counted anew."""
+    monkeypatch.setitem(LOGPROB_IMPLS, "pallas_here", LogprobImpl(
+        f"{__name__}:pallas_logprob", ("cpu", "gpu"), blocks=LogprobBlocks(
+            tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=32, bwd_tokens=16,
+            bwd_vocab=16), pallas=True, invariant=True))
+    KERNEL_CALLS.clear()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("sampler", [ro.sample, continuous.sample], ids=["static", "continuous"])
 def test_a_pallas_fused_logprob_keeps_it_bitwise(monkeypatch, sampler):
@@ -318,11 +328,7 @@ def test_a_pallas_fused_logprob_keeps_it_bitwise(monkeypatch, sampler):
     with the fused kernel (its own gradient, no per-row tiles), and the two agree bit for
     bit in bfloat16 at temperature 0.7; blocks of 16 tokens, 2 vocabulary splits of 2
     tiles of 16 and a D loop of 2 slices."""
-    monkeypatch.setitem(LOGPROB_IMPLS, "pallas_here", LogprobImpl(
-        f"{__name__}:pallas_logprob", ("cpu", "gpu"), blocks=LogprobBlocks(
-            tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=32, bwd_tokens=16,
-            bwd_vocab=16), pallas=True, invariant=True))
-    KERNEL_CALLS.clear()
+    _register_pallas_logprob(monkeypatch)
     m = _model("bfloat16")
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise", temperature=0.7)
     prompts, pmask = _prompts(b=8, seed=4)
@@ -464,11 +470,7 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, monkeypatch, rl):
     the version that drew it."""
     from stablerl_jax.rl import loop
     from stablerl_jax.runs.metrics_io import read_metrics
-    monkeypatch.setitem(LOGPROB_IMPLS, "pallas_here", LogprobImpl(
-        f"{__name__}:pallas_logprob", ("cpu", "gpu"), blocks=LogprobBlocks(
-            tokens=16, vocab=16, vocab_tiles=2, dim=16, bwd_chunk=32, bwd_tokens=16,
-            bwd_vocab=16), pallas=True, invariant=True))
-    KERNEL_CALLS.clear()
+    _register_pallas_logprob(monkeypatch)
     base = tiny_cfg(steps=2, replay="r3", **rl)
     cfg = dataclasses.replace(
         base, model=dataclasses.replace(base.model, compute_dtype="bfloat16"),
