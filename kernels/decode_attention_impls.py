@@ -20,9 +20,13 @@ class DecodeImpl(Impl):
     """A row of DECODE_IMPLS. ragged: it reads each row's own key blocks only, of a
     head-major ('bksd') cache in blocks of model.decode_block (the config requires both
     for it), and the sampler's schedules are priced per row for it
-    (schedule_prices.SamplerPrices)."""
+    (schedule_prices.SamplerPrices). tokens: its per-token attention, whose results
+    depend on each query alone (decode_attention_pallas.tokens' contract), which both
+    engines run under batch-invariant numerics (model/invariant.py); None: they run
+    `invariant.attend`'s own blocks."""
 
     ragged: bool = False
+    tokens: Impl | None = None
 
 
 _OP = "stablerl_jax.kernels.decode_attention"
@@ -32,7 +36,9 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
     # The ragged Pallas kernel (decode_attention_pallas.py) compiled by Mosaic: each row
     # reads its own blocks only.
     "pallas_tpu": DecodeImpl(f"{_OP}_pallas:pallas", ("tpu",), {"target": "tpu"},
-                             pallas=True, ragged=True),
+                             pallas=True, ragged=True,
+                             tokens=Impl(f"{_OP}_pallas:tokens", ("tpu",), {"target": "tpu"},
+                                         pallas=True)),
 }
 
 

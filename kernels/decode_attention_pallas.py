@@ -1,5 +1,8 @@
 """Ragged decode attention as a Pallas kernel for TPU: each row reads only its own key
-blocks. The implementation of the row "pallas_tpu" of decode_attention_impls.DECODE_IMPLS.
+blocks. The implementation of the row "pallas_tpu" of decode_attention_impls.DECODE_IMPLS;
+`tokens` below is that row's per-token kernel, which both engines run under
+batch-invariant numerics (its blocks are counted in positions from each sequence's
+start, one program per query).
 
 Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots,
 X slots of one block, L layers (a stacked cache).
@@ -137,3 +140,156 @@ def pallas(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str
         interpret=pltpu.InterpretParams(out_of_bounds_reads="raise",
                                         uninitialized_memory="nan") if interpret else False,
     )(last_B, layer_1, q_BxKVxHgxDh, mask_Bx1xS, k, v)
+
+
+ALIGN = 32  # slots: a whole tile of the cache's slot axis for 32-, 16- and 8-bit types
+
+
+def _window(block: int) -> int:
+    """The slots one block's copy spans: `block` rounded up to ALIGN, plus ALIGN."""
+    return -(-block // ALIGN) * ALIGN + ALIGN
+
+
+def cache_slots(length: int, block: int) -> int:
+    """The key slots `tokens` needs for `length`: a multiple of ALIGN, at least one
+    block's copy (`_window`)."""
+    return max(-(-length // ALIGN) * ALIGN, _window(block))
+
+
+def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm,
+                  out_ref, k_buf, v_buf, mask_buf, sem, *, block: int, s: int, stacked: bool):
+    """Program i: query i over the keys of positions 0 … pos[i] of its sequence, in
+    blocks of X positions counted from the sequence's first slot start[i] (`tokens`)."""
+    i = pl.program_id(0)
+    pos, row, start = pos_ref[i], row_ref[i], start_ref[i]
+    n = jax.lax.div(pos, block) + 1
+    kv, g, dh = q_ref.shape
+    acc = accum_dtype(q_ref.dtype)
+    scale = dh ** -0.5
+    # The mask from the sequence's first slot on: mask_buf[0, p] is the slot of position p
+    # (mask_ref is zero-padded so that no position up to pos wraps around).
+    width = mask_ref.shape[-1]
+    mask_buf[...] = pltpu.roll(mask_ref[...], jax.lax.rem(width - start, width), 1)
+
+    window = k_buf.shape[2]  # _window(X) slots
+
+    def first(j):
+        """Where block j's copy starts (a multiple of ALIGN, inside the cache) and how
+        far past it the block's first key sits."""
+        want = start + j * block
+        at = jnp.minimum(jax.lax.div(want, ALIGN) * ALIGN, s - window)
+        return pl.multiple_of(at, ALIGN), want - at
+
+    at_row = (layer_ref[0], row) if stacked else (row,)
+
+    def copies(j, slot):
+        return [pltpu.make_async_copy(src.at[(*at_row, slice(None), pl.ds(first(j)[0], window))],
+                                      buf.at[slot], sem.at[c, slot])
+                for c, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+    for c in copies(0, 0):
+        c.start()
+
+    def body(j, carry):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < n)
+        def _():
+            for c in copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in copies(j, slot):
+            c.wait()
+        # The copy starts at or before the block's first key: rotating it back by the
+        # offset puts each key where the block's own tile has it (keys that wrap around
+        # sit past pos, or past the cache, and are masked), so the tile is the same in
+        # any cache.
+        # (Mosaic rotates 32-bit words only: a narrower type rotates as float32, exactly.)
+        back = jax.lax.rem(window - first(j)[1], window)
+        dt = k_buf.dtype
+        wide = jnp.float32 if dt.itemsize < 4 else dt
+        k_blk, v_blk = (pltpu.roll(buf[slot].astype(wide), back, 1)[:, :block].astype(dt)
+                        for buf in (k_buf, v_buf))
+        kpos = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        allowed = (kpos <= pos) & (
+            mask_buf[:, pl.ds(pl.multiple_of(j * block, block), block)] != 0)
+        out = []
+        for h in range(kv):  # as _kernel: [Hg, Dh] · [X, Dh]ᵀ per kv head
+            m, l, o = carry[h]
+            scores = jax.lax.dot_general(
+                q_ref[h], k_blk[h], (((1,), (1,)), ((), ())), preferred_element_type=acc,
+                precision=kernel_precision(q_ref.dtype)) * scale
+            scores = jnp.where(allowed, scores, MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+            p = jnp.where(allowed, jnp.exp(scores - m_new), 0)
+            corr = jnp.exp(m - m_new)
+            pv = jax.lax.dot_general(p.astype(q_ref.dtype), v_blk[h],
+                                     (((1,), (0,)), ((), ())), preferred_element_type=acc,
+                                     precision=kernel_precision(q_ref.dtype))
+            out.append((m_new, l * corr + jnp.sum(p, axis=-1, keepdims=True),
+                        o * corr + pv))
+        return tuple(out)
+
+    init = tuple((jnp.full((g, 1), MASK_VALUE, acc), jnp.zeros((g, 1), acc),
+                  jnp.zeros((g, dh), acc)) for _ in range(kv))
+    final = jax.lax.fori_loop(0, n, body, init)
+    for h, (_, l, o) in enumerate(final):
+        out_ref[h] = (o / jnp.where(l > 0, l, 1)).astype(out_ref.dtype)
+
+
+def tokens(q_NxKVxHgxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, block: int,
+           layer=None, target: str = "tpu", interpret: bool = False):
+    """Per-token attention whose every result is fixed by its query alone (the
+    batch-invariant numerics of model/invariant.py, where the contract is `attend`'s):
+    query n, of row row_N[n] whose position 0 sits at slot start_N[n], attends to the
+    slots start … start + pos_N[n] that the key mask marks real, by the online softmax
+    over blocks of X = `block` *positions* from the sequence's start, one program per
+    query. Every query then meets the same tiles in a decode step, a prefill and the
+    training forward, whatever the cache's length, the padding, the packing or the other
+    queries of the call, and blocks past pos are never read.
+
+    A block's keys are copied as _window(X) slots (X rounded up to ALIGN, plus ALIGN)
+    from a multiple of ALIGN at or before its first key (a DMA's offset along the tiled
+    slot axis must be whole tiles), or from the cache's last window where that would run
+    past it, and rotated into place (pltpu.roll). k, v: one layer's head-major cache
+    [B, KV, S, Dh], or with `layer` the stacked [L, B, KV, S, Dh] cache read in place at
+    that layer; S a multiple of ALIGN of at least one window (`cache_slots`: init_cache
+    allocates that many, and model/invariant.py pads the training forward's keys to
+    it). Returns [N, KV, Hg, Dh] in q's dtype; a query with no real key gets zeros."""
+    if target != "tpu":
+        raise ValueError(f"decode_attention tokens: target={target!r}; only 'tpu' is built")
+    n, kv, g, dh = q_NxKVxHgxDh.shape
+    s = k.shape[-2]
+    stacked = layer is not None
+    if s != cache_slots(s, block):
+        raise ValueError(f"decode_attention tokens: {s} key slots; the kernel needs a "
+                         f"multiple of {ALIGN} of at least {_window(block)} "
+                         f"(cache_slots)")
+    dtype = q_NxKVxHgxDh.dtype
+    if k.dtype != dtype:
+        k, v = k.astype(dtype), v.astype(dtype)
+    # Zero slots after the mask so that rolling a row to its start wraps no real slot
+    # into positions 0 … pos, and whole blocks of lanes.
+    width = -(-(s + block) // 128) * 128
+    mask_Bx1xW = jnp.pad(key_mask_BxS.astype(jnp.int32), ((0, 0), (0, width - s)))[:, None]
+    query = lambda i, *_: (i, 0, 0, 0)
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=(n,),
+        in_specs=[pl.BlockSpec((None, kv, g, dh), query),
+                  pl.BlockSpec((None, 1, width), lambda i, pos, row, *_: (row[i], 0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, kv, g, dh), query),
+        scratch_shapes=[pltpu.VMEM((2, kv, _window(block), dh), dtype),
+                        pltpu.VMEM((2, kv, _window(block), dh), dtype),
+                        pltpu.VMEM((1, width), jnp.int32),
+                        pltpu.SemaphoreType.DMA((2, 2))])
+    kernel = functools.partial(_token_kernel, block=block, s=s, stacked=stacked)
+    as_i32 = lambda a: jnp.asarray(a, jnp.int32)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((n, kv, g, dh), dtype), grid_spec=spec,
+        compiler_params=None if interpret else pltpu.CompilerParams(
+            dimension_semantics=("parallel",)),
+        interpret=pltpu.InterpretParams(out_of_bounds_reads="raise",
+                                        uninitialized_memory="nan") if interpret else False,
+    )(as_i32(pos_N), as_i32(row_N), as_i32(start_N),
+      jnp.reshape(as_i32(0 if layer is None else layer), (1,)), q_NxKVxHgxDh, mask_Bx1xW, k, v)

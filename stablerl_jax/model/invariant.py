@@ -53,7 +53,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
-from stablerl_jax.kernels import lookup
+from stablerl_jax.kernels import decode_attention_pallas, lookup
+from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from stablerl_jax.model import expert_parallel, moe
@@ -61,6 +62,7 @@ from stablerl_jax.model import numerics as nx
 
 ROW_TILE = 32
 KEY_BLOCK = 32
+QUERY_CHUNK = 512  # queries per call of a per-token attention kernel
 
 
 def _fence(tree):
@@ -121,13 +123,66 @@ def first_slots(key_mask_BxS):
     return jnp.argmax(key_mask_BxS, axis=1).astype(jnp.int32)
 
 
+def token_attention(cfg):
+    """The attention both engines run for ModelConfig `cfg` when its
+    decode_attention_impl row has a per-token kernel (`tokens`): `kernel_attend` by that
+    kernel in blocks of cfg.decode_block positions; None: `attend`'s own blocks."""
+    row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
+    return None if row.tokens is None else functools.partial(
+        kernel_attend, row.tokens.load(), cfg.decode_block)
+
+
+def cache_slots(cfg, length: int) -> int:
+    """The KV cache slots a sampler allocates for `length` tokens: more where `cfg` runs
+    a per-token attention kernel that copies whole tiles of slots (its `cache_slots`)."""
+    if not cfg.batch_invariant or token_attention(cfg) is None:
+        return length
+    return decode_attention_pallas.cache_slots(length, cfg.decode_block)
+
+
+def kernel_attend(kernel, block: int, q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS,
+                  *, kv_heads: int, dtype, keys: str, layer=None):
+    """`attend` by a per-token kernel with decode_attention_pallas.tokens' contract, in
+    blocks of `block` positions: the keys head-major and padded to the slots the kernel
+    copies (a sampler's cache has them: init_cache), a stacked cache read in place, the
+    queries in chunks of at most QUERY_CHUNK (one program per query: a chunk's size
+    changes no result)."""
+    n, h, dh = q_NxHxDh.shape
+    if keys == "bskd":
+        k, v = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
+    s = k.shape[-2]
+    pad = decode_attention_pallas.cache_slots(s, block) - s
+    if pad:
+        k, v = (jnp.pad(c, [(0, 0)] * (c.ndim - 2) + [(0, pad), (0, 0)]) for c in (k, v))
+        key_mask_BxS = jnp.pad(key_mask_BxS, ((0, 0), (0, pad)))
+    if k.dtype != dtype:
+        k, v = k.astype(dtype), v.astype(dtype)
+    q = q_NxHxDh.astype(dtype).reshape(n, kv_heads, h // kv_heads, dh)
+    # A kernel is never differentiated (the trainer's gradient is the untiled layer's),
+    # so the chunks, unlike `rowwise`'s tiles, are not rematerialized.
+    chunk = min(n, QUERY_CHUNK)
+    pad = -n % chunk
+    chunks = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), mode="edge").reshape(
+        -1, chunk, *a.shape[1:])
+    out = jax.lax.map(lambda xs: kernel(*xs, k, v, key_mask_BxS, block=block, layer=layer),
+                      tuple(chunks(a) for a in (q, pos_N, row_N, start_N)))
+    return out.reshape(-1, h, dh)[:n]
+
+
 def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int,
-           dtype, keys: str = "bskd", tile: int = ROW_TILE):
+           dtype, keys: str = "bskd", tile: int = ROW_TILE, layer=None, kernel=None):
     """softmax(q kᵀ / √Dh) v for each query row over the keys at positions 0..pos of its
     sequence (module docstring). k, v: [B, S, KV, Dh] (keys "bskd") or [B, KV, S, Dh]
     ("bksd"); query n belongs to row row_N[n], whose position 0 is at slot start_N[n];
     the key at position p sits at slot start + p and counts if key_mask says it is real.
-    A query with no real key gets 0. Returns [N, H, Dh] in `dtype`."""
+    A query with no real key gets 0. Returns [N, H, Dh] in `dtype`. `layer`: k, v are a
+    stacked cache [L, ...] and this is the layer to read. `kernel`: a per-token kernel
+    computes it instead, in its own blocks (`token_attention`)."""
+    if kernel is not None:
+        return kernel(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS,
+                      kv_heads=kv_heads, dtype=dtype, keys=keys, layer=layer)
+    if layer is not None:
+        k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k, v))
     n, h, dh = q_NxHxDh.shape
     g = h // kv_heads
     s = k.shape[keys.index("s")]
@@ -314,10 +369,11 @@ def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT
     """The decoder layer of `transformer.forward` (same carry and outputs) computed per
     token (module docstring). `put_cache(index, b, kv, k_BxTxKVxDh, v_BxTxKVxDh,
     layer)` writes this call's keys and values into the cache carried in `kv` at
-    `cache_index` (a scalar, or [B]) for `b` rows and returns (kv, k, v, keys): the
-    updated cache and this layer's key and value arrays in layout `keys`; None without
-    a cache. `trace`: also output the residual stream after attention and after the
-    block (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
+    `cache_index` (a scalar, or [B]) for `b` rows and returns (kv, k, v, keys, layer):
+    the updated cache and this layer's key and value arrays in layout `keys` (the stacked
+    cache's, read at index `layer`, where that is not None); None without a cache.
+    `trace`: also output the residual stream after attention and after the block
+    (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
     cache): a token's position 0 is its segment's first slot. `router_input(x, scale)`:
     the router's own normalized input (transformer.forward), None: the rounded one.
     `mesh` of more than one device: the layer runs under `shard_map`, each device on
@@ -467,11 +523,13 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
         q_N, k_N, v_N = rowwise(pre, x_BxTxD.reshape(n, d), pos_N, tile=cfg.row_tile)
         k_new, v_new = (a.reshape(b, t, kvh, dh) for a in (k_N, v_N))
         if put_cache is None:
-            k_src, v_src, keys = k_new, v_new, "bskd"
+            k_src, v_src, keys, stacked = k_new, v_new, "bskd", None
         else:
-            kv, k_src, v_src, keys = put_cache(ctx["index"], b, kv, k_new, v_new, layer_idx)
+            kv, k_src, v_src, keys, stacked = put_cache(ctx["index"], b, kv, k_new, v_new,
+                                                        layer_idx)
         o_N = attend(q_N, pos_N, row_N, start_N, k_src, v_src, key_mask_BxS, kv_heads=kvh,
-                     dtype=dtype, keys=keys, tile=cfg.row_tile)
+                     dtype=dtype, keys=keys, tile=cfg.row_tile, layer=stacked,
+                     kernel=token_attention(cfg))
         noise = nx.router_noise(numerics, layer_idx, positions_BxT, tokens_BxT,
                                 cfg.num_experts)
         noise_N = None if noise.ndim == 0 else noise.reshape(n, -1)

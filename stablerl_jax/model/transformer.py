@@ -107,10 +107,13 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> 
     cfg.kv_cache_layout 'bksd'), slot mask, write index. With cfg.unroll_layers, k and v
     are tuples of L per-layer buffers [B, S, KV, Dh] (or [B, KV, S, Dh]) instead: each
     layer then attends over its own buffer, which a decode step updates in place, where
-    a slice of the stacked buffer is a copy of that layer's whole cache on every step."""
+    a slice of the stacked buffer is a copy of that layer's whole cache on every step.
+    A per-token attention kernel's tiles may want a few slots more
+    (invariant.cache_slots): the cache then has them, never written."""
     if length > cfg.max_seq_len:
         raise ValueError(f"cache length {length} exceeds max_seq_len={cfg.max_seq_len}; "
                          "raise ModelConfig.max_seq_len or shorten prompt + max_new_tokens")
+    length = invariant.cache_slots(cfg, length)
     layer = {"b": batch, "s": length, "k": cfg.num_kv_heads, "d": cfg.head_dim}
     shape = tuple(layer[a] for a in cfg.kv_cache_layout)
     if cfg.unroll_layers:
@@ -336,16 +339,15 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
 def _put_cache(cfg: ModelConfig, index, b: int, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer):
     """The batch-invariant layer's cache write (invariant.decoder_layer): this call's keys
     and values written at `index` into the carried cache (stacked or one layer's buffers),
-    as `attention.attention` writes them. Returns (kv, k, v, layout) with k, v this
-    layer's whole buffers."""
+    as `attention.attention` writes them. Returns (kv, k, v, layout, layer): k, v this
+    layer's whole buffers, or the stacked buffers and `layer` its index in them (None
+    for per-layer buffers), which the attention reads in place."""
     keys = cfg.kv_cache_layout
     to_cache = (lambda x: x) if keys == "bskd" else (lambda x: jnp.swapaxes(x, 1, 2))
     own = kv[0].ndim == len(keys)
     put = att._cache_put(keys, index, None if own else layer, b)
     kv = tuple(att._write(c, to_cache(x), put) for c, x in zip(kv, (k_BxTxKVxDh, v_BxTxKVxDh)))
-    k, v = kv if own else (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
-                           for c in kv)
-    return kv, k, v, keys
+    return (kv, *kv, keys, None if own else layer)
 
 
 def _experts_fn(cfg: ModelConfig, gmm, mesh, rules, decode: bool):

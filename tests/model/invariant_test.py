@@ -3,6 +3,7 @@ experts and gate weights equal the trainer's bit for bit, whatever the call shap
 the XLA behaviours that rests on, each tested on its own."""
 import dataclasses
 
+import bitwise_helpers as bw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,61 +184,17 @@ def test_an_exchanged_expert_row_is_one_devices(dtype, gmm):
 
 # --- the sampler against the trainer ------------------------------------------------
 
-def _model(dtype, **kw):
-    return dataclasses.replace(tiny_cfg().model, compute_dtype=dtype, init_std=0.2,
-                               batch_invariant=True, **kw)
-
-
-def _prompts(b=6, p=7, seed=0):
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(2, p - 1, b)
-    prompts, pmask = np.zeros((b, p), np.int32), np.zeros((b, p), bool)
-    for i, n in enumerate(lens):
-        prompts[i, p - n:] = rng.integers(4, 64, n)
-        pmask[i, p - n:] = True
-    return jnp.asarray(prompts), jnp.asarray(pmask)
-
-
-def _sample(m, sampling, prompts, pmask, sampler=ro.sample):
-    params = tf.init_params(jax.random.key(0), m)
-    r = sampler(params, prompts, pmask, jax.random.key(1), m, sampling,
-                nx.of_sampling(sampling, 0), eos_id=EOS_ID, pad_id=PAD_ID)
-    return params, r
-
-
-def _assert_bitwise(params, r, m, temperature, replay=False, impl="chunked"):
-    """log μ = log π_old, IS weight exactly 1, k1 exactly 0, and the sampler's experts
-    and gate weights are the trainer's, on every token (`impl`: the trainer's fused
-    log-prob row)."""
-    attn = r.prompt_mask_BxS | r.completion_mask_BxS
-    lp, _, aux = policy_logprobs(params, r.tokens_BxS, attn, m, temperature=temperature,
-                                 replay_BxTxLxK=r.routes_mu_BxSxLxK[:, :-1] if replay else None,
-                                 impl=impl)
-    comp = np.asarray(r.completion_mask_BxS[:, 1:])
-    mu, pi = np.asarray(r.logp_mu_BxS[:, 1:])[comp], np.asarray(lp)[comp]
-    assert comp.sum() > 20 and np.array_equal(mu, pi), np.abs(mu - pi).max()
-    assert np.array_equal(np.exp(pi - mu), np.ones_like(mu))
-    assert np.array_equal(mu - pi, np.zeros_like(mu))
-    routes_mu = np.asarray(r.routes_mu_BxSxLxK[:, :-1])
-    rec = routes_mu[..., 0] >= 0
-    assert rec.sum() > 20
-    assert np.array_equal(routes_mu[rec], np.asarray(aux["routes"])[rec])
-    assert np.array_equal(np.asarray(r.route_weights_mu_BxSxLxK[:, :-1])[rec],
-                          np.asarray(aux["route_weights"])[rec])
-    return np.asarray(lp)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("dtype,temperature", [("float32", 1.0), ("bfloat16", 0.7)])
 def test_the_static_sampler_scores_as_the_trainer(dtype, temperature):
-    m = _model(dtype)
+    m = bw.model(dtype)
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise",
                                    temperature=temperature)
-    prompts, pmask = _prompts()
-    params, r = _sample(m, sampling, prompts, pmask)
-    lp = _assert_bitwise(params, r, m, temperature)
+    prompts, pmask = bw.prompts()
+    params, r = bw.sample(m, sampling, prompts, pmask)
+    lp = bw.assert_bitwise(params, r, m, temperature)
     # R3: the replayed routes are the live ones, and the scores do not move.
-    assert np.array_equal(_assert_bitwise(params, r, m, temperature, replay=True), lp)
+    assert np.array_equal(bw.assert_bitwise(params, r, m, temperature, replay=True), lp)
     # Another batch (a sub-batch, micro-batches) or a trimmed window: the same bits.
     attn = r.prompt_mask_BxS | r.completion_mask_BxS
     lo = int(np.argmax(np.asarray(attn).any(0)))
@@ -252,21 +209,21 @@ def test_the_static_sampler_scores_as_the_trainer(dtype, temperature):
                                 {"remat": "full", "moe_tile": 4}, {"row_tile": 8},
                                 {"row_tile": 128}])
 def test_cache_layouts_layer_loops_and_row_tiles_keep_it_bitwise(kw):
-    m = _model("bfloat16", **kw)
+    m = bw.model("bfloat16", **kw)
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise")
-    params, r = _sample(m, sampling, *_prompts(seed=1))
-    _assert_bitwise(params, r, m, 1.0)
+    params, r = bw.sample(m, sampling, *bw.prompts(seed=1))
+    bw.assert_bitwise(params, r, m, 1.0)
 
 
 @pytest.mark.integration
 def test_the_continuous_sampler_scores_as_the_trainer():
     """Slots refilled as responses finish, one cache index per row: still the trainer's
     bits."""
-    m = _model("bfloat16")
+    m = bw.model("bfloat16")
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise", continuous=True,
                                    max_batch=4)
-    params, r = _sample(m, sampling, *_prompts(b=8, seed=2), sampler=continuous.sample)
-    _assert_bitwise(params, r, m, 1.0)
+    params, r = bw.sample(m, sampling, *bw.prompts(b=8, seed=2), sampler=continuous.sample)
+    bw.assert_bitwise(params, r, m, 1.0)
 
 
 KERNEL_CALLS = []
@@ -290,12 +247,12 @@ def test_a_pallas_grouped_matmul_keeps_it_bitwise(monkeypatch):
         f"{__name__}:pallas_gmm", ("cpu", "gpu"), blocks=PALLAS_BLOCK, pallas=True,
         invariant=True))
     KERNEL_CALLS.clear()
-    m = _model("bfloat16", gmm_impl="pallas_here", moe_tile=16)
+    m = bw.model("bfloat16", gmm_impl="pallas_here", moe_tile=16)
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise")
-    params, r = _sample(m, sampling, *_prompts(seed=3))
+    params, r = bw.sample(m, sampling, *bw.prompts(seed=3))
     sampled = len(KERNEL_CALLS)
     assert sampled >= 6  # 3 per layer, prefill and decode step traced
-    _assert_bitwise(params, r, m, 1.0)
+    bw.assert_bitwise(params, r, m, 1.0)
     assert len(KERNEL_CALLS) > sampled
 
 
@@ -329,15 +286,15 @@ def test_a_pallas_fused_logprob_keeps_it_bitwise(monkeypatch, sampler):
     bit in bfloat16 at temperature 0.7; blocks of 16 tokens, 2 vocabulary splits of 2
     tiles of 16 and a D loop of 2 slices."""
     _register_pallas_logprob(monkeypatch)
-    m = _model("bfloat16")
+    m = bw.model("bfloat16")
     sampling = dataclasses.replace(tiny_cfg().sampling, numerics="bitwise", temperature=0.7)
-    prompts, pmask = _prompts(b=8, seed=4)
+    prompts, pmask = bw.prompts(b=8, seed=4)
     params = tf.init_params(jax.random.key(0), m)
     r = sampler(params, prompts, pmask, jax.random.key(1), m, sampling,
                 nx.of_sampling(sampling, 0), eos_id=EOS_ID, pad_id=PAD_ID,
                 logprob_impl="pallas_here")
     assert set(KERNEL_CALLS) == {"dist"}
-    _assert_bitwise(params, r, m, 0.7, impl="pallas_here")
+    bw.assert_bitwise(params, r, m, 0.7, impl="pallas_here")
     assert KERNEL_CALLS.count("fused") == 1
     # The default row samples otherwise (the kernel's tiles are not the row tiles').
     r_tiles = sampler(params, prompts, pmask, jax.random.key(1), m, sampling,
@@ -364,7 +321,7 @@ def test_the_update_differentiates_through_the_tiles():
     """The trainer's gradient under per-token numerics (the untiled layers' backward at
     the tiles' routes and activations): finite and equal to the gradient of the same
     loss without tiles up to float32 rounding."""
-    m = _model("float32")
+    m = bw.model("float32")
     params = tf.init_params(jax.random.key(0), m)
     tokens = jax.random.randint(jax.random.key(2), (3, 12), 4, 64)
     attn = jnp.ones((3, 12), bool).at[0, :4].set(False)
@@ -402,7 +359,7 @@ def test_on_a_mesh_the_sampler_scores_as_the_trainer(mesh, layout, expert_parall
     serving one (whose weights are split otherwise), and both equal one device's bits."""
     eng = _mesh_engine(mesh, layout, expert_parallel, continuous)
     params = tf.init_params(jax.random.key(0), eng.cfg.model)
-    prompts, pmask = _prompts(b=8, p=8, seed=3)
+    prompts, pmask = bw.prompts(b=8, p=8, seed=3)
     r = eng.sample(params, prompts, pmask, jax.random.key(2))
     batch, _ = eng.score(params, r, jnp.linspace(0.0, 1.0, 8))
     scored = np.asarray(batch.mask_BxT) > 0
@@ -422,7 +379,7 @@ def test_on_a_mesh_the_sampler_scores_as_the_trainer(mesh, layout, expert_parall
 def test_on_a_mesh_the_gradient_is_one_devices_up_to_rounding():
     """The update's gradient through the per-device tiles (shard_map sums a gathered
     weight's cotangent over the devices): one device's within float32 reassociation."""
-    m = _model("float32", expert_parallel=True)
+    m = bw.model("float32", expert_parallel=True)
     params = tf.init_params(jax.random.key(0), m)
     tokens = jax.random.randint(jax.random.key(2), (8, 12), 4, 64)
     attn = jnp.ones((8, 12), bool).at[0, :4].set(False)

@@ -2,6 +2,7 @@
 libtpu installed (the `tpu` extra; tests marked `tpu`, run by .ci/run) — a 2-layer
 paper-preset update step and the Pallas kernels compiled for a v5p-8, the update's
 per-chip memory checked against the analytic account of `aot_helpers.update_memory_bound`."""
+import base64
 import re
 
 import pytest
@@ -227,34 +228,52 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numeric
     assert 0 < per_step <= bound, (per_step, bound)
 
 
+def _mosaic_calls(body) -> list[tuple[str, int]]:
+    """Each Mosaic call of `body` (instructions of an HLO module) as (its kernel's name,
+    read from the serialized kernel the call carries; how many loops hold it, from its
+    op_name)."""
+    out = []
+    for i in body:
+        if i.opcode != "custom-call" or "tpu_custom_call" not in i.attrs:
+            continue
+        kernel = base64.b64decode(re.search(r'body\\?":\\?"([A-Za-z0-9+/=]+)', i.attrs).group(1))
+        name = re.search(rb"_[a-z]+_kernel[a-z_]*", kernel).group(0).decode()
+        out.append((name, re.search(r'op_name="([^"]*)"', i.attrs).group(1).count("while/body")))
+    return out
+
+
 @pytest.mark.tpu
-@pytest.mark.parametrize("gmm_impl,logprob_impl", [("pallas_tpu", "chunked"),
-                                                  ("megablox", "chunked"),
-                                                  ("megablox", "pallas_tpu")])
-def test_the_bitwise_decode_step_runs_the_invariant_kernels_on_v5p_8(gmm_impl, logprob_impl):
+@pytest.mark.parametrize("gmm_impl,logprob_impl,attention", [
+    ("pallas_tpu", "chunked", "blocks"), ("megablox", "chunked", "blocks"),
+    ("megablox", "pallas_tpu", "pallas_tpu")])
+def test_the_bitwise_decode_step_runs_the_invariant_kernels_on_v5p_8(gmm_impl, logprob_impl,
+                                                                    attention):
     """Under `bitwise` the per-token expert FFN runs the model's grouped matmul where its
     row is batch-invariant (the Pallas kernel: the decode loop calls Mosaic) and the
     reference `loop` where it is not (megablox); the sampler draws from the trainer's
     fused log-prob kernel where its row is batch-invariant (pallas_tpu: Mosaic again),
-    else from the row tiles. No other Mosaic call is in the decode loop (its attention is
-    the per-token path's); the sample step compiles for a v5p-8 every way."""
+    else from the row tiles; its attention is the per-token kernel of the decode row
+    where the row brings one (pallas_tpu), else the per-token path's own blocks. No other
+    Mosaic call is in the decode loop; the sample step compiles for a v5p-8 every way."""
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
 
     from stablerl_jax.pod import hlo_loops
     cfg = presets.preset("paper", CI_OVERRIDES + [
         "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
         "model.top_k=2", "sampling.numerics=bitwise", f"model.gmm_impl={gmm_impl}",
-        f"rl.logprob_impl={logprob_impl}"])
+        f"rl.logprob_impl={logprob_impl}", f"model.decode_attention_impl={attention}"])
     c = aot.compile_step(aot.engine_for(cfg, aot.topology("v5p-8")), "sample")
     module = hlo_loops.Module(c.hlo)
-    body = module.instructions_under(hlo_loops.decode_loop(module).body)
-    # A Mosaic call's op_name says which loops hold it: the log-prob kernels (statistics,
-    # then the distribution) run once per decode step, the grouped matmul in the layer
-    # loop inside it.
-    depth = [re.search(r'op_name="([^"]*)"', i.attrs).group(1).count("while/body")
-             for i in body if i.opcode == "custom-call" and "tpu_custom_call" in i.attrs]
-    assert depth.count(1) == (2 if logprob_impl == "pallas_tpu" else 0), depth
-    assert bool([d for d in depth if d > 1]) == (gmm_impl == "pallas_tpu"), depth
+    calls = _mosaic_calls(module.instructions_under(hlo_loops.decode_loop(module).body))
+    # The log-prob kernels (statistics, then the distribution) run once per decode step,
+    # the grouped matmul and the attention in the layer loop inside it.
+    names = {n for n, _ in calls}
+    assert sorted(n for n, d in calls if d == 1) == (
+        ["_fwd_kernel", "_logp_kernel"] if logprob_impl == "pallas_tpu" else []), calls
+    assert all(d > 1 for n, d in calls if n in ("_gmm_kernel", "_token_kernel")), calls
+    assert ("_gmm_kernel" in names) == (gmm_impl == "pallas_tpu"), calls
+    assert ("_token_kernel" in names) == (attention == "pallas_tpu"), calls
+    assert names <= {"_fwd_kernel", "_logp_kernel", "_gmm_kernel", "_token_kernel"}, calls
 
 
 @pytest.mark.tpu
