@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from stablerl_jax import input_checks, sharding
 from stablerl_jax.kernels import lookup
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, LogprobBlocks
-from stablerl_jax.model import invariant
+from stablerl_jax.model import invariant, invariant_layer
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -112,7 +112,7 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                                     interpret=interpret))(
             rows[0], unembed, rows[1])
 
-        logp_BxT, entropy_BxT = invariant.on_mesh(per_row, mesh)(
+        logp_BxT, entropy_BxT = invariant_layer.on_mesh(per_row, mesh)(
             (hidden_BxTxD, tokens_BxS[:, 1:]), unembed_DxV.astype(hidden_BxTxD.dtype))
         return logp_BxT, entropy_BxT, aux
     logp_BxT, entropy_BxT = token_logprobs(hidden_BxTxD, unembed_DxV, tokens_BxS[:, 1:],

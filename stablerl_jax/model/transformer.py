@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from stablerl_jax import input_checks
 from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import attention as att
-from stablerl_jax.model import expert_parallel, invariant, moe
+from stablerl_jax.model import expert_parallel, invariant, invariant_layer, moe
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model.attention import (
     attention,
@@ -262,7 +262,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     if per_token:
         def tiled_layer(ctx):
             positions_BxT, key_mask_BxS, _, mask_BxT, tokens_BxT, segment_ids_BxT = ctx
-            return invariant.decoder_layer(
+            return invariant_layer.decoder_layer(
                 cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
                 mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT,
                 trace=trace, segment_ids_BxT=segment_ids_BxT, router_input=router_input,
@@ -315,7 +315,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                 lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1]),
                 tile=cfg.row_tile).reshape(x.shape),
             lambda _, x, scale: rms_norm(x, scale, cfg.norm_eps))
-        hidden_BxTxD = invariant.on_mesh(norm, mesh, rules)(x, params["final_norm"])
+        hidden_BxTxD = invariant_layer.on_mesh(norm, mesh, rules)(x, params["final_norm"])
     else:
         hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
     aux = {
@@ -337,7 +337,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
 
 
 def _put_cache(cfg: ModelConfig, index, b: int, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer):
-    """The batch-invariant layer's cache write (invariant.decoder_layer): this call's keys
+    """The batch-invariant layer's cache write (invariant_layer.decoder_layer): this call's keys
     and values written at `index` into the carried cache (stacked or one layer's buffers),
     as `attention.attention` writes them. Returns (kv, k, v, layout, layer): k, v this
     layer's whole buffers, or the stacked buffers and `layer` its index in them (None

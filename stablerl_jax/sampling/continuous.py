@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from stablerl_jax.config import ModelConfig, SamplingConfig
-from stablerl_jax.model import invariant
+from stablerl_jax.model import invariant_layer
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.sampling import rollout as rollout_lib
@@ -246,7 +246,7 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
         """The lowest free slot takes the next pending response (one 1-row prefill; with
         batch-invariant numerics on a mesh, whose devices each prefill their own rows,
         the row repeated once per data-parallel device: the copies write the same bits)."""
-        copies = invariant.row_splits(mesh) if cfg.batch_invariant else 1
+        copies = invariant_layer.row_splits(mesh) if cfg.batch_invariant else 1
         return prefill(st, jnp.full((copies,), jnp.argmax(pending(st))),
                        jnp.full((copies,), jnp.argmax(st["done"])))
 

@@ -72,7 +72,7 @@ import numpy as np
 
 from stablerl_jax import sharding, slices
 from stablerl_jax.config import ModelConfig, SamplingConfig
-from stablerl_jax.model import invariant
+from stablerl_jax.model import invariant, invariant_layer
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
@@ -149,7 +149,7 @@ def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig
         w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
         per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature, cfg.row_tile,
                                                     logprob_impl)
-        return invariant.on_mesh(per_row, mesh, rules)(hidden_BxD, w)
+        return invariant_layer.on_mesh(per_row, mesh, rules)(hidden_BxD, w)
     return sampling_logprobs(tf.logits(params, hidden_BxD[:, None], cfg)[:, 0], sampling)
 
 
