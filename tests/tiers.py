@@ -90,6 +90,7 @@ HEAVY = (
     "tests/method/attribution_test.py::test_under_partial_rollouts_each_tokens_terms_come_from_its_version",
     "tests/method/attribution_test.py::test_the_parts_add_up_to_the_total_per_token_and_in_every_moment",
     "tests/kernels/decode_attention_test.py::test_on_a_mesh_each_device_runs_the_kernel_on_its_own_rows",
+    "tests/kernels/token_attention_test.py::test_a_querys_output_is_the_same_in_any_call",
     "tests/sampling/serve_layout_test.py::test_serve_layout_samples_what_the_train_layout_samples[fp8-float32-True-0]",
     "tests/rl/steps_test.py::test_score_in_update_equals_a_separate_score_pass[r2-2]",
     "tests/method/logprobs_test.py::test_temperature_scales_logits_in_value_and_gradient",
