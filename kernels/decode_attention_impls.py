@@ -54,3 +54,19 @@ def decode_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], 
             Arg("key_mask_BxS", (rows, slots), "bool", True, False),
             Arg("last_slot", (rows,), "int32", True, False)), {
                 "block": model.decode_block or 512, "keys": "bksd"}
+
+
+def tokens_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], dict]:
+    """(arguments, static keywords) of one layer's per-token attention (a row's
+    `tokens`) of `model` in a decode step: `rows` queries per device, one per row,
+    against a `slots`-slot head-major cache (already the kernel's `cache_slots`)."""
+    kv, dh = model.num_kv_heads, model.head_dim
+    g, dt = model.num_heads // kv, model.compute_dtype
+    return (Arg("q_NxKVxHgxDh", (rows, kv, g, dh), dt, True, False),
+            Arg("pos_N", (rows,), "int32", True, False),
+            Arg("row_N", (rows,), "int32", True, False),
+            Arg("start_N", (rows,), "int32", True, False),
+            Arg("k", (rows, kv, slots, dh), dt, True, False),
+            Arg("v", (rows, kv, slots, dh), dt, True, False),
+            Arg("key_mask_BxS", (rows, slots), "bool", True, False)), {
+                "block": model.decode_block or 512}

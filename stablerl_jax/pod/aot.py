@@ -252,8 +252,15 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     shard_map over the config's mesh on `devices_` (the cotangents are arguments too), the
     gradients of the replicated arguments summed over the mesh (psum), as the update
     does; the decode attention forward only, at the sampler's rows per chip against its
-    whole cache. Lowering a program compiles nothing; `compile_kernels` compiles them."""
-    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS, decode_example_args
+    whole cache, and so a decode row's per-token kernel (`tokens`, batch-invariant
+    numerics) for one query per row. Lowering a program compiles nothing;
+    `compile_kernels` compiles them."""
+    from stablerl_jax.kernels.decode_attention_impls import (
+        DECODE_IMPLS,
+        decode_example_args,
+        tokens_example_args,
+    )
+    from stablerl_jax.kernels.decode_attention_pallas import cache_slots
     from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
     from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
     from stablerl_jax.pod import sampler_programs
@@ -262,12 +269,15 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     mc, rl = cfg.model, cfg.rl
     rows = rl.prompts_per_step * rl.group_size // rl.num_minibatches // rl.microbatches
     t = max(rows // mesh.size, 1) * (cfg.task.max_prompt_len + cfg.sampling.max_new_tokens - 1)
+    decode_rows = max(sampler_programs.rows_per_pass(cfg) // mesh.size, 1)
+    slots = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
+    tokens = {name: row.tokens for name, row in DECODE_IMPLS.items() if row.tokens is not None}
     ops = (("logprob", LOGPROB_IMPLS,
             logprob_example_args(t, mc.d_model, mc.vocab_size, mc.compute_dtype)),
            ("gmm", GMM_IMPLS, gmm_example_args(t, mc)),
-           ("decode_attention", DECODE_IMPLS, decode_example_args(
-               max(sampler_programs.rows_per_pass(cfg) // mesh.size, 1), mc,
-               cfg.task.max_prompt_len + cfg.sampling.max_new_tokens)))
+           ("decode_attention", DECODE_IMPLS, decode_example_args(decode_rows, mc, slots)),
+           ("decode_attention tokens", tokens, tokens_example_args(
+               decode_rows, mc, cache_slots(slots, mc.decode_block or 512))))
     label = lambda op, args: f"{op} {{}} {'fwd+bwd' if any(a.diff for a in args) else 'fwd'}"
     return [(label(op, args).format(name), *_fwd_bwd_program(row.load(), args, static, mesh,
                                                              axes))

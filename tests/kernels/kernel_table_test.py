@@ -94,13 +94,17 @@ def test_a_new_tpu_kernel_joins_the_aot_kernel_list(tables):
     cfg = presets.preset("tiny", ["mesh=1,1,1"])
     programs = {label: args for label, _, args in
                 aot.kernel_programs(cfg, jax.devices("cpu")[:1])}
+    tokens = {name: row.tokens for name, row in DECODE_IMPLS.items() if row.tokens}
     assert set(programs) == {f"{op} {name} {kind}" for op, table, kind in
                              (("logprob", LOGPROB_IMPLS, "fwd+bwd"),
                               ("gmm", GMM_IMPLS, "fwd+bwd"),
-                              ("decode_attention", DECODE_IMPLS, "fwd"))
+                              ("decode_attention", DECODE_IMPLS, "fwd"),
+                              ("decode_attention tokens", tokens, "fwd"))
                              for name, row in table.items()
                              if row.pallas and "tpu" in row.backends}
-    for op, kind in (("logprob", "fwd+bwd"), ("gmm", "fwd+bwd"), ("decode_attention", "fwd")):
+    assert "decode_attention tokens pallas_tpu_again fwd" in programs
+    for op, kind in (("logprob", "fwd+bwd"), ("gmm", "fwd+bwd"), ("decode_attention", "fwd"),
+                     ("decode_attention tokens", "fwd")):
         new, old = programs[f"{op} pallas_tpu_again {kind}"], programs[f"{op} pallas_tpu {kind}"]
         assert [(a.shape, a.dtype) for a in new] == [(a.shape, a.dtype) for a in old]
     # The update's tokens per chip: one micro-batch's rows times the T = S − 1 positions.
