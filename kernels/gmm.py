@@ -58,12 +58,15 @@ def _grouped(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, transpose_rhs: bool, 
             x = jax.lax.dynamic_slice_in_dim(lhs_RxD, i * tile, tile, 0)
             y = jax.lax.dot_general(x, w, (contract, ((), ())), precision=precision,
                                     preferred_element_type=accum_dtype(x.dtype))
-            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * tile, 0)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, i * tile, 0)
 
         return jax.lax.fori_loop(start_E[e], end_E[e], per_tile, out)
 
-    out = jnp.zeros((lhs_RxD.shape[0], out_dim), lhs_RxD.dtype)
-    return jax.lax.fori_loop(0, rhs_ExDxF.shape[0], per_group, out)
+    # The loop carries the products in their accumulation type and rounds once at the end
+    # (the same bits as rounding each tile): XLA's CPU backend updates a loop-carried
+    # 16-bit buffer by copying it whole on every iteration, a 32-bit one in place.
+    out = jnp.zeros((lhs_RxD.shape[0], out_dim), accum_dtype(lhs_RxD.dtype))
+    return jax.lax.fori_loop(0, rhs_ExDxF.shape[0], per_group, out).astype(lhs_RxD.dtype)
 
 
 def _tgmm(lhs_RxD, dout_RxF, group_sizes_E, tile: int, rhs_like, precision):

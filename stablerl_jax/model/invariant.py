@@ -80,9 +80,27 @@ def rowwise(fn, *rows, tile: int = ROW_TILE):
         r = jnp.pad(r, [(0, pad)] + [(0, 0)] * (r.ndim - 1), mode="edge") if pad else r
         return r.reshape(-1, tile, *r.shape[1:])
 
-    body = jax.checkpoint(lambda xs: _fence(fn(*_fence(xs))), prevent_cse=False)
-    out = jax.lax.map(body, tuple(tiles(r) for r in rows))
-    return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
+    dtypes = []
+
+    def body(xs):
+        out = _fence(fn(*_fence(xs)))
+        dtypes.append(jax.tree.map(lambda o: o.dtype, out))
+        return jax.tree.map(_wide, out)
+
+    out = jax.lax.map(jax.checkpoint(body, prevent_cse=False), tuple(tiles(r) for r in rows))
+    return jax.tree.map(lambda o, dt: o.reshape(-1, *o.shape[2:])[:n].astype(dt), out,
+                        dtypes[-1])
+
+
+def _wide(x):
+    """x in a 32-bit type that holds its values exactly (float32 for a narrower float,
+    int32 for a narrower integer or a bool), else x. XLA's CPU backend writes a loop's
+    stacked output of a 16- or 8-bit type by copying the whole buffer on every
+    iteration (quadratic in the rows: 20 ms for 6,400 rows of 64 bfloat16 in 32-row
+    tiles, 84 ms for 12,800), a 32-bit one in place."""
+    if x.dtype.itemsize >= 4:
+        return x
+    return x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
 
 
 def with_reference_gradient(fn, reference, keep=lambda out: ()):
