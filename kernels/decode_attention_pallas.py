@@ -45,23 +45,17 @@ from jax.experimental.pallas import tpu as pltpu
 from stablerl_jax.kernels.dtypes import MASK_VALUE, accum_dtype, kernel_precision
 
 
-def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sem,
-            *, block: int, s: int, stacked: bool):
-    """Program b: row b's attention over its blocks 0 … last[b] // X (module docstring)."""
-    b = pl.program_id(0)
-    last = last_ref[b]
-    n = jax.lax.div(last, block) + 1  # lax.div, rem: jnp's // and % lower through sign
+def _online_softmax(q_ref, out_ref, n, copies, tile):
+    """Flash-decoding of q_ref [KV, Hg, Dh] over key blocks 0 … n − 1, written to out_ref:
+    `copies(j, slot)` are block j's DMAs into buffer `slot`, double-buffered (block
+    j + 1's copy runs while block j is computed), and `tile(j, slot)` is (k_of, v_of,
+    allowed): kv head h's keys and values [X, Dh] of the copied block, and which of its
+    X keys count [1, X]. Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32,
+    the mask, the running max / normalizer / output update. A row with no allowed key
+    gets zeros, not NaN."""
     kv, g, dh = q_ref.shape
     acc = accum_dtype(q_ref.dtype)
     scale = dh ** -0.5
-
-    def copies(j, slot):
-        start = jnp.minimum(j * block, s - block)
-        row = (layer_ref[0], b) if stacked else (b,)
-        return [pltpu.make_async_copy(src.at[(*row, slice(None), pl.ds(start, block))],
-                                      buf.at[slot], sem.at[i, slot])
-                for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
-
     for c in copies(0, 0):
         c.start()
 
@@ -75,21 +69,18 @@ def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, 
 
         for c in copies(j, slot):
             c.wait()
-        start = jnp.minimum(j * block, s - block)
-        slots = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-        allowed = (slots >= j * block) & (slots <= last) & (
-            mask_ref[:, pl.ds(start, block)] != 0)
+        k_of, v_of, allowed = tile(j, slot)
         out = []
         for h in range(kv):  # a static loop over the kv heads: [Hg, Dh] · [X, Dh]ᵀ each
             m, l, o = carry[h]
             scores = jax.lax.dot_general(
-                q_ref[h], k_buf[slot, h], (((1,), (1,)), ((), ())),
+                q_ref[h], k_of(h), (((1,), (1,)), ((), ())),
                 preferred_element_type=acc, precision=kernel_precision(q_ref.dtype)) * scale
             scores = jnp.where(allowed, scores, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
             p = jnp.where(allowed, jnp.exp(scores - m_new), 0)
             corr = jnp.exp(m - m_new)
-            pv = jax.lax.dot_general(p.astype(q_ref.dtype), v_buf[slot, h],
+            pv = jax.lax.dot_general(p.astype(q_ref.dtype), v_of(h),
                                      (((1,), (0,)), ((), ())), preferred_element_type=acc,
                                      precision=kernel_precision(q_ref.dtype))
             out.append((m_new, l * corr + jnp.sum(p, axis=-1, keepdims=True),
@@ -100,8 +91,31 @@ def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, 
                   jnp.zeros((g, dh), acc)) for _ in range(kv))
     final = jax.lax.fori_loop(0, n, body, init)
     for h, (_, l, o) in enumerate(final):
-        # A row with no real key (not reached in a rollout) gets zeros, not NaN.
         out_ref[h] = (o / jnp.where(l > 0, l, 1)).astype(out_ref.dtype)
+
+
+def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sem,
+            *, block: int, s: int, stacked: bool):
+    """Program b: row b's attention over its blocks 0 … last[b] // X (module docstring)."""
+    b = pl.program_id(0)
+    last = last_ref[b]
+    n = jax.lax.div(last, block) + 1  # lax.div, rem: jnp's // and % lower through sign
+
+    def copies(j, slot):
+        start = jnp.minimum(j * block, s - block)
+        row = (layer_ref[0], b) if stacked else (b,)
+        return [pltpu.make_async_copy(src.at[(*row, slice(None), pl.ds(start, block))],
+                                      buf.at[slot], sem.at[i, slot])
+                for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+    def tile(j, slot):
+        start = jnp.minimum(j * block, s - block)
+        slots = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        allowed = (slots >= j * block) & (slots <= last) & (
+            mask_ref[:, pl.ds(start, block)] != 0)
+        return (lambda h: k_buf[slot, h]), (lambda h: v_buf[slot, h]), allowed
+
+    _online_softmax(q_ref, out_ref, n, copies, tile)
 
 
 def pallas(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str = "bksd",
@@ -162,15 +176,10 @@ def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm
     blocks of X positions counted from the sequence's first slot start[i] (`tokens`)."""
     i = pl.program_id(0)
     pos, row, start = pos_ref[i], row_ref[i], start_ref[i]
-    n = jax.lax.div(pos, block) + 1
-    kv, g, dh = q_ref.shape
-    acc = accum_dtype(q_ref.dtype)
-    scale = dh ** -0.5
     # The mask from the sequence's first slot on: mask_buf[0, p] is the slot of position p
     # (mask_ref is zero-padded so that no position up to pos wraps around).
     width = mask_ref.shape[-1]
     mask_buf[...] = pltpu.roll(mask_ref[...], jax.lax.rem(width - start, width), 1)
-
     window = k_buf.shape[2]  # _window(X) slots
 
     def first(j):
@@ -187,24 +196,12 @@ def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm
                                       buf.at[slot], sem.at[c, slot])
                 for c, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
 
-    for c in copies(0, 0):
-        c.start()
-
-    def body(j, carry):
-        slot = jax.lax.rem(j, 2)
-
-        @pl.when(j + 1 < n)
-        def _():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
-
-        for c in copies(j, slot):
-            c.wait()
+    def tile(j, slot):
         # The copy starts at or before the block's first key: rotating it back by the
         # offset puts each key where the block's own tile has it (keys that wrap around
         # sit past pos, or past the cache, and are masked), so the tile is the same in
-        # any cache.
-        # (Mosaic rotates 32-bit words only: a narrower type rotates as float32, exactly.)
+        # any cache. (Mosaic rotates 32-bit words only: a narrower type rotates as
+        # float32, exactly.)
         back = jax.lax.rem(window - first(j)[1], window)
         dt = k_buf.dtype
         wide = jnp.float32 if dt.itemsize < 4 else dt
@@ -213,28 +210,9 @@ def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm
         kpos = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         allowed = (kpos <= pos) & (
             mask_buf[:, pl.ds(pl.multiple_of(j * block, block), block)] != 0)
-        out = []
-        for h in range(kv):  # as _kernel: [Hg, Dh] · [X, Dh]ᵀ per kv head
-            m, l, o = carry[h]
-            scores = jax.lax.dot_general(
-                q_ref[h], k_blk[h], (((1,), (1,)), ((), ())), preferred_element_type=acc,
-                precision=kernel_precision(q_ref.dtype)) * scale
-            scores = jnp.where(allowed, scores, MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-            p = jnp.where(allowed, jnp.exp(scores - m_new), 0)
-            corr = jnp.exp(m - m_new)
-            pv = jax.lax.dot_general(p.astype(q_ref.dtype), v_blk[h],
-                                     (((1,), (0,)), ((), ())), preferred_element_type=acc,
-                                     precision=kernel_precision(q_ref.dtype))
-            out.append((m_new, l * corr + jnp.sum(p, axis=-1, keepdims=True),
-                        o * corr + pv))
-        return tuple(out)
+        return (lambda h: k_blk[h]), (lambda h: v_blk[h]), allowed
 
-    init = tuple((jnp.full((g, 1), MASK_VALUE, acc), jnp.zeros((g, 1), acc),
-                  jnp.zeros((g, dh), acc)) for _ in range(kv))
-    final = jax.lax.fori_loop(0, n, body, init)
-    for h, (_, l, o) in enumerate(final):
-        out_ref[h] = (o / jnp.where(l > 0, l, 1)).astype(out_ref.dtype)
+    _online_softmax(q_ref, out_ref, jax.lax.div(pos, block) + 1, copies, tile)
 
 
 def tokens(q_NxKVxHgxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, block: int,
