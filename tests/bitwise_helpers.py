@@ -56,3 +56,17 @@ def assert_bitwise(params, r, m, temperature, replay=False, impl="chunked"):
     assert np.array_equal(np.asarray(r.route_weights_mu_BxSxLxK[:, :-1])[rec],
                           np.asarray(aux["route_weights"])[rec])
     return np.asarray(lp)
+
+
+def assert_zero_mismatch_run(cfg, workdir: str, steps: int = 2):
+    """Run `cfg` (a bitwise RL config) in `workdir`: every one of its `steps` logged
+    steps has a mismatch and a routing-mismatch rate of exactly 0 and IS weights of
+    exactly 1."""
+    from stablerl_jax.rl import loop
+    from stablerl_jax.runs.metrics_io import read_metrics
+    loop.run(cfg, workdir, progress=False)
+    rows = [r for r in read_metrics(workdir) if r["step"] > 0]
+    assert len(rows) == steps
+    for r in rows:
+        assert r["mismatch/abs_logp_gap_max"] == 0.0 and r["routing/mismatch_rate"] == 0.0
+        assert r["is/weight_max"] == r["is/weight_min"] == 1.0, r

@@ -172,17 +172,9 @@ def test_a_bitwise_run_with_the_kernel_records_zero_mismatch(tmp_path, interpret
     device: with arrays split over several CPU devices, the TPU interpreter's simulated
     DMAs abort the process; the kernel under the per-token layer's shard_map is
     compiled for a v5p-8 mesh by the `tpu` tier instead, tests/pod/aot_test.py.)"""
-    from stablerl_jax.rl import loop
-    from stablerl_jax.runs.metrics_io import read_metrics
     base = tiny_cfg(steps=2, replay="r3", pack_tokens=48, pack_rows=2, max_staleness=1,
                     old_policy="behavior")
     cfg = dataclasses.replace(
         base, model=dataclasses.replace(_model(interpreted), init_std=base.model.init_std),
         sampling=dataclasses.replace(base.sampling, numerics="bitwise"))
-    loop.run(cfg, str(tmp_path / "run"), progress=False)
-    rows = [r for r in read_metrics(str(tmp_path / "run")) if r["step"] > 0]
-    assert len(rows) == 2
-    for r in rows:
-        assert r["mismatch/abs_logp_gap_max"] == 0.0 and r["routing/mismatch_rate"] == 0.0
-        assert r["is/weight_max"] == r["is/weight_min"] == 1.0, r
-
+    bw.assert_zero_mismatch_run(cfg, str(tmp_path / "run"))

@@ -425,20 +425,13 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, monkeypatch, rl):
     under partial rollouts on 4 devices): every step's logged mismatch is exactly zero
     and every IS weight exactly 1. Under partial rollouts each token against π_old of
     the version that drew it."""
-    from stablerl_jax.rl import loop
-    from stablerl_jax.runs.metrics_io import read_metrics
     _register_pallas_logprob(monkeypatch)
     base = tiny_cfg(steps=2, replay="r3", **rl)
     cfg = dataclasses.replace(
         base, model=dataclasses.replace(base.model, compute_dtype="bfloat16"),
         sampling=dataclasses.replace(base.sampling, numerics="bitwise"))
     assert cfg.model.batch_invariant
-    loop.run(cfg, str(tmp_path / "run"), progress=False)
-    rows = [r for r in read_metrics(str(tmp_path / "run")) if r["step"] > 0]
-    assert len(rows) == 2
-    for r in rows:
-        assert r["mismatch/abs_logp_gap_max"] == 0.0 and r["routing/mismatch_rate"] == 0.0
-        assert r["is/weight_max"] == r["is/weight_min"] == 1.0, r
+    bw.assert_zero_mismatch_run(cfg, str(tmp_path / "run"))
     if rl.get("logprob_impl"):
         assert {"dist", "fused"} <= set(KERNEL_CALLS)
 
