@@ -150,7 +150,8 @@ def token_attention(cfg):
 def cache_slots(cfg, length: int) -> int:
     """The KV cache slots a sampler allocates for `length` tokens: more where `cfg` runs
     a per-token attention kernel that copies whole tiles of slots (its `cache_slots`)."""
-    if not cfg.batch_invariant or token_attention(cfg) is None:
+    row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
+    if not cfg.batch_invariant or row.tokens is None:
         return length
     return decode_attention_pallas.cache_slots(length, cfg.decode_block)
 
