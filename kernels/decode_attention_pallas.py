@@ -23,7 +23,8 @@ of keys and of values per block, double-buffered: block j + 1's copy runs while 
 j is computed, a loop whose trip count is the row's own block count (scalar-prefetched
 `last`). The query, the key mask and the output are the row's blocks of an ordinary
 grid pipeline; the mask row is copied whole (S int32 per row and layer, 132 KiB at
-33,792 slots against 1 MiB per key-and-value block of 512 slots × 4 kv heads in bf16). Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32, the
+33,792 slots against 1 MiB per key-and-value block of 512 slots × 4 kv heads in bf16).
+Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32, the
 mask, the running max / normalizer / output update, as the reference does per block.
 The last block of a row that would run past S starts at S − X instead; its slots
 before j · X were read by the previous block and are masked (as in the reference).
@@ -35,6 +36,8 @@ tests run it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -170,6 +173,43 @@ def cache_slots(length: int, block: int) -> int:
     return max(-(-length // ALIGN) * ALIGN, _window(block))
 
 
+def _mask_width(s: int, block: int) -> int:
+    """Lanes of `tokens`' mask row: S + X slots rounded up to whole 128-lane tiles."""
+    return -(-(s + block) // 128) * 128
+
+
+_PRICED_BLOCKS = contextvars.ContextVar("decode_attention_tokens_priced_blocks",
+                                        default=None)
+
+
+@contextlib.contextmanager
+def priced_blocks(blocks: int):
+    """While tracing inside it, `tokens` declares to XLA's cost analysis that each query
+    reads `blocks` key blocks (a program priced per block: the decode step at its first
+    block, pod/roofline.py); outside, every block of the cache, the most one can read."""
+    token = _PRICED_BLOCKS.set(blocks)
+    try:
+        yield
+    finally:
+        _PRICED_BLOCKS.reset(token)
+
+
+def token_cost(n: int, kv: int, g: int, dh: int, itemsize: int, block: int, s: int,
+               blocks: int) -> pl.CostEstimate:
+    """What `tokens` reads and computes for n queries of `blocks` key blocks each against
+    an S-slot cache, as it declares it to XLA (a Mosaic call is opaque to XLA's cost
+    analysis, which would otherwise count its whole operands: a stacked cache's every
+    layer). Per query: its three scalars, query and output [KV, Hg, Dh] and mask row
+    (`_mask_width` int32); per block: a window of keys and one of values [KV, _window(X),
+    Dh] (the DMAs), and per kv head two [Hg, Dh]·[X, Dh] products and Hg·(X + 1)
+    exponentials (the scores' and the running max's correction)."""
+    per_query = 3 * 4 + 2 * kv * g * dh * itemsize + _mask_width(s, block) * 4
+    per_block = 2 * kv * _window(block) * dh * itemsize
+    return pl.CostEstimate(flops=n * blocks * kv * 4 * g * dh * block,
+                           transcendentals=n * blocks * kv * g * (block + 1),
+                           bytes_accessed=n * (per_query + blocks * per_block))
+
+
 def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm,
                   out_ref, k_buf, v_buf, mask_buf, sem, *, block: int, s: int, stacked: bool):
     """Program i: query i over the keys of positions 0 … pos[i] of its sequence, in
@@ -233,7 +273,9 @@ def tokens(q_NxKVxHgxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, block: in
     [B, KV, S, Dh], or with `layer` the stacked [L, B, KV, S, Dh] cache read in place at
     that layer; S a multiple of ALIGN of at least one window (`cache_slots`: init_cache
     allocates that many, and model/invariant.py pads the training forward's keys to
-    it). Returns [N, KV, Hg, Dh] in q's dtype; a query with no real key gets zeros."""
+    it). Returns [N, KV, Hg, Dh] in q's dtype; a query with no real key gets zeros. Its
+    cost, as XLA's cost analysis sees it, is `token_cost` with every query reading every
+    block of the cache, or `priced_blocks`' count inside that context."""
     if target != "tpu":
         raise ValueError(f"decode_attention tokens: target={target!r}; only 'tpu' is built")
     n, kv, g, dh = q_NxKVxHgxDh.shape
@@ -248,7 +290,7 @@ def tokens(q_NxKVxHgxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, block: in
         k, v = k.astype(dtype), v.astype(dtype)
     # Zero slots after the mask so that rolling a row to its start wraps no real slot
     # into positions 0 … pos, and whole blocks of lanes.
-    width = -(-(s + block) // 128) * 128
+    width = _mask_width(s, block)
     mask_Bx1xW = jnp.pad(key_mask_BxS.astype(jnp.int32), ((0, 0), (0, width - s)))[:, None]
     query = lambda i, *_: (i, 0, 0, 0)
     spec = pltpu.PrefetchScalarGridSpec(
@@ -263,11 +305,13 @@ def tokens(q_NxKVxHgxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, block: in
                         pltpu.SemaphoreType.DMA((2, 2))])
     kernel = functools.partial(_token_kernel, block=block, s=s, stacked=stacked)
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
+    blocks = _PRICED_BLOCKS.get() or -(-s // block)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n, kv, g, dh), dtype), grid_spec=spec,
         compiler_params=None if interpret else pltpu.CompilerParams(
             dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams(out_of_bounds_reads="raise",
                                         uninitialized_memory="nan") if interpret else False,
+        cost_estimate=token_cost(n, kv, g, dh, jnp.dtype(dtype).itemsize, block, s, blocks),
     )(as_i32(pos_N), as_i32(row_N), as_i32(start_N),
       jnp.reshape(as_i32(0 if layer is None else layer), (1,)), q_NxKVxHgxDh, mask_Bx1xW, k, v)

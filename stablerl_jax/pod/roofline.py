@@ -27,7 +27,11 @@ earlier way, are not the program that runs and are not linear in L: XLA's count 
 attention of a layer is itself a loop over the key blocks the rollout has filled
 (⌈(slot + 1) / block⌉ trips, a count no compiler sees), which those programs count once;
 one block is compiled as a program of its own, and the decode step at slot σ is the
-step program plus L·(⌈(σ + 1) / block⌉ − 1) blocks. Collective bytes of a whole
+step program plus L·(⌈(σ + 1) / block⌉ − 1) blocks. A Pallas kernel is opaque to XLA's
+count (it takes a custom call's whole operands as read), so the step program attends by
+the reference blocks, except the per-token kernel of batch-invariant numerics, which
+declares what it reads and computes (decode_attention_pallas.token_cost): one block per
+query in the step program, its per-block difference as the block. Collective bytes of a whole
 step come from its optimized HLO with every loop counted trip-count times
 (stablerl_jax/pod/hlo_loops.py). The score and update steps are estimated from their model
 FLOPs (model/flops.py; the update's rematerialized forward added) and their collective
@@ -50,6 +54,8 @@ from stablerl_jax.pod.sampler_programs import (
     decode_step_program,
     head_program,
     rows_per_pass,
+    token_block_cost,
+    token_kernel,
 )
 
 
@@ -160,8 +166,12 @@ def decode_step_costs(engine, slots: int) -> tuple[Cost, Cost, Cost | None, Cost
     blk = engine.cfg.model.decode_block
     if not blk:
         return layer, step, None, head
-    fn, args = decode_block_program(engine)
-    block = of_compiled(fn.lower(*args).compile(), sharding.slice_indices(engine.mesh))
+    if token_kernel(engine):  # the per-token kernel's declared cost of a block
+        cost = token_block_cost(engine)
+        block = Cost(cost["flops"], cost["bytes accessed"], 0.0)
+    else:
+        fn, args = decode_block_program(engine)
+        block = of_compiled(fn.lower(*args).compile(), sharding.slice_indices(engine.mesh))
     blocks = slots // blk + 1
     return (layer, step + block.scale(engine.cfg.model.num_layers * (blocks - 1)), block,
             head)

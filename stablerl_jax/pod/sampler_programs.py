@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.kernels import decode_attention_pallas
 
 
 def rows_per_pass(cfg: ExperimentConfig) -> int:
@@ -92,8 +93,12 @@ def decode_step_program(engine):
     # Priced with the reference decode attention: XLA's cost analysis cannot see into a
     # Pallas kernel (it counts a custom call's whole cache operand as read), and the
     # ragged kernel reads per row what the reference reads per row up to that row's
-    # slot (schedule_prices.SamplerPrices prices the difference).
-    model = model.replace(decode_attention_impl="blocks")
+    # slot (schedule_prices.SamplerPrices prices the difference). A per-token kernel
+    # (batch-invariant numerics) is priced as itself: it declares what it reads
+    # (decode_attention_pallas.token_cost), here one key block per query, as XLA counts
+    # the reference's block loop once.
+    if not token_kernel(engine):
+        model = model.replace(decode_attention_impl="blocks")
     model_mesh = mesh if mesh.size > 1 else None
     b = rows_per_pass(cfg)
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
@@ -108,10 +113,11 @@ def decode_step_program(engine):
     batch = sharding.batch_sharding(mesh)
 
     def step(weights, tok_B, cache):
-        h, aux = tf.forward(weights, tok_B[:, None], model,
-                            attention_mask_BxT=jnp.ones((b, 1), bool), numerics=numerics,
-                            cache=cache, mesh=model_mesh,
-                            rules=rules if serve and model_mesh else None)
+        with decode_attention_pallas.priced_blocks(1):
+            h, aux = tf.forward(weights, tok_B[:, None], model,
+                                attention_mask_BxT=jnp.ones((b, 1), bool), numerics=numerics,
+                                cache=cache, mesh=model_mesh,
+                                rules=rules if serve and model_mesh else None)
         logp = rollout.next_logprobs(weights, h[:, 0], model, cfg.sampling, numerics,
                                      model_mesh, rules if serve and model_mesh else None,
                                      cfg.rl.logprob_impl)
@@ -145,11 +151,43 @@ def head_program(engine):
     return fn, (weights_like, jax.ShapeDtypeStruct((rows_per_pass(cfg),), jnp.int32))
 
 
+def token_kernel(engine) -> bool:
+    """Whether the Engine's sampler attends by a per-token Pallas kernel (batch-invariant
+    numerics on TPU devices, a decode_attention_impl row with `tokens`)."""
+    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
+    from stablerl_jax.rl.engine import sampler_model
+    model = sampler_model(engine.cfg)
+    return bool(model.batch_invariant
+                and DECODE_IMPLS[model.decode_attention_impl].tokens is not None
+                and engine.mesh.devices.flat[0].platform == "tpu")
+
+
+def token_block_cost(engine) -> dict:
+    """{"flops", "bytes accessed"} of one more key block of the per-token kernel for this
+    chip's rows of a pass (one query each): the difference of what the kernel declares
+    (decode_attention_pallas.token_cost) at two blocks a query and at one."""
+    from stablerl_jax.model import numerics as nx
+    from stablerl_jax.model.invariant import cache_slots
+    from stablerl_jax.rl.engine import sampler_model
+    cfg, model = engine.cfg, sampler_model(engine.cfg)
+    rows = NamedSharding(engine.mesh, P(sharding.RULES["batch"])).shard_shape(
+        (rows_per_pass(cfg),))[0]
+    dtype = nx.compute_dtype(nx.of_sampling(cfg.sampling, 0), model.compute_dtype)
+    s = cache_slots(model, cfg.task.max_prompt_len + cfg.sampling.max_new_tokens)
+    kv, dh = model.num_kv_heads, model.head_dim
+    cost = lambda blocks: decode_attention_pallas.token_cost(
+        rows, kv, model.num_heads // kv, dh, jnp.dtype(dtype).itemsize, model.decode_block,
+        s, blocks)
+    one, two = cost(1), cost(2)
+    return {"flops": two.flops - one.flops,
+            "bytes accessed": two.bytes_accessed - one.bytes_accessed}
+
+
 def decode_block_program(engine):
     """The jitted program of one layer's decode attention (the reference "blocks" of
     kernels/decode_attention.py) for every row of a pass against the whole S-slot cache,
-    rows split as in the sampler: (function, abstract args). XLA counts its loop body, one key block, once: the cost
-    of one block (a cache as small as one block would be staged whole into on-chip
+    rows split as in the sampler: (function, abstract args). XLA counts its loop body,
+    one key block, once: the cost of one block (a cache as small as one block would be staged whole into on-chip
     memory instead, which is not what a decode step does)."""
     from stablerl_jax.kernels import decode_attention
     from stablerl_jax.model import numerics as nx

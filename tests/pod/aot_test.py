@@ -3,8 +3,10 @@ libtpu installed (the `tpu` extra; tests marked `tpu`, run by .ci/run) — a 2-l
 paper-preset update step and the Pallas kernels compiled for a v5p-8, the update's
 per-chip memory checked against the analytic account of `aot_helpers.update_memory_bound`."""
 import base64
+import dataclasses
 import re
 
+import numpy as np
 import pytest
 from aot_helpers import expert_weight_gathers, update_memory_bound
 
@@ -321,3 +323,73 @@ def test_scanned_decode_layer_reads_its_cache_by_blocks_on_v5p_8():
     kv_layer = rows_per_chip * slots * mc.num_kv_heads * mc.head_dim * 2 * 2
     assert 0 < layer.hbm_bytes < 2 * kv_layer, (layer, kv_layer)
     assert head.optimal_seconds > 0  # loop-free: XLA's own estimate is valid there
+
+
+@pytest.mark.tpu
+def test_the_per_token_kernel_declares_its_reads_to_xla_on_v5p_8():
+    """XLA's cost analysis of a Mosaic call is what the call declares: the per-token
+    attention kernel, compiled for a v5p-8 chip on its own, counts token_cost's FLOPs,
+    exponentials and bytes at the key blocks `priced_blocks` names (outside it, every
+    block of the cache), plus the mask's padding around the call, which no block count
+    changes: one block more is exactly token_cost's difference, in every count."""
+    import jax
+    import jax.numpy as jnp
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+    from jax.sharding import SingleDeviceSharding
+
+    from stablerl_jax.kernels import decode_attention_pallas as dap
+    dev = SingleDeviceSharding(aot.devices(aot.topology("v5p-8"))[0])
+    n, kv, g, dh, s, block = 8, 4, 8, 128, 2048, 512
+    like = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
+    args = (like((n, kv, g, dh), jnp.bfloat16), *(like((n,), jnp.int32),) * 3,
+            *(like((n, kv, s, dh), jnp.bfloat16),) * 2, like((n, s), bool))
+
+    def counted(blocks):
+        def call(*a):
+            if blocks is None:
+                return dap.tokens(*a, block=block)
+            with dap.priced_blocks(blocks):
+                return dap.tokens(*a, block=block)
+        cost = jax.jit(call).lower(*args).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return np.array([cost["flops"], cost["transcendentals"], cost["bytes accessed"]])
+
+    declared = lambda blocks: np.array(dataclasses.astuple(
+        dap.token_cost(n, kv, g, dh, 2, block, s, blocks))[:3])
+    flops, exps, nbytes = declared(1)
+    one, two, whole = counted(1), counted(2), counted(None)
+    assert np.array_equal(two - one, declared(2) - declared(1)), (one, two)
+    assert np.array_equal(whole - one, declared(s // block) - declared(1)), (one, whole)
+    # Around the call, nothing per block: the mask's int32 conversion and padding (per
+    # slot of the padded row at most the bool read, the int32 written and read, the
+    # padded int32 written: 13 bytes; an op or two each).
+    assert one[1] == exps and flops <= one[0] <= flops + 4 * n * s, one
+    assert nbytes <= one[2] <= nbytes + 13 * n * dap._mask_width(s, block), one
+
+
+@pytest.mark.tpu
+def test_a_bitwise_decode_step_is_priced_with_the_per_token_kernel_on_v5p_8():
+    """Under `bitwise` with the per-token kernel (the paper preset's pallas_tpu), the
+    decode step program attends by the kernel at one declared block per query and a key
+    block is the kernel's declared difference (roofline.decode_step_costs); with the
+    path's own blocks, by the per-query gathers those blocks compile to, which XLA
+    counts at more bytes per layer."""
+    import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
+
+    from stablerl_jax.pod import roofline, sampler_programs
+    topo = aot.topology("v5p-8")
+    costs = {}
+    for impl in ("pallas_tpu", "blocks"):
+        cfg = presets.preset("paper", CI_OVERRIDES + [
+            "sampling.layout=serve", "sampling.numerics=bitwise", "model.row_tile=8",
+            f"model.decode_attention_impl={impl}"])
+        engine = aot.engine_for(cfg, topo)
+        assert sampler_programs.token_kernel(engine) == (impl == "pallas_tpu")
+        costs[impl] = roofline.decode_step_costs(engine, cfg.task.max_prompt_len)
+    kernel_block = sampler_programs.token_block_cost(
+        aot.engine_for(cfg.replace(model=cfg.model.replace(
+            decode_attention_impl="pallas_tpu")), topo))
+    (k_layer, _, k_block, _), (b_layer, _, _, _) = costs["pallas_tpu"], costs["blocks"]
+    assert (k_block.flops, k_block.hbm_bytes) == (
+        kernel_block["flops"], kernel_block["bytes accessed"]), k_block
+    assert k_layer.hbm_bytes < b_layer.hbm_bytes, (k_layer, b_layer)
