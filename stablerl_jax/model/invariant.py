@@ -147,11 +147,17 @@ def token_attention(cfg):
         kernel_attend, row.tokens.load(), cfg.decode_block)
 
 
+def runs_token_kernel(cfg) -> bool:
+    """Whether ModelConfig `cfg` attends by a per-token kernel: batch-invariant numerics
+    and a decode_attention_impl row with `tokens`."""
+    row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
+    return bool(cfg.batch_invariant and row.tokens is not None)
+
+
 def cache_slots(cfg, length: int) -> int:
     """The KV cache slots a sampler allocates for `length` tokens: more where `cfg` runs
     a per-token attention kernel that copies whole tiles of slots (its `cache_slots`)."""
-    row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
-    if not cfg.batch_invariant or row.tokens is None:
+    if not runs_token_kernel(cfg):
         return length
     return decode_attention_pallas.cache_slots(length, cfg.decode_block)
 

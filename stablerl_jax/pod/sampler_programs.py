@@ -152,14 +152,12 @@ def head_program(engine):
 
 
 def token_kernel(engine) -> bool:
-    """Whether the Engine's sampler attends by a per-token Pallas kernel (batch-invariant
-    numerics on TPU devices, a decode_attention_impl row with `tokens`)."""
-    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
+    """Whether the Engine's sampler attends by a per-token Pallas kernel on TPU devices
+    (invariant.runs_token_kernel)."""
+    from stablerl_jax.model.invariant import runs_token_kernel
     from stablerl_jax.rl.engine import sampler_model
-    model = sampler_model(engine.cfg)
-    return bool(model.batch_invariant
-                and DECODE_IMPLS[model.decode_attention_impl].tokens is not None
-                and engine.mesh.devices.flat[0].platform == "tpu")
+    return (runs_token_kernel(sampler_model(engine.cfg))
+            and engine.mesh.devices.flat[0].platform == "tpu")
 
 
 def token_block_cost(engine) -> dict:
@@ -187,8 +185,8 @@ def decode_block_program(engine):
     """The jitted program of one layer's decode attention (the reference "blocks" of
     kernels/decode_attention.py) for every row of a pass against the whole S-slot cache,
     rows split as in the sampler: (function, abstract args). XLA counts its loop body,
-    one key block, once: the cost of one block (a cache as small as one block would be staged whole into on-chip
-    memory instead, which is not what a decode step does)."""
+    one key block, once: the cost of one block (a cache as small as one block would be
+    staged whole into on-chip memory instead, which is not what a decode step does)."""
     from stablerl_jax.kernels import decode_attention
     from stablerl_jax.model import numerics as nx
     from stablerl_jax.rl.engine import sampler_model

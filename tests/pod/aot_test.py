@@ -378,17 +378,15 @@ def test_a_bitwise_decode_step_is_priced_with_the_per_token_kernel_on_v5p_8():
 
     from stablerl_jax.pod import roofline, sampler_programs
     topo = aot.topology("v5p-8")
-    costs = {}
+    costs, engines = {}, {}
     for impl in ("pallas_tpu", "blocks"):
         cfg = presets.preset("paper", CI_OVERRIDES + [
             "sampling.layout=serve", "sampling.numerics=bitwise", "model.row_tile=8",
             f"model.decode_attention_impl={impl}"])
-        engine = aot.engine_for(cfg, topo)
-        assert sampler_programs.token_kernel(engine) == (impl == "pallas_tpu")
-        costs[impl] = roofline.decode_step_costs(engine, cfg.task.max_prompt_len)
-    kernel_block = sampler_programs.token_block_cost(
-        aot.engine_for(cfg.replace(model=cfg.model.replace(
-            decode_attention_impl="pallas_tpu")), topo))
+        engines[impl] = aot.engine_for(cfg, topo)
+        assert sampler_programs.token_kernel(engines[impl]) == (impl == "pallas_tpu")
+        costs[impl] = roofline.decode_step_costs(engines[impl], cfg.task.max_prompt_len)
+    kernel_block = sampler_programs.token_block_cost(engines["pallas_tpu"])
     (k_layer, _, k_block, _), (b_layer, _, _, _) = costs["pallas_tpu"], costs["blocks"]
     assert (k_block.flops, k_block.hbm_bytes) == (
         kernel_block["flops"], kernel_block["bytes accessed"]), k_block
