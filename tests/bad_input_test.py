@@ -1,23 +1,22 @@
 """Bad input, one case per row: each is refused with an error that names the field (or
-file, line, tensor) and says what to change, and nothing is written. Cases through the
-command line run `experiments.train` and check that the workdir was not created."""
+file, line) and says what to change, and nothing is written. Cases through the command
+line run `experiments.train` and check that the workdir was not created. Hostile data
+files are in tests/bad_file_input_test.py, a hostile `--hf` checkpoint in
+tests/interop/bad_hf_input_test.py."""
 import json
 import os
 import shutil
 from types import SimpleNamespace
 
-import jax
-import numpy as np
 import pytest
+from cli_helpers import jsonl_cfg, one_line
 from rl_helpers import tiny_cfg
-from safetensors.numpy import load_file, save_file
 
 from experiments import train
 from stablerl_jax import presets
 from stablerl_jax.config import ConfigError, TaskConfig
 from stablerl_jax.data import jsonl
 from stablerl_jax.data.task import load_split
-from stablerl_jax.interop.rollouts import write_rollouts
 from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.runs.workdir import LOCK_FILE
 
@@ -271,11 +270,6 @@ def test_a_cold_start_with_other_settings_is_refused(tmp_path):
         sft.cold_start(cfg, data=None, workdir=str(workdir), progress=False)
 
 
-def _jsonl_cfg(path, **task):
-    cfg = tiny_cfg()
-    return cfg.replace(task=cfg.task.replace(kind="jsonl", jsonl_dir=str(path), **task))
-
-
 def _only_data_written(workdir):
     return sorted(os.listdir(workdir)) == ["data"]  # the data cache; no run was started
 
@@ -288,7 +282,7 @@ def test_a_set_whose_every_answer_is_unreadable_is_refused_with_the_count(tmp_pa
     (manual / "train.jsonl").write_text(bad)
     (manual / "test.jsonl").write_text(bad)
     with pytest.raises(ValueError) as e:
-        loop.task_data(_jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run"))
+        loop.task_data(jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run"))
     msg = str(e.value)
     assert "train.jsonl: no records (3 malformed line(s) skipped)" in msg
     assert "math-verify can read" in msg and _only_data_written(tmp_path / "run")
@@ -302,7 +296,7 @@ def test_a_huge_question_is_filtered_and_counted_and_a_bom_accepted(tmp_path, ca
     huge = json.dumps({"question": "1 + 2 = ?" * 111_112, "answer": "#### 9"}) + "\n"
     (manual / "train.jsonl").write_bytes(b"\xef\xbb\xbf" + (ok + huge + ok).encode())
     (manual / "test.jsonl").write_text(ok)
-    data = loop.task_data(_jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run"))
+    data = loop.task_data(jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run"))
     assert data.filtered == {"train": 1, "test": 0} and len(data.train) == 2
     assert "train: dropped 1 of 3 prompts longer than task.max_prompt_len=16" in \
         capsys.readouterr().out
@@ -319,7 +313,7 @@ def test_a_split_left_empty_by_the_length_filter_is_refused(tmp_path):
     (manual / "test.jsonl").write_text(json.dumps({"question": "1 + 2 + 3 + 4 + 5 = ?",
                                                    "answer": "#### 15"}) + "\n")
     with pytest.raises(ValueError) as e:
-        loop.task_data(_jsonl_cfg(manual, max_prompt_len=8), str(tmp_path / "run"))
+        loop.task_data(jsonl_cfg(manual, max_prompt_len=8), str(tmp_path / "run"))
     msg = str(e.value)
     assert "every one of the 1 test prompts is longer than task.max_prompt_len=8" in msg
     assert "raise task.max_prompt_len" in msg and str(manual) in msg
@@ -343,20 +337,6 @@ def test_named_eval_sets_smaller_than_the_cap_are_evaluated_whole_and_said_so(ca
     preflight.check_eval_problems(cfg, data)
     assert ("eval sets: aime24 30 of 30 problems, big 64 of 100 problems"
             in capsys.readouterr().out)
-
-
-# Entry points: a user error is one line on stderr and exit status 2; --traceback shows
-# the full traceback instead.
-def _one_line(capsys, argv, *needles):
-    with pytest.raises(SystemExit) as e:
-        train.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert "--traceback for the full traceback" in err
-    return err
 
 
 def _history(workdir, steps, summary=False, checkpoint=False):
@@ -405,8 +385,8 @@ def test_a_finished_run_without_its_checkpoints_keeps_its_history(tmp_path, caps
     shutil.rmtree(work / "checkpoints")
     kept = {f: (work / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
     changed = [*argv, "rl.optim.learning_rate=5e-4"]
-    _one_line(capsys, changed, f"{work} holds another run's history (metrics.jsonl: 3 rows "
-              "to step 2, summary.json)", "--replace-history")
+    one_line(capsys, changed, f"{work} holds another run's history (metrics.jsonl: 3 rows "
+             "to step 2, summary.json)", "--replace-history")
     cfg = presets.preset("tiny", changed[4:])
     with pytest.raises(ValueError, match="holds another run's history"):
         loop.run(cfg, str(work), progress=False)
@@ -421,371 +401,10 @@ def test_a_corrupt_cold_start_settings_file_is_one_line(tmp_path, capsys):
     (workdir / "sft" / "commit_success.txt").write_text("")
     (workdir / "sft.json").write_text('{"model.d_model": 6')
     argv = ["--workdir", str(workdir), "--quiet", "--compile-cache="]
-    _one_line(capsys, argv, f"{workdir / 'sft.json'}: not valid JSON", "delete it")
+    one_line(capsys, argv, f"{workdir / 'sft.json'}: not valid JSON", "delete it")
     with pytest.raises(ValueError, match="sft.json: not valid JSON"):
         train.main([*argv, "--traceback"])
     assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
-
-
-
-
-def _damaged(src, dest, change):
-    """A copy of the checkpoint `src` with one tensor of layer 1 changed."""
-    shutil.copytree(src, dest)
-    index = json.loads((dest / "model.safetensors.index.json").read_text())
-    name = "model.layers.1.mlp.experts.5.up_proj.weight"
-    file = dest / index["weight_map"][name]
-    tensors = load_file(str(file))
-    tensors[name] = change(tensors[name])
-    save_file(tensors, str(file), metadata={"format": "pt"})
-    return dest, name, file.name
-
-
-@pytest.mark.parametrize("case", ["nan", "inf", "float16", "int32"])
-def test_bad_hf_weights_are_refused_naming_tensor_and_file(tmp_path, capsys, hf_dir, case):
-    def change(w):
-        if case in ("nan", "inf"):
-            w = w.copy()
-            w[3, 2] = np.nan if case == "nan" else -np.inf
-            return w
-        return w.astype(case)
-    path, name, file = _damaged(hf_dir, tmp_path / "ckpt", change)
-    workdir = tmp_path / "run"
-    needles = ([f"tensor {name} in {file} holds NaN or inf"] if case in ("nan", "inf") else
-               [f"tensor {name} in {file} is {case}", "torch_dtype is float32"])
-    _one_line(capsys, ["--workdir", str(workdir), "--quiet", "--compile-cache=",
-                       "--hf", str(path)], *needles)
-    assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
-
-
-@pytest.mark.integration
-def test_a_read_only_checkpoint_directory_is_one_line(tmp_path, capsys, monkeypatch,
-                                                      hf_dir):
-    workdir = tmp_path / "run"
-    access = os.access  # root ignores permission bits: make the check itself say no
-    monkeypatch.setattr(os, "access", lambda p, mode: not str(p).endswith("checkpoints")
-                        and access(p, mode))
-    _one_line(capsys, ["--workdir", str(workdir), "--quiet", "--compile-cache=",
-                       "--hf", str(hf_dir)], "checkpoints' is not writable")
-    assert not (workdir / "metrics.jsonl").exists()
-
-
-# Offline rollout files: every value is checked when the file is opened.
-ROLLOUT_CASES = [  # (case, change(arrays), record, field, the message must contain)
-    ("token id beyond the vocabulary", lambda a: a["completion_ids"].__setitem__(
-        slice(9, 10), 64), "completion_ids", "token id 64 is outside [0, model.vocab_size=64)"),
-    ("negative prompt token", lambda a: a["prompt_ids"].__setitem__(slice(20, 21), -1),
-     "prompt_ids", "token id -1"),
-    ("NaN logp_mu", lambda a: a["logp_mu"].__setitem__(slice(9, 10), np.nan), "logp_mu",
-     "nan is not a log-probability"),
-    ("positive logp_mu", lambda a: a["logp_mu"].__setitem__(slice(9, 10), 0.5), "logp_mu",
-     "0.5 is not a log-probability"),
-    ("NaN reward", lambda a: a["rewards"].__setitem__(slice(1, 2), np.nan), "rewards",
-     "nan is not finite"),
-    ("negative completion length", lambda a: a["completion_lens"].__setitem__(
-        slice(1, 2), -1), "completion_lens", "-1 is below 0"),
-    ("completion longer than the slots", "long", "completion_lens", "17 is not in [1, 16]"),
-    ("expert id beyond the experts", lambda a: a["routes"].__setitem__(
-        (slice(30, 31), 1, 0), 8), "routes", "outside [0, model.num_experts=8)"),
-    ("expert id -2", lambda a: a["routes"].__setitem__((slice(30, 31), 0, 1), -2),
-     "routes", "outside [0, model.num_experts=8)"),
-]
-
-
-@pytest.mark.parametrize("case, change, field, needle", ROLLOUT_CASES,
-                         ids=[c[0] for c in ROLLOUT_CASES])
-def test_bad_offline_rollouts_are_refused_at_open(tmp_path, case, change, field, needle):
-    cfg = tiny_cfg(replay="r3", steps=1)
-    rng = np.random.default_rng(0)
-    recs = [{"prompt_ids": rng.integers(4, 60, 5), "completion_ids": rng.integers(4, 60, c),
-             "logp_mu": -rng.uniform(0.1, 2, c),
-             "routes": np.stack([rng.permutation(8)[:2] for _ in range(4 + c) for _ in "LL"])
-             .reshape(4 + c, 2, 2), "reward": float(i % 2)}
-            for i, c in enumerate([4, 17 if change == "long" else 4] + [4] * 6)]
-    path = tmp_path / "rollouts.npz"
-    write_rollouts(str(path), recs, group_size=2)
-    if change != "long":
-        arrays = dict(np.load(path))
-        change(arrays)
-        np.savez(path, **arrays)
-    cfg = cfg.replace(rl=cfg.rl.replace(offline_rollouts=str(path)))
-    with pytest.raises(ValueError) as e:
-        loop.open_offline(cfg)
-    msg = str(e.value)
-    assert str(path) in msg and f"field {field!r}" in msg and needle in msg, msg
-    # The record: response 1 for per-response fields; entries 9, 20 and 30 fall in
-    # responses 2, 4 and 3 (4 completion, 5 prompt and 8 route tokens per response).
-    record = {"completion_ids": 2, "prompt_ids": 4, "logp_mu": 2, "routes": 3}.get(field, 1)
-    assert f"record {record} (response index)" in msg, msg
-
-
-# Hostile files (offline rollouts, JSONL, linked logs) through the command line: exit
-# status 2, one line naming the file (field, line) and the fix, and nothing outside the
-# workdir changed (the hostile file included).
-def _outside(root, workdir):
-    """Name, size, mtime and link target of every path under `root` but in `workdir`."""
-    return sorted((str(p), p.lstat().st_size, p.lstat().st_mtime_ns,
-                   os.readlink(p) if p.is_symlink() else None)
-                  for p in root.rglob("*") if workdir not in (p, *p.parents))
-
-
-def _refused_outside_untouched(capsys, tmp_path, overrides, *needles):
-    workdir = tmp_path / "run"
-    before = _outside(tmp_path, workdir)
-    err = _one_line(capsys, ["--workdir", str(workdir), "--quiet", "--compile-cache=",
-                             *overrides], *needles)
-    assert _outside(tmp_path, workdir) == before
-    ckpts = workdir / "checkpoints"
-    assert not ckpts.exists() or not any(ckpts.iterdir())  # no step trained
-    return err
-
-
-def _rollouts(path, group_size=2, **fields):
-    """A valid rollout file (8 responses, groups of `group_size`) with `fields` set."""
-    rng = np.random.default_rng(0)
-    write_rollouts(str(path), [{"prompt_ids": rng.integers(4, 60, 5),
-                                "completion_ids": rng.integers(4, 60, 4),
-                                "logp_mu": -rng.uniform(0.1, 2, 4), "reward": float(i % 2)}
-                               for i in range(8)], group_size=group_size)
-    if fields:
-        np.savez(path, **{**dict(np.load(path)), **fields})  # object arrays are pickled
-    return path
-
-
-def _cut(path):
-    data = _rollouts(path).read_bytes()
-    path.write_bytes(data[:len(data) // 2])
-    return path
-
-
-BAD_ROLLOUT_FILES = [  # (case, make(tmp_path) -> path, the line must contain)
-    (".npy instead of .npz", lambda t: (np.save(t / "r.npy", np.zeros(3)), t / "r.npy")[1],
-     ["a single .npy array", "not an .npz archive", "write_rollouts"]),
-    ("truncated zip", lambda t: _cut(t / "r.npz"),
-     ["not a readable .npz archive (BadZipFile", "write_rollouts"]),
-    ("empty file", lambda t: ((t / "r.npz").write_bytes(b""), t / "r.npz")[1],
-     ["not a readable .npz archive (EOFError", "write_rollouts"]),
-    ("a text file", lambda t: (t / "r.npz").write_text("prompt_ids,1,2\n") and t / "r.npz",
-     ["neither .npz nor .npy data, and never unpickled", "write_rollouts"]),
-    ("group_size 0", lambda t: _rollouts(t / "r.npz", group_size=0),
-     ["field 'group_size' is 0", "must be >= 1", "write_rollouts(..., group_size=G)"]),
-    ("group_size [2, 2]", lambda t: _rollouts(t / "r.npz", group_size=np.array([2, 2])),
-     ["field 'group_size' has shape (2,)", "write_rollouts(..., group_size=G)"]),
-    ("pickled object array", lambda t: _rollouts(
-        t / "r.npz", answers=np.array(["1", 2] * 4, dtype=object)),
-     ["field 'answers' cannot be read (an object array: pickled Python objects, never "
-      "unpickled)", "plain numeric or str array", "write_rollouts"]),
-    ("lengths as strings", lambda t: _rollouts(t / "r.npz", prompt_lens=np.array(["5"] * 8)),
-     ["field 'prompt_lens' has dtype <U1", "integers", "write_rollouts"]),
-    ("routes of rank 2", lambda t: _rollouts(t / "r.npz", routes=np.zeros((64, 2), np.int32)),
-     ["field 'routes' has shape (64, 2)", "3 dimension(s)", "write_rollouts"]),
-    ("no such file", lambda t: t / "absent.npz", ["no such file", "rl.offline_rollouts"]),
-]
-
-
-@pytest.mark.parametrize("case, make, needles", BAD_ROLLOUT_FILES,
-                         ids=[c[0] for c in BAD_ROLLOUT_FILES])
-def test_hostile_rollout_files_are_one_line_naming_the_file(tmp_path, capsys, case, make,
-                                                            needles):
-    path = make(tmp_path)
-    _refused_outside_untouched(capsys, tmp_path, ["sft.steps=0",
-                                                  f"rl.offline_rollouts={path}"],
-                               f"{path}: ", *needles)
-
-
-def _deep(path):
-    path.mkdir()
-    ok = json.dumps({"question": "1 + 2 = ?", "answer": "#### 3"}) + "\n"
-    (path / "train.jsonl").write_text(ok + "[" * 100_000 + "]" * 100_000 + "\n" + ok)
-    (path / "test.jsonl").write_text(ok)
-    return path
-
-
-def test_a_line_nested_100000_deep_is_one_line_or_skipped_and_counted(tmp_path, capsys):
-    manual = _deep(tmp_path / "m")
-    _refused_outside_untouched(
-        capsys, tmp_path, ["sft.steps=0", "task.kind=jsonl", f"task.jsonl_dir={manual}"],
-        f"{manual / 'train.jsonl'}:2: malformed record", "nested deeper than the reader "
-        "follows", "pass skip_malformed=True")
-    data = loop.task_data(_jsonl_cfg(manual, skip_malformed=True), str(tmp_path / "run2"))
-    assert len(data.train) == 2
-    assert jsonl.parse_jsonl(str(manual / "train.jsonl"), skip_malformed=True).skipped == 1
-    # The generic path (another record reader: cold-start chats) shares load_object.
-    from stablerl_jax.data import sft_data
-    with pytest.raises(ValueError, match=r"train.jsonl:2: malformed record .* nested deeper"):
-        jsonl.parse_jsonl(str(manual / "train.jsonl"), record=sft_data.read_record)
-    assert jsonl.parse_jsonl(str(manual / "train.jsonl"), skip_malformed=True,
-                             record=sft_data.read_record).skipped == 1
-
-
-def _far_dates(values):
-    """A parquet date32 column of `values` days after 1970-01-01 (3,000,000: year 10183,
-    past Python's datetime.date)."""
-    import pyarrow as pa
-
-    return pa.array(values, pa.int32()).cast(pa.date32())
-
-
-def test_a_parquet_cell_python_cannot_hold_is_a_malformed_row(tmp_path, capsys):
-    # Found by tests/fuzz_test.py (parquet surface) as pyarrow's OverflowError, a traceback
-    # for the whole file, even where no format reads the column; fixed in data/parquet.py.
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    manual = tmp_path / "m"
-    manual.mkdir()
-    pq.write_table(pa.table({"question": ["1 + 2 = ?", "2 + 2 = ?"],
-                             "answer": _far_dates([3_000_000, 3])}),
-                   str(manual / "train.parquet"))
-    pq.write_table(pa.table({"question": ["1 + 2 = ?"], "answer": ["3"]}),
-                   str(manual / "test.parquet"))
-    _refused_outside_untouched(
-        capsys, tmp_path, ["sft.steps=0", "task.kind=jsonl", f"task.jsonl_dir={manual}"],
-        f"{manual / 'train.parquet'} row 1: malformed record", "field 'answer' must be a "
-        "string, got Unreadable", "pass skip_malformed=True")
-    with pytest.raises(ValueError, match=r"train.parquet: no records \(2 malformed"):
-        jsonl.parse_jsonl(str(manual / "train.parquet"), skip_malformed=True)
-    # In a column no format reads (verl's extra_info, say) it does not matter.
-    pq.write_table(pa.table({"question": ["1 + 2 = ?", "2 + 2 = ?"], "answer": ["3", "4"],
-                             "created": _far_dates([3, 3_000_000])}),
-                   str(manual / "train.parquet"))
-    parsed = jsonl.parse_jsonl(str(manual / "train.parquet"))
-    assert [r["answer"] for r in parsed.records] == ["3", "4"] and parsed.skipped == 0
-
-
-def test_a_reference_hash_line_holding_a_word_is_a_malformed_record(tmp_path, capsys):
-    manual = tmp_path / "m"
-    manual.mkdir()
-    ok = json.dumps({"question": "1 + 2 = ?", "answer": "#### 3"}) + "\n"
-    (manual / "train.jsonl").write_text(
-        ok + json.dumps({"question": "q", "answer": "so #### eleventy 5"}) + "\n")
-    (manual / "test.jsonl").write_text(ok)
-    _refused_outside_untouched(
-        capsys, tmp_path, ["sft.steps=0", "task.kind=jsonl", f"task.jsonl_dir={manual}"],
-        f"{manual / 'train.jsonl'}:2: malformed record", "'eleventy 5' is not a number")
-
-
-LINKED_LOGS = [("metrics.jsonl", ["sft.steps=0"]), ("samples.jsonl", ["sft.steps=0"]),
-               ("minibatches.jsonl", ["sft.steps=0"]),
-               ("sft_run/metrics.jsonl", ["sft.steps=1"])]
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("log, overrides", LINKED_LOGS, ids=[c[0] for c in LINKED_LOGS])
-@pytest.mark.parametrize("dangling", [False, True], ids=["to a file", "dangling"])
-def test_a_linked_log_is_one_line_and_its_target_untouched(tmp_path, capsys, log,
-                                                           overrides, dangling):
-    # The run rewrites its logs by rename on start and resume, which would replace the
-    # link and leave its target stale: refused, the link and its target as they were.
-    target = tmp_path / "elsewhere" / "log.jsonl"
-    target.parent.mkdir()
-    if not dangling:
-        target.write_text(json.dumps({"step": 0, "reward": 0.5}) + "\n")
-    link = tmp_path / "run" / log
-    link.parent.mkdir(parents=True)
-    link.symlink_to(target)
-    _refused_outside_untouched(capsys, tmp_path, overrides,
-                               f"{link} is a symbolic link (to '{target}')",
-                               "replace the link by a regular file")
-    assert link.is_symlink() and os.readlink(link) == str(target)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    assert log == "metrics.jsonl" or not metrics.exists() or metrics.stat().st_size == 0
-
-
-# A --hf config.json at odds with itself or with its weights, and int settings beyond
-# int32: exit status 2, one line naming the field, the file and the fix, nothing outside
-# the workdir changed (the checkpoint included).
-def _drop_head_dim(hf):
-    hf.pop("head_dim")
-    return {**hf, "num_attention_heads": 0}
-
-
-HF_CONFIGS = [  # (case, change(config.json dict) or the file's text, the line must contain)
-    ("more layers than the weights", lambda hf: {**hf, "num_hidden_layers": 3},
-     ["num_hidden_layers is 3, but the weights hold 2", "set num_hidden_layers to 2"]),
-    ("a million layers", lambda hf: {**hf, "num_hidden_layers": 10**6},
-     ["num_hidden_layers is 1000000, but the weights hold 2", "set num_hidden_layers to 2"]),
-    ("a fractional layer count", lambda hf: {**hf, "num_hidden_layers": 2.7},
-     ["num_hidden_layers: must be an int >= 1", "got 2.7", "correct it in config.json"]),
-    ("an integral float layer count", lambda hf: {**hf, "num_hidden_layers": 2.0},
-     ["num_hidden_layers: must be an int >= 1", "got 2.0", "correct it in config.json"]),
-    ("an infinite vocabulary", lambda hf: {**hf, "vocab_size": float("inf")},
-     ["vocab_size: must be an int >= 1", "got inf", "correct it in config.json"]),
-    ("a vocabulary as a list", lambda hf: {**hf, "vocab_size": [64]},
-     ["vocab_size: must be an int >= 1", "got [64]", "correct it in config.json"]),
-    ("zero heads without head_dim", _drop_head_dim,
-     ["num_attention_heads: must be an int >= 1", "got 0", "correct it in config.json"]),
-    ("vocab rows that disagree", lambda hf: {**hf, "vocab_size": 65},
-     ["vocab_size is 65, but the weights hold 64", "model.embed_tokens.weight",
-      "set vocab_size to 64"]),
-    ("an expert count that disagrees", lambda hf: {**hf, "num_experts": 16},
-     ["num_experts is 16, but the weights hold 8", "set num_experts to 8"]),
-    ("a string for a bool", lambda hf: {**hf, "tie_word_embeddings": "false"},
-     ["tie_word_embeddings: must be true or false", "correct it in config.json"]),
-    ("not JSON", '{"vocab_size": 64,', ["config.json: not valid JSON",
-                                        "restore the checkpoint's file"]),
-    # Each float setting is checked in float32, the dtype the model computes it in: a
-    # rope_theta that overflows it had trained on with a numpy warning and a rising loss.
-    ("a rope_theta float32 cannot hold", lambda hf: {**hf, "rope_theta": 1e39},
-     ["rope_theta: is 1e+39, which float32", "cannot hold", "correct it in config.json"]),
-    ("an rms_norm_eps that is 0 in float32", lambda hf: {**hf, "rms_norm_eps": 1e-50},
-     ["rms_norm_eps: is 1e-50, which float32", "correct it in config.json"]),
-    ("a router_aux_loss_coef beyond float32", lambda hf: {**hf, "router_aux_loss_coef": 1e300},
-     ["router_aux_loss_coef: is 1e+300", "correct it in config.json"]),
-]
-
-
-@pytest.mark.parametrize("case, change, needles", HF_CONFIGS, ids=[c[0] for c in HF_CONFIGS])
-def test_a_bad_hf_config_json_is_one_line_naming_field_and_file(tmp_path, capsys, hf_dir,
-                                                                case, change, needles):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(hf_dir, ckpt)
-    source = ckpt / "config.json"
-    source.write_text(change if isinstance(change, str) else
-                      json.dumps(change(json.loads(source.read_text()))))
-    _refused_outside_untouched(capsys, tmp_path, ["--hf", str(ckpt)], f"{source}: ",
-                               *needles)
-
-
-def _index_moving(name):
-    """A change of the shard index that places tensor `name` in another shard."""
-    def change(index):
-        files = sorted(set(index["weight_map"].values()))
-        other = next(f for f in files if f != index["weight_map"][name])
-        return {**index, "weight_map": {**index["weight_map"], name: other}}
-    return change
-
-
-GATE = "model.layers.0.mlp.gate.weight"
-# Found by tests/fuzz_test.py: an index that is not an object as AttributeError, one that
-# places a tensor in a shard that does not hold it as safetensors' SafetensorError (a
-# traceback at the command line); fixed in interop/hf_checkpoint.py.
-HF_INDEXES = [  # (case, change(index dict) or the file's text, the named file, needles)
-    ("null", "null", "model.safetensors.index.json",
-     ["must be a JSON object whose weight_map maps each tensor name to a file name",
-      "restore the checkpoint's index"]),
-    ("a list", "[]", "model.safetensors.index.json", ["must be a JSON object"]),
-    ("a string", '"weights"', "model.safetensors.index.json", ["must be a JSON object"]),
-    ("a tensor placed in the wrong shard", _index_moving(GATE), None,
-     [f"holds no tensor {GATE}, which", "model.safetensors.index.json places there",
-      "restore the checkpoint's index"]),
-]
-
-
-@pytest.mark.parametrize("case, change, named, needles", HF_INDEXES,
-                         ids=[c[0] for c in HF_INDEXES])
-def test_a_bad_hf_shard_index_is_one_line_naming_the_file(tmp_path, capsys, hf_dir, case,
-                                                         change, named, needles):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(hf_dir, ckpt)
-    source = ckpt / "model.safetensors.index.json"
-    index = json.loads(source.read_text())
-    source.write_text(change if isinstance(change, str) else json.dumps(change(index)))
-    if named is None:  # the shard the index wrongly names
-        named = [f for f in sorted(set(index["weight_map"].values()))
-                 if f != index["weight_map"][GATE]][0]
-    _refused_outside_untouched(capsys, tmp_path, ["--hf", str(ckpt)], f"{ckpt / named}: ",
-                               *needles)
 
 
 @pytest.mark.parametrize("override", ["sft.steps=3000000000", "rl.prompts_per_step=2147483648",
@@ -802,45 +421,3 @@ def test_an_int_setting_beyond_int32_is_refused(tmp_path, capsys, override):
     assert not workdir.exists() and os.listdir(tmp_path) == []
 
 
-# A checkpoint's chat template is code: a hostile one, found by a `--hf` run with
-# task.chat_template=true as the checkpoint's tokenizer_config.json "chat_template" or its
-# chat_template.jinja, is refused when the data loads (before any training) with one line
-# naming that file and the bound (data/template_sandbox.py, RenderLimits).
-NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
-HOSTILE_TEMPLATES = [  # (file, template, the line must contain)
-    pytest.param("tokenizer_config.json", NESTED.replace("BODY", "x"),
-                 ["builds the rendered text of ~4,194,30", "> 4,194,304 (RenderLimits.chars)"],
-                 id="nested range(100000) loops"),
-    pytest.param("chat_template.jinja", "{{ ('x'*6*10**9)|length }}",
-                 ["builds a string of ~6,000,000,000 characters > 4,194,304 "
-                  "(RenderLimits.chars)"], id="a string of 6e9 characters"),
-    pytest.param("tokenizer_config.json", NESTED.replace("BODY", ""),
-                 ["ran past the time limit of 1 s per render (RenderLimits.seconds)"],
-                 id="nested loops that render nothing"),
-    pytest.param("chat_template.jinja", NESTED.replace("BODY", ""),
-                 ["ran past the time limit of 10 s per render (RenderLimits.seconds)"],
-                 id="nested loops that render nothing, 10 s", marks=pytest.mark.slow),
-]
-
-
-@pytest.mark.parametrize("file, template, needles", HOSTILE_TEMPLATES)
-def test_a_hostile_chat_template_is_one_line_naming_its_file(tmp_path, capsys, monkeypatch,
-                                                            hf_dir, file, template, needles):
-    from hf_fixtures import CHATML_TEMPLATE, write_qwen_tokenizer
-
-    from stablerl_jax.data import chat_template
-    from stablerl_jax.data.template_sandbox import RenderLimits
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(hf_dir, ckpt)
-    write_qwen_tokenizer(ckpt, chat_template=template if file == "tokenizer_config.json"
-                         else CHATML_TEMPLATE)
-    if file == "chat_template.jinja":
-        (ckpt / file).write_text(template)  # wins over tokenizer_config.json's
-    if "1 s per render" in needles[0]:  # the time bound, shortened from 10 s for the suite
-        monkeypatch.setattr(chat_template, "task_template", lambda task: (
-            chat_template.ChatTemplate.from_dir(task.tokenizer_dir, RenderLimits(seconds=1))))
-    _refused_outside_untouched(capsys, tmp_path, ["--hf", str(ckpt), "sft.steps=0",
-                                                  "task.chat_template=true"],
-                               f"{ckpt / file}: the chat template ", *needles,
-                               "fix the template or set task.chat_template=false")
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()

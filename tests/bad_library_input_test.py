@@ -1,6 +1,7 @@
 """Bad input handed to the library directly (tensors, loss batches, settings): each is
 refused with an error that names the argument and says what to change; the companion of
-tests/bad_input_test.py (command line, data and files)."""
+tests/bad_input_test.py, tests/bad_file_input_test.py and
+tests/interop/bad_hf_input_test.py (command line, data and files)."""
 import dataclasses
 
 import jax

@@ -10,7 +10,8 @@ changed type, rounded, wrapped or dropped.
 Every surface runs under the FAST profile in the default suite (60 derandomized examples
 each) and under LONG with `pytest -m slow` (2,000 fresh examples each); the times are in
 docs/records/reliability.md. The library functions are called in-process. Inputs found to break
-the property become table cases in tests/bad_input_test.py (through the command line
+the property become table cases in the bad-input tables (tests/bad_input_test.py,
+tests/bad_file_input_test.py, tests/interop/bad_hf_input_test.py; through the command line
 where the surface is reachable from it); those whose fix is still open are listed in
 OPEN.
 """
@@ -53,10 +54,9 @@ PROFILES = [pytest.param(FAST, id="fast"),
             pytest.param(LONG, id="long", marks=pytest.mark.slow)]
 
 # {surface: {test: whether an example is its input}}: bugs this harness found that are
-# still open, each kept as a strict xfail among the table cases of
-# tests/bad_input_test.py (the test named here). Their inputs are passed over (assumed
-# away) so that the harness goes on looking for others; delete an entry when its test
-# there passes.
+# still open, each kept as a strict xfail among the cases of the bad-input tables (the
+# test named here). Their inputs are passed over (assumed away) so that the harness goes
+# on looking for others; delete an entry when its test there passes.
 OPEN: dict = {}
 
 

@@ -29,8 +29,8 @@ STARTERS = frozenset({"integration", "slow", "tpu"})
 # Pallas fused log-prob and the grouped-matmul table that no other CI test runs
 # (`pytest-cov`, docs/guides/testing.md).
 SAMPLED_IN_CI = (
-    "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file",
-    "tests/bad_input_test.py::test_hostile_rollout_files_are_one_line_naming_the_file",
+    "tests/interop/bad_hf_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file",
+    "tests/bad_file_input_test.py::test_hostile_rollout_files_are_one_line_naming_the_file",
     "tests/kernels/fused_logprob_test.py::test_random_shapes_match_float64_reference",
     "tests/kernels/fused_logprob_test.py::test_an_invariant_row_scores_a_token_as_its_distribution_does_in_any_batch",
     "tests/kernels/fused_logprob_test.py::test_value_and_vjp_match_float64_reference",
@@ -49,7 +49,7 @@ SAMPLED_IN_CI = (
 # SAMPLED_IN_CI. Each product here took over 4 s in all.
 SAMPLED = SAMPLED_IN_CI + (
     "tests/rl/accumulate_test.py::test_accumulated_losses_equal_one_batch",
-    "tests/bad_input_test.py::test_a_hostile_chat_template_is_one_line_naming_its_file",
+    "tests/interop/bad_hf_input_test.py::test_a_hostile_chat_template_is_one_line_naming_its_file",
     "tests/sampling/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics",
     "tests/sampling/continuous_test.py::test_continuous_returns_the_static_rollout_bit_for_bit",
     "tests/kernels/decode_attention_test.py::test_every_row_is_the_reference",
@@ -145,7 +145,7 @@ HEAVY = (
     "tests/model/expert_parallel_test.py::test_sharded_experts_equal_unsharded",
     "tests/method/attribution_test.py::test_the_layer_shares_and_the_interaction_add_to_one",
     "tests/rl/accumulate_test.py::test_accumulated_losses_equal_one_batch[gspo]",
-    "tests/bad_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file[nan]",
+    "tests/interop/bad_hf_input_test.py::test_bad_hf_weights_are_refused_naming_tensor_and_file[nan]",
     "tests/bad_library_input_test.py::test_loss_batch_values_and_emptiness",
     "tests/bad_library_input_test.py::test_value_checks_under_jit_through_checkify",
     "tests/runs/checkpoint_test.py::test_restore_lands_on_target_shardings",
