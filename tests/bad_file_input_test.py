@@ -151,7 +151,7 @@ def _far_dates(values):
 
 
 def test_a_parquet_cell_python_cannot_hold_is_a_malformed_row(tmp_path, capsys):
-    # Found by tests/fuzz_test.py (parquet surface) as pyarrow's OverflowError, a traceback
+    # Found by tests/fuzz_files_test.py (parquet surface) as pyarrow's OverflowError, a traceback
     # for the whole file, even where no format reads the column; fixed in data/parquet.py.
     import pyarrow as pa
     import pyarrow.parquet as pq

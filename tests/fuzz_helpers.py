@@ -1,5 +1,6 @@
-"""The property every input surface must keep (tests/fuzz_test.py), and the hypothesis
-profiles and generic strategies the fuzz tests share.
+"""The property every input surface must keep (tests/fuzz_test.py,
+tests/fuzz_files_test.py), and the hypothesis profiles, generic strategies and list of
+open findings the fuzz tests share.
 
 The property: an input either works or raises one of `USER_ERRORS`, the exceptions the
 command line prints as one line and exit status 2 (experiments/cli_errors.py, which
@@ -20,7 +21,8 @@ import os
 import signal
 import threading
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from experiments.cli_errors import USER_ERRORS
@@ -135,3 +137,17 @@ def write_tiny_checkpoint(path: str, cfg: ModelConfig = HF_CFG) -> tuple[dict, d
         config = json.load(f)
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         return config, json.load(f)
+
+
+PROFILES = [pytest.param(FAST, id="fast"),
+            pytest.param(LONG, id="long", marks=pytest.mark.slow)]
+
+# {surface: {test: whether an example is its input}}: bugs this harness found that are
+# still open, each kept as a strict xfail among the cases of the bad-input tables (the
+# test named here). Their inputs are passed over (assumed away) so that the harness goes
+# on looking for others; delete an entry when its test there passes.
+OPEN: dict = {}
+
+
+def pass_over_open(surface: str, example) -> None:
+    assume(not any(found(example) for found in OPEN.get(surface, {}).values()))

@@ -81,7 +81,7 @@ BAD_TOKENIZERS = [
     ("invalid UTF-8", b'{"model": "\xff"}', ["not valid JSON", FIX]),
     ("JSON nested 100,000 deep", "[" * 100_000 + "]" * 100_000,
      ["nested deeper than Python's recursion limit", FIX]),
-    # Found by tests/fuzz_test.py: a prefix longer than a merge's right token made the
+    # Found by tests/fuzz_files_test.py: a prefix longer than a merge's right token made the
     # library panic (pyo3's PanicException, not an Exception: a traceback), and a
     # WordLevel model without its unk token loaded and then failed on the first text.
     ("a continuing_subword_prefix the merges lack", _with_model(

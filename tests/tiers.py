@@ -162,7 +162,7 @@ HEAVY = (
     "tests/kernels/fused_logprob_test.py::test_random_shapes_match_float64_reference[pallas_gpu]",
     "tests/kernels/fused_logprob_test.py::test_shape_errors_name_values",
     "tests/kernels/fused_logprob_test.py::test_value_and_vjp_match_float64_reference[shape2-bfloat16-chunked]",
-    "tests/fuzz_test.py::test_hf_config_json[fast]",
+    "tests/fuzz_files_test.py::test_hf_config_json[fast]",
     "tests/runs/gcs_bad_input_test.py::test_an_endpoint_refusing_connections_is_one_line_within_the_bound",
     "tests/kernels/gmm_pallas_test.py::test_value_and_grads_equal_reference[sizes3-gpu]",
     "tests/kernels/gmm_test.py::test_every_implementation_in_the_table_equals_the_loop[pallas_tpu]",

@@ -119,7 +119,7 @@ def _index_moving(name):
 
 
 GATE = "model.layers.0.mlp.gate.weight"
-# Found by tests/fuzz_test.py: an index that is not an object as AttributeError, one that
+# Found by tests/fuzz_files_test.py: an index that is not an object as AttributeError, one that
 # places a tensor in a shard that does not hold it as safetensors' SafetensorError (a
 # traceback at the command line); fixed in interop/hf_checkpoint.py.
 HF_INDEXES = [  # (case, change(index dict) or the file's text, the named file, needles)
