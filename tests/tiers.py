@@ -274,6 +274,20 @@ def mark_tiers(items) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+def stale_entries(items) -> list[str]:
+    """The entries of SAMPLED, HEAVY and BEYOND_CI that name no test: their file is
+    gone, or it was collected (in `items`) and holds no test of that name. A moved or
+    renamed test would otherwise drop out of its tier unnoticed."""
+    if not items:
+        return []
+    root = items[0].session.config.rootpath
+    names = {n for i in items for n in (i.nodeid, family(i.nodeid))}
+    collected = {i.nodeid.split("::")[0] for i in items}
+    return sorted(e for e in set(SAMPLED + HEAVY + BEYOND_CI)
+                  if not (root / e.split("::")[0]).exists()
+                  or (e.split("::")[0] in collected and e not in names))
+
+
 def _refuse(what: str):
     def refused(*args, **kwargs):
         pytest.fail(f"a default-tier test started {what}: mark it `integration` "
