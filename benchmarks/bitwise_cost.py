@@ -18,6 +18,14 @@ tokenizer: what a machine without the data stack can run): the sampler (`rollout
 every row decoding --new-tokens tokens), the score forward (`policy_logprobs`) and an
 update's forward and backward (the gradient of the summed log-probs) under both arms,
 the median of --steps calls after one warm-up, the arms' calls alternating.
+
+    python -m benchmarks.bitwise_cost --forward-split [--preset tiny] [--rows 128]
+        [--prompt-len 16] [--new-tokens 48] [--steps 10] [key=value ...]
+
+splits the tiled forward's cost: the model's forward alone (transformer.forward, values
+only) on random weights and tokens of --prompt-len + --new-tokens, untiled against tiled,
+then the per-token attention of one layer alone (`invariant.attend` on random queries,
+keys and values of that shape), in the same process.
 """
 from __future__ import annotations
 
@@ -66,6 +74,31 @@ def model_hops(cfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
         ("update (forward + backward)", lambda: grad(params)))}
 
 
+def forward_split(cfg, rows: int, tokens: int) -> dict:
+    """({arm: {"forward": call}}, call): the forward (exact: untiled, bitwise: tiled) on
+    random weights and tokens, and one layer's `invariant.attend` at that shape."""
+    from stablerl_jax.model import invariant
+
+    model = cfg.model
+    params = tf.init_params(jax.random.key(0), model)
+    toks = jax.random.randint(jax.random.key(1), (rows, tokens), 0, model.vocab_size)
+    dt = jnp.dtype(model.compute_dtype)
+    n, h, kv, dh = rows * tokens, model.num_heads, model.num_kv_heads, model.head_dim
+    r = lambda i, shape: jax.random.normal(jax.random.key(i), shape, dt)
+    q, k, v = r(2, (n, h, dh)), r(3, (rows, tokens, kv, dh)), r(4, (rows, tokens, kv, dh))
+    pos = jnp.tile(jnp.arange(tokens, dtype=jnp.int32), rows)
+    row = jnp.repeat(jnp.arange(rows, dtype=jnp.int32), tokens)
+    start, mask = jnp.zeros(n, jnp.int32), jnp.ones((rows, tokens), bool)
+    attend = jax.jit(lambda *a: invariant.attend(*a, kv_heads=kv, dtype=dt,
+                                                 tile=model.row_tile))
+    calls = {}
+    for arm, tiled in (("exact", False), ("bitwise", True)):
+        m = dataclasses.replace(model, batch_invariant=tiled)
+        fwd = jax.jit(lambda p, t, m=m: tf.forward(p, t, m)[0])
+        calls[arm] = {"forward": lambda fwd=fwd: jax.block_until_ready(fwd(params, toks))}
+    return calls, lambda: jax.block_until_ready(attend(q, pos, row, start, k, v, mask))
+
+
 def interleaved(calls: dict, steps: int) -> dict:
     """{arm: {hop: median seconds}} of `calls` ({arm: {hop: call}}): per hop, one warm-up
     call of each arm, then `steps` rounds of one call of each arm in turn, so that a
@@ -104,7 +137,10 @@ def main(argv=None) -> None:
     ap.add_argument("--cache", default="", help="persistent compilation cache directory")
     ap.add_argument("--model-only", action="store_true",
                     help="time the model's hops on random weights (no data)")
-    ap.add_argument("--preset", default="tiny", help="the preset of --model-only")
+    ap.add_argument("--forward-split", action="store_true",
+                    help="time the forward alone and the per-token attention within it")
+    ap.add_argument("--preset", default="tiny",
+                    help="the preset of --model-only and --forward-split")
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -112,6 +148,21 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     compile_cache.enable(args.cache)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    if args.forward_split:
+        cfg = presets.preset(args.preset, ["mesh=1,1,1", "mesh_dcn=1,1,1", *args.overrides])
+        tokens = args.prompt_len + args.new_tokens
+        calls, attend = forward_split(cfg, args.rows, tokens)
+        t = interleaved(calls, args.steps)
+        fwd = t["bitwise"]["forward"]
+        att = interleaved({"bitwise": {"attend": attend}}, args.steps)["bitwise"]["attend"]
+        for by_hop in t.values():
+            by_hop.pop("sum")
+        _table(f"{args.preset} model, forward alone: compute {cfg.model.compute_dtype}, "
+               f"{args.rows} rows of {tokens} tokens, median of {args.steps} calls", t)
+        print(f"\n`invariant.attend`, one layer: {att * 1e3:.1f} ms; "
+              f"× {cfg.model.num_layers} layers = {cfg.model.num_layers * att / fwd:.0%} "
+              "of the tiled forward")
+        return
     if args.model_only:
         base = presets.preset(args.preset, ["mesh=1,1,1", "mesh_dcn=1,1,1", *args.overrides])
         hops = interleaved({arm: model_hops(apply_overrides(base, [f"sampling.numerics={arm}"]),
