@@ -95,7 +95,8 @@ def main(argv=None, *, default_workdir: str = "runs/train") -> dict:
 
 def _train(args, cfg, allow, main_process: bool) -> dict:
     t0 = time.time()
-    preflight.check_history(cfg, args.workdir, args.replace_history)  # before the cold start
+    preflight.check_history(cfg, args.workdir, args.replace_history,  # before the cold start
+                            args.export_hf)
     export_dtype = args.export_dtype
     if args.hf:
         args.hf = storage.fetch_dir(args.hf)  # a gs:// checkpoint: read from a local copy

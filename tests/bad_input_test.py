@@ -254,9 +254,11 @@ def test_the_only_checkpoint_corrupted_is_refused(finished_run, tmp_path):
     data = max((p for p in step_dir.rglob("*") if p.is_file() and "state" in p.parts),
                key=lambda p: p.stat().st_size)
     data.write_bytes(bytes(data.stat().st_size))
-    with pytest.raises(ValueError, match="no checkpoint restores"):
+    kept = (copy / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="no checkpoint that restores.*--replace-history"):
         loop.run(cfg, str(copy), progress=False)
     assert (copy / "checkpoints" / "1.corrupt").is_dir()  # kept for inspection
+    assert (copy / "metrics.jsonl").read_bytes() == kept  # decided by restoring: kept
 
 
 def test_a_cold_start_with_other_settings_is_refused(tmp_path):
@@ -339,60 +341,38 @@ def test_named_eval_sets_smaller_than_the_cap_are_evaluated_whole_and_said_so(ca
             in capsys.readouterr().out)
 
 
-def _history(workdir, steps, summary=False, checkpoint=False):
-    workdir.mkdir(parents=True)
-    (workdir / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in steps))
-    if summary:
-        (workdir / "summary.json").write_text("{}")
-    if checkpoint:
-        (workdir / "checkpoints" / "2").mkdir(parents=True)
-
-
-@pytest.mark.parametrize("steps, summary, checkpoint, replace, refused", [
-    ((0,), False, False, False, False),       # killed before its first checkpoint: restarts
-    ((0, 1, 2, 3, 4), False, False, False, False),  # the save of step 2 may be unfinished
-    (tuple(range(6)), False, False, False, True),   # step 2's save was done, and is gone
-    ((), True, False, False, True),           # a finished run's summary
-    ((0, 1, 2), True, True, False, False),    # a checkpoint: the resume path decides
-    ((0, 1, 2), True, False, True, False),    # --replace-history
-], ids=["step 0", "before the first checkpoint", "checkpoint gone", "summary",
-        "checkpoint kept", "replace"])
-def test_a_workdirs_history_is_replaced_only_when_asked(tmp_path, steps, summary, checkpoint,
-                                                         replace, refused):
-    cfg = tiny_cfg(checkpoint_every=2)
-    _history(tmp_path / "run", steps, summary, checkpoint)
-    if not refused:
-        preflight.check_history(cfg, str(tmp_path / "run"), replace)
-        return
-    with pytest.raises(ValueError) as e:
-        preflight.check_history(cfg, str(tmp_path / "run"), replace)
-    assert "holds another run's history" in str(e.value)
-    assert "--replace-history" in str(e.value) and "another --workdir" in str(e.value)
-
-
 @pytest.mark.integration
-def test_a_finished_run_without_its_checkpoints_keeps_its_history(tmp_path, capsys):
-    """A finished run's checkpoints/ deleted, then the command run again with a setting
-    changed: one line and exit 2 before any work, its metrics and summary unchanged
-    (through the library too); --replace-history starts over there."""
+def test_a_finished_run_whose_checkpoints_do_not_resume_keeps_its_history(tmp_path, capsys):
+    """A finished run whose steps were set aside (`<step>.corrupt`, as a resume leaves
+    them) beside a stray note in checkpoints/, run again with a setting changed: one line
+    and exit 2 before any work, its files byte for byte unchanged (through the library
+    too); --replace-history moves them to replaced.1/ and trains again."""
     work = tmp_path / "run"
     argv = ["--workdir", str(work), "--quiet", "--compile-cache=", "sft.steps=0",
             "rl.steps=2", "rl.eval_every=2", "rl.checkpoint_every=1", "task.num_train=64",
             "task.num_test=16", "rl.prompts_per_step=4", "rl.group_size=2",
             "rl.eval_problems=8", "rl.eval_k=1"]
     train.main(argv)
-    shutil.rmtree(work / "checkpoints")
-    kept = {f: (work / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
+    for step in os.listdir(work / "checkpoints"):
+        os.rename(work / "checkpoints" / step, work / "checkpoints" / f"{step}.corrupt")
+    (work / "checkpoints" / "notes.txt").write_text("a stray note")
+    kept = {str(p): p.read_bytes() for p in work.rglob("*") if p.is_file()}
     changed = [*argv, "rl.optim.learning_rate=5e-4"]
     one_line(capsys, changed, f"{work} holds another run's history (metrics.jsonl: 3 rows "
-             "to step 2, summary.json)", "--replace-history")
+             "to step 2, minibatches.jsonl: 2 rows to step 2, samples.jsonl: 8 rows to step "
+             "2, summary.json, plots)", "--replace-history")
     cfg = presets.preset("tiny", changed[4:])
     with pytest.raises(ValueError, match="holds another run's history"):
         loop.run(cfg, str(work), progress=False)
-    assert {f: (work / f).read_bytes() for f in kept} == kept
+    assert {str(p): p.read_bytes() for p in work.rglob("*") if p.is_file()} == kept
     summary = train.main([*changed, "--replace-history"])  # trained again, checkpointed
-    assert summary["steps"] == 2 and sorted(os.listdir(work / "checkpoints")) == ["1", "2"]
+    assert summary["steps"] == 2
+    assert sorted(os.listdir(work / "checkpoints")) == ["1", "1.corrupt", "2", "2.corrupt",
+                                                        "notes.txt"]
+    assert (work / "replaced.1" / "summary.json").read_bytes() == kept[
+        str(work / "summary.json")]
+    assert (work / "replaced.1" / "metrics.jsonl").read_bytes() == kept[
+        str(work / "metrics.jsonl")]
 
 
 def test_a_corrupt_cold_start_settings_file_is_one_line(tmp_path, capsys):

@@ -16,6 +16,8 @@ LOSS_NAMES = tuple(LOSS_TABLE)  # at import; LossConfig.name is checked against 
 IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
 # The rows a row-mean aggregation divides by (LossConfig.row_denominator).
 ROW_DENOMINATORS = ("scored", "all")
+CENTER_MODES = ("none", "exact", "topk")  # score centering's q (method/centering.py)
+TRUST_REGIONS = ("none", "k1", "abs")  # the per-token divergence of trust-region masking
 ADVANTAGE_NAMES = ("group_mean", "group_norm", "leave_one_out")
 REPLAY_MODES = ("none", "r2", "r3")
 OVERLONG_MODES = ("keep", "mask", "penalty")  # what a truncated response trains on

@@ -136,9 +136,32 @@ class ExperimentConfig(Section):
                   f"the probe's {probed} rows (one per batch shard at least) exceed the "
                   f"step's {rl.prompts_per_step * rl.group_size} responses; set "
                   "rl.attribution_every=0 or a larger batch")
+        self._check_sampler_q()
         check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
               f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
               f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
+
+    def _check_sampler_q(self):
+        """loss.center and rl.drift_monitor recompute the sampler's whole-vocabulary q
+        in the score step (method/centering.py): from our sampler's full softmax, on the
+        padded rows."""
+        users = [f for f, on in (("loss.center", self.loss.center != "none"),
+                                 ("rl.drift_monitor", self.rl.drift_monitor)) if on]
+        if not users:
+            return
+        field = users[0]
+        check(not self.rl.pack_tokens, field, f"needs q at every padded position; set "
+              f"rl.pack_tokens=0 (got {self.rl.pack_tokens}) or turn {field} off")
+        check(not self.rl.offline_rollouts, field, "recomputes q with this project's "
+              "sampler, which did not draw an offline rollout file; set "
+              f"rl.offline_rollouts='' or turn {field} off")
+        check(self.sampling.top_k == 0 and self.sampling.top_p == 1.0, field,
+              f"q is the sampler's full softmax; set sampling.top_k=0 and "
+              f"sampling.top_p=1.0 (got {self.sampling.top_k}, {self.sampling.top_p}) or "
+              f"turn {field} off")
+        check(self.loss.center != "topk" or self.loss.center_k < self.model.vocab_size,
+              "loss.center_k", f"must be < model.vocab_size = {self.model.vocab_size} (at "
+              f"K = V use loss.center=exact), got {self.loss.center_k}")
 
 
 def _parse(value: str, current, key: str):

@@ -17,6 +17,7 @@ from stablerl_jax.config.checks import (
 from stablerl_jax.config.choices import (
     ADVANTAGE_NAMES,
     AGGREGATIONS,
+    CENTER_MODES,
     EVAL_SET_NAME,
     IS_CORRECTIONS,
     LOGPROB_IMPLS,
@@ -26,6 +27,7 @@ from stablerl_jax.config.choices import (
     REPLAY_MODES,
     ROW_DENOMINATORS,
     SFT_FORMATS,
+    TRUST_REGIONS,
 )
 from stablerl_jax.method.loss_table import loss_knobs, readers
 
@@ -70,6 +72,14 @@ class LossConfig(Section):
       gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
       norm_length: the constant T_norm of aggregation 'seq_mean_token_sum_norm' (Dr. GRPO
         divides by the generation budget); 0 = the padded width T of the batch.
+      center: score centering (method/centering.py, docs/method.md §14), on top of any
+        loss: 'none'; 'exact' subtracts E_q[∇ log π] at every position with the sampler's
+        whole-vocabulary q; 'topk' with q's top center_k head and a tail shaped like π.
+      center_k: K of center='topk' (1 <= K < model.vocab_size).
+      trust_region: trust-region masking: a response whose largest per-token divergence
+        between π_old and μ exceeds trust_region_delta contributes nothing (its Â is 0 in
+        every loss). 'k1': log μ − log π_old; 'abs': |log π_old − log μ|; 'none': off.
+      trust_region_delta: δ of trust_region (> 0).
     """
 
     name: str = "minirl"
@@ -92,9 +102,26 @@ class LossConfig(Section):
     gspo_eps_high: float = 4e-4
     gspo_max_log_ratio: float = 10.0
     norm_length: int = 0
+    center: str = "none"
+    center_k: int = 32
+    trust_region: str = "none"
+    trust_region_delta: float = 0.5
 
     def __post_init__(self):
         check_choice(self, "name", LOSS_TABLE)
+        check_choice(self, "center", CENTER_MODES)
+        check(is_int(self.center_k) and self.center_k >= 1, "center_k",
+              f"must be an int >= 1 (the top-k head of q), got {self.center_k!r}")
+        check(self.center == "topk" or self.center_k == 32, "center_k",
+              f"only applies with loss.center=topk (got center={self.center!r}); set "
+              "loss.center=topk or loss.center_k=32")
+        check_choice(self, "trust_region", TRUST_REGIONS)
+        check(is_finite(self.trust_region_delta) and self.trust_region_delta > 0,
+              "trust_region_delta", f"must be a finite number > 0 (the largest per-token "
+              f"divergence a response may have), got {self.trust_region_delta!r}")
+        check(self.trust_region != "none" or self.trust_region_delta == 0.5,
+              "trust_region_delta", "only applies with loss.trust_region=k1 or abs; set "
+              "loss.trust_region or loss.trust_region_delta=0.5")
         check_choice(self, "is_correction", IS_CORRECTIONS)
         check(self.aggregation is None or self.aggregation in AGGREGATIONS, "aggregation",
               f"must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
@@ -276,6 +303,10 @@ class RLConfig(Section):
       0: never.
     attribution_rows: the rows the probe takes (a multiple of data*fsdp*expert); 0: the
       smallest multiple of data*fsdp*expert that is >= 8.
+    drift_monitor: log the drift term every step (`drift/l1`, `drift/reward_weighted`,
+      method/centering.py): the sampler's whole-vocabulary q is recomputed in the score
+      step (one more forward, at the sampler's numerics) and compared with π_old; with
+      rl.attribution also its precision, routing and staleness parts (`attr/drift_…`).
     phase_sync: wait for the device at the end of the score phase, so that time/score
       is the score pass's own time (rl/costs.py); false: no wait added, the pass's time
       may land in time/update.
@@ -317,6 +348,7 @@ class RLConfig(Section):
     attribution: bool = False
     attribution_every: int = 10
     attribution_rows: int = 0
+    drift_monitor: bool = False
     optim: OptimConfig = OptimConfig()
 
     def __post_init__(self):
@@ -359,7 +391,11 @@ class RLConfig(Section):
         check(is_int(self.trim_bucket) and self.trim_bucket >= 0, "trim_bucket",
               f"must be an int >= 0 (0 = off), got {self.trim_bucket!r}")
         check_bool(self, "async_checkpoints", "phase_sync", "replay_weights", "score_in_update",
-                   "dynamic_sampling", "attribution", "freeze_router")
+                   "dynamic_sampling", "attribution", "freeze_router",
+                   "drift_monitor")
+        check(not (self.drift_monitor and self.score_in_update), "drift_monitor",
+              "compares q with the score step's π_old, which rl.score_in_update skips; set "
+              "rl.score_in_update=false or rl.drift_monitor=false")
         check(is_int(self.attribution_every) and self.attribution_every >= 0,
               "attribution_every", f"must be an int >= 0 (0 = no probe), got "
               f"{self.attribution_every!r}")

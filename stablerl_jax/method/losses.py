@@ -107,6 +107,7 @@ class _Parts(typing.NamedTuple):
     log_engine: jax.Array  # log π_old/μ_old (constant, unclipped)
     log_rho: jax.Array     # log π_θ/μ_old (has gradient, unclipped)
     finite: jax.Array      # every counted token's π_old, μ_old and Â are finite
+    tr_masked_B: jax.Array  # 1 on the scored responses trust-region masking removed
 
 
 def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
@@ -143,7 +144,26 @@ def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
     old, mu = sg(real_only(batch.old_logp_BxT)), sg(real_only(batch.rollout_logp_BxT))
     adv = jnp.where(real, adv, 0.0)
     finite = jnp.all(jnp.isfinite(old) & jnp.isfinite(mu) & jnp.isfinite(adv))
-    return _Parts(m, adv, logp, logp - old, old - mu, logp - mu, finite)
+    keep_B = trust_region_keep(old - mu, m, cfg)
+    adv = jnp.where(keep_B[:, None], adv, 0.0)
+    masked_B = (~keep_B & (jnp.sum(m, axis=1) > 0)).astype(acc)
+    return _Parts(m, adv, logp, logp - old, old - mu, logp - mu, finite, masked_B)
+
+
+def trust_region_keep(log_engine_BxT, m_BxT, cfg: LossConfig):
+    """Trust-region masking: [B] bool, the responses whose largest per-token divergence
+    between π_old and μ_old is at most δ = cfg.trust_region_delta,
+
+        keep_b = max_t D_bt ≤ δ,   D = log μ_old − log π_old ('k1') or |log π_old/μ_old| ('abs')
+
+    (every response with cfg.trust_region='none'). A removed response's Â is 0, so it
+    contributes nothing to any loss; the denominators keep it."""
+    if cfg.trust_region == "none":
+        return jnp.ones(m_BxT.shape[:1], bool)
+    x = sg(log_engine_BxT)
+    div = -x if cfg.trust_region == "k1" else jnp.abs(x)
+    worst_B = jnp.max(jnp.where(m_BxT > 0, div, -jnp.inf), axis=1)
+    return worst_B <= cfg.trust_region_delta
 
 
 def _clip(x, cfg: LossConfig):
@@ -259,6 +279,9 @@ def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered,
     # |Π_t ρ_t − (1 + Σ_t (ρ_t − 1))| per response: how far from first order the batch is.
     out["eq5/first_order_residual_abs"] = dg.first_order_residual(sg(p.log_rho), p.m,
                                                                   cfg.max_log_ratio)
+    if cfg.trust_region != "none":
+        out["trust_region/frac_masked"] = (jnp.sum(p.tr_masked_B),
+                                           jnp.sum((jnp.sum(p.m, axis=1) > 0).astype(p.m.dtype)))
     return loss, out
 
 

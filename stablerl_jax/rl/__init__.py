@@ -14,6 +14,7 @@
     costs.py       wall time per phase, throughput, model FLOP/s and MFU
     profiling.py   `--profile FIRST:LAST`: a jax.profiler trace of chosen steps
     preflight.py   checks before any work: workdir, devices, processes, layout
+    history.py     a workdir's history: kept unless resumed, or moved aside on request
     resume.py      which checkpoint a run may resume from, and the log's repair
     sft.py         the supervised cold start
 """

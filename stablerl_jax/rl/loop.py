@@ -49,6 +49,7 @@ from stablerl_jax.rl import (
     costs,
     dynamic,
     evals,
+    history,
     packing,
     preflight,
     probe,
@@ -252,18 +253,18 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     preflight.check_processes(cfg, export_hf)
     main = distributed.is_main()
     with workdir_lock.Lock(workdir, enabled=main):
-        preflight.check_history(cfg, workdir, replace_history)
+        preflight.check_history(cfg, workdir, replace_history, export_hf)
         with Trackers(trackers, workdir, run_name=cfg.name, enabled=main) as tracker:
             with costs.PhaseTimer(sync=cfg.rl.phase_sync) as timer:
                 return _run(cfg, workdir, init_params=init_params, data=data,
                             progress=progress, allow_config_change=allow_config_change,
                             export_hf=export_hf, export_dtype=export_dtype, tracker=tracker,
-                            timer=timer, profile=profile)
+                            timer=timer, profile=profile, replace_history=replace_history)
 
 
 def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
          export_hf, export_dtype, tracker: Trackers, timer: costs.PhaseTimer,
-         profile) -> dict:
+         profile, replace_history: bool) -> dict:
     main = distributed.is_main()
     data = data or task_data(cfg, workdir)
     preflight.check_data(cfg, data)
@@ -300,11 +301,12 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     except Exception:
         ckpt.close()
         raise
-    if had_checkpoints and restored is None:
-        ckpt.close()
-        raise ValueError(f"{workdir}: no checkpoint restores (each was moved aside to "
-                         "<step>.corrupt or <step>.unusable, see the log); run again to "
-                         "start from scratch")
+    if had_checkpoints and restored is None:  # decided by restoring: keep or move aside
+        try:
+            history.after_restore(cfg, workdir, replace_history, export_hf)
+        except Exception:
+            ckpt.close()
+            raise
     writer = MetricsWriter(workdir, enabled=main, tensorboard=tracker.tensorboard)
     tracker.log_config(flat_dict(cfg))
     if restored is not None:

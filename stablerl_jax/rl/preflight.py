@@ -8,6 +8,7 @@ import jax
 
 from stablerl_jax import distributed, sharding
 from stablerl_jax.config import ConfigError, changed_fields, flat_dict
+from stablerl_jax.rl import history
 from stablerl_jax.runs import storage, storage_gcs
 
 # Fields a resumed run may change without asking: how long it runs and how it reports, not
@@ -24,8 +25,9 @@ def add_arguments(ap, where: str) -> None:
     ap.add_argument("--allow-config-change", default="",
                     help="comma-separated section.field names a resumed run may change")
     ap.add_argument("--replace-history", action="store_true",
-                    help=f"start over in {where} history (metrics, a summary) but no "
-                         "checkpoint to resume; without it that is refused")
+                    help=f"start over in {where} history (metrics, a summary, an export) "
+                         "but no checkpoint that restores, its files moved aside to "
+                         "replaced.<n>/; without it that is refused")
 
 
 def check_workdir(workdir: str) -> None:
@@ -52,29 +54,10 @@ def check_workdir(workdir: str) -> None:
                               "permissions or choose another --workdir")
 
 
-def check_history(cfg, workdir: str, replace: bool = False) -> None:
-    """Refuse to start a run from scratch over another run's history (before any work).
-
-    A workdir with no checkpoint to resume from, whose metrics.jsonl goes past step
-    2 · `rl.checkpoint_every` (a row is written before its step's save, and a save waits
-    for the one before it, so by then the save of step `checkpoint_every` had completed;
-    past step 0 where the run never checkpoints) or that holds a summary.json (a finished
-    run), keeps its history unless `replace` (--replace-history) says to start over. A run
-    killed before its first checkpoint completed starts again and writes its few rows
-    anew; with checkpoints, the resume path decides (a changed config is refused there)."""
-    ckpts = os.path.join(workdir, "checkpoints")
-    if replace or (storage.isdir(ckpts) and storage.listdir(ckpts)):
-        return
-    from stablerl_jax.runs.metrics_io import read_metrics
-    steps = [r["step"] for r in read_metrics(workdir)]
-    finished = storage.exists(os.path.join(workdir, "summary.json"))
-    if finished or (steps and max(steps) > 2 * cfg.rl.checkpoint_every):
-        what = ([f"metrics.jsonl: {len(steps)} rows to step {max(steps)}"] if steps else []
-                ) + ["summary.json"] * finished
-        what = ", ".join(what)
-        raise ValueError(f"{workdir} holds another run's history ({what}) and no checkpoint "
-                         "to resume it from, so a fresh start would replace it; pass "
-                         "--replace-history to start over there, or choose another --workdir")
+def check_history(cfg, workdir: str, replace: bool = False, export_hf: str = "") -> None:
+    """Refuse to start a run from scratch over another run's history, before any work;
+    `replace` (--replace-history) moves it aside instead (rl/history.py)."""
+    history.check(cfg, workdir, replace, export_hf)
 
 
 def check_run(cfg, workdir: str, devices=None) -> None:

@@ -129,6 +129,21 @@ def is_step(path: str) -> bool:
     return storage.exists(os.path.join(path, COMMIT_FILE)) and is_own_step(path)
 
 
+def resumable_steps(directory: str) -> list[int]:
+    """The committed steps of this module in `directory` whose step record is their
+    name, ascending ([] where there is no directory): what a resume may try to restore.
+    Stray files, other programs' entries and steps set aside are not."""
+    if not storage.isdir(directory):
+        return []
+    steps = []
+    for name in storage.listdir(directory):
+        path = os.path.join(directory, name)
+        if _STEP_NAME.fullmatch(name) and is_step(path) and stored_step(
+                _read_json(os.path.join(path, "meta", "metadata"))) == int(name):
+            steps.append(int(name))
+    return sorted(steps)
+
+
 def save_remains(path: str, step: int, *, in_place: bool) -> bool:
     """Whether the directory `path` holds nothing but what a `save` of `step` cut short
     leaves (module docstring, "Whose directories"): orbax's step metadata, naming no
