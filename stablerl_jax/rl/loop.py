@@ -58,6 +58,7 @@ from stablerl_jax.rl import (
     sources,
     steps,
 )
+from stablerl_jax.rl import history as workdir_history  # `history`: past parameters
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
 from stablerl_jax.runs import storage
@@ -303,7 +304,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         raise
     if had_checkpoints and restored is None:  # decided by restoring: keep or move aside
         try:
-            history.after_restore(cfg, workdir, replace_history, export_hf)
+            workdir_history.after_restore(cfg, workdir, replace_history, export_hf)
         except Exception:
             ckpt.close()
             raise
