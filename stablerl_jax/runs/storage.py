@@ -23,7 +23,11 @@ here, once; the rest of the code calls these functions with either kind of path:
 - Renames (`rename`): atomic on a disk; on an object store a copy of every object, then
   the deletion of the old ones. Only checkpoint_steps.set_aside renames (a step directory set
   aside), and each state a crash there leaves is sorted out again at the next start.
-- Symbolic links, permission bits and `fcntl` locks exist on a disk only; the run lock
+- Symbolic links, permission bits and `fcntl` locks exist on a disk only. A file this
+  module writes on a disk is never written through a link (`open_file` opens it with
+  O_NOFOLLOW: `LinkRefused`, one line naming the link), so a link a user or another
+  program left in a workdir cannot make a run change a file outside it. A directory
+  that is a link (the workdir, `checkpoints/` on another disk) is followed. The run lock
   on an object store is an object written under generation preconditions
   (storage_gcs.py: `read_object`, `create_object`, `replace_object`, `delete_object`,
   through google-cloud-storage: gcsfs exposes no precondition on a rewrite) with a
@@ -41,6 +45,7 @@ before any request.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -182,14 +187,33 @@ def read_bytes(p) -> bytes:
     return _epath(p).read_bytes()
 
 
+class LinkRefused(ValueError):
+    """A file a run writes is a symbolic link (module docstring)."""
+
+
+def open_no_follow(path, flags) -> int:
+    """os.open of a local file, never through a symbolic link (`LinkRefused`); also
+    `open`'s opener for the files this module writes."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise LinkRefused(
+            f"{path} is a symbolic link (to {os.readlink(path)!r}); a run never writes "
+            "through a link, which could change a file outside its workdir: remove the "
+            "link (or link the other way round)") from None
+
+
 def open_file(p, mode: str = "r"):
-    """`open` for either kind of path. An object opened to write ('w', 'wb') is a
+    """`open` for either kind of path. A local file opened to write is never written
+    through a symbolic link (`LinkRefused`). An object opened to write ('w', 'wb') is a
     seekable in-memory file, uploaded in one piece when its `with` block ends without an
     exception (nothing is written otherwise); an object cannot be appended to
     (`AppendFile` instead)."""
     check_url(p)
     if not is_remote(p):
-        return open(p, mode)
+        return open(p, mode, opener=None if mode in ("r", "rb") else open_no_follow)
     if "r" in mode:
         return _epath(p).open(mode)
     if "a" in mode or "+" in mode:
@@ -220,14 +244,15 @@ def copy(src, dst) -> None:
     """Copy a file, either side local or an object."""
     if is_remote(src) or is_remote(dst):
         write_bytes(dst, read_bytes(src))
-    else:
-        shutil.copyfile(src, dst)
+        return
+    with open(src, "rb") as fin, open_file(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
 
 
 def copytree(src, dst) -> None:
     """Copy a directory's files into `dst` (merged with what is there)."""
     if not (is_remote(src) or is_remote(dst)):
-        shutil.copytree(src, dst, dirs_exist_ok=True)
+        shutil.copytree(src, dst, dirs_exist_ok=True, copy_function=copy)
         return
     makedirs(dst)
     for name in listdir(src):
@@ -289,7 +314,7 @@ class AppendFile:
 
     def append(self, text: str) -> None:
         if not self.remote:
-            with open(self.path, "a") as f:
+            with open_file(self.path, "a") as f:
                 f.write(text)
             return
         if self._parts is None:
@@ -360,8 +385,19 @@ class _ObjectLogHandler(logging.Handler):
             self.handleError(record)
 
 
+class _FileHandler(logging.FileHandler):
+    """logging's file handler, opening its file never through a link (`open_file`)."""
+
+    def _open(self):
+        return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors,
+                    opener=open_no_follow)
+
+
 def log_handler(p: str) -> logging.Handler:
-    """A logging handler appending to the file `p` (created at its first record)."""
+    """A logging handler appending to the file `p` (created at its first record; a
+    symbolic link there is refused when the handler is made)."""
     if is_remote(p):
         return _ObjectLogHandler(p)
-    return logging.FileHandler(p, encoding="utf-8", delay=True)
+    if os.path.islink(p):
+        open_no_follow(p, os.O_WRONLY)
+    return _FileHandler(p, encoding="utf-8", delay=True)

@@ -9,7 +9,9 @@ next one. The file's content only names the holder for the messages (host, pid, 
 time, as JSON); it is emptied on a clean release. Content found by a run that gets the
 lock is therefore a holder that died without releasing: it is taken over and said so.
 
-The file is never deleted: unlinking it would let a third process lock a new file of the
+The lock file is opened never through a symbolic link (`storage.open_no_follow`): a
+`run.lock` that is a link is refused in one line, and the file it names is not touched;
+a workdir path that is itself a link is followed. The file is never deleted: unlinking it would let a third process lock a new file of the
 same name while a second still holds the old one. In a multi-process run process 0 holds
 the lock for all (the others share its workdir). Within one process the lock is
 re-entrant: an entry point that locks the workdir before the cold start and the training
@@ -87,11 +89,12 @@ def acquire(workdir: str) -> str:
             _held[path] = [_ObjectLock(workdir, path), 1]
         return path
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.realpath(os.path.join(workdir, LOCK_FILE))
+    # A workdir that is a link is followed; a lock file that is one is refused.
+    path = os.path.join(os.path.realpath(workdir), LOCK_FILE)
     if path in _held:
         _held[path][1] += 1
         return path
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = storage.open_no_follow(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
