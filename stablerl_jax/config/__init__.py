@@ -12,7 +12,8 @@
 
 The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE`, the
 kernel implementations `LOGPROB_IMPLS`, `GMM_IMPLS` and `DECODE_IMPLS`, …) are in choices.py;
-`ConfigError` and the checks in checks.py. Every name is importable from
+`ConfigError` and the checks in checks.py; the checks of settings that
+cannot work together, and of sizes by what a run can use, in combinations.py. Every name is importable from
 `stablerl_jax.config`.
 
 Every check raises `ConfigError` naming the field, the bad value and what to change.

@@ -73,9 +73,23 @@ def fits_float32(v) -> bool:
     return is_finite(v) and abs(v) <= FLOAT32_MAX and (v == 0 or abs(v) >= FLOAT32_TINY)
 
 
+def check_float_range(obj) -> None:
+    """Every float field of the dataclass `obj` `fits_float32`: each is used in float32
+    on device (the model's settings, the sampler's temperature and noise, the losses'
+    ranges and caps, the optimizer's), and one that overflows there (1e308) or flushes
+    to zero (1e-50) would compute something else than written."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, float):
+            check(fits_float32(v), f.name,
+                  f"{v!r} is not a finite float32 (0, or {FLOAT32_TINY:.4g} <= |v| <= "
+                  f"{FLOAT32_MAX:.4g}), the dtype it is computed in; use a value within it")
+
+
 class Section:
     """Base of every config section: every int field is checked to lie in int32
-    (`check_int_range`) before the section's own `__post_init__` runs, so each section
+    (`check_int_range`) before the section's own `__post_init__` runs, and every float
+    field to be a finite float32 after it (`check_float_range`), so each section
     states only its own ranges; `cfg.replace(field=value)` re-validates."""
 
     def __init_subclass__(cls, **kw):
@@ -88,6 +102,7 @@ class Section:
             check_int_range(self)
             if own is not None:
                 own(self)
+            check_float_range(self)  # after the section's own: its messages say more
 
         cls.__post_init__ = __post_init__
 

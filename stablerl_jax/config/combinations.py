@@ -1,0 +1,65 @@
+"""Checks of settings that are each valid alone but cannot give together what they
+promise, and bounds on sizes by what the run can use; ExperimentConfig runs them.
+
+Bitwise numerics (`sampling.numerics=bitwise`) promise μ = π_old bit for bit. Two kinds
+of setting break that promise without a word: a sampler that computes differently from
+the trainer beyond the dials meant for it, and a μ that this sampler does not compute.
+The dials (`sampling.router_noise_std`, `sampling.act_fp8`) add a deliberate, stated
+mismatch on top of zero and stay allowed (docs/method.md §12).
+"""
+from __future__ import annotations
+
+from stablerl_jax.config.checks import check
+
+DIALS = ("sampling.router_noise_std", "sampling.act_fp8")
+
+
+def router_dtype(set_to: str, compute_dtype: str) -> str:
+    """The dtype a router computes in: `set_to`, or '' = the compute dtype widened to
+    float32 (model.router_dtype's rule)."""
+    return set_to or ("float64" if compute_dtype == "float64" else "float32")
+
+
+def check_bitwise(cfg) -> None:
+    """Under 'bitwise': the sampler's router computes as the trainer's, and μ is this
+    sampler's (not an offline file's)."""
+    s, m = cfg.sampling, cfg.model
+    if s.numerics != "bitwise":
+        return
+    trainer = router_dtype(m.router_dtype, m.compute_dtype)
+    check(not s.router_dtype or s.router_dtype == trainer, "sampling.router_dtype",
+          f"{s.router_dtype!r} under sampling.numerics='bitwise' makes the sampler's router "
+          f"compute otherwise than the trainer's ({trainer}: model.router_dtype="
+          f"{m.router_dtype!r}), so μ ≠ π_old; set sampling.router_dtype='' (or "
+          f"{trainer!r}), or use sampling.numerics='exact' for a deliberate mismatch (the "
+          f"dials under 'bitwise': {', '.join(DIALS)})")
+    check(not cfg.rl.offline_rollouts, "sampling.numerics",
+          "'bitwise' promises μ = π_old from this sampler, but rl.offline_rollouts="
+          f"{cfg.rl.offline_rollouts!r} trains on the log μ its file recorded (another "
+          "engine's); set sampling.numerics='exact' (the sampler then only evaluates) or "
+          "rl.offline_rollouts=''")
+
+
+def forward_tokens(cfg) -> int:
+    """The most tokens one forward of the run can hold: its largest batch (a step's
+    responses, the eval batch of eval_problems × eval_k rows, the cold start's, the
+    sampler's slots, one row per device) times model.max_seq_len."""
+    rl = cfg.rl
+    dp = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
+    rows = max(rl.prompts_per_step * rl.group_size, rl.eval_problems * rl.eval_k,
+               cfg.sft.batch_size, cfg.sampling.max_batch, dp)
+    return rows * cfg.model.max_seq_len
+
+
+def check_sizes(cfg) -> None:
+    """The batch-invariant path's row tile and the sampler's cache block no larger than
+    what a forward can fill (`forward_tokens`, or the field's default where that is
+    less): past it a tile only pads, and a tile near int32 asks for terabytes."""
+    m = cfg.model
+    for field in ("row_tile", "decode_block"):
+        default = type(m).__dataclass_fields__[field].default
+        v, bound = getattr(m, field), max(forward_tokens(cfg), default)
+        check(v <= bound, f"model.{field}",
+              f"{v:,} is more than any forward of this run can fill ({bound:,}: its largest "
+              "batch × model.max_seq_len), and past that a tile only pads; set it to at "
+              f"most {bound:,}")
