@@ -3,8 +3,10 @@ checked when the file is opened), JSONL and parquet records a reader cannot hold
 a run's logs linked elsewhere. Each is exit status 2 and one line naming the file
 (field, line) and the fix, with nothing outside the workdir changed (the hostile file
 included)."""
+import io
 import json
 import os
+import zipfile
 
 import numpy as np
 import pytest
@@ -34,6 +36,8 @@ ROLLOUT_CASES = [  # (case, change(arrays), record, field, the message must cont
         (slice(30, 31), 1, 0), 8), "routes", "outside [0, model.num_experts=8)"),
     ("expert id -2", lambda a: a["routes"].__setitem__((slice(30, 31), 0, 1), -2),
      "routes", "outside [0, model.num_experts=8)"),
+    ("logp_mu of -1e30", lambda a: a["logp_mu"].__setitem__(slice(9, 10), -1e30),
+     "logp_mu", "-1e+30 is below -10000, the floor of a drawn token's log-probability"),
 ]
 
 
@@ -76,6 +80,21 @@ def _rollouts(path, group_size=2, **fields):
     return path
 
 
+def _huge_header(path):
+    """A rollout file whose prompt_ids member's .npy header claims 2^40 entries."""
+    _rollouts(path)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<i8", "fortran_order": False,
+                                                  "shape": (2**40,)})
+    members["prompt_ids.npy"] = header.getvalue() + bytes(64)  # 64 bytes, not 8 TB
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    return path
+
+
 def _cut(path):
     data = _rollouts(path).read_bytes()
     path.write_bytes(data[:len(data) // 2])
@@ -104,6 +123,9 @@ BAD_ROLLOUT_FILES = [  # (case, make(tmp_path) -> path, the line must contain)
     ("routes of rank 2", lambda t: _rollouts(t / "r.npz", routes=np.zeros((64, 2), np.int32)),
      ["field 'routes' has shape (64, 2)", "3 dimension(s)", "write_rollouts"]),
     ("no such file", lambda t: t / "absent.npz", ["no such file", "rl.offline_rollouts"]),
+    ("a header claiming 2^40 entries", lambda t: _huge_header(t / "r.npz"),
+     ["field 'prompt_ids': its header says (1099511627776,) of int64 (8,796,093,022,208 "
+      "bytes), but the archive holds 64 bytes of it", "write_rollouts"]),
 ]
 
 

@@ -130,6 +130,10 @@ _REWRITE = "write the file with stablerl_jax.interop.rollouts.write_rollouts"
 # What reading a damaged archive raises: a non-archive or pickled content (ValueError),
 # an empty or cut file (EOFError, BadZipFile), a corrupt or unknown compression.
 _DAMAGED = (ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError)
+# A drawn token's log-probability is above this: a token of probability e^−10⁴ is never
+# drawn, so a value below it is not a recorded log μ (it would pin the IS weight at its
+# cap and the k1 monitor at −10²⁹ without a word).
+LOGP_FLOOR = -1e4
 
 
 def write_rollouts(path: str, responses: list[dict], group_size: int) -> None:
@@ -187,7 +191,7 @@ def _read_npz(path: str) -> dict:
     with f:
         try:
             loaded = np.load(f, allow_pickle=False)
-        except _DAMAGED as e:
+        except (*_DAMAGED, MemoryError) as e:
             why = _why(e, "neither .npz nor .npy data, and never unpickled")
             raise ValueError(f"{path}: not a readable .npz archive ({why}); "
                              "rl.offline_rollouts must name a complete .npz file of named "
@@ -202,13 +206,39 @@ def _read_fields(path: str, loaded) -> dict:
     arrays = {}
     with loaded:
         for k in loaded.files:
+            _check_header(path, loaded.zip, k)
             try:
                 arrays[k] = loaded[k]
-            except _DAMAGED as e:
+            except (*_DAMAGED, MemoryError) as e:
                 why = _why(e, "an object array: pickled Python objects, never unpickled")
                 raise ValueError(f"{path}: field {k!r} cannot be read ({why}); store it as "
                                  f"a plain numeric or str array: {_REWRITE}") from None
     return arrays
+
+
+def _check_header(path: str, archive: zipfile.ZipFile, field: str) -> None:
+    """Refuse a member whose .npy header claims more bytes than the member holds (a
+    header of 2^40 entries would be allocated before the read fails)."""
+    member = field + ".npy"
+    if member not in archive.namelist():
+        return  # numpy reads it (or refuses it) by its own rules
+    have = archive.getinfo(member).file_size
+    try:
+        with archive.open(member) as f:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(f)
+            have -= f.tell()
+    except _DAMAGED:
+        return  # a damaged member: numpy's read says so
+    if dtype.hasobject:
+        return  # pickled: refused when read
+    need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if need > have:
+        raise ValueError(f"{path}: field {field!r}: its header says {shape} of {dtype} "
+                         f"({need:,} bytes), but the archive holds {have:,} bytes of it; "
+                         f"the file is damaged or not an array of that size: {_REWRITE}")
 
 
 def _check_kinds(path: str, arrays: dict) -> None:
@@ -313,7 +343,7 @@ class OfflineRollouts:
         at the step that reads it (after a checkpoint) or never (an update skipped as
         non-finite). Token ids in [0, vocab_size); lengths in [1, max_prompt_len] and
         [0, max_new_tokens] (≥ 1 with routes: the engine processed ≥ 1 token); logp_mu
-        finite and ≤ 0; rewards finite; routes in [0, num_experts), K distinct per token
+        finite, ≤ 0 and ≥ LOGP_FLOOR; rewards finite; routes in [0, num_experts), K distinct per token
         and layer; route_weights finite."""
         a, p = self.arrays, self.path
         lens = {"prompt_lens": None, "completion_lens": None, "rewards": None,
@@ -343,6 +373,10 @@ class OfflineRollouts:
         if (bad := ~np.isfinite(logp)).any() or (bad := logp > 0).any():
             refuse("logp_mu", bad, f"{logp[np.argmax(bad)]} is not a log-probability "
                    "(finite and <= 0)")
+        if (bad := logp < LOGP_FLOOR).any():
+            refuse("logp_mu", bad, f"{logp[np.argmax(bad)]:.4g} is below {LOGP_FLOOR:g}, the "
+                   "floor of a drawn token's log-probability (LOGP_FLOOR): not a recorded "
+                   "log μ")
         if "rewards" in a and (bad := ~np.isfinite(a["rewards"])).any():
             refuse("rewards", bad, f"{a['rewards'][np.argmax(bad)]} is not finite")
         if "routes" in a:
