@@ -19,8 +19,9 @@ id: every row decodes --new-tokens tokens), and compares:
 It prints one line per check; where two engines part, the first layer and op, how many
 tokens differ and by how many ulps (units in the last place of the compared dtype). Exit
 status 0 only when everything agrees bit for bit, 1 when something differs, 2 for a bad
-argument. On another preset (`sampling.numerics=exact`) it shows where the mismatch
-starts. The model runs on one device unless a `mesh=data,fsdp,expert` override names a
+argument (sizes past MAX_ROWS / MAX_TOKENS, a seed outside [0, 2³¹ − 1], a run out of
+memory), 3 for an error of the tool itself (with its traceback). On another preset
+(`sampling.numerics=exact`) it shows where the mismatch starts. The model runs on one device unless a `mesh=data,fsdp,expert` override names a
 mesh of this machine's devices (with `sampling.layout=serve`, the sampler's decode loop
 in the serving layout); --rows must then be a multiple of the mesh's devices.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -198,10 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args(argv)
     try:
-        for name in ("rows", "prompt_len", "new_tokens"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got "
-                                 f"{getattr(args, name)}")
+        check_arguments(args)
         overrides = list(args.overrides)
         if not any(o.startswith("sampling.numerics=") for o in overrides):
             overrides.insert(0, "sampling.numerics=bitwise")
@@ -219,11 +218,53 @@ def main(argv=None) -> int:
                              f" exceeds model.max_seq_len={cfg.model.max_seq_len}; shorten them")
         ok = check(cfg, params, rows=args.rows, prompt_len=args.prompt_len,
                    new_tokens=args.new_tokens, seed=args.seed)
+    except MemoryError:
+        print(f"bitwise_check: error: --rows {args.rows} × --prompt-len + --new-tokens "
+              f"{args.prompt_len + args.new_tokens} does not fit in this machine's memory; "
+              "lower --rows", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
-        print(f"bitwise_check: error: {e}", file=sys.stderr)
+        print(f"bitwise_check: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"bitwise_check: error: the device ran out of memory for --rows {args.rows} "
+              f"× {args.prompt_len + args.new_tokens} tokens; lower --rows", file=sys.stderr)
         return 2
     return 0 if ok else 1
 
 
+MAX_ROWS = 4096  # a check compares a few rows; more only costs memory
+MAX_TOKENS = 2**20  # --rows × (--prompt-len + --new-tokens)
+
+
+def check_arguments(args) -> None:
+    """Each size in [1, its bound] and --seed in [0, 2³¹ − 1]: a ValueError (exit 2)
+    naming the argument before anything is built."""
+    for name, most in (("rows", MAX_ROWS), ("prompt_len", MAX_TOKENS),
+                       ("new_tokens", MAX_TOKENS)):
+        v = getattr(args, name)
+        if not 1 <= v <= most:
+            raise ValueError(f"--{name.replace('_', '-')}: must be in [1, {most:,}], got {v}")
+    tokens = args.rows * (args.prompt_len + args.new_tokens)
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"--rows × (--prompt-len + --new-tokens) = {tokens:,} tokens is more "
+                         f"than {MAX_TOKENS:,} (MAX_TOKENS: a check compares a few rows); "
+                         "lower --rows")
+    if not 0 <= args.seed <= 2**31 - 1:
+        raise ValueError(f"--seed: must be in [0, 2147483647], got {args.seed}")
+
+
+def _main() -> int:
+    """The command: main(), and status 3 with the traceback for an error of the tool
+    itself, so that status 1 always means the engines differ."""
+    try:
+        return main()
+    except Exception:  # noqa: BLE001 (a bug: shown whole, under its own status)
+        traceback.print_exc()
+        return 3
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())

@@ -449,7 +449,7 @@ def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
     out = capsys.readouterr().out
     assert "first to part: layer" in out and "ulps" in out and "DIFFERENT" in out
     assert bitwise_check.main(["--rows", "0"]) == 2
-    assert "--rows: must be >= 1" in capsys.readouterr().err
+    assert "--rows: must be in [1, 4,096], got 0" in capsys.readouterr().err
 
 
 @pytest.mark.integration
