@@ -66,7 +66,7 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                     numerics: nx.Numerics = nx.TRAIN,
                     temperature: float = 1.0, impl: str = "chunked",
                     interpret: bool = False, mesh=None, checks: bool | None = None,
-                    trace: bool = False):
+                    trace: bool = False, vocab: bool = False):
     """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
 
     One full-sequence forward over inputs = tokens[:, :-1] (attention mask attn[:, :-1]),
@@ -78,7 +78,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     Weights are converted for `numerics` (identity for "train"). `mesh`: the devices
     the expert FFN is sharded over (`transformer.forward`).
     Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})
-    under `checks` (stablerl_jax/input_checks.py).
+    under `checks` (stablerl_jax/input_checks.py). `vocab`: aux also holds the whole
+    distribution at every position (`vocab_logprobs`: "logits_BxTxV", "logp_BxTxV").
     """
     input_checks.tokens(tokens_BxS, cfg.vocab_size, checks=checks)
     input_checks.mask(attn_BxS, jnp.shape(tokens_BxS), name="attn_BxS", checks=checks)
@@ -96,6 +97,8 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                    replay_weights_BxTxLxK=replay_weights_BxTxLxK,
                                    numerics=numerics, mesh=mesh, checks=checks, trace=trace)
     unembed_DxV = tf.unembed_matrix(weights, cfg)
+    if vocab:
+        aux = dict(aux, **vocab_logprobs(hidden_BxTxD, unembed_DxV, cfg, temperature, impl))
     if cfg.batch_invariant and invariant.vocab_kernel(impl) is None:
         # The sampler's own per-row log-softmax (model/invariant.py); an invariant row of
         # LOGPROB_IMPLS is the sampler's own as it is (invariant.vocab_kernel).
@@ -119,3 +122,24 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                                            impl=impl, temperature=temperature,
                                            interpret=interpret, mesh=mesh)
     return logp_BxT, entropy_BxT, aux
+
+
+def vocab_logprobs(hidden_BxTxD, unembed_DxV, cfg, temperature: float = 1.0,
+                   impl: str = "chunked") -> dict:
+    """The distribution over the whole vocabulary at every position: "logits_BxTxV", the
+    scaled logits ζ = (h/τ) · unembed in float32 or wider (differentiable), and
+    "logp_BxTxV", log softmax(ζ) stop-gradient, computed as the sampler computes it
+    (`invariant.logprobs_V` per row under batch-invariant numerics, so the two engines'
+    distributions are the same bits there; a plain log-softmax otherwise)."""
+    b, t, d = hidden_BxTxD.shape
+    h_NxD = hidden_BxTxD.reshape(b * t, d)
+    w_DxV = unembed_DxV.astype(hidden_BxTxD.dtype)
+    acc = nx.accum_dtype(hidden_BxTxD.dtype)
+    zeta_NxV = jnp.dot(invariant.scaled(h_NxD, temperature), w_DxV, precision=nx.PRECISION,
+                       preferred_element_type=acc)
+    if cfg.batch_invariant:
+        logp_NxV = invariant.logprobs_V(h_NxD, w_DxV, temperature, cfg.row_tile, impl)
+    else:
+        logp_NxV = jax.nn.log_softmax(zeta_NxV, axis=-1)
+    return {"logits_BxTxV": zeta_NxV.reshape(b, t, -1),
+            "logp_BxTxV": jax.lax.stop_gradient(logp_NxV).reshape(b, t, -1)}

@@ -41,10 +41,11 @@ from stablerl_jax import slices
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.method import advantages as adv_lib
-from stablerl_jax.method import attribution
+from stablerl_jax.method import attribution, centering
 from stablerl_jax.method import diagnostics as dg
 from stablerl_jax.method import losses as losses_lib
 from stablerl_jax.method.logprobs import policy_logprobs
+from stablerl_jax.model import numerics as nx
 from stablerl_jax.rl import accumulate, packing
 from stablerl_jax.sampling.rollout import Rollout
 
@@ -65,6 +66,11 @@ class TrainBatch(NamedTuple):
                                                 # on-policy update computes (else None)
     attr_logp_BxT: jax.Array | None = None  # rl.attribution: the score step's extra
                                             # forward (stablerl_jax/method/attribution.py)
+    sampler_logq_BxTxK: jax.Array | None = None  # loss.center: the sampler's log q over
+                                                 # the vocabulary (K = V), or its top-k head
+    sampler_q_idx_BxTxK: jax.Array | None = None  # the head's ids (None: K = V)
+    old_vocab_logp_BxTxV: jax.Array | None = None  # rl.drift_monitor with attribution:
+                                                   # log π_old over the vocabulary
 
 
 class TrainState(NamedTuple):
@@ -115,6 +121,11 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
     the pass with params[age of the token it scores, tokens[t + 1]]: one forward per
     version present in the batch (a `lax.cond` skips the others), and each token's
     π_old is the training engine at the version that drew it.
+
+    loss.center and rl.drift_monitor (stablerl_jax/method/centering.py): one more forward,
+    at the sampler's numerics and replaying routes_μ, gives the sampler's log q over the
+    vocabulary at every position; the batch carries it (or its top-k head) to the
+    updates, and the drift monitor compares it with π_old's.
     """
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
@@ -137,45 +148,91 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
                                    cfg.loss.advantage_std_ddof)
     advantages_B = advantages_B.astype(jnp.float32)
 
-    def forward_(params, rows):
+    drift = rl.drift_monitor
+
+    def forward_(params, rows, numerics=nx.TRAIN, vocab=drift):
         tokens_BxS, attn_BxS, replay_BxTxLxK, replay_w_BxTxLxK = rows
         logp, entropy, aux = policy_logprobs(
             params, tokens_BxS, attn_BxS, cfg.model, replay_BxTxLxK=replay_BxTxLxK,
             replay_weights_BxTxLxK=replay_w_BxTxLxK, temperature=cfg.sampling.temperature,
-            impl=rl.logprob_impl, mesh=mesh)
-        return logp, entropy, aux["routes"]
+            impl=rl.logprob_impl, mesh=mesh, numerics=numerics, vocab=vocab)
+        return (logp, entropy, aux["routes"]) + ((aux["logp_BxTxV"],) if vocab else ())
 
     replay_in = routes_mu_BxTxLxK if rl.replay == "r3" else None
     if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/rl/packing.py)
         lay = packing.layout(attn_BxS, rl.pack_tokens, batch_shards(cfg), rl.pack_rows)
 
-    def old_policy(p, replay=replay_in, weights=replay_w):
+    def old_policy(p, replay=replay_in, weights=replay_w, **kw):
         if rl.pack_tokens:
             return packing.packed_logprobs(lambda pk: packed_forward(p, pk, cfg, mesh), lay,
                                            rollout.tokens_BxS, replay, weights)
         return slices.map_slices(
-            lambda rows: forward_(p, rows),
+            lambda rows: forward_(p, rows, **kw),
             (rollout.tokens_BxS, attn_BxS, replay, weights), n_slices, "score slices")
 
     versioned = lambda fn: by_version(fn, params, None if age_BxS is None else age_BxS[:, 1:])
-    attr_logp_BxT = None
+    q = {}
+    if drift or cfg.loss.center != "none":  # the sampler's q (method/centering.py)
+        q_logp_BxTxV = versioned(lambda p: old_policy(
+            p, routes_mu_BxTxLxK, replay_w, numerics=sampler_numerics(cfg), vocab=True)[3])
+        q = sampler_q_fields(q_logp_BxTxV, cfg.loss)
+    attr_logp_BxT = mid_logp_BxTxV = None
     if rl.attribution:  # the term the score pass does not give (stablerl_jax/method/attribution.py)
         other = None if rl.replay == "r3" else routes_mu_BxTxLxK
-        attr_logp_BxT = versioned(lambda p: old_policy(p, other, None)[0])
+        attr = versioned(lambda p: old_policy(p, other, None))
+        attr_logp_BxT = attr[0]
+        mid_logp_BxTxV = attr[3] if drift and rl.replay != "r3" else None
     if not forward:
         # Under R2 the one update routes live at θ_old: the routes R2 would replay.
         replay = routes_mu_BxTxLxK if rl.replay == "r3" else None
         return TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, None,
                           advantages_B, replay, replay_w, routes_mu_BxTxLxK,
-                          attr_logp_BxT), {}
-    logp_BxT, entropy_BxT, routes_BxTxLxK = versioned(old_policy)
+                          attr_logp_BxT, **q), {}
+    logp_BxT, entropy_BxT, routes_BxTxLxK, *old_vocab = versioned(old_policy)
     metrics, routes_old_BxTxLxK = rollout_monitors(
         rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK, routes_BxTxLxK,
         attn_BxS[:, :-1], cfg.loss.tis_cap, cfg.model.num_experts)
+    if drift:
+        metrics.update(drift_monitors(q_logp_BxTxV, old_vocab[0], mid_logp_BxTxV, mask_BxT,
+                                      rewards_B, rl))
+        if rl.attribution:
+            q["old_vocab_logp_BxTxV"] = old_vocab[0]
     replay = {"none": None, "r2": routes_old_BxTxLxK, "r3": routes_mu_BxTxLxK}[rl.replay]
     batch = TrainBatch(rollout.tokens_BxS, attn_BxS, mask_BxT, rollout_logp_BxT, logp_BxT,
-                       advantages_B, replay, replay_w, attr_logp_BxT=attr_logp_BxT)
+                       advantages_B, replay, replay_w, attr_logp_BxT=attr_logp_BxT, **q)
     return batch, metrics
+
+
+def sampler_numerics(cfg: ExperimentConfig) -> nx.Numerics:
+    """The sampler's numerics, its router noise seeded as the Engine seeds it."""
+    return nx.of_sampling(cfg.sampling, cfg.rl.seed if cfg.sampling.router_noise_std > 0
+                          else 0)
+
+
+def sampler_q_fields(q_logp_BxTxV, loss) -> dict:
+    """The TrainBatch fields loss.center reads: log q over the vocabulary ('exact'), or
+    its top loss.center_k log-probs and their ids ('topk'); {} without centering."""
+    if loss.center == "none":
+        return {}
+    if loss.center == "exact":
+        return {"sampler_logq_BxTxK": q_logp_BxTxV}
+    head, idx = jax.lax.top_k(q_logp_BxTxV, loss.center_k)
+    return {"sampler_logq_BxTxK": head, "sampler_q_idx_BxTxK": idx}
+
+
+def drift_monitors(q_logp_BxTxV, old_logp_BxTxV, mid_logp_BxTxV, mask_BxT, rewards_B,
+                   rl) -> dict:
+    """rl.drift_monitor's pairs (centering.drift_pairs) and, with rl.attribution, the
+    drift's precision and routing parts; π(θ_old, routes_μ) is π_old under r3
+    (`mid_logp_BxTxV` None)."""
+    group_B = jnp.repeat(jnp.mean(rewards_B.reshape(-1, rl.group_size), axis=1),
+                         rl.group_size)
+    out = centering.drift_pairs(q_logp_BxTxV, old_logp_BxTxV, mask_BxT,
+                                group_B.astype(jnp.float32))
+    if rl.attribution:
+        mid = old_logp_BxTxV if mid_logp_BxTxV is None else mid_logp_BxTxV
+        out.update(centering.drift_parts(q_logp_BxTxV, mid, old_logp_BxTxV, mask_BxT))
+    return out
 
 
 def by_version(fn, params, age_BxT=None):
@@ -266,12 +323,14 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
     `micro` = (i, packing.Layout): micro-batch i of the packed mini-batch (its rows'
     forward on packed rows, its share of the loss over the padded frame)."""
     rows = None
+    vocab = batch.sampler_logq_BxTxK is not None or batch.old_vocab_logp_BxTxV is not None
     if micro is None:
         logp_BxT, entropy_BxT, aux = policy_logprobs(
             params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
             replay_BxTxLxK=batch.replay_BxTxLxK,
             replay_weights_BxTxLxK=batch.replay_weights_BxTxLxK,
-            temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl, mesh=mesh)
+            temperature=cfg.sampling.temperature, impl=cfg.rl.logprob_impl, mesh=mesh,
+            vocab=vocab)
     else:
         (logp_BxT, entropy_BxT, aux), batch, rows = _micro_batch(params, batch, micro, cfg,
                                                                  mesh)
@@ -288,7 +347,16 @@ def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, 
                                       batch.mask_BxT, advantages_B=batch.advantages_B,
                                       totals=None if totals is None else totals.loss,
                                       rows=rows)
-    loss, metrics = losses_lib.LOSSES[cfg.loss.name](logp_BxT, loss_batch, cfg.loss)
+    loss_fn = losses_lib.LOSSES[cfg.loss.name]
+    if batch.sampler_logq_BxTxK is not None:  # loss.center (stablerl_jax/method/centering.py)
+        loss, metrics = centering.centered(loss_fn, logp_BxT, loss_batch, cfg.loss,
+                                           aux["logits_BxTxV"], aux["logp_BxTxV"],
+                                           batch.sampler_logq_BxTxK, batch.sampler_q_idx_BxTxK)
+    else:
+        loss, metrics = loss_fn(logp_BxT, loss_batch, cfg.loss)
+    if batch.old_vocab_logp_BxTxV is not None:  # the drift's staleness part
+        metrics.update(centering.staleness_pair(batch.old_vocab_logp_BxTxV,
+                                                aux["logp_BxTxV"], batch.mask_BxT))
     metrics.update(monitors)
     if batch.attr_logp_BxT is not None:  # rl.attribution (stablerl_jax/method/attribution.py)
         mu_routes_BxT, routing_cf_BxT = attribution.score_terms(
