@@ -187,6 +187,10 @@ def main(desc: Descriptor, argv=None) -> dict:
     if own:
         exp = dataclasses.replace(exp, variants=own)
     if args.hf:
+        try:
+            preflight.check_url(args.hf, "--hf")  # before the copy: bounded, one line
+        except (ValueError, OSError) as e:
+            ap.error(str(e))
         args.hf = storage.fetch_dir(args.hf)  # a gs:// checkpoint: read from a local copy
         if not os.path.isfile(os.path.join(args.hf, "config.json")):
             ap.error(f"--hf {args.hf}: no config.json there; give a Hugging Face checkpoint "

@@ -84,7 +84,7 @@ def main(argv=None, *, default_workdir: str = "runs/train") -> dict:
         if args.sft_only and cfg.sft.steps == 0:
             raise ConfigError(f"--sft-only: sft.steps is 0 (preset {args.preset!r}), so there "
                               "is no cold start to train; give sft.steps=N with N > 0")
-        preflight.check_run(cfg, args.workdir)
+        preflight.check_run(cfg, args.workdir, hf=args.hf, export_hf=args.export_hf)
         allow = preflight.allowed_changes(args.allow_config_change, cfg)
     except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))

@@ -251,6 +251,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     jax.profiler into `<workdir>/profile/` (rl/profiling.py); every process writes its own.
     """
     preflight.check_workdir(workdir)
+    preflight.check_urls(cfg, export_hf=export_hf)
     preflight.check_processes(cfg, export_hf)
     main = distributed.is_main()
     with workdir_lock.Lock(workdir, enabled=main):

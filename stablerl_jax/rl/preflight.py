@@ -7,7 +7,7 @@ import os
 import jax
 
 from stablerl_jax import distributed, sharding
-from stablerl_jax.config import ConfigError, changed_fields, flat_dict
+from stablerl_jax.config import ConfigError, changed_fields, flat_dict, parse_eval_sets
 from stablerl_jax.rl import history
 from stablerl_jax.runs import storage, storage_gcs
 
@@ -36,12 +36,8 @@ def check_workdir(workdir: str) -> None:
     which is asked first, within storage_gcs.REACH_BOUND_S (a ConnectionError when the store
     does not answer); whether this account may write it shows when the run lock is
     written, the run's first write."""
-    storage.check_scheme(workdir, "workdir")
+    check_url(workdir, "workdir")
     remote = storage.is_remote(workdir)
-    if remote and not storage_gcs.bucket_exists(workdir, "workdir"):
-        bucket = "/".join(workdir.split("/")[:3])
-        raise ValueError(f"workdir {workdir!r}: the bucket {bucket} does not exist or this "
-                         "account may not see it; create it or fix the name")
     if storage.isfile(workdir):
         raise ValueError(f"workdir {workdir!r} is a file; pass a directory path")
     if remote:
@@ -54,17 +50,50 @@ def check_workdir(workdir: str) -> None:
                               "permissions or choose another --workdir")
 
 
+def url_settings(cfg, hf: str = "", export_hf: str = "") -> list[tuple[str, str]]:
+    """(setting, value) of every path a run reads or writes besides its workdir: the
+    data, the tokenizer, the eval sets, the cold-start data, the offline rollouts, the
+    --hf checkpoint and the export."""
+    sets = [(f"rl.eval_sets ({name})", path)
+            for name, path in parse_eval_sets(cfg.rl.eval_sets).items()]
+    return [(k, v) for k, v in [("task.jsonl_dir", cfg.task.jsonl_dir),
+                                ("task.tokenizer_dir", cfg.task.tokenizer_dir),
+                                *sets, ("sft.data", cfg.sft.data),
+                                ("rl.offline_rollouts", cfg.rl.offline_rollouts),
+                                ("--hf", hf), ("--export-hf", export_hf)] if v]
+
+
+def check_urls(cfg, hf: str = "", export_hf: str = "") -> None:
+    """Every URL of `url_settings` through the workdir's checks, before any work: a valid
+    gs:// URL (`storage.check_scheme`) whose bucket exists and answers within
+    storage_gcs.REACH_BOUND_S; one line naming the setting otherwise."""
+    for what, url in url_settings(cfg, hf, export_hf):
+        check_url(url, what)
+
+
+def check_url(url: str, what: str) -> None:
+    """A path of the setting `what`: a local one, or a valid gs:// URL whose bucket
+    exists, asked within storage_gcs.REACH_BOUND_S (a ConnectionError when the store does
+    not answer)."""
+    storage.check_scheme(url, what)
+    if storage.is_remote(url) and not storage_gcs.bucket_exists(url, what):
+        bucket = "/".join(url.split("/")[:3])
+        raise ValueError(f"{what} {url!r}: the bucket {bucket} does not exist or this "
+                         "account may not see it; create it or fix the name")
+
+
 def check_history(cfg, workdir: str, replace: bool = False, export_hf: str = "") -> None:
     """Refuse to start a run from scratch over another run's history, before any work;
     `replace` (--replace-history) moves it aside instead (rl/history.py)."""
     history.check(cfg, workdir, replace, export_hf)
 
 
-def check_run(cfg, workdir: str, devices=None) -> None:
+def check_run(cfg, workdir: str, devices=None, *, hf: str = "", export_hf: str = "") -> None:
     """The checks an entry point runs before any work (before the cold start): the
-    workdir can hold a run, the mesh fits the visible devices, the batches split over the
-    processes."""
+    workdir and every other URL (`check_urls`) can be used, the mesh fits the visible
+    devices, the batches split over the processes."""
     check_workdir(workdir)
+    check_urls(cfg, hf, export_hf)
     check_processes(cfg)
     # The arithmetic test split holds exactly task.num_test problems (a JSONL split's size
     # is known once it is read: check_eval_problems). Not a config invariant: the steps'
