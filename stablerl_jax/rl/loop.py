@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 
 import jax
@@ -344,6 +345,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         print(said, flush=True)
     acc = last_accuracy(read_metrics(metrics_path) if restored is not None and main else [])
     profiler = profiling.Profiler(workdir, profile)
+    if main and (note := profiling.window_note(profile, start, cfg.rl.steps)):
+        logging.warning(note)
     bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps,
                disable=not (progress and main), desc=cfg.name)
     skips = 0

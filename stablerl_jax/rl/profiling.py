@@ -51,8 +51,26 @@ def trace_dir(workdir: str) -> str:
     return os.path.join(workdir, "profile", f"process_{jax.process_index()}")
 
 
+def window_note(steps: tuple[int, int] | None, start: int, total: int) -> str:
+    """What a run that trains global steps start+1 … total says of the window `steps`
+    when it starts: '' where the window lies within them, else which part is traced."""
+    if not steps:
+        return ""
+    first, last = steps
+    spec = f"--profile {first}:{last}"
+    if first > total or last <= start:
+        return (f"{spec}: this run trains global steps {start + 1}..{total}, none of the "
+                "window; no trace is written")
+    if first <= start or last > total:
+        return (f"{spec}: this run trains global steps {start + 1}..{total}; only steps "
+                f"{max(first, start + 1)}..{min(last, total)} are traced")
+    return ""
+
+
 class Profiler:
-    """Starts the trace before global step `first`, stops it after `last`."""
+    """Traces the global steps of the window that the run trains: starts before the
+    first of them, stops after the last (a resumed run past `first` starts at its own
+    first step)."""
 
     def __init__(self, workdir: str, steps: tuple[int, int] | None):
         self.steps, self.dest = steps, trace_dir(workdir)
@@ -60,7 +78,7 @@ class Profiler:
         self.active = False
 
     def before(self, step: int) -> None:
-        if self.steps and step == self.steps[0]:
+        if self.steps and not self.active and self.steps[0] <= step <= self.steps[1]:
             os.makedirs(self.local, exist_ok=True)
             jax.profiler.start_trace(self.local)
             self.active = True
@@ -74,6 +92,7 @@ class Profiler:
         if not self.active:
             return
         self.active = False
+        self.steps = None  # one trace per run
         jax.profiler.stop_trace()
         if self.local != self.dest:
             storage.copytree(self.local, self.dest)
