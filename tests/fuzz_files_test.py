@@ -4,10 +4,12 @@ in JSONL and parquet files (math problems, cold-start chats). The property, the 
 and where a finding goes are tests/fuzz_test.py's (tests/fuzz_helpers.py)."""
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import shutil
+import zipfile
 
 import numpy as np
 import pytest
@@ -210,7 +212,8 @@ def _array_mutation(draw, arrays: dict) -> dict:
     elif how == "entry":
         a = arrays[field].copy()
         extreme = draw(st.sampled_from([-1, 0, V, E, 2 ** 31, -(2 ** 31) - 1, 2 ** 62,
-                                        math.nan, math.inf, -math.inf, 1e300]))
+                                        math.nan, math.inf, -math.inf, 1e300, -1e300,
+                                        -1e30, -10001.0, -3.4e38]))
         flat = a.reshape(-1)
         try:
             with np.errstate(over="ignore", invalid="ignore"):  # 1e300 in float16: inf
@@ -231,8 +234,11 @@ def _rollout_file(draw, path: str):
     """(`path`, written as an .npz rollout file; whether it is the valid file as
     write_rollouts wrote it)."""
     rollouts.write_rollouts(path, draw(_responses()), G)
-    how = draw(st.sampled_from(["valid", "arrays", "bytes"]))
-    if how == "arrays":
+    how = draw(st.sampled_from(["valid", "arrays", "bytes", "header"]))
+    if how == "header":  # a member's .npy header claiming another (often huge) shape
+        _forge_header(path, draw(st.sampled_from(FIELDS)),
+                      draw(st.integers(0, 2 ** 62) | st.sampled_from([2 ** 31, 2 ** 40])))
+    elif how == "arrays":
         with np.load(path) as f:
             arrays = {k: f[k] for k in f.files}
         arrays = draw(_array_mutation(arrays))
@@ -244,6 +250,28 @@ def _rollout_file(draw, path: str):
         with open(path, "wb") as f:
             f.write(data)
     return path, how == "valid"
+
+
+def _forge_header(path: str, field: str, entries: int) -> None:
+    """Rewrite `field`'s .npy header in the archive to claim `entries` entries, its
+    bytes unchanged."""
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    name = field + ".npy"
+    if name not in members:
+        return
+    f = io.BytesIO(members[name])
+    version = np.lib.format.read_magic(f)
+    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+            else np.lib.format.read_array_header_2_0)
+    _, fortran, dtype = read(f)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, {"descr": np.lib.format.dtype_to_descr(
+        dtype), "fortran_order": fortran, "shape": (entries,)})
+    members[name] = header.getvalue() + members[name][f.tell():]
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, data)
 
 
 def _check_rollouts(example):
@@ -278,6 +306,7 @@ def _check_rollouts(example):
                                   rollout.logp_mu_BxS[i, P:P + c])
             po, co = po + p, co + c
         assert rewards is None or np.isfinite(rewards).all()
+    assert (a["logp_mu"] >= rollouts.LOGP_FLOOR).all()  # a recorded log μ, not a sentinel
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -16,7 +16,6 @@ reachable from it); those whose fix is still open are listed in fuzz_helpers.OPE
 """
 from __future__ import annotations
 
-import math
 import os
 
 import mlflow  # noqa: F401  (its first import runs `uname -p`: here, not in a test)
@@ -36,6 +35,7 @@ from hypothesis import strategies as st
 
 from stablerl_jax import presets
 from stablerl_jax.config import flat_dict
+from stablerl_jax.config.checks import fits_float32
 from stablerl_jax.rl import preflight
 from stablerl_jax.rl.engine import Engine
 
@@ -105,8 +105,9 @@ def _check_overrides(workdir, example):
             assert low in ("true", "false", "1", "0") and got == (low in ("true", "1"))
         elif isinstance(got, int):
             assert got == int(value), (key, value, got)
-        elif isinstance(got, float):  # as written, and a number a run can use
-            assert math.isfinite(got) and got == float(value), (key, value, got)
+        elif isinstance(got, float):  # as written, and a number a run can use: finite
+            # in float32, the dtype every float setting is computed in
+            assert fits_float32(got) and got == float(value), (key, value, got)
         elif isinstance(got, list):  # a tuple field: each written entry an int
             parts = value.strip().strip("()").split(",")
             parts = parts[:-1] if len(parts) > 1 and not parts[-1].strip() else parts
@@ -160,6 +161,52 @@ def _check_url(url: str):
 def test_gs_urls(profile):
     urls = st.tuples(_URL_PARTS, _NAME, st.sampled_from(["", "/"]), _PATH).map("".join)
     run(profile, urls | st.text(max_size=30), _check_url)
+
+
+# -- the paths of every setting that takes one ------------------------------------------
+
+_SETTINGS = ["task.jsonl_dir", "task.tokenizer_dir", "rl.eval_sets", "sft.data",
+             "rl.offline_rollouts", "--hf", "--export-hf"]
+
+
+def _with_path(setting: str, url: str):
+    """(config, --hf, --export-hf) with `url` given to `setting`."""
+    cfg = presets.tiny()
+    if setting.startswith("--"):
+        return cfg, url * (setting == "--hf"), url * (setting == "--export-hf")
+    section, field = setting.split(".")
+    if section == "task" or setting == "rl.eval_sets":  # the data sets of a math task
+        cfg = cfg.replace(task=cfg.task.replace(kind="gsm8k", jsonl_dir="/data"))
+    value = f"aime:{url}" if setting == "rl.eval_sets" else url
+    return cfg.replace(**{section: getattr(cfg, section).replace(**{field: value})}), "", ""
+
+
+def _check_setting_url(example):
+    from stablerl_jax.runs import storage_gcs
+    setting, url = example
+    built = works_or_user_error(_with_path, setting, url)
+    if built is REFUSED:
+        return
+    with pytest.MonkeyPatch.context() as mp:  # a closed port, a short bound (real: 15 s)
+        mp.setattr(storage_gcs, "REACH_DEADLINE_S", 0.1)
+        mp.setattr(storage_gcs, "REACH_TIMEOUT_S", 0.1)
+        works_or_user_error(preflight.check_urls, *built)
+
+
+@pytest.mark.parametrize("profile", [
+    pytest.param(FAST.__class__(FAST, max_examples=30), id="fast"),
+    pytest.param(LONG.__class__(LONG, max_examples=300), id="long", marks=pytest.mark.slow)])
+def test_the_path_of_every_setting(profile, monkeypatch, tmp_path):
+    """Each setting that takes a path, given any URL: a local path asks nothing; a gs://
+    one is checked as a workdir is, against a store at a closed local port."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{s.getsockname()[1]}")
+    monkeypatch.chdir(tmp_path)
+    urls = st.tuples(_URL_PARTS, _NAME, st.sampled_from(["", "/"]), _PATH).map("".join)
+    run(profile, st.tuples(st.sampled_from(_SETTINGS), urls | st.text(max_size=30)),
+        _check_setting_url)
 
 
 # -- the trackers' environment ------------------------------------------------------------
