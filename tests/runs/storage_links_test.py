@@ -6,6 +6,7 @@ import logging
 import os
 
 import pytest
+from cli_helpers import one_line
 
 from stablerl_jax.rl import history
 from stablerl_jax.runs import metrics_io, storage, workdir
@@ -112,3 +113,17 @@ def test_history_moved_aside_moves_a_link_not_its_target(tmp_path):
     history.move_aside(str(work))
     assert (work / "replaced.1" / "summary.json").is_symlink()
     assert target.read_text() == "{}"
+
+
+def test_a_linked_run_lock_is_one_line_at_the_command_line(capsys, tmp_path):
+    """`run.lock` a link to a file outside the workdir (which a lock opened with O_CREAT
+    had truncated to 0 bytes): exit 2 and one line before any work, the file intact."""
+    work = tmp_path / "run"
+    work.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("precious")
+    (work / workdir.LOCK_FILE).symlink_to(target)
+    one_line(capsys, ["--workdir", str(work), "--quiet", "--compile-cache=", "sft.steps=0"],
+             f"{work / workdir.LOCK_FILE} is a symbolic link", "never writes through a link")
+    assert target.read_text() == "precious"
+    assert sorted(os.listdir(work)) == [workdir.LOCK_FILE]  # nothing else written
