@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from stablerl_jax.config import combinations
 from stablerl_jax.config.checks import ConfigError, check, is_int, Section
+from stablerl_jax.config.combinations import check_bitwise, check_sizes
 from stablerl_jax.config.model import ModelConfig, SamplingConfig
 from stablerl_jax.config.task import TaskConfig
 from stablerl_jax.config.training import LossConfig, RLConfig, SFTConfig
@@ -138,8 +138,8 @@ class ExperimentConfig(Section):
                   f"step's {rl.prompts_per_step * rl.group_size} responses; set "
                   "rl.attribution_every=0 or a larger batch")
         self._check_sampler_q()
-        combinations.check_bitwise(self)
-        combinations.check_sizes(self)
+        check_bitwise(self)
+        check_sizes(self)
         check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
               f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
               f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
