@@ -98,15 +98,16 @@ def seed_row(records: list[dict]) -> dict:
     the run length + 1), training reward, entropy, training–inference KL and the
     per-response log-ratio s = Σ_t log π_old/μ_old over the first and last fifth of the
     steps, routing mismatch, the mean square of Eq. 5's two log factors, the share of
-    sequence IS weights beyond the TIS cap, clip fraction and the fraction of updates
-    skipped (non-finite loss or gradient)."""
+    sequence IS weights beyond the TIS cap, clip fraction, the fraction of updates
+    skipped (non-finite loss or gradient), the drift ‖q − π_old‖₁ (rl.drift_monitor) over
+    the first and last fifth and the share of responses trust-region masking removed."""
     steps_ = [r for r in records if r["step"] > 0]
     fifth = max(1, len(steps_) // 5)
     first, last, every = slice(0, fifth), slice(-fifth, None), slice(None)
     evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
     collapse = stats.collapse_step(records)
     windows = {"reward": "reward", "entropy": "entropy", "kl": "kl/train_infer_k1",
-               "seq": "seq/log_ratio"}
+               "seq": "seq/log_ratio", "drift": "drift/l1"}
     return {
         "acc_start": evals[0] if evals else None,
         "acc_best": max(evals) if evals else None,
@@ -122,6 +123,7 @@ def seed_row(records: list[dict]) -> dict:
         "beyond_cap": _window(steps_, "seq/beyond_cap", every),
         "clip_frac": _window(steps_, "clip/frac_high", every),
         "skipped": _window(steps_, "skipped_updates", every),
+        "tr_masked": _window(steps_, "trust_region/frac_masked", every),
         **attribution_row(steps_, collapse),
     }
 
@@ -162,6 +164,9 @@ _COLUMNS = [("variant", "variant", "{}"), ("seeds", "seeds", "{}"), ("seed", "se
             ("engine_log_sq", "E[log² engine]", "{:.2e}"),
             ("stale_log_sq", "E[log² staleness]", "{:.2e}"),
             ("clip_frac", "clip frac", "{:.3f}"), ("skipped", "skipped frac", "{:.3f}"),
+            ("drift_first", "‖q−π_old‖₁ first⅕", "{:.2e}"),
+            ("drift_last", "‖q−π_old‖₁ last⅕", "{:.2e}"),
+            ("tr_masked", "TR masked frac", "{:.3f}"),
             ("attr_prec_first", "E[precision²] first⅕", "{:.2e}"),
             ("attr_prec_pre", "E[precision²] pre", "{:.2e}"),
             ("attr_routcf_first", "E[routing_cf²] first⅕", "{:.2e}"),

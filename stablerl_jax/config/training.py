@@ -393,9 +393,10 @@ class RLConfig(Section):
         check_bool(self, "async_checkpoints", "phase_sync", "replay_weights", "score_in_update",
                    "dynamic_sampling", "attribution", "freeze_router",
                    "drift_monitor")
-        check(not (self.drift_monitor and self.score_in_update), "drift_monitor",
-              "compares q with the score step's π_old, which rl.score_in_update skips; set "
-              "rl.score_in_update=false or rl.drift_monitor=false")
+        check(not (self.drift_monitor and self.score_in_update and self.num_minibatches == 1),
+              "drift_monitor", "compares q with the score step's π_old, which "
+              "rl.score_in_update skips with one mini-batch; set rl.score_in_update=false "
+              "or rl.drift_monitor=false")
         check(is_int(self.attribution_every) and self.attribution_every >= 0,
               "attribution_every", f"must be an int >= 0 (0 = no probe), got "
               f"{self.attribution_every!r}")

@@ -34,6 +34,7 @@ SMOKE = {
     "mismatch_sweep": ("s0.3+actfp8-minirl", ["rl.prompts_per_step=8"]),
     "zero_mismatch": ("bitwise-minirl+R3", ["rl.prompts_per_step=8"]),
     "routing_fixes": ("frozen-fp32-router", ["rl.prompts_per_step=8"]),
+    "stabilizers": ("fp8-R3+center", ["rl.prompts_per_step=8"]),  # 8 mini-batches of 8
 }
 # The others' smoke runs take ~1.5 min each: `pytest -m slow` runs them.
 SMOKE_IN_INTEGRATION = ("onpolicy",)

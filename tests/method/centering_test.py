@@ -161,7 +161,8 @@ def test_trust_region_masking_drops_whole_responses_in_every_loss(name, mode, ma
     (["loss.trust_region_delta=0.1"], "loss.trust_region_delta"),
     (["loss.center=exact", "rl.pack_tokens=4096"], "loss.center"),
     (["loss.center=exact", "sampling.top_k=20"], "loss.center"),
-    (["rl.drift_monitor=true", "rl.score_in_update=true"], "rl.drift_monitor"),
+    (["rl.drift_monitor=true", "rl.score_in_update=true", "rl.num_minibatches=1"],
+     "rl.drift_monitor"),
 ])
 def test_bad_settings_are_one_line_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
