@@ -1,7 +1,7 @@
 """What zero mismatch costs: the global step's hops with the `bitwise` sampler (and the
 per-token trainer it implies) against `exact`, measured side by side in one process.
 
-    python -m benchmarks.bitwise_cost [--steps 10] [--workdir /tmp/bench_bitwise]
+    python -m benchmarks.bitwise_cost [--steps 10] [--coldstarts DIR]
         [--only onpolicy,onpolicy-long] [key=value ...]
 
 For each setting of benchmarks/global_step.py it runs `hop_times` (the median of each hop
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import phase
 from stablerl_jax import presets
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.method.logprobs import policy_logprobs
@@ -105,6 +106,7 @@ def interleaved(calls: dict, steps: int) -> dict:
     drift in the machine's speed falls on both arms alike."""
     times = {arm: {} for arm in calls}
     for hop in next(iter(calls.values())):
+        phase(f"{hop}: a warm-up call of each arm, then {steps} timed rounds")
         for arm in calls:
             calls[arm][hop]()
         for _ in range(steps):
@@ -132,7 +134,9 @@ def _table(title: str, hops: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--workdir", default="/tmp/bench_bitwise")
+    ap.add_argument("--coldstarts", default="",
+                    help="where cold starts are kept and reused (default: "
+                         "$STABLERL_COLDSTARTS or ~/.cache/stablerl_jax/coldstarts)")
     ap.add_argument("--only", default="onpolicy")
     ap.add_argument("--cache", default="", help="persistent compilation cache directory")
     ap.add_argument("--model-only", action="store_true",
@@ -165,6 +169,7 @@ def main(argv=None) -> None:
         return
     if args.model_only:
         base = presets.preset(args.preset, ["mesh=1,1,1", "mesh_dcn=1,1,1", *args.overrides])
+        phase("each arm's sampler: a first call (compiles), whose rollout the other hops score")
         hops = interleaved({arm: model_hops(apply_overrides(base, [f"sampling.numerics={arm}"]),
                                             args.rows, args.prompt_len, args.new_tokens)
                             for arm in ARMS}, args.steps)
@@ -176,9 +181,13 @@ def main(argv=None) -> None:
     from experiments import runner
     for name in args.only.split(","):
         base = apply_overrides(SETTINGS[name](), [f"rl.steps={args.steps}", *args.overrides])
-        data, params = runner.task_and_cold_start(base, args.workdir, progress=False)
-        hops = {arm: hop_times(apply_overrides(base, [f"sampling.numerics={arm}"]), data,
-                               params, args.steps) for arm in ARMS}
+        phase(f"{name}: data and cold start")
+        data, params = runner.kept_cold_start(base, args.coldstarts)
+        hops = {}
+        for arm in ARMS:
+            phase(f"{name}: sampling.numerics={arm}")
+            hops[arm] = hop_times(apply_overrides(base, [f"sampling.numerics={arm}"]), data,
+                                  params, args.steps)
         _table(f"{name}: compute {base.model.compute_dtype}, "
                f"{base.rl.prompts_per_step * base.rl.group_size} responses per step, "
                f"median of {args.steps} steps", hops)

@@ -1,7 +1,7 @@
 """Wall time of the RL loop's global step at the experiments' tiny scale, on this machine.
 
     python -m benchmarks.global_step [--steps 40] [--workdir /tmp/bench_global_step]
-        [--only onpolicy,offpolicy-N8,onpolicy-long] [--costs] [key=value ...]
+        [--coldstarts DIR] [--only onpolicy,offpolicy-N8,onpolicy-long] [--costs] [key=value ...]
 
 For each setting (on-policy: one update of 128 responses; off-policy N = 8: eight updates
 of 32; `onpolicy-long`, not run by default: the on-policy setting on the long task,
@@ -32,7 +32,10 @@ and the overhead of the explicit wait that ends the score phase: end-to-end runs
 `rl.phase_sync` on and off, alternated twice, their mean `time/step` over the rows after
 the first.
 
-The cold start (SFT, 300 steps) is trained once and cached under the workdir.
+The cold start (SFT, 300 steps; 1,200 for the long task) is trained once per set of
+settings and kept for every later benchmark (experiments/runner.kept_cold_start, under
+~/.cache/stablerl_jax/coldstarts or $STABLERL_COLDSTARTS). A line per phase says where
+the benchmark is.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.timing import phase
 from experiments import async_staleness, offpolicy, onpolicy, runner
 from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
@@ -77,7 +81,9 @@ def hop_times(cfg, data, params, steps: int) -> dict:
     and compiles every shape the steps meet (trimmed windows vary by step), the second
     pass, the same steps again, gives the medians (of its steps after the first)."""
     engine = Engine.create(cfg, eos_id=data.tokenizer.eos_id, pad_id=data.tokenizer.pad_id)
+    phase(f"hops: first pass of {steps + 1} global steps (compiles every window)")
     warm = _pass(engine, data, params, steps)
+    phase(f"hops: timed pass of {steps + 1} global steps")
     return {k: (warm[k][0], float(np.median(v[1:])))
             for k, v in _pass(engine, data, params, steps).items()}
 
@@ -129,6 +135,7 @@ def end_to_end(cfg, data, params, workdir: str) -> float:
 
 def cost_tables(cfg, data, params, run_dir: str, hops: dict | None) -> None:
     """The run's own phase split beside the hops, and the phase_sync overhead."""
+    phase("costs: four end-to-end runs, rl.phase_sync off and on")
     split = costs.time_split(read_metrics(run_dir))
     hop_of = {"sample": "sample", "reward": "reward", "score": "score",
               "update": f"{cfg.rl.num_minibatches} update(s)", "eval": None}
@@ -155,6 +162,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workdir", default="/tmp/bench_global_step")
+    ap.add_argument("--coldstarts", default="",
+                    help="where cold starts are kept and reused (default: "
+                         "$STABLERL_COLDSTARTS or ~/.cache/stablerl_jax/coldstarts)")
     ap.add_argument("--only", default="onpolicy,offpolicy-N8")
     ap.add_argument("--costs", action="store_true",
                     help="also the run's own cost record beside the hops, and the overhead "
@@ -169,9 +179,12 @@ def main(argv=None) -> None:
         cfg = apply_overrides(SETTINGS[name](), [f"rl.steps={args.steps}", "rl.eval_every=10",
                                                  f"rl.checkpoint_every={args.steps // 2}",
                                                  *args.overrides])
-        data, params = runner.task_and_cold_start(cfg, args.workdir, progress=False)
+        phase(f"{name}: data and cold start")
+        data, params = runner.kept_cold_start(cfg, args.coldstarts)
         run_dir = os.path.join(args.workdir, "run_" + name)
+        phase(f"{name}: end-to-end run of {args.steps} steps, first (compiles)")
         first = end_to_end(cfg, data, params, run_dir)
+        phase(f"{name}: end-to-end run, again")
         again = end_to_end(cfg, data, params, run_dir)
         hops = None if cfg.rl.max_staleness else hop_times(cfg, data, params, args.steps)
         print(f"\n{name}: rl.num_minibatches={cfg.rl.num_minibatches}, "

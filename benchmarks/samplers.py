@@ -50,6 +50,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.timing import phase
 from experiments import onpolicy
 from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
@@ -75,7 +76,8 @@ def load_params(cfg, data, args):
     # One cached cold start per step count (cold_start refuses other SFT settings).
     workdir = os.path.join(args.workdir, f"sft{args.sft_steps}")
     os.makedirs(workdir, exist_ok=True)
-    params, losses = sft.cold_start(sft_cfg, data, workdir, progress=False)
+    phase(f"cold start: {args.sft_steps} SFT steps, kept in {workdir}")
+    params, losses = sft.cold_start(sft_cfg, data, workdir)
     trained = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else " (cached)"
     return params, f"SFT cold start, {args.sft_steps} steps{trained}"
 
@@ -162,7 +164,8 @@ def bench_slots(base, data, params, n: int, args) -> None:
     with_ = lambda *over: apply_overrides(base, [f"sampling.max_batch={n}", *over])
     walls: dict[str, list[float]] = {}
     rows: dict[str, tuple] = {}  # name: (responses, tokens, decode steps, occupancy, extra)
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        phase(f"{n} slots: round {r + 1} of {args.rounds}")
         static_wall, static = run_full(with_("sampling.continuous=false"), data, params,
                                        timed, 0)
         cont_wall, cont = run_full(with_("sampling.continuous=true"), data, params, timed, 0)

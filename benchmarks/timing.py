@@ -1,4 +1,5 @@
-"""Wall-clock timing shared by the benchmarks: compile + warm-up once, then the median."""
+"""Wall-clock timing shared by the benchmarks: compile + warm-up once, then the median;
+`phase` prints a line as each long phase starts, so a benchmark shows progress."""
 from __future__ import annotations
 
 import time
@@ -6,6 +7,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+_START = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    """One line when a phase starts, with the seconds since the benchmark began."""
+    print(f"[{time.perf_counter() - _START:6.0f} s] {what}", flush=True)
 
 
 def median_seconds(fn, *args, reps: int = 3) -> float:

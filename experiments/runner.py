@@ -7,11 +7,14 @@ from (`Experiment`). `task_and_cold_start` trains the SFT cold start once (cache
 trains every (variant, seed) RL run from it in `<workdir>/<variant>/seed<k>` (each
 resumable, see `rl.loop.run`);
 `finished_runs` reads back the stored metrics of the runs that finished. The report is
-`experiments/report.py`, the command line `experiments/cli.py`.
+`experiments/report.py`, the command line `experiments/cli.py`. `kept_cold_start` is the
+benchmarks' cold start: one per set of settings, kept across runs and benchmarks.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 
@@ -20,8 +23,12 @@ from stablerl_jax.config import ExperimentConfig, apply_overrides
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
 from stablerl_jax.rl.engine import param_shardings
-from stablerl_jax.runs import storage
+from stablerl_jax.runs import checkpoint, storage
 from stablerl_jax.runs.metrics_io import read_metrics
+
+# Where `kept_cold_start` keeps the benchmarks' cold starts (STABLERL_COLDSTARTS overrides).
+COLDSTARTS = os.environ.get("STABLERL_COLDSTARTS") or os.path.join(
+    os.path.expanduser("~"), ".cache", "stablerl_jax", "coldstarts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,26 @@ def task_and_cold_start(cfg, workdir: str, progress: bool, hf: str = "",
         print(f"SFT cold start: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"in {len(losses)} steps", flush=True)
     return data, params
+
+
+def kept_dir(cfg, root: str = "") -> str:
+    """Where `kept_cold_start` keeps cfg's data and cold start: `<root>/<task kind>-<hash
+    of the settings they depend on>` (root: COLDSTARTS)."""
+    wanted = {**sft.sft_settings(cfg), "rl.eval_sets": cfg.rl.eval_sets}
+    key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(root or COLDSTARTS, f"{cfg.task.kind}-{key}")
+
+
+def kept_cold_start(cfg, root: str = ""):
+    """`task_and_cold_start` in `kept_dir(cfg, root)`: a second benchmark with the same
+    settings reuses its data and cold start. Says in one line which directory, and
+    whether it trains (with its progress bar) or reuses."""
+    path = kept_dir(cfg, root)
+    params_dir = os.path.join(path, "sft")
+    done = storage.isdir(params_dir) and checkpoint.is_complete(params_dir)
+    print(f"cold start: {'reused from' if done else f'{cfg.sft.steps} SFT steps into'} "
+          f"{path}", flush=True)
+    return task_and_cold_start(cfg, path, progress=not done)
 
 
 def run_dir(workdir: str, name: str, seed: int) -> str:
