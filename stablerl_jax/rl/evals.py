@@ -6,13 +6,15 @@ Each set of `TaskData.evals` ({name: records}) is sampled k times per problem wi
 inference engine, and scored with the task's reward (data/evaluation.py):
 
     eval/<set>/avg@k          mean_ij r_ij
+    eval/<set>/stderr         std_i(mean_j r_ij) / sqrt(n), avg@k's standard error over problems
     eval/<set>/pass@k         mean_i max_j r_ij
     eval/<set>/length_mean    mean completion length (tokens)
     eval/<set>/truncated_frac share of completions with no stop id in max_new_tokens
 
 and `eval/accuracy`, `eval/pass_at_k`, `eval/length_mean`, `eval/truncated_frac` are
 their means over the sets (each set weighs the same, as a paper's table averages AIME24,
-AIME25 and HMMT25). Any problem count works: the batch of n·k rows is padded with copies
+AIME25 and HMMT25); `eval/accuracy_stderr` is the standard error of that mean
+(sqrt(Σ stderr²) / sets: the sets are sampled independently). Any problem count works: the batch of n·k rows is padded with copies
 of the first problem up to n'·k rows, a multiple of every size the batch is split by (the
 mesh's data-parallel devices, `sampling.max_batch`, the processes), and the padding rows'
 scores are dropped.
@@ -27,7 +29,7 @@ import numpy as np
 from stablerl_jax import distributed
 from stablerl_jax.data.evaluation import summarize
 
-SUMMARY_KEYS = ("avg@k", "pass@k", "length_mean", "truncated_frac")
+SUMMARY_KEYS = ("avg@k", "stderr", "pass@k", "length_mean", "truncated_frac")
 MEAN_NAMES = {"avg@k": "eval/accuracy", "pass@k": "eval/pass_at_k",
               "length_mean": "eval/length_mean", "truncated_frac": "eval/truncated_frac"}
 
@@ -80,6 +82,8 @@ def evaluate_sets(sample, data, sets: dict, key, num_problems: int, k: int,
         samples += sample_rows(data, *rows, log_samples, split=f"eval/{name}")
     for s, mean_name in MEAN_NAMES.items():
         metrics[mean_name] = float(np.mean([metrics[f"eval/{name}/{s}"] for name in sets]))
+    metrics["eval/accuracy_stderr"] = float(np.sqrt(sum(
+        metrics[f"eval/{name}/stderr"] ** 2 for name in sets)) / len(sets))
     return metrics, samples
 
 

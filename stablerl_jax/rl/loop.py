@@ -50,7 +50,6 @@ from stablerl_jax.rl import (
     costs,
     dynamic,
     evals,
-    history,
     packing,
     preflight,
     probe,
@@ -433,10 +432,24 @@ def last_accuracy(records: list[dict]) -> float | None:
     return evaluated[-1] if evaluated else None
 
 
+def accuracy_gain(first: dict, last: dict) -> dict | None:
+    """End − start held-out accuracy of two evaluation rows, with its 95 % interval
+    ±1.96·sqrt(se_start² + se_end²): each evaluation's standard error over problems
+    (evals.py), the two taken as independent (conservative: they share their problems).
+    None without both errors (rows from before they were logged, or one evaluation)."""
+    se = [r.get("eval/accuracy_stderr") for r in (first, last)]
+    if first is last or None in se:
+        return None
+    gain = last["eval/accuracy"] - first["eval/accuracy"]
+    half = 1.96 * float(np.hypot(*se))
+    return {"gain": gain, "interval_95": [gain - half, gain + half]}
+
+
 def run_summary(records: list[dict], skipped: int) -> dict:
     """The run's summary.json: start / end held-out accuracy (`eval/accuracy`, the mean
-    over eval sets) and each set's end avg@k, start / end reward (means of the first /
-    last fifth of the steps), steps and skipped updates."""
+    over eval sets), the gain with its interval (`accuracy_gain`) and each set's end
+    avg@k, start / end reward (means of the first / last fifth of the steps), steps and
+    skipped updates."""
     evaluated = [r for r in records if r.get("eval/accuracy") is not None]
     last = evaluated[-1] if evaluated else {}
     sets = {k[len("eval/"):-len("/avg@k")]: v for k, v in last.items()
@@ -450,6 +463,7 @@ def run_summary(records: list[dict], skipped: int) -> dict:
     return {
         "start_accuracy": evaluated[0]["eval/accuracy"] if evaluated else None,
         "end_accuracy": last.get("eval/accuracy"),
+        "accuracy_gain": accuracy_gain(evaluated[0], last) if evaluated else None,
         "end_accuracy_by_set": sets,
         "start_reward": float(np.mean(rewards[:w])) if rewards else None,
         "end_reward": float(np.mean(rewards[-w:])) if rewards else None,

@@ -90,6 +90,11 @@ def test_sets_report_each_and_their_mean_and_sample_rows():
     assert metrics["eval/a/truncated_frac"] == 0.0 and metrics["eval/b/truncated_frac"] == 1.0
     assert metrics["eval/accuracy"] == 0.75 and metrics["eval/pass_at_k"] == 0.75
     assert metrics["eval/truncated_frac"] == 0.5 and metrics["eval/length_mean"] == 2.75
+    # Standard errors over problems: set a's per-problem means 1, 0 (std 0.5 over 2
+    # problems), set b's one problem 0; the mean of the two sets has sqrt(Σ se²) / 2.
+    assert metrics["eval/a/stderr"] == pytest.approx(0.5 / 2**0.5)
+    assert metrics["eval/b/stderr"] == 0.0
+    assert metrics["eval/accuracy_stderr"] == pytest.approx(0.5 / 2**0.5 / 2)
     assert [s["split"] for s in samples] == ["eval/a", "eval/b"]
     assert samples[1] == {"split": "eval/b", "prompt": "3", "response": "3 4 5 6",
                           "ended": "truncated", "answer": "3", "reward": 1.0,

@@ -63,10 +63,22 @@ def test_few_steps_end_to_end_and_exact_resume(tmp_path):
     assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4
     assert {s["split"] for s in samples} == {"eval/test"}
     assert rows[2]["eval/test/avg@k"] == rows[2]["eval/accuracy"]
+    assert summary["accuracy_gain"] == loop.accuracy_gain(rows[0], rows[4])
     assert 0 <= rows[1]["response/truncated_frac"] <= rows[1]["response/clip_ratio"] <= 1
     resumed, _ = _final_state(cfg, part)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  resumed, state)
+
+
+def test_the_gain_interval_adds_both_evaluations_errors():
+    first = {"eval/accuracy": 0.30, "eval/accuracy_stderr": 0.03}
+    last = {"eval/accuracy": 0.45, "eval/accuracy_stderr": 0.04}
+    got = loop.accuracy_gain(first, last)
+    # 1.96 · sqrt(0.03² + 0.04²) = 1.96 · 0.05 (float64 throughout: a few ulps).
+    assert got["gain"] == pytest.approx(0.15, abs=1e-15)
+    np.testing.assert_allclose(got["interval_95"], [0.15 - 0.098, 0.15 + 0.098], atol=1e-15)
+    assert loop.accuracy_gain(first, first) is None  # one evaluation: no gain
+    assert loop.accuracy_gain({"eval/accuracy": 0.3}, last) is None  # a row without its error
 
 
 def test_invalid_workdir_is_a_clear_error(tmp_path):
