@@ -19,9 +19,10 @@ from stablerl_jax.pod.libtpu_env import quiet_libtpu
 
 quiet_libtpu()
 
-# train: one SFT + RL run (quickstart: its former name, kept working); aot_compile: TPU
-# memory fit of a preset's steps; length_stats: a cold start's mismatch by router noise (no RL runs).
-OTHER_ENTRY_POINTS = ("aot_compile", "length_stats", "quickstart", "train")
+# train: one SFT + RL run (quickstart: its former name, kept working); main_job_seeds: train
+# at several seeds; aot_compile: TPU memory fit of a preset's steps; length_stats: a cold
+# start's mismatch by router noise (no RL runs).
+OTHER_ENTRY_POINTS = ("aot_compile", "length_stats", "main_job_seeds", "quickstart", "train")
 SHARED = ("cli", "cli_errors", "report", "runner", "stats")
 
 

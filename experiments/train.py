@@ -11,8 +11,8 @@ auto, keeps the preset's where it runs and otherwise says in one line that it ru
 preset single-host. Overrides apply last. Writes to the workdir: sft/ (cold-start params),
 sft_run/ (the cold start's metrics.jsonl, TensorBoard and checkpoints), checkpoints/,
 metrics.jsonl, samples.jsonl (decoded samples), tb/ (TensorBoard), plots/*.png and
-summary.json; prints the start and end held-out accuracy. Re-running resumes from the
-last complete checkpoint (of the cold start, then of RL).
+summary.json; prints the start and end held-out accuracy, and the gain with its interval.
+Re-running resumes from the last complete checkpoint (of the cold start, then of RL).
 
 --hf: start from a Hugging Face Qwen3-MoE checkpoint instead of a fresh init (the
 architecture and the tokenizer come from the checkpoint, every other model field from
@@ -128,7 +128,23 @@ def _train(args, cfg, allow, main_process: bool) -> dict:
     if main_process:
         print(json.dumps(summary, indent=2))
         print(f"plots: {os.path.join(args.workdir, 'plots')}")
+        print(gain_line(summary, cfg.rl.eval_k))
     return summary
+
+
+def gain_line(summary: dict, k: int) -> str:
+    """The run's held-out avg@k at its first and last evaluation, and the gain with its
+    95 % interval (rl/loop.accuracy_gain)."""
+    start, end, gain = (summary.get(f) for f in ("start_accuracy", "end_accuracy",
+                                                  "accuracy_gain"))
+    if start is None:
+        return "held-out accuracy: no evaluation ran"
+    line = f"held-out avg@{k}: {start:.3f} -> {end:.3f}"
+    if gain:
+        lo, hi = gain["interval_95"]
+        line += (f", gain {gain['gain']:+.3f} (95 % interval [{lo:+.3f}, {hi:+.3f}] from "
+                 "the two evaluations' sampling error)")
+    return line
 
 
 if __name__ == "__main__":
