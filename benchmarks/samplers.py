@@ -36,8 +36,8 @@ steps: static and continuous from `schedule.static/continuous` of the response l
 partial as the sampler returns it; occupancy = tokens generated in the timed calls /
 (decode steps × n); dropped (partial): responses reset for staleness.
 
-Parameters: the preset's SFT cold start trained for `--sft-steps` steps (cached under
-the workdir; 0 = random init), or `--params DIR`, a saved params checkpoint (e.g. a
+Parameters: the preset's SFT cold start trained for `--sft-steps` steps (kept for later
+runs: experiments/runner.kept_cold_start; 0 = random init), or `--params DIR`, a saved params checkpoint (e.g. a
 run's `<workdir>/sft`).
 """
 from __future__ import annotations
@@ -51,12 +51,12 @@ import jax
 import numpy as np
 
 from benchmarks.timing import phase
-from experiments import onpolicy
+from experiments import onpolicy, runner
 from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.pod import schedule
-from stablerl_jax.rl import loop, sft
+from stablerl_jax.rl import loop
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
 from stablerl_jax.runs import checkpoint
@@ -73,13 +73,8 @@ def load_params(cfg, data, args):
         return (tf.init_params(jax.random.key(cfg.sft.seed), cfg.model),
                 "random init (no SFT)")
     sft_cfg = cfg.replace(sft=cfg.sft.replace(steps=args.sft_steps))
-    # One cached cold start per step count (cold_start refuses other SFT settings).
-    workdir = os.path.join(args.workdir, f"sft{args.sft_steps}")
-    os.makedirs(workdir, exist_ok=True)
-    phase(f"cold start: {args.sft_steps} SFT steps, kept in {workdir}")
-    params, losses = sft.cold_start(sft_cfg, data, workdir)
-    trained = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else " (cached)"
-    return params, f"SFT cold start, {args.sft_steps} steps{trained}"
+    _, params = runner.kept_cold_start(sft_cfg)  # one per step count, kept for every run
+    return params, f"SFT cold start, {args.sft_steps} steps"
 
 
 def engine_for(cfg, data) -> Engine:
