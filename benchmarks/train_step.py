@@ -20,6 +20,14 @@ presets.moe1b (16 layers, D 1024, 32 experts top-4) at 4 × 256 tokens on one de
 on a CPU its parameters and AdamW moments are kept in bf16 (param_dtype) to fit the
 memory of a small machine. `moe1b_gpu` is the same model at 64 × 1,024 tokens with
 float32 parameters, the size for one accelerator.
+
+    python -m benchmarks.train_step --options [--reps 3]
+
+times the score and update steps of the tiny preset (FP8 sampler, 128 responses of 63
+scored positions, N = 1, separate score pass) under each stabilizer option against MiniRL
+in one process (OPTIONS: score centering exact and top-k, trust-region masking, the
+drift monitor), with the ratios, and the top-k head's error against the exact drift on
+the same batch: ‖d_K − d‖₁ / ‖d‖₁ with d = q − π_old per position.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ import numpy as np
 
 from benchmarks.timing import matmul_peak
 from stablerl_jax import presets
-from stablerl_jax.config import ExperimentConfig, ModelConfig
+from stablerl_jax.config import ExperimentConfig, ModelConfig, apply_overrides
+from stablerl_jax.method import centering
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.model.flops import train_flops
 from stablerl_jax.rl.engine import Engine
@@ -118,14 +127,77 @@ def bench(name: str, reps: int, dispatch: str = "loop") -> dict:
             "dtype": cfg.model.compute_dtype}
 
 
+OPTIONS = {"minirl": (), "center exact": ("loss.center=exact",),
+           "center topk K=8": ("loss.center=topk", "loss.center_k=8"),
+           "center topk K=32": ("loss.center=topk", "loss.center_k=32"),
+           "trust region k1": ("loss.trust_region=k1",),
+           "drift monitor": ("rl.drift_monitor=true",)}
+
+
+def options_table(reps: int) -> None:
+    """The score and update seconds of each of OPTIONS on one batch, and the ratios to
+    MiniRL's; then the top-k drift's error against the exact one."""
+    base = presets.tiny()
+    base = base.replace(rl=base.rl.replace(score_in_update=False))
+    seq, rows = 64, base.rl.prompts_per_step * base.rl.group_size
+    rollout, rewards = synthetic_rollout(base, rows, seq)
+    params = tf.init_params(jax.random.key(0), base.model)
+    times = {}
+    print("| option | score s | update s | score × | update × | score + update × |")
+    print("|---|---|---|---|---|---|")
+    for name, over in OPTIONS.items():
+        engine = Engine.create(apply_overrides(base, over), eos_id=3, pad_id=0)
+        state = engine.init_state(params)
+        score = lambda: jax.block_until_ready(engine.score(state.params, rollout, rewards))
+        batch, _ = score()
+        update = engine.update
+        state, m = update(state, batch)  # compile + warm-up
+        jax.block_until_ready((state, m))
+        t_score, t_update = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            batch, _ = score()
+            t_score.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            state, m = update(state, batch)
+            jax.block_until_ready((state, m))
+            t_update.append(time.perf_counter() - t0)
+        times[name] = (float(np.median(t_score)), float(np.median(t_update)))
+        ts, tu = times[name]
+        s0, u0 = times["minirl"]
+        print(f"| {name} | {ts:.3f} | {tu:.3f} | {ts / s0:.2f} | {tu / u0:.2f} | "
+              f"{(ts + tu) / (s0 + u0):.2f} |", flush=True)
+    # The drift monitor with attribution keeps log π_old over the vocabulary in the batch.
+    engine = Engine.create(apply_overrides(base, (
+        "loss.center=exact", "rl.drift_monitor=true", "rl.attribution=true",
+        "rl.attribution_every=0")), eos_id=3, pad_id=0)
+    batch, _ = engine.score(params, rollout, rewards)
+    logq, old_V = batch.sampler_logq_BxTxK, batch.old_vocab_logp_BxTxV
+    mask = np.asarray(batch.mask_BxT) > 0
+    d = np.asarray(centering.drift(logq, None, old_V))[mask]
+    print(f"\ntop-k drift error (‖d_K − d‖₁ / ‖d‖₁ over {int(mask.sum())} positions, "
+          f"V = {base.model.vocab_size}; exact mean ‖d‖₁ {np.abs(d).sum(-1).mean():.3e}):")
+    for k in (1, 4, 8, 16, 32):
+        head, idx = jax.lax.top_k(logq, k)
+        dk = np.asarray(centering.drift(head, idx, old_V))[mask]
+        print(f"  K = {k:2d}: {np.abs(dk - d).sum() / np.abs(d).sum():.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--options", action="store_true",
+                    help="the stabilizer options' score and update cost against MiniRL")
     ap.add_argument("--sizes", default="tiny,small")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dispatch", default="loop",
                     help="comma-separated expert paths: rows of GMM_IMPLS (grouped "
                          "gmm_impl; kernels/gmm_impls.py) or dense")
     args = ap.parse_args()
+    if args.options:
+        print(f"jax {jax.__version__}, backend {jax.default_backend()}, tiny preset, "
+              f"median of {args.reps} after warm-up")
+        options_table(args.reps)
+        return
     names = args.sizes.split(",")
     for n in names:
         if n not in MODEL_SIZES:
