@@ -8,7 +8,8 @@ Every function computes (loss, metrics) = fn(logp_BxT, batch: LossBatch, cfg: Lo
 others it reads. The config refuses a knob some row lists (`loss_knobs`) set away from
 its default for a loss whose row does not list it: the setting would change nothing.
 `advantage` and `advantage_std_ddof` belong to the advantages (advantages.py), not to a
-loss.
+loss; `center` and `center_k` to score centering, which the trainer applies around any
+loss (method/centering.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Callable
 AGGREGATIONS = ("response_sum", "seq_mean_token_mean", "token_mean",
                 "seq_mean_token_sum_norm")
 SHARED_KNOBS = ("clip", "use_is", "is_correction", "tis_cap", "is_low", "is_high",
-                "max_log_ratio", "aggregation", "norm_length", "row_denominator")
+                "max_log_ratio", "aggregation", "norm_length", "row_denominator",
+                "trust_region", "trust_region_delta")
 
 
 @dataclasses.dataclass(frozen=True)

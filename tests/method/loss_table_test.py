@@ -21,8 +21,9 @@ from stablerl_jax.method.losses import LossBatch
 OTHER_VALUE = {"eps_low": 0.05, "eps_high": 0.05, "cap_target": "engine",
                "clip_ratio_c": 1.5, "gspo_eps_low": 0.1, "gspo_eps_high": 0.1,
                "gspo_max_log_ratio": 0.05}
-# Fields of LossConfig that are no loss's: the row's name, and the advantages' settings.
-NOT_A_KNOB = ("name", "advantage", "advantage_std_ddof")
+# Fields of LossConfig that are no loss's: the row's name, the advantages' settings and
+# score centering's (applied around any loss, method/centering.py).
+NOT_A_KNOB = ("name", "advantage", "advantage_std_ddof", "center", "center_k")
 
 
 def test_the_lists_agree():
