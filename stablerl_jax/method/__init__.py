@@ -9,5 +9,6 @@ monitors are, independent of how a run is driven (docs/method.md).
     logprobs.py      token log-probs and entropy, from hidden states or from tokens
     mismatch.py      training–inference mismatch of a rollout (k1, k3, flips)
     attribution.py   a per-token split of that mismatch into its causes
+    centering.py     score centering (E_q[∇ log π] removed) and the drift q − π it targets
     diagnostics.py   every monitor of the trainer and its (numerator, denominator) pairs
 """
