@@ -49,7 +49,9 @@ is/weight_mean, is/weight_sqmean, is/weight_max, is/weight_min (the applied,
 stop-gradient weight); is/frac_truncated (tokens whose weight the IS correction capped or
 dropped); eq5/engine_log_{mean,sqmean}, eq5/staleness_log_{mean,sqmean} (Eq. 5's two
 factors in logs); eq5/first_order_residual_abs (mean over responses of
-|Π ρ_t − 1 − Σ(ρ_t − 1)|). `diagnostics.reduce_metrics` adds *_std and is/ess. The
+|Π ρ_t − 1 − Σ(ρ_t − 1)|); trust_region/frac_masked (the share of scored responses
+trust-region masking removed, `trust_region_keep`, with loss.trust_region on).
+`diagnostics.reduce_metrics` adds *_std and is/ess. The
 training–inference KL is the score step's monitor (`diagnostics.train_infer_mismatch`):
 π_old does not change between the updates of a step.
 `LOSS_PRESETS` names the paper's runs and the namesake methods as LossConfigs.
