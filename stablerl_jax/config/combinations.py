@@ -52,14 +52,16 @@ def forward_tokens(cfg) -> int:
 
 
 def check_sizes(cfg) -> None:
-    """The batch-invariant path's row tile and the sampler's cache block no larger than
-    what a forward can fill (`forward_tokens`, or the field's default where that is
-    less): past it a tile only pads, and a tile near int32 asks for terabytes."""
+    """The batch-invariant path's row tile, the sampler's cache block and the expert
+    tile no larger than what a forward can fill (`forward_tokens`; × top_k expert
+    assignments for the expert tile; the field's default where that is less): past it
+    a tile only pads, and a tile near int32 asks for terabytes (each expert's rows are
+    padded to a whole expert tile)."""
     m = cfg.model
-    for field in ("row_tile", "decode_block"):
+    for field, per_token in (("row_tile", 1), ("decode_block", 1), ("moe_tile", m.top_k)):
         default = type(m).__dataclass_fields__[field].default
-        v, bound = getattr(m, field), max(forward_tokens(cfg), default)
+        v, bound = getattr(m, field), max(forward_tokens(cfg) * per_token, default)
+        what = "batch × model.max_seq_len" + (" × model.top_k" if per_token > 1 else "")
         check(v <= bound, f"model.{field}",
               f"{v:,} is more than any forward of this run can fill ({bound:,}: its largest "
-              "batch × model.max_seq_len), and past that a tile only pads; set it to at "
-              f"most {bound:,}")
+              f"{what}), and past that a tile only pads; set it to at most {bound:,}")

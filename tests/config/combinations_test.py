@@ -42,10 +42,10 @@ def test_bitwise_with_an_offline_rollout_file_is_refused():
     presets.preset("tiny", ["sampling.numerics=exact", "rl.offline_rollouts=r.npz"])
 
 
-@pytest.mark.parametrize("field", ["row_tile", "decode_block"])
+@pytest.mark.parametrize("field", ["row_tile", "decode_block", "moe_tile"])
 def test_a_tile_past_what_a_forward_can_fill_is_refused(field):
     cfg = presets.preset("tiny")
-    most = combinations.forward_tokens(cfg)
+    most = combinations.forward_tokens(cfg) * (cfg.model.top_k if field == "moe_tile" else 1)
     presets.preset("tiny", ["sampling.numerics=bitwise", f"model.{field}={most}"])
     for v in (most + 1, 2**31 - 1):
         _refused(["sampling.numerics=bitwise", f"model.{field}={v}"],
