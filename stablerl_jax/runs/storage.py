@@ -262,12 +262,15 @@ def copytree(src, dst) -> None:
 
 def atomic_write(p, text: str) -> None:
     """Replace the file `p` by `text` so that a crash leaves the old content or the new.
-    On a disk: a temporary file beside it, then a rename; the temporary file is never
-    written through a link (a leftover one is removed first). On an object store: one
+    On a disk: a temporary file beside it, then a rename; a link at `p` is refused
+    (`LinkRefused`), and the temporary file is never written through one (a leftover
+    one is removed first). On an object store: one
     upload, atomic in itself."""
     if is_remote(p):
         write_text(p, text)
         return
+    if os.path.islink(p):  # the rename would replace the link, its target gone stale
+        open_no_follow(p, os.O_WRONLY)  # raises LinkRefused
     tmp = str(p) + ".tmp"
     if os.path.lexists(tmp):  # a crash's leftover; never write through a link there
         os.remove(tmp)

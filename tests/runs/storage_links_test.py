@@ -26,6 +26,10 @@ def _write_whole(work, path):
     storage.write_text(str(path), "{}")
 
 
+def _replace_whole(work, path):
+    storage.atomic_write(str(path), "{}")
+
+
 def _append(work, path):
     storage.AppendFile(str(path)).append("row\n")
 
@@ -57,8 +61,8 @@ WRITTEN = [
     ("minibatches.jsonl", _write_log),
     ("attribution.jsonl", _write_log),
     ("summary.json", _write_whole),
-    ("sft.json", _write_whole),
-    ("trackers.json", _write_whole),
+    ("sft.json", _replace_whole),
+    ("trackers.json", _replace_whole),
     ("sft_run/metrics.jsonl", _append),
     ("plots/reward.png", _plot),
     ("checkpoints.log", _error_log),
