@@ -6,8 +6,8 @@ that source is off (R3: routing; one mini-batch: staleness)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
+from tolerance import bound
 
 from stablerl_jax.config import SamplingConfig
 from stablerl_jax.method.diagnostics import reduce_metrics
@@ -16,6 +16,7 @@ from stablerl_jax.rl.engine import Engine
 
 REWARDS = np.array([1, 0, 0, 1, 1, 0, 0, 0], np.float32)
 PARTS = ("precision", "routing", "staleness")
+V = tiny_cfg().model.vocab_size
 
 
 def _step(numerics: str, minibatches: int = 1, center: str = "none", **rl):
@@ -53,22 +54,18 @@ def test_at_zero_mismatch_the_drift_is_zero_and_centring_is_an_exact_no_op():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def fp8_two():
-    return _step("fp8", minibatches=2, center="exact")
-
-
-def test_with_fp8_weights_each_source_lands_in_its_own_part(fp8_two):
-    m, _ = fp8_two
+def test_with_fp8_weights_each_source_lands_in_its_own_part_and_only_there():
+    m, _ = _step("fp8", minibatches=2, center="exact")
     assert all(m[f"attr/drift_{p}_l1"] > 0 for p in PARTS)
     assert m["drift/l1"] > 0 and m["center/drift_l1"] > 0
-    # ‖q − π_old‖₁ is at most the sum of its parts' norms (triangle inequality).
-    assert m["drift/l1"] <= m["attr/drift_precision_l1"] + m["attr/drift_routing_l1"] + 1e-6
-    # The group-mean reward is in [0, 1]: the weighted size is at most the size.
-    assert 0 < m["drift/reward_weighted"] <= m["drift/l1"]
-
-
-def test_a_source_switched_off_leaves_its_part_exactly_zero():
+    # ‖q − π_old‖₁ is at most the sum of its parts' norms (triangle inequality), and the
+    # group-mean reward is in [0, 1]; each side is a float32 sum over V entries of
+    # expm1-formed differences, then a token mean (V + 4 roundings).
+    slack = 1 + bound(V + 4)
+    parts = m["attr/drift_precision_l1"] + m["attr/drift_routing_l1"]
+    assert m["drift/l1"] <= parts * slack
+    assert 0 < m["drift/reward_weighted"] <= m["drift/l1"] * slack
+    # A source switched off leaves its part exactly 0.
     r3, _ = _step("fp8", minibatches=1, replay="r3")
     assert r3["attr/drift_precision_l1"] > 0
     assert r3["attr/drift_routing_l1"] == 0.0  # π_old replays the sampler's routes
