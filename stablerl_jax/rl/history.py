@@ -85,6 +85,7 @@ def _keep_or_move(cfg, workdir, replace, export_hf, why: str, keep=()) -> None:
         raise ValueError(f"{workdir} holds another run's history ({', '.join(what)}) and "
                          f"{why}, so a fresh start would replace it; pass {FLAG} to move it "
                          "aside and start over there, or choose another --workdir")
+    distributed.barrier("history found")  # every process read it before it moves
     if distributed.is_main():
         move_aside(workdir, export_hf, keep)
     distributed.barrier("history moved aside")
