@@ -77,8 +77,9 @@ def check_float_range(obj) -> None:
     """Every float field of the dataclass `obj` `fits_float32`. Each is used in float32
     on device (the model's settings, the sampler's temperature and noise, the losses'
     ranges and caps, the optimizer's), where one that overflows (1e308) or flushes to
-    zero (1e-50) would compute something else than written. The one host-side float,
-    task.test_fraction, is a fraction of the problems: no such value means a split."""
+    zero (1e-50) would compute something else than written. The fractions read on the
+    host (task.test_fraction, optim.warmup_frac) are fractions of counts, which no such
+    value makes either."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, float):
