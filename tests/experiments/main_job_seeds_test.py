@@ -1,6 +1,4 @@
-"""experiments.main_job_seeds: the main job's table over seeds, its goal, its resume."""
-import json
-
+"""experiments.main_job_seeds: the main job's table over seeds, its goal, the runs it calls."""
 import pytest
 
 from experiments import main_job_seeds, train
@@ -28,14 +26,14 @@ def test_the_goal_fails_on_a_small_gain(ends, why):
     assert out.endswith("not met"), why
 
 
-def test_finished_seeds_are_read_back_not_rerun(tmp_path, monkeypatch, capsys):
-    for s, end in enumerate((0.4, 0.41, 0.42)):
-        (tmp_path / f"seed{s}").mkdir()
-        (tmp_path / f"seed{s}" / "summary.json").write_text(json.dumps(_summary(0.3, end)))
-    monkeypatch.setattr(train, "main", lambda *a, **k: pytest.fail("a finished seed ran again"))
-    got = main_job_seeds.main(["--workdir", str(tmp_path), "--seeds", "0,1,2"])
-    assert [g["end_accuracy"] for g in got.values()] == [0.4, 0.41, 0.42]
-    assert "finished before" in capsys.readouterr().out
+def test_each_seed_is_the_main_job_with_its_own_seeds(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or _summary(0.3, 0.4))
+    got = main_job_seeds.main(["--workdir", str(tmp_path), "--seeds", "0,1,2", "--quiet",
+                               "rl.steps=5"])
+    assert list(got) == [0, 1, 2]
+    assert calls[1] == ["--workdir", str(tmp_path / "seed1"), "sft.seed=1", "rl.seed=1",
+                        "rl.steps=5", "--quiet"]
 
 
 @pytest.mark.parametrize("seeds", ["0,1", "0,0,1", "a,b,c"])
