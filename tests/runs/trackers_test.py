@@ -8,6 +8,7 @@ import os
 import struct
 import sys
 
+import mlflow  # noqa: F401  (its first import runs `uname -p`: here, not in a test)
 import pytest
 
 from stablerl_jax.runs import trackers as trk
