@@ -237,6 +237,26 @@ def sampled_out(nodeids: list[str], k: int = 1, seed: int = 0) -> set[str]:
     return set(cases) - keep
 
 
+# Integration-tier products and whole-run tests that CI samples: {family: k}. CI's
+# integration tier (`-m "integration and not slow"`) runs a fixed-seed sample of k cases of
+# each; the others are marked `slow` and `sampled` (k = 0: the whole family). Chosen by
+# their time on 2 cores (docs/guides/testing.md, "The budget") among those whose other
+# cases run no line that the tiers CI runs leave unrun (`pytest-cov`, the same
+# measurement as the split).
+SAMPLED_IN_INTEGRATION = {
+    "tests/model/invariant_test.py::test_a_bitwise_run_records_zero_mismatch": 2,
+    "tests/model/invariant_test.py::test_on_a_mesh_the_sampler_scores_as_the_trainer": 1,
+    "tests/model/invariant_test.py::test_cache_layouts_layer_loops_and_row_tiles_keep_it_bitwise": 2,
+    "tests/model/invariant_test.py::test_the_static_sampler_scores_as_the_trainer": 1,
+    "tests/rl/packing_test.py::test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it": 1,
+    "tests/rl/packing_test.py::test_packed_score_and_update_equal_the_padded_ones": 1,
+    "tests/kernels/token_attention_test.py::test_the_kernel_keeps_the_sampler_bitwise": 1,
+    "tests/kernels/token_attention_test.py::test_a_querys_output_is_the_same_in_any_call": 1,
+    "tests/kernels/token_attention_test.py::test_a_bitwise_run_with_the_kernel_records_zero_mismatch": 0,
+    "tests/model/moe_test.py::test_dense_local_experts_equal_the_grouped_shard": 1,
+}
+
+
 # The longest `slow` tests (`beyond_ci`): their times on 2 cores beside other work
 # (docs/guides/testing.md) add up to over an hour. Run them with `pytest -m beyond_ci`, the
 # others with `pytest -m 'slow and not beyond_ci'`.
@@ -256,8 +276,9 @@ BEYOND_CI = (
 def mark_tiers(items) -> None:
     """Mark `slow` and `sampled` the cases of each SAMPLED product outside its
     default-tier sample (`integration` for those of SAMPLED_IN_CI), `integration` each
-    HEAVY test, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before
-    `-m` selects)."""
+    HEAVY test, `slow` and `sampled` the cases of SAMPLED_IN_INTEGRATION outside CI's
+    sample, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before `-m`
+    selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
             item.add_marker(pytest.mark.beyond_ci)
@@ -274,10 +295,17 @@ def mark_tiers(items) -> None:
             item.add_marker(pytest.mark.sampled)
         elif item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(HEAVY):
             item.add_marker(pytest.mark.integration)
+    for name, k in SAMPLED_IN_INTEGRATION.items():
+        group = by_family.get(name, [])
+        out = sampled_out([i.nodeid for i in group], k) if k else {i.nodeid for i in group}
+        for item in group:
+            if item.nodeid in out:
+                item.add_marker(pytest.mark.slow)
+                item.add_marker(pytest.mark.sampled)
 
 
 def stale_entries(items) -> list[str]:
-    """The entries of SAMPLED, HEAVY and BEYOND_CI that name no test: their file is
+    """The entries of SAMPLED, HEAVY, BEYOND_CI and SAMPLED_IN_INTEGRATION that name no test: their file is
     gone, or it was collected (in `items`) and holds no test of that name. A moved or
     renamed test would otherwise drop out of its tier unnoticed."""
     if not items:
@@ -285,7 +313,7 @@ def stale_entries(items) -> list[str]:
     root = items[0].session.config.rootpath
     names = {n for i in items for n in (i.nodeid, family(i.nodeid))}
     collected = {i.nodeid.split("::")[0] for i in items}
-    return sorted(e for e in set(SAMPLED + HEAVY + BEYOND_CI)
+    return sorted(e for e in set(SAMPLED + HEAVY + BEYOND_CI + tuple(SAMPLED_IN_INTEGRATION))
                   if not (root / e.split("::")[0]).exists()
                   or (e.split("::")[0] in collected and e not in names))
 

@@ -18,6 +18,7 @@ def test_an_entry_naming_no_test_is_stale(tmp_path, monkeypatch):
     monkeypatch.setattr(tiers, "HEAVY", ("tests/a_test.py::test_h[1]",
                                          "tests/gone_test.py::test_g"))
     monkeypatch.setattr(tiers, "BEYOND_CI", ("tests/a_test.py::test_renamed",))
+    monkeypatch.setattr(tiers, "SAMPLED_IN_INTEGRATION", {"tests/a_test.py::test_p": 1})
     items = _items(tmp_path, "tests/a_test.py::test_p[0]", "tests/a_test.py::test_p[1]",
                    "tests/a_test.py::test_h[1]")
     assert tiers.stale_entries(items) == ["tests/a_test.py::test_renamed",
@@ -27,3 +28,32 @@ def test_an_entry_naming_no_test_is_stale(tmp_path, monkeypatch):
     assert tiers.stale_entries(_items(tmp_path, "tests/b_test.py::test_b")) == [
         "tests/gone_test.py::test_g"]
 
+
+
+class _Item:
+    """What mark_tiers reads and writes of a collected test."""
+
+    def __init__(self, nodeid, *markers):
+        self.nodeid, self.markers = nodeid, set(markers)
+
+    def iter_markers(self):
+        return [SimpleNamespace(name=m) for m in self.markers]
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+    def add_marker(self, mark):
+        self.markers.add(mark.name)
+
+
+def test_ci_runs_a_fixed_sample_of_an_integration_product(monkeypatch):
+    for name in ("SAMPLED", "SAMPLED_IN_CI", "HEAVY", "BEYOND_CI"):
+        monkeypatch.setattr(tiers, name, ())
+    monkeypatch.setattr(tiers, "SAMPLED_IN_INTEGRATION", {"t.py::test_p": 1, "t.py::test_w": 0})
+    product = [_Item(f"t.py::test_p[{i}]", "integration") for i in range(4)]
+    whole, other = _Item("t.py::test_w", "integration"), _Item("t.py::test_o", "integration")
+    tiers.mark_tiers([*product, whole, other])
+    in_ci = [i.nodeid for i in product if "slow" not in i.markers]
+    assert len(in_ci) == 1 and in_ci[0] not in tiers.sampled_out([i.nodeid for i in product])
+    assert all({"slow", "sampled"} <= i.markers for i in product if i.nodeid not in in_ci)
+    assert {"slow", "sampled"} <= whole.markers and "slow" not in other.markers
