@@ -237,23 +237,31 @@ def sampled_out(nodeids: list[str], k: int = 1, seed: int = 0) -> set[str]:
     return set(cases) - keep
 
 
-# Integration-tier products and whole-run tests that CI samples: {family: k}. CI's
-# integration tier (`-m "integration and not slow"`) runs a fixed-seed sample of k cases of
-# each; the others are marked `slow` and `sampled` (k = 0: the whole family). Chosen by
-# their time on 2 cores (docs/guides/testing.md, "The budget") among those whose other
-# cases run no line that the tiers CI runs leave unrun (`pytest-cov`, the same
-# measurement as the split).
+# Integration-tier products and whole-run tests that CI runs in part: {family: the case
+# ids CI keeps}. CI's integration tier (`-m "integration and not slow"`) runs the kept
+# cases; the others are marked `slow` and `sampled` (an empty tuple: the whole family).
+# Chosen by their time on 2 cores (docs/guides/testing.md, "The budget"); the kept cases
+# are those that run lines no other CI test runs (`pytest-cov`, the same measurement as
+# the split: the packed, causal-packed and Pallas-on-a-mesh paths).
 SAMPLED_IN_INTEGRATION = {
-    "tests/model/invariant_test.py::test_a_bitwise_run_records_zero_mismatch": 2,
-    "tests/model/invariant_test.py::test_on_a_mesh_the_sampler_scores_as_the_trainer": 1,
-    "tests/model/invariant_test.py::test_cache_layouts_layer_loops_and_row_tiles_keep_it_bitwise": 2,
-    "tests/model/invariant_test.py::test_the_static_sampler_scores_as_the_trainer": 1,
-    "tests/rl/packing_test.py::test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it": 1,
-    "tests/rl/packing_test.py::test_packed_score_and_update_equal_the_padded_ones": 1,
-    "tests/kernels/token_attention_test.py::test_the_kernel_keeps_the_sampler_bitwise": 1,
-    "tests/kernels/token_attention_test.py::test_a_querys_output_is_the_same_in_any_call": 1,
-    "tests/kernels/token_attention_test.py::test_a_bitwise_run_with_the_kernel_records_zero_mismatch": 0,
-    "tests/model/moe_test.py::test_dense_local_experts_equal_the_grouped_shard": 1,
+    "tests/model/invariant_test.py::test_a_bitwise_run_records_zero_mismatch": (
+        "padded", "score_in_update", "packed", "pallas_logprob_partial_mesh"),
+    "tests/model/invariant_test.py::test_on_a_mesh_the_sampler_scores_as_the_trainer": (
+        "mesh3-train-False-True",),
+    "tests/model/invariant_test.py::test_cache_layouts_layer_loops_and_row_tiles_keep_it_bitwise": (
+        "kw3", "kw4"),
+    "tests/model/invariant_test.py::test_the_static_sampler_scores_as_the_trainer": (
+        "float32-1.0",),
+    "tests/rl/packing_test.py::test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it": (
+        "chunked",),
+    "tests/rl/packing_test.py::test_packed_score_and_update_equal_the_padded_ones": (
+        "minirl-r2-causal", "gspo-r3-naive"),
+    "tests/kernels/token_attention_test.py::test_the_kernel_keeps_the_sampler_bitwise": (
+        "static",),
+    "tests/kernels/token_attention_test.py::test_a_querys_output_is_the_same_in_any_call": (
+        "float32",),
+    "tests/kernels/token_attention_test.py::test_a_bitwise_run_with_the_kernel_records_zero_mismatch": (),
+    "tests/model/moe_test.py::test_dense_local_experts_equal_the_grouped_shard": ("2",),
 }
 
 
@@ -276,8 +284,8 @@ BEYOND_CI = (
 def mark_tiers(items) -> None:
     """Mark `slow` and `sampled` the cases of each SAMPLED product outside its
     default-tier sample (`integration` for those of SAMPLED_IN_CI), `integration` each
-    HEAVY test, `slow` and `sampled` the cases of SAMPLED_IN_INTEGRATION outside CI's
-    sample, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before `-m`
+    HEAVY test, `slow` and `sampled` the cases of SAMPLED_IN_INTEGRATION that CI does not
+    keep, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before `-m`
     selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
@@ -295,11 +303,10 @@ def mark_tiers(items) -> None:
             item.add_marker(pytest.mark.sampled)
         elif item.nodeid in marked or {item.nodeid, family(item.nodeid)} & set(HEAVY):
             item.add_marker(pytest.mark.integration)
-    for name, k in SAMPLED_IN_INTEGRATION.items():
-        group = by_family.get(name, [])
-        out = sampled_out([i.nodeid for i in group], k) if k else {i.nodeid for i in group}
-        for item in group:
-            if item.nodeid in out:
+    for name, kept in SAMPLED_IN_INTEGRATION.items():
+        keep = {f"{name}[{case}]" for case in kept}
+        for item in by_family.get(name, []):
+            if item.nodeid not in keep:
                 item.add_marker(pytest.mark.slow)
                 item.add_marker(pytest.mark.sampled)
 

@@ -18,7 +18,7 @@ def test_an_entry_naming_no_test_is_stale(tmp_path, monkeypatch):
     monkeypatch.setattr(tiers, "HEAVY", ("tests/a_test.py::test_h[1]",
                                          "tests/gone_test.py::test_g"))
     monkeypatch.setattr(tiers, "BEYOND_CI", ("tests/a_test.py::test_renamed",))
-    monkeypatch.setattr(tiers, "SAMPLED_IN_INTEGRATION", {"tests/a_test.py::test_p": 1})
+    monkeypatch.setattr(tiers, "SAMPLED_IN_INTEGRATION", {"tests/a_test.py::test_p": ("0",)})
     items = _items(tmp_path, "tests/a_test.py::test_p[0]", "tests/a_test.py::test_p[1]",
                    "tests/a_test.py::test_h[1]")
     assert tiers.stale_entries(items) == ["tests/a_test.py::test_renamed",
@@ -46,14 +46,15 @@ class _Item:
         self.markers.add(mark.name)
 
 
-def test_ci_runs_a_fixed_sample_of_an_integration_product(monkeypatch):
+def test_ci_runs_the_kept_cases_of_an_integration_product(monkeypatch):
     for name in ("SAMPLED", "SAMPLED_IN_CI", "HEAVY", "BEYOND_CI"):
         monkeypatch.setattr(tiers, name, ())
-    monkeypatch.setattr(tiers, "SAMPLED_IN_INTEGRATION", {"t.py::test_p": 1, "t.py::test_w": 0})
+    monkeypatch.setattr(tiers, "SAMPLED_IN_INTEGRATION", {"t.py::test_p": ("1", "3"),
+                                                          "t.py::test_w": ()})
     product = [_Item(f"t.py::test_p[{i}]", "integration") for i in range(4)]
     whole, other = _Item("t.py::test_w", "integration"), _Item("t.py::test_o", "integration")
     tiers.mark_tiers([*product, whole, other])
-    in_ci = [i.nodeid for i in product if "slow" not in i.markers]
-    assert len(in_ci) == 1 and in_ci[0] not in tiers.sampled_out([i.nodeid for i in product])
-    assert all({"slow", "sampled"} <= i.markers for i in product if i.nodeid not in in_ci)
+    assert [i.nodeid for i in product if "slow" not in i.markers] == [
+        "t.py::test_p[1]", "t.py::test_p[3]"]
+    assert all({"slow", "sampled"} <= i.markers for i in product if i.nodeid[-2] in "02")
     assert {"slow", "sampled"} <= whole.markers and "slow" not in other.markers

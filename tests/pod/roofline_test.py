@@ -12,7 +12,8 @@ from stablerl_jax.pod import roofline, schedule, schedule_prices
 # Round constants so that seconds are the cost numbers themselves.
 CHIP = roofline.ChipSpec(peak_flops=1.0, hbm_bw=1.0, ici_bw=1.0, source="test")
 # tiny: B = 128 (16 prompts × G = 8), 128 slots, P = 16, C = 40, L = 2; blocks of 8 slots.
-CFG = presets.preset("tiny", ["model.decode_block=8"])
+# The hand counts below read an evaluation every 20 steps of 128 problems × 4.
+CFG = presets.preset("tiny", ["model.decode_block=8", "rl.eval_every=20", "rl.eval_problems=128"])
 COSTS = roofline.SamplerCosts(first=roofline.Cost(0.0, 10.0, 1.0), layer=None,
                               block=roofline.Cost(0.0, 2.0, 0.0), head=None,
                               once_collective_bytes=5.0)
