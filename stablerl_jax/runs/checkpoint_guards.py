@@ -18,6 +18,46 @@ import traceback
 from stablerl_jax.runs import storage
 
 
+class UnraisableHook:
+    """The guards' one `sys.unraisablehook`: each handler (a guard's) says whether it took
+    the error, and one none took goes to the hook that was in place before. Installed while
+    a handler is registered and handed back when the last one leaves, unless another hook
+    was installed over it since. One hook for all the guards, so that no two of them can
+    each hold the other as the hook they replaced (a guard opening again after another
+    replaced it would otherwise chain the two in a loop); an error raised while the hook
+    runs in the same thread goes to Python's own."""
+
+    def __init__(self):
+        self.handlers: list = []
+        self.prior = None  # the hook ours replaced, while installed
+        self._busy = threading.local()
+
+    def add(self, handler) -> None:
+        if handler not in self.handlers:
+            self.handlers.append(handler)
+        if sys.unraisablehook != self.hook:  # not installed, or replaced since
+            self.prior, sys.unraisablehook = sys.unraisablehook, self.hook
+
+    def remove(self, handler) -> None:
+        if handler in self.handlers:
+            self.handlers.remove(handler)
+        if not self.handlers and sys.unraisablehook == self.hook:
+            sys.unraisablehook, self.prior = self.prior, None
+
+    def hook(self, info) -> None:
+        if getattr(self._busy, "on", False):
+            return sys.__unraisablehook__(info)
+        self._busy.on = True
+        try:
+            if not any(handler(info) for handler in list(self.handlers)):
+                (self.prior or sys.__unraisablehook__)(info)
+        finally:
+            self._busy.on = False
+
+
+UNRAISABLE = UnraisableHook()
+
+
 class ErrorLog:
     """The log file of one open Checkpointer's orbax errors. A record the file cannot take
     (the disk that failed the save is full) is dropped without a word: logging's own
@@ -82,7 +122,6 @@ class OrbaxErrors(logging.Filter):
         super().__init__()
         self.logs: list[ErrorLog] = []
         self.recent: ErrorLog | None = None  # the log that took the latest record
-        self._hook = None  # the unraisable hook ours replaced, while installed
 
     def took(self, log: ErrorLog) -> None:
         if self.recent is not None and self.recent is not log and self.recent.closed:
@@ -91,26 +130,23 @@ class OrbaxErrors(logging.Filter):
 
     def add(self, log: ErrorLog) -> None:
         self.logs.append(log)
-        if sys.unraisablehook != self._unraisable:  # not installed, or replaced since
-            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        UNRAISABLE.add(self._unraisable)
 
     def remove(self, log: ErrorLog) -> None:
         if log in self.logs:
             self.logs.remove(log)
-        if not self.logs and self.recent is None and self._hook is not None:
-            if sys.unraisablehook == self._unraisable:  # else another replaced ours
-                sys.unraisablehook = self._hook
-            self._hook = None
+        if not self.logs and self.recent is None:
+            UNRAISABLE.remove(self._unraisable)
 
-    def _unraisable(self, info) -> None:
+    def _unraisable(self, info) -> bool:
         target = self.recent or (self.logs[-1] if self.logs else None)
-        if target is not None and _after_loop_closed(info):
-            target.write(logging.LogRecord(
-                "orbax", logging.ERROR, __file__, 0, "a checkpoint save's callback ran "
-                "after the save's event loop closed (a failed or cancelled save)", None,
-                (info.exc_type, info.exc_value, info.exc_traceback)))
-            return
-        (self._hook or sys.__unraisablehook__)(info)
+        if target is None or not _after_loop_closed(info):
+            return False
+        target.write(logging.LogRecord(
+            "orbax", logging.ERROR, __file__, 0, "a checkpoint save's callback ran after "
+            "the save's event loop closed (a failed or cancelled save)", None,
+            (info.exc_type, info.exc_value, info.exc_traceback)))
+        return True
 
     def filter(self, record) -> bool:
         orbax = f"{os.sep}orbax{os.sep}"
@@ -155,7 +191,7 @@ class Interrupts:
         self.count = 0  # interrupts received
         self.pending = False  # one received and not yet seen to end the run
         self._holding = self._deferred = False
-        self._users, self._installed, self._hook = 0, False, None
+        self._users, self._installed = 0, False
 
     def open(self) -> None:
         self._users += 1
@@ -163,7 +199,7 @@ class Interrupts:
         if (not self._installed and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             signal.signal(signal.SIGINT, self._handle)
-            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+            UNRAISABLE.add(self._unraisable)
             self._installed = True
 
     def close(self) -> None:
@@ -174,8 +210,7 @@ class Interrupts:
         self._installed = False
         if signal.getsignal(signal.SIGINT) == self._handle:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        if sys.unraisablehook == self._unraisable:
-            sys.unraisablehook = self._hook
+        UNRAISABLE.remove(self._unraisable)
 
     def _handle(self, signum, frame) -> None:
         self.count += 1
@@ -185,11 +220,10 @@ class Interrupts:
         else:
             raise KeyboardInterrupt
 
-    def _unraisable(self, info) -> None:
+    def _unraisable(self, info) -> bool:
         # A KeyboardInterrupt raised inside a __del__ or weakref callback: Python prints it
         # and goes on; `check` raises it again, so it need not be printed.
-        if not (self.pending and issubclass(info.exc_type, KeyboardInterrupt)):
-            self._hook(info)
+        return self.pending and issubclass(info.exc_type, KeyboardInterrupt)
 
     @contextlib.contextmanager
     def holding(self, *, raise_after: bool = True):

@@ -304,8 +304,10 @@ def python_sigint(monkeypatch):
     fresh interrupt state. A process started in the background (`cmd &` in a script, as CI
     may run the suite) inherits SIGINT ignored, and a Checkpointer leaves an ignored SIGINT
     so; a Checkpointer another test left open would keep the shared state's handler. The
-    previous handler and unraisable hook are restored afterwards."""
+    previous handler and unraisable hook are restored afterwards, and the guards' hook
+    starts without the handlers earlier tests' logs left on it."""
     monkeypatch.setattr(checkpoint_guards, "INTERRUPTS", checkpoint_guards.Interrupts())
+    monkeypatch.setattr(checkpoint_guards, "UNRAISABLE", checkpoint_guards.UnraisableHook())
     hook = sys.unraisablehook
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -371,12 +373,32 @@ def test_other_unraisable_errors_reach_the_hook_the_guards_replaced(python_sigin
     interrupts = checkpoint_guards.INTERRUPTS  # python_sigint's fresh one
     interrupts.open()
     try:
-        assert sys.unraisablehook == interrupts._unraisable
+        assert sys.unraisablehook == checkpoint_guards.UNRAISABLE.hook
         sys.unraisablehook(other)
     finally:
         interrupts.close()
     assert seen == [other] and sys.unraisablehook == seen.append
     errors = checkpoint_guards.OrbaxErrors()  # no log open: nothing to write it to
-    errors._hook = seen.append
-    errors._unraisable(other)
-    assert seen == [other, other]
+    assert not errors._unraisable(other)
+
+
+def test_guards_opening_again_after_each_other_hand_an_error_on_once(python_sigint,
+                                                                    monkeypatch, tmp_path):
+    """The interrupt guard opens, an orbax error log opens over it, the interrupt guard
+    closes and opens again (a second run in one process): an unraisable error still reaches
+    the hook in place before them once, not a loop between the guards' hooks, and the
+    hook is handed back when both have closed."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoint_guards, "ORBAX_ERRORS", checkpoint_guards.OrbaxErrors())
+    other = SimpleNamespace(exc_type=ValueError, exc_value=ValueError("in a __del__"),
+                            exc_traceback=None, err_msg=None, object=None)
+    interrupts = checkpoint_guards.INTERRUPTS
+    interrupts.open()
+    log = checkpoint_guards.ErrorLog(str(tmp_path / "orbax.log"), str(tmp_path))
+    interrupts.close()
+    interrupts.open()
+    sys.unraisablehook(other)
+    interrupts.close()
+    log.close()
+    assert seen == [other] and sys.unraisablehook == seen.append
