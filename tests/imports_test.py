@@ -11,9 +11,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "stablerl_jax"
-# Package -> source directory: stablerl_jax.kernels is the top-level kernels/ (pyproject's
-# package-dir; the link stablerl_jax/kernels, which rglob does not follow, points there).
-SOURCES = {"stablerl_jax": PACKAGE, "stablerl_jax.kernels": ROOT / "kernels"}
+# Package -> source directory.
+SOURCES = {"stablerl_jax": PACKAGE}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -30,8 +29,9 @@ def test_pyproject_installs_every_package_from_its_source():
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {n for n, p in _modules().items() if p.name == "__init__.py"}
     assert sorted(setup["packages"]) == sorted(packages)
-    assert setup["package-dir"] == {"stablerl_jax.kernels": "kernels"}
-    assert (PACKAGE / "kernels").resolve() == SOURCES["stablerl_jax.kernels"]
+    assert "package-dir" not in setup
+    # No symbolic link in the package: every tool that reads the tree sees every module.
+    assert [p for p in PACKAGE.rglob("*") if p.is_symlink()] == []
 
 
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
