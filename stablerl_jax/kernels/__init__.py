@@ -1,7 +1,6 @@
 """The kernels: every implementation of an op, and one table per op that names them.
 
-Installed as `stablerl_jax.kernels` ([tool.setuptools.package-dir] in pyproject.toml; in
-a source checkout the link stablerl_jax/kernels -> ../kernels does the same). For an op X:
+For an op X:
 
     X.py          the op's dispatcher `X(..., impl=name)` and its pure-JAX
                   implementations, the reference first
