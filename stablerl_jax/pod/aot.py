@@ -232,18 +232,6 @@ def compile_step(engine, name: str) -> Compiled:
     return out
 
 
-def compile_steps(cfg: ExperimentConfig, topo: Topology, names=("sample", "score", "update"),
-                  *, on_done=None) -> list[Compiled]:
-    """AOT-compile Engine steps of `cfg` for `topo`; `on_done(Compiled)` after each."""
-    engine = engine_for(cfg, topo)
-    out = []
-    for name in names:
-        out.append(compile_step(engine, name))
-        if on_done:
-            on_done(out[-1])
-    return out
-
-
 def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, object, tuple]]:
     """(label, program, abstract arguments) for every Pallas kernel for TPU in the ops'
     tables (LOGPROB_IMPLS, GMM_IMPLS, DECODE_IMPLS: the rows with `pallas` and "tpu"

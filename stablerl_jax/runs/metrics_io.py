@@ -224,10 +224,6 @@ class JsonlLog:
             self._file.replace(_kept(self.path, step))
 
 
-def append_jsonl(path: str, row: dict) -> None:
-    storage.AppendFile(path).append(json.dumps(row) + "\n")
-
-
 def refuse_link(path: str) -> None:
     """ValueError naming `path` and the fix when it is a symbolic link (dangling or not):
     a log rewritten by rename would replace the link (module docstring)."""
