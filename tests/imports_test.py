@@ -78,7 +78,7 @@ def test_no_import_cycles():
 LAYERS = (
     ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices", "stablerl_jax.input_checks",
      "stablerl_jax.distributed", "stablerl_jax.kernels.__init__", "stablerl_jax.kernels.*_impls",
-     "stablerl_jax.method.loss_table"),
+     "stablerl_jax.config.loss_table"),
     ("stablerl_jax.config", "stablerl_jax.presets"),
     ("stablerl_jax.kernels", "stablerl_jax.data"),
     ("stablerl_jax.model",),

@@ -1,14 +1,14 @@
 """The allowed values of every choice field, in one place: the config sections validate
 against these tuples and the rest of the package reads them from here. The kernels'
 implementation names are their ops' tables (kernels/*_impls.py, no JAX), and the loss
-names the losses' table (stablerl_jax/method/loss_table.py, no JAX), read live so that a row
+names the losses' table (stablerl_jax/config/loss_table.py, no JAX), read live so that a row
 registered there is a valid choice."""
 import re
 
 from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
 from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS
 from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
-from stablerl_jax.method.loss_table import AGGREGATIONS, LOSS_TABLE
+from stablerl_jax.config.loss_table import AGGREGATIONS, LOSS_TABLE
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
 INFERENCE_NUMERICS = ("exact", "bitwise", "bf16", "fp8")  # presets of model.numerics for the sampler

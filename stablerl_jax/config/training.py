@@ -29,7 +29,7 @@ from stablerl_jax.config.choices import (
     SFT_FORMATS,
     TRUST_REGIONS,
 )
-from stablerl_jax.method.loss_table import loss_knobs, readers
+from stablerl_jax.config.loss_table import loss_knobs, readers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class LossConfig(Section):
     """Surrogate loss settings. Defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
 
     Attributes:
-      name: a row of `LOSS_TABLE` (stablerl_jax/method/loss_table.py: where the loss's function
+      name: a row of `LOSS_TABLE` (stablerl_jax/config/loss_table.py: where the loss's function
         lives, its default aggregation, the knobs below it reads). A knob some row lists
         (`loss_table.loss_knobs`) set away from its default is refused for a loss whose
         row does not list it.

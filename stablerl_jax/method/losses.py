@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from stablerl_jax import input_checks
 from stablerl_jax.config import IS_CORRECTIONS, LossConfig
 from stablerl_jax.method import diagnostics as dg
-from stablerl_jax.method.loss_table import LOSS_TABLE
+from stablerl_jax.config.loss_table import LOSS_TABLE
 from stablerl_jax.model.numerics import accum_dtype
 
 sg = jax.lax.stop_gradient

@@ -13,7 +13,7 @@ from tolerance import assert_close
 
 from stablerl_jax.config import ConfigError, ExperimentConfig, LossConfig, apply_overrides
 from stablerl_jax.method import centering, losses
-from stablerl_jax.method.loss_table import LOSS_TABLE
+from stablerl_jax.config.loss_table import LOSS_TABLE
 from stablerl_jax.method.losses import LossBatch
 
 B, T, V = 3, 4, 6

@@ -12,8 +12,8 @@ import pytest
 
 from stablerl_jax import presets
 from stablerl_jax.config import AGGREGATIONS, LOSS_NAMES, ConfigError, LossConfig, apply_overrides
+from stablerl_jax.config.loss_table import LOSS_TABLE, SHARED_KNOBS, LossRow, loss_knobs, readers
 from stablerl_jax.method import losses
-from stablerl_jax.method.loss_table import LOSS_TABLE, SHARED_KNOBS, LossRow, loss_knobs, readers
 from stablerl_jax.method.losses import LossBatch
 
 # A value of each loss-specific knob that changes what a loss reading it computes on
@@ -161,3 +161,4 @@ def test_the_row_aggregation_is_the_default(name):
             np.testing.assert_array_equal(g, g0)
         else:
             assert v != v0, aggregation
+
