@@ -10,8 +10,9 @@
       mesh                      (data, fsdp, expert) device mesh of every jitted step
       mesh_dcn                  the slices each mesh axis spans (multi-slice TPU jobs)
 
-The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE`, the
-kernel implementations `LOGPROB_IMPLS`, `GMM_IMPLS` and `DECODE_IMPLS`, …) are in choices.py;
+The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE` of
+loss_table.py, the kernel implementations `LOGPROB_IMPLS`, `GMM_IMPLS` and
+`DECODE_IMPLS`, …) are in choices.py;
 `ConfigError` and the checks in checks.py; the checks of settings that
 cannot work together, and of sizes by what a run can use, in combinations.py. Every name is importable from
 `stablerl_jax.config`.
@@ -23,7 +24,7 @@ all at once, then validates once, so overrides that only make sense together (e.
 `task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
 
 This package is a leaf: it imports nothing from the model, data or training code (only the
-kernels' tables of implementation names and the losses' table, which import no JAX).
+kernels' tables of implementation names, which import no JAX).
 Special token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
 (`model.numerics.dtype_of`).
 """

@@ -2,8 +2,8 @@
 monitors are, independent of how a run is driven (docs/method.md).
 
     losses.py        the first-order surrogate losses (MiniRL, Eq. 7, and its ablations)
-    loss_table.py    one row per loss: its function, knobs and aggregation (no JAX import,
-                     so the config validates names against it)
+    loss_table.py    the old name of config/loss_table.py (the losses' table: each
+                     loss's function, knobs and aggregation), kept for old imports
     advantages.py    group baselines (GRPO mean, leave-one-out, standardized)
     overlong.py      DAPO's soft over-long penalty and the length monitors
     logprobs.py      token log-probs and entropy, from hidden states or from tokens

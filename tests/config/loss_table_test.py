@@ -3,7 +3,9 @@ loss"): the lists agree, every loss function has its row, a registered row is a 
 choice, and each row's default aggregation and knobs are what its function reads. Rows
 registered here under new names are removed again by monkeypatch."""
 import dataclasses
+import importlib
 import inspect
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +164,9 @@ def test_the_row_aggregation_is_the_default(name):
         else:
             assert v != v0, aggregation
 
+
+def test_the_old_import_name_warns_and_is_the_same_table():
+    sys.modules.pop("stablerl_jax.method.loss_table", None)
+    with pytest.warns(DeprecationWarning, match="stablerl_jax.config.loss_table"):
+        old = importlib.import_module("stablerl_jax.method.loss_table")
+    assert old.LOSS_TABLE is LOSS_TABLE and old.LossRow is LossRow
