@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from stablerl_jax import sharding
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
+from stablerl_jax.model.layer_inputs import LayerNumerics, TokenFrame
 from stablerl_jax.model.invariant import (
     attend,
     dot,
@@ -28,24 +29,21 @@ from stablerl_jax.model.invariant import (
 )
 
 
-def decoder_layer(cfg, numerics, dtype, router_dtype, *, positions_BxT, mask_BxT,
-                  key_mask_BxS, tokens_BxT, put_cache, cache_index=None, trace=False,
-                  segment_ids_BxT=None, router_input=None, mesh=None, rules=None):
-    """The decoder layer of `transformer.forward` (same carry and outputs) computed per
-    token (model/invariant.py). `put_cache(index, b, kv, k_BxTxKVxDh, v_BxTxKVxDh,
-    layer)` writes this call's keys and values into the cache carried in `kv` at
-    `cache_index` (a scalar, or [B]) for `b` rows and returns (kv, k, v, keys, layer):
-    the updated cache and this layer's key and value arrays in layout `keys` (the stacked
-    cache's, read at index `layer`, where that is not None); None without a cache.
-    `trace`: also output the residual stream after attention and after the block
-    (transformer.forward's aux["trace"]). `segment_ids_BxT` (packed rows, no
-    cache): a token's position 0 is its segment's first slot. `router_input(x, scale)`:
-    the router's own normalized input (transformer.forward), None: the rounded one.
-    `mesh` of more than one device: the layer runs under `shard_map`, each device on
-    its own rows (`on_mesh`)."""
-    ctx = {"positions_BxT": positions_BxT, "mask_BxT": mask_BxT, "key_mask_BxS": key_mask_BxS,
-           "tokens_BxT": tokens_BxT, "segment_ids_BxT": segment_ids_BxT,
-           "index": cache_index}
+def decoder_layer(cfg, step: LayerNumerics, frame: TokenFrame, *, put_cache=None,
+                  mesh=None, rules=None):
+    """`transformer.decoder_layer` (the same cfg, step, frame, carry and outputs) per token
+    (model/invariant.py). `put_cache(index, b, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)`
+    writes this call's keys and values into the cache carried in `kv` at `step.index` (a
+    scalar, or [B]) for `b` rows and returns (kv, k, v, keys, layer): the updated cache
+    and this layer's key and value arrays in layout `keys` (the stacked cache's, read at
+    index `layer`, where that is not None); None without a cache. `mesh` of more than
+    one device: the layer runs under `shard_map`, each device on its own rows
+    (`on_mesh`)."""
+    numerics, dtype, router_dtype = step.numerics, step.dtype, step.router_dtype
+    trace, router_input, mask_BxT = step.trace, step.router_input, frame.mask_BxT
+    ctx = {"positions_BxT": frame.positions_BxT, "mask_BxT": mask_BxT,
+           "key_mask_BxS": frame.key_mask_BxS, "tokens_BxT": frame.tokens_BxT,
+           "segment_ids_BxT": frame.segment_ids_BxT, "index": step.index}
     build = functools.partial(_local_layer, cfg, numerics, dtype, router_dtype,
                               put_cache=put_cache, trace=trace, router_input=router_input)
     if mesh is None or mesh.size == 1:

@@ -30,6 +30,7 @@ from stablerl_jax.config import ModelConfig
 from stablerl_jax.model import attention as att
 from stablerl_jax.model import expert_parallel, invariant, invariant_layer, moe
 from stablerl_jax.model import numerics as nx
+from stablerl_jax.model.layer_inputs import LayerNumerics, TokenFrame
 from stablerl_jax.model.attention import (
     attention,
     decode_attention_fn,
@@ -184,114 +185,162 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
                          "sampling.numerics=bitwise sets it); pass the model that way")
     if replay_weights_BxTxLxK is not None:
         moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
-    b, t = tokens_BxT.shape
-    dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
-    # A named router dtype (the bf16 / fp8 presets', or model / sampling.router_dtype)
-    # also takes the router's input, the normalized hidden state, before its rounding to
-    # the compute dtype; unnamed, the router reads the rounded one.
-    named = numerics.router_dtype or cfg.router_dtype
-    router_dtype = dtype_of(named) if named else nx.accum_dtype(dtype)
-    router_input = ((lambda x, scale: rms_norm(x.astype(router_dtype), scale, cfg.norm_eps))
-                    if named and jnp.dtype(router_dtype).itemsize > jnp.dtype(dtype).itemsize
-                    else None)
-    mask_BxT = (jnp.ones((b, t), bool) if attention_mask_BxT is None
-                else attention_mask_BxT.astype(bool))
-    if cache is None:
-        key_mask_BxS, slots_T, index = mask_BxT, jnp.arange(t), None
-        offset_B = None
-    else:
-        index = cache["index"]
-        if index.ndim:  # [B]: one slot per row (T = 1; the continuous sampler)
-            key_mask_BxS = cache["mask"].at[jnp.arange(b), index].set(mask_BxT[:, 0])
-            slots_T = index[:, None] + jnp.arange(t)  # [B, T]
-        else:
-            key_mask_BxS = jax.lax.dynamic_update_slice_in_dim(cache["mask"], mask_BxT,
-                                                               index, 1)
-            slots_T = index + jnp.arange(t)
-        offset_B = jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
     if segment_ids_BxT is not None and cache is not None:
         raise ValueError("forward: segment_ids_BxT (packed rows) apply without a cache")
+    b, t = tokens_BxT.shape
+    dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
+    router_dtype, router_input = _router_numerics(cfg, numerics, dtype)
+    mask_BxT = (jnp.ones((b, t), bool) if attention_mask_BxT is None
+                else attention_mask_BxT.astype(bool))
+    key_mask_BxS, slots_T, offset_B = _cache_frame(cache, mask_BxT)
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B, segment_ids_BxT)
-    experts = _experts_fn(cfg, gmm, mesh, rules, decode=cache is not None and t == 1)
-    decode = (decode_attention_fn(cfg, mesh, rules)
-              if cache is not None and t == 1 and cfg.decode_block else None)
-
-    def untiled_layer(ctx):
-        """The decoder layer (scanned over the layers) for the tokens of `ctx`."""
-        positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT = ctx
-
-        def layer(carry, xs):
-            x_BxTxD, kv = carry
-            p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
-            # FP8-stored weights (numerics.prepare_params(store_fp8=True)) are widened
-            # here, one layer at a time, so only their e4m3 bytes stay resident.
-            p = {k: nx.dequantize(w) for k, w in p.items()}
-            h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
-            a, kv = attention(p, h, positions_BxT, key_mask_BxS, slots_T, cfg, numerics,
-                              dtype, kv, index, layer_idx, segment_ids_BxT, decode)
-            x_BxTxD = x_BxTxD + a
-            x_attn = x_BxTxD
-            h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
-            h_router = h if router_input is None else router_input(x_BxTxD, p["mlp_norm"])
-            router_logits = jnp.einsum("btd,de->bte", h_router.astype(router_dtype),
-                                       p["router"].astype(router_dtype),
-                                       precision=nx.PRECISION,
-                                       preferred_element_type=nx.accum_dtype(router_dtype))
-            router_logits = router_logits + nx.router_noise(
-                numerics, layer_idx, positions_BxT, tokens_BxT, cfg.num_experts)
-            flat = lambda r: None if r is None else r.reshape(b * t, -1)
-            logits_TxE = router_logits.reshape(b * t, -1)
-            idx_TxK, w_TxK, probs_TxE = moe.route(logits_TxE, cfg.top_k, flat(replay_BxTxK),
-                                                  flat(replay_w_BxTxK),
-                                                  normalize=cfg.norm_topk_prob)
-            h_TxD = nx.act_quant(h.reshape(b * t, -1), numerics)
-            y = experts(h_TxD, idx_TxK, w_TxK, p["w_gate"].astype(dtype),
-                        p["w_up"].astype(dtype), p["w_down"].astype(dtype))
-            x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
-            load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, logits_TxE,
-                                                  mask_BxT.reshape(-1))
-            ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
-            return (x_BxTxD, kv), ys + ((x_attn, x_BxTxD) if trace else ())
-
-        return layer
-
-    ctx = (positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT)
-    layer = untiled_layer(ctx)
-    per_token, remat = cfg.batch_invariant, cfg.remat
-    if per_token:
-        def tiled_layer(ctx):
-            positions_BxT, key_mask_BxS, _, mask_BxT, tokens_BxT, segment_ids_BxT = ctx
-            return invariant_layer.decoder_layer(
-                cfg, numerics, dtype, router_dtype, positions_BxT=positions_BxT,
-                mask_BxT=mask_BxT, key_mask_BxS=key_mask_BxS, tokens_BxT=tokens_BxT,
-                trace=trace, segment_ids_BxT=segment_ids_BxT, router_input=router_input,
-                put_cache=None if cache is None else functools.partial(_put_cache, cfg),
-                cache_index=index, mesh=mesh, rules=rules)
-
-        if cache is not None:
-            layer = tiled_layer(ctx)
-        else:
-            # The trainer's backward pass is the untiled layer's, with the tiles' routes
-            # replayed: only the values must be per token, and the tiles' backward is
-            # most of their cost. (ctx is an argument: a custom VJP may not close over
-            # traced arrays.)
-            layer = invariant.with_reference_gradient(
-                lambda ctx, carry, xs: tiled_layer(ctx)(carry, xs),
-                lambda routes, ctx, carry, xs: untiled_layer(ctx)(
-                    carry, (xs[0], xs[1], routes, xs[3])),
-                keep=lambda out: out[1][0])
-            layer = functools.partial(layer, ctx)
-            remat = "none"  # the custom VJP keeps only the layer's inputs (remat "full")
-    if remat == "full":
-        layer = jax.checkpoint(layer, prevent_cse=False)
-    elif remat == "dots":
-        layer = jax.checkpoint(layer, prevent_cse=False,
-                               policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    frame = TokenFrame(positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT)
+    step = LayerNumerics(numerics, dtype, router_dtype, router_input,
+                         None if cache is None else cache["index"], trace)
+    layer = _layer(cfg, step, frame, cache is not None, gmm, mesh, rules)
     layer_major = lambda r: None if r is None else jnp.transpose(r, (2, 0, 1, 3))
     xs = (params["layers"], jnp.arange(cfg.num_layers), layer_major(replay_BxTxLxK),
           layer_major(replay_weights_BxTxLxK))
     x = params["embed"][tokens_BxT].astype(dtype)
+    x, kv, ys = _run_layers(layer, x, xs, cache, cfg)
+    routes_LxBxTxK, weights_LxBxTxK, load, z, balance = ys[:5]
+    hidden_BxTxD = _final_norm(x, params["final_norm"], cfg, mesh, rules)
+    batch_major = lambda y: jnp.transpose(y, (1, 2, 0, 3))
+    aux = {
+        "routes": batch_major(routes_LxBxTxK),
+        "route_weights": batch_major(weights_LxBxTxK),
+        "expert_load": load,
+        "router_z_loss": z,
+        "load_balance_loss": balance,
+        "router_loss": (cfg.router_z_loss_weight * jnp.mean(z)
+                        + cfg.router_aux_loss_weight * jnp.mean(balance)),
+    }
+    if trace:
+        aux["trace"] = {name: batch_major(y) for name, y in zip(("attention", "block"), ys[5:])}
+    if cache is not None:
+        aux["cache"] = {"k": kv[0], "v": kv[1], "mask": key_mask_BxS,
+                        "index": cache["index"] + t}
+    return hidden_BxTxD, aux
+
+
+def _router_numerics(cfg: ModelConfig, numerics: nx.Numerics, dtype):
+    """(router dtype, router input). A named router dtype (the bf16 / fp8 presets', or
+    model / sampling.router_dtype) also takes the router's input, the normalized hidden
+    state, before its rounding to the compute dtype; unnamed, the router reads the rounded
+    one (router input None)."""
+    named = numerics.router_dtype or cfg.router_dtype
+    router_dtype = dtype_of(named) if named else nx.accum_dtype(dtype)
+    wider = named and jnp.dtype(router_dtype).itemsize > jnp.dtype(dtype).itemsize
+    router_input = ((lambda x, scale: rms_norm(x.astype(router_dtype), scale, cfg.norm_eps))
+                    if wider else None)
+    return router_dtype, router_input
+
+
+def _cache_frame(cache: dict | None, mask_BxT: jax.Array):
+    """(key mask [B, S], the slots of this call's tokens, each row's real tokens before
+    them [B] or None) without a cache (S = T) and with one (written at its index: a
+    scalar, or [B] with one token per row, the continuous sampler)."""
+    b, t = mask_BxT.shape
+    if cache is None:
+        return mask_BxT, jnp.arange(t), None
+    index = cache["index"]
+    if index.ndim:
+        key_mask_BxS = cache["mask"].at[jnp.arange(b), index].set(mask_BxT[:, 0])
+        slots_T = index[:, None] + jnp.arange(t)  # [B, T]
+    else:
+        key_mask_BxS = jax.lax.dynamic_update_slice_in_dim(cache["mask"], mask_BxT, index, 1)
+        slots_T = index + jnp.arange(t)
+    return key_mask_BxS, slots_T, jnp.sum(cache["mask"], axis=1, dtype=jnp.int32)
+
+
+def decoder_layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, experts, decode):
+    """The Qwen3-MoE decoder layer, `(carry, xs) -> (carry, ys)` for `lax.scan` over the
+    layers: carry (x_BxTxD, kv cache or None), xs (the layer's params, its index, its
+    replayed routes and weights or None); ys (routes, weights, expert load, z loss,
+    balance loss, and the two residual streams under `step.trace`). `experts` runs the
+    expert FFN (`_experts_fn`), `decode` a decode attention (None: the default).
+    Its batch-invariant twin is invariant_layer.decoder_layer."""
+    b, t = frame.tokens_BxT.shape
+
+    def layer(carry, xs):
+        x_BxTxD, kv = carry
+        p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
+        # FP8-stored weights (numerics.prepare_params(store_fp8=True)) are widened here,
+        # one layer at a time, so only their e4m3 bytes stay resident.
+        p = {k: nx.dequantize(w) for k, w in p.items()}
+        h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
+        a, kv = attention(p, h, frame.positions_BxT, frame.key_mask_BxS, frame.slots_T, cfg,
+                          step.numerics, step.dtype, kv, step.index, layer_idx,
+                          frame.segment_ids_BxT, decode)
+        x_BxTxD = x_BxTxD + a
+        x_attn = x_BxTxD
+        h = rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps)
+        h_router = h if step.router_input is None else step.router_input(x_BxTxD,
+                                                                         p["mlp_norm"])
+        router_logits = jnp.einsum("btd,de->bte", h_router.astype(step.router_dtype),
+                                   p["router"].astype(step.router_dtype),
+                                   precision=nx.PRECISION,
+                                   preferred_element_type=nx.accum_dtype(step.router_dtype))
+        router_logits = router_logits + nx.router_noise(
+            step.numerics, layer_idx, frame.positions_BxT, frame.tokens_BxT, cfg.num_experts)
+        flat = lambda r: None if r is None else r.reshape(b * t, -1)
+        logits_TxE = router_logits.reshape(b * t, -1)
+        idx_TxK, w_TxK, probs_TxE = moe.route(logits_TxE, cfg.top_k, flat(replay_BxTxK),
+                                              flat(replay_w_BxTxK),
+                                              normalize=cfg.norm_topk_prob)
+        h_TxD = nx.act_quant(h.reshape(b * t, -1), step.numerics)
+        y = experts(h_TxD, idx_TxK, w_TxK, p["w_gate"].astype(step.dtype),
+                    p["w_up"].astype(step.dtype), p["w_down"].astype(step.dtype))
+        x_BxTxD = x_BxTxD + y.reshape(b, t, -1)
+        load_E, z, balance = moe.router_stats(probs_TxE, idx_TxK, logits_TxE,
+                                              frame.mask_BxT.reshape(-1))
+        ys = (idx_TxK.reshape(b, t, -1), w_TxK.reshape(b, t, -1), load_E, z, balance)
+        return (x_BxTxD, kv), ys + ((x_attn, x_BxTxD) if step.trace else ())
+
+    return layer
+
+
+def _layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, cached: bool, gmm, mesh,
+           rules):
+    """The layer `forward` scans: `decoder_layer`, or under `cfg.batch_invariant` its
+    per-token twin (the trainer's backward pass the plain layer's), rematerialized as
+    `cfg.remat` says."""
+    t = frame.tokens_BxT.shape[1]
+    experts = _experts_fn(cfg, gmm, mesh, rules, decode=cached and t == 1)
+    decode = (decode_attention_fn(cfg, mesh, rules)
+              if cached and t == 1 and cfg.decode_block else None)
+    plain = lambda frame: decoder_layer(cfg, step, frame, experts, decode)
+    layer, remat = plain(frame), cfg.remat
+    if cfg.batch_invariant:
+        def tiled(frame):
+            return invariant_layer.decoder_layer(
+                cfg, step, frame, put_cache=functools.partial(_put_cache, cfg) if cached else None,
+                mesh=mesh, rules=rules)
+
+        if cached:
+            layer = tiled(frame)
+        else:
+            # The trainer's backward pass is the plain layer's, with the tiles' routes
+            # replayed: only the values must be per token, and the tiles' backward is
+            # most of their cost.
+            layer = invariant.with_reference_gradient(
+                lambda frame, carry, xs: tiled(frame)(carry, xs),
+                lambda routes, frame, carry, xs: plain(frame)(
+                    carry, (xs[0], xs[1], routes, xs[3])),
+                keep=lambda out: out[1][0])
+            layer = functools.partial(layer, frame)
+            remat = "none"  # the custom VJP keeps only the layer's inputs (remat "full")
+    if remat == "full":
+        return jax.checkpoint(layer, prevent_cse=False)
+    if remat == "dots":
+        return jax.checkpoint(layer, prevent_cse=False,
+                              policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return layer
+
+
+def _run_layers(layer, x, xs, cache: dict | None, cfg: ModelConfig):
+    """(x, kv cache or None, the layers' stacked outputs) of `layer` over the layers."""
     if cache is not None and cfg.unroll_layers:
         # Per-layer cache buffers (init_cache): a Python loop, so each layer reads and
         # writes its own buffer.
@@ -300,40 +349,25 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             (x, kv_i), y = layer((x, kv_i), jax.tree.map(lambda a: a[i], xs))
             ys.append(y)
             kv.append(kv_i)
-        kv = tuple(zip(*kv))
-        ys = jax.tree.map(lambda *a: jnp.stack(a), *ys)
-    else:
-        # The stacked KV cache is carried (each layer writes its slots in place), not
-        # scanned: a scanned cache would be re-stacked across layers on every decode step.
-        kv = None if cache is None else (cache["k"], cache["v"])
-        (x, kv), ys = jax.lax.scan(layer, (x, kv), xs,
-                                   unroll=cfg.num_layers if cfg.unroll_layers else 1)
-    routes_LxBxTxK, weights_LxBxTxK, load, z, balance = ys[:5]
-    if per_token:
-        norm = invariant.with_reference_gradient(
-            lambda x, scale: invariant.rowwise(
-                lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1]),
-                tile=cfg.row_tile).reshape(x.shape),
-            lambda _, x, scale: rms_norm(x, scale, cfg.norm_eps))
-        hidden_BxTxD = invariant_layer.on_mesh(norm, mesh, rules)(x, params["final_norm"])
-    else:
-        hidden_BxTxD = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    aux = {
-        "routes": jnp.transpose(routes_LxBxTxK, (1, 2, 0, 3)),
-        "route_weights": jnp.transpose(weights_LxBxTxK, (1, 2, 0, 3)),
-        "expert_load": load,
-        "router_z_loss": z,
-        "load_balance_loss": balance,
-        "router_loss": (cfg.router_z_loss_weight * jnp.mean(z)
-                        + cfg.router_aux_loss_weight * jnp.mean(balance)),
-    }
-    if trace:
-        aux["trace"] = {name: jnp.transpose(y, (1, 2, 0, 3))
-                        for name, y in zip(("attention", "block"), ys[5:])}
-    if cache is not None:
-        aux["cache"] = {"k": kv[0], "v": kv[1], "mask": key_mask_BxS,
-                        "index": index + t}
-    return hidden_BxTxD, aux
+        return x, tuple(zip(*kv)), jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    # The stacked KV cache is carried (each layer writes its slots in place), not
+    # scanned: a scanned cache would be re-stacked across layers on every decode step.
+    kv = None if cache is None else (cache["k"], cache["v"])
+    (x, kv), ys = jax.lax.scan(layer, (x, kv), xs,
+                               unroll=cfg.num_layers if cfg.unroll_layers else 1)
+    return x, kv, ys
+
+
+def _final_norm(x, scale, cfg: ModelConfig, mesh, rules):
+    """The final RMSNorm; per token under `cfg.batch_invariant`."""
+    if not cfg.batch_invariant:
+        return rms_norm(x, scale, cfg.norm_eps)
+    norm = invariant.with_reference_gradient(
+        lambda x, scale: invariant.rowwise(
+            lambda r: rms_norm(r, scale, cfg.norm_eps), x.reshape(-1, x.shape[-1]),
+            tile=cfg.row_tile).reshape(x.shape),
+        lambda _, x, scale: rms_norm(x, scale, cfg.norm_eps))
+    return invariant_layer.on_mesh(norm, mesh, rules)(x, scale)
 
 
 def _put_cache(cfg: ModelConfig, index, b: int, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer):
