@@ -6,6 +6,7 @@
     expert_parallel.py the expert FFN on a mesh (`shard_map`, all-to-all dispatch)
     invariant.py       batch-invariant numerics (`sampling.numerics=bitwise`): fixed tiles
     invariant_layer.py the per-token decoder layer, per device on a mesh
+    layer_inputs.py    the two records a decoder layer reads (its tokens, its numerics)
     numerics.py        numerics policies: how one engine computes differently from another
     flops.py           model FLOPs per token, the numerator of MFU
 """
