@@ -46,7 +46,7 @@ def main(argv=None) -> None:
           f"{cfg.sampling.max_new_tokens} tokens, {rl.num_minibatches} update(s)", flush=True)
     if args.topology:
         from stablerl_jax.pod import aot
-        engine = aot.engine_for(cfg, aot.topology(args.topology))
+        engine = Engine.for_topology(cfg, aot.topology(args.topology))
     else:
         engine = Engine.create(cfg, eos_id=1, pad_id=0)
     estimates, said = costs.estimate_phases(engine)

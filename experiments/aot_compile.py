@@ -51,6 +51,7 @@ import numpy as np
 from experiments.cli_errors import one_line_errors
 from stablerl_jax import presets
 from stablerl_jax.pod import aot, roofline, sampler_programs, schedule, schedule_prices
+from stablerl_jax.rl.engine import Engine
 
 
 def _row(c: aot.Compiled, hbm: float, cfg) -> str:
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
           + f", overrides {args.overrides}", flush=True)
     print(HEADER, flush=True)
     steps = [] if args.steps == "none" else args.steps.split(",")
-    engine = aot.engine_for(cfg, topo) if steps else None
+    engine = Engine.for_topology(cfg, topo) if steps else None
     results = []
     for name in steps:
         results.append(aot.compile_step(engine, name))

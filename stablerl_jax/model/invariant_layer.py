@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from stablerl_jax import sharding
 from stablerl_jax.model import moe
 from stablerl_jax.model import numerics as nx
-from stablerl_jax.model.layer_inputs import LayerNumerics, TokenFrame
+from stablerl_jax.model.attention import rms_norm, rope
 from stablerl_jax.model.invariant import (
     attend,
     dot,
@@ -27,6 +27,7 @@ from stablerl_jax.model.invariant import (
     rowwise,
     token_attention,
 )
+from stablerl_jax.model.layer_inputs import LayerNumerics, TokenFrame
 
 
 def decoder_layer(cfg, step: LayerNumerics, frame: TokenFrame, *, put_cache=None,
@@ -151,8 +152,6 @@ def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, r
                  ep_axes=()):
     """The per-token layer over the rows of `ctx` (decoder_layer's arrays): returns
     layer(carry, xs) -> (carry, (idx, w, probs, logits[, x_attn, x_block])), batch-major."""
-    from stablerl_jax.model.attention import rms_norm, rope  # (attention imports numerics)
-
     positions_BxT, key_mask_BxS = ctx["positions_BxT"], ctx["key_mask_BxS"]
     tokens_BxT, segment_ids_BxT = ctx["tokens_BxT"], ctx["segment_ids_BxT"]
     b, t = positions_BxT.shape

@@ -35,7 +35,16 @@ import jax.numpy as jnp
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig
-from stablerl_jax.pod import hlo_loops
+from stablerl_jax.kernels.decode_attention_impls import (
+    DECODE_IMPLS,
+    decode_example_args,
+    tokens_example_args,
+)
+from stablerl_jax.kernels.decode_attention_pallas import cache_slots
+from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
+from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
+from stablerl_jax.model.flops import forward_flops, train_flops
+from stablerl_jax.pod import hlo_loops, sampler_programs
 from stablerl_jax.pod.libtpu_env import quiet_libtpu
 
 GIB = 2**30
@@ -95,45 +104,18 @@ def devices(topo: Topology) -> list:
                                              num_slices=topo.slices).devices)
 
 
-def _key_spec():
-    return jax.eval_shape(lambda: jax.random.key(0))
-
-
-def step_inputs(cfg: ExperimentConfig, name: str, params_like, state_like=None) -> tuple:
-    """ShapeDtypeStructs of the arguments of Engine step `name` ("sample", "score",
-    "update", "sft_update") at the config's batch sizes: a whole step's rollout (B rows)
-    for sample and score, one mini-batch (M rows) for the updates."""
-    rl, mc = cfg.rl, cfg.model
-    b = rl.prompts_per_step * rl.group_size
-    p = cfg.task.max_prompt_len
-    s = p + cfg.sampling.max_new_tokens
-    sds = jax.ShapeDtypeStruct
-    if name == "sample":
-        return (params_like, sds((b, p), jnp.int32), sds((b, p), jnp.bool_), _key_spec())
-    from stablerl_jax.rl import steps
-    from stablerl_jax.sampling.rollout import Rollout
-    if name == "score":
-        rollout = Rollout(sds((b, s), jnp.int32), sds((b, s), jnp.bool_),
-                          sds((b, s), jnp.bool_), sds((b,), jnp.int32),
-                          sds((b, s), jnp.float32),
-                          sds((b, s, mc.num_layers, mc.top_k), jnp.int32),
-                          truncated_B=sds((b,), jnp.bool_))
-        return (params_like, rollout, sds((b,), jnp.float32))
-    if name == "update":
-        m = b // rl.num_minibatches
-        t = s - 1
-        replay = None if rl.replay == "none" else sds((m, t, mc.num_layers, mc.top_k),
-                                                      jnp.int32)
-        batch = steps.TrainBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
-                                 sds((m, t), jnp.float32), sds((m, t), jnp.float32),
-                                 sds((m, t), jnp.float32), sds((m,), jnp.float32), replay)
-        return (state_like, batch)
-    if name == "sft_update":
-        from stablerl_jax.data.batching import SFTBatch
-        m, s = cfg.sft.batch_size, cfg.task.max_prompt_len + cfg.task.max_solution_len + 1
-        return (state_like, SFTBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
-                                     sds((m, s - 1), jnp.float32)))
-    raise ValueError(f"step {name!r}: one of sample, score, update, sft_update")
+def mesh_devices(cfg: ExperimentConfig, topo: Topology) -> list:
+    """`devices(topo)`, once `cfg`'s mesh is checked against the topology: its chips and
+    its slices (Engine.for_topology builds the Engine on them)."""
+    n = math.prod(cfg.mesh)
+    if n != topo.chips:
+        raise ValueError(f"mesh={cfg.mesh} has {n} devices but {topo.name} has {topo.chips} "
+                         "chips; override mesh=data,fsdp,expert to match")
+    if math.prod(cfg.mesh_dcn) != topo.slices:
+        raise ValueError(f"mesh_dcn={cfg.mesh_dcn} spans {math.prod(cfg.mesh_dcn)} slice(s) "
+                         f"but {topo.name} has {topo.slices}; override mesh_dcn (e.g. "
+                         f"mesh_dcn={topo.slices},1,1: the data axis across the slices)")
+    return devices(topo)
 
 
 _COLLECTIVES = hlo_loops.COLLECTIVES
@@ -184,29 +166,20 @@ def compile_lowered(step: str, lower) -> Compiled:
                     float(cost.get("flops", math.nan)), collectives(hlo), hlo=hlo)
 
 
-def engine_for(cfg: ExperimentConfig, topo: Topology, *, eos_id: int = 1, pad_id: int = 0):
-    """The Engine of `cfg` on `topo`'s abstract devices: the project's own mesh, shardings
-    and jitted steps. The special ids only matter to the sampler's program."""
-    from stablerl_jax.rl.engine import Engine
-    n = math.prod(cfg.mesh)
-    if n != topo.chips:
-        raise ValueError(f"mesh={cfg.mesh} has {n} devices but {topo.name} has {topo.chips} "
-                         "chips; override mesh=data,fsdp,expert to match")
-    if math.prod(cfg.mesh_dcn) != topo.slices:
-        raise ValueError(f"mesh_dcn={cfg.mesh_dcn} spans {math.prod(cfg.mesh_dcn)} slice(s) "
-                         f"but {topo.name} has {topo.slices}; override mesh_dcn (e.g. "
-                         f"mesh_dcn={topo.slices},1,1: the data axis across the slices)")
-    return Engine.create(cfg, eos_id=eos_id, pad_id=pad_id, devices=devices(topo))
+def score_forwards(cfg) -> int:
+    """Forwards the score step runs: one for π_old, none where the on-policy update takes
+    it from its own forward (rl.score_in_update with one mini-batch); one more for
+    rl.attribution's term at θ_old."""
+    fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
+    return (0 if fused else 1) + (1 if cfg.rl.attribution else 0)
 
 
 def step_model_flops(cfg: ExperimentConfig, name: str) -> float:
     """Model FLOPs of one call of step `name`, per chip (model/flops.py): the sampler as
     one forward over every slot (an upper bound: rows that stop early do less), the score
-    step its rl/costs.score_forwards (one; none where the on-policy update scores; one more
+    step its score_forwards (one; none where the on-policy update scores; one more
     with rl.attribution), the updates forward + backward of their batch
     (rematerialized forwards are not model FLOPs)."""
-    from stablerl_jax.model.flops import forward_flops, train_flops
-    from stablerl_jax.rl.costs import score_forwards
     rl, mc = cfg.rl, cfg.model
     b = rl.prompts_per_step * rl.group_size
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
@@ -220,12 +193,9 @@ def step_model_flops(cfg: ExperimentConfig, name: str) -> float:
 
 
 def compile_step(engine, name: str) -> Compiled:
-    """AOT-compile the Engine's step `name` at its config's batch sizes."""
-    from stablerl_jax.model import transformer as tf
-    params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), engine.cfg.model))
-    state_like = jax.eval_shape(engine._jitted["init_state"][0], params_like,
-                                jax.ShapeDtypeStruct((), jnp.float32))
-    args = step_inputs(engine.cfg, name, params_like, state_like)
+    """AOT-compile the Engine's step `name` at its config's batch sizes
+    (Engine.abstract_inputs)."""
+    args = engine.abstract_inputs(name)
     out = compile_lowered(name, lambda: engine.lower(name, *args))
     out.model_flops = step_model_flops(engine.cfg, name)
     out.slices = sharding.slice_indices(engine.mesh)
@@ -243,15 +213,6 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
     whole cache, and so a decode row's per-token kernel (`tokens`, batch-invariant
     numerics) for one query per row. Lowering a program compiles nothing;
     `compile_kernels` compiles them."""
-    from stablerl_jax.kernels.decode_attention_impls import (
-        DECODE_IMPLS,
-        decode_example_args,
-        tokens_example_args,
-    )
-    from stablerl_jax.kernels.decode_attention_pallas import cache_slots
-    from stablerl_jax.kernels.fused_logprob_impls import LOGPROB_IMPLS, logprob_example_args
-    from stablerl_jax.kernels.gmm_impls import GMM_IMPLS, gmm_example_args
-    from stablerl_jax.pod import sampler_programs
     mesh = sharding.config_mesh(cfg.mesh, devices_, cfg.mesh_dcn)
     axes = sharding.RULES["batch"]
     mc, rl = cfg.model, cfg.rl

@@ -48,6 +48,7 @@ import math
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.model.flops import forward_flops
 from stablerl_jax.pod import hlo_loops
 from stablerl_jax.pod.sampler_programs import (
     decode_block_program,
@@ -57,6 +58,7 @@ from stablerl_jax.pod.sampler_programs import (
     token_block_cost,
     token_kernel,
 )
+from stablerl_jax.rl import packing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +237,6 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec, costs: SamplerCosts
     Time = passes × Σ over the C decode steps (each at its own slot: module docstring)
     + what runs once (the prefill at the chip's peak, every collective outside the
     decode loop). `costs`: sampler_costs, compiled here when None."""
-    from stablerl_jax.model.flops import forward_flops
     cfg = engine.cfg
     b = cfg.rl.prompts_per_step * cfg.rl.group_size
     passes = b // rows_per_pass(cfg)
@@ -271,7 +272,6 @@ def step_trips(cfg: ExperimentConfig, name: str, module: hlo_loops.Module) -> di
         loops.update(map_slices=rl.num_minibatches * rl.microbatches,
                      value_and_grad=rl.microbatches)
         if rl.pack_tokens:
-            from stablerl_jax.rl import packing
             b = rl.prompts_per_step * rl.group_size // (rl.num_minibatches
                                                         if name == "update" else 1)
             count = packing.micro_batches(b, math.prod(cfg.mesh), rl.pack_rows)[1]

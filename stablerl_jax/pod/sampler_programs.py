@@ -15,7 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 from stablerl_jax import sharding
 from stablerl_jax.config import ExperimentConfig
-from stablerl_jax.kernels import decode_attention_pallas
+from stablerl_jax.kernels import decode_attention, decode_attention_pallas
+from stablerl_jax.model import numerics as nx
+from stablerl_jax.model import transformer as tf
+from stablerl_jax.model.attention import rms_norm
+from stablerl_jax.model.invariant import cache_slots, runs_token_kernel
+from stablerl_jax.sampling import rollout
 
 
 def rows_per_pass(cfg: ExperimentConfig) -> int:
@@ -26,7 +31,6 @@ def rows_per_pass(cfg: ExperimentConfig) -> int:
 def kv_bytes_per_row(cfg: ExperimentConfig) -> int:
     """KV cache bytes of one sampled row: L × 2 (keys, values) × S × KV × Dh in the
     engine's compute dtype."""
-    from stablerl_jax.model import numerics as nx
     mc = cfg.model
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     dtype = nx.compute_dtype(nx.numerics_preset(cfg.sampling.numerics), mc.compute_dtype)
@@ -55,12 +59,8 @@ def rows_that_fit(cfg: ExperimentConfig, sample_total_gib: float, hbm_gib: float
 def _sampler_weights(engine):
     """(model, numerics, abstract weights in the decode loop's layout, their shardings,
     rules, serve?) of the Engine's sampler."""
-    from stablerl_jax.model import numerics as nx
-    from stablerl_jax.model import transformer as tf
-    from stablerl_jax.rl.engine import sampler_model
-    from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
-    model = sampler_model(cfg)
+    model = rollout.sampler_model(cfg.model, cfg.sampling)
     numerics = nx.of_sampling(cfg.sampling, 0)
     serve = cfg.sampling.layout == "serve"
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), model))
@@ -85,9 +85,6 @@ def decode_step_program(engine):
     engine's weights already in the decode loop's layout (the serving layout's e4m3 +
     scales and shardings, or the training shardings), one token per row of a pass and
     the KV cache, and returns the sampled distribution and the cache."""
-    from stablerl_jax.model import numerics as nx
-    from stablerl_jax.model import transformer as tf
-    from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
     # Priced with the reference decode attention: XLA's cost analysis cannot see into a
@@ -131,9 +128,6 @@ def decode_step_program(engine):
 def head_program(engine):
     """The decode step without its layers (embedding lookup, final norm, logits, the
     sampled distribution), in the same layout: (function, abstract args). Loop-free."""
-    from stablerl_jax.model import numerics as nx
-    from stablerl_jax.model.attention import rms_norm
-    from stablerl_jax.sampling import rollout
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
     dtype = nx.compute_dtype(numerics, model.compute_dtype)
@@ -154,9 +148,7 @@ def head_program(engine):
 def token_kernel(engine) -> bool:
     """Whether the Engine's sampler attends by a per-token Pallas kernel on TPU devices
     (invariant.runs_token_kernel)."""
-    from stablerl_jax.model.invariant import runs_token_kernel
-    from stablerl_jax.rl.engine import sampler_model
-    return (runs_token_kernel(sampler_model(engine.cfg))
+    return (runs_token_kernel(rollout.sampler_model(engine.cfg.model, engine.cfg.sampling))
             and engine.mesh.devices.flat[0].platform == "tpu")
 
 
@@ -164,10 +156,7 @@ def token_block_cost(engine) -> dict:
     """{"flops", "bytes accessed"} of one more key block of the per-token kernel for this
     chip's rows of a pass (one query each): the difference of what the kernel declares
     (decode_attention_pallas.token_cost) at two blocks a query and at one."""
-    from stablerl_jax.model import numerics as nx
-    from stablerl_jax.model.invariant import cache_slots
-    from stablerl_jax.rl.engine import sampler_model
-    cfg, model = engine.cfg, sampler_model(engine.cfg)
+    cfg, model = engine.cfg, rollout.sampler_model(engine.cfg.model, engine.cfg.sampling)
     rows = NamedSharding(engine.mesh, P(sharding.RULES["batch"])).shard_shape(
         (rows_per_pass(cfg),))[0]
     dtype = nx.compute_dtype(nx.of_sampling(cfg.sampling, 0), model.compute_dtype)
@@ -187,11 +176,8 @@ def decode_block_program(engine):
     rows split as in the sampler: (function, abstract args). XLA counts its loop body,
     one key block, once: the cost of one block (a cache as small as one block would be
     staged whole into on-chip memory instead, which is not what a decode step does)."""
-    from stablerl_jax.kernels import decode_attention
-    from stablerl_jax.model import numerics as nx
-    from stablerl_jax.rl.engine import sampler_model
     cfg, mesh = engine.cfg, engine.mesh
-    model = sampler_model(cfg)
+    model = rollout.sampler_model(cfg.model, cfg.sampling)
     dtype = nx.compute_dtype(nx.of_sampling(cfg.sampling, 0), model.compute_dtype)
     b, blk, keys = rows_per_pass(cfg), model.decode_block, model.kv_cache_layout
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens

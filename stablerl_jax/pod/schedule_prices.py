@@ -24,9 +24,12 @@ from typing import NamedTuple
 import numpy as np
 
 from stablerl_jax.config import ExperimentConfig
+from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
+from stablerl_jax.model.flops import forward_flops, train_flops
 from stablerl_jax.pod import schedule
 from stablerl_jax.pod.roofline import ChipSpec, Cost, SamplerCosts
 from stablerl_jax.pod.sampler_programs import rows_per_pass
+from stablerl_jax.rl import packing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,6 @@ class SamplerPrices:
     flops_per_s: float  # chips × peak
 
     def prefill_s(self, prefills) -> float:
-        from stablerl_jax.model.flops import forward_flops
         seq, rows = np.unique(self.prompt + np.asarray(prefills), return_counts=True)
         return sum(forward_flops(self.model, int(r), int(t))
                    for t, r in zip(seq, rows)) / self.flops_per_s
@@ -89,7 +91,6 @@ def sampler_prices(cfg: ExperimentConfig, costs: SamplerCosts, chips: int,
     decode_O = (np.maximum((f.flops + per * blkc.flops) / chip.peak_flops,
                            (f.hbm_bytes + per * blkc.hbm_bytes) / chip.hbm_bw)
                 + (f.collective_bytes + per * blkc.collective_bytes) / chip.ici_bw)
-    from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
     return SamplerPrices(decode_O, costs.once_collective_bytes / chip.ici_bw, cfg.model, p,
                          chips * chip.peak_flops,
                          DECODE_IMPLS[cfg.model.decode_attention_impl].ragged)
@@ -229,8 +230,6 @@ def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainS
     import jax
     import jax.numpy as jnp
 
-    from stablerl_jax.model.flops import train_flops
-    from stablerl_jax.rl import packing
     rl, mc = cfg.rl, cfg.model
     full = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     widths = prompt_tokens + completions_KxB.max(axis=1)

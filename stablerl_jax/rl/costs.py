@@ -57,6 +57,8 @@ import numpy as np
 
 from stablerl_jax import distributed
 from stablerl_jax.model.flops import forward_flops, train_flops
+from stablerl_jax.pod import aot, roofline
+from stablerl_jax.pod.aot import score_forwards
 
 # The events JAX records while it makes a program (jax/_src/dispatch.py).
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
@@ -82,7 +84,6 @@ def chip_key(device) -> str | None:
 
 def peak_flops(device) -> tuple[float, str]:
     """(peak bf16 FLOP/s of one device, where the figure comes from)."""
-    from stablerl_jax.pod import roofline
     key = chip_key(device)
     if key is not None:
         spec = roofline.CHIP_SPECS[key]
@@ -163,14 +164,6 @@ def device_memory_gib() -> float | None:
     return max(peaks) / 2**30 if peaks else None
 
 
-def score_forwards(cfg) -> int:
-    """Forwards the score step runs: one for π_old, none where the on-policy update takes
-    it from its own forward (rl.score_in_update with one mini-batch); one more for
-    rl.attribution's term at θ_old."""
-    fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
-    return (0 if fused else 1) + (1 if cfg.rl.attribution else 0)
-
-
 def step_flops(cfg, rows: int, width: int) -> dict:
     """Model FLOPs of a global step's score pass and of its N updates, for `rows`
     responses at `width` slots (the trained width: slots − 1)."""
@@ -230,7 +223,6 @@ def estimate_phases(engine) -> tuple[dict | None, str]:
     a line saying what was done): the engine's sample, score and update steps compiled
     for its own devices and priced by roofline.estimate (process 0 only; the others
     return None)."""
-    from stablerl_jax.pod import aot, roofline
     device = engine.mesh.devices.flat[0]  # the engine's own: abstract ones for a dry start
     key = chip_key(device)
     if key is None:

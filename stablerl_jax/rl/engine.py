@@ -11,8 +11,8 @@ arguments on those shardings (a no-op for arrays already there) and calls its st
 The devices may be abstract: `Engine.create(cfg, devices=topology.devices)` with the
 devices of `jax.experimental.topologies.get_topology_desc` builds the same mesh,
 shardings and jitted steps for a TPU pod on any host, and `Engine.lower(name, *args)`
-lowers a step for arguments given as `jax.ShapeDtypeStruct`s (stablerl_jax/pod/aot.py
-compiles them and reads their memory).
+lowers a step for arguments given as `jax.ShapeDtypeStruct`s (`Engine.abstract_inputs`;
+stablerl_jax/pod/aot.py compiles them and reads their memory).
 
 Memory knobs, all in the config: the update accumulates over `rl.microbatches` slices
 of its mini-batch (SFT: `sft.microbatches`), the score step runs in slices of the same
@@ -31,8 +31,10 @@ import optax
 
 from stablerl_jax import distributed, sharding
 from stablerl_jax.config import ExperimentConfig, OptimConfig, RLConfig
+from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import aot
 from stablerl_jax.rl import dynamic, inflight, probe, steps
 from stablerl_jax.sampling import continuous
 from stablerl_jax.sampling import rollout as rollout_lib
@@ -169,9 +171,55 @@ class Engine:
             x, sh, batch=sh is self.batch_sharding))
         return fn(*placed)
 
+    @classmethod
+    def for_topology(cls, cfg: ExperimentConfig, topo: aot.Topology, *, eos_id: int = 1,
+                     pad_id: int = 0) -> "Engine":
+        """The Engine of `cfg` on a TPU topology's abstract devices (aot.mesh_devices):
+        the project's own mesh, shardings and jitted steps, for an AOT compile. The special
+        ids only matter to the sampler's program."""
+        return cls.create(cfg, eos_id=eos_id, pad_id=pad_id,
+                          devices=aot.mesh_devices(cfg, topo))
+
+    def abstract_inputs(self, name: str) -> tuple:
+        """ShapeDtypeStructs of the arguments of step `name` ("sample", "score", "update",
+        "sft_update") at the config's batch sizes: a whole step's rollout (B rows) for
+        sample and score, one mini-batch (M rows) for the updates; `lower` takes them."""
+        cfg = self.cfg
+        rl, mc = cfg.rl, cfg.model
+        b = rl.prompts_per_step * rl.group_size
+        p = cfg.task.max_prompt_len
+        s = p + cfg.sampling.max_new_tokens
+        sds = jax.ShapeDtypeStruct
+        params = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), mc))
+        if name == "sample":
+            key = jax.eval_shape(lambda: jax.random.key(0))
+            return (params, sds((b, p), jnp.int32), sds((b, p), jnp.bool_), key)
+        if name == "score":
+            rollout = rollout_lib.Rollout(
+                sds((b, s), jnp.int32), sds((b, s), jnp.bool_), sds((b, s), jnp.bool_),
+                sds((b,), jnp.int32), sds((b, s), jnp.float32),
+                sds((b, s, mc.num_layers, mc.top_k), jnp.int32),
+                truncated_B=sds((b,), jnp.bool_))
+            return (params, rollout, sds((b,), jnp.float32))
+        state = jax.eval_shape(self._jitted["init_state"][0], params,
+                               sds((), jnp.float32))
+        if name == "update":
+            m, t = b // rl.num_minibatches, s - 1
+            replay = None if rl.replay == "none" else sds((m, t, mc.num_layers, mc.top_k),
+                                                          jnp.int32)
+            batch = steps.TrainBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
+                                     sds((m, t), jnp.float32), sds((m, t), jnp.float32),
+                                     sds((m, t), jnp.float32), sds((m,), jnp.float32), replay)
+            return (state, batch)
+        if name == "sft_update":
+            m, s = cfg.sft.batch_size, p + cfg.task.max_solution_len + 1
+            return (state, SFTBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
+                                    sds((m, s - 1), jnp.float32)))
+        raise ValueError(f"step {name!r}: one of sample, score, update, sft_update")
+
     def lower(self, name: str, *args):
         """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs of
-        the step's arguments, e.g. from stablerl_jax/pod/aot.py), placed on the step's input
+        the step's arguments, e.g. `abstract_inputs(name)`), placed on the step's input
         shardings: what `.compile()` turns into the program this Engine would run."""
         fn, abstract = self._place(name, args, lambda a, sh: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=sh))
@@ -280,16 +328,6 @@ def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
         optim=cfg.sft.optim.replace(learning_rate=rate)))
 
 
-def sampler_model(cfg: ExperimentConfig):
-    """The ModelConfig the sampler runs: the model with the engine's own expert dispatch
-    (sampling.dispatch) where it names one."""
-    if cfg.sampling.dispatch in ("", cfg.model.dispatch):
-        return cfg.model
-    return cfg.model.replace(
-        dispatch=cfg.sampling.dispatch,
-        expert_parallel=cfg.model.expert_parallel and cfg.sampling.dispatch == "grouped")
-
-
 def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
            total_steps: int, noise_seed: int, devices, params_like=None):
     """(mesh, optimizer, param / state / batch shardings, jitted steps) of Engine.create."""
@@ -309,7 +347,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
     # The expert FFN shards itself (shard_map) only where there is more than one device.
     model_mesh = mesh if mesh.size > 1 else None
 
-    sample_model = sampler_model(cfg)
+    sample_model = rollout_lib.sampler_model(cfg.model, cfg.sampling)
 
     def sample(params, prompts_BxP, mask_BxP, key):
         """(Rollout, decode steps): the static sampler's passes each run to their longest

@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from stablerl_jax import distributed, sharding
+from stablerl_jax import distributed, presets, sharding
 from stablerl_jax.config import ConfigError, changed_fields, flat_dict, parse_eval_sets
 from stablerl_jax.rl import history
 from stablerl_jax.runs import storage, storage_gcs
@@ -110,7 +110,6 @@ def check_kernels(cfg, devices=None) -> None:
     """Every kernel the config names compiles for the devices' platform (a Pallas row for
     TPU does not run on a CPU or a GPU: the `paper` preset's 'megablox' and 'pallas_tpu');
     the decode attention only where the sampler uses it (model.decode_block)."""
-    from stablerl_jax import presets
     platform = (devices or jax.devices())[0].platform
     for section, field, table in presets.KERNEL_FIELDS:
         name = getattr(getattr(cfg, section), field)
@@ -140,7 +139,6 @@ def choose_layout(name: str, preset: str, overrides, devices=None):
     the preset's layout where it runs on these devices and lays it out single-host where
     it does not, on one process (a multi-process run is a pod job: its layout is never
     replaced); 'preset' and 'single-host' as LAYOUTS say. Overrides apply last."""
-    from stablerl_jax import presets
     devices = list(devices or jax.local_devices())
     host = {"platform": devices[0].platform, "devices": len(devices)}
     if name == "single-host":
@@ -171,7 +169,6 @@ def choose_layout(name: str, preset: str, overrides, devices=None):
 def _single_host(preset: str, overrides, host: dict):
     """The preset single-host on as many of the host's devices as its batches split
     over: the most devices d (a divisor of the host's) whose config validates."""
-    from stablerl_jax import presets
     n = host["devices"]
     for d in [d for d in range(n, 0, -1) if n % d == 0]:
         try:

@@ -77,6 +77,16 @@ from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 
 
+def sampler_model(model: ModelConfig, sampling: SamplingConfig) -> ModelConfig:
+    """The ModelConfig the sampler runs: `model` with the sampler's own expert dispatch
+    (sampling.dispatch) where it names one."""
+    if sampling.dispatch in ("", model.dispatch):
+        return model
+    return model.replace(dispatch=sampling.dispatch,
+                         expert_parallel=model.expert_parallel
+                         and sampling.dispatch == "grouped")
+
+
 class Rollout(NamedTuple):
     """What the sampling engine returns; slot alignment in the module docstring."""
 

@@ -12,6 +12,7 @@ from aot_helpers import expert_weight_gathers, update_memory_bound
 
 from stablerl_jax import presets
 from stablerl_jax.pod import aot
+from stablerl_jax.rl.engine import Engine
 
 
 @pytest.mark.parametrize("name,jax_name,chips,hbm", [
@@ -161,7 +162,7 @@ def test_paper_update_compiles_for_v5p_8_within_its_analytic_bound():
     import libtpu  # noqa: F401  (the tpu extra; CI installs it: fail, never skip)
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES)
-    engine = aot.engine_for(cfg, topo)
+    engine = Engine.for_topology(cfg, topo)
     c = aot.compile_step(engine, "update")
     acct = update_memory_bound(cfg, engine)
     gib = {k: v / aot.GIB for k, v in acct.items()}
@@ -201,7 +202,7 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numeric
     cfg = presets.preset("paper", CI_OVERRIDES + [
         "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
         f"model.top_k={top_k}", f"sampling.numerics={numerics}"])
-    c = aot.compile_step(aot.engine_for(cfg, topo), "sample")
+    c = aot.compile_step(Engine.for_topology(cfg, topo), "sample")
     module = hlo_loops.Module(c.hlo)
     loop = hlo_loops.decode_loop(module)
     body = module.instructions_under(loop.body)
@@ -264,7 +265,7 @@ def test_the_bitwise_decode_step_runs_the_invariant_kernels_on_v5p_8(gmm_impl, l
         "sampling.layout=serve", "task.max_prompt_len=64", "sampling.max_new_tokens=64",
         "model.top_k=2", "sampling.numerics=bitwise", f"model.gmm_impl={gmm_impl}",
         f"rl.logprob_impl={logprob_impl}", f"model.decode_attention_impl={attention}"])
-    c = aot.compile_step(aot.engine_for(cfg, aot.topology("v5p-8")), "sample")
+    c = aot.compile_step(Engine.for_topology(cfg, aot.topology("v5p-8")), "sample")
     module = hlo_loops.Module(c.hlo)
     calls = _mosaic_calls(module.instructions_under(hlo_loops.decode_loop(module).body))
     # The log-prob kernels (statistics, then the distribution) run once per decode step,
@@ -289,7 +290,7 @@ def test_decode_block_reads_one_block_of_the_cache_on_v5p_8():
     from stablerl_jax.pod import roofline, sampler_programs
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
-    engine = aot.engine_for(cfg, topo)
+    engine = Engine.for_topology(cfg, topo)
     fn, args = sampler_programs.decode_block_program(engine)
     cost = roofline.of_compiled(fn.lower(*args).compile())
     mc = cfg.model
@@ -316,7 +317,7 @@ def test_scanned_decode_layer_reads_its_cache_by_blocks_on_v5p_8():
     topo = aot.topology("v5p-8")
     cfg = presets.preset("paper", CI_OVERRIDES + ["sampling.layout=serve"])
     assert not cfg.model.unroll_layers
-    layer, _, head = roofline.decode_step_cost(aot.engine_for(cfg, topo))
+    layer, _, head = roofline.decode_step_cost(Engine.for_topology(cfg, topo))
     mc = cfg.model
     rows_per_chip = cfg.sampling.max_batch // topo.chips
     slots = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
@@ -383,7 +384,7 @@ def test_a_bitwise_decode_step_is_priced_with_the_per_token_kernel_on_v5p_8():
         cfg = presets.preset("paper", CI_OVERRIDES + [
             "sampling.layout=serve", "sampling.numerics=bitwise", "model.row_tile=8",
             f"model.decode_attention_impl={impl}"])
-        engines[impl] = aot.engine_for(cfg, topo)
+        engines[impl] = Engine.for_topology(cfg, topo)
         assert sampler_programs.token_kernel(engines[impl]) == (impl == "pallas_tpu")
         costs[impl] = roofline.decode_step_costs(engines[impl], cfg.task.max_prompt_len)
     kernel_block = sampler_programs.token_block_cost(engines["pallas_tpu"])

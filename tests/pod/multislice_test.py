@@ -12,6 +12,7 @@ from conftest import cpu_devices
 from stablerl_jax import presets, sharding
 from stablerl_jax.config import ConfigError
 from stablerl_jax.pod import aot, hlo_loops, roofline
+from stablerl_jax.rl.engine import Engine
 
 
 def test_a_mesh_dcn_that_does_not_divide_the_mesh_is_refused_in_one_line():
@@ -236,7 +237,7 @@ def test_tiny_update_on_two_v5p_8_slices_all_reduces_its_gradient_over_dcn():
     from stablerl_jax.model import transformer as tf
     topo = aot.topology("v5p-8", 2)
     cfg = presets.preset("tiny", ["mesh=2,2,2", "mesh_dcn=2,1,1"])
-    engine = aot.engine_for(cfg, topo)
+    engine = Engine.for_topology(cfg, topo)
     assert [d.slice_index for d in engine.mesh.devices[:, 0, 0]] == [0, 1]
     c = aot.compile_step(engine, "update")
     assert c.slices == (0,) * 4 + (1,) * 4

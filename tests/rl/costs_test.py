@@ -15,6 +15,7 @@ from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
 from stablerl_jax.pod import roofline
 from stablerl_jax.rl import costs, loop, profiling
+from stablerl_jax.rl.engine import Engine
 from stablerl_jax.runs.metrics_io import read_metrics
 from stablerl_jax.sampling import rollout
 
@@ -134,7 +135,6 @@ def test_only_process_0_compiles_the_estimates(monkeypatch):
 @pytest.mark.integration
 def test_the_run_prices_its_programs_with_the_function_aot_compile_prints(monkeypatch):
     from experiments import aot_compile
-    from stablerl_jax.rl.engine import Engine
     engine = Engine.create(tiny_cfg(), eos_id=EOS_ID, pad_id=PAD_ID)
     real, seen = roofline.estimate, []
     monkeypatch.setattr(roofline, "estimate", lambda *a: seen.append(real(*a)) or seen[-1])
@@ -197,7 +197,7 @@ def test_a_dry_start_on_a_pod_logs_the_estimates_aot_compile_prints(monkeypatch)
     from stablerl_jax import presets
     from stablerl_jax.pod import aot
     cfg = presets.preset("tiny", ["mesh=1,4,1"])
-    engine = aot.engine_for(cfg, aot.topology("v5p-8"))
+    engine = Engine.for_topology(cfg, aot.topology("v5p-8"))
     real, seen = roofline.estimate, []
     monkeypatch.setattr(roofline, "estimate", lambda *a: seen.append((a, real(*a))) or seen[-1][1])
     phases, said = costs.estimate_phases(engine)
