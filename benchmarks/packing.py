@@ -122,7 +122,7 @@ def main(argv=None):
     for name, cfg, t in configs:
         r = run(cfg, ro, rewards, args.reps)
         if t:
-            from stablerl_jax.rl import packing
+            from stablerl_jax import packing
             p = packing.plan(ro.prompt_mask_BxS | ro.completion_mask_BxS, t, 1)
             rows, slots = int(p.rows_used_D.sum()), int(p.rows_used_D.sum()) * t
         else:

@@ -76,7 +76,8 @@ def test_no_import_cycles():
 # tables of names (the kernels' `*_impls`, the loss table) import nothing of the package's
 # upper layers, so the config validates names against them from the bottom layer.
 LAYERS = (
-    ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices", "stablerl_jax.input_checks",
+    ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices", "stablerl_jax.packing",
+     "stablerl_jax.input_checks",
      "stablerl_jax.distributed", "stablerl_jax.kernels.__init__", "stablerl_jax.kernels.*_impls",
      "stablerl_jax.config.loss_table"),
     ("stablerl_jax.config", "stablerl_jax.presets"),

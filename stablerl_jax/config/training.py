@@ -284,7 +284,7 @@ class RLConfig(Section):
       the clip controls (Eq. 5). 'proximal' (AReaL's decoupled objective): π_old is the
       current parameters; the IS weight π_old / μ_old then carries the lag too.
     pack_tokens: T, token-budget sequence packing of the score and update steps
-      (stablerl_jax/rl/packing.py). 0: every row at the batch's width (padded). T > 0: each
+      (stablerl_jax/packing.py). 0: every row at the batch's width (padded). T > 0: each
       step's sequences (prompt + completion, whole) are packed first-fit decreasing into
       rows of T tokens, each sequence a segment (RoPE restarts, attention never crosses a
       segment); T must hold the longest possible sequence (task.max_prompt_len +

@@ -74,7 +74,7 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
     the fused log-prob of targets = tokens[:, 1:]; `replay_weights_BxTxLxK` replays
     their recorded combine weights too (weight replay). `aux` is the forward's
     (aux["routes"] [B, T, L, K]). `segment_ids_BxS` / `positions_BxS`: packed rows
-    (stablerl_jax/rl/packing.py; `transformer.forward`'s segment ids and positions).
+    (stablerl_jax/packing.py; `transformer.forward`'s segment ids and positions).
     Weights are converted for `numerics` (identity for "train"). `mesh`: the devices
     the expert FFN is sharded over (`transformer.forward`).
     Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})

@@ -26,7 +26,7 @@ the slot it writes (the online softmax of flash-decoding; kernels/decode_attenti
 its implementation named by ModelConfig.decode_attention_impl), the same function up to
 float reassociation.
 
-Packed rows (stablerl_jax/rl/packing.py): with segment ids (one per slot, 0 on padding,
+Packed rows (stablerl_jax/packing.py): with segment ids (one per slot, 0 on padding,
 non-decreasing along a row's real tokens) query i also needs key j in its own segment.
 The 'causal' and 'chunked' paths then skip every key block above the diagonal or holding
 no key of a segment some query of the block belongs to (a `lax.cond` per query block and

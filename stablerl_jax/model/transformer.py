@@ -152,7 +152,7 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
       attention_mask_BxT: True for real tokens (default: all real). Padding never
         influences real positions.
       positions_BxT: RoPE positions (default: counted over real tokens).
-      segment_ids_BxT: packed rows (stablerl_jax/rl/packing.py): one id per slot, 0 on
+      segment_ids_BxT: packed rows (stablerl_jax/packing.py): one id per slot, 0 on
         padding, non-decreasing along a row's real tokens; a token attends only to its
         own segment and the default positions restart at each segment. No cache.
       replay_BxTxLxK: expert indices to use instead of the router's top-k, per token and

@@ -58,7 +58,7 @@ from stablerl_jax.pod.sampler_programs import (
     token_block_cost,
     token_kernel,
 )
-from stablerl_jax.rl import packing
+from stablerl_jax import packing
 
 
 @dataclasses.dataclass(frozen=True)

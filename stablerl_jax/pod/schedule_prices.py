@@ -29,7 +29,7 @@ from stablerl_jax.model.flops import forward_flops, train_flops
 from stablerl_jax.pod import schedule
 from stablerl_jax.pod.roofline import ChipSpec, Cost, SamplerCosts
 from stablerl_jax.pod.sampler_programs import rows_per_pass
-from stablerl_jax.rl import packing
+from stablerl_jax import packing
 
 
 @dataclasses.dataclass(frozen=True)

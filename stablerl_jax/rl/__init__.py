@@ -6,7 +6,6 @@
     engine.py      the jitted, mesh-sharded steps of one experiment, built once
     steps.py       score (π_old), update (π_θ) and SFT update as pure functions
     accumulate.py  micro-batching: a mini-batch's loss and gradient as a sum over slices
-    packing.py     token-budget sequence packing of the score and update steps
     dynamic.py     dynamic sampling (DAPO): refill groups with zero advantage
     inflight.py    partial rollouts under a staleness bound
     probe.py       the attribution probe, every few steps

@@ -47,7 +47,7 @@ def value_and_grad(loss_fn, params, batch, n: int):
 
 def packed_value_and_grad(loss_fn, params, count: int, used):
     """((loss, metrics), grads) of `loss_fn(params, i) -> (loss, metrics)` summed over the
-    micro-batches i < `used` of a packed mini-batch (stablerl_jax/rl/packing.py): a scan over
+    micro-batches i < `used` of a packed mini-batch (stablerl_jax/packing.py): a scan over
     all `count` of them whose body is a `lax.cond`, so the micro-batches no shard has
     rows in cost nothing (their metrics count nothing: every pair is (0, 0))."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype(p.dtype)), params)

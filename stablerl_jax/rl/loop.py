@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from stablerl_jax import distributed
+from stablerl_jax import distributed, packing
 from stablerl_jax.config import flat_dict
 from stablerl_jax.data.task import TaskData
 from stablerl_jax.interop.hf_export import save_qwen3_moe
@@ -50,7 +50,6 @@ from stablerl_jax.rl import (
     costs,
     dynamic,
     evals,
-    packing,
     preflight,
     probe,
     profiling,

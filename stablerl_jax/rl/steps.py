@@ -46,7 +46,8 @@ from stablerl_jax.method import diagnostics as dg
 from stablerl_jax.method import losses as losses_lib
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
-from stablerl_jax.rl import accumulate, packing
+from stablerl_jax import packing
+from stablerl_jax.rl import accumulate
 from stablerl_jax.sampling.rollout import Rollout
 
 
@@ -159,7 +160,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
         return (logp, entropy, aux["routes"]) + ((aux["logp_BxTxV"],) if vocab else ())
 
     replay_in = routes_mu_BxTxLxK if rl.replay == "r3" else None
-    if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/rl/packing.py)
+    if rl.pack_tokens:  # the forward on packed micro-batches (stablerl_jax/packing.py)
         lay = packing.layout(attn_BxS, rl.pack_tokens, batch_shards(cfg), rl.pack_rows)
 
     def old_policy(p, replay=replay_in, weights=replay_w, **kw):
@@ -397,7 +398,7 @@ def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.Gradient
     the batch (rl/accumulate.py), each slice's loss normalized by the batch's `BatchTotals`;
     n = 1 differentiates `loss_fn(params, batch, None)` directly. `pack` = (rl.pack_tokens,
     batch shards, rl.pack_rows): the sum runs over the packed micro-batches instead
-    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/rl/packing.py).
+    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/packing.py).
 
     The update is applied only when the loss, the gradient and the new parameters and
     optimizer state are all finite; otherwise params and optimizer state stay as they

@@ -217,7 +217,7 @@ def test_train_shares_of_padded_and_packed_steps_by_hand():
 
 
 def test_balanced_rows_give_each_shard_about_the_same_tokens():
-    from stablerl_jax.rl import packing
+    from stablerl_jax import packing
     rows = np.array([7, 3, 5, 1, 0, 2, 6, 4])
     tokens = np.array([32, 32, 32, 32, 20, 20, 20, 20])
     out = packing.balance_rows(rows, tokens, 2)

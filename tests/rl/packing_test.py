@@ -1,4 +1,4 @@
-"""Token-budget packing (rl.pack_tokens, stablerl_jax/rl/packing.py): the plan is first-fit
+"""Token-budget packing (rl.pack_tokens, stablerl_jax/packing.py): the plan is first-fit
 decreasing and whole; a token's log-prob does not depend on what is packed beside it;
 score and update on packed rows equal the padded ones (float64) for every loss,
 aggregation and replay mode; a packed run's metrics match the padded run's."""
@@ -15,7 +15,7 @@ from tolerance import assert_close, backward_chain, forward_chain
 from stablerl_jax.config import AGGREGATIONS, LOSS_NAMES, ConfigError, LossConfig
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import packing
+from stablerl_jax import packing
 
 
 def _ffd_reference(lengths, width):
