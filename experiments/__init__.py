@@ -21,8 +21,10 @@ quiet_libtpu()
 
 # train: one SFT + RL run (quickstart: its former name, kept working); main_job_seeds: train
 # at several seeds; aot_compile: TPU memory fit of a preset's steps; length_stats: a cold
-# start's mismatch by router noise (no RL runs).
-OTHER_ENTRY_POINTS = ("aot_compile", "length_stats", "main_job_seeds", "quickstart", "train")
+# start's mismatch by router noise (no RL runs); bitwise_check: does the sampler compute the
+# trainer's numbers here; parity: a checkpoint's logits against transformers'.
+OTHER_ENTRY_POINTS = ("aot_compile", "bitwise_check", "length_stats", "main_job_seeds", "parity",
+                      "quickstart", "train")
 SHARED = ("cli", "cli_errors", "report", "runner", "stats")
 
 

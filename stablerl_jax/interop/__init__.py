@@ -7,6 +7,5 @@
     hf_export.py      ... and out (`save_qwen3_moe`), servable as is (tokenizer files,
                       generation_config.json)
     hf_validate.py    what a checkpoint's tensors must hold before training starts
-    parity.py         logit parity with transformers, as one command
     rollouts.py       rollouts recorded by vLLM / SGLang: their routes as our replay
 """

@@ -2,6 +2,4 @@
 
     rollout.py        prefill + KV-cache decode of a static batch (`sample`), `Rollout`
     continuous.py     continuous batching: a finished row's slot is refilled
-    bitwise_check.py  `python -m stablerl_jax.sampling.bitwise_check`: does the sampler
-                      compute the trainer's numbers on this machine, layer by layer
 """

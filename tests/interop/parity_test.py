@@ -1,4 +1,4 @@
-"""`python -m stablerl_jax.interop.parity` on a tiny Qwen3-MoE checkpoint (marker
+"""`python -m experiments.parity` on a tiny Qwen3-MoE checkpoint (marker
 `interop`: transformers and torch build and run it). A good checkpoint passes within the
 float32 bound; a copy with a square weight (layer 1's o_proj, 64 × 64) transposed in its
 safetensors fails against the original (`--reference`), exit status 1 and one line, and
@@ -22,7 +22,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from stablerl_jax.interop import hf_checkpoint as hc  # noqa: E402
-from stablerl_jax.interop import parity  # noqa: E402
+from experiments import parity  # noqa: E402
 
 pytestmark = pytest.mark.interop
 SQUARE = "model.layers.1.self_attn.o_proj.weight"  # hidden 64 = 4 heads × 16
@@ -64,7 +64,7 @@ def test_a_good_checkpoint_is_within_the_float32_bound(ckpt, capsys):
 @pytest.mark.integration
 def test_a_transposed_square_weight_fails_against_the_original(ckpt, tmp_path):
     bad = _transposed(ckpt, tmp_path / "bad")
-    proc = subprocess.run([sys.executable, "-m", "stablerl_jax.interop.parity", str(bad),
+    proc = subprocess.run([sys.executable, "-m", "experiments.parity", str(bad),
                            "--reference", str(ckpt)], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           timeout=600)

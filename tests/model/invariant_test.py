@@ -438,7 +438,7 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, monkeypatch, rl):
 
 @pytest.mark.integration
 def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
-    from stablerl_jax.sampling import bitwise_check
+    from experiments import bitwise_check
     assert bitwise_check.main(["--rows", "4", "--new-tokens", "6",
                                "model.compute_dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
@@ -455,7 +455,7 @@ def test_the_check_command_passes_bitwise_and_names_where_exact_parts(capsys):
 @pytest.mark.integration
 def test_the_check_command_on_a_mesh_in_the_serving_layout(capsys):
     """8 CPU devices, experts spread over all of them in the sampler's decode loop."""
-    from stablerl_jax.sampling import bitwise_check
+    from experiments import bitwise_check
     args = ["--new-tokens", "6", "model.compute_dtype=bfloat16", "mesh=1,2,4",
             "sampling.layout=serve"]
     assert bitwise_check.main(args) == 0
@@ -466,7 +466,7 @@ def test_the_check_command_on_a_mesh_in_the_serving_layout(capsys):
 
 
 def test_ulps_counts_units_in_the_last_place():
-    from stablerl_jax.sampling.bitwise_check import ulps
+    from experiments.bitwise_check import ulps
     one = np.float32(1.0)
     up = np.nextafter(np.nextafter(one, np.float32(2)), np.float32(2))
     f32 = lambda *x: np.array(x, np.float32)
@@ -480,7 +480,7 @@ def test_the_check_passes_on_a_hugging_face_qwen3_moe_checkpoint(tmp_path, capsy
     through --hf: bitwise in its bfloat16."""
     from hf_fixtures import write_qwen3_moe, write_qwen_tokenizer
 
-    from stablerl_jax.sampling import bitwise_check
+    from experiments import bitwise_check
     ckpt = tmp_path / "qwen"
     ckpt.mkdir()
     write_qwen3_moe(ckpt, write_qwen_tokenizer(ckpt))

@@ -1,9 +1,9 @@
-"""`python -m stablerl_jax.sampling.bitwise_check`'s statuses: 2 and one line for a bad
+"""`python -m experiments.bitwise_check`'s statuses: 2 and one line for a bad
 argument (before anything is built) or a run out of memory, 1 only when the engines
 differ (tests/model/invariant_test.py runs the comparisons), 3 for an error of the tool."""
 import pytest
 
-from stablerl_jax.sampling import bitwise_check
+from experiments import bitwise_check
 
 BAD = [  # (arguments, the line must contain)
     (["--rows", "300000000"], "--rows: must be in [1, 4,096], got 300000000"),

@@ -1,6 +1,6 @@
 """Logit parity of a Hugging Face Qwen3-MoE checkpoint with transformers, as one command:
 
-    python -m stablerl_jax.interop.parity DIR [--reference REF_DIR] [--tol TOL]
+    python -m experiments.parity DIR [--reference REF_DIR] [--tol TOL]
 
 loads DIR with this project (`hf_checkpoint.load_qwen3_moe`) and REF_DIR (default: DIR)
 with transformers' `AutoModelForCausalLM`, both in float32, runs a few prompts through
@@ -148,7 +148,7 @@ def compare(path: str, reference: str = "", tol: float | None = None) -> list[di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stablerl_jax.interop.parity",
+    ap = argparse.ArgumentParser(prog="python -m experiments.parity",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="the checkpoint this project loads")
     ap.add_argument("--reference", default="", help="the checkpoint transformers loads "

@@ -1,6 +1,6 @@
 """Does the sampler compute the trainer's numbers on this machine? One command, before a run:
 
-    python -m stablerl_jax.sampling.bitwise_check [--preset tiny] [--hf DIR] [--rows 8]
+    python -m experiments.bitwise_check [--preset tiny] [--hf DIR] [--rows 8]
         [--prompt-len 12] [--new-tokens 12] [--seed 0] [key=value ...]
 
 It builds the preset's model (seeded random weights, or a Hugging Face Qwen3-MoE
@@ -189,7 +189,7 @@ def check(cfg, params, *, rows: int = 8, prompt_len: int = 12, new_tokens: int =
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stablerl_jax.sampling.bitwise_check",
+    ap = argparse.ArgumentParser(prog="python -m experiments.bitwise_check",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", help=f"one of {sorted(presets.EXPERIMENT_PRESETS)}")
     ap.add_argument("--hf", default="", help="a Hugging Face Qwen3-MoE checkpoint directory")
