@@ -8,4 +8,5 @@
                       generation_config.json)
     hf_validate.py    what a checkpoint's tensors must hold before training starts
     rollouts.py       rollouts recorded by vLLM / SGLang: their routes as our replay
+    parity.py         the old name of `python -m experiments.parity`
 """
