@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, every module imports on its own, and the config
+"""The package's import graph, function-level imports included: no cycle among modules or
+subpackages, every arrow down the layers, every module imports on its own, and the config
 modules stay leaves (no model, data, TFDS or even JAX behind `config` and `presets`)."""
 import ast
 import pathlib
@@ -34,20 +35,29 @@ def test_pyproject_installs_every_package_from_its_source():
     assert [p for p in PACKAGE.rglob("*") if p.is_symlink()] == []
 
 
+def _import_nodes(path: pathlib.Path):
+    """(node, deferred?) of every import statement in the file: at module level, or inside
+    a function or an `if` block (deferred: it runs later, but still draws an arrow)."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, id(node) not in top
+
+
+def _targets(node, modules, name) -> set[str]:
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    elif node.module and not node.level:
+        targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    else:
+        return set()
+    return {t for t in targets if t in modules and t != name}
+
+
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
-    """Package modules that `name` imports at module level (a function-level import is
-    deferred and cannot form an import-time cycle)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            base = node.module
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        found |= {t for t in targets if t in modules and t != name}
-    return found
+    """Package modules that `name` imports, function-level imports included."""
+    return set().union(*(_targets(n, modules, name) for n, _ in _import_nodes(path)))
 
 
 def test_no_import_cycles():
@@ -71,8 +81,52 @@ def test_no_import_cycles():
 
 
 
-# The layers, lowest first: a module imports (at module level) only from its own layer or
-# a lower one, so the arrows of the package map (docs/architecture.md) point one way. The
+def _unit(name: str) -> str:
+    """The subpackage a module belongs to (config, model, rl, ...), or the root module."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_circle_among_the_subpackages():
+    """Two subpackages never import each other, through any chain of modules: the map's
+    arrows between subpackages form no circle either."""
+    modules = _modules()
+    graph = {}
+    for m, p in modules.items():
+        for d in _imports(m, p, modules):
+            if _unit(d) != _unit(m):
+                graph.setdefault(_unit(m), set()).add(_unit(d))
+    reach = {u: set(v) for u, v in graph.items()}
+    changed = True
+    while changed:
+        changed = False
+        for u, r in reach.items():
+            more = set().union(*(reach.get(v, set()) for v in r)) - r
+            if more:
+                r |= more
+                changed = True
+    circles = sorted(f"{u} <-> {v}" for u in reach for v in reach[u] if u < v
+                     and u in reach.get(v, ()))
+    assert not circles, circles
+
+
+def test_a_deferred_import_of_the_package_is_for_typing_only():
+    """A package import inside a function or an `if` block hides an arrow from a reader:
+    only `if TYPE_CHECKING:` imports (annotations, no arrow at run time) are deferred."""
+    modules = _modules()
+    found = []
+    for m, p in modules.items():
+        tree = ast.parse(p.read_text())
+        typing_only = {n.lineno for b in ast.walk(tree) if isinstance(b, ast.If)
+                       and ast.unparse(b.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                       for n in b.body}
+        found += [f"{p.relative_to(ROOT)}:{n.lineno}" for n, deferred in _import_nodes(p)
+                  if deferred and n.lineno not in typing_only and _targets(n, modules, m)]
+    assert not found, "deferred package imports: " + ", ".join(found)
+
+
+# The layers, lowest first: a module imports (at module level or inside a function) only
+# from its own layer or a lower one, so the arrows of the package map (docs/architecture.md) point one way. The
 # tables of names (the kernels' `*_impls`, the loss table) import nothing of the package's
 # upper layers, so the config validates names against them from the bottom layer.
 LAYERS = (
@@ -86,7 +140,8 @@ LAYERS = (
     ("stablerl_jax.method",),
     ("stablerl_jax.sampling", "stablerl_jax.runs"),
     ("stablerl_jax.interop",),
-    ("stablerl_jax.rl", "stablerl_jax.pod"),
+    ("stablerl_jax.pod",),
+    ("stablerl_jax.rl",),
 )
 
 
