@@ -20,7 +20,7 @@ steps) first, so compiles are excluded; then global steps `warmup` … `steps �
   (continuous.py); the script prints how many responses' tokens came out identical and
   whether log μ did, bit for bit.
 - partial S: rl.max_staleness = S, the loop's sampling of a global step
-  (`rl/sources.partial`): `Inflight.prepare` → `Engine.sample_partial` → host copy
+  (`rl/sources.Partial`): `Inflight.prepare` → `Engine.sample_partial` → host copy
   → `Inflight.take`; the queue holds B + n responses and a step ends when Q groups are
   complete.
 

@@ -254,21 +254,19 @@ class Engine:
             return placed
         return self._jitted["trim"][0](placed, lo, hi)
 
-    def score(self, params, rollout: rollout_lib.Rollout, rewards_B):
+    def score(self, params, rollout: rollout_lib.Rollout, rewards_B, age_BxS=None):
         """(TrainBatch, monitor pairs): the π_old pass (steps.score; with
-        rl.score_in_update no forward, and the update returns the monitors)."""
-        return self._call("score", params, rollout, rewards_B)
+        rl.score_in_update no forward, and the update returns the monitors). With
+        `age_BxS` (rl.old_policy=behavior), π_old per token at the version that drew it:
+        `params` is then the tuple of versions, params[a] those a versions ago."""
+        if age_BxS is None:
+            return self._call("score", params, rollout, rewards_B)
+        return self._call("score_behavior", tuple(params), rollout, rewards_B, age_BxS)
 
     def sample_partial(self, params, queue, version: int):
         """(queue, decode steps): the continuous sampler on the carried queue of partial
         rollouts until rl.prompts_per_step groups are complete (rl/inflight.py)."""
         return self._call("sample_partial", params, queue, version)
-
-    def score_behavior(self, params_by_age: tuple, rollout: rollout_lib.Rollout, rewards_B,
-                       age_BxS):
-        """steps.score with π_old per token at the version that drew it
-        (rl.old_policy=behavior): params_by_age[a] are the parameters a versions ago."""
-        return self._call("score_behavior", tuple(params_by_age), rollout, rewards_B, age_BxS)
 
     def probe(self, params, rollout: rollout_lib.Rollout, batch: steps.TrainBatch,
               age_BxS=None) -> dict:

@@ -57,9 +57,8 @@ from stablerl_jax.rl import (
     sources,
     steps,
 )
-from stablerl_jax.rl import history as workdir_history  # `history`: past parameters
+from stablerl_jax.rl import history as workdir_history
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rl.inflight import Inflight
 from stablerl_jax.runs import storage
 from stablerl_jax.runs import workdir as workdir_lock
 from stablerl_jax.runs.checkpoint import Checkpointer
@@ -104,15 +103,16 @@ def step_metrics(cfg, every: sources.HostRows, source_metrics: dict, score_metri
 
 
 def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                source: sources.Source = sources.static, log_samples: int = 0,
-                history: list | None = None, timer: costs.PhaseTimer | None = None):
+                source: sources.Source = sources.Static(), log_samples: int = 0,
+                timer: costs.PhaseTimer | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition,
     decoded samples: this process's first `log_samples` rows, evals.sample_rows; the
     attribution probe's rows for attribution.jsonl, rl/probe.py, [] on other steps; what
     the step did for rl/costs.py's perf_row: tokens generated and trained, the batch's
     rows and width, decode steps). `timer` times its phases (rl/costs.py).
 
-    `source` gives the step's responses (rl/sources.py). The composition is its
+    `source` gives the step's responses and the parameters π_old is computed at, and is
+    told before the updates change θ (rl/sources.py). The composition is its
     provenance ({"prompts": train-split indices of the step's prompts} or {"responses":
     indices in an offline file}), "minibatches": response indices per mini-batch, and
     "skipped": 1 for each mini-batch whose update was skipped as non-finite; response r
@@ -121,33 +121,21 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     Under rl.overlong=penalty the rewards the advantages use include DAPO's length
     penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
     comparable across modes (`reward/overlong_penalty` is the mean penalty).
-
-    Under rl.old_policy=behavior (partial rollouts) `history` holds the parameters of
-    the S versions before this one (newest first): π_old of each token is its version's;
-    θ_k is pushed onto it.
     """
     rl = engine.cfg.rl
     timer = timer or costs.PhaseTimer(sync=rl.phase_sync)
-    behavior = bool(history)
-    got = source(engine, state, data, step, timer, log_samples)
-    old = (state.params, *history) if behavior else state.params
-    age_BxS = got.age_BxS if behavior else None
+    got = source.responses(engine, state, data, step, timer, log_samples)
+    old, age_BxS = source.old_params(state.params), got.age_BxS
     with timer.phase("score"):
         rollout = engine.trim(got.rollout, rl.trim_bucket) if rl.trim_bucket else got.rollout
-        if behavior:
-            batch, score_metrics = engine.score_behavior(old, rollout, got.rewards, age_BxS)
-        else:
-            batch, score_metrics = engine.score(old, rollout, got.rewards)
+        batch, score_metrics = engine.score(old, rollout, got.rewards, age_BxS)
         timer.wait((batch, score_metrics))
     probed = None
     if probe.due(rl, step):  # rl.attribution_every: before the updates change θ
         with timer.phase("attribution"):
             probed = probe.Probe(engine, old, rollout, batch, step, age_BxS)
     with timer.phase("update"):
-        if behavior:
-            # θ_k becomes the newest past version (copied: the updates donate the state).
-            history.insert(0, jax.tree.map(jnp.copy, state.params))
-            del history[rl.max_staleness:]
+        source.before_update(state.params)
         minibatches = minibatches_of(engine, batch, step)
         trained = float(distributed.host(jnp.sum(batch.mask_BxT)))
     update_metrics = []
@@ -282,14 +270,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     if init_params is None:
         init_params = tf.init_params(jax.random.key(cfg.rl.seed), cfg.model)
     state = engine.init_state(init_params)
-    inflight, history = None, []
-    if cfg.rl.max_staleness:  # partial rollouts: the carried queue, past versions
-        inflight = Inflight.create(cfg, data.tokenizer.pad_id)
-        if cfg.rl.old_policy == "behavior":
-            history = [jax.tree.map(jnp.copy, state.params)
-                       for _ in range(cfg.rl.max_staleness)]
-    saved = lambda: {**state._asdict(), **({} if inflight is None else {
-        "inflight": inflight.state_dict(), "history": list(history)})}
+    source = sources.for_run(cfg, offline, data.tokenizer.pad_id, state.params)
+    saved = lambda: {**state._asdict(), **source.state_dict()}
     start = 0
     had_checkpoints = bool(ckpt.all_steps())
     metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -313,9 +295,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     if restored is not None:
         # Checkpoints are numbered by completed global steps, like metrics rows.
         latest, state_dict, _ = restored
-        if inflight is not None:
-            inflight = Inflight.from_state_dict(state_dict.pop("inflight"))
-            history = list(state_dict.pop("history"))
+        source.load_state_dict(state_dict)  # takes its own keys out
         # A rate changed on resume (allow_config_change) takes effect here.
         state = engine.with_learning_rate(steps.TrainState(**state_dict))
         start = latest
@@ -337,7 +317,6 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         tracker.log(0, writer.write(0, metrics))
         log_samples(writer, samples_log, 0, samples)
         tracker.log_samples(0, samples)
-    source = sources.for_run(cfg, offline, inflight)
     estimates, said = costs.estimate_phases(engine)
     if said and main and progress:
         print(said, flush=True)
@@ -359,7 +338,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
             state, metrics, composition, samples, dumped, work = global_step(
-                engine, state, data, step, source, train_samples, history, timer)
+                engine, state, data, step, source, train_samples, timer)
             if (step + 1) % cfg.rl.eval_every == 0 or step + 1 == cfg.rl.steps:
                 with timer.phase("eval"):
                     eval_metrics, eval_samples = evaluate(engine, state.params, data,

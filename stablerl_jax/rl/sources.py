@@ -2,23 +2,26 @@
 every source, so the step reads sample → reward → score → updates → metrics whatever
 made the responses.
 
-    static     the step's prompts, sampled once (the default)
-    dynamic    rounds of prompts until groups with a reward spread fill the batch
-               (rl.dynamic_sampling, rl/dynamic.py)
-    partial    the first complete groups of the carried queue of partial rollouts
-               (rl.max_staleness ≥ 1, rl/inflight.py)
-    from_file  an offline rollout file recorded by an external engine (rl.offline_rollouts,
-               interop/rollouts.py)
+    Static        the step's prompts, sampled once (the default)
+    DynamicRounds rounds of prompts until groups with a reward spread fill the batch
+                  (rl.dynamic_sampling, rl/dynamic.py)
+    Partial       the first complete groups of the carried queue of partial rollouts
+                  (rl.max_staleness ≥ 1, rl/inflight.py)
+    FromFile      an offline rollout file recorded by an external engine
+                  (rl.offline_rollouts, interop/rollouts.py)
 
-Each is a `Source`: (engine, state, data, step, timer, log_samples) -> `Responses`;
-`for_run` picks the run's. A new source is one function here and one line in `for_run`.
+Each is a `Source`, an object that owns what it carries between steps. `responses` gives
+a step's `Responses`. `old_params` says which parameters π_old is computed at, and
+`before_update` is told when the updates are about to change θ. `state_dict` and
+`load_state_dict` are its part of the run's checkpoint. `for_run` picks the run's. A new
+source is one class here and one line in `for_run`; the loop only calls it.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from stablerl_jax import distributed
@@ -50,12 +53,33 @@ class Responses(NamedTuple):
     rewards: np.ndarray           # this process's rows of the advantages' rewards
     provenance: dict              # {"prompts": …} or {"responses": …} (minibatches.jsonl)
     samples: list                 # decoded samples, evals.sample_rows
-    age_BxS: np.ndarray | None    # each token's age in versions (partial), else None
+    age_BxS: np.ndarray | None    # each token's age in versions, where it scores at its own
+                                  # version (Partial, rl.old_policy=behavior); else None
     metrics: dict                 # the source's own (`async/…`, `dynamic/…`)
     decode_steps: float | None    # the sampler's, None for a file
 
 
-Source = Callable[..., Responses]
+class Source:
+    """A run's rollout source (module docstring). This base keeps nothing: π_old is the
+    step's θ and its checkpoint part is empty."""
+
+    def responses(self, engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+                  timer: costs.PhaseTimer, log_samples: int = 0) -> Responses:
+        raise NotImplementedError
+
+    def old_params(self, params):
+        """The parameters π_old is computed at: the step's θ (`params`)."""
+        return params
+
+    def before_update(self, params) -> None:
+        """Called once the step is scored, before its updates change θ (`params`)."""
+
+    def state_dict(self) -> dict:
+        """What it carries into the next step, saved beside the train state."""
+        return {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Takes its keys out of a restored checkpoint's dict (`state_dict`'s)."""
 
 
 def host_rows(cfg, rewards, lengths, truncated) -> HostRows:
@@ -83,146 +107,180 @@ def _rewarded(cfg, data: TaskData, rollout, tokens, mask, answers, timer, log_sa
     return host, samples
 
 
-def static(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-           timer: costs.PhaseTimer, log_samples: int = 0) -> Responses:
+class Static(Source):
     """The step's rl.prompts_per_step prompts (seeded by step), G responses each."""
-    rl = engine.cfg.rl
-    prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
-    mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
-    tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], rl.group_size)
-    key = jax.random.fold_in(jax.random.key(rl.seed), step)
-    with timer.phase("sample"):
-        rollout, decode_steps = engine.sample_counted(state.params, tokens, mask, key)
-        decode_steps = int(distributed.host(decode_steps))
-    host, samples = _rewarded(engine.cfg, data, rollout, tokens, mask, answers, timer,
-                              log_samples)
-    return Responses(rollout, host, host.rewards + host.penalty,
-                     {"prompts": [int(i) for i in prompt_idx]}, samples, None, {},
-                     decode_steps)
+
+    def responses(self, engine, state, data, step, timer, log_samples=0) -> Responses:
+        rl = engine.cfg.rl
+        prompt_idx = data.train_indices(step, rl.prompts_per_step, rl.seed)
+        mine = prompt_idx[distributed.rows_of_process(rl.prompts_per_step)]
+        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], rl.group_size)
+        key = jax.random.fold_in(jax.random.key(rl.seed), step)
+        with timer.phase("sample"):
+            rollout, decode_steps = engine.sample_counted(state.params, tokens, mask, key)
+            decode_steps = int(distributed.host(decode_steps))
+        host, samples = _rewarded(engine.cfg, data, rollout, tokens, mask, answers, timer,
+                                  log_samples)
+        return Responses(rollout, host, host.rewards + host.penalty,
+                         {"prompts": [int(i) for i in prompt_idx]}, samples, None, {},
+                         decode_steps)
 
 
-def dynamic_rounds(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
-                   timer: costs.PhaseTimer, log_samples: int = 0) -> Responses:
+class DynamicRounds(Source):
     """Rounds of Q prompts until Q groups with a reward spread fill the batch, at most
     rl.max_sampling_rounds (rl/dynamic.py; a short batch is padded with empty
     responses, reward 0). `host` holds every response sampled, all rounds; the
     provenance lists the batch's real groups' prompts (rows from len(prompts)·G on are
     padding) and "sampled" each round's Q prompts; the samples are round 0's."""
-    cfg = engine.cfg
-    rl = cfg.rl
-    q, g = rl.prompts_per_step, rl.group_size
-    fill = dynamic.Fill(q, g)
-    batch, samples, sampled, decode_steps = None, [], [], 0
-    for r in range(rl.max_sampling_rounds):
-        index, stream = dynamic.round_batch(step, r, rl.max_sampling_rounds)
-        prompt_idx = data.train_indices(index, q, rl.seed, stream)
-        mine = prompt_idx[distributed.rows_of_process(q)]
-        tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], g)
-        with timer.phase("sample"):
-            rollout, steps_ = engine.sample_counted(state.params, tokens, mask,
-                                                    dynamic.round_key(rl.seed, step, r))
-            decode_steps += int(distributed.host(steps_))
-        host, round_samples = _rewarded(cfg, data, rollout, tokens, mask, answers, timer,
-                                        log_samples if r == 0 else 0)
-        sampled.append(host)
-        samples = samples or round_samples
-        # Gathered: every process reads the same rewards and keeps the same groups.
-        scored_B = distributed.gather(host.rewards + host.penalty)
-        src_B = fill.add(prompt_idx, scored_B)
-        if r == 0 and fill.full:  # every group kept, in place
-            batch = rollout
-        else:
+
+    def responses(self, engine, state, data, step, timer, log_samples=0) -> Responses:
+        cfg = engine.cfg
+        rl = cfg.rl
+        q, g = rl.prompts_per_step, rl.group_size
+        fill = dynamic.Fill(q, g)
+        batch, samples, sampled, decode_steps = None, [], [], 0
+        for r in range(rl.max_sampling_rounds):
+            index, stream = dynamic.round_batch(step, r, rl.max_sampling_rounds)
+            prompt_idx = data.train_indices(index, q, rl.seed, stream)
+            mine = prompt_idx[distributed.rows_of_process(q)]
+            tokens, mask, answers = data.prompt_batch([data.train[i] for i in mine], g)
             with timer.phase("sample"):
-                batch = engine.merge_rows(rollout if batch is None else batch, rollout,
-                                          src_B, fill.real_B())
-        if fill.full:
-            break
-    host = HostRows(*(np.concatenate(x) for x in zip(*sampled)))
-    rewards = fill.rewards_B(scored_B.dtype)[distributed.rows_of_process(q * g)]
-    return Responses(batch, host, rewards, {"prompts": fill.prompts, "sampled": fill.sampled},
-                     samples, None, fill.metrics(), decode_steps)
+                rollout, steps_ = engine.sample_counted(state.params, tokens, mask,
+                                                        dynamic.round_key(rl.seed, step, r))
+                decode_steps += int(distributed.host(steps_))
+            host, round_samples = _rewarded(cfg, data, rollout, tokens, mask, answers, timer,
+                                            log_samples if r == 0 else 0)
+            sampled.append(host)
+            samples = samples or round_samples
+            # Gathered: every process reads the same rewards and keeps the same groups.
+            scored_B = distributed.gather(host.rewards + host.penalty)
+            src_B = fill.add(prompt_idx, scored_B)
+            if r == 0 and fill.full:  # every group kept, in place
+                batch = rollout
+            else:
+                with timer.phase("sample"):
+                    batch = engine.merge_rows(rollout if batch is None else batch, rollout,
+                                              src_B, fill.real_B())
+            if fill.full:
+                break
+        host = HostRows(*(np.concatenate(x) for x in zip(*sampled)))
+        rewards = fill.rewards_B(scored_B.dtype)[distributed.rows_of_process(q * g)]
+        return Responses(batch, host, rewards,
+                         {"prompts": fill.prompts, "sampled": fill.sampled}, samples, None,
+                         fill.metrics(), decode_steps)
 
 
-def partial(inflight: Inflight, engine: Engine, state: steps.TrainState, data: TaskData,
-            step: int, timer: costs.PhaseTimer, log_samples: int = 0) -> Responses:
+class Partial(Source):
     """The first complete groups of the carried queue (rl/inflight.py), this process's
-    rows on the host; `age_BxS` is cut to the window Engine.trim cuts (rl.trim_bucket).
+    rows on the host. It carries the queue and, under rl.old_policy=behavior, the S
+    parameter versions before the step's (newest first): π_old of each token is its
+    version's, and `age_BxS` (cut to the window Engine.trim cuts, rl.trim_bucket) says
+    which. Its checkpoint keys are "inflight" and "history".
 
     Every process keeps the whole queue on the host (the same on each: everything in it
     is derived from the seed and the sampled tokens), hands its block of rows to the
     sampler, and gathers the sampled queue back."""
-    cfg = engine.cfg
-    with timer.phase("sample"):
-        dropped = inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
-        mine_n = distributed.rows_of_process(len(inflight.attempts_I))
-        queue, decode_steps = engine.sample_partial(
-            state.params, jax.tree.map(lambda x: x[mine_n], inflight.queue), step)
-        # One gather of every field (np.array: the queue's arrays are written in place).
-        inflight.queue = jax.tree.map(np.array, distributed.gather(
-            jax.tree.map(distributed.local_rows, queue)))
-    rows, gids = inflight.take(cfg)
-    q = jax.tree.map(lambda x: x[rows], inflight.queue)
-    prompt_idx = inflight.prompt_indices(gids, cfg, data)
-    g, p = cfg.rl.group_size, cfg.task.max_prompt_len
-    carried = inflight.group_ids != EMPTY
-    metrics = {**age_stats(q.version_IxS, q.completion_IxS, step, cfg.rl.max_staleness),
-               "async/dropped": float(dropped),
-               "async/decode_steps": float(distributed.host(decode_steps)),
-               "async/carried_tokens": float(inflight.queue.completion_IxS[
-                   np.repeat(carried, g)].sum())}
-    age_BxS = age_of_tokens(q.version_IxS, q.completion_IxS, step)
-    if cfg.rl.trim_bucket:  # the window Engine.trim cuts from the whole rollout
-        lo, hi = rollout_lib.used_window(np.any(q.prompt_mask_IxS | q.completion_IxS, 0),
-                                         cfg.rl.trim_bucket)
-        age_BxS = age_BxS[:, lo:hi]
-    mine = distributed.rows_of_process(len(rows))
-    answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)][mine]
-    rollout = jax.tree.map(np.asarray, continuous.to_rollout(q))
-    host, samples = _rewarded(cfg, data, rollout, q.tokens_IxS[mine, :p],
-                              q.prompt_mask_IxS[mine, :p], answers, timer, log_samples)
-    rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
-    return Responses(rollout, host, host.rewards + host.penalty,
-                     {"prompts": [int(i) for i in prompt_idx]}, samples, age_BxS, metrics,
-                     metrics["async/decode_steps"])
+
+    def __init__(self, cfg, pad_id: int, params):
+        self.inflight = Inflight.create(cfg, pad_id)
+        self.behavior = cfg.rl.old_policy == "behavior"
+        self.versions = cfg.rl.max_staleness
+        self.history = ([jax.tree.map(jnp.copy, params) for _ in range(self.versions)]
+                        if self.behavior else [])
+
+    def old_params(self, params):
+        return (params, *self.history) if self.behavior else params
+
+    def before_update(self, params) -> None:
+        if self.behavior:  # θ_k becomes the newest past version (copied: the updates
+            # donate the state)
+            self.history.insert(0, jax.tree.map(jnp.copy, params))
+            del self.history[self.versions:]
+
+    def state_dict(self) -> dict:
+        return {"inflight": self.inflight.state_dict(), "history": list(self.history)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.inflight = Inflight.from_state_dict(saved.pop("inflight"))
+        self.history = list(saved.pop("history"))
+
+    def responses(self, engine, state, data, step, timer, log_samples=0) -> Responses:
+        cfg = engine.cfg
+        with timer.phase("sample"):
+            dropped = self.inflight.prepare(step, cfg, data, data.tokenizer.pad_id)
+            mine_n = distributed.rows_of_process(len(self.inflight.attempts_I))
+            queue, decode_steps = engine.sample_partial(
+                state.params, jax.tree.map(lambda x: x[mine_n], self.inflight.queue), step)
+            # One gather of every field (np.array: the queue's arrays are written in place).
+            self.inflight.queue = jax.tree.map(np.array, distributed.gather(
+                jax.tree.map(distributed.local_rows, queue)))
+        rows, gids = self.inflight.take(cfg)
+        q = jax.tree.map(lambda x: x[rows], self.inflight.queue)
+        prompt_idx = self.inflight.prompt_indices(gids, cfg, data)
+        g, p = cfg.rl.group_size, cfg.task.max_prompt_len
+        carried = self.inflight.group_ids != EMPTY
+        metrics = {**age_stats(q.version_IxS, q.completion_IxS, step, cfg.rl.max_staleness),
+                   "async/dropped": float(dropped),
+                   "async/decode_steps": float(distributed.host(decode_steps)),
+                   "async/carried_tokens": float(self.inflight.queue.completion_IxS[
+                       np.repeat(carried, g)].sum())}
+        age_BxS = age_of_tokens(q.version_IxS, q.completion_IxS, step)
+        if cfg.rl.trim_bucket:  # the window Engine.trim cuts from the whole rollout
+            lo, hi = rollout_lib.used_window(np.any(q.prompt_mask_IxS | q.completion_IxS, 0),
+                                             cfg.rl.trim_bucket)
+            age_BxS = age_BxS[:, lo:hi]
+        mine = distributed.rows_of_process(len(rows))
+        answers = [data.train[i]["answer"] for i in prompt_idx for _ in range(g)][mine]
+        rollout = jax.tree.map(np.asarray, continuous.to_rollout(q))
+        host, samples = _rewarded(cfg, data, rollout, q.tokens_IxS[mine, :p],
+                                  q.prompt_mask_IxS[mine, :p], answers, timer, log_samples)
+        rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
+        return Responses(rollout, host, host.rewards + host.penalty,
+                         {"prompts": [int(i) for i in prompt_idx]}, samples,
+                         age_BxS if self.behavior else None, metrics,
+                         metrics["async/decode_steps"])
 
 
-def from_file(offline: OfflineRollouts, engine: Engine, state: steps.TrainState,
-              data: TaskData, step: int, timer: costs.PhaseTimer,
-              log_samples: int = 0) -> Responses:
+class FromFile(Source):
     """The step's responses read from an offline rollout file (tokens, logp_mu, routes
     and rewards recorded by vLLM or SGLang), this process's rows on the host; the
     provenance lists their indices in the file."""
-    cfg = engine.cfg
-    with timer.phase("sample"):  # the file's responses stand for the sampler's
-        b = cfg.rl.prompts_per_step * cfg.rl.group_size
-        rows = np.arange(step * b, (step + 1) * b)
-        rollout, rewards, answers = offline.batch(
-            rows, max_prompt_len=cfg.task.max_prompt_len,
-            max_new_tokens=cfg.sampling.max_new_tokens, pad_id=data.tokenizer.pad_id,
-            num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
-            num_experts=cfg.model.num_experts)
-        mine = distributed.rows_of_process(b)
-        if rollout.truncated_B is None:  # a file's rows: no stop id within max_new_tokens
-            rollout = rollout._replace(truncated_B=rollout_lib.truncated_rows(
-                rollout.tokens_BxS, rollout.completion_mask_BxS, data.tokenizer.stop_ids,
-                cfg.sampling.max_new_tokens))
-        if rewards is None:
-            rewards = data.reward(rollout, list(answers)[mine])
-        else:
-            rewards = np.asarray(rewards)[mine]
-        rollout = jax.tree.map(lambda x: np.asarray(x)[mine], rollout)
-    host = host_rows(cfg, rewards, rollout.lengths_B, rollout.truncated_B)
-    return Responses(rollout, host, host.rewards + host.penalty,
-                     {"responses": [int(i) for i in rows]}, [], None, {}, None)
+
+    def __init__(self, offline: OfflineRollouts):
+        self.offline = offline
+
+    def responses(self, engine, state, data, step, timer, log_samples=0) -> Responses:
+        cfg = engine.cfg
+        with timer.phase("sample"):  # the file's responses stand for the sampler's
+            b = cfg.rl.prompts_per_step * cfg.rl.group_size
+            rows = np.arange(step * b, (step + 1) * b)
+            rollout, rewards, answers = self.offline.batch(
+                rows, max_prompt_len=cfg.task.max_prompt_len,
+                max_new_tokens=cfg.sampling.max_new_tokens, pad_id=data.tokenizer.pad_id,
+                num_layers=cfg.model.num_layers, top_k=cfg.model.top_k,
+                num_experts=cfg.model.num_experts)
+            mine = distributed.rows_of_process(b)
+            if rollout.truncated_B is None:  # a file's rows: no stop id within max_new_tokens
+                rollout = rollout._replace(truncated_B=rollout_lib.truncated_rows(
+                    rollout.tokens_BxS, rollout.completion_mask_BxS, data.tokenizer.stop_ids,
+                    cfg.sampling.max_new_tokens))
+            if rewards is None:
+                rewards = data.reward(rollout, list(answers)[mine])
+            else:
+                rewards = np.asarray(rewards)[mine]
+            rollout = jax.tree.map(lambda x: np.asarray(x)[mine], rollout)
+        host = host_rows(cfg, rewards, rollout.lengths_B, rollout.truncated_B)
+        return Responses(rollout, host, host.rewards + host.penalty,
+                         {"responses": [int(i) for i in rows]}, [], None, {}, None)
 
 
-def for_run(cfg, offline: OfflineRollouts | None, inflight: Inflight | None) -> Source:
-    """The run's source (the config refuses dynamic sampling with offline or partial
-    rollouts)."""
+def for_run(cfg, offline: OfflineRollouts | None, pad_id: int, params) -> Source:
+    """The run's source, its state fresh (`params`: the run's first θ). The config refuses
+    dynamic sampling with offline or partial rollouts, and offline with partial ones."""
     if cfg.rl.dynamic_sampling:
-        return dynamic_rounds
+        return DynamicRounds()
     if offline is not None:
-        return functools.partial(from_file, offline)
-    if inflight is not None:
-        return functools.partial(partial, inflight)
-    return static
+        return FromFile(offline)
+    if cfg.rl.max_staleness:
+        return Partial(cfg, pad_id, params)
+    return Static()

@@ -103,8 +103,8 @@ def full_run(scenario, tmp_path_factory):
     seen = {"score": [], "update": []}
     score, update = Engine.score, Engine.update
 
-    def recording_score(self, params, rollout, rewards_B):
-        batch, metrics = score(self, params, rollout, rewards_B)
+    def recording_score(self, params, rollout, rewards_B, age_BxS=None):
+        batch, metrics = score(self, params, rollout, rewards_B, age_BxS)
         seen["score"].append((np.asarray(rewards_B), np.asarray(rollout.completion_mask_BxS),
                               np.asarray(batch.mask_BxT), np.asarray(batch.advantages_B)))
         return batch, metrics
