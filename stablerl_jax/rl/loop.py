@@ -261,10 +261,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                            stop_ids=data.tokenizer.stop_ids)
     offline = open_offline(cfg)
     # Before the Checkpointer: a log that is a symbolic link is refused with nothing open.
-    minibatch_log = JsonlLog(os.path.join(workdir, "minibatches.jsonl"), enabled=main)
-    samples_log = JsonlLog(os.path.join(workdir, "samples.jsonl"), enabled=main)
-    attribution_log = JsonlLog(os.path.join(workdir, "attribution.jsonl"), enabled=main)
-    logs = (minibatch_log, samples_log, attribution_log)
+    logs = [JsonlLog(os.path.join(workdir, f"{name}.jsonl"), enabled=main)
+            for name in ("minibatches", "samples", "attribution")]
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.rl.keep_checkpoints,
                         async_=cfg.rl.async_checkpoints)
     if init_params is None:
@@ -276,20 +274,16 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
     had_checkpoints = bool(ckpt.all_steps())
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     logged = [r["step"] for r in read_metrics(metrics_path)]
-    try:
+    try:  # a refused resume closes the Checkpointer
         resume.choose(workdir, ckpt.all_steps(), logged)
         restored = ckpt.restore_latest(saved(), check_meta=lambda meta: (
             preflight.check_resumed_config(meta.get("config"), cfg, allow_config_change,
                                            workdir)), usable=resume.unusable(logged))
+        if had_checkpoints and restored is None:  # decided by restoring: keep or move aside
+            workdir_history.after_restore(cfg, workdir, replace_history, export_hf)
     except Exception:
         ckpt.close()
         raise
-    if had_checkpoints and restored is None:  # decided by restoring: keep or move aside
-        try:
-            workdir_history.after_restore(cfg, workdir, replace_history, export_hf)
-        except Exception:
-            ckpt.close()
-            raise
     writer = MetricsWriter(workdir, enabled=main, tensorboard=tracker.tensorboard)
     tracker.log_config(flat_dict(cfg))
     if restored is not None:
@@ -310,13 +304,8 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         writer.truncate_after(-1)  # rows of a run killed before its first checkpoint
         for log in logs:
             log.truncate_after(-1)
-        timer.row()  # the row's times start here
-        with timer.phase("eval"):
-            metrics, samples = evaluate(engine, state.params, data, 0, cfg.rl.log_samples)
-        metrics.update(timer.row())
-        tracker.log(0, writer.write(0, metrics))
-        log_samples(writer, samples_log, 0, samples)
-        tracker.log_samples(0, samples)
+        _log_row(0, *_first_evaluation(engine, state.params, data, timer), {}, (), writer,
+                 logs, tracker)
     estimates, said = costs.estimate_phases(engine)
     if said and main and progress:
         print(said, flush=True)
@@ -351,19 +340,14 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
                 metrics.update(costs.derived_times(times, metrics, work))
                 metrics.update(costs.perf_row(cfg, times, estimates=estimates, **work))
             with timer.phase("logs"):
-                minibatch_log.write({"step": step + 1, **composition})
-                for row in dumped:
-                    attribution_log.write(row)
-                tracker.log(step + 1, writer.write(step + 1, metrics))
-                log_samples(writer, samples_log, step + 1, samples)
-                tracker.log_samples(step + 1, samples)
+                _log_row(step + 1, metrics, samples, composition, dumped, writer, logs,
+                         tracker)
             skips = steps.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
             short.check(step + 1, metrics)
             acc = metrics.get("eval/accuracy", acc)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}",
-                            kl=f"{metrics['kl/train_infer_k1']:.1e}",
-                            acc="-" if acc is None else f"{acc:.3f}")
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc="-" if acc is None else
+                            f"{acc:.3f}", kl=f"{metrics['kl/train_infer_k1']:.1e}")
             if (step + 1) % cfg.rl.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
                 with timer.phase("logs"):
                     for log in (writer, *logs):  # they cover the step
@@ -384,16 +368,50 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
             for log in logs:
                 log.flush()
     if export_hf:
-        tok = data.tokenizer
-        dtype = export_dtype or cfg.model.param_dtype
-        save_qwen3_moe(jax.tree.map(lambda x: x.astype(dtype_of(dtype)), state.params),
-                       cfg.model.replace(param_dtype=dtype), export_hf,
-                       config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
-                                     "bos_token_id": tok.bos_id},
-                       tokenizer_dir=cfg.task.tokenizer_dir, stop_ids=tok.stop_ids)
-    skipped = int(distributed.host(state.skipped))
+        export(cfg, state.params, data.tokenizer, export_hf, export_dtype)
+    return _finish(cfg, workdir, int(distributed.host(state.skipped)), tracker, progress)
+
+
+def _first_evaluation(engine: Engine, params, data: TaskData, timer: costs.PhaseTimer):
+    """(metrics, samples) of the row before training: the held-out evaluation at θ_0,
+    with its time."""
+    timer.row()  # the row's times start here
+    with timer.phase("eval"):
+        metrics, samples = evaluate(engine, params, data, 0, engine.cfg.rl.log_samples)
+    metrics.update(timer.row())
+    return metrics, samples
+
+
+def _log_row(step: int, metrics: dict, samples: list, composition: dict, dumped,
+             writer: MetricsWriter, logs, tracker: Trackers) -> None:
+    """Write a step's row (step 0: the evaluation before training): metrics, samples,
+    its mini-batch composition and attribution rows (`logs`: minibatches, samples and
+    attribution JSONL, in that order), and the trackers."""
+    minibatch_log, samples_log, attribution_log = logs
+    if composition:
+        minibatch_log.write({"step": step, **composition})
+    for row in dumped:
+        attribution_log.write(row)
+    tracker.log(step, writer.write(step, metrics))
+    log_samples(writer, samples_log, step, samples)
+    tracker.log_samples(step, samples)
+
+
+def export(cfg, params, tok, path: str, dtype: str = "") -> None:
+    """The policy as a Hugging Face Qwen3-MoE checkpoint at `path` (run's `export_hf`),
+    its tensors in `dtype` ('' = model.param_dtype), with the tokenizer's ids and files."""
+    dtype = dtype or cfg.model.param_dtype
+    save_qwen3_moe(jax.tree.map(lambda x: x.astype(dtype_of(dtype)), params),
+                   cfg.model.replace(param_dtype=dtype), path,
+                   config_extra={"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+                                 "bos_token_id": tok.bos_id},
+                   tokenizer_dir=cfg.task.tokenizer_dir, stop_ids=tok.stop_ids)
+
+
+def _finish(cfg, workdir: str, skipped: int, tracker: Trackers, progress: bool) -> dict:
+    """Every process meets; process 0 writes the plots and summary.json and returns it."""
     distributed.barrier("run end")
-    if not main:
+    if not distributed.is_main():
         return {"steps": cfg.rl.steps, "skipped_updates": skipped}
     records = read_metrics(workdir)
     tracker.log_plots(cfg.rl.steps, plot_metrics(records, os.path.join(workdir, "plots")))

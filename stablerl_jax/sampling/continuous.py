@@ -118,6 +118,152 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
     return (out, steps) if with_steps else out
 
 
+class _Call(NamedTuple):
+    """What every piece of one `run` call reads, fixed for the call."""
+
+    cfg: ModelConfig
+    sampling: SamplingConfig
+    numerics: nx.Numerics
+    mesh: object
+    logprob_impl: str
+    pad_id: int
+    prepared: dict      # the weights for the prefill (numerics.prepare_params)
+    d_params: dict      # ... and for the decode loop (the serving layout's, or `prepared`)
+    d_rules: object     # the decode loop's sharding rules (None: the default)
+    keys_I: jax.Array   # each response's sampling key
+    stops_Z: jax.Array  # Z stop ids (may be 0)
+    version: jax.Array  # the weights' version, written for every token drawn
+    n: int              # slots
+    num_i: int          # responses in the queue
+    s: int              # S = P + C
+    p: int
+    c: int
+    one_prefill: bool   # a fresh queue with a slot per response: one static prefill
+    dtype: object
+
+
+class _Slots(NamedTuple):
+    """The decode loop's carry."""
+
+    q: Queue
+    cache: dict
+    # The hidden state each slot's next token is drawn from. Logits are computed for all
+    # n slots at once, as the static sampler does for its n rows: a [1, D] row alone
+    # would run another matmul kernel (another summation order).
+    hidden: jax.Array
+    resp: jax.Array     # [n] the response each slot holds
+    done: jax.Array     # [n] no running response: the slot is free
+    started: jax.Array  # [I] given a slot in this call
+    steps: jax.Array    # decode steps run
+
+
+def _prefill(k: _Call, st: _Slots, rows_R, slots_R) -> _Slots:
+    """Responses `rows_R` prefilled into slots `slots_R` (their cache rows and last
+    hidden states; a new response's prompt routes). A response with tokens already is
+    prefilled over its prompt and completion so far (S slots), a new one over its prompt
+    (P slots): one program each, the second the static sampler's."""
+    cfg, p, s, r, q = k.cfg, k.p, k.s, rows_R.shape[0], st.q
+    progress_R = q.progress_I[rows_R]
+
+    def over(width):
+        attn_RxW = (q.prompt_mask_IxS | q.completion_IxS)[rows_R, :width]
+        h, aux = tf.forward(k.prepared, q.tokens_IxS[rows_R, :width], cfg,
+                            attention_mask_BxT=attn_RxW, numerics=k.numerics,
+                            cache=tf.init_cache(cfg, r, s, k.dtype), mesh=k.mesh)
+        # Left padding puts every prompt's last token in slot P − 1.
+        last_RxD = jnp.take_along_axis(h, (p - 1 + progress_R)[:, None, None], 1)[:, 0]
+        return last_RxD, aux["cache"], aux["routes"][:, :p], aux["route_weights"][:, :p]
+
+    if k.one_prefill and r == k.n:  # one call over a fresh queue
+        last_RxD, cache_r, routes_RxP, weights_RxP = over(p)
+    else:
+        last_RxD, cache_r, routes_RxP, weights_RxP = jax.lax.cond(
+            jnp.any(progress_R > 0), lambda: over(s), lambda: over(p))
+    axis = 0 if cfg.unroll_layers else 1  # per-layer buffers, or the stacked [L, ...]
+    put = lambda big, new: big.at[(slice(None),) * axis + (slots_R,)].set(new)
+    cache = {"k": jax.tree.map(put, st.cache["k"], cache_r["k"]),
+             "v": jax.tree.map(put, st.cache["v"], cache_r["v"]),
+             "mask": st.cache["mask"].at[slots_R].set(cache_r["mask"]),
+             "index": st.cache["index"].at[slots_R].set(p + progress_R)}
+    new_RxPx1x1 = ((progress_R == 0)[:, None] & q.prompt_mask_IxS[rows_R, :p])[..., None, None]
+    q = q._replace(
+        routes_IxSxLxK=q.routes_IxSxLxK.at[rows_R, :p].set(
+            jnp.where(new_RxPx1x1, routes_RxP, q.routes_IxSxLxK[rows_R, :p])),
+        route_weights_IxSxLxK=q.route_weights_IxSxLxK.at[rows_R, :p].set(
+            jnp.where(new_RxPx1x1, weights_RxP, q.route_weights_IxSxLxK[rows_R, :p])))
+    return st._replace(q=q, cache=cache, hidden=st.hidden.at[slots_R].set(last_RxD),
+                       resp=st.resp.at[slots_R].set(rows_R),
+                       started=st.started.at[rows_R].set(True),
+                       done=st.done.at[slots_R].set(False))
+
+
+def _next_logits(k: _Call, hidden_nxD, first_n):
+    """The log-probs a response's next token is drawn from (rollout.next_logprobs): its
+    first token's from the prefill's weights, the rest from the decode loop's (the
+    serving layout's, when it has its own)."""
+    logits = lambda w, rules=None: rollout_lib.next_logprobs(
+        w, hidden_nxD, k.cfg, k.sampling, k.numerics, k.mesh, rules, k.logprob_impl)
+    if k.d_params is k.prepared:
+        return logits(k.prepared)
+    return jax.lax.cond(jnp.any(first_n),
+                        lambda: jnp.where(first_n[:, None], logits(k.prepared),
+                                          logits(k.d_params, k.d_rules)),
+                        lambda: logits(k.d_params, k.d_rules))
+
+
+def _draw(row_key, i, logp_V):
+    return jax.random.categorical(jax.random.fold_in(row_key, i), logp_V)
+
+
+def _decode_step(k: _Call, st: _Slots) -> _Slots:
+    """One token for every slot that holds a running response, written into the queue."""
+    p, s, c, q, live = k.p, k.s, k.c, st.q, ~st.done
+    i_n = q.progress_I[st.resp]
+    logp_nxV = _next_logits(k, st.hidden, i_n == 0)
+    tok = jax.vmap(_draw)(k.keys_I[st.resp], i_n, logp_nxV)
+    tok = jnp.where(live, tok, k.pad_id).astype(jnp.int32)
+    lp = jnp.take_along_axis(logp_nxV, tok[:, None], axis=1)[:, 0]
+    stop = jnp.any(tok[:, None] == k.stops_Z[None, :], axis=1)
+    # As in the static sampler: a token is fed back unless it is a stop id or padding;
+    # the C-th is fed too (one shape) but its routes are never read (-1).
+    fed = live & ~stop
+    # A free slot (no running response) writes and reads at slot P: its output is
+    # dropped, and a ragged decode attention then reads only its prompt's blocks.
+    cache = dict(st.cache, index=jnp.where(live, jnp.minimum(p + i_n, s - 1), p))
+    h, a = tf.forward(k.d_params, tok[:, None], k.cfg, attention_mask_BxT=fed[:, None],
+                      numerics=k.numerics, cache=cache, mesh=k.mesh, rules=k.d_rules)
+    recorded_nx1x1 = (fed & (i_n + 1 < c))[:, None, None]
+    # Writes of a slot that holds no running response go to row I: dropped.
+    row, col = jnp.where(live, st.resp, k.num_i), p + i_n
+    put = lambda buf, v: buf.at[row, col].set(v, mode="drop")
+    finished = live & (stop | (i_n + 1 >= c))
+    q = q._replace(
+        tokens_IxS=put(q.tokens_IxS, tok), logp_IxS=put(q.logp_IxS, lp),
+        completion_IxS=put(q.completion_IxS, live),
+        routes_IxSxLxK=put(q.routes_IxSxLxK, jnp.where(recorded_nx1x1, a["routes"][:, 0], -1)),
+        route_weights_IxSxLxK=put(q.route_weights_IxSxLxK, jnp.where(
+            recorded_nx1x1, a["route_weights"][:, 0], 0).astype(jnp.float32)),
+        version_IxS=put(q.version_IxS, jnp.full((k.n,), k.version, jnp.int32)),
+        progress_I=q.progress_I.at[row].set(i_n + 1, mode="drop"),
+        finished_I=q.finished_I.at[row].set(finished, mode="drop"),
+        stopped_I=q.stopped_I.at[row].set(stop, mode="drop"))
+    return st._replace(q=q, cache=a["cache"], hidden=h[:, 0], done=st.done | finished,
+                       steps=st.steps + 1)
+
+
+def _pending(st: _Slots):
+    return ~st.q.finished_I & ~st.started
+
+
+def _refill(k: _Call, st: _Slots) -> _Slots:
+    """The lowest free slot takes the next pending response (one 1-row prefill; with
+    batch-invariant numerics on a mesh, whose devices each prefill their own rows, the
+    row repeated once per data-parallel device: the copies write the same bits)."""
+    copies = invariant_layer.row_splits(k.mesh) if k.cfg.batch_invariant else 1
+    return _prefill(k, st, jnp.full((copies,), jnp.argmax(_pending(st))),
+                    jnp.full((copies,), jnp.argmax(st.done)))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "numerics", "stops", "pad_id",
                                              "mesh", "need_groups", "group_size", "slots",
                                              "logprob_impl"))
@@ -137,147 +283,33 @@ def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id
     n, c = min(slots or slots_of(sampling, num_i), num_i), sampling.max_new_tokens
     p = s - c
     need = need_groups or num_i // group_size
-    keys_I = rollout_lib.row_keys(queue.keys_Ix2, num_i)
     prepared = nx.prepare_params(params, numerics)
     d_params, d_rules = (rollout_lib.serving_layout(params, cfg, numerics, mesh)
                          if sampling.layout == "serve" else (prepared, None))
     dtype = nx.compute_dtype(numerics, cfg.compute_dtype)
-    stops_Z = jnp.asarray(stops, jnp.int32)  # Z stop ids (may be 0)
-
-    def prefill(st, rows_R, slots_R):
-        """Responses `rows_R` prefilled into slots `slots_R` (their cache rows and last
-        hidden states; a new response's prompt routes). A response with tokens already
-        is prefilled over its prompt and completion so far (S slots), a new one over
-        its prompt (P slots): one program each, the second the static sampler's."""
-        r, q = rows_R.shape[0], st["q"]
-        progress_R = q.progress_I[rows_R]
-
-        def over(width):
-            attn_RxW = (q.prompt_mask_IxS | q.completion_IxS)[rows_R, :width]
-            h, aux = tf.forward(prepared, q.tokens_IxS[rows_R, :width], cfg,
-                                attention_mask_BxT=attn_RxW, numerics=numerics,
-                                cache=tf.init_cache(cfg, r, s, dtype), mesh=mesh)
-            # Left padding puts every prompt's last token in slot P − 1.
-            last_RxD = jnp.take_along_axis(h, (p - 1 + progress_R)[:, None, None], 1)[:, 0]
-            return last_RxD, aux["cache"], aux["routes"][:, :p], aux["route_weights"][:, :p]
-
-        if r == n and n == num_i and not need_groups:  # one call over a fresh queue
-            last_RxD, cache_r, routes_RxP, weights_RxP = over(p)
-        else:
-            last_RxD, cache_r, routes_RxP, weights_RxP = jax.lax.cond(
-                jnp.any(progress_R > 0), lambda: over(s), lambda: over(p))
-        axis = 0 if cfg.unroll_layers else 1  # per-layer buffers, or the stacked [L, ...]
-        put = lambda big, new: big.at[(slice(None),) * axis + (slots_R,)].set(new)
-        cache = st["cache"]
-        cache = {"k": jax.tree.map(put, cache["k"], cache_r["k"]),
-                 "v": jax.tree.map(put, cache["v"], cache_r["v"]),
-                 "mask": cache["mask"].at[slots_R].set(cache_r["mask"]),
-                 "index": cache["index"].at[slots_R].set(p + progress_R)}
-        new_RxPx1x1 = ((progress_R == 0)[:, None] & q.prompt_mask_IxS[rows_R, :p])[..., None,
-                                                                                    None]
-        q = q._replace(
-            routes_IxSxLxK=q.routes_IxSxLxK.at[rows_R, :p].set(
-                jnp.where(new_RxPx1x1, routes_RxP, q.routes_IxSxLxK[rows_R, :p])),
-            route_weights_IxSxLxK=q.route_weights_IxSxLxK.at[rows_R, :p].set(
-                jnp.where(new_RxPx1x1, weights_RxP, q.route_weights_IxSxLxK[rows_R, :p])))
-        return dict(st, q=q, cache=cache, hidden=st["hidden"].at[slots_R].set(last_RxD),
-                    resp=st["resp"].at[slots_R].set(rows_R),
-                    started=st["started"].at[rows_R].set(True),
-                    done=st["done"].at[slots_R].set(False))
-
-    def groups_complete(q):
-        return jnp.sum(jnp.all(q.finished_I.reshape(-1, group_size), axis=1))
-
-    def next_logits(hidden_nxD, first_n):
-        """The log-probs a response's next token is drawn from (rollout.next_logprobs):
-        its first token's from the prefill's weights, the rest from the decode loop's
-        (the serving layout's, when it has its own)."""
-        logits = lambda w, rules=None: rollout_lib.next_logprobs(
-            w, hidden_nxD, cfg, sampling, numerics, mesh, rules, logprob_impl)
-        if d_params is prepared:
-            return logits(prepared)
-        return jax.lax.cond(jnp.any(first_n),
-                            lambda: jnp.where(first_n[:, None], logits(prepared),
-                                              logits(d_params, d_rules)),
-                            lambda: logits(d_params, d_rules))
-
-    def draw(row_key, i, logp_V):
-        return jax.random.categorical(jax.random.fold_in(row_key, i), logp_V)
-
-    def decode_step(st):
-        q, live = st["q"], ~st["done"]
-        i_n = q.progress_I[st["resp"]]
-        logp_nxV = next_logits(st["hidden"], i_n == 0)
-        tok = jax.vmap(draw)(keys_I[st["resp"]], i_n, logp_nxV)
-        tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
-        lp = jnp.take_along_axis(logp_nxV, tok[:, None], axis=1)[:, 0]
-        stop = jnp.any(tok[:, None] == stops_Z[None, :], axis=1)
-        # As in the static sampler: a token is fed back unless it is a stop id or
-        # padding; the C-th is fed too (one shape) but its routes are never read (-1).
-        fed = live & ~stop
-        # A free slot (no running response) writes and reads at slot P: its output is
-        # dropped, and a ragged decode attention then reads only its prompt's blocks.
-        cache = dict(st["cache"], index=jnp.where(live, jnp.minimum(p + i_n, s - 1), p))
-        h, a = tf.forward(d_params, tok[:, None], cfg, attention_mask_BxT=fed[:, None],
-                          numerics=numerics, cache=cache, mesh=mesh, rules=d_rules)
-        recorded_nx1x1 = (fed & (i_n + 1 < c))[:, None, None]
-        # Writes of a slot that holds no running response go to row I: dropped.
-        row, col = jnp.where(live, st["resp"], num_i), p + i_n
-        put = lambda buf, v: buf.at[row, col].set(v, mode="drop")
-        finished = live & (stop | (i_n + 1 >= c))
-        q = q._replace(
-            tokens_IxS=put(q.tokens_IxS, tok), logp_IxS=put(q.logp_IxS, lp),
-            completion_IxS=put(q.completion_IxS, live),
-            routes_IxSxLxK=put(q.routes_IxSxLxK,
-                               jnp.where(recorded_nx1x1, a["routes"][:, 0], -1)),
-            route_weights_IxSxLxK=put(q.route_weights_IxSxLxK, jnp.where(
-                recorded_nx1x1, a["route_weights"][:, 0], 0).astype(jnp.float32)),
-            version_IxS=put(q.version_IxS, jnp.full((n,), version, jnp.int32)),
-            progress_I=q.progress_I.at[row].set(i_n + 1, mode="drop"),
-            finished_I=q.finished_I.at[row].set(finished, mode="drop"),
-            stopped_I=q.stopped_I.at[row].set(stop, mode="drop"))
-        return dict(st, q=q, cache=a["cache"], hidden=h[:, 0],
-                    done=st["done"] | finished, steps=st["steps"] + 1)
-
-    def pending(st):
-        return ~st["q"].finished_I & ~st["started"]
-
-    def refill(st):
-        """The lowest free slot takes the next pending response (one 1-row prefill; with
-        batch-invariant numerics on a mesh, whose devices each prefill their own rows,
-        the row repeated once per data-parallel device: the copies write the same bits)."""
-        copies = invariant_layer.row_splits(mesh) if cfg.batch_invariant else 1
-        return prefill(st, jnp.full((copies,), jnp.argmax(pending(st))),
-                       jnp.full((copies,), jnp.argmax(st["done"])))
-
-    def wanted(st):
-        return groups_complete(st["q"]) < need
-
-    state = {
-        "q": queue,
-        "cache": dict(tf.init_cache(cfg, n, s, dtype), index=jnp.full((n,), p, jnp.int32)),
-        # The hidden state each slot's next token is drawn from. Logits are computed
-        # for all n slots at once, as the static sampler does for its n rows: a [1, D]
-        # row alone would run another matmul kernel (another summation order).
-        "hidden": jnp.zeros((n, cfg.d_model), dtype),
-        "resp": jnp.zeros((n,), jnp.int32),  # the response each slot holds
-        "done": jnp.ones((n,), bool),        # no running response: the slot is free
-        "started": jnp.zeros((num_i,), bool),  # given a slot in this call
-        "steps": jnp.zeros((), jnp.int32),
-    }
+    k = _Call(cfg, sampling, numerics, mesh, logprob_impl, pad_id, prepared, d_params,
+              d_rules, rollout_lib.row_keys(queue.keys_Ix2, num_i),
+              jnp.asarray(stops, jnp.int32), version, n, num_i, s, p, c,
+              n == num_i and not need_groups, dtype)
+    wanted = lambda st: jnp.sum(jnp.all(st.q.finished_I.reshape(-1, group_size),
+                                        axis=1)) < need
+    state = _Slots(queue, dict(tf.init_cache(cfg, n, s, dtype),
+                               index=jnp.full((n,), p, jnp.int32)),
+                   jnp.zeros((n, cfg.d_model), dtype), jnp.zeros((n,), jnp.int32),
+                   jnp.ones((n,), bool), jnp.zeros((num_i,), bool), jnp.zeros((), jnp.int32))
     # The first n unfinished responses in queue order (fewer: the other slots stay free).
     first_n = jnp.nonzero(~queue.finished_I, size=n, fill_value=num_i)[0]
-    state = prefill(state, jnp.minimum(first_n, num_i - 1), jnp.arange(n))
-    state = dict(state, done=first_n >= num_i,
-                 started=state["started"] & ~queue.finished_I)
+    state = _prefill(k, state, jnp.minimum(first_n, num_i - 1), jnp.arange(n))
+    state = state._replace(done=first_n >= num_i, started=state.started & ~queue.finished_I)
 
     def body(st):
-        st = decode_step(st)
+        st = _decode_step(k, st)
         return jax.lax.while_loop(
-            lambda st: jnp.any(st["done"]) & jnp.any(pending(st)) & wanted(st), refill, st)
+            lambda st: jnp.any(st.done) & jnp.any(_pending(st)) & wanted(st),
+            functools.partial(_refill, k), st)
 
     if n == num_i:  # a slot per response: nothing is ever refilled
-        body = decode_step
+        body = functools.partial(_decode_step, k)
 
-    st = jax.lax.while_loop(lambda st: jnp.any(~st["done"]) & wanted(st), body, state)
-    return st["q"], st["steps"]
+    st = jax.lax.while_loop(lambda st: jnp.any(~st.done) & wanted(st), body, state)
+    return st.q, st.steps
