@@ -80,6 +80,7 @@ HEAVY = (
     "tests/rl/drift_test.py::test_at_zero_mismatch_the_drift_is_zero_and_centring_is_an_exact_no_op",
     "tests/rl/drift_test.py::test_with_fp8_weights_each_source_lands_in_its_own_part_and_only_there",
     "tests/rl/steps_test.py::test_learning_rates_share_one_compiled_update_and_each_takes_its_own_step",
+    "tests/rl/steps_test.py::test_loop_only_names_every_field_no_step_reads",
     "tests/model/expert_parallel_test.py::test_expert_parallel_never_gathers_expert_weights_over_the_expert_axis",
     "tests/sampling/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics[variant1]",
     "tests/method/overlong_test.py::test_masked_truncated_rows_leave_the_loss",

@@ -303,14 +303,18 @@ class Engine:
         return self._call("sft_update", state, batch)
 
 
-# RLConfig fields only the loop reads (rl/loop.py); no jitted step depends on them (the
-# eval batch is padded to the mesh and sampler multiple, the overlong penalty is added to
-# the rewards on the host, so rl.overlong=penalty builds the steps of 'keep').
+# RLConfig fields only the loop and the sources read (rl/loop.py, rl/sources.py); no jitted
+# step depends on them (the eval batch is padded to the mesh and sampler multiple, the
+# overlong penalty is added to the rewards on the host, so rl.overlong=penalty builds the
+# steps of 'keep'; the trim bucket is the trim program's argument; the partial source
+# chooses the score step of its old policy). tests/rl/steps_test.py checks the list
+# against what building and tracing the steps reads.
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "async_checkpoints", "phase_sync", "max_consecutive_skips", "seed", "offline_rollouts",
-             "eval_k", "eval_problems", "overlong_buffer", "overlong_penalty_factor",
-             "log_samples", "log_samples_every", "eval_sets", "dynamic_sampling",
-             "max_sampling_rounds", "attribution_every", "attribution_rows")
+             "async_checkpoints", "phase_sync", "max_consecutive_skips", "seed",
+             "offline_rollouts", "eval_k", "eval_problems", "overlong_buffer",
+             "overlong_penalty_factor", "log_samples", "log_samples_every", "eval_sets",
+             "dynamic_sampling", "max_sampling_rounds", "attribution_every",
+             "attribution_rows", "trim_bucket", "old_policy")
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -326,6 +326,62 @@ def test_runs_that_differ_only_in_loop_fields_share_their_jitted_steps():
         assert first == second, name
 
 
+
+def _fields_the_steps_read(cfg) -> set:
+    """The RLConfig fields that building `cfg`'s steps (engine._steps) and tracing its
+    sample, score, update, SFT update, partial-rollout sample and attribution probe
+    read: `cfg.rl` swapped for a subclass that records each field read while they run."""
+    import dataclasses
+
+    from stablerl_jax.config import RLConfig
+    from stablerl_jax.rl import engine as engine_lib
+    from stablerl_jax.rl.inflight import Inflight
+    seen, on = set(), [False]
+
+    class Recording(RLConfig):
+        def __getattribute__(self, name):
+            if on[0] and name in RLConfig.__dataclass_fields__:
+                seen.add(name)
+            return super().__getattribute__(name)
+
+    program = engine_lib.program_config(cfg)
+    program = program.replace(rl=Recording(**{f.name: getattr(program.rl, f.name)
+                                              for f in dataclasses.fields(RLConfig)}))
+    on[0] = True
+    try:
+        built = engine_lib._steps(program, (EOS_ID,), PAD_ID,
+                                  *engine_lib.program_optim(program.rl.optim, 4), 0, None)
+        eng = engine_lib.Engine(program, 1e-3, *built)
+        for name in ("sample", "score", "update", "sft_update"):
+            eng.lower(name, *eng.abstract_inputs(name))
+        params, rollout, rewards = eng.abstract_inputs("score")
+        batch, _ = jax.eval_shape(eng._jitted["score"][0], params, rollout, rewards)
+        eng.lower("probe", params, rollout, batch)
+        if cfg.rl.max_staleness:
+            eng.lower("sample_partial", params, Inflight.create(cfg, PAD_ID).queue,
+                      np.int32(0))
+    finally:
+        on[0] = False
+    return seen
+
+
+def test_loop_only_names_every_field_no_step_reads():
+    """engine.LOOP_ONLY (the fields reset before the steps are built, so runs differing in
+    them share one set of programs) holds exactly the RLConfig fields that no step reads,
+    under each switch that adds a step's branch (partial rollouts, packing, the
+    attribution probe, the drift monitor, score in the update). A field a step starts
+    reading fails here, and so does a new field no step reads that LOOP_ONLY lacks."""
+    from stablerl_jax.config import RLConfig
+    from stablerl_jax.rl import engine as engine_lib
+    read = set().union(*(_fields_the_steps_read(c) for c in (
+        tiny_cfg(), tiny_cfg(max_staleness=1), tiny_cfg(pack_tokens=64, pack_rows=2),
+        tiny_cfg(attribution=True, drift_monitor=True), tiny_cfg(score_in_update=True,
+                                                                  num_minibatches=1))))
+    fields = set(RLConfig.__dataclass_fields__)
+    assert not read & set(engine_lib.LOOP_ONLY), sorted(read & set(engine_lib.LOOP_ONLY))
+    assert fields - read == set(engine_lib.LOOP_ONLY), sorted(fields - read
+                                                               ^ set(engine_lib.LOOP_ONLY))
+
 # The default suite checks the same end to end (tests/experiments/recipe_test.py, lr 1e-6 on float32
 # master weights of a bfloat16 checkpoint); this one counts the weights bf16 would lose.
 @pytest.mark.slow
