@@ -42,7 +42,8 @@ from experiments.runner import (
 from stablerl_jax import distributed
 from stablerl_jax.config import ConfigError
 from stablerl_jax.rl import preflight, profiling
-from stablerl_jax.runs import compile_cache, storage, trackers, workdir
+from stablerl_jax.runs import compile_cache, storage, trackers
+from stablerl_jax.runs import lock as run_lock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +212,7 @@ def main(desc: Descriptor, argv=None) -> dict:
                                       exp.config(v, seeds[0], args.overrides))
     except (ValueError, PermissionError) as e:
         ap.error(str(e))
-    with workdir.Lock(args.workdir, enabled=distributed.is_main()):
+    with run_lock.Lock(args.workdir, enabled=distributed.is_main()):
         return _train(desc, exp, args, variants, seeds, argv)
 
 

@@ -43,7 +43,8 @@ from stablerl_jax.config import DTYPES, ConfigError
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, profiling, sft
 from stablerl_jax.rl.engine import param_shardings
-from stablerl_jax.runs import compile_cache, storage, trackers, workdir
+from stablerl_jax.runs import compile_cache, storage, trackers
+from stablerl_jax.runs import lock as run_lock
 
 
 @one_line_errors
@@ -89,7 +90,7 @@ def main(argv=None, *, default_workdir: str = "runs/train") -> dict:
     except (ConfigError, ValueError, PermissionError) as e:
         ap.error(str(e))
     main_process = distributed.is_main()
-    with workdir.Lock(args.workdir, enabled=main_process):  # before the cold start writes
+    with run_lock.Lock(args.workdir, enabled=main_process):  # before the cold start writes
         return _train(args, cfg, allow, main_process)
 
 

@@ -18,7 +18,7 @@ from stablerl_jax.config import ConfigError, TaskConfig
 from stablerl_jax.data import jsonl
 from stablerl_jax.data.task import load_split
 from stablerl_jax.rl import loop, preflight, sft
-from stablerl_jax.runs.workdir import LOCK_FILE
+from stablerl_jax.runs.lock import LOCK_FILE
 
 # (case, overrides, the message must contain these)
 OVERRIDES = [
@@ -207,7 +207,7 @@ def finished_run(tmp_path_factory):
 
 def _snapshot(path):
     """Every file's name, size and mtime; but the lock file, which a refused run also
-    takes and releases (stablerl_jax/runs/workdir.py)."""
+    takes and releases (stablerl_jax/runs/lock.py)."""
     return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
                   for p in path.rglob("*") if p.name != LOCK_FILE)
 

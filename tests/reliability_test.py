@@ -25,10 +25,15 @@ from rl_helpers import EOS_ID, PAD_ID
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
-from stablerl_jax.runs import workdir as workdir_lock
-from stablerl_jax.runs.checkpoint import CANCEL_WAIT_S, INTERRUPT_WAIT_S, LOG_FILE, Checkpointer
+from stablerl_jax.runs import lock as run_lock
+from stablerl_jax.runs.checkpoint import (
+    CANCEL_WAIT_S,
+    INTERRUPT_WAIT_S,
+    LOG_FILE,
+    Checkpointer,
+)
+from stablerl_jax.runs.lock import LOCK_FILE, WorkdirBusy
 from stablerl_jax.runs.metrics_io import outcome, read_metrics
-from stablerl_jax.runs.workdir import LOCK_FILE, WorkdirBusy
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reliability_child.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,24 +350,24 @@ def test_a_second_run_in_the_same_workdir_is_refused(tmp_path, reference):
 @pytest.mark.integration
 def test_a_lock_of_a_dead_run_is_taken_over(tmp_path, caplog):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from stablerl_jax.runs import workdir; "
-         "workdir.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+        [sys.executable, "-c", "import sys, time; from stablerl_jax.runs import lock; "
+         "lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)",
          str(tmp_path)], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
     assert holder.stdout.readline().strip() == b"held"
     with pytest.raises(WorkdirBusy, match=f"in use by pid {holder.pid} on host "
                                           f"'{socket.gethostname()}' \\(started 20"):
-        workdir_lock.acquire(str(tmp_path))
+        run_lock.acquire(str(tmp_path))
     holder.kill()
     holder.wait()
     with caplog.at_level("WARNING"):
-        path = workdir_lock.acquire(str(tmp_path))
+        path = run_lock.acquire(str(tmp_path))
     assert f"taking over the lock of pid {holder.pid}" in caplog.text
     assert "that process is gone" in caplog.text
     assert json.loads(open(path).read())["pid"] == os.getpid()
-    assert workdir_lock.acquire(str(tmp_path)) == path  # re-entrant within a process
-    workdir_lock.release(path)
+    assert run_lock.acquire(str(tmp_path)) == path  # re-entrant within a process
+    run_lock.release(path)
     assert json.loads(open(path).read())["pid"] == os.getpid()  # still held once
-    workdir_lock.release(path)
+    run_lock.release(path)
     assert open(path).read() == ""
 
 

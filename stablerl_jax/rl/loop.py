@@ -59,10 +59,14 @@ from stablerl_jax.rl import (
 )
 from stablerl_jax.rl import history as workdir_history
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.runs import storage
-from stablerl_jax.runs import workdir as workdir_lock
+from stablerl_jax.runs import lock, storage
 from stablerl_jax.runs.checkpoint import Checkpointer
-from stablerl_jax.runs.metrics_io import JsonlLog, MetricsWriter, plot_metrics, read_metrics
+from stablerl_jax.runs.metrics_io import (
+    JsonlLog,
+    MetricsWriter,
+    plot_metrics,
+    read_metrics,
+)
 from stablerl_jax.runs.trackers import Trackers
 
 
@@ -233,7 +237,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     tracker runs, `<workdir>/trackers.json`). In a multi-process run every process calls
     this; the first writes metrics, logs, plots, the trackers and the summary, and every
     one writes its part of the checkpoints. The first also holds
-    the workdir's lock (workdir.py) for the whole run: a second run there is refused.
+    the workdir's lock (runs/lock.py) for the whole run: a second run there is refused.
     `profile`: (first, last) global steps (as metrics rows number them) to trace with
     jax.profiler into `<workdir>/profile/` (rl/profiling.py); every process writes its own.
     """
@@ -241,7 +245,7 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
     preflight.check_urls(cfg, export_hf=export_hf)
     preflight.check_processes(cfg, export_hf)
     main = distributed.is_main()
-    with workdir_lock.Lock(workdir, enabled=main):
+    with lock.Lock(workdir, enabled=main):
         preflight.check_history(cfg, workdir, replace_history, export_hf)
         with Trackers(trackers, workdir, run_name=cfg.name, enabled=main) as tracker:
             with costs.PhaseTimer(sync=cfg.rl.phase_sync) as timer:
@@ -323,7 +327,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         for step in bar:
             profiler.before(step + 1)
             ckpt.check_saves()  # a failed background save stops the run here
-            workdir_lock.check_held()  # so does a lock another run took over
+            lock.check_held()  # so does a lock another run took over
             every = cfg.rl.log_samples_every
             train_samples = cfg.rl.log_samples if every and (step + 1) % every == 0 else 0
             state, metrics, composition, samples, dumped, work = global_step(

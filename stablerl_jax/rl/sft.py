@@ -29,9 +29,13 @@ from stablerl_jax.method.diagnostics import reduce_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.steps import TrainState, count_skips, skipped
-from stablerl_jax.runs import storage
-from stablerl_jax.runs import workdir as workdir_lock
-from stablerl_jax.runs.checkpoint import Checkpointer, is_complete, load_params, save_params
+from stablerl_jax.runs import lock, storage
+from stablerl_jax.runs.checkpoint import (
+    Checkpointer,
+    is_complete,
+    load_params,
+    save_params,
+)
 from stablerl_jax.runs.checkpoint_steps import set_aside
 from stablerl_jax.runs.metrics_io import MetricsWriter, read_metrics
 from stablerl_jax.runs.trackers import Trackers
@@ -80,7 +84,7 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
         skips = 0
         losses = [r["sft/loss"] for r in read_metrics(writer.path)] if run_dir else []
         for step in bar:
-            workdir_lock.check_held()  # a run whose lock was taken over stops here
+            lock.check_held()  # a run whose lock was taken over stops here
             state, metrics = engine.sft_update(state, next(batches))
             metrics = jax.tree.map(distributed.host, metrics)
             skips = count_skips(skips, [skipped(metrics)], cfg.sft.max_consecutive_skips,

@@ -2,7 +2,7 @@
 
     storage.py            a local directory or a `gs://` bucket behind one interface
     storage_gcs.py        Cloud Storage's naming rules (`check_url`), its client (the run lock)
-    workdir.py            one run per workdir: the lock file and its take-over rules
+    lock.py               one run per workdir: the lock file and its take-over rules
     checkpoint.py         orbax checkpoints: atomic, async, keep-N, resume from complete steps
     checkpoint_steps.py   which entries of a checkpoint directory are its steps, the
                           remains of a save cut short, and their clean-up

@@ -31,7 +31,7 @@ here, once; the rest of the code calls these functions with either kind of path:
   on an object store is an object written under generation preconditions
   (storage_gcs.py: `read_object`, `create_object`, `replace_object`, `delete_object`,
   through google-cloud-storage: gcsfs exposes no precondition on a rewrite) with a
-  heartbeat (workdir.py).
+  heartbeat (lock.py).
 
 Both gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/runs/gcs_test.py runs
 against a local emulator). fsspec caches directory listings by default, which would hide

@@ -6,7 +6,7 @@ enters storage.py, so a misspelt one is refused naming itself and the fix, befor
 request. The first request of a run (`bucket_exists`, the workdir check) gives up within
 REACH_BOUND_S when the endpoint does not answer.
 
-The run lock on an object store (workdir.py) is an object written under generation
+The run lock on an object store (lock.py) is an object written under generation
 preconditions (`read_object`, `create_object`, `replace_object`, `delete_object`, through
 google-cloud-storage: gcsfs exposes no precondition on a rewrite). The client follows
 STORAGE_EMULATOR_HOST, as gcsfs does (tests/runs/gcs_test.py runs against a local

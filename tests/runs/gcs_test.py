@@ -48,7 +48,7 @@ from stablerl_jax.runs.metrics_io import (
     torn_tail,
     truncate_jsonl,
 )
-from stablerl_jax.runs.workdir import LOCK_FILE
+from stablerl_jax.runs.lock import LOCK_FILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,13 +9,14 @@ import pytest
 from cli_helpers import one_line
 
 from stablerl_jax.rl import history
-from stablerl_jax.runs import metrics_io, storage, workdir
+from stablerl_jax.runs import lock as run_lock
+from stablerl_jax.runs import metrics_io, storage
 from stablerl_jax.runs.checkpoint_guards import ErrorLog
 
 
 def _write_lock(work, path):
-    fd_path = workdir.acquire(str(work))
-    workdir.release(fd_path)
+    fd_path = run_lock.acquire(str(work))
+    run_lock.release(fd_path)
 
 
 def _write_log(work, path):
@@ -97,11 +98,11 @@ def test_a_linked_workdir_and_checkpoint_directory_are_followed(tmp_path):
     real = tmp_path / "disk" / "run"
     real.mkdir(parents=True)
     (tmp_path / "run").symlink_to(real)
-    path = workdir.acquire(str(tmp_path / "run"))
+    path = run_lock.acquire(str(tmp_path / "run"))
     try:
-        assert path == str(real / workdir.LOCK_FILE)
+        assert path == str(real / run_lock.LOCK_FILE)
     finally:
-        workdir.release(path)
+        run_lock.release(path)
     (tmp_path / "ckpt").mkdir()
     (real / "checkpoints").symlink_to(tmp_path / "ckpt")
     storage.write_text(str(real / "checkpoints" / "note"), "x")
@@ -126,8 +127,8 @@ def test_a_linked_run_lock_is_one_line_at_the_command_line(capsys, tmp_path):
     work.mkdir()
     target = tmp_path / "precious.txt"
     target.write_text("precious")
-    (work / workdir.LOCK_FILE).symlink_to(target)
+    (work / run_lock.LOCK_FILE).symlink_to(target)
     one_line(capsys, ["--workdir", str(work), "--quiet", "--compile-cache=", "sft.steps=0"],
-             f"{work / workdir.LOCK_FILE} is a symbolic link", "never writes through a link")
+             f"{work / run_lock.LOCK_FILE} is a symbolic link", "never writes through a link")
     assert target.read_text() == "precious"
-    assert sorted(os.listdir(work)) == [workdir.LOCK_FILE]  # nothing else written
+    assert sorted(os.listdir(work)) == [run_lock.LOCK_FILE]  # nothing else written
