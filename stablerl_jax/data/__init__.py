@@ -13,7 +13,7 @@
     batching.py      left-padded prompt groups for RL, SFT batches, seeded epoch order
     answers.py       final-answer extraction (after </think>; boxed, ####, "the answer is")
     rewards.py       exact-match, math-verify and format rewards, with the extractor used
-    evaluation.py    avg@k / pass@k on held-out problems given any sampler
+    accuracy.py      avg@k / pass@k on held-out problems given any sampler
     sft_data.py      cold-start records → chats → token ids and the loss mask
     template_sandbox.py the jinja environment a chat template renders in
     template_sizes.py   how long its text can get, estimated before it is built

@@ -3,7 +3,7 @@
 Letters: n problems of a set, k samples per problem, n' ≥ n padded problems.
 
 Each set of `TaskData.evals` ({name: records}) is sampled k times per problem with the
-inference engine, and scored with the task's reward (data/evaluation.py):
+inference engine, and scored with the task's reward (data/accuracy.py):
 
     eval/<set>/avg@k          mean_ij r_ij
     eval/<set>/stderr         std_i(mean_j r_ij) / sqrt(n), avg@k's standard error over problems
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from stablerl_jax import distributed
-from stablerl_jax.data.evaluation import summarize
+from stablerl_jax.data.accuracy import summarize
 
 SUMMARY_KEYS = ("avg@k", "stderr", "pass@k", "length_mean", "truncated_frac")
 MEAN_NAMES = {"avg@k": "eval/accuracy", "pass@k": "eval/pass_at_k",

@@ -1,7 +1,7 @@
 """avg@k with a scripted sampler."""
 import pytest
 
-from stablerl_jax.data.evaluation import avg_at_k
+from stablerl_jax.data.accuracy import avg_at_k
 from stablerl_jax.data.rewards import exact_match_reward
 
 
