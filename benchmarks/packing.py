@@ -7,7 +7,7 @@
 The long preset's model and batch (B = prompts_per_step × G responses, one mini-batch),
 with a batch of synthetic responses of the task's shape: prompts of 10–24 tokens
 left-padded to task.max_prompt_len, completions of `--lengths` tokens (`uniform`: 220–370,
-the long task's solutions; or any schedule.py spec, e.g. `lognormal:mean=150,sigma=0.75`,
+the long task's solutions; or any sampler_schedules.py spec, e.g. `lognormal:mean=150,sigma=0.75`,
 capped at sampling.max_new_tokens), random tokens, μ log-probs and R3 routes (the update
 replays them), rl.score_in_update off (score and update timed apart). Each configuration is one Engine: its score step and its update step,
 each timed over `--reps` calls after one compile call; the median is printed.
@@ -34,7 +34,7 @@ import numpy as np
 from stablerl_jax import presets
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.pod import schedule
+from stablerl_jax.pod import sampler_schedules
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.sampling.rollout import Rollout
 
@@ -47,7 +47,7 @@ def synthetic_batch(cfg, lengths: str, seed: int = 0) -> tuple[Rollout, np.ndarr
     if lengths == "uniform":
         comp = rng.integers(220, 371, b)
     else:
-        comp = schedule.lengths_from_spec(lengths, n, b, rng)
+        comp = sampler_schedules.lengths_from_spec(lengths, n, b, rng)
     prompt_len = np.repeat(rng.integers(10, p + 1, b // cfg.rl.group_size), cfg.rl.group_size)
     s = p + n
     slot = np.arange(s)[None]

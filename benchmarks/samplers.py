@@ -31,7 +31,7 @@ Columns: responses = those a step returns (B per step; for partial, the consumed
 ones); tokens = their completion tokens (for partial some were generated in the step
 before); ms per decode step = wall / decode steps (prefills and host work included);
 host s (partial): `prepare` + `take`, the queue's bookkeeping on the host; decode
-steps: static and continuous from `schedule.static/continuous` of the response lengths
+steps: static and continuous from `sampler_schedules.static/continuous` of the response lengths
 (the continuous sampler's own count equals the latter, tests/sampling/continuous_test.py),
 partial as the sampler returns it; occupancy = tokens generated in the timed calls /
 (decode steps × n); dropped (partial): responses reset for staleness.
@@ -55,7 +55,7 @@ from experiments import onpolicy, runner
 from stablerl_jax import distributed
 from stablerl_jax.config import apply_overrides
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.pod import schedule
+from stablerl_jax.pod import sampler_schedules
 from stablerl_jax.rl import loop
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import Inflight
@@ -164,8 +164,8 @@ def bench_slots(base, data, params, n: int, args) -> None:
         static_wall, static = run_full(with_("sampling.continuous=false"), data, params,
                                        timed, 0)
         cont_wall, cont = run_full(with_("sampling.continuous=true"), data, params, timed, 0)
-        for name, wall, outs, plan in (("static", static_wall, static, schedule.static),
-                                       ("continuous", cont_wall, cont, schedule.continuous)):
+        for name, wall, outs, plan in (("static", static_wall, static, sampler_schedules.static),
+                                       ("continuous", cont_wall, cont, sampler_schedules.continuous)):
             walls.setdefault(name, []).append(wall)
             runs = [plan(r.lengths_B, n).runs for r in outs]
             steps = sum(r.steps for r in runs)

@@ -33,7 +33,7 @@ fit.
 `--lengths SPEC` (repeatable; `--eval-lengths` for the evaluation's) adds, per
 distribution, the score and update at those lengths (padded rows trimmed to the longest,
 or with rl.pack_tokens the packed micro-batches in use: schedule_prices.train_shares),
-and (when the sample step is compiled too) the sampler's schedules (stablerl_jax/pod/schedule.py: static, continuous,
+and (when the sample step is compiled too) the sampler's schedules (stablerl_jax/pod/sampler_schedules.py: static, continuous,
 partial rollouts with S = 1 and 2) priced per decode step at its largest write slot
 (schedule_prices.schedule_rows): sample, score passes, updates, amortized eval and global step
 seconds, slot occupancy, the partial rollouts' drops and token ages, and whether a
@@ -50,7 +50,13 @@ import numpy as np
 
 from experiments.cli_errors import one_line_errors
 from stablerl_jax import presets
-from stablerl_jax.pod import aot, roofline, sampler_programs, schedule, schedule_prices
+from stablerl_jax.pod import (
+    aot,
+    roofline,
+    sampler_programs,
+    sampler_schedules,
+    schedule_prices,
+)
 from stablerl_jax.rl.engine import Engine
 
 
@@ -147,7 +153,7 @@ def _train_table(engine, est, spec, args) -> None:
     balanced over the shards as the loop orders them)."""
     cfg, rl = engine.cfg, engine.cfg.rl
     b, k = rl.prompts_per_step * rl.group_size, args.schedule_steps
-    lengths = schedule.lengths_from_spec(spec, cfg.sampling.max_new_tokens, k * b,
+    lengths = sampler_schedules.lengths_from_spec(spec, cfg.sampling.max_new_tokens, k * b,
                                          np.random.default_rng(args.seed)).reshape(k, b)
     sh = schedule_prices.train_shares(cfg, lengths, cfg.task.max_prompt_len)
     score, update = est["score"].seconds, est["update"].seconds * rl.num_minibatches
@@ -164,15 +170,15 @@ def _train_table(engine, est, spec, args) -> None:
 
 
 def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, args) -> None:
-    """The sampler's schedules (stablerl_jax/pod/schedule.py) at a length distribution,
+    """The sampler's schedules (stablerl_jax/pod/sampler_schedules.py) at a length distribution,
     priced per decode step (schedule_prices.schedule_rows), and the sampler / trainer split."""
     cfg, chip, rl = engine.cfg, roofline.chip_of(topo.name), engine.cfg.rl
     cap, b, slots = cfg.sampling.max_new_tokens, rl.prompts_per_step * rl.group_size, \
         sampler_programs.rows_per_pass(cfg)
     rng = np.random.default_rng(args.seed)
     k = args.schedule_steps
-    lengths = schedule.lengths_from_spec(spec, cap, k * b + slots, rng)
-    evals = schedule.lengths_from_spec(eval_spec, cap, rl.eval_problems * rl.eval_k, rng)
+    lengths = sampler_schedules.lengths_from_spec(spec, cap, k * b + slots, rng)
+    evals = sampler_schedules.lengths_from_spec(eval_spec, cap, rl.eval_problems * rl.eval_k, rng)
     prices = schedule_prices.sampler_prices(cfg, costs, topo.chips, chip)
     rows = schedule_prices.schedule_rows(cfg, prices, est["score"].seconds, est["update"].seconds,
                                   lengths, evals, steps=k)
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
                     help="also write each step's optimized HLO to DIR/<step>.hlo.txt")
     ap.add_argument("--lengths", action="append", default=[], metavar="SPEC",
                     help="also estimate the sampler's schedules at this response-length "
-                         "distribution (stablerl_jax/pod/schedule.py: lognormal:mean=8192"
+                         "distribution (stablerl_jax/pod/sampler_schedules.py: lognormal:mean=8192"
                          "[,sigma=0.75], fixed:N, file:PATH); repeatable")
     ap.add_argument("--eval-lengths", default="", metavar="SPEC",
                     help="the evaluation's length distribution (default: --lengths')")
@@ -265,7 +271,7 @@ def main(argv=None) -> int:
     cfg = presets.preset(args.preset, args.overrides)
     for spec in args.lengths + [args.eval_lengths] * bool(args.eval_lengths):
         # refused here, before minutes of compiling
-        schedule.lengths_from_spec(spec, cfg.sampling.max_new_tokens, 1,
+        sampler_schedules.lengths_from_spec(spec, cfg.sampling.max_new_tokens, 1,
                                    np.random.default_rng(0))
     where = (f"{topo.slices} slices of {topo.jax_name}" if topo.slices > 1
              else topo.jax_name)

@@ -4,7 +4,7 @@
     hlo_loops.py        loops and collectives of an optimized HLO module
     sampler_programs.py the sampler's rows per pass and their bytes; its decode-step programs
     roofline.py         time estimates from the compiled programs (compiler and roofline)
-    schedule.py         response lengths and the sampler's schedules, simulated (numpy)
+    sampler_schedules.py response lengths and the sampler's schedules, simulated (numpy)
     schedule_prices.py  those schedules priced: length-aware sample-step estimates
     libtpu_env.py       libtpu on a host without a TPU, started quietly
 """

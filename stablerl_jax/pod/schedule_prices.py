@@ -3,9 +3,9 @@ evaluation and a global step, and a stated model of a separate sampler mesh. Com
 roofline estimates, not measurements.
 
 Letters: P prompt slots, C = max_new_tokens, O decode-slot offsets (a write slot is
-P + o), R responses of a stream (as in stablerl_jax/pod/schedule.py).
+P + o), R responses of a stream (as in stablerl_jax/pod/sampler_schedules.py).
 
-Given response lengths, the sampler's schedules (stablerl_jax/pod/schedule.py: static
+Given response lengths, the sampler's schedules (stablerl_jax/pod/sampler_schedules.py: static
 passes, continuous refilling, partial rollouts) say how many decode steps run and the
 largest write slot of each; a step costs the decode step at that slot (roofline.py's
 programs: the static sampler's step plus its extra key blocks; with a ragged decode
@@ -23,13 +23,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from stablerl_jax import packing
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
 from stablerl_jax.model.flops import forward_flops, train_flops
-from stablerl_jax.pod import schedule
+from stablerl_jax.pod import sampler_schedules
 from stablerl_jax.pod.roofline import ChipSpec, Cost, SamplerCosts
 from stablerl_jax.pod.sampler_programs import rows_per_pass
-from stablerl_jax import packing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SamplerPrices:
     ragged: bool = False  # the decode attention reads each row's own key blocks
 
     def seconds(self, s) -> float:
-        """One sampler run (a schedule.Sampling) with the sampler's decode attention:
+        """One sampler run (a sampler_schedules.Sampling) with the sampler's decode attention:
         `row_reads_seconds` for a ragged one (DECODE_IMPLS' `ragged` rows) where rows
         sit at their own slots, else `max_slot_seconds` (static passes share one slot:
         every row, finished or not, reads up to it)."""
@@ -146,12 +146,12 @@ def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
     b, g = rl.prompts_per_step * rl.group_size, rl.group_size
     slots, train = rows_per_pass(cfg), rl.num_minibatches * update_s
     p = prices.prompt
-    evals = {"static": schedule.static(eval_lengths, slots),
-             "continuous": schedule.continuous(eval_lengths, slots)}
+    evals = {"static": sampler_schedules.static(eval_lengths, slots),
+             "continuous": sampler_schedules.continuous(eval_lengths, slots)}
     runs = {name: [fn(lengths_R[k * b:(k + 1) * b], slots) for k in range(steps)]
-            for name, fn in (("static", schedule.static), ("continuous", schedule.continuous))}
+            for name, fn in (("static", sampler_schedules.static), ("continuous", sampler_schedules.continuous))}
     for s in staleness:
-        runs[f"partial S = {s}"] = schedule.partial(lengths_R, b, g, slots, s,
+        runs[f"partial S = {s}"] = sampler_schedules.partial(lengths_R, b, g, slots, s,
                                                     steps)[steps // 2:]
     rows = []
     for name, ss in runs.items():

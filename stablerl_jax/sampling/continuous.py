@@ -11,7 +11,7 @@ pending response of the queue before the next decode step: its prompt is prefill
 alone into that slot's row of the KV cache (one [1, P] forward), and its first token is
 drawn in the next step. The first n responses start together (one [n, P] prefill).
 Slots are refilled in ascending order; the sampler ends when all I responses are
-complete. `stablerl_jax.pod.schedule` simulates exactly this schedule.
+complete. `stablerl_jax.pod.sampler_schedules` simulates exactly this schedule.
 
 Every slot row keeps the static layout (prompt left-padded in [0, P), completion from
 slot P), but the rows are at different slots: the KV cache carries one write index

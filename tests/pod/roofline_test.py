@@ -7,7 +7,7 @@ import pytest
 
 from stablerl_jax import presets
 from stablerl_jax.model.flops import forward_flops
-from stablerl_jax.pod import roofline, schedule, schedule_prices
+from stablerl_jax.pod import roofline, sampler_schedules, schedule_prices
 
 # Round constants so that seconds are the cost numbers themselves.
 CHIP = roofline.ChipSpec(peak_flops=1.0, hbm_bw=1.0, ici_bw=1.0, source="test")
@@ -38,7 +38,7 @@ def test_static_pricing_of_truncated_responses_is_the_fixed_length_estimate():
     # Every response C long: one pass of 40 steps (the sum of decode_O), the 128 rows'
     # prefill at peak over the chips, and the reshard: as roofline.sample_estimate.
     p = _prices(chips=4)
-    s = schedule.static(np.full(128, 40), 128)
+    s = sampler_schedules.static(np.full(128, 40), 128)
     expect = p.decode_O.sum() + forward_flops(CFG.model, 128, 16) / 4 + 5.0
     assert p.seconds(s) == pytest.approx(expect, rel=1e-12)
     # a re-prefilled row of t tokens costs a forward over P + t
@@ -51,11 +51,11 @@ def test_row_reads_charge_each_row_its_own_key_blocks():
     # 8..11 read 4 extra seconds' blocks for both rows (8 × 11 + 4 × 15 = 148); reading
     # each row's own, the 12-token row alone needs them, half of it: 12 × 11 + 4 × 2 = 140.
     p = _prices(chips=4)
-    s = schedule.static(np.array([1, 12]), 2)
+    s = sampler_schedules.static(np.array([1, 12]), 2)
     fixed = p.prefill_s([0, 0]) + 5.0
     assert p.seconds(s) == pytest.approx(148 + fixed)
     assert p.row_reads_seconds(s) == pytest.approx(140 + fixed)
-    equal = schedule.static(np.array([12, 12]), 2)  # equal rows: the same either way
+    equal = sampler_schedules.static(np.array([12, 12]), 2)  # equal rows: the same either way
     assert p.row_reads_seconds(equal) == pytest.approx(p.seconds(equal))
 
 
@@ -69,8 +69,8 @@ def test_a_ragged_decode_attention_prices_rows_at_their_own_slots_only():
         COSTS, 4, CHIP)
     blocks = _prices(chips=4)
     assert ragged.ragged and not blocks.ragged
-    static = schedule.static(np.array([1, 12]), 2)
-    cont = schedule.continuous(np.array([1, 12]), 2)
+    static = sampler_schedules.static(np.array([1, 12]), 2)
+    cont = sampler_schedules.continuous(np.array([1, 12]), 2)
     assert ragged.seconds(static) == blocks.seconds(static) == ragged.max_slot_seconds(static)
     assert ragged.seconds(cont) == ragged.row_reads_seconds(cont) < blocks.seconds(cont)
     assert ragged.alt_seconds(cont) == blocks.seconds(cont)

@@ -1,4 +1,4 @@
-"""The sampler schedules (stablerl_jax/pod/schedule.py): hand-derived small cases of each, the
+"""The sampler schedules (stablerl_jax/pod/sampler_schedules.py): hand-derived small cases of each, the
 event simulator against a step-by-step reference, the invariants of partial rollouts
 (S = 0 is continuous, every consumed token's age ≤ S, the queue ≤ B + slots), and the
 length specs."""
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from stablerl_jax.pod import schedule
+from stablerl_jax.pod import sampler_schedules
 
 
 def _continuous_reference(lengths, slots):
@@ -35,26 +35,26 @@ def _continuous_reference(lengths, slots):
 
 def test_static_runs_each_strided_pass_to_its_longest_row():
     # Passes [0, 2] and [1, 3]: max(1, 2) + max(4, 3) = 6 steps, each from slot P.
-    s = schedule.static(np.array([1, 4, 2, 3]), 2)
+    s = sampler_schedules.static(np.array([1, 4, 2, 3]), 2)
     assert s.runs.steps == 6
     assert s.runs.offsets().tolist() == [0, 1, 0, 1, 2, 3]
     assert (len(s.prefills), s.tokens, s.occupancy) == (4, 10, 10 / 12)
     assert s.written_O.tolist() == [4, 3, 2, 1]  # rows longer than o
-    assert schedule.static(np.array([1, 4, 2, 3]), 0).runs.offsets().tolist() == [0, 1, 2, 3]
+    assert sampler_schedules.static(np.array([1, 4, 2, 3]), 0).runs.offsets().tolist() == [0, 1, 2, 3]
 
 
 def test_continuous_refills_freed_slots_by_hand():
     # [1, 4, 2, 3], 2 slots: r0 ends at step 1 (r2 takes slot 0), r2 at step 3 (r3 takes
     # slot 0), r1 at step 4, r3 at step 6. Largest write offset: 0, then r1's 1, 2, 3,
     # then r3's 1, 2.
-    s = schedule.continuous(np.array([1, 4, 2, 3]), 2)
+    s = sampler_schedules.continuous(np.array([1, 4, 2, 3]), 2)
     assert s.runs.offsets().tolist() == [0, 1, 2, 3, 1, 2]
     assert (len(s.prefills), s.tokens) == (4, 10)
     assert s.written_O.tolist() == [4, 3, 2, 1]  # each response writes 0..ℓ−1, as static
     # [4, 1, 1, 4]: static needs max(4, 1) + max(1, 4) = 8 steps; continuous 6 (r1 and r2
     # pass through slot 1 while r0 runs, r3 ends two steps after r0).
-    assert schedule.static(np.array([4, 1, 1, 4]), 2).runs.steps == 8
-    s = schedule.continuous(np.array([4, 1, 1, 4]), 2)
+    assert sampler_schedules.static(np.array([4, 1, 1, 4]), 2).runs.steps == 8
+    s = sampler_schedules.continuous(np.array([4, 1, 1, 4]), 2)
     assert s.runs.offsets().tolist() == [0, 1, 2, 3, 2, 3]
     assert s.occupancy == 10 / 12
 
@@ -64,16 +64,16 @@ def test_continuous_events_equal_the_step_by_step_reference(seed):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 30, size=24)
     for slots in (1, 3, 8, 24, 32):
-        s = schedule.continuous(lengths, slots)
+        s = sampler_schedules.continuous(lengths, slots)
         offsets, prefills = _continuous_reference(lengths.tolist(), slots)
         assert s.runs.offsets().tolist() == offsets
         assert len(s.prefills) == prefills == len(lengths)
         assert s.tokens == lengths.sum() == s.written_O.sum()
-        assert s.written_O.tolist() == schedule.static(lengths, 0).written_O.tolist()
+        assert s.written_O.tolist() == sampler_schedules.static(lengths, 0).written_O.tolist()
 
 
 def test_runs_sum_a_value_per_decode_step():
-    runs = schedule.Runs(np.array([3, 0, 5]), np.array([2, 1, 3]))
+    runs = sampler_schedules.Runs(np.array([3, 0, 5]), np.array([2, 1, 3]))
     values = np.arange(10.0) ** 2
     assert runs.offsets().tolist() == [3, 4, 0, 5, 6, 7]
     assert runs.sum_of(values) == sum(values[o] for o in runs.offsets())
@@ -92,7 +92,7 @@ def test_partial_rollouts_by_hand():
     # so g1 (v1: 3 + 1 tokens, v2: 1) is the batch; r7 takes slot 0. k3: r6 (v2) is
     # carried, r7 and r8 end at step 1: g3 (ages 0 and 1).
     lengths = np.array([1, 1, 4, 1, 1, 1, 1, 1, 1, 1])
-    steps = schedule.partial(lengths, 2, 2, 2, 1, 4)
+    steps = sampler_schedules.partial(lengths, 2, 2, 2, 1, 4)
     assert [s.runs.offsets().tolist() for s in steps] == [[0], [0, 1, 2], [3], [0]]
     assert [s.prefills.tolist() for s in steps] == [[0, 0, 0, 0], [0, 0, 0, 0], [3, 0, 0],
                                                     [0, 0, 0]]
@@ -107,11 +107,11 @@ def test_partial_rollouts_drop_responses_older_than_s():
     # k3 its oldest token and its finished sibling r3's are older than k − S = 2, so both
     # restart (tokens discarded), and g4 is the batch. With S = 2 nothing is dropped.
     lengths = np.array([1, 1, 6, 1, 1, 1, 1, 1, 1, 1])
-    steps = schedule.partial(lengths, 2, 2, 2, 1, 4)
+    steps = sampler_schedules.partial(lengths, 2, 2, 2, 1, 4)
     assert [s.dropped for s in steps] == [0, 0, 0, 2]
     assert [s.runs.offsets().tolist() for s in steps] == [[0], [0, 1, 2], [3, 4], [0, 1, 2]]
     assert _ages(steps)[3] == [2]
-    assert [s.dropped for s in schedule.partial(lengths, 2, 2, 2, 2, 4)] == [0, 0, 0, 0]
+    assert [s.dropped for s in sampler_schedules.partial(lengths, 2, 2, 2, 2, 4)] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -120,8 +120,8 @@ def test_partial_with_s_0_is_continuous_step_by_step(seed):
     b, k = 16, 3
     lengths = rng.integers(1, 40, size=k * b + 8)
     for slots in (4, 8, 16):
-        for i, s in enumerate(schedule.partial(lengths, b, 4, slots, 0, k)):
-            c = schedule.continuous(lengths[i * b:(i + 1) * b], slots)
+        for i, s in enumerate(sampler_schedules.partial(lengths, b, 4, slots, 0, k)):
+            c = sampler_schedules.continuous(lengths[i * b:(i + 1) * b], slots)
             assert s.runs.offsets().tolist() == c.runs.offsets().tolist()
             assert s.prefills.tolist() == c.prefills.tolist()
             assert (s.dropped, s.consumed_by_age.sum()) == (0, lengths[i * b:(i + 1) * b].sum())
@@ -132,7 +132,7 @@ def test_partial_consumes_tokens_at_most_s_steps_old_from_a_bounded_queue(stalen
     rng = np.random.default_rng(staleness)
     b, g, slots, k = 32, 4, 16, 12
     lengths = np.minimum(np.ceil(rng.lognormal(3.0, 1.0, k * b + slots)), 200).astype(int)
-    steps = schedule.partial(lengths, b, g, slots, staleness, k)
+    steps = sampler_schedules.partial(lengths, b, g, slots, staleness, k)
     for s in steps:
         ages = s.consumed_by_age
         assert ages[staleness + 1:].sum() == 0
@@ -147,26 +147,26 @@ def test_partial_consumes_tokens_at_most_s_steps_old_from_a_bounded_queue(stalen
 
 def test_lognormal_lengths_have_the_stated_mean_and_truncated_share():
     rng = np.random.default_rng(0)
-    x = schedule.lengths_from_spec("lognormal:mean=100", 10**9, 200_000, rng)
+    x = sampler_schedules.lengths_from_spec("lognormal:mean=100", 10**9, 200_000, rng)
     assert abs(x.mean() - 100.5) < 1  # ceil adds ≈ 0.5; sd 86 / √200k ≈ 0.2
     # Share above the cap: 1 − Φ((ln C − μ) / σ) with μ = ln m − σ²/2; at m = C/4 and
     # σ = 0.75: 1 − Φ((ln 4 + 0.28125) / 0.75) ≈ 0.0131.
-    x = schedule.lengths_from_spec("lognormal:mean=8192", 32_768, 100_000, rng)
-    sigma = schedule.DEFAULT_SIGMA
+    x = sampler_schedules.lengths_from_spec("lognormal:mean=8192", 32_768, 100_000, rng)
+    sigma = sampler_schedules.DEFAULT_SIGMA
     z = (math.log(4) + sigma**2 / 2) / sigma
     assert abs((x == 32_768).mean() - 0.5 * math.erfc(z / math.sqrt(2))) < 0.002
     assert x.min() >= 1 and x.max() == 32_768
-    y = schedule.lengths_from_spec("lognormal:mean=8192,sigma=0.1", 32_768, 1000, rng)
+    y = sampler_schedules.lengths_from_spec("lognormal:mean=8192,sigma=0.1", 32_768, 1000, rng)
     assert y.max() < 32_768
 
 
 def test_fixed_and_file_lengths(tmp_path):
     rng = np.random.default_rng(0)
-    assert schedule.lengths_from_spec("fixed:7", 10, 3, rng).tolist() == [7, 7, 7]
+    assert sampler_schedules.lengths_from_spec("fixed:7", 10, 3, rng).tolist() == [7, 7, 7]
     (tmp_path / "a.txt").write_text("3\n5\n40\n")
     (tmp_path / "b.json").write_text("[3, 5, 40]")
     for name in ("a.txt", "b.json"):
-        x = schedule.lengths_from_spec(f"file:{tmp_path / name}", 10, 500, rng)
+        x = sampler_schedules.lengths_from_spec(f"file:{tmp_path / name}", 10, 500, rng)
         assert set(x.tolist()) == {3, 5, 10}  # 40 > cap is truncated at 10
 
 
@@ -177,7 +177,7 @@ def test_fixed_and_file_lengths(tmp_path):
     ("8192", "unknown form")])
 def test_bad_length_specs_name_the_field(spec, field):
     with pytest.raises(ValueError, match=field) as e:
-        schedule.lengths_from_spec(spec, 10, 4, np.random.default_rng(0))
+        sampler_schedules.lengths_from_spec(spec, 10, 4, np.random.default_rng(0))
     assert "lognormal:mean=8192" in str(e.value)  # the forms, i.e. the fix
 
 
@@ -186,7 +186,7 @@ def test_bad_length_files_are_refused(tmp_path):
     (tmp_path / "zero.txt").write_text("0\n")
     for name in ("bad.txt", "zero.txt"):
         with pytest.raises(ValueError, match="file"):
-            schedule.lengths_from_spec(f"file:{tmp_path / name}", 10, 4,
+            sampler_schedules.lengths_from_spec(f"file:{tmp_path / name}", 10, 4,
                                        np.random.default_rng(0))
 
 

@@ -13,7 +13,7 @@ from stablerl_jax.config import ModelConfig, SamplingConfig
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.pod import schedule
+from stablerl_jax.pod import sampler_schedules
 from stablerl_jax.sampling import continuous
 from stablerl_jax.sampling import rollout as ro
 
@@ -70,9 +70,9 @@ def test_continuous_returns_the_static_rollout_bit_for_bit(slots):
     # holds several responses. One slot: the responses run one after another in both
     # (Σ lengths); one slot per row: nothing to refill (the longest row).
     assert steps >= -(-lengths.sum() // slots) and steps >= lengths.max()
-    # The schedule the pod estimates price (stablerl_jax/pod/schedule.py) is this sampler's.
-    assert steps == schedule.continuous(lengths, slots).runs.steps
-    assert schedule.static(lengths, slots).runs.steps == static_steps(lengths, slots)
+    # The schedule the pod estimates price (stablerl_jax/pod/sampler_schedules.py) is this sampler's.
+    assert steps == sampler_schedules.continuous(lengths, slots).runs.steps
+    assert sampler_schedules.static(lengths, slots).runs.steps == static_steps(lengths, slots)
     expected = {1: lengths.sum(), 16: lengths.max()}
     if slots in expected:
         assert steps == expected[slots] == static_steps(lengths, slots)
