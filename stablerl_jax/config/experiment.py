@@ -37,6 +37,23 @@ class ExperimentConfig(Section):
         if self.sampling.numerics == "bitwise" and not self.model.batch_invariant:
             object.__setattr__(self, "model",
                                dataclasses.replace(self.model, batch_invariant=True))
+        # Cross-section rules, grouped by what they protect.
+        self._check_lengths_and_mesh()   # every sequence fits; the mesh is well formed
+        self._check_batch_splits()       # every batch divides over the mesh
+        self._check_router()             # a frozen router has no losses of its own
+        self._check_sampler_slots()      # the sampler's slots hold whole steps or groups
+        self._check_packing()            # packed rows hold whole sequences, and no more
+        self._check_probes()             # dynamic sampling's rounds, the attribution probe
+        self._check_sampler_q()          # loss.center / rl.drift_monitor's q
+        check_bitwise(self)              # zero mismatch: what could make the engines part
+        check_sizes(self)                # size-like ints bounded by what a run can use
+
+    def _dp(self) -> int:
+        """Devices every batch is split over (sharding.RULES["batch"]: every mesh axis)."""
+        return self.mesh[0] * self.mesh[1] * self.mesh[2]
+
+    def _check_lengths_and_mesh(self):
+        rl = self.rl
         need = self.task.max_prompt_len + self.sampling.max_new_tokens
         check(need <= self.model.max_seq_len, "model.max_seq_len",
               f"must be >= task.max_prompt_len + sampling.max_new_tokens = {need}, "
@@ -52,9 +69,13 @@ class ExperimentConfig(Section):
               f"{self.mesh_dcn} must divide mesh={self.mesh} axis by axis (a slice holds "
               f"mesh / mesh_dcn); change mesh_dcn or the mesh, e.g. mesh_dcn=N,1,1 with "
               f"the data axis a multiple of N (data parallel across N slices)")
-        # Batches are split over every mesh axis (sharding.RULES["batch"]).
-        dp = self.mesh[0] * self.mesh[1] * self.mesh[2]
+        check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
+              f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
+              f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
+
+    def _check_batch_splits(self):
         rl = self.rl
+        dp = self._dp()
         minibatch = rl.prompts_per_step * rl.group_size // rl.num_minibatches
         # The eval batch is padded to the mesh and sampler multiple (rl/loop.py).
         for what, rows in [("the RL micro-batch (rl.prompts_per_step*rl.group_size/"
@@ -74,11 +95,17 @@ class ExperimentConfig(Section):
               or self.model.num_experts % dp == 0, "sampling.layout",
               f"'serve' puts num_experts={self.model.num_experts} on data*fsdp*expert = "
               f"{dp} devices, which must divide it; use layout 'train' or another mesh")
+
+    def _check_router(self):
+        rl = self.rl
         router_losses = [f"model.{f}={getattr(self.model, f)}" for f in (
             "router_z_loss_weight", "router_aux_loss_weight") if getattr(self.model, f)]
         check(not rl.freeze_router or not router_losses, "rl.freeze_router",
               f"a frozen router cannot follow its own losses ({', '.join(router_losses)}); "
               "set them to 0 or rl.freeze_router=false")
+
+    def _check_sampler_slots(self):
+        rl, dp = self.rl, self._dp()
         rows = self.sampling.max_batch
         if rows:
             check(rows % dp == 0, "sampling.max_batch",
@@ -94,6 +121,9 @@ class ExperimentConfig(Section):
                   f"partial rollouts (rl.max_staleness >= 1) keep whole groups in flight: "
                   f"the sampler's slots ({slots}) must be a multiple of rl.group_size = "
                   f"{rl.group_size}")
+
+    def _check_packing(self):
+        rl, dp = self.rl, self._dp()
         if rl.pack_tokens:
             longest = self.task.max_prompt_len + self.sampling.max_new_tokens
             check(rl.pack_tokens >= longest, "rl.pack_tokens",
@@ -119,6 +149,9 @@ class ExperimentConfig(Section):
                   f"padded batch ({b} rows × {longest} = {b * longest:,}); set rl.pack_rows <= "
                   f"{max(dp, b * longest // rl.pack_tokens // dp * dp)} (0: one per batch "
                   "shard)")
+
+    def _check_probes(self):
+        rl, dp = self.rl, self._dp()
         if rl.dynamic_sampling and self.task.kind == "arithmetic":
             # The synthetic train split's size is known here (a file's, once read:
             # rl/preflight.check_sampling_rounds); more rounds would draw prompts again.
@@ -137,12 +170,6 @@ class ExperimentConfig(Section):
                   f"the probe's {probed} rows (one per batch shard at least) exceed the "
                   f"step's {rl.prompts_per_step * rl.group_size} responses; set "
                   "rl.attribution_every=0 or a larger batch")
-        self._check_sampler_q()
-        check_bitwise(self)
-        check_sizes(self)
-        check(rl.overlong_buffer <= self.sampling.max_new_tokens, "rl.overlong_buffer",
-              f"must be <= sampling.max_new_tokens = {self.sampling.max_new_tokens} (the "
-              f"penalty ramps over the last overlong_buffer tokens), got {rl.overlong_buffer}")
 
     def _check_sampler_q(self):
         """loss.center and rl.drift_monitor recompute the sampler's whole-vocabulary q
