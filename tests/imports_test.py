@@ -126,9 +126,10 @@ def test_a_deferred_import_of_the_package_is_for_typing_only():
 
 
 # The layers, lowest first: a module imports (at module level or inside a function) only
-# from its own layer or a lower one, so the arrows of the package map (docs/architecture.md) point one way. The
-# tables of names (the kernels' `*_impls`, the loss table) import nothing of the package's
-# upper layers, so the config validates names against them from the bottom layer.
+# from its own layer or a lower one, so the arrows of the package map (docs/architecture.md)
+# point one way. The tables of names (the kernels' `*_impls`, the loss table) import
+# nothing of the package's upper layers, so the config validates names against them from
+# the bottom layer.
 LAYERS = (
     ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices", "stablerl_jax.packing",
      "stablerl_jax.input_checks", "stablerl_jax.moved",
