@@ -21,11 +21,15 @@ def router_dtype(set_to: str, compute_dtype: str) -> str:
 
 
 def check_bitwise(cfg) -> None:
-    """Under 'bitwise': the sampler's router computes as the trainer's, and μ is this
-    sampler's (not an offline file's)."""
+    """Under 'bitwise': both engines compute per token, the sampler's router computes as
+    the trainer's, and μ is this sampler's (not an offline file's)."""
     s, m = cfg.sampling, cfg.model
     if s.numerics != "bitwise":
         return
+    check(m.batch_invariant, "model.batch_invariant",
+          "must be true under sampling.numerics='bitwise': both engines then compute every "
+          "row per token (model/invariant.py); set model.batch_invariant=true (an override "
+          "sampling.numerics=bitwise sets it)")
     trainer = router_dtype(m.router_dtype, m.compute_dtype)
     check(not s.router_dtype or s.router_dtype == trainer, "sampling.router_dtype",
           f"{s.router_dtype!r} under sampling.numerics='bitwise' makes the sampler's router "

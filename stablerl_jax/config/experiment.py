@@ -34,10 +34,7 @@ class ExperimentConfig(Section):
     mesh_dcn: tuple = (1, 1, 1)
 
     def __post_init__(self):
-        if self.sampling.numerics == "bitwise" and not self.model.batch_invariant:
-            object.__setattr__(self, "model",
-                               dataclasses.replace(self.model, batch_invariant=True))
-        # Cross-section rules, grouped by what they protect.
+        # Cross-section rules, grouped by what they protect. None rewrites a section.
         self._check_lengths_and_mesh()   # every sequence fits; the mesh is well formed
         self._check_batch_splits()       # every batch divides over the mesh
         self._check_router()             # a frozen router has no losses of its own
@@ -269,6 +266,11 @@ def apply_overrides(cfg: ExperimentConfig, overrides: typing.Sequence[str]) -> E
                                       "section")
                 tree = tree.setdefault(name, {})
                 node = child
+    # Bitwise numerics compute per token in both engines (model.batch_invariant): an
+    # override that asks for them sets it too, unless it sets the model's own value.
+    numerics = changes.get("sampling", {}).get("numerics", cfg.sampling.numerics)
+    if numerics == "bitwise" and "batch_invariant" not in changes.get("model", {}):
+        changes.setdefault("model", {})["batch_invariant"] = True
     return _rebuild(cfg, changes)
 
 

@@ -106,8 +106,8 @@ class ModelConfig(Section):
         Replaces dispatch, attention_impl and decode_block by its own per-token paths,
         and gmm_impl by the reference 'loop' unless its row is batch-invariant (the
         Pallas kernels; kernels/gmm_impls.py), in the values; the trainer's backward pass
-        runs the chosen ones. On with sampling.numerics='bitwise'; with another preset
-        it removes every mismatch but that preset's own.
+        runs the chosen ones. Required by sampling.numerics='bitwise' (whose override sets
+        it); with another preset it removes every mismatch but that preset's own.
       row_tile: rows per tile of the batch-invariant path (its per-token ops and
         attention queries; a different tile gives other bits, the same in both engines).
         Larger tiles run fewer iterations of the sequential tile loop (an accelerator

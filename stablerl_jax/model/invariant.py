@@ -4,7 +4,7 @@ The sampler (prefill, then one token per row against a KV cache) and the trainer
 sequences) run the same decoder, but XLA compiles a differently shaped program for each,
 and a row's result depends on that shape: on a CPU, the rows of `jnp.dot` differ between
 a [1, D] and a [256, D] call, and a softmax's sum over the last axis of [B, V] differs
-with B. With ModelConfig.batch_invariant (which the `bitwise` sampler turns on) the
+with B. With ModelConfig.batch_invariant (which the `bitwise` sampler requires) the
 decoder computes every token in a way that is fixed by the token alone:
 
 - Per-token work (norms, projections, RoPE, router, top-k, the expert combine, residual

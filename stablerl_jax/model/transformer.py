@@ -181,8 +181,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT, checks)
     if numerics.name == "bitwise" and not cfg.batch_invariant:
         raise ValueError("numerics 'bitwise' computes per token only under "
-                         "ModelConfig.batch_invariant=True (an ExperimentConfig with "
-                         "sampling.numerics=bitwise sets it); pass the model that way")
+                         "ModelConfig.batch_invariant=True (an override sampling.numerics=bitwise "
+                         "sets it); pass the model that way")
     if replay_weights_BxTxLxK is not None:
         moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
     if segment_ids_BxT is not None and cache is not None:

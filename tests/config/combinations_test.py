@@ -36,6 +36,28 @@ def test_bitwise_with_the_trainers_router_dtype_or_a_dial_is_accepted():
     presets.preset("tiny", ["sampling.numerics=exact", "sampling.router_dtype=bfloat16"])
 
 
+
+def test_bitwise_numerics_need_per_token_layers_which_their_override_sets():
+    """Under 'bitwise' both engines compute per token (model.batch_invariant). The config
+    never rewrites a section after construction: an override of sampling.numerics sets
+    the model's flag with it, and a config built with bitwise numerics and the flag off
+    is refused in one line, as is an override that turns it off."""
+    tiny = presets.preset("tiny")
+    assert not tiny.model.batch_invariant
+    assert presets.preset("tiny", ["sampling.numerics=bitwise"]).model.batch_invariant
+    with pytest.raises(ConfigError) as e:
+        tiny.replace(sampling=tiny.sampling.replace(numerics="bitwise"))
+    assert str(e.value).startswith("model.batch_invariant: must be true under "
+                                   "sampling.numerics='bitwise'")
+    assert "set model.batch_invariant=true" in str(e.value)
+    _refused(["sampling.numerics=bitwise", "model.batch_invariant=false"],
+             "model.batch_invariant: must be true")
+    both = tiny.replace(model=tiny.model.replace(batch_invariant=True),
+                        sampling=tiny.sampling.replace(numerics="bitwise"))
+    assert both.model.batch_invariant and both.sampling.numerics == "bitwise"
+    # Per-token layers under other numerics are a valid choice, left as set.
+    assert presets.preset("tiny", ["model.batch_invariant=true"]).sampling.numerics != "bitwise"
+
 def test_bitwise_with_an_offline_rollout_file_is_refused():
     _refused(["sampling.numerics=bitwise", "rl.offline_rollouts=r.npz"],
              "sampling.numerics: 'bitwise' promises μ = π_old", "rl.offline_rollouts=''")

@@ -40,10 +40,9 @@ def _step(sampling: SamplingConfig | None = None, minibatches: int = 2,
     step's reduced metrics with `attribution.derive`, the score pass's, the dump rows)."""
     cfg = tiny_cfg(num_minibatches=minibatches, attribution=True, attribution_every=1,
                    attribution_rows=4, **rl)
-    cfg = cfg.replace(sampling=sampling or SamplingConfig(max_new_tokens=16,
-                                                         router_noise_std=0.5))
-    if batch_invariant:
-        cfg = cfg.replace(model=cfg.model.replace(batch_invariant=True))
+    sampling = sampling or SamplingConfig(max_new_tokens=16, router_noise_std=0.5)
+    cfg = cfg.replace(sampling=sampling, model=cfg.model.replace(
+        batch_invariant=batch_invariant or sampling.numerics == "bitwise"))
     params = tf.init_params(jax.random.key(0), cfg.model.replace(init_std=0.1))
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     prompts = jax.random.randint(jax.random.key(1), (8, 8), 4, 60)

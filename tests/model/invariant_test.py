@@ -341,7 +341,7 @@ def _mesh_engine(mesh, layout="train", expert_parallel=True, continuous=False):
     cfg = tiny_cfg(mesh=mesh, num_minibatches=1)
     return Engine.create(cfg.replace(
         model=cfg.model.replace(compute_dtype="bfloat16", expert_parallel=expert_parallel,
-                                init_std=0.2),
+                                init_std=0.2, batch_invariant=True),
         sampling=SamplingConfig(max_new_tokens=12, numerics="bitwise", layout=layout,
                                 continuous=continuous, max_batch=8 if continuous else 0)),
         eos_id=EOS_ID, pad_id=PAD_ID, devices=cpu_devices(int(np.prod(mesh))))
@@ -428,9 +428,9 @@ def test_a_bitwise_run_records_zero_mismatch(tmp_path, monkeypatch, rl):
     _register_pallas_logprob(monkeypatch)
     base = tiny_cfg(steps=2, replay="r3", **rl)
     cfg = dataclasses.replace(
-        base, model=dataclasses.replace(base.model, compute_dtype="bfloat16"),
+        base, model=dataclasses.replace(base.model, compute_dtype="bfloat16",
+                                        batch_invariant=True),
         sampling=dataclasses.replace(base.sampling, numerics="bitwise"))
-    assert cfg.model.batch_invariant
     bw.assert_zero_mismatch_run(cfg, str(tmp_path / "run"))
     if rl.get("logprob_impl"):
         assert {"dist", "fused"} <= set(KERNEL_CALLS)

@@ -25,7 +25,8 @@ def _step(numerics: str, minibatches: int = 1, center: str = "none", **rl):
     cfg = tiny_cfg(num_minibatches=minibatches, attribution=True, attribution_every=0,
                    drift_monitor=True, **rl)
     cfg = cfg.replace(sampling=SamplingConfig(max_new_tokens=16, numerics=numerics),
-                      loss=cfg.loss.replace(center=center))
+                      loss=cfg.loss.replace(center=center),
+                      model=cfg.model.replace(batch_invariant=numerics == "bitwise"))
     params = tf.init_params(jax.random.key(0), cfg.model.replace(init_std=0.1))
     eng = Engine.create(cfg, eos_id=EOS_ID, pad_id=PAD_ID)
     prompts = jax.random.randint(jax.random.key(1), (8, 8), 4, 60)
