@@ -7,7 +7,8 @@
 The long preset's model and batch (B = prompts_per_step × G responses, one mini-batch),
 with a batch of synthetic responses of the task's shape: prompts of 10–24 tokens
 left-padded to task.max_prompt_len, completions of `--lengths` tokens (`uniform`: 220–370,
-the long task's solutions; or any sampler_schedules.py spec, e.g. `lognormal:mean=150,sigma=0.75`,
+the long task's solutions; or any sampler_schedules.py spec, e.g.
+`lognormal:mean=150,sigma=0.75`,
 capped at sampling.max_new_tokens), random tokens, μ log-probs and R3 routes (the update
 replays them), rl.score_in_update off (score and update timed apart). Each configuration is one Engine: its score step and its update step,
 each timed over `--reps` calls after one compile call; the median is printed.

@@ -164,8 +164,9 @@ def bench_slots(base, data, params, n: int, args) -> None:
         static_wall, static = run_full(with_("sampling.continuous=false"), data, params,
                                        timed, 0)
         cont_wall, cont = run_full(with_("sampling.continuous=true"), data, params, timed, 0)
-        for name, wall, outs, plan in (("static", static_wall, static, sampler_schedules.static),
-                                       ("continuous", cont_wall, cont, sampler_schedules.continuous)):
+        for name, wall, outs, plan in (
+                ("static", static_wall, static, sampler_schedules.static),
+                ("continuous", cont_wall, cont, sampler_schedules.continuous)):
             walls.setdefault(name, []).append(wall)
             runs = [plan(r.lengths_B, n).runs for r in outs]
             steps = sum(r.steps for r in runs)

@@ -33,8 +33,9 @@ fit.
 `--lengths SPEC` (repeatable; `--eval-lengths` for the evaluation's) adds, per
 distribution, the score and update at those lengths (padded rows trimmed to the longest,
 or with rl.pack_tokens the packed micro-batches in use: schedule_prices.train_shares),
-and (when the sample step is compiled too) the sampler's schedules (stablerl_jax/pod/sampler_schedules.py: static, continuous,
-partial rollouts with S = 1 and 2) priced per decode step at its largest write slot
+and (when the sample step is compiled too) the sampler's schedules
+(stablerl_jax/pod/sampler_schedules.py: static, continuous, partial rollouts with S = 1
+and 2) priced per decode step at its largest write slot
 (schedule_prices.schedule_rows): sample, score passes, updates, amortized eval and global step
 seconds, slot occupancy, the partial rollouts' drops and token ages, and whether a
 separate sampler mesh would beat colocating (schedule_prices.placements). Without it the output
@@ -178,7 +179,8 @@ def _length_tables(engine, topo, compiled, costs, est, fit, spec, eval_spec, arg
     rng = np.random.default_rng(args.seed)
     k = args.schedule_steps
     lengths = sampler_schedules.lengths_from_spec(spec, cap, k * b + slots, rng)
-    evals = sampler_schedules.lengths_from_spec(eval_spec, cap, rl.eval_problems * rl.eval_k, rng)
+    evals = sampler_schedules.lengths_from_spec(eval_spec, cap, rl.eval_problems * rl.eval_k,
+                                                rng)
     prices = schedule_prices.sampler_prices(cfg, costs, topo.chips, chip)
     rows = schedule_prices.schedule_rows(cfg, prices, est["score"].seconds, est["update"].seconds,
                                   lengths, evals, steps=k)
@@ -252,8 +254,8 @@ def main(argv=None) -> int:
                     help="also write each step's optimized HLO to DIR/<step>.hlo.txt")
     ap.add_argument("--lengths", action="append", default=[], metavar="SPEC",
                     help="also estimate the sampler's schedules at this response-length "
-                         "distribution (stablerl_jax/pod/sampler_schedules.py: lognormal:mean=8192"
-                         "[,sigma=0.75], fixed:N, file:PATH); repeatable")
+                         "distribution (stablerl_jax/pod/sampler_schedules.py: "
+                         "lognormal:mean=8192[,sigma=0.75], fixed:N, file:PATH); repeatable")
     ap.add_argument("--eval-lengths", default="", metavar="SPEC",
                     help="the evaluation's length distribution (default: --lengths')")
     ap.add_argument("--schedule-steps", type=int, default=20,

@@ -131,8 +131,8 @@ def test_a_deferred_import_of_the_package_is_for_typing_only():
 # nothing of the package's upper layers, so the config validates names against them from
 # the bottom layer.
 LAYERS = (
-    ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices", "stablerl_jax.packing",
-     "stablerl_jax.input_checks", "stablerl_jax.moved",
+    ("stablerl_jax.__init__", "stablerl_jax.sharding", "stablerl_jax.slices",
+     "stablerl_jax.packing", "stablerl_jax.input_checks", "stablerl_jax.moved",
      "stablerl_jax.distributed", "stablerl_jax.kernels.__init__", "stablerl_jax.kernels.*_impls",
      "stablerl_jax.config.loss_table"),
     ("stablerl_jax.config", "stablerl_jax.presets"),

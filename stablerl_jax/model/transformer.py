@@ -181,8 +181,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT, checks)
     if numerics.name == "bitwise" and not cfg.batch_invariant:
         raise ValueError("numerics 'bitwise' computes per token only under "
-                         "ModelConfig.batch_invariant=True (an override sampling.numerics=bitwise "
-                         "sets it); pass the model that way")
+                         "ModelConfig.batch_invariant=True (an override "
+                         "sampling.numerics=bitwise sets it); pass the model that way")
     if replay_weights_BxTxLxK is not None:
         moe.validate_replay_weights(replay_weights_BxTxLxK, replay_BxTxLxK, cfg.top_k)
     if segment_ids_BxT is not None and cache is not None:
@@ -195,7 +195,8 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
     key_mask_BxS, slots_T, offset_B = _cache_frame(cache, mask_BxT)
     if positions_BxT is None:
         positions_BxT = positions_from_mask(mask_BxT, offset_B, segment_ids_BxT)
-    frame = TokenFrame(positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT, segment_ids_BxT)
+    frame = TokenFrame(positions_BxT, key_mask_BxS, slots_T, mask_BxT, tokens_BxT,
+                       segment_ids_BxT)
     step = LayerNumerics(numerics, dtype, router_dtype, router_input,
                          None if cache is None else cache["index"], trace)
     layer = _layer(cfg, step, frame, cache is not None, gmm, mesh, rules)
@@ -314,9 +315,9 @@ def _layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, cached: boo
     layer, remat = plain(frame), cfg.remat
     if cfg.batch_invariant:
         def tiled(frame):
-            return invariant_layer.decoder_layer(
-                cfg, step, frame, put_cache=functools.partial(_put_cache, cfg) if cached else None,
-                mesh=mesh, rules=rules)
+            put = functools.partial(_put_cache, cfg) if cached else None
+            return invariant_layer.decoder_layer(cfg, step, frame, put_cache=put, mesh=mesh,
+                                                 rules=rules)
 
         if cached:
             layer = tiled(frame)

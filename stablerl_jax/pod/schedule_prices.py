@@ -149,7 +149,8 @@ def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
     evals = {"static": sampler_schedules.static(eval_lengths, slots),
              "continuous": sampler_schedules.continuous(eval_lengths, slots)}
     runs = {name: [fn(lengths_R[k * b:(k + 1) * b], slots) for k in range(steps)]
-            for name, fn in (("static", sampler_schedules.static), ("continuous", sampler_schedules.continuous))}
+            for name, fn in (("static", sampler_schedules.static),
+                             ("continuous", sampler_schedules.continuous))}
     for s in staleness:
         runs[f"partial S = {s}"] = sampler_schedules.partial(lengths_R, b, g, slots, s,
                                                     steps)[steps // 2:]

@@ -18,6 +18,7 @@ source is one class here and one line in `for_run`; the loop only calls it.
 """
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple
 
 import jax
@@ -59,13 +60,15 @@ class Responses(NamedTuple):
     decode_steps: float | None    # the sampler's, None for a file
 
 
-class Source:
-    """A run's rollout source (module docstring). This base keeps nothing: π_old is the
-    step's θ and its checkpoint part is empty."""
+class Source(abc.ABC):
+    """A run's rollout source (module docstring). A subclass writes `responses`; the rest
+    defaults to a source that keeps nothing: π_old is the step's θ and its checkpoint
+    part is empty."""
 
+    @abc.abstractmethod
     def responses(self, engine: Engine, state: steps.TrainState, data: TaskData, step: int,
                   timer: costs.PhaseTimer, log_samples: int = 0) -> Responses:
-        raise NotImplementedError
+        """The step's responses (`Responses`)."""
 
     def old_params(self, params):
         """The parameters π_old is computed at: the step's θ (`params`)."""
@@ -224,8 +227,8 @@ class Partial(Source):
                    "async/decode_steps": float(distributed.host(decode_steps)),
                    "async/carried_tokens": float(self.inflight.queue.completion_IxS[
                        np.repeat(carried, g)].sum())}
-        age_BxS = age_of_tokens(q.version_IxS, q.completion_IxS, step)
-        if cfg.rl.trim_bucket:  # the window Engine.trim cuts from the whole rollout
+        age_BxS = age_of_tokens(q.version_IxS, q.completion_IxS, step) if self.behavior else None
+        if age_BxS is not None and cfg.rl.trim_bucket:  # the window Engine.trim cuts
             lo, hi = rollout_lib.used_window(np.any(q.prompt_mask_IxS | q.completion_IxS, 0),
                                              cfg.rl.trim_bucket)
             age_BxS = age_BxS[:, lo:hi]
@@ -236,9 +239,8 @@ class Partial(Source):
                                   q.prompt_mask_IxS[mine, :p], answers, timer, log_samples)
         rollout, age_BxS = jax.tree.map(distributed.local_rows, (rollout, age_BxS))
         return Responses(rollout, host, host.rewards + host.penalty,
-                         {"prompts": [int(i) for i in prompt_idx]}, samples,
-                         age_BxS if self.behavior else None, metrics,
-                         metrics["async/decode_steps"])
+                         {"prompts": [int(i) for i in prompt_idx]}, samples, age_BxS,
+                         metrics, metrics["async/decode_steps"])
 
 
 class FromFile(Source):

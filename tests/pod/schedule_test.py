@@ -1,6 +1,6 @@
-"""The sampler schedules (stablerl_jax/pod/sampler_schedules.py): hand-derived small cases of each, the
-event simulator against a step-by-step reference, the invariants of partial rollouts
-(S = 0 is continuous, every consumed token's age ≤ S, the queue ≤ B + slots), and the
+"""The sampler schedules (stablerl_jax/pod/sampler_schedules.py): hand-derived small cases
+of each, the event simulator against a step-by-step reference, the invariants of partial
+rollouts (S = 0 is continuous, every consumed token's age ≤ S, the queue ≤ B + slots), and the
 length specs."""
 import math
 
@@ -40,7 +40,8 @@ def test_static_runs_each_strided_pass_to_its_longest_row():
     assert s.runs.offsets().tolist() == [0, 1, 0, 1, 2, 3]
     assert (len(s.prefills), s.tokens, s.occupancy) == (4, 10, 10 / 12)
     assert s.written_O.tolist() == [4, 3, 2, 1]  # rows longer than o
-    assert sampler_schedules.static(np.array([1, 4, 2, 3]), 0).runs.offsets().tolist() == [0, 1, 2, 3]
+    static = sampler_schedules.static(np.array([1, 4, 2, 3]), 0)
+    assert static.runs.offsets().tolist() == [0, 1, 2, 3]
 
 
 def test_continuous_refills_freed_slots_by_hand():

@@ -70,7 +70,8 @@ def test_continuous_returns_the_static_rollout_bit_for_bit(slots):
     # holds several responses. One slot: the responses run one after another in both
     # (Σ lengths); one slot per row: nothing to refill (the longest row).
     assert steps >= -(-lengths.sum() // slots) and steps >= lengths.max()
-    # The schedule the pod estimates price (stablerl_jax/pod/sampler_schedules.py) is this sampler's.
+    # The schedule the pod estimates price (stablerl_jax/pod/sampler_schedules.py) is this
+    # sampler's.
     assert steps == sampler_schedules.continuous(lengths, slots).runs.steps
     assert sampler_schedules.static(lengths, slots).runs.steps == static_steps(lengths, slots)
     expected = {1: lengths.sum(), 16: lengths.max()}
