@@ -1,14 +1,16 @@
 """Oracles of the AOT tests: an analytic per-chip memory account of the update step, and
-the all-gathers of an HLO module that yield every expert of a weight."""
+the all-gathers of an HLO module that yield every expert of a weight or any weight whole."""
 import math
 import re
 
 import jax
+from flax import traverse_util
 
 from stablerl_jax.config import ExperimentConfig
 from stablerl_jax.kernels.fused_logprob_impls import LogprobBlocks
-from stablerl_jax.model import transformer as tf
 from stablerl_jax.kernels.gmm_impls import padded_rows
+from stablerl_jax.model import transformer as tf
+from stablerl_jax.pod import hlo_loops
 
 
 def expert_weight_gathers(hlo_text: str, num_experts: int, ffn_dim: int) -> list[str]:
@@ -71,3 +73,32 @@ def update_memory_bound(cfg: ExperimentConfig, engine) -> dict:
            "activations": activations}
     out["bound"] = sum(out.values())
     return out
+
+
+def weight_shapes(params_like, num_experts: int, expert_shards: int) -> list[tuple]:
+    """The shapes a gather of a weight yields, for `param_gathers`: each weight's full
+    shape, one layer's slice of a layer-stacked one, and one layer's experts on one of
+    `expert_shards` expert shards ([E / shards, ...])."""
+    shapes = []
+    for leaf in traverse_util.flatten_dict(params_like).values():
+        shapes += [tuple(leaf.shape), tuple(leaf.shape[1:])]
+        if len(leaf.shape) == 4 and leaf.shape[1] == num_experts:
+            shapes.append((num_experts // expert_shards, *leaf.shape[2:]))
+    return shapes
+
+
+def param_gathers(instrs, param_shapes) -> list[str]:
+    """All-gathers among `instrs` whose result is a weight: its dims (size-1 dims
+    dropped) equal those of one of `param_shapes` (pass each weight's full shape, one
+    layer's slice of a layer-stacked one, and any per-device slice that a layout may
+    gather, e.g. one expert shard's experts). Shapes are how the weight is recognized:
+    an activation of the same dims would count too."""
+    want = {tuple(d for d in s if d != 1) for s in param_shapes}
+    found = []
+    for ins in instrs:
+        if ins.collective != "all-gather":
+            continue
+        for _, dims in hlo_loops.arrays(ins.shape):
+            if tuple(d for d in dims if d != 1) in want:
+                found.append(f"%{ins.name} = {ins.shape} {ins.opcode}"[:200])
+    return found

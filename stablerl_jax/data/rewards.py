@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import Counter
 
 import numpy as np
 
-from stablerl_jax.data.answers import MAX_ANSWER_CHARS, SOURCES, extract_answer, parse_math
+from stablerl_jax.data.answers import MAX_ANSWER_CHARS, extract_answer, parse_math
 
 # ASCII digits only: `\d` would also accept e.g. Arabic-Indic digits, which int() parses.
 _INT = re.compile(r"[+-]?[0-9]{1,40}", re.ASCII)
@@ -86,12 +85,3 @@ def rewards(texts, answers, kind: str = "exact", format_weight: float = 0.0) -> 
     """Per-response rewards R_B, float32 [B] (`rewards_with_source` without sources)."""
     return rewards_with_source(texts, answers, kind, format_weight)[0]
 
-
-def source_fractions(sources) -> dict[str, float]:
-    """{'answer/<source>_frac': share of responses whose answer that extractor found},
-    every source present (0.0 when unused); {} for no responses."""
-    n = len(sources)
-    if not n:
-        return {}
-    counts = Counter(sources)
-    return {f"answer/{s}_frac": counts[s] / n for s in SOURCES}

@@ -35,7 +35,6 @@ import math
 import re
 
 import numpy as np
-from flax import traverse_util
 
 COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
                "collective-permute")
@@ -346,32 +345,3 @@ def trips_by_function(module: Module, counts: dict) -> dict:
     count for the layer scan)."""
     return {lp.name: counts[lp.function] for lp in module.loops()
             if lp.trip is None and lp.function in counts}
-
-
-def weight_shapes(params_like, num_experts: int, expert_shards: int) -> list[tuple]:
-    """The shapes a gather of a weight yields, for `param_gathers`: each weight's full
-    shape, one layer's slice of a layer-stacked one, and one layer's experts on one of
-    `expert_shards` expert shards ([E / shards, ...])."""
-    shapes = []
-    for leaf in traverse_util.flatten_dict(params_like).values():
-        shapes += [tuple(leaf.shape), tuple(leaf.shape[1:])]
-        if len(leaf.shape) == 4 and leaf.shape[1] == num_experts:
-            shapes.append((num_experts // expert_shards, *leaf.shape[2:]))
-    return shapes
-
-
-def param_gathers(instrs, param_shapes) -> list[str]:
-    """All-gathers among `instrs` whose result is a weight: its dims (size-1 dims
-    dropped) equal those of one of `param_shapes` (pass each weight's full shape, one
-    layer's slice of a layer-stacked one, and any per-device slice that a layout may
-    gather, e.g. one expert shard's experts). Shapes are how the weight is recognized:
-    an activation of the same dims would count too."""
-    want = {tuple(d for d in s if d != 1) for s in param_shapes}
-    found = []
-    for ins in instrs:
-        if ins.collective != "all-gather":
-            continue
-        for _, dims in arrays(ins.shape):
-            if tuple(d for d in dims if d != 1) in want:
-                found.append(f"%{ins.name} = {ins.shape} {ins.opcode}"[:200])
-    return found

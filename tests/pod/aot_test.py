@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import re
 
+import aot_helpers
 import numpy as np
 import pytest
 from aot_helpers import expert_weight_gathers, update_memory_bound
@@ -109,8 +110,8 @@ def test_collective_bytes_multiply_nested_loops_by_their_trip_counts():
                      "all-reduce": 3 * 5 * 16, "collective-permute": 0}
     assert hlo_loops.decode_loop(m).body == "inner_body"  # the only data-dependent one
     body = m.instructions_under("layer_body")
-    assert hlo_loops.param_gathers(body, [(4, 8), (8, 1, 4)]) != []
-    assert hlo_loops.param_gathers(body, [(2, 4)]) == []
+    assert aot_helpers.param_gathers(body, [(4, 8), (8, 1, 4)]) != []
+    assert aot_helpers.param_gathers(body, [(2, 4)]) == []
 
 
 def test_roofline_is_the_slower_of_compute_and_memory_plus_communication():
@@ -210,8 +211,8 @@ def test_serve_layout_decode_loop_moves_only_activations_on_v5p_8(top_k, numeric
 
     from stablerl_jax.model import transformer as tf
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg.model))
-    shapes = hlo_loops.weight_shapes(params_like, cfg.model.num_experts, cfg.mesh[2])
-    assert hlo_loops.param_gathers(body, shapes) == []
+    shapes = aot_helpers.weight_shapes(params_like, cfg.model.num_experts, cfg.mesh[2])
+    assert aot_helpers.param_gathers(body, shapes) == []
     mc, b, n = cfg.model, cfg.sampling.max_batch, topo.chips
     ragged = any(i.opcode.startswith("ragged-all-to-all") for i in body)
     assert ragged == (top_k == 2), [i.opcode for i in body if i.collective]

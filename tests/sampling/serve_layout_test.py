@@ -5,6 +5,7 @@ the training layout samples, and its compiled decode loop gathers no weight, onl
 activations, on a 2×2×2 mesh of CPU devices."""
 import functools
 
+import aot_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,8 +101,8 @@ def test_serve_decode_loop_gathers_no_weight_and_moves_only_activations():
         module, loop = _decode_body(layout)
         params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), CFG))
         # The train layout splits the experts over the expert axis (2 shards).
-        shapes = hlo_loops.weight_shapes(params_like, CFG.num_experts, 2)
-        gathered[layout] = hlo_loops.param_gathers(module.instructions_under(loop.body),
+        shapes = aot_helpers.weight_shapes(params_like, CFG.num_experts, 2)
+        gathered[layout] = aot_helpers.param_gathers(module.instructions_under(loop.body),
                                                    shapes)
     # The train layout all-gathers its FSDP-sharded weights inside the decode loop
     # (so the check can see a gather); the serving layout gathers none.
