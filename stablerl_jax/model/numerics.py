@@ -35,6 +35,7 @@ Letters: B batch, T tokens, D model, E experts.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -136,7 +137,7 @@ def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):
 
 
 def quantize_e4m3(x: jax.Array, axes: tuple[int, ...]) -> dict:
-    """x as {"e4m3": e4m3 values, "scale": one float32 scale per slice over `axes`}
+    """x as {"values": e4m3 values, "scale": one float32 scale per slice over `axes`}
     (kept dims of size 1), x ≈ e4m3 · scale.
 
     Scale = amax / 448 so the largest element maps to e4m3's largest finite value. The
@@ -148,7 +149,7 @@ def quantize_e4m3(x: jax.Array, axes: tuple[int, ...]) -> dict:
     amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     q = jax.lax.optimization_barrier((x32 / scale).astype(jnp.float8_e4m3fn))
-    return {"e4m3": q, "scale": scale}
+    return {"values": q, "scale": scale}
 
 
 def dequantize(w) -> jax.Array:
@@ -157,31 +158,42 @@ def dequantize(w) -> jax.Array:
     give bit-identical matmul inputs), any other array unchanged."""
     if not is_quantized(w):
         return w
-    return (w["e4m3"].astype(jnp.float32) * w["scale"]).astype(jnp.bfloat16)
+    return (w["values"].astype(jnp.float32) * w["scale"]).astype(jnp.bfloat16)
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, dict) and set(w) == {"e4m3", "scale"}
+    return isinstance(w, dict) and set(w) == {"values", "scale"}
+
+
+def axes_like(w, axes):
+    """A weight's logical axes in its stored form: a quantized weight's values and scales
+    share them (the scales' contraction dims are 1, which sharding leaves replicated)."""
+    return {"values": axes, "scale": axes} if is_quantized(w) else axes
 
 
 def fake_quant_e4m3(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """Round x to e4m3 with one float32 scale per slice over `axes`; returns float32."""
     q = quantize_e4m3(x, axes)
-    return q["e4m3"].astype(jnp.float32) * q["scale"]
+    return q["values"].astype(jnp.float32) * q["scale"]
 
 
-def prepare_params(params: dict, numerics: Numerics, *, store_fp8: bool = False) -> dict:
+def prepare_params(params: dict, numerics: Numerics, *, keep_quantized: bool = False,
+                   store_fp8: bool | None = None) -> dict:
     """The weights as this engine holds them. Identity for 'native'.
 
     Called once per rollout (outside the decode loop), as an inference engine converts
     its weights once at load time. The converted weights pass an optimization barrier, so
     a compiler cannot fuse the rounding into their consumers and skip it.
 
-    store_fp8 (the FP8 engine's serving layout, rollout.py): each quantized layer weight
-    is kept as a `quantize_e4m3` dict (1 byte per value plus per-channel scales) and
-    `dequantize`d inside the layer that uses it, instead of stored as its bfloat16
-    rounding (2 bytes); the matmul inputs are the same bits either way.
+    keep_quantized (the serving layout, rollout.py): each quantized layer weight is kept
+    as a `quantize_e4m3` dict (1 byte per value plus per-channel scales) and
+    `dequantize`d inside the layer that uses it, not as its bfloat16 rounding (2 bytes);
+    the matmul inputs are the same bits either way. `store_fp8` is its old name.
     """
+    if store_fp8 is not None:
+        warnings.warn("prepare_params(store_fp8=) is now keep_quantized=", DeprecationWarning,
+                      stacklevel=2)
+        keep_quantized = store_fp8
     if numerics.weights == "native":
         return params
     bf16 = lambda a: a.astype(jnp.bfloat16)
@@ -193,7 +205,7 @@ def prepare_params(params: dict, numerics: Numerics, *, store_fp8: bool = False)
         layers = dict(out["layers"])
         for name, axes in _QUANT_AXES.items():
             q = quantize_e4m3(params["layers"][name], axes)
-            layers[name] = q if store_fp8 else dequantize(q)
+            layers[name] = q if keep_quantized else dequantize(q)
         out["layers"] = layers
     return jax.lax.optimization_barrier(out)
 

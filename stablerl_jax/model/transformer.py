@@ -267,8 +267,8 @@ def decoder_layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, expe
     def layer(carry, xs):
         x_BxTxD, kv = carry
         p, layer_idx, replay_BxTxK, replay_w_BxTxK = xs
-        # FP8-stored weights (numerics.prepare_params(store_fp8=True)) are widened here,
-        # one layer at a time, so only their e4m3 bytes stay resident.
+        # Quantized weights (prepare_params(keep_quantized=True)) are widened here, one
+        # layer at a time, so only their e4m3 bytes stay resident.
         p = {k: nx.dequantize(w) for k, w in p.items()}
         h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
         a, kv = attention(p, h, frame.positions_BxT, frame.key_mask_BxS, frame.slots_T, cfg,

@@ -65,7 +65,7 @@ def _sampler_weights(engine):
     serve = cfg.sampling.layout == "serve"
     params_like = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), model))
     weights_like = jax.eval_shape(
-        lambda p: nx.prepare_params(p, numerics, store_fp8=serve), params_like)
+        lambda p: nx.prepare_params(p, numerics, keep_quantized=serve), params_like)
     rules = sharding.serve_rules(model.expert_parallel) if serve else sharding.RULES
     w_sh = rollout.serving_shardings(weights_like, model, mesh, rules)
     return model, numerics, weights_like, w_sh, rules, serve

@@ -273,7 +273,7 @@ def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
     the engine's weights (`prepare_params`; the FP8 engine's as e4m3 values + scales)
     constrained to the shardings of `sharding.serve_rules`, so the compiler reshards
     them once, before the loop. No mesh: the weights alone, rules None."""
-    weights = nx.prepare_params(params, numerics, store_fp8=True)
+    weights = nx.prepare_params(params, numerics, keep_quantized=True)
     if mesh is None:
         return weights, None
     rules = sharding.serve_rules(cfg.expert_parallel)
@@ -292,10 +292,8 @@ def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
     """NamedShardings of the engine's weights (arrays or ShapeDtypeStructs, as
     `prepare_params` returns them) under the sharding `rules`."""
     axes = tf.param_logical_axes(cfg)
-    # A quantized weight's values and scales share its axes (the scales' contraction
-    # dims are 1, which sharding.spec leaves replicated).
-    axes["layers"] = {k: ({"e4m3": a, "scale": a} if nx.is_quantized(weights["layers"][k])
-                          else a) for k, a in axes["layers"].items()}
+    axes["layers"] = {k: nx.axes_like(weights["layers"][k], a)
+                      for k, a in axes["layers"].items()}
     return sharding.tree_shardings(axes, weights, mesh, rules)
 
 

@@ -90,6 +90,24 @@ def test_prepare_params_converts_once_per_preset():
     assert not nx.NUMERICS_PRESETS["fp8"].act_fp8
 
 
+def test_kept_quantized_weights_widen_to_the_same_bits():
+    """keep_quantized stores e4m3 values + scales (1 byte a value) that `dequantize`
+    turns into the bits the widened form holds; `store_fp8=` is its deprecated name."""
+    params = tf.init_params(jax.random.key(0), CFG)
+    fp8 = nx.numerics_preset("fp8")
+    kept = nx.prepare_params(params, fp8, keep_quantized=True)
+    wide = nx.prepare_params(params, fp8)
+    for name, w in kept["layers"].items():
+        assert nx.is_quantized(w) == (name in nx._QUANT_AXES), name
+        assert nx.axes_like(w, ("a",)) == ({"values": ("a",), "scale": ("a",)}
+                                           if nx.is_quantized(w) else ("a",))
+        np.testing.assert_array_equal(nx.dequantize(w), wide["layers"][name])
+    assert kept["layers"]["w_up"]["values"].dtype == jnp.float8_e4m3fn
+    with pytest.warns(DeprecationWarning, match="keep_quantized"):
+        old = nx.prepare_params(params, fp8, store_fp8=True)
+    assert jax.tree.all(jax.tree.map(np.array_equal, old, kept))
+
+
 def test_validation():
     with pytest.raises(ValueError, match="unknown 'int4'"):
         nx.numerics_preset("int4")
