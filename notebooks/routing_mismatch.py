@@ -35,7 +35,7 @@ from stablerl_jax.method import diagnostics, mismatch
 from stablerl_jax.method.logprobs import policy_logprobs
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import steps
+from stablerl_jax.rl import step_fns
 from stablerl_jax.sampling import rollout
 
 cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -102,7 +102,7 @@ assert stats["fp8"]["routing_mismatch"] > 0
 # ## Eq. 5 under each replay mode
 # On the FP8 rollout, the training engine's log-probs split the IS ratio π_θ/μ_old into
 # an **engine** factor π_old/μ_old and a **staleness** factor π_θ/π_old. For each replay
-# mode, the trainer's score step (`steps.score`) gives π_old at θ_old (R3 replays
+# mode, the trainer's score step (`step_fns.score`) gives π_old at θ_old (R3 replays
 # `routes_mu` already here; none and R2 route live) and the batch's replay tensor (R2: the
 # routes π_old used), and `policy_logprobs` with that replay gives π_θ, as in the update
 # step. θ stands for the parameters after some updates: θ_old plus a small random
@@ -138,7 +138,7 @@ def eq5_by_mode(rollout_, label):
     for mode, rl in MODES.items():
         run = ExperimentConfig(model=cfg, sampling=sampling,
                                rl=RLConfig(prompts_per_step=B // 2, group_size=2, **rl))
-        b, _ = jax.jit(steps.score, static_argnames="cfg")(params, rollout_, rewards, cfg=run)
+        b, _ = jax.jit(step_fns.score, static_argnames="cfg")(params, rollout_, rewards, cfg=run)
         # The experts π_old used (the score step routes live except under R3).
         replayed = rl["replay"] == "r3"
         _, _, old_aux = logprobs(params, b.tokens_BxS, b.attn_BxS, cfg,

@@ -16,7 +16,7 @@ loop's own arrays never hold those (the sampler and the data pipeline make them)
 jitted steps run without value checks.
 
 Not checked: finiteness of log-probs and advantages (a non-finite input makes the loss
-NaN and `rl/steps.apply_gradients` skips that update), and the replay tensor's values
+NaN and `rl/step_fns.apply_gradients` skips that update), and the replay tensor's values
 inside jit (`moe.route` poisons an invalid row's weights so the update is skipped).
 """
 from __future__ import annotations

@@ -6,9 +6,9 @@ import pathlib
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "stablerl_jax"
@@ -202,3 +202,13 @@ print("ok", len({names!r}))
                          timeout=300, cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")
+
+
+def test_an_old_module_name_warns_and_gives_the_new_module(monkeypatch):
+    import importlib
+
+    from stablerl_jax.rl import step_fns
+    monkeypatch.delitem(sys.modules, "stablerl_jax.rl.steps", raising=False)
+    with pytest.warns(DeprecationWarning, match="stablerl_jax.rl.step_fns"):
+        steps = importlib.import_module("stablerl_jax.rl.steps")
+    assert steps is step_fns

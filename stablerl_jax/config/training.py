@@ -243,7 +243,7 @@ class RLConfig(Section):
       0: off (every step at the full max_prompt_len + max_new_tokens).
     score_in_update: when a step has one mini-batch (on-policy), take log π_old from the
       update's own forward (stop-gradient) instead of a separate score pass at the same
-      θ_old: the same step for one forward less (rl/steps.py). The rollout's monitors then
+      θ_old: the same step for one forward less (rl/step_fns.py). The rollout's monitors then
       come from that forward, and are 0 for a step whose update was skipped as
       non-finite. With num_minibatches > 1 the score pass runs as usual.
     seed: every random choice of the run derives from (seed, step).

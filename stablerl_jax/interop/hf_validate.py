@@ -2,7 +2,7 @@
 the dtype config.json declares (`torch_dtype`), and finite values.
 
 An int32 or float16 tensor in a float32 checkpoint would otherwise be cast silently on
-load, and a NaN or inf would train with every update skipped (rl/steps.apply_gradients
+load, and a NaN or inf would train with every update skipped (rl/step_fns.apply_gradients
 refuses non-finite updates) while the run exits 0. Dtypes are read from the safetensors
 headers, before any data; finiteness is one jitted pass over the loaded, sharded
 parameters (each device reduces its own block), reduced to one flag per HF tensor (per

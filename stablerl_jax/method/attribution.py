@@ -13,7 +13,7 @@ is split into three parts that add up to it exactly (a telescoping sum):
                                                            sampler's, the same arithmetic
     staleness  = log π_θ − log π_old                      Eq. 5's second factor
 
-π_old is the score pass (rl/steps.py): θ_old routed as rl.replay says (live under none
+π_old is the score pass (rl/step_fns.py): θ_old routed as rl.replay says (live under none
 and r2, routes_μ under r3, so under r3 the routing part is 0). The counterfactual routing
 part, log π(θ_old, live routes) − log π(θ_old, routes_μ), is logged beside it in every
 mode: equal to the routing part without replay, and under r3 the routing mismatch replay

@@ -4,7 +4,7 @@
     sources.py     where a step's responses come from (static, dynamic, partial, offline):
                    one record, `Responses`, for all
     engine.py      the jitted, mesh-sharded steps of one experiment, built once
-    steps.py       score (π_old), update (π_θ) and SFT update as pure functions
+    step_fns.py    score (π_old), update (π_θ) and SFT update as pure functions
     accumulate.py  micro-batching: a mini-batch's loss and gradient as a sum over slices
     dynamic.py     dynamic sampling (DAPO): refill groups with zero advantage
     inflight.py    partial rollouts under a staleness bound

@@ -35,7 +35,7 @@ from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.model import numerics as nx
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.pod import aot
-from stablerl_jax.rl import dynamic, inflight, probe, steps
+from stablerl_jax.rl import dynamic, inflight, probe, step_fns
 from stablerl_jax.sampling import continuous
 from stablerl_jax.sampling import rollout as rollout_lib
 
@@ -119,7 +119,7 @@ class Engine:
     mesh: jax.sharding.Mesh
     optimizer: optax.GradientTransformation
     param_shardings: dict
-    state_shardings: steps.TrainState
+    state_shardings: step_fns.TrainState
     batch_sharding: jax.sharding.NamedSharding
     _jitted: dict
 
@@ -207,7 +207,7 @@ class Engine:
             m, t = b // rl.num_minibatches, s - 1
             replay = None if rl.replay == "none" else sds((m, t, mc.num_layers, mc.top_k),
                                                           jnp.int32)
-            batch = steps.TrainBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
+            batch = step_fns.TrainBatch(sds((m, s), jnp.int32), sds((m, s), jnp.bool_),
                                      sds((m, t), jnp.float32), sds((m, t), jnp.float32),
                                      sds((m, t), jnp.float32), sds((m,), jnp.float32), replay)
             return (state, batch)
@@ -225,12 +225,12 @@ class Engine:
             a.shape, a.dtype, sharding=sh))
         return fn.lower(*abstract)
 
-    def init_state(self, params) -> steps.TrainState:
+    def init_state(self, params) -> step_fns.TrainState:
         """A fresh TrainState (optimizer state at this engine's learning rate, zero
         counters) for `params`."""
         return self._call("init_state", params, np.float32(self.learning_rate))
 
-    def with_learning_rate(self, state: steps.TrainState) -> steps.TrainState:
+    def with_learning_rate(self, state: step_fns.TrainState) -> step_fns.TrainState:
         """`state` (e.g. restored from a checkpoint) at this engine's learning rate."""
         rate = np.float32(self.learning_rate)
         return self._call("set_learning_rate", state, rate)
@@ -255,7 +255,7 @@ class Engine:
         return self._jitted["trim"][0](placed, lo, hi)
 
     def score(self, params, rollout: rollout_lib.Rollout, rewards_B, age_BxS=None):
-        """(TrainBatch, monitor pairs): the π_old pass (steps.score; with
+        """(TrainBatch, monitor pairs): the π_old pass (step_fns.score; with
         rl.score_in_update no forward, and the update returns the monitors). With
         `age_BxS` (rl.old_policy=behavior), π_old per token at the version that drew it:
         `params` is then the tuple of versions, params[a] those a versions ago."""
@@ -268,7 +268,7 @@ class Engine:
         rollouts until rl.prompts_per_step groups are complete (rl/inflight.py)."""
         return self._call("sample_partial", params, queue, version)
 
-    def probe(self, params, rollout: rollout_lib.Rollout, batch: steps.TrainBatch,
+    def probe(self, params, rollout: rollout_lib.Rollout, batch: step_fns.TrainBatch,
               age_BxS=None) -> dict:
         """rl/probe.py probe_rows of the rows of a rollout and its batch (with `age_BxS`,
         `params` is the tuple of versions of rl.old_policy=behavior), on the host."""
@@ -276,7 +276,7 @@ class Engine:
                  self._call("probe_behavior", tuple(params), rollout, batch, age_BxS))
         return jax.tree.map(distributed.host, found)
 
-    def logp_rows(self, params, batch: steps.TrainBatch) -> np.ndarray:
+    def logp_rows(self, params, batch: step_fns.TrainBatch) -> np.ndarray:
         """log π_θ of the batch's rows as the update computes it (rl/probe.py), host."""
         return distributed.host(self._call("logp_rows", params, batch))
 
@@ -286,7 +286,7 @@ class Engine:
         rows of `new` where src_B >= 0, rows not real_B empty responses."""
         return self._call("merge_rows", base, new, src_B, real_B)
 
-    def row_tokens(self, batch: steps.TrainBatch) -> np.ndarray:
+    def row_tokens(self, batch: step_fns.TrainBatch) -> np.ndarray:
         """Each row's real tokens (prompt + completion), on the host (every process)."""
         return distributed.host(self._call("row_tokens", batch))
 
@@ -294,11 +294,11 @@ class Engine:
         """The rows `rows_M` of every leaf of a batch (a mini-batch)."""
         return self._call("select", batch, rows_M)
 
-    def update(self, state: steps.TrainState, batch: steps.TrainBatch):
+    def update(self, state: step_fns.TrainState, batch: step_fns.TrainBatch):
         """One RL optimizer step on a mini-batch; `state` is donated."""
         return self._call("update", state, batch)
 
-    def sft_update(self, state: steps.TrainState, batch: steps.SFTBatch):
+    def sft_update(self, state: step_fns.TrainState, batch: step_fns.SFTBatch):
         """One supervised optimizer step; `state` is donated."""
         return self._call("sft_update", state, batch)
 
@@ -307,7 +307,7 @@ class Engine:
 # step depends on them (the eval batch is padded to the mesh and sampler multiple, the
 # overlong penalty is added to the rewards on the host, so rl.overlong=penalty builds the
 # steps of 'keep'; the trim bucket is the trim program's argument; the partial source
-# chooses the score step of its old policy). tests/rl/steps_test.py checks the list
+# chooses the score step of its old policy). tests/rl/step_fns_test.py checks the list
 # against what building and tracing the steps reads.
 LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
              "async_checkpoints", "phase_sync", "max_consecutive_skips", "seed",
@@ -343,7 +343,7 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s,
                                    jax.eval_shape(optimizer.init, shapes), p_sh,
                                    transform_non_params=lambda _: rep)
-    state_sh = steps.TrainState(p_sh, opt_sh, rep, rep)
+    state_sh = step_fns.TrainState(p_sh, opt_sh, rep, rep)
     batch = sharding.batch_sharding(mesh)
     numerics = nx.of_sampling(cfg.sampling, noise_seed)
     # The expert FFN shards itself (shard_map) only where there is more than one device.
@@ -380,15 +380,15 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
 
     def init_state(params, rate):
         zero = jnp.zeros((), jnp.int32)
-        return set_learning_rate(steps.TrainState(params, optimizer.init(params), zero, zero),
+        return set_learning_rate(step_fns.TrainState(params, optimizer.init(params), zero, zero),
                                  rate)
 
     def update(loss_fn, microbatches, state, batch_, pack=None):
-        return steps.apply_gradients(
+        return step_fns.apply_gradients(
             state, functools.partial(loss_fn, cfg=cfg, mesh=model_mesh), batch_,
             optimizer, microbatches, pack)
 
-    pack = ((cfg.rl.pack_tokens, steps.batch_shards(cfg), cfg.rl.pack_rows)
+    pack = ((cfg.rl.pack_tokens, step_fns.batch_shards(cfg), cfg.rl.pack_rows)
             if cfg.rl.pack_tokens else None)
 
     score_slices = cfg.rl.num_minibatches * cfg.rl.microbatches
@@ -398,14 +398,14 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
         "set_learning_rate": (jax.jit(set_learning_rate, out_shardings=state_sh),
                               (state_sh, rep)),
         "sample": (jax.jit(sample, out_shardings=(batch, rep)), (p_sh, batch, batch, rep)),
-        "score": (jax.jit(functools.partial(steps.score, cfg=cfg, n_slices=score_slices,
+        "score": (jax.jit(functools.partial(step_fns.score, cfg=cfg, n_slices=score_slices,
                                             mesh=model_mesh,
                                             forward=not onpolicy_fused),
                           out_shardings=(batch, rep)), (p_sh, batch, batch)),
         "sample_partial": (jax.jit(sample_partial, out_shardings=(batch, rep)),
                            (p_sh, batch, rep)),
         # rl.old_policy=behavior: params of the last S + 1 versions, each token's age.
-        "score_behavior": (jax.jit(lambda ps, r, rw, age: steps.score(
+        "score_behavior": (jax.jit(lambda ps, r, rw, age: step_fns.score(
             ps, r, rw, cfg=cfg, n_slices=score_slices, mesh=model_mesh, age_BxS=age),
             out_shardings=(batch, rep)),
             ((p_sh,) * (cfg.rl.max_staleness + 1), batch, batch, batch)),
@@ -426,11 +426,11 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
                                out_shardings=rep), (batch,)),
         "trim": (jax.jit(rollout_lib.trim, static_argnums=(1, 2), out_shardings=batch),
                  (batch,)),
-        "update": (jax.jit(functools.partial(update, steps.rl_loss, cfg.rl.microbatches,
+        "update": (jax.jit(functools.partial(update, step_fns.rl_loss, cfg.rl.microbatches,
                                              pack=pack),
                            donate_argnums=0, out_shardings=(state_sh, rep)),
                    (state_sh, batch)),
-        "sft_update": (jax.jit(functools.partial(update, steps.sft_loss,
+        "sft_update": (jax.jit(functools.partial(update, step_fns.sft_loss,
                                                  cfg.sft.microbatches),
                                donate_argnums=0, out_shardings=(state_sh, rep)),
                        (state_sh, batch)),

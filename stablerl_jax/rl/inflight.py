@@ -190,7 +190,7 @@ def age_stats(version_BxS, completion_BxS, step: int, max_staleness: int) -> dic
 
 def age_of_tokens(version_BxS, completion_BxS, step: int) -> np.ndarray:
     """[B, S] int32: each completion token's age (step − version); elsewhere the age of
-    the row's oldest token (what π_old's pass over the prompt uses, rl/steps.py)."""
+    the row's oldest token (what π_old's pass over the prompt uses, rl/step_fns.py)."""
     comp = np.asarray(completion_BxS, bool)
     age = np.where(comp, step - np.asarray(version_BxS), 0)
     return np.where(comp, age, age.max(axis=1, keepdims=True)).astype(np.int32)

@@ -55,7 +55,7 @@ from stablerl_jax.rl import (
     profiling,
     resume,
     sources,
-    steps,
+    step_fns,
 )
 from stablerl_jax.rl import history as workdir_history
 from stablerl_jax.rl.engine import Engine
@@ -75,7 +75,7 @@ def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
     return np.random.default_rng([seed, step, 1]).permutation(responses)
 
 
-def minibatches_of(engine: Engine, batch: steps.TrainBatch, step: int) -> np.ndarray:
+def minibatches_of(engine: Engine, batch: step_fns.TrainBatch, step: int) -> np.ndarray:
     """[N, M] response indices of the step's mini-batches: a seeded permutation; under
     rl.pack_tokens each batch shard's rows balanced to equal tokens."""
     rl = engine.cfg.rl
@@ -84,7 +84,7 @@ def minibatches_of(engine: Engine, batch: steps.TrainBatch, step: int) -> np.nda
     if rl.pack_tokens:  # each batch shard packs its own rows: give them equal tokens
         tokens_B = engine.row_tokens(batch)
         minibatches = np.stack([packing.balance_rows(rows, tokens_B[rows],
-                                                     steps.batch_shards(engine.cfg))
+                                                     step_fns.batch_shards(engine.cfg))
                                 for rows in minibatches])
     return minibatches
 
@@ -106,7 +106,7 @@ def step_metrics(cfg, every: sources.HostRows, source_metrics: dict, score_metri
     return metrics
 
 
-def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+def global_step(engine: Engine, state: step_fns.TrainState, data: TaskData, step: int,
                 source: sources.Source = sources.Static(), log_samples: int = 0,
                 timer: costs.PhaseTimer | None = None):
     """One global step; returns (state, metrics dict of floats, mini-batch composition,
@@ -153,7 +153,7 @@ def global_step(engine: Engine, state: steps.TrainState, data: TaskData, step: i
     every = distributed.gather(got.host)  # the step's host rows of every process, once
     metrics = step_metrics(engine.cfg, every, got.metrics, score_metrics, update_metrics)
     composition = {**got.provenance, "minibatches": minibatches.tolist(),
-                   "skipped": [int(steps.skipped(m)) for m in update_metrics]}
+                   "skipped": [int(step_fns.skipped(m)) for m in update_metrics]}
     dumped = []
     if probed is not None:
         with timer.phase("attribution"):
@@ -295,7 +295,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
         latest, state_dict, _ = restored
         source.load_state_dict(state_dict)  # takes its own keys out
         # A rate changed on resume (allow_config_change) takes effect here.
-        state = engine.with_learning_rate(steps.TrainState(**state_dict))
+        state = engine.with_learning_rate(step_fns.TrainState(**state_dict))
         start = latest
         if main:
             resume.report_torn(metrics_path)
@@ -346,7 +346,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
             with timer.phase("logs"):
                 _log_row(step + 1, metrics, samples, composition, dumped, writer, logs,
                          tracker)
-            skips = steps.count_skips(skips, composition["skipped"],
+            skips = step_fns.count_skips(skips, composition["skipped"],
                                       cfg.rl.max_consecutive_skips, "rl")
             short.check(step + 1, metrics)
             acc = metrics.get("eval/accuracy", acc)

@@ -20,12 +20,12 @@ import numpy as np
 
 from stablerl_jax.method import attribution
 from stablerl_jax.method.logprobs import policy_logprobs
-from stablerl_jax.rl import steps
+from stablerl_jax.rl import step_fns
 
 DUMP_DIGITS = 5  # significant digits of the floats in attribution.jsonl
 
 
-def probe_rows(params, rollout, batch: steps.TrainBatch, age_BxS=None, *, cfg,
+def probe_rows(params, rollout, batch: step_fns.TrainBatch, age_BxS=None, *, cfg,
                mesh=None) -> dict:
     """`attribution.probe` of the rows of `rollout` (params: one version, or with
     `age_BxS` the tuple of versions of rl.old_policy=behavior), with the fields of their
@@ -41,7 +41,7 @@ def probe_rows(params, rollout, batch: steps.TrainBatch, age_BxS=None, *, cfg,
         return logp, entropy, aux["routes"]
 
     age_BxT = None if age_BxS is None else age_BxS[:, 1:]
-    versioned = lambda fn: steps.by_version(lambda p: fn(functools.partial(forward, p)),
+    versioned = lambda fn: step_fns.by_version(lambda p: fn(functools.partial(forward, p)),
                                             params, age_BxT)
     found = attribution.probe(versioned, rollout.routes_mu_BxSxLxK[:, :-1], cfg.rl.replay,
                               weights)
@@ -52,7 +52,7 @@ def probe_rows(params, rollout, batch: steps.TrainBatch, age_BxS=None, *, cfg,
     return found
 
 
-def logp_rows(params, batch: steps.TrainBatch, *, cfg, mesh=None):
+def logp_rows(params, batch: step_fns.TrainBatch, *, cfg, mesh=None):
     """log π_θ of the batch's rows as the update's forward computes it (its replay)."""
     return policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
                            replay_BxTxLxK=batch.replay_BxTxLxK,
@@ -69,7 +69,7 @@ def due(rl, step: int) -> bool:
 
 def count(cfg) -> int:
     """The probed rows: rl.attribution_rows, or (0) the smallest multiple of the batch shards >= 8."""
-    shards = steps.batch_shards(cfg)
+    shards = step_fns.batch_shards(cfg)
     return cfg.rl.attribution_rows or -(-8 // shards) * shards
 
 

@@ -1,5 +1,5 @@
 """Supervised cold start: cross-entropy on the trained tokens of the cold-start data
-(`steps.sft_loss`; the data and its loss mask: data/sft_data.py).
+(`step_fns.sft_loss`; the data and its loss mask: data/sft_data.py).
 
 It runs through the same Engine as RL (sharded over the mesh, state donated, non-finite
 updates skipped), with the optimizer of `cfg.sft.optim`, and the same model, forward and
@@ -28,7 +28,7 @@ from stablerl_jax.data import sft_data
 from stablerl_jax.method.diagnostics import reduce_metrics
 from stablerl_jax.model import transformer as tf
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rl.steps import TrainState, count_skips, skipped
+from stablerl_jax.rl.step_fns import TrainState, count_skips, skipped
 from stablerl_jax.runs import lock, storage
 from stablerl_jax.runs.checkpoint import (
     Checkpointer,

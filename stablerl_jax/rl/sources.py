@@ -29,7 +29,7 @@ from stablerl_jax import distributed
 from stablerl_jax.data.task import TaskData
 from stablerl_jax.interop.rollouts import OfflineRollouts
 from stablerl_jax.method import overlong
-from stablerl_jax.rl import costs, dynamic, evals, steps
+from stablerl_jax.rl import costs, dynamic, evals, step_fns
 from stablerl_jax.rl.engine import Engine
 from stablerl_jax.rl.inflight import EMPTY, Inflight, age_of_tokens, age_stats
 from stablerl_jax.sampling import continuous
@@ -66,7 +66,7 @@ class Source(abc.ABC):
     part is empty."""
 
     @abc.abstractmethod
-    def responses(self, engine: Engine, state: steps.TrainState, data: TaskData, step: int,
+    def responses(self, engine: Engine, state: step_fns.TrainState, data: TaskData, step: int,
                   timer: costs.PhaseTimer, log_samples: int = 0) -> Responses:
         """The step's responses (`Responses`)."""
 

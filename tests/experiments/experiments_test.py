@@ -7,11 +7,19 @@ import sys
 
 import numpy as np
 import pytest
+from tolerance import bound
 
 import experiments
-from experiments import cli, length_stats, mismatch_sweep, offpolicy, onpolicy, report, stats
+from experiments import (
+    cli,
+    length_stats,
+    mismatch_sweep,
+    offpolicy,
+    onpolicy,
+    report,
+    stats,
+)
 from experiments.runner import Experiment, Variant
-from tolerance import bound
 
 # Every experiment module, found in the package: the tests below run over this.
 ALL = experiments.descriptors()
@@ -19,7 +27,7 @@ ALL = experiments.descriptors()
 # Few steps, short SFT: the modules' code paths, not their results. 16 eval problems × 4
 # = 64 rows, the size of every variant's rollout batch, so eval reuses the compiled sampler.
 # A trim bucket wider than any context keeps every rollout at its full width: one score
-# and one update program per run instead of one per width (trimming: tests/rl/steps_test.py).
+# and one update program per run instead of one per width (trimming: tests/rl/step_fns_test.py).
 FAST = ["rl.steps=2", "rl.eval_every=2", "rl.eval_problems=16", "rl.eval_k=4",
         "rl.checkpoint_every=2", "sft.steps=2", "task.num_train=64", "task.num_test=16",
         "rl.trim_bucket=4096"]

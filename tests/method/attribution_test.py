@@ -271,14 +271,14 @@ def test_the_notebook_reads_the_run_headless(run):
 
 def test_under_partial_rollouts_each_tokens_terms_come_from_its_version():
     # rl.old_policy=behavior: the extra forward, like π_old, at each token's version.
-    from stablerl_jax.rl import steps
+    from stablerl_jax.rl import step_fns
 
     cfg = tiny_cfg(max_staleness=1, attribution=True)
     params, r, age = versions_and_rollout(cfg, (1.0, 1.1))
     comp = np.asarray(r.completion_mask_BxS)
-    got, _ = steps.score(tuple(params), r, REWARDS, cfg=cfg, age_BxS=jnp.asarray(age))
+    got, _ = step_fns.score(tuple(params), r, REWARDS, cfg=cfg, age_BxS=jnp.asarray(age))
     for a in (0, 1):
-        want, _ = steps.score(params[a], r, REWARDS, cfg=cfg)
+        want, _ = step_fns.score(params[a], r, REWARDS, cfg=cfg)
         mine = (age[:, 1:] == a) & comp[:, 1:]
         assert mine.any()
         # The merged program and the one-version one round the same sums apart: a few

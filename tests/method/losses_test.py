@@ -355,7 +355,7 @@ def test_every_loss_takes_the_row_denominator(name):
 
 
 def test_row_denominator_under_micro_batches_and_packing():
-    """Both paths that split a mini-batch pass its `Totals` (rl/steps.py): micro-batches
+    """Both paths that split a mini-batch pass its `Totals` (rl/step_fns.py): micro-batches
     (accumulate.value_and_grad, strided slices of 2 rows) and packed micro-batches (the
     whole batch with the other rows' masks zeroed, `LossBatch.rows` its own). Under each
     option their losses and gradients add up to the one batch's hand values."""

@@ -10,7 +10,7 @@ from tolerance import assert_close, backward_chain
 
 from stablerl_jax.config import LossConfig
 from stablerl_jax.method import overlong
-from stablerl_jax.rl import steps
+from stablerl_jax.rl import step_fns
 
 
 def test_length_penalty_by_hand():
@@ -49,8 +49,8 @@ def test_masked_truncated_rows_leave_the_loss(x64):
     make = lambda mode: tiny_cfg(num_minibatches=1, overlong=mode).replace(model=model,
                                                                           loss=loss_cfg)
     masked_cfg, keep_cfg = make("mask"), make("keep")
-    masked, _ = steps.score(params, ro, REWARDS, cfg=masked_cfg)
-    kept, _ = steps.score(params, ro, REWARDS, cfg=keep_cfg)
+    masked, _ = step_fns.score(params, ro, REWARDS, cfg=masked_cfg)
+    kept, _ = step_fns.score(params, ro, REWARDS, cfg=keep_cfg)
     np.testing.assert_array_equal(masked.advantages_B, kept.advantages_B)
     assert float(np.abs(np.asarray(kept.advantages_B)[[1, 4]]).sum()) > 0  # they mattered
     np.testing.assert_array_equal(np.asarray(masked.mask_BxT)[truncated], 0.0)
@@ -59,7 +59,7 @@ def test_masked_truncated_rows_leave_the_loss(x64):
     keep = np.flatnonzero(~truncated)
     others = jax.tree.map(lambda x: None if x is None else x[keep], kept)
 
-    loss = jax.jit(jax.value_and_grad(lambda p, b: steps.rl_loss(p, b, cfg=masked_cfg)[0]))
+    loss = jax.jit(jax.value_and_grad(lambda p, b: step_fns.rl_loss(p, b, cfg=masked_cfg)[0]))
     v_masked, g_masked = loss(params, masked)
     v_others, g_others = loss(params, others)
     s = ro.tokens_BxS.shape[1]

@@ -15,7 +15,7 @@ from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.method import losses
 from stablerl_jax.method.losses import LossBatch
 from stablerl_jax.model import transformer as tf
-from stablerl_jax.rl import accumulate, steps
+from stablerl_jax.rl import accumulate, step_fns
 from stablerl_jax.rl.engine import Engine
 
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 0, 0], np.float64)
@@ -111,14 +111,14 @@ def test_accumulated_rl_update_equals_one_batch(x64):
     and a router z-loss (weighted by each slice's share of the routed tokens)."""
     cfg, params, _, batch = _scored()
     cfg = cfg.replace(loss=LossConfig(aggregation="token_mean"))
-    _compare_one_and_accumulated(steps.rl_loss, cfg, params, batch)
+    _compare_one_and_accumulated(step_fns.rl_loss, cfg, params, batch)
 
 
 def test_accumulated_sft_update_equals_one_batch(x64):
     cfg, params, ro, _ = _scored()
     attn = ro.prompt_mask_BxS | ro.completion_mask_BxS
     batch = SFTBatch(ro.tokens_BxS, attn, ro.completion_mask_BxS[:, 1:].astype(jnp.float64))
-    _compare_one_and_accumulated(steps.sft_loss, cfg, params, batch)
+    _compare_one_and_accumulated(step_fns.sft_loss, cfg, params, batch)
 
 
 def _compare_one_and_accumulated(loss_fn, cfg, params, batch):
@@ -126,7 +126,7 @@ def _compare_one_and_accumulated(loss_fn, cfg, params, batch):
     loss written with the whole batch's totals."""
     loss = functools.partial(loss_fn, cfg=cfg)
     one = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch, None)
-    totals = steps.batch_totals(batch)
+    totals = step_fns.batch_totals(batch)
     acc = jax.jit(lambda p, b: accumulate.value_and_grad(
         lambda q, part: loss(q, part, totals), p, b, N))(params, batch)
     _compare(one, acc, cfg, batch)

@@ -14,8 +14,8 @@ import numpy as np
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
 
 from stablerl_jax.model import transformer as tf
+from stablerl_jax.rl import step_fns
 from stablerl_jax.rl.engine import Engine
-from stablerl_jax.rl import steps
 
 CASES = 240
 KINDS = 10  # the mutations of `_mutate`; a case applies 1 to 3 distinct ones in random order
@@ -152,7 +152,7 @@ def test_no_adversarial_batch_reaches_the_parameters():
     for _ in range(CASES):
         bad, must_skip, kinds = _mutate(batch, rng, cfg.model.num_experts)
         state, metrics = eng.update(state, bad)
-        was_skipped = steps.skipped(metrics)
+        was_skipped = step_fns.skipped(metrics)
         if must_skip:
             expected_skips += 1
             assert was_skipped, f"an update with a non-finite input was applied ({kinds=})"

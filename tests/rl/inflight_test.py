@@ -115,20 +115,20 @@ def test_slots_must_hold_whole_groups():
 
 
 def test_behavior_score_takes_each_tokens_pi_old_from_its_version():
-    # steps.score with (θ_k, θ_k−1, θ_k−2) and per-token ages equals, token by token, the
-    # one-version score at that token's parameters; a version no token has is skipped.
+    # step_fns.score with (θ_k, θ_k−1, θ_k−2) and per-token ages equals, token by token,
+    # the one-version score at that token's parameters; a version no token has is skipped.
     import jax.numpy as jnp
 
-    from stablerl_jax.rl import steps
+    from stablerl_jax.rl import step_fns
 
     cfg = tiny_cfg(max_staleness=2)
     # Ages 0 and 1 only: half of each row's tokens a version old; none two.
     params, r, age = versions_and_rollout(cfg)
     comp = np.asarray(r.completion_mask_BxS)
     rewards = jnp.arange(8, dtype=jnp.float32) % 2
-    got, _ = steps.score(tuple(params), r, rewards, cfg=cfg, age_BxS=jnp.asarray(age))
+    got, _ = step_fns.score(tuple(params), r, rewards, cfg=cfg, age_BxS=jnp.asarray(age))
     for a in (0, 1):
-        want, _ = steps.score(params[a], r, rewards, cfg=cfg)
+        want, _ = step_fns.score(params[a], r, rewards, cfg=cfg)
         mine = (age[:, 1:] == a) & comp[:, 1:]
         np.testing.assert_array_equal(np.asarray(got.old_logp_BxT)[mine],
                                       np.asarray(want.old_logp_BxT)[mine])

@@ -8,14 +8,20 @@ import numpy as np
 import pytest
 from conftest import cpu_devices
 from rl_helpers import EOS_ID, PAD_ID, tiny_cfg
-from step_helpers import REWARDS, assert_same_update, step_engine, step_rollout, step_rollout64
+from step_helpers import (
+    REWARDS,
+    assert_same_update,
+    step_engine,
+    step_rollout,
+    step_rollout64,
+)
 from tolerance import LAMBDA, assert_close, backward_chain, engine_chain
 
 from stablerl_jax import presets
 from stablerl_jax.config import SFTConfig
 from stablerl_jax.data.batching import SFTBatch
 from stablerl_jax.method.logprobs import policy_logprobs
-from stablerl_jax.rl.steps import count_skips
+from stablerl_jax.rl.step_fns import count_skips
 
 
 # Rewards of 4 groups of 2: advantages ±0.5 in two groups, 0 in the others.
