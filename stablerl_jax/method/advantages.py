@@ -1,15 +1,13 @@
-"""Group baselines. Groups are G consecutive responses of one prompt.
-
-Letters: B responses (B = Q·G), Q prompts (groups), G group size.
+"""Group baselines; a group is G consecutive responses of one prompt. Letters: B responses
+(B = Q·G), Q prompts (groups), G group size.
 
     group_mean     Â_i = R_i − mean_g R                          (MiniRL, docs/method.md §4)
     group_norm     Â_i = (R_i − mean_g R) / (std_g R + eps)       (GRPO, App. A)
     leave_one_out  Â_i = R_i − mean_{j≠i} R_j = G/(G−1) · (R_i − mean_g R)   (RLOO)
 
-A group whose rewards are all equal gets Â = 0 exactly under every baseline (no learning
-signal, and no 0/eps noise from rounding in the mean). Each function takes rewards [B]
-(numpy or jax, any real dtype) and returns float32 [B]; all are jittable with group_size
-static.
+A group of equal rewards gets Â = 0 exactly under every baseline (no signal, no 0/eps
+rounding noise). Rewards [B] (numpy or jax, any real dtype) in, float32 [B] out; jittable
+with group_size static.
 """
 from __future__ import annotations
 
@@ -35,14 +33,13 @@ def _centered(r_QxG):
 
 
 def group_mean(rewards_B, group_size: int):
-    """Â_i = R_i − mean of R over the G responses of the same prompt (no std)."""
+    """Â_i = R_i − mean_g R (no std)."""
     centered, _ = _centered(_groups(rewards_B, group_size))
     return centered.reshape(-1)
 
 
 def group_norm(rewards_B, group_size: int, eps: float = 1e-6, ddof: int = 0):
-    """Â_i = (R_i − mean) / (std + eps). std is the population std (ddof=0) by default;
-    ddof=1 gives the sample std some GRPO implementations use. Zero-variance groups get 0."""
+    """Â_i = (R_i − mean) / (std + eps); ddof=1: the sample std some GRPO implementations use."""
     if group_size - ddof < 1:
         raise ValueError(f"group_norm: ddof={ddof} needs group_size > ddof, got {group_size}")
     r = _groups(rewards_B, group_size)
@@ -52,7 +49,7 @@ def group_norm(rewards_B, group_size: int, eps: float = 1e-6, ddof: int = 0):
 
 
 def leave_one_out(rewards_B, group_size: int):
-    """Â_i = R_i − mean of the other G − 1 rewards of the group (RLOO baseline)."""
+    """Â_i = R_i − mean of the group's other G − 1 rewards (RLOO)."""
     if group_size < 2:
         raise ValueError(f"leave_one_out: group_size={group_size} must be >= 2")
     return group_mean(rewards_B, group_size) * (group_size / (group_size - 1))
@@ -66,8 +63,8 @@ ADVANTAGES = {
 
 
 def compute(name: str, rewards_B, group_size: int, std_ddof: int = 0):
-    """Â under the baseline `name` (a key of ADVANTAGES); `std_ddof` reaches group_norm's
-    std (LossConfig.advantage_std_ddof) and nothing else."""
+    """Â under baseline `name` (an ADVANTAGES key); `std_ddof`
+    (LossConfig.advantage_std_ddof) reaches only group_norm."""
     if name == "group_norm":
         return group_norm(rewards_B, group_size, ddof=std_ddof)
     return ADVANTAGES[name](rewards_B, group_size)

@@ -1,39 +1,27 @@
-"""Where the training–inference mismatch comes from: a per-token attribution
-(`rl.attribution`, docs/method.md §11).
+"""Per-token attribution of the training–inference mismatch (`rl.attribution`,
+docs/method.md §11). Letters: B rows (on a probe step, the probed ones), S slots,
+T = S − 1 scored positions, L layers, K top-k.
 
-Letters: B rows (on a probe step, the probed ones), S slots, T = S − 1 scored positions,
-L layers, K top-k.
+A scored token's IS log-ratio log π_θ − log μ (y_t ~ μ) telescopes into three parts:
+    precision  = log π(θ_old, routes_μ) − log μ     sampler's experts, trainer's arithmetic
+    routing    = log π_old − log π(θ_old, routes_μ)  trainer's vs sampler's experts
+    staleness  = log π_θ − log π_old                 Eq. 5's second factor
+π_old is the score pass (rl/step_fns.py): θ_old routed per rl.replay (live under none and
+r2; routes_μ under r3, so routing is 0; with rl.replay_weights routes_μ includes the
+sampler's combine weights). routing_cf = log π(θ_old, live routes) − log π(θ_old, routes_μ),
+logged in every mode, is the routing part without replay and the mismatch replay removed
+under r3. With partial rollouts (rl.max_staleness) the version lag is in staleness under
+rl.old_policy=behavior (π_old and both extra terms at each token's drawing version), in
+precision under old_policy=proximal (π_old: the current parameters).
 
-For each scored token y_t ~ μ, the log-ratio of the update's IS weight, log π_θ − log μ,
-is split into three parts that add up to it exactly (a telescoping sum):
-
-    precision  = log π(θ_old, routes_μ) − log μ          the sampler's experts, the
-                                                           trainer's arithmetic
-    routing    = log π_old − log π(θ_old, routes_μ)       the trainer's experts vs the
-                                                           sampler's, the same arithmetic
-    staleness  = log π_θ − log π_old                      Eq. 5's second factor
-
-π_old is the score pass (rl/step_fns.py): θ_old routed as rl.replay says (live under none
-and r2, routes_μ under r3, so under r3 the routing part is 0). The counterfactual routing
-part, log π(θ_old, live routes) − log π(θ_old, routes_μ), is logged beside it in every
-mode: equal to the routing part without replay, and under r3 the routing mismatch replay
-removed. Under rl.replay_weights (r3) "routes_μ" includes the sampler's combine weights.
-With partial rollouts (rl.max_staleness) and rl.old_policy=behavior each token's π_old
-and both extra terms are at the version that drew it, so the version lag is in the
-staleness part; under old_policy=proximal π_old is the current parameters, and the lag is
-in the precision part.
-
-The score step runs one extra forward for the term its own pass does not give
-(`TrainBatch.attr_logp_BxT`: log π(θ_old, routes_μ) without r3, log π(θ_old, live) under
-r3); each mini-batch's update computes the parts of its tokens with its own log π_θ
-(`pairs`), and `derive` turns the step's moments into variances, covariances and shares.
-
-Every `rl.attribution_every` steps a probe on a few rows (`probe`) also splits the
-counterfactual routing part by layer: s_l = log π(live routes) − log π(live routes, but
-the sampler's at layer l), the effect of layer l's flips alone. The layers' effects need
-not add up to the whole (a flip changes the hidden state later layers route on, and log π
-is not additive in the layers' changes): `interaction` = routing_cf − Σ_l s_l is logged,
-and the shares E[s_l · routing_cf] / E[routing_cf²] plus the interaction's add to 1.
+The score step runs one extra forward for the term its pass lacks (`TrainBatch.attr_logp_BxT`:
+log π(θ_old, routes_μ) without r3, log π(θ_old, live) under r3); each mini-batch update forms
+its tokens' parts with its own log π_θ (`pairs`); `derive` turns moments into variances,
+covariances and shares. Every `rl.attribution_every` steps `probe` splits a few rows'
+routing_cf by layer: s_l = log π(live routes) − log π(live routes, the sampler's at layer l),
+layer l's flips alone. Layers need not add up (a flip changes what later layers route on;
+log π is not additive), so `interaction` = routing_cf − Σ_l s_l is logged; the shares
+E[s_l · routing_cf] / E[routing_cf²] and the interaction's add to 1.
 """
 from __future__ import annotations
 
@@ -55,15 +43,14 @@ BINS = (("mu", (0.1, 0.5), ("lt0.1", "0.1-0.5", "gt0.5")),
 
 
 def score_terms(replay: str, logp_old_BxT, attr_logp_BxT):
-    """(log π(θ_old, routes_μ), counterfactual routing part) from the score pass's log π_old
-    and the extra forward's log-probs (module docstring)."""
+    """(log π(θ_old, routes_μ), routing_cf) from log π_old and the extra forward's log-probs."""
     if replay == "r3":
         return logp_old_BxT, attr_logp_BxT - logp_old_BxT
     return attr_logp_BxT, logp_old_BxT - attr_logp_BxT
 
 
 def token_parts(logp_mu_BxT, logp_mu_routes_BxT, logp_old_BxT, logp_BxT) -> dict:
-    """The three parts per token (float32 or wider); they add up to log π_θ − log μ."""
+    """The three parts per token (float32 or wider), summing to log π_θ − log μ."""
     acc = jnp.promote_types(jnp.result_type(logp_mu_BxT, logp_old_BxT, logp_BxT), jnp.float32)
     mu, mid, old, new = (jnp.asarray(x, acc) for x in (logp_mu_BxT, logp_mu_routes_BxT,
                                                         logp_old_BxT, logp_BxT))
@@ -71,8 +58,7 @@ def token_parts(logp_mu_BxT, logp_mu_routes_BxT, logp_old_BxT, logp_BxT) -> dict
 
 
 def bins(logp_mu_BxT, entropy_BxT, mask_BxT) -> dict:
-    """{family: [B, T] int32 bin index (0, 1, 2)} of every token (BINS). Positions count
-    each row's scored tokens: third = ⌊3 · index / count⌋."""
+    """{family: [B, T] int32 bin 0, 1, 2} (BINS); pos: ⌊3 · index / count⌋ over scored tokens."""
     m = jnp.asarray(mask_BxT) > 0
     out = {}
     for family, edges, _ in BINS:
@@ -96,14 +82,11 @@ def _moments(prefix: str, values: dict, m_BxT) -> dict:
 
 
 def pairs(parts: dict, routing_cf_BxT, logp_mu_BxT, entropy_BxT, mask_BxT) -> dict:
-    """The step's attribution monitors as (num, den) pairs over the scored tokens:
-
-      attr/{part}_mean, _sqmean, _k3   each part, `total` (their sum) and `routing_cf`;
-                                       k3 = E[e^x − 1 − x] of x = the part (x clipped
-                                       like every log-ratio, diagnostics._log_ratio)
-      attr/{a}_x_{b}                   E[a·b] of two parts (their covariance, `derive`)
-      attr_bin/{family}_{label}/…      the token share and the parts' mean and sqmean
-                                       within each bin (BINS)
+    """The step's attribution monitors, (num, den) pairs over the scored tokens:
+      attr/{part}_mean, _sqmean, _k3   per part, `total` (their sum) and `routing_cf`; k3 =
+                                       E[e^x − 1 − x], x clipped (diagnostics._log_ratio)
+      attr/{a}_x_{b}                   E[a·b] of two parts (for the covariance, `derive`)
+      attr_bin/{family}_{label}/…      token share, parts' mean and sqmean per bin (BINS)
     """
     m = (jnp.asarray(mask_BxT) > 0).astype(jnp.float32)
     values = dict(parts, total=sum(parts.values()), routing_cf=routing_cf_BxT)
@@ -124,10 +107,8 @@ def pairs(parts: dict, routing_cf_BxT, logp_mu_BxT, entropy_BxT, mask_BxT) -> di
 
 
 def derive(metrics: dict) -> dict:
-    """From the reduced step metrics (floats): attr/{part}_var, attr/{a}_cov_{b}, and
-    attr/{part}_share = Cov(part, total) / Var(total), the share of the total's variance
-    each part explains (the three add up to 1; a negative share is a part that cancels
-    another). {} when the step has no attribution."""
+    """attr/{part}_var, attr/{a}_cov_{b}, attr/{part}_share = Cov(part, total) / Var(total)
+    (shares add up to 1; negative: cancels another part) from reduced metrics; {} if none."""
     if "attr/total_mean" not in metrics:
         return {}
     mean = {p: metrics[f"attr/{p}_mean"] for p in PARTS + ("total",)}
@@ -146,8 +127,7 @@ def derive(metrics: dict) -> dict:
 
 
 def flipped_layers(routes_a_BxTxLxK, routes_b_BxTxLxK):
-    """[B, T, L] bool: the layer's top-k sets differ (-1 entries, nothing recorded, count
-    as no flip)."""
+    """[B, T, L] bool: the layer's top-k sets differ (-1 entries, nothing recorded: no flip)."""
     a, b = jnp.asarray(routes_a_BxTxLxK), jnp.asarray(routes_b_BxTxLxK)
     hit = jnp.zeros(a.shape, bool)
     for j in range(a.shape[-1]):
@@ -157,16 +137,11 @@ def flipped_layers(routes_a_BxTxLxK, routes_b_BxTxLxK):
 
 
 def probe(versioned, routes_mu_BxTxLxK, replay: str, replay_weights_BxTxLxK=None) -> dict:
-    """Per-token terms of the B probed rows at θ_old: the forwards behind the step's parts
-    and the per-layer split of the counterfactual routing part (module docstring).
-
-    versioned(fn) calls fn(forward) with forward(replay, weights) -> (logp, entropy,
-    routes), one forward of the rows at one parameter version, once per version (one
-    without partial rollouts), and merges each token's entries from its version. Returns
-    [B, T] arrays logp_mu_routes (log π(θ_old, routes_μ)), logp_old (the score pass's),
-    routing_cf, entropy_old, [B, T, L] bool flipped (live vs the sampler's routes) and
-    [L, B, T] layer (s_l per layer).
-    """
+    """Per-token terms of the B probed rows at θ_old. versioned(fn) calls fn(forward),
+    forward(replay, weights) -> (logp, entropy, routes) of the rows at one parameter version,
+    once per version (one without partial rollouts), merging each token's entries from its
+    version. Returns [B, T] logp_mu_routes (log π(θ_old, routes_μ)), logp_old (score pass's),
+    routing_cf, entropy_old; [B, T, L] bool flipped (live vs μ's routes); [L, B, T] layer s_l."""
     live = versioned(lambda fwd: fwd(None, None))
     logp_live, entropy_live, routes_live = live
     mu_routes = versioned(lambda fwd: fwd(routes_mu_BxTxLxK, replay_weights_BxTxLxK))
@@ -189,10 +164,9 @@ def probe(versioned, routes_mu_BxTxLxK, replay: str, replay_weights_BxTxLxK=None
 
 
 def layer_metrics(layer_LxBxT, routing_cf_BxT, mask_BxT) -> dict:
-    """Floats of the probe's per-layer split over its scored tokens (host, numpy):
-    attr_layer/l{l}_mean (E[s_l]), attr_layer/l{l}_share (E[s_l · routing_cf] /
-    E[routing_cf²]), the same two for `interaction` (routing_cf − Σ_l s_l), and
-    attr_layer/routing_cf_mean, _sqmean over the probed tokens."""
+    """Host floats over the probe's scored tokens: attr_layer/l{l}_mean E[s_l] and
+    attr_layer/l{l}_share E[s_l · routing_cf] / E[routing_cf²], the same two for
+    `interaction`, and attr_layer/routing_cf_mean, _sqmean."""
     m = np.asarray(mask_BxT) > 0
     layer = np.asarray(layer_LxBxT, np.float64)[:, m]
     cf = np.asarray(routing_cf_BxT, np.float64)[m]

@@ -1,34 +1,20 @@
-"""Score centering and the drift term it removes (docs/method.md §14).
+"""Score centering and the drift term it removes (docs/method.md §14). Letters: B responses,
+T scored positions, V vocabulary, K the top-k head of q.
 
-Letters: B responses, T scored positions, V vocabulary, K the top-k head of q.
-
-Every loss of `losses.LOSSES` has a gradient of the form (Eq. 4, Eq. 7)
-
+Every loss of `losses.LOSSES` has a gradient (Eq. 4, Eq. 7)
     ∇_θ L = Σ_t c_t ∇_θ log π_θ(y_t | s_t),   c_t = ∂L / ∂ log π_θ(y_t)
-
-(c_t is the token's advantage × IS weight × clip mask / normalizer for MiniRL, and what
-the chain rule gives for the clipped and sequence-level losses). With respect to the
-scaled logits ζ_t = z_t / τ of position t the score is ∇_ζ log π(y_t) = e_{y_t} − π_t.
-The tokens are drawn from the sampler's q_t = μ(·|s_t), so the score's expectation is
-E_q[∇_ζ log π] = q_t − π_t: zero only where q = π. That is the drift. Score centering
-subtracts it at every position:
-
-    ∇_ζ L_c = Σ_t c_t ((e_{y_t} − π_t) − (q_t − π_t)) = Σ_t c_t (e_{y_t} − q_t)
-
-as the surrogate
-
+(MiniRL: advantage × IS weight × clip mask / normalizer; the chain rule's for the clipped and
+sequence-level losses). In the scaled logits ζ_t = z_t / τ the score is e_{y_t} − π_t; tokens
+come from the sampler's q_t = μ(·|s_t), so E_q[∇_ζ log π] = q_t − π_t, zero only where q = π:
+the drift. Centering subtracts it, ∇_ζ L_c = Σ_t c_t (e_{y_t} − q_t), as the surrogate
     L_c = L − Σ_t sg[c_t] · Σ_v sg[q_tv − π_tv] · (ζ_tv − sg[ζ_tv])
+(L's value, the centred gradient), written with sg[q − π], not E_q[log π], and q − π as
+π · expm1(log q − log π) (`prob_diff`): exactly 0 where q and π are the same bits (`bitwise`
+sampler, on-policy), not a rounding of Σ_v q_v = 1 or of two exp calls compiled differently.
 
-whose value is L's and whose gradient is the centred one. The correction is written with
-sg[q − π] rather than as E_q[log π], and q − π is formed from the two log-probs as
-π · expm1(log q − log π) (`prob_diff`): where q and π are the same bits (the `bitwise`
-sampler, on-policy) it is exactly zero, not a rounding of Σ_v q_v = 1 or of two exp
-calls that the compiler may evaluate differently.
-
-q is the whole-vocabulary distribution (center='exact'), or a top-k head of it with a
-tail model (center='topk', `head_tail`): the K largest q_v kept, the remaining mass
-1 − Σ_K q spread over the other tokens in proportion to π. Only the head travels from
-the score step to the update (B·T·2K numbers instead of B·T·V).
+q is the whole-vocabulary distribution (center='exact') or its top-k head with a tail shaped
+like π (center='topk', `head_tail`); only the head travels from the score step to the update
+(B·T·2K numbers instead of B·T·V).
 """
 from __future__ import annotations
 
@@ -41,8 +27,7 @@ sg = jax.lax.stop_gradient
 
 
 def prob_diff(logp_a, logp_b):
-    """p_a − p_b from log-probs, as p_b · expm1(log p_a − log p_b): exactly 0 where the two
-    are the same bits, and accurate to relative rounding where they are close."""
+    """p_a − p_b = p_b·expm1(log p_a − log p_b): exactly 0 on equal bits, accurate when close."""
     same = logp_a == logp_b
     delta = jnp.where(same, 0.0, logp_a - logp_b)
     return jnp.where(same, 0.0, jnp.exp(logp_b) * jnp.expm1(delta))
@@ -54,8 +39,8 @@ def coefficients(loss_fn, logp_BxT, batch, cfg):
 
 
 def head_tail(q_head_BxTxK, q_idx_BxTxK, pi_BxTxV):
-    """q from its top-k head: q_v on the K ids, (1 − Σ_K q) · π_v / (1 − Σ_K π) on the
-    others (a tail shaped like π; π stop-gradient). [B, T, V]."""
+    """q [B, T, V] from its top-k head: q_v on the K ids, (1 − Σ_K q) · π_v / (1 − Σ_K π) on
+    the others (a tail shaped like π; π stop-gradient)."""
     onehot = jax.nn.one_hot(q_idx_BxTxK, pi_BxTxV.shape[-1], dtype=pi_BxTxV.dtype)
     head_BxTxV = jnp.einsum("btk,btkv->btv", q_head_BxTxK.astype(pi_BxTxV.dtype), onehot)
     in_head_BxTxV = jnp.sum(onehot, axis=2) > 0
@@ -67,8 +52,7 @@ def head_tail(q_head_BxTxK, q_idx_BxTxK, pi_BxTxV):
 
 
 def drift(logq_BxTxK, q_idx_BxTxK, pi_logp_BxTxV):
-    """q − π over the vocabulary [B, T, V]: from the stored log q (q_idx None:
-    center='exact', `prob_diff`), or from `head_tail` of its stored head (log values)."""
+    """q − π [B, T, V]: `prob_diff` of the whole log q (q_idx None), else `head_tail` of it."""
     if q_idx_BxTxK is None:
         return prob_diff(logq_BxTxK, pi_logp_BxTxV)
     pi_BxTxV = jnp.exp(pi_logp_BxTxV)
@@ -76,8 +60,7 @@ def drift(logq_BxTxK, q_idx_BxTxK, pi_logp_BxTxV):
 
 
 def drift_correction(coeff_BxT, logits_BxTxV, drift_BxTxV, mask_BxT):
-    """Σ_t c_t Σ_v sg[d_tv] (ζ_tv − sg ζ_tv): value 0, gradient Σ_t c_t d_t · ∂ζ_t (the
-    term L_c subtracts; d = q − π, module docstring)."""
+    """Σ_t c_t Σ_v sg[d_tv] (ζ_tv − sg ζ_tv), d = q − π: value 0, gradient Σ_t c_t d_t · ∂ζ_t."""
     d = jnp.where(jnp.asarray(mask_BxT)[..., None] > 0, sg(drift_BxTxV), 0.0)
     zeta = logits_BxTxV.astype(d.dtype)
     return jnp.sum(coeff_BxT[..., None].astype(d.dtype) * d * (zeta - sg(zeta)))
@@ -85,10 +68,9 @@ def drift_correction(coeff_BxT, logits_BxTxV, drift_BxTxV, mask_BxT):
 
 def centered(loss_fn, logp_BxT, batch, cfg, logits_BxTxV, pi_logp_BxTxV, logq_BxTxK,
              q_idx_BxTxK=None):
-    """(L_c, metrics) of loss `loss_fn` (module docstring): L's value, the centred
-    gradient. logits_BxTxV: the update's ζ = z/τ (differentiable); pi_logp_BxTxV: its
-    log-softmax as the engines compute it; logq_BxTxK / q_idx_BxTxK: the sampler's log q
-    (`drift`). Adds center/drift_l1, the token mean of ‖q − π_θ‖₁ it removed."""
+    """(L_c, metrics) of `loss_fn`. logits_BxTxV: the update's ζ = z/τ (differentiable);
+    pi_logp_BxTxV: its log-softmax as the engines compute it; logq_BxTxK / q_idx_BxTxK: the
+    sampler's log q (`drift`). Adds center/drift_l1, token mean of the ‖q − π_θ‖₁ removed."""
     loss, metrics = loss_fn(logp_BxT, batch, cfg)
     drift_BxTxV = drift(sg(logq_BxTxK), q_idx_BxTxK, sg(pi_logp_BxTxV))
     coeff_BxT = coefficients(loss_fn, logp_BxT, batch, cfg)
@@ -104,10 +86,9 @@ def l1(logp_a_BxTxV, logp_b_BxTxV):
 
 
 def drift_pairs(logq_BxTxV, pi_logp_BxTxV, mask_BxT, group_reward_B) -> dict:
-    """The drift monitor as (num, den) pairs over the scored tokens: drift/l1, the token
-    mean of ‖q_t − π_t‖₁, and drift/reward_weighted, of R̄_g · ‖q_t − π_t‖₁ with R̄_g the
-    mean reward of the token's group (the size of the drift term E_q[R] · E_q[∇ log π]
-    of a group-centred gradient). Log-probs in."""
+    """Drift pairs over scored tokens (log-probs in): drift/l1, token mean of ‖q_t − π_t‖₁;
+    drift/reward_weighted, of R̄_g · ‖q_t − π_t‖₁ with R̄_g the group's mean reward (the size
+    of a group-centred gradient's drift term E_q[R] · E_q[∇ log π])."""
     l1_BxT = l1(logq_BxTxV, pi_logp_BxTxV)
     return {"drift/l1": dg.masked_mean_pair(l1_BxT, mask_BxT),
             "drift/reward_weighted": dg.masked_mean_pair(group_reward_B[:, None] * l1_BxT,
@@ -115,16 +96,14 @@ def drift_pairs(logq_BxTxV, pi_logp_BxTxV, mask_BxT, group_reward_B) -> dict:
 
 
 def drift_parts(logq_BxTxV, mid_BxTxV, old_BxTxV, mask_BxT, prefix="attr/drift_") -> dict:
-    """The drift q − π_old split as the log-ratio is (attribution.py): precision
-    q − π(θ_old, routes_μ) and routing π(θ_old, routes_μ) − π_old, each part's token mean
-    of ‖·‖₁ as pairs (staleness, π_old − π_θ, is the update's: `staleness_pair`).
-    Log-probs in."""
+    """Token-mean ‖·‖₁ pairs of the drift q − π_old split as the log-ratio is (attribution.py):
+    precision q − π(θ_old, routes_μ), routing π(θ_old, routes_μ) − π_old (staleness, π_old −
+    π_θ, is the update's: `staleness_pair`). Log-probs in."""
     mean = lambda a, b: dg.masked_mean_pair(l1(a, b), mask_BxT)
     return {f"{prefix}precision_l1": mean(logq_BxTxV, mid_BxTxV),
             f"{prefix}routing_l1": mean(mid_BxTxV, old_BxTxV)}
 
 
 def staleness_pair(old_BxTxV, pi_BxTxV, mask_BxT, prefix="attr/drift_") -> dict:
-    """The drift's staleness part, the token mean of ‖π_old − π_θ‖₁, as a pair
-    (log-probs in)."""
+    """The drift's staleness part as a pair, token mean of ‖π_old − π_θ‖₁ (log-probs in)."""
     return {f"{prefix}staleness_l1": dg.masked_mean_pair(l1(old_BxTxV, pi_BxTxV), mask_BxT)}

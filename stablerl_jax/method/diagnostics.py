@@ -1,24 +1,17 @@
-"""Every monitor of the trainer, and the (numerator, denominator) pair arithmetic.
+"""Every trainer monitor, and the (numerator, denominator) pair arithmetic. Letters:
+B responses, T tokens, L layers, K top-k.
 
-Letters: B responses, T tokens, L layers, K top-k.
-
-Monitors are (numerator, denominator) pairs, so averages over mini-batches and devices
-stay exact: sum numerators, sum denominators, divide at the end (`reduce_metrics`). Pairs
-whose key ends in `_max` / `_min` hold (value, 1 if any token counted else 0) and reduce
-by max / min over the entries with a nonzero denominator. Every function takes a mask (1
-on tokens that count, float or bool).
-
-Inputs are log-probs of the *sampled* tokens (y ~ μ), so every expectation is over μ's
-samples; ρ = π/μ and x = log ρ, clipped to ±max_log_ratio before any exp:
-
+Monitors are (num, den) pairs so averages over mini-batches and devices stay exact: sum
+both, divide at the end (`reduce_metrics`). Keys ending `_max` / `_min` hold (value, 1 if
+any token counted else 0) and reduce by max / min over entries with a nonzero denominator.
+Masks are 1 on tokens that count (float or bool). Inputs are log-probs of the *sampled*
+tokens (y ~ μ), so expectations are over μ's samples; ρ = π/μ, x = log ρ clipped to
+±max_log_ratio before any exp:
     k1 KL(μ‖π)   E_μ[log μ − log π] = E_μ[−x]                (the paper's monitor)
     k3 KL(μ‖π)   E_μ[ρ − 1 − log ρ] = E_μ[expm1(x) − x]     (unbiased, every term ≥ 0)
     ESS          mean(w)² / mean(w²) ∈ [0, 1]                (normalized effective sample size)
-
-Who reports what: the score step reports the training–inference mismatch of the rollout
-(`train_infer_mismatch`: KL, log-prob gaps, routing mismatch); each loss reports its clip
-fractions, the IS weights it applied (`weight_stats`), Eq. 5's two factors
-(`eq5_factors`) and the first-order residual (`first_order_residual`).
+The score step logs `train_infer_mismatch`; each loss its clip fractions, `weight_stats`,
+`eq5_factors` (Eq. 5's two factors) and `first_order_residual`.
 """
 from __future__ import annotations
 
@@ -45,15 +38,13 @@ def _log_ratio(logp_num_BxT, logp_den_BxT, m_BxT, max_log_ratio):
 
 
 def masked_mean_pair(values_BxT, mask_BxT):
-    """(Σ_t m_t v_t, Σ_t m_t): a masked mean as a (num, den) pair. Values at masked tokens
-    are ignored even when they are inf or NaN."""
+    """(Σ_t m_t v_t, Σ_t m_t); values at masked tokens are ignored, even inf or NaN."""
     m = _m(mask_BxT)
     return jnp.sum(jnp.where(m > 0, values_BxT, 0.0)), jnp.sum(m)
 
 
 def masked_extreme_pair(values_BxT, mask_BxT, op):
-    """(op over counted tokens, 1.0 if any token counts else 0.0), op = jnp.max or jnp.min;
-    the value is 0 when nothing counts, so numerators stay finite."""
+    """(op over counted tokens, 1.0 if any counts else 0.0); value 0 (finite) if none."""
     real = _m(mask_BxT) > 0
     fill = -jnp.inf if op is jnp.max else jnp.inf
     any_real = jnp.any(real)
@@ -71,8 +62,7 @@ def expm1_minus_x(x):
 
 
 def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
-    """k1 estimate of KL(μ‖π): E_μ[log μ − log π] (the paper's training–inference KL with
-    π = π_old). (num, den) pair. Not clipped: it is a plain difference of log-probs."""
+    """k1 KL(μ‖π) pair, E_μ[log μ − log π] (π = π_old: the paper's train–infer KL); unclipped."""
     m = _m(mask_BxT)
     acc = accum_dtype(jnp.result_type(logp_mu_BxT, logp_pi_BxT))
     d = jnp.asarray(logp_mu_BxT, acc) - jnp.asarray(logp_pi_BxT, acc)
@@ -80,19 +70,15 @@ def kl_k1(logp_mu_BxT, logp_pi_BxT, mask_BxT):
 
 
 def kl_k3(logp_mu_BxT, logp_pi_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_RATIO):
-    """k3 estimate of KL(μ‖π): E_μ[ρ − 1 − log ρ], ρ = π/μ. (num, den) pair.
-
-    The per-token term stays accurate when ρ ≈ 1, where it is ≈ x²/2 (`expm1_minus_x`)."""
+    """k3 KL(μ‖π) pair, E_μ[ρ − 1 − log ρ]; accurate near ρ ≈ 1 (≈ x²/2, `expm1_minus_x`)."""
     m = _m(mask_BxT)
     x = _log_ratio(logp_pi_BxT, logp_mu_BxT, m, max_log_ratio)
     return masked_mean_pair(expm1_minus_x(x), m)
 
 
 def weight_stats(weights_BxT, altered_BxT, mask_BxT) -> dict:
-    """Pairs of the IS weights a loss applied: `is/weight_mean`, `is/weight_sqmean` (the
-    two `reduce_metrics` forms the ESS from), `is/weight_max`, `is/weight_min`, and
-    `is/frac_truncated`, the fraction of tokens whose weight the correction capped or
-    dropped (`altered` = 1)."""
+    """Pairs of a loss's applied IS weights: `is/weight_mean`, `is/weight_sqmean` (for the ESS),
+    `is/weight_max`, `is/weight_min`, `is/frac_truncated` (`altered` = 1: capped or dropped)."""
     m = _m(mask_BxT)
     return {
         "is/weight_mean": masked_mean_pair(weights_BxT, m),
@@ -104,10 +90,9 @@ def weight_stats(weights_BxT, altered_BxT, mask_BxT) -> dict:
 
 
 def clip_fractions(hi_BxT, lo_BxT, mask_BxT) -> dict:
-    """The clip monitor every loss logs: the fractions of counted tokens where the clip
-    binds, by side (`clip/frac_high`, `clip/frac_low`), from the loss's own masks
-    (`losses.clip_sides`: for the PPO family high = [Â > 0 and r > 1+ε_high], low =
-    [Â < 0 and r < 1−ε_low], r = π_θ/π_old; docs/method.md §4). Two (num, den) pairs."""
+    """Pairs `clip/frac_high`, `clip/frac_low`: counted tokens where the clip binds, by side,
+    from the loss's masks (`losses.clip_sides`; PPO family: high = [Â > 0 and r > 1+ε_high],
+    low = [Â < 0 and r < 1−ε_low], r = π_θ/π_old; docs/method.md §4)."""
     m = jnp.asarray(mask_BxT)
     dt = m.dtype if jnp.issubdtype(m.dtype, jnp.floating) else jnp.float32
     return {"clip/frac_high": masked_mean_pair(jnp.asarray(hi_BxT).astype(dt), m),
@@ -117,10 +102,7 @@ def clip_fractions(hi_BxT, lo_BxT, mask_BxT) -> dict:
 def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
                 max_log_ratio: float = _MAX_LOG_RATIO):
     """Eq. 5 in logs: log(π_θ/μ_old) = log(π_old/μ_old) [engine] + log(π_θ/π_old) [staleness].
-
-    Returns (num, den) pairs of the mean and mean square of each log factor; after
-    reduction the spread is sqrt(sqmean − mean²) (`reduce_metrics` adds `*_std`).
-    """
+    Pairs of each log factor's mean and mean square (`reduce_metrics` adds `*_std`)."""
     m = _m(mask_BxT)
     engine = _log_ratio(old_logp_BxT, rollout_logp_BxT, m, max_log_ratio)
     stale = _log_ratio(logp_BxT, old_logp_BxT, m, max_log_ratio)
@@ -133,15 +115,10 @@ def eq5_factors(logp_BxT, old_logp_BxT, rollout_logp_BxT, mask_BxT,
 
 
 def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_RATIO):
-    """Per response (a [B] vector): Π_t ρ_t − (1 + Σ_t (ρ_t − 1)), the error of the
-    first-order approximation of docs/method.md §2 (ρ_t = 1 + δ_t).
-
-    Stable form, free of cancellation: with P_t = Π_{s≤t} ρ_s − 1 the residual obeys
-    R_t = R_{t−1} + P_{t−1} δ_t, so R = Σ_t expm1(Σ_{s<t} x_s) · expm1(x_t) with
-    x = log ρ. Each factor is accurate to float32 precision even when every δ is tiny
-    (R ≈ Σ_{s<t} δ_s δ_t). Prefix sums are clipped to ±max_log_ratio, so for huge ratios
-    the value saturates instead of overflowing. Masked tokens have x = 0 (ρ = 1).
-    """
+    """[B]: Π_t ρ_t − (1 + Σ_t (ρ_t − 1)), the first-order error of docs/method.md §2.
+    Cancellation-free: with ρ_t = 1 + δ_t, P_t = Π_{s≤t} ρ_s − 1, R_t = R_{t−1} + P_{t−1} δ_t,
+    so R = Σ_t expm1(Σ_{s<t} x_s) · expm1(x_t), x = log ρ: float32-accurate for tiny δ (R ≈
+    Σ_{s<t} δ_s δ_t). Prefix sums clip to ±max_log_ratio (no overflow); masked tokens: x = 0."""
     m = _m(mask_BxT)
     x = _log_ratio(log_rho_BxT, jnp.zeros_like(m), m, max_log_ratio)
     prefix = jnp.cumsum(x, axis=1) - x  # Σ_{s<t} x_s
@@ -150,7 +127,7 @@ def first_order_residual_B(log_rho_BxT, mask_BxT, max_log_ratio: float = _MAX_LO
 
 
 def first_order_residual(log_rho_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_RATIO):
-    """Mean |first_order_residual_B| over responses with at least one token: (num, den)."""
+    """Mean |first_order_residual_B| over responses with a token: (num, den)."""
     m = _m(mask_BxT)
     r_B = first_order_residual_B(log_rho_BxT, m, max_log_ratio)
     has_B = (jnp.sum(m, axis=1) > 0).astype(jnp.float32)
@@ -158,17 +135,11 @@ def first_order_residual(log_rho_BxT, mask_BxT, max_log_ratio: float = _MAX_LOG_
 
 
 def routing_mismatch(routes_a_BxTxLxK, routes_b_BxTxLxK, mask_BxT) -> dict:
-    """Per-layer routing mismatch between two route tensors (e.g. inference vs training).
-
-    For token (b, t) and layer l: mismatch = 1 − |topk_a ∩ topk_b| / K (order inside the
-    top-k does not matter). An entry is excluded where mask is 0 or either tensor holds a
-    -1 ("no route recorded") in that layer's K slots. Returns
-      mismatch_rate:      [L] mean mismatch per layer over its counted tokens (0 if none);
-      any_flip:           scalar fraction of tokens (with ≥1 counted layer) whose top-k set
-                          differs in at least one counted layer;
-      mismatch_pair:      ([L] numerator, [L] denominator) of mismatch_rate;
-      any_flip_pair:      (numerator, denominator) of any_flip.
-    """
+    """Per-layer mismatch of two route tensors (e.g. inference vs training): 1 − |topk_a ∩
+    topk_b| / K per token (b, t) and layer l (order-free), excluding mask 0 and a -1 (no route
+    recorded) in either's K slots. Returns mismatch_rate ([L] over each layer's counted tokens,
+    0 if none), any_flip (share of tokens with ≥1 counted layer whose top-k set differs in
+    one), and their (num, den): mismatch_pair ([L] each), any_flip_pair."""
     a = jnp.asarray(routes_a_BxTxLxK)
     b = jnp.asarray(routes_b_BxTxLxK)
     if a.shape != b.shape or a.ndim != 4:
@@ -201,12 +172,8 @@ def routing_mismatch(routes_a_BxTxLxK, routes_b_BxTxLxK, mask_BxT) -> dict:
 
 def sequence_log_ratio(logp_pi_BxT, logp_mu_BxT, mask_BxT, tis_cap: float) -> dict:
     """Pairs over responses (rows with a counted token) of s = Σ_t (log π − log μ), the log
-    of the sequence IS weight π(y)/μ(y), which drifts with length where the token-level
-    KL does not (docs/method.md §2):
-
-      seq/log_ratio, seq/log_ratio_sq   E[s], E[s²] (variance = E[s²] − E[s]²)
-      seq/beyond_cap                    share of responses with π(y)/μ(y) > tis_cap
-    """
+    sequence IS weight, drifting with length where token KL does not (docs/method.md §2):
+    seq/log_ratio E[s], seq/log_ratio_sq E[s²], seq/beyond_cap the share with s > log tis_cap."""
     m = _m(mask_BxT)
     acc = accum_dtype(jnp.result_type(logp_pi_BxT, logp_mu_BxT))
     d_BxT = jnp.asarray(logp_pi_BxT, acc) - jnp.asarray(logp_mu_BxT, acc)
@@ -221,20 +188,11 @@ def sequence_log_ratio(logp_pi_BxT, logp_mu_BxT, mask_BxT, tis_cap: float) -> di
 def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
                          routes_pi_BxTxLxK, routed_BxT, *, per_layer: bool = False,
                          tis_cap: float = 5.0) -> dict:
-    """The training–inference mismatch of one rollout batch as pairs (docs/method.md §6):
-
-      kl/train_infer_k1, kl/train_infer_k3   KL(μ_old‖π_old) on the sampled tokens
-      mismatch/abs_logp_gap, …_max           |log μ − log π| per completion token
-      routing/mismatch_rate                  1 − |topk_μ ∩ topk_π|/K over (token, layer)
-      routing/any_flip                       tokens with at least one flipped layer
-      routing/mismatch_rate_per_layer        [L] pair (with per_layer=True)
-      seq/…                                  the sequence log-ratio (`sequence_log_ratio`,
-                                             π(y)/μ(y) against tis_cap)
-
-    Log-probs are over the completion tokens (`mask_BxT`); routes over the tokens both
-    engines processed (`routed_BxT`, and where both recorded a route). k1 is not clipped:
-    it is a plain difference of log-probs.
-    """
+    """One rollout batch's training–inference mismatch pairs (docs/method.md §6): over the
+    completion tokens (`mask_BxT`) kl/train_infer_k1, kl/train_infer_k3 (KL(μ_old‖π_old), k1
+    unclipped), mismatch/abs_logp_gap and _max (|log μ − log π|), seq/… (`sequence_log_ratio`);
+    over tokens both engines processed (`routed_BxT`) and recorded routing/mismatch_rate,
+    routing/any_flip and, with per_layer, [L] routing/mismatch_rate_per_layer."""
     m = _m(mask_BxT)
     acc = accum_dtype(jnp.result_type(logp_mu_BxT, logp_pi_BxT))
     gap_BxT = jnp.abs(jnp.asarray(logp_mu_BxT, acc) - jnp.asarray(logp_pi_BxT, acc))
@@ -255,11 +213,9 @@ def train_infer_mismatch(logp_mu_BxT, logp_pi_BxT, mask_BxT, routes_mu_BxTxLxK,
 
 
 def expert_load_pairs(routes_BxTxLxK, routed_BxT, num_experts: int, side: str) -> dict:
-    """{"moe/{side}/load": (assignments [L, E], all assignments [L, E])}: how many of a
-    layer's routed (token, k) slots went to each expert, as a pair that sums exactly over
-    batches, micro-batches and devices; `reduce_metrics` turns the reduced shares into
-    `expert_load_stats`. Routes of -1 (nothing routed) and tokens outside `routed_BxT`
-    count nowhere."""
+    """{"moe/{side}/load": (assignments [L, E], all assignments [L, E])}: per layer, routed
+    (token, k) slots per expert, exact over batches, micro-batches and devices (`reduce_metrics`
+    makes shares `expert_load_stats`); -1 routes, tokens outside `routed_BxT` count nowhere."""
     use = (routes_BxTxLxK >= 0) & routed_BxT[:, :, None, None]
     layers = routes_BxTxLxK.shape[2]
     # A scatter-add of each (token, layer, k) into its layer's expert count: no
@@ -276,18 +232,11 @@ TOP_EXPERTS = 0.1  # expert_load_stats' top share: the most-loaded tenth of the 
 
 
 def expert_load_stats(load_LxE: np.ndarray, prefix: str) -> dict:
-    """Per-layer and summary statistics of expert use from each layer's load shares
-    (rows summing to 1; NaN rows: nothing routed):
-
-      {prefix}/max_vio[_l{l}]     E · max_e share − 1 (verl's MaxVio: the most loaded
-                                  expert over the mean load, minus 1; 0 when balanced);
-                                  the mean over layers, layer l's, and `_max` the worst
+    """Expert-use floats (a metrics row holds scalars) from each layer's load shares (rows sum
+    to 1; NaN: nothing routed), the mean over layers and per layer l:
+      {prefix}/max_vio[_l{l}]     E · max_e share − 1 (verl's MaxVio, 0 balanced); `_max`: worst
       {prefix}/entropy[_l{l}]     −Σ share · log share / log E (1 = uniform use)
-      {prefix}/top10_share[_l{l}] the share of assignments on the ⌈E / 10⌉ most loaded
-                                  experts (0.1 = uniform)
-
-    Every value is a float (a metrics row holds scalars).
-    """
+      {prefix}/top10_share[_l{l}] share on the ⌈E / 10⌉ most loaded experts (0.1 = uniform)"""
     load = np.asarray(load_LxE, np.float64)
     e = load.shape[1]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -305,10 +254,8 @@ def expert_load_stats(load_LxE: np.ndarray, prefix: str) -> dict:
 
 
 def combine_pairs(stacked: dict, xp=jnp) -> dict:
-    """(num, den) pairs stacked over parts (mini-batches, micro-batches: [n, ...] each) ->
-    one pair per key: numerators and denominators summed, except `*_max` / `*_min` keys,
-    which take the extreme numerator over the parts whose denominator is nonzero (value 0,
-    denominator 0 when none counted). `xp`: jnp inside a jitted step, np on the host."""
+    """Pairs stacked over parts ([n, ...]) -> one summed pair per key; `*_max` / `*_min` take the
+    extreme numerator over parts with den > 0 (0, 0 if none). `xp`: jnp if jitted, np on host."""
     out = {}
     for key, (num, den) in stacked.items():
         if key.endswith(("_max", "_min")):
@@ -323,14 +270,9 @@ def combine_pairs(stacked: dict, xp=jnp) -> dict:
 
 
 def reduce_metrics(metric_dicts) -> dict:
-    """Combine (num, den) metrics of several mini-batches / devices into floats.
-
-    `combine_pairs`, then num / den (NaN when every denominator is 0: there was nothing
-    to average; for `*_max` / `*_min` the extreme itself, NaN when nothing counted).
-    Vector pairs (per-layer) reduce elementwise to a numpy array. Derived keys: `*_std` =
-    sqrt(sqmean − mean²) for every `*_sqmean`/`*_mean` pair, and `is/ess` = mean(w)² /
-    mean(w²), the normalized effective sample size of the applied IS weights.
-    """
+    """Floats of several mini-batches' / devices' pairs: `combine_pairs`, then num / den (NaN if
+    den is 0; `*_max` / `*_min`: the extreme, NaN if none counted; vector pairs: numpy arrays);
+    adds `*_std` = sqrt(sqmean − mean²) per `*_sqmean`/`*_mean` pair, and `is/ess`."""
     metric_dicts = list(metric_dicts)
     if not metric_dicts:
         raise ValueError("reduce_metrics: got no metric dicts")

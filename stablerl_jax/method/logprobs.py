@@ -1,21 +1,15 @@
 """Token log-probs and entropy: from hidden states (`token_logprobs`) and from tokens
-through the training engine's model (`policy_logprobs`).
+through the training engine's model (`policy_logprobs`). Letters: B responses, S token
+slots, T = S − 1 scored positions, D model, V vocab, L layers, K top-k.
 
-Letters: B responses, S token slots, T = S − 1 scored positions, D model, V vocab,
-L layers, K top-k.
-
-The frame shift lives here and only here: the model runs on inputs = tokens[:, :-1] and
-scores targets = tokens[:, 1:] (the hidden state at slot t predicts the token at t + 1).
-Every per-token tensor of a training batch is in that T-frame. Score, update, SFT and the
-mismatch measurement all call `policy_logprobs`.
-
-Temperature τ divides the logits; it is applied to the hidden states (z/τ = (h/τ) W)
-before the fused op, so the gradient flows through the same custom VJP. The op is row-wise
-over tokens, so a row's log-probs do not depend on what else is in the batch.
-
-impl: the name of a row of the op's table, LOGPROB_IMPLS (kernels/fused_logprob_impls.py
-says what each row is; "chunked" is the default). `interpret=True` runs a Pallas row in
-the checking interpreter instead (CPU tests).
+The frame shift lives only here: the model runs on inputs = tokens[:, :-1] and scores
+targets = tokens[:, 1:] (slot t's hidden state predicts token t + 1); every per-token tensor
+of a training batch is in that T-frame. Score, update, SFT and the mismatch measurement all
+call `policy_logprobs`. Temperature τ scales the hidden states before the fused op
+(z/τ = (h/τ) W), so the gradient goes through the same custom VJP. The op is row-wise: a
+row's log-probs do not depend on the rest of the batch. impl: a row of the op's table
+LOGPROB_IMPLS (kernels/fused_logprob_impls.py; "chunked" by default); `interpret=True` runs
+a Pallas row in the checking interpreter (CPU tests).
 """
 from __future__ import annotations
 
@@ -34,13 +28,10 @@ from stablerl_jax.model import transformer as tf
 def token_logprobs(hidden_BxTxD, unembed_DxV, targets_BxT, *, impl: str = "chunked",
                    block: LogprobBlocks | None = None, temperature: float = 1.0,
                    interpret: bool = False, mesh=None):
-    """(logp_BxT, entropy_BxT), float32 (float64 for float64 hidden states), under
-    p = softmax(hidden · unembed / temperature): logp = log p(target), entropy =
-    −Σ_v p_v log p_v over the full vocabulary. With a multi-device `mesh`, a Pallas impl
-    runs under shard_map on each device's rows (a Pallas call is opaque to the
-    partitioner, which would otherwise gather every row onto every device) against the
-    whole unembedding; its gradient is summed over the devices by shard_map. `block`
-    replaces the implementation's default block sizes."""
+    """(log p(target), −Σ_v p_v log p_v) of p = softmax(hidden · unembed / temperature), float32
+    (float64 for float64 hidden); `block` overrides block sizes. On a multi-device `mesh` a
+    Pallas impl runs under shard_map on each device's rows with the whole unembedding (the
+    partitioner, to which it is opaque, would gather all rows); shard_map sums its gradient."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     row = lookup(LOGPROB_IMPLS, impl, "impl")
@@ -67,20 +58,14 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
                     temperature: float = 1.0, impl: str = "chunked",
                     interpret: bool = False, mesh=None, checks: bool | None = None,
                     trace: bool = False, vocab: bool = False):
-    """The policy's log-prob of every next token: (logp_BxT, entropy_BxT, aux).
-
-    One full-sequence forward over inputs = tokens[:, :-1] (attention mask attn[:, :-1]),
-    replaying `replay_BxTxLxK` (routes for the input slots; rows of -1 route live), then
-    the fused log-prob of targets = tokens[:, 1:]; `replay_weights_BxTxLxK` replays
-    their recorded combine weights too (weight replay). `aux` is the forward's
-    (aux["routes"] [B, T, L, K]). `segment_ids_BxS` / `positions_BxS`: packed rows
-    (stablerl_jax/packing.py; `transformer.forward`'s segment ids and positions).
-    Weights are converted for `numerics` (identity for "train"). `mesh`: the devices
-    the expert FFN is sharded over (`transformer.forward`).
-    Shapes and dtypes are checked always, values (ids in [0, V), the mask in {0, 1})
-    under `checks` (stablerl_jax/input_checks.py). `vocab`: aux also holds the whole
-    distribution at every position (`vocab_logprobs`: "logits_BxTxV", "logp_BxTxV").
-    """
+    """(logp_BxT, entropy_BxT, aux) of every next token: one forward of inputs = tokens[:, :-1]
+    (mask attn[:, :-1]) replaying `replay_BxTxLxK` (-1 rows route live) and, with
+    `replay_weights_BxTxLxK`, their combine weights, then the fused log-prob of targets =
+    tokens[:, 1:]. `aux`: the forward's (aux["routes"] [B, T, L, K]), plus with `vocab` the
+    `vocab_logprobs` "logits_BxTxV", "logp_BxTxV". `segment_ids_BxS` / `positions_BxS` (packed
+    rows, stablerl_jax/packing.py) and `mesh` (expert FFN devices) go to `transformer.forward`.
+    Weights convert for `numerics` ("train": identity). Shapes and dtypes are always checked,
+    values (ids in [0, V), mask in {0, 1}) under `checks` (stablerl_jax/input_checks.py)."""
     input_checks.tokens(tokens_BxS, cfg.vocab_size, checks=checks)
     input_checks.mask(attn_BxS, jnp.shape(tokens_BxS), name="attn_BxS", checks=checks)
     if jnp.shape(tokens_BxS)[1] < 2:
@@ -126,11 +111,9 @@ def policy_logprobs(params: dict, tokens_BxS, attn_BxS, cfg, *, replay_BxTxLxK=N
 
 def vocab_logprobs(hidden_BxTxD, unembed_DxV, cfg, temperature: float = 1.0,
                    impl: str = "chunked") -> dict:
-    """The distribution over the whole vocabulary at every position: "logits_BxTxV", the
-    scaled logits ζ = (h/τ) · unembed in float32 or wider (differentiable), and
-    "logp_BxTxV", log softmax(ζ) stop-gradient, computed as the sampler computes it
-    (`invariant.logprobs_V` per row under batch-invariant numerics, so the two engines'
-    distributions are the same bits there; a plain log-softmax otherwise)."""
+    """"logits_BxTxV": ζ = (h/τ) · unembed, float32 or wider, differentiable; "logp_BxTxV":
+    log softmax(ζ), stop-gradient, as the sampler computes it (`invariant.logprobs_V` per row
+    under batch-invariant numerics: the same bits in both engines; else a plain log-softmax)."""
     b, t, d = hidden_BxTxD.shape
     h_NxD = hidden_BxTxD.reshape(b * t, d)
     w_DxV = unembed_DxV.astype(hidden_BxTxD.dtype)

@@ -1,60 +1,39 @@
-"""First-order surrogate losses (docs/method.md §2, §4). Each returns the quantity to MINIMIZE.
+"""First-order surrogate losses (docs/method.md §2, §4), each returning the value to MINIMIZE:
+`loss_fn(logp_BxT, batch: LossBatch, cfg) -> (loss, metrics)`, cfg a `LossConfig`. Letters:
+B responses in the (mini-)batch, T token positions.
 
-Letters: B responses in the (mini-)batch, T token positions.
-
-Signature of every loss: `loss_fn(logp_BxT, batch: LossBatch, cfg) -> (loss, metrics)`:
-  logp_BxT                log π_θ of the sampled tokens (differentiable)
-  batch.old_logp_BxT      log π_old (training engine, θ_old)
-  batch.rollout_logp_BxT  log μ_old (sampling engine)
-  batch.mask_BxT          1 on completion tokens that count (float or bool)
-  batch.advantages_B      Â per response, or batch.advantages_BxT per token (preferred
-                          when both are given)
-  cfg                     a `LossConfig`
-`metrics` maps names to (numerator, denominator) pairs so averages over mini-batches and
-devices stay exact (`diagnostics.reduce_metrics`).
-
-Ratios; a token's log-ratio is clipped to ±max_log_ratio before exp (no overflow), a
-sequence-level one after its sum (GSPO's mean log-ratio at ≤ gspo_max_log_ratio, as
-tunix and verl do):
+logp_BxT is log π_θ of the sampled tokens (differentiable), batch.old_logp_BxT log π_old
+(training engine, θ_old), batch.rollout_logp_BxT log μ_old (sampling engine), batch.mask_BxT
+1 on counted completion tokens (float or bool); Â is per response (batch.advantages_B) or per
+token (batch.advantages_BxT, preferred when both are given). A token log-ratio is clipped to
+±max_log_ratio before exp, a sequence one after its sum (GSPO's mean log-ratio at
+≤ gspo_max_log_ratio, as tunix and verl do):
     ρ_t = π_θ/μ_old   full token IS ratio (Eq. 3)  = (π_old/μ_old) · (π_θ/π_old)  (Eq. 5)
     r_t = π_θ/π_old   staleness ratio, the one PPO-style clipping looks at
     e_t = π_old/μ_old training–inference (engine) factor
 
-Aggregations of a per-token term ℓ_bt over the mask m (|y_b| = Σ_t m_bt):
+Aggregations of a per-token term ℓ_bt over the mask m, |y_b| = Σ_t m_bt (cfg.aggregation
+None: the loss's row in `loss_table.LOSS_TABLE`):
     response_sum             (1/B') Σ_b Σ_t m ℓ         (MiniRL: no 1/|y|)
     seq_mean_token_mean      (1/B') Σ_b (1/|y_b|) Σ_t m ℓ  (GRPO, GSPO; MiniRL + length norm)
     token_mean               Σ m ℓ / Σ m                 (CISPO, DAPO)
     seq_mean_token_sum_norm  Σ m ℓ / (B' · T_norm)       (Dr. GRPO; T_norm = cfg.norm_length,
                                                           or the padded T when it is 0)
-A loss's own aggregation (cfg.aggregation None) is its row's in `loss_table.LOSS_TABLE`.
-B' is cfg.row_denominator's. 'scored' (the default): the responses with a scored token,
-so an empty response (a row the trainer masked out, e.g. a truncated one under
-rl.overlong=mask) contributes 0 and counts in no denominator, and the loss is the loss of
-the other rows alone. 'all': every row, B' = B, as verl (`global_batch_size`) and tunix
-divide; with e empty rows the 'scored' loss is the 'all' loss times B/(B − e).
-A fully masked batch gives loss 0. A non-finite log π_old, log μ_old or Â on a
-counted token makes the loss NaN, so the trainer skips the update rather than letting
-NaN comparisons slip past the clipping mask.
+B' per cfg.row_denominator: 'scored' (default) counts responses with a scored token, so an
+empty row (e.g. masked under rl.overlong=mask) contributes 0 and counts in no denominator;
+'all' counts every row (B' = B, as verl's `global_batch_size` and tunix divide; 'scored' =
+'all' · B/(B − e), e empty rows). A fully masked batch gives loss 0; a non-finite log π_old,
+log μ_old or Â on a counted token gives NaN, so the trainer skips the update rather than let
+NaN comparisons slip past the clipping mask. Micro-batching (rl/accumulate.py): a slice
+divides by `batch.totals` (the mini-batch's B, Σ m, non-empty rows), so the slices' losses
+and gradients add up to the mini-batch's exactly; the `loss` metric (slice loss, slice rows
+/ B) sums to (mini-batch loss, 1).
 
-Micro-batching (rl/accumulate.py). When a loss sees one slice of a mini-batch,
-`batch.totals` holds the mini-batch's B, Σ m and non-empty rows, and every aggregation
-divides by those instead of the slice's own: the slice's loss is then its share of the
-mini-batch loss (numerator over the global denominator), the slices' losses and
-gradients add up to the mini-batch's exactly, and the `loss` metric is the pair (slice loss, slice rows / B),
-which sums to (mini-batch loss, 1). Without totals nothing changes.
-
-Metrics of every loss (token means over the mask unless said otherwise, computed by
-`diagnostics`): loss; clip/frac_high, clip/frac_low (tokens whose clip binds, by side);
-is/weight_mean, is/weight_sqmean, is/weight_max, is/weight_min (the applied,
-stop-gradient weight); is/frac_truncated (tokens whose weight the IS correction capped or
-dropped); eq5/engine_log_{mean,sqmean}, eq5/staleness_log_{mean,sqmean} (Eq. 5's two
-factors in logs); eq5/first_order_residual_abs (mean over responses of
-|Π ρ_t − 1 − Σ(ρ_t − 1)|); trust_region/frac_masked (the share of scored responses
-trust-region masking removed, `trust_region_keep`, with loss.trust_region on).
-`diagnostics.reduce_metrics` adds *_std and is/ess. The
-training–inference KL is the score step's monitor (`diagnostics.train_infer_mismatch`):
-π_old does not change between the updates of a step.
-`LOSS_PRESETS` names the paper's runs and the namesake methods as LossConfigs.
+`metrics` are (num, den) pairs (`_finish`, via `diagnostics`; `diagnostics.reduce_metrics`
+adds *_std, is/ess): loss, clip/*, is/*, eq5/* and, with loss.trust_region on,
+trust_region/frac_masked (scored responses `trust_region_keep` removed). The
+training–inference KL is the score step's (`diagnostics.train_infer_mismatch`): π_old is
+fixed over a step's updates. `LOSS_PRESETS`: the paper's runs and namesake methods.
 """
 from __future__ import annotations
 
@@ -153,13 +132,9 @@ def _parts(logp_BxT, batch: LossBatch, cfg: LossConfig) -> _Parts:
 
 
 def trust_region_keep(log_engine_BxT, m_BxT, cfg: LossConfig):
-    """Trust-region masking: [B] bool, the responses whose largest per-token divergence
-    between π_old and μ_old is at most δ = cfg.trust_region_delta,
-
-        keep_b = max_t D_bt ≤ δ,   D = log μ_old − log π_old ('k1') or |log π_old/μ_old| ('abs')
-
-    (every response with cfg.trust_region='none'). A removed response's Â is 0, so it
-    contributes nothing to any loss; the denominators keep it."""
+    """Trust-region masking, [B] bool: keep_b = max_t D_bt ≤ δ = cfg.trust_region_delta, D =
+    log μ_old − log π_old ('k1') or |log π_old/μ_old| ('abs'); all rows under 'none'. A
+    removed response's Â is 0 (no loss contribution); the denominators keep it."""
     if cfg.trust_region == "none":
         return jnp.ones(m_BxT.shape[:1], bool)
     x = sg(log_engine_BxT)
@@ -169,15 +144,13 @@ def trust_region_keep(log_engine_BxT, m_BxT, cfg: LossConfig):
 
 
 def _clip(x, cfg: LossConfig):
-    """A token log-ratio clipped to ±max_log_ratio, so exp of it stays finite."""
+    """Token log-ratio clipped to ±max_log_ratio, so its exp stays finite."""
     return jnp.clip(x, -cfg.max_log_ratio, cfg.max_log_ratio)
 
 
 def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
               totals: Totals | None = None, row_denominator: str = "scored"):
-    """Reduce a per-token term to a scalar objective (formulas in the module docstring);
-    B' and Σ m are `totals`' when given (a micro-batch's share of its mini-batch).
-    row_denominator: B' = the rows with a scored token ('scored') or every row ('all')."""
+    """Per-token term -> scalar objective (module docstring); B', Σ m from `totals` if given."""
     t = m_BxT.shape[1]
     length_B = jnp.sum(m_BxT, axis=1)
     tokens, responses = jnp.sum(length_B), jnp.sum(length_B > 0).astype(m_BxT.dtype)
@@ -201,35 +174,29 @@ def aggregate(term_BxT, m_BxT, mode: str, norm_length: int = 0,
 
 
 def _objective(term_BxT, p: _Parts, batch: LossBatch, cfg: LossConfig, name: str):
-    """J: the term aggregated by cfg.aggregation, or by loss `name`'s own (its row)."""
+    """J: the term aggregated by cfg.aggregation, or loss `name`'s own (its row)."""
     return aggregate(term_BxT, p.m, cfg.aggregation or LOSS_TABLE[name].aggregation,
                      cfg.norm_length, batch.totals, cfg.row_denominator)
 
 
 def row_share(batch_rows: int, totals: Totals | None):
-    """This batch's rows over the mini-batch's (1 without totals): the denominator of a
-    scalar metric, so that the slices' (value, share) pairs sum to (value, 1)."""
+    """Batch rows / mini-batch rows (1 without totals): the slices' (v, share) sum to (v, 1)."""
     if totals is None:
         return jnp.ones(())
     return batch_rows / totals.rows
 
 
 def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
-    """Stop-gradient IS weight from a masked log-ratio x = log ρ under cfg.is_correction.
-    Returns (weight_BxT, altered_BxT): `altered` is 1 where the correction changed the
-    weight (truncated or dropped).
-
+    """Stop-gradient (weight_BxT, altered_BxT) from a masked log-ratio x = log ρ under
+    cfg.is_correction (`altered`: 1 where truncated or dropped):
     none:         1
     tis:          min(ρ, C)                                   (token truncated IS)
     mis:          ρ · [ρ ≤ is_high]                           (token masked IS, upper side)
     icepop:       ρ · [is_low ≤ ρ ≤ is_high]                  (two-sided masking)
     seq_product:  min(exp(Σ_t x_t), C) on every token         (sequence IS, log space)
     seq_geomean:  min(exp((1/|y|) Σ_t x_t), C) on every token (geometric mean)
-
-    Token modes clip each x_t to ±max_log_ratio; sequence modes clip the sum (to
-    [−max_log_ratio, log C]), as verl does, so one extreme token moves the sequence
-    weight by its whole log-ratio.
-    """
+    Token modes clip each x_t to ±max_log_ratio; sequence modes clip the sum to [−max_log_ratio,
+    log C], as verl does: one extreme token moves the weight by its whole log-ratio."""
     mode = cfg.is_correction
     log_cap = math.log(cfg.tis_cap)
     if mode == "none":
@@ -254,7 +221,7 @@ def is_weight(log_ratio_BxT, m_BxT, cfg: LossConfig):
 
 
 def _engine_weight(p: _Parts, cfg: LossConfig):
-    """sg[w(π_old/μ_old)] for the PPO-family losses, or 1 when use_is is off."""
+    """sg[w(π_old/μ_old)] for the PPO-family losses; 1 with use_is off."""
     if not cfg.use_is:
         return jnp.ones_like(p.m), jnp.zeros_like(p.m)
     return is_weight(p.log_engine, p.m, cfg)
@@ -269,8 +236,7 @@ def clip_sides(adv, log_ratio, lo_bound, hi_bound, enabled: bool):
 
 
 def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered, hi, lo):
-    """(loss, metrics): the loss, NaN when an input of a counted token is not finite, and
-    the per-mini-batch monitors the trainer logs (module docstring), all pairs."""
+    """(loss, metrics): loss NaN if a counted token's input is non-finite; every loss's pairs."""
     loss = jnp.where(p.finite, loss, jnp.nan)
     share = jnp.asarray(row_share(p.m.shape[0] if batch.rows is None else batch.rows,
                                   batch.totals)).astype(p.m.dtype)
@@ -288,20 +254,14 @@ def _finish(p: _Parts, batch: LossBatch, cfg: LossConfig, loss, weight, altered,
 
 
 def minirl(logp_BxT, batch, cfg: LossConfig):
-    """MiniRL, Eq. 7 (docs/method.md §4); loss = −J with
-
-        J = (1/B) Σ_b Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â_b · log π_θ(y_t)
-
-    M_t = 0 when Â > 0 and r_t > 1+ε_high, or Â < 0 and r_t < 1−ε_low (r = π_θ/π_old),
-    else 1. The gradient flows only through log π_θ, so ∇J equals the Eq. 4 REINFORCE
-    gradient with token weight π_θ/μ_old (capped at C) and the mask. The paper averages
-    over responses; 1/B is this project's choice of constant, B the mini-batch's
-    responses with a scored token (every response with row_denominator='all').
-    Ablations are options: aggregation='seq_mean_token_mean' (+ length normalization),
-    use_is=False (w/o train–infer IS: weight 1), clip=False (M ≡ 1). Beyond the paper:
-    cap_target='engine' uses weight min(π_old/μ_old, C) · π_θ/π_old (only the engine
-    factor capped), and is_correction picks how the weight is formed ('tis' is Eq. 7's).
-    """
+    """MiniRL, Eq. 7 (docs/method.md §4): loss = −J,
+        J = (1/B) Σ_b Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â_b · log π_θ(y_t),
+    M_t = 0 if Â > 0 and r_t > 1+ε_high or Â < 0 and r_t < 1−ε_low (r = π_θ/π_old), else 1.
+    The gradient flows only through log π_θ: ∇J is Eq. 4's REINFORCE gradient with token
+    weight π_θ/μ_old (capped at C) and the mask. 1/B (the module's B') is this project's
+    constant; the paper averages over responses. Ablations: aggregation='seq_mean_token_mean'
+    (length norm), use_is=False (weight 1), clip=False (M ≡ 1). Beyond the paper: is_correction
+    ('tis' is Eq. 7's), cap_target='engine' (weight min(π_old/μ_old, C) · π_θ/π_old)."""
     p = _parts(logp_BxT, batch, cfg)
     if not cfg.use_is:
         w, altered = jnp.ones_like(p.m), jnp.zeros_like(p.m)
@@ -337,42 +297,30 @@ def _ppo(logp_BxT, batch, cfg: LossConfig, name: str):
 
 
 def grpo(logp_BxT, batch, cfg: LossConfig):
-    """GRPO (the paper's App. A form, docs/method.md §5); loss = −J with
-
-        J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(r_t Â_i, clip(r_t, 1−ε_low, 1+ε_high) Â_i)
-
-    Pair it with advantage='group_norm' for GRPO's Â = (R − mean)/std. App. A's GRPO has no
-    engine factor (w ≡ 1): that is use_is=False. With use_is=True (the LossConfig default)
-    w = is_weight(π_old/μ_old) under is_correction, e.g. the decoupled token TIS
-    sg[min(π_old/μ_old, C)]. No KL penalty term (App. A drops it, as does this code).
-    With clip_ratio_c = c > 0 (verl's dual-clip), a token with Â < 0 contributes
-    max(min(r Â, clip(r) Â), c Â): the constant c Â, without gradient, where r > c.
-    """
+    """GRPO (the paper's App. A form, docs/method.md §5): loss = −J,
+        J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(r_t Â_i, clip(r_t, 1−ε_low, 1+ε_high) Â_i).
+    Pair with advantage='group_norm' (Â = (R − mean)/std). App. A has no engine factor
+    (use_is=False, w ≡ 1) and no KL penalty (nor does this code); use_is=True (LossConfig's
+    default): w = is_weight(π_old/μ_old), e.g. decoupled token TIS sg[min(π_old/μ_old, C)].
+    With clip_ratio_c = c > 0 (verl's dual-clip) a token with Â < 0 gives
+    max(min(r Â, clip(r) Â), c Â): the constant c Â, without gradient, where r > c."""
     return _ppo(logp_BxT, batch, cfg, "grpo")
 
 
 def dapo(logp_BxT, batch, cfg: LossConfig):
-    """DAPO's loss; loss = −J with
-
-        J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t] · min(r_t Â, clip(r_t, 1−ε_low, 1+ε_high) Â)
-
-    i.e. clip-higher (DAPO uses ε_low = 0.2, ε_high = 0.28; set eps_high) with token-mean
-    aggregation; w as in `grpo` (use_is=False for DAPO's own form). DAPO's dynamic sampling
-    and overlong shaping act on the data, not the loss, and are not here.
-    """
+    """DAPO: loss = −J, J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t] · min(r_t Â, clip(r_t, 1−ε_low,
+    1+ε_high) Â): clip-higher (DAPO: ε_low = 0.2, ε_high = 0.28; set eps_high), token-mean
+    aggregation; w as in `grpo` (use_is=False: DAPO's own). Dynamic sampling and overlong
+    shaping act on the data, not here."""
     return _ppo(logp_BxT, batch, cfg, "dapo")
 
 
 def cispo(logp_BxT, batch, cfg: LossConfig):
-    """CISPO (the paper's App. A form, docs/method.md §5); loss = −J with
-
-        J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t · clip(r_t, 1−ε_low, 1+ε_high)] · Â · log π_θ(y_t)
-
-    Every token keeps its gradient (the weight is clipped, never the token). w as in
-    `grpo` (w ≡ 1 with use_is=False, the App. A form). MiniMax's CISPO clips only from
-    above; eps_low close to 1 (e.g. 0.999) approximates that. clip=False uses r unclipped.
-    clip/frac_* count tokens whose weight was clipped, regardless of the sign of Â.
-    """
+    """CISPO (App. A form, docs/method.md §5): loss = −J,
+        J = (1/Σ_i |y_i|) Σ_i Σ_t sg[w_t · clip(r_t, 1−ε_low, 1+ε_high)] · Â · log π_θ(y_t).
+    Every token keeps its gradient (the weight is clipped, never the token); w as in `grpo`
+    (use_is=False: App. A's w ≡ 1). MiniMax's CISPO clips only above: eps_low near 1 (e.g.
+    0.999) approximates it. clip=False: r unclipped. clip/frac_* count clipped weights, any Â."""
     p = _parts(logp_BxT, batch, cfg)
     r = jnp.exp(sg(_clip(p.log_r, cfg)))
     rc = jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) if cfg.clip else r
@@ -404,25 +352,18 @@ def _gspo(logp_BxT, batch, cfg: LossConfig, name: str, token_level: bool):
 
 
 def gspo(logp_BxT, batch, cfg: LossConfig):
-    """GSPO; loss = −J with s_i = exp((1/|y_i|) Σ_t log r_t) and
-
-        J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(s_i Â_i, clip(s_i, 1−ε'_low, 1+ε'_high) Â_i)
-
-    with the tiny range ε' = gspo_eps_low / gspo_eps_high (GSPO: 3e-4 / 4e-4). With w ≡ 1
-    (use_is=False, GSPO's own form) the inner mean is just GSPO's per-response term; with
-    use_is the engine weight is averaged over the response's tokens, and
-    is_correction='seq_geomean' gives one sequence-level weight per response.
-    With advantages_BxT each token's min uses its own Â_t.
-    """
+    """GSPO: loss = −J, s_i = exp((1/|y_i|) Σ_t log r_t),
+        J = (1/B) Σ_i (1/|y_i|) Σ_t sg[w_t] · min(s_i Â_i, clip(s_i, 1−ε'_low, 1+ε'_high) Â_i),
+    ε' = gspo_eps_low / gspo_eps_high, a tiny range (GSPO: 3e-4 / 4e-4). w ≡ 1 (use_is=False,
+    GSPO's form): the inner mean is GSPO's per-response term; use_is averages the engine weight
+    over the response (one per response with is_correction='seq_geomean'); advantages_BxT: each
+    token's min uses its own Â_t."""
     return _gspo(logp_BxT, batch, cfg, "gspo", token_level=False)
 
 
 def gspo_token(logp_BxT, batch, cfg: LossConfig):
-    """GSPO-token: s_it = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)], then `gspo`'s J with s_it, Â_it.
-
-    Equal to GSPO in value and, for a per-response Â, in gradient; unlike `gspo` it lets
-    per-token advantages (advantages_BxT) weight each token's gradient.
-    """
+    """GSPO-token: `gspo` with s_it = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)] and Â_it; equal in value
+    and, for a per-response Â, in gradient, but per-token Â weight each token's gradient."""
     return _gspo(logp_BxT, batch, cfg, "gspo_token", token_level=True)
 
 

@@ -1,22 +1,17 @@
 """Training–inference mismatch of a rollout: how far μ (sampler) is from π (trainer).
-
 Letters: B rows, S rollout slots, T = S − 1 scored positions, L layers.
 
-The training path re-scores the sampled sequences with `logprobs.policy_logprobs` (its own
-numerics, "train" by default, live routing: no replay) at the sampling temperature, and
-is compared with the sampler's `logp_mu` on the completion tokens y ~ μ (π = π_old of
-docs/method.md §2, the training–inference factor of Eq. 5), by
-`diagnostics.train_infer_mismatch`, the same monitor the trainer's score step logs:
-
+`logprobs.policy_logprobs` re-scores the samples (training numerics, "train" by default;
+live routing, no replay; the sampling temperature); `diagnostics.train_infer_mismatch`, the
+score step's monitor, compares that with the sampler's `logp_mu` on completion tokens y ~ μ
+(π = π_old of docs/method.md §2, Eq. 5's training–inference factor):
     k1   = E_μ[log μ − log π]                  (can be negative on a finite batch)
     k3   = E_μ[ρ − 1 − log ρ],  ρ = π/μ         (every term ≥ 0)
     |Δ|  = |log μ − log π|, mean and max over completion tokens
-
-and routing, over the tokens both engines processed: the per-layer mismatch rate
-1 − |topk_μ ∩ topk_π|/K and the fraction of tokens with at least one flipped layer.
-
-With top-k / top-p truncation on, logp_mu is of the truncated distribution while π is the
-full softmax, so these numbers then also contain the truncation gap (see rollout.py).
+and, over tokens both engines processed, the per-layer routing mismatch 1 − |topk_μ ∩
+topk_π|/K and the fraction of tokens with a flipped layer. Under top-k / top-p truncation
+logp_mu is of the truncated distribution, π the full softmax: the numbers then include the
+truncation gap (see rollout.py).
 """
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ from stablerl_jax.model import numerics as nx
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "train_numerics", "impl"))
 def mismatch_pairs(params, rollout, cfg: ModelConfig, *, temperature: float = 1.0,
                    train_numerics: nx.Numerics = nx.TRAIN, impl: str = "chunked") -> dict:
-    """The (num, den) pairs of `measure_mismatch`, for exact accumulation over batches
-    (`diagnostics.reduce_metrics`)."""
+    """(num, den) pairs of `measure_mismatch`, for exact sums (`diagnostics.reduce_metrics`)."""
     attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     logp_pi_BxT, _, aux = policy_logprobs(params, rollout.tokens_BxS, attn_BxS, cfg,
                                           numerics=train_numerics, temperature=temperature,
@@ -52,18 +46,10 @@ def mismatch_pairs(params, rollout, cfg: ModelConfig, *, temperature: float = 1.
 def measure_mismatch(params, rollout, cfg: ModelConfig, *,
                      train_numerics: nx.Numerics = nx.TRAIN, temperature: float = 1.0,
                      impl: str = "chunked") -> dict:
-    """Mismatch of one rollout batch as plain numbers (see the module docstring).
-
-    Args:
-      rollout: a `rollout.Rollout` from the sampling engine.
-      train_numerics: numerics of the training path (the reference π).
-      temperature: must equal the SamplingConfig.temperature the rollout was drawn at,
-        since logp_mu includes it.
-
-    Returns floats kl_k1, kl_k3, abs_logp_gap_mean, abs_logp_gap_max, routing_mismatch
-    (over every (token, layer)), routing_any_flip, completion_tokens, routed_tokens, and
-    routing_mismatch_per_layer as a float numpy array [L]. Rates are 0 when nothing counts.
-    """
+    """One rollout batch's mismatch as floats (rates 0 when nothing counts; routing_mismatch
+    over every (token, layer), routing_mismatch_per_layer a numpy [L]). rollout: a
+    `rollout.Rollout` from the sampling engine; train_numerics: the reference π's;
+    temperature: the rollout's SamplingConfig.temperature (logp_mu includes it)."""
     if not temperature > 0:
         raise ValueError(f"temperature: must be > 0 (the sampling temperature), got "
                          f"{temperature}")
