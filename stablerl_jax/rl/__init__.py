@@ -1,8 +1,7 @@
 """The training engine and the global-step loop that drives sampler and trainer.
 
     loop.py        `run`: the global-step loop with eval, checkpoints and logs
-    sources.py     where a step's responses come from (static, dynamic, partial, offline):
-                   one record, `Responses`, for all
+    sources.py     where a step's `Responses` come from: static, dynamic, partial, offline
     engine.py      the jitted, mesh-sharded steps of one experiment, built once
     step_fns.py    score (π_old), update (π_θ) and SFT update as pure functions
     accumulate.py  micro-batching: a mini-batch's loss and gradient as a sum over slices

@@ -1,23 +1,14 @@
-"""Micro-batching: a mini-batch's loss, metrics and gradient as a sum over slices of it,
-inside one jitted step.
+"""Micro-batching: a mini-batch's loss, metrics and gradient as a sum over n micro-batches of its
+B rows, in one jitted step.
 
-Letters: B rows of the mini-batch, n micro-batches, B/n rows per micro-batch.
-
-A mini-batch is split into n micro-batches by strided rows (`slices.split`: micro-batch
-i holds rows i, i + n, i + 2n, …, so every micro-batch is spread over the whole mesh and
-cutting them moves no data between devices).
-
-Exactness. Each slice's loss is written with the mini-batch's denominators
-(`losses.Totals`: its B, Σ mask and non-empty rows, passed in by the caller), so
-
-    loss(batch) = Σ_i loss_i,      ∇loss(batch) = Σ_i ∇loss_i
-
-in exact arithmetic under every aggregation (token-mean divides each slice's token sum by
-the mini-batch's token count, not the slice's). Metrics are (num, den) pairs: sums add,
-`*_max` / `*_min` pairs take the max / min over the slices that counted anything
-(`diagnostics.combine_pairs`, the rule `reduce_metrics` applies to mini-batches). The scan
-carries one gradient accumulator (float32 or wider), so activation memory is that of one
-micro-batch while the optimizer still takes one step per mini-batch.
+Micro-batch i holds the strided rows i, i + n, i + 2n, … (`slices.split`): each spans the whole
+mesh, so cutting moves no data between devices. Each slice's loss uses the mini-batch's
+denominators (`losses.Totals`: B, Σ mask, non-empty rows), so loss(batch) = Σ_i loss_i and
+∇loss(batch) = Σ_i ∇loss_i in exact arithmetic under every aggregation. Metrics are (num, den)
+pairs: sums add, `*_max` / `*_min` take the max / min over the slices that counted anything
+(`diagnostics.combine_pairs`, as `reduce_metrics` over mini-batches). The scan carries one
+gradient accumulator (float32 or wider): one micro-batch's activation memory, one optimizer step
+per mini-batch.
 """
 from __future__ import annotations
 
@@ -30,9 +21,8 @@ from stablerl_jax.model.numerics import accum_dtype
 
 
 def value_and_grad(loss_fn, params, batch, n: int):
-    """((loss, metrics), grads) of `loss_fn(params, micro_batch) -> (loss, metrics)`
-    summed over the n micro-batches of `batch` (a `lax.scan`; module docstring).
-    `loss_fn` must already normalize by the whole mini-batch (losses.Totals)."""
+    """((loss, metrics), grads) of `loss_fn(params, micro_batch) -> (loss, metrics)` summed over
+    the n micro-batches of `batch` (`lax.scan`); `loss_fn` uses mini-batch totals."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype(p.dtype)), params)
 
     def body(grads, part):
@@ -46,10 +36,9 @@ def value_and_grad(loss_fn, params, batch, n: int):
 
 
 def packed_value_and_grad(loss_fn, params, count: int, used):
-    """((loss, metrics), grads) of `loss_fn(params, i) -> (loss, metrics)` summed over the
-    micro-batches i < `used` of a packed mini-batch (stablerl_jax/packing.py): a scan over
-    all `count` of them whose body is a `lax.cond`, so the micro-batches no shard has
-    rows in cost nothing (their metrics count nothing: every pair is (0, 0))."""
+    """As `value_and_grad`, `loss_fn(params, i) -> (loss, metrics)` over a packed mini-batch's
+    micro-batches i < `used` (stablerl_jax/packing.py): a scan over all `count` whose `lax.cond`
+    skips the empty rest (no cost, every pair (0, 0))."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype(p.dtype)), params)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     out_shape = jax.eval_shape(grad_fn, params, 0)[0]

@@ -1,49 +1,36 @@
-"""What a run costs as it runs: wall time per phase, throughput, model FLOP/s and MFU,
-peak device memory, and the compiled steps' roofline estimates beside them.
+"""What a run costs as it runs: wall time per phase, throughput, model FLOP/s and MFU, peak
+device memory, and roofline estimates of the compiled steps beside them.
 
-Every training row of metrics.jsonl carries (rl/loop.py marks the phases):
+Training rows of metrics.jsonl carry (rl/loop.py marks the phases):
 
-    time/step          wall-clock seconds since the previous row was written (the first
-                       row after a start: since the loop began), so the log writes and the
-                       checkpoint save that followed the previous row are in it
-    time/sample        the sampler (every round of dynamic sampling, the merges of rounds;
-                       time/sample_per_round, time/sample_per_decode_step)
-    time/reward        decoding the completions and scoring them on the host
-    time/score         the π_old pass (with rl.trim_bucket, the trim before it)
-    time/update        the N optimizer steps and their mini-batch selection
-                       (time/update_<i>: mini-batch i)
-    time/attribution   rl.attribution's probe passes, on the steps it runs
-    time/eval          the held-out evaluation, on the steps it runs
-    time/logs          writing the previous row: metrics.jsonl, TensorBoard, the trackers,
-                       samples.jsonl, minibatches.jsonl, attribution.jsonl
-    time/checkpoint    the previous row's checkpoint save (the part the loop waits for;
-                       with rl.async_checkpoints the write goes on in the background)
-    time/other         time/step minus the phases above: the host's work between them
-    time/compile       seconds JAX spent tracing, lowering and compiling in this row
-                       (time/compile_<phase>: in that phase; its first call of a program)
+    time/step        seconds since the previous row (or loop start), its logs and save included
+    time/sample      the sampler, every dynamic-sampling round and merge
+    time/reward      decoding and scoring the completions on the host
+    time/score       the π_old pass (with rl.trim_bucket, the trim before it)
+    time/update      the N optimizer steps and mini-batch selection (time/update_<i>)
+    time/attribution rl.attribution's probe passes; time/eval: the held-out evaluation
+    time/logs        writing the previous row (metrics.jsonl, TensorBoard, trackers, logs)
+    time/checkpoint  the previous row's save, the part waited for (rl.async_checkpoints)
+    time/other       time/step minus the phases: host work between them
+    time/compile     JAX tracing, lowering, compiling (time/compile_<phase>: per phase)
 
-No key is a path prefix of another (`time/update`, `time/update_0`): MLflow's file store
-keeps a metric as a file at its name's path.
+Also time/sample_per_round, time/sample_per_decode_step. No key is a path prefix of another
+(`time/update`, `time/update_0`): MLflow's file store makes a metric's name a file path.
 
-And `perf/…`: generated tokens / s and trained (loss) tokens / s, in total and per
-device; decode steps / s; the score and update phases' model FLOP/s per device and MFU
-(model/flops.py at the shapes the step ran: a padded row counts whole, rematerialized
-forwards do not count) against the device's peak (`peak_flops`); the peak device memory
-where the backend reports it (`memory_stats()`; not on CPU).
+`perf/…`: generated and trained (loss) tokens / s, total and per device; decode steps / s; score
+and update model FLOP/s per device (model/flops.py at the shapes run: padded rows count whole,
+rematerialized forwards do not) and MFU against `peak_flops`; peak device memory
+(`memory_stats()`, not on CPU).
 
-Where a phase ends. The host waits for the device anyway at the end of the sample phase
-(the rewards read the tokens), of each update (its metrics are read) and of the
-evaluation. At the end of the score phase the loop waits explicitly
-(`jax.block_until_ready`) under rl.phase_sync (default); without it the device may still
-be scoring when time/score ends, and that time lands in time/update.
+The host waits for the device anyway after sampling, each update and the evaluation (it reads
+their results); after scoring it waits (`jax.block_until_ready`) only under rl.phase_sync
+(default), else scoring still running lands in time/update.
 
-Measured against estimated. On a device with chip constants (roofline.CHIP_SPECS: TPU
-v4 / v5e / v5p / v6e, NVIDIA H100 / H200) the run compiles its sample, score and update
-programs once at the start and prices them with `roofline.estimate`, the function
-experiments.aot_compile prints; each row then logs `est/<phase>` (the estimate scaled to
-the step's shapes: sample by its decode steps over max_new_tokens, score and update by
-their model FLOPs) and `perf/<phase>_vs_est`, measured / estimated. CPUs have no chip
-constants (CHIP_SPECS has no HBM or interconnect figures for them): no estimate.
+With chip constants (roofline.CHIP_SPECS: TPU v4 / v5e / v5p / v6e, NVIDIA H100 / H200; not CPU)
+the run compiles its sample, score and update programs once at the start and prices them with
+`roofline.estimate` (as experiments.aot_compile prints). Rows log `est/<phase>`, scaled to the
+step's shapes (sample by decode steps / max_new_tokens, score and update by model FLOPs), and
+`perf/<phase>_vs_est` = measured / estimated.
 """
 from __future__ import annotations
 
@@ -98,8 +85,7 @@ def peak_flops(device) -> tuple[float, str]:
 
 
 class PhaseTimer:
-    """Accumulates wall seconds per phase and the compile seconds spent in each, until
-    `row()` hands them over and starts the next row."""
+    """Accumulates wall and compile seconds per phase until `row()` hands them over."""
 
     def __init__(self, sync: bool = True):
         self.sync = sync
@@ -121,8 +107,7 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str, key: str | None = None):
-        """Time the block as phase `name` (added to what it holds; `key`: also under
-        time/<key>, e.g. one update of several)."""
+        """Time the block as phase `name` (accumulated; `key`: also as time/<key>)."""
         outer, self._phase = self._phase, name
         t0 = time.perf_counter()
         try:
@@ -154,8 +139,7 @@ class PhaseTimer:
 
 
 def device_memory_gib() -> float | None:
-    """The largest peak of memory in use over this process's devices, GiB, where the
-    backend reports it (None on CPU)."""
+    """Largest peak memory in use over this process's devices, GiB; None where unreported."""
     peaks = []
     for d in jax.local_devices():
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
@@ -165,8 +149,7 @@ def device_memory_gib() -> float | None:
 
 
 def step_flops(cfg, rows: int, width: int) -> dict:
-    """Model FLOPs of a global step's score pass and of its N updates, for `rows`
-    responses at `width` slots (the trained width: slots − 1)."""
+    """Model FLOPs of the score pass and of the N updates: `rows` responses, `width` slots."""
     t = width - 1
     score = forward_flops(cfg.model, rows, t) * score_forwards(cfg)
     return {"score": score, "update": train_flops(cfg.model, rows, t)}
@@ -174,9 +157,8 @@ def step_flops(cfg, rows: int, width: int) -> dict:
 
 def perf_row(cfg, times: dict, *, generated: float, trained: float, rows: int, width: int,
              decode_steps: float | None, estimates: dict | None = None) -> dict:
-    """The `perf/…` (and `est/…`) of one row from its `time/…` and what the step did:
-    completion tokens generated (every round), loss tokens trained, the batch's rows and
-    slot width, the sampler's decode steps (None where unknown)."""
+    """`perf/…` and `est/…` of a row from its `time/…` and the step's work: tokens generated
+    (every round) and trained (loss), rows, slot width, decode steps (None: unknown)."""
     n = jax.device_count()
     peak, _ = peak_flops(jax.devices()[0])
     sample_s, update_s = times.get("time/sample", 0.0), times.get("time/update", 0.0)
@@ -219,10 +201,8 @@ def _passes(cfg, rows: int) -> int:
 
 
 def estimate_phases(engine) -> tuple[dict | None, str]:
-    """({phase: estimated seconds of the whole phase at the compiled shapes} or None,
-    a line saying what was done): the engine's sample, score and update steps compiled
-    for its own devices and priced by roofline.estimate (process 0 only; the others
-    return None)."""
+    """({phase: estimated seconds} or None, what was done): the engine's steps compiled for its
+    own devices, priced by roofline.estimate at the compiled shapes (process 0 only)."""
     device = engine.mesh.devices.flat[0]  # the engine's own: abstract ones for a dry start
     key = chip_key(device)
     if key is None:
@@ -252,8 +232,7 @@ def measured_vs_estimated(records: list[dict]) -> list[tuple[str, float, float, 
 
 
 def time_split(records: list[dict], skip: int = 1) -> dict:
-    """Mean seconds per global step of time/step and of each phase (and time/other)
-    over the training rows, leaving out the first `skip` (whose compiles dominate)."""
+    """Mean seconds per step (time/step, each phase, time/other) after the first `skip` rows."""
     rows = [r for r in records if r.get("time/step") is not None and r.get("step", 0) > 0]
     rows = rows[skip:] if len(rows) > skip else rows
     if not rows:
@@ -274,8 +253,7 @@ def derived_times(times: dict, metrics: dict, work: dict) -> dict:
 
 
 def cost_table(summary: dict) -> str:
-    """The end-of-run printout: seconds per global step and its split, and each phase
-    measured against its estimate (or why there is none)."""
+    """End-of-run table: seconds per step, its split, measured vs estimated (or why not)."""
     split = summary.get("cost", {}).get("seconds_per_step") or {}
     if not split:
         return "cost: no training rows"

@@ -1,35 +1,25 @@
-"""Dynamic sampling (DAPO; `rl.dynamic_sampling`, docs/method.md §9): a step's batch of
-Q groups whose rewards differ, sampled in rounds.
+"""Dynamic sampling (DAPO; `rl.dynamic_sampling`, docs/method.md §9): a step's batch of Q groups
+whose rewards differ, sampled in rounds.
 
-Letters: Q groups (prompts) of a batch (rl.prompts_per_step), G responses per group,
-B = Q·G rows, S rollout slots, L layers, K top-k, R rounds at most
-(rl.max_sampling_rounds).
+Letters: Q groups (prompts, rl.prompts_per_step) of G responses, B = Q·G rows, S rollout slots,
+L layers, K top-k, R rounds at most (rl.max_sampling_rounds).
 
-A group whose G rewards are all equal gets Â = 0 for every response under every
-baseline (advantages.py): it carries no learning signal, only weight in the loss's
-denominators. Under dynamic sampling such groups are dropped and the step samples
-further rounds of Q prompts until Q groups with a reward spread fill its batch:
+A group of G equal rewards gets Â = 0 under every baseline (advantages.py): no learning signal,
+only weight in the loss's denominators. Such groups are dropped, and rounds of Q prompts are
+sampled until Q groups with a reward spread fill the batch:
 
-- Round r of global step k samples Q prompts: round 0 the step's own (data/task.py's
-  seeded epochs, the prompts the step has without dynamic sampling), round r ≥ 1 batch
-  k·(R − 1) + r − 1 of an independent stream of seeded epochs (`round_batch`); its
-  sampler key is `round_key` (round 0: the step's key). Everything a round draws is a
-  pure function of (seed, k, r), so a resumed run samples what the uninterrupted run
-  did.
-- The rewards read are those the advantages use (with rl.overlong=penalty, the length
-  penalty included), gathered from every process (the same array on each), so every
+- Round 0 of global step k samples the step's own prompts (data/task.py) with its key; round
+  r ≥ 1 batch k·(R − 1) + r − 1 of an independent seeded stream (`round_batch`, `round_key`): a
+  pure function of (seed, k, r), so a resumed run samples what the uninterrupted run did.
+- The rewards are the advantages' (with rl.overlong=penalty's length penalty), gathered, so every
   process keeps the same groups.
-- The kept groups fill the batch's slots in the order they were drawn (round, then
-  group); kept groups beyond Q in the round that fills the batch are not used (`Fill`).
-- After R rounds a short batch trains on the groups it has. Its shape stays [B, ...]
-  (the jitted steps compile once): a missing slot holds empty responses (`merge_rows`:
-  the prompt alone, nothing scored) with rewards 0, so Â = 0 and every loss aggregation
-  counts them in no numerator and no denominator (losses.py); the loss and gradient are
-  those of the real groups alone.
+- Kept groups fill the batch in drawn order (round, then group); any beyond Q go unused (`Fill`).
+- After R rounds a short batch trains on what it has, still [B, ...] (the steps compile once):
+  missing slots hold empty responses (`merge_rows`: the prompt alone, nothing scored), reward 0,
+  so Â = 0 and no loss aggregation counts them (losses.py).
 
-Metrics (`Fill.metrics`): `dynamic/kept_frac` (groups with a spread / groups sampled,
-over the step's rounds), `dynamic/rounds` (rounds sampled), `dynamic/filled_frac` (real
-groups in the batch / Q; < 1 when the rounds ran out).
+Metrics (`Fill.metrics`): `dynamic/kept_frac` (groups with a spread / sampled, over the rounds),
+`dynamic/rounds`, `dynamic/filled_frac` (real groups / Q; < 1 when rounds ran out).
 """
 from __future__ import annotations
 
@@ -46,33 +36,28 @@ ROUNDS_STREAM = 2  # the prompt stream of rounds r >= 1 (data/batching.py's `str
 
 
 def round_batch(step: int, round_: int, rounds: int) -> tuple[int, int]:
-    """(batch index, stream) of the prompts of round `round_` of global step `step`, in
-    data/task.py's `train_indices`: round 0 is the step's own batch; round r >= 1 is
-    batch step·(rounds − 1) + r − 1 of stream `ROUNDS_STREAM`."""
+    """(batch index, stream) in data/task.py's `train_indices` of round `round_` of global step
+    `step` (module docstring; rounds r >= 1 draw from stream `ROUNDS_STREAM`)."""
     if round_ == 0:
         return step, 0
     return step * (rounds - 1) + round_ - 1, ROUNDS_STREAM
 
 
 def round_key(seed: int, step: int, round_: int):
-    """The sampler key of round `round_` of global step `step`: the step's key
-    fold_in(key(seed), step) for round 0 (the key without dynamic sampling), folded
-    with the round after it."""
+    """Sampler key of round `round_` of global step `step`: the step's key, folded with r ≥ 1."""
     key = jax.random.fold_in(jax.random.key(seed), step)
     return key if round_ == 0 else jax.random.fold_in(key, round_)
 
 
 def spread_groups(rewards_B, group_size: int) -> np.ndarray:
-    """[Q] bool: whether each group of `group_size` consecutive rewards holds two that
-    differ (the groups dynamic sampling keeps)."""
+    """[Q] bool: each group of `group_size` consecutive rewards holds two that differ."""
     r_QxG = np.asarray(rewards_B).reshape(-1, group_size)
     return r_QxG.max(axis=1) != r_QxG.min(axis=1)
 
 
 @dataclasses.dataclass
 class Fill:
-    """One step's batch as its rounds fill it, on the host (the same on every process):
-    the slots filled so far, in order, and the counts of the metrics."""
+    """One step's batch as its rounds fill it, on the host (the same on every process)."""
 
     q: int
     g: int
@@ -90,10 +75,8 @@ class Fill:
         return self.filled == self.q
 
     def add(self, prompts_Q, rewards_B) -> np.ndarray:
-        """Take a round's groups with a reward spread into the free slots, in order.
-        `prompts_Q`: the round's train-split prompt indices; `rewards_B`: its rewards,
-        every row. Returns src_B: the row of this round's rollout each batch row takes,
-        -1 where the row keeps what it holds."""
+        """Take a round's groups with a reward spread (`prompts_Q`: train-split indices,
+        `rewards_B`) into free slots; returns src_B: each batch row's source row (-1: keep)."""
         rewards_B = np.asarray(rewards_B)
         keep_Q = spread_groups(rewards_B, self.g)
         self.sampled.append([int(i) for i in prompts_Q])
@@ -126,10 +109,8 @@ class Fill:
 
 
 class ShortBatches:
-    """Watches `dynamic/filled_frac` step by step: warns once when a step trains on a short
-    batch (fewer than prompts_per_step groups with a reward spread: the rest are padding)
-    and stops the run after `limit` steps in a row whose batch was empty (no group with a
-    spread: nothing to learn from, e.g. every reward equal on this data)."""
+    """Watches `dynamic/filled_frac`: warns once at a short batch (under prompts_per_step groups
+    with a reward spread) and stops the run after `limit` empty ones in a row."""
 
     def __init__(self, limit: int):
         self.limit, self.empty_in_a_row, self.warned = limit, 0, False
@@ -157,11 +138,10 @@ class ShortBatches:
 
 
 def merge_rows(base: Rollout, new: Rollout, src_B, real_B, *, pad_id: int) -> Rollout:
-    """Row b of `new`'s row src_B[b] where src_B[b] >= 0, else `base`'s row b (every
-    leaf); then each row with real_B[b] false made an empty response: its prompt alone,
-    the completion slots pad tokens, unscored (completion mask off, log μ 0, routes −1,
-    weights 0), length 0, not truncated. Jitted by rl/engine.py (`Engine.merge_rows`);
-    shapes are fixed, so it compiles once."""
+    """Row b of `new`'s row src_B[b] where src_B[b] >= 0, else `base`'s (every leaf); rows with
+    real_B[b] false become empty responses: the prompt alone, pad completion, unscored (mask off,
+    log μ 0, routes −1, weights 0), length 0, not truncated. Jitted by rl/engine.py
+    (`Engine.merge_rows`), with fixed shapes: compiled once."""
     take_B = src_B >= 0
     rows_B = jnp.maximum(src_B, 0)
     by_row = lambda m_B, x: m_B.reshape(m_B.shape + (1,) * (x.ndim - 1))

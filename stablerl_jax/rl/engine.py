@@ -3,21 +3,17 @@
 Letters: B responses (rows), P prompt slots, M responses per mini-batch.
 
 Shardings are explicit and fixed: params and optimizer state by the logical rules of
-`sharding.py`, every batch leaf along its axis 0 over the data-parallel mesh axes (one
-`NamedSharding`, used as a pytree prefix for whole Rollouts and TrainBatches), metrics
-replicated. The train state is donated to the updates. Each public method places its
-arguments on those shardings (a no-op for arrays already there) and calls its step.
+`sharding.py`, every batch leaf along axis 0 over the data-parallel axes (one `NamedSharding`, a
+pytree prefix for whole Rollouts and TrainBatches), metrics replicated; the updates donate the
+train state. Public methods place their arguments on these shardings (a no-op where already
+there) and call the step. Memory knobs: `rl.microbatches` update slices (SFT: `sft.microbatches`;
+the score step sliced alike), `sampling.max_batch` rows decoded at a time, `model.remat`,
+`model.attention_impl`.
 
-The devices may be abstract: `Engine.create(cfg, devices=topology.devices)` with the
-devices of `jax.experimental.topologies.get_topology_desc` builds the same mesh,
-shardings and jitted steps for a TPU pod on any host, and `Engine.lower(name, *args)`
-lowers a step for arguments given as `jax.ShapeDtypeStruct`s (`Engine.abstract_inputs`;
-stablerl_jax/pod/aot.py compiles them and reads their memory).
-
-Memory knobs, all in the config: the update accumulates over `rl.microbatches` slices
-of its mini-batch (SFT: `sft.microbatches`), the score step runs in slices of the same
-size, the sampler decodes `sampling.max_batch` rows at a time, and the model
-rematerializes per `model.remat` with `model.attention_impl`.
+Devices may be abstract: `Engine.create(cfg, devices=topology.devices)` with the devices of
+`jax.experimental.topologies.get_topology_desc` builds a TPU pod's steps on any host;
+`Engine.lower(name, *args)` lowers one for `jax.ShapeDtypeStruct` arguments
+(`Engine.abstract_inputs`; stablerl_jax/pod/aot.py compiles them and reads their memory).
 """
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ from stablerl_jax.sampling import rollout as rollout_lib
 
 
 def lr_shape(optim: OptimConfig, total_steps: int):
-    """The learning-rate schedule of `optim` over `total_steps` with a peak of 1 (a function
-    of the optimizer step), or None for a constant rate."""
+    """The schedule of `optim` over `total_steps` at peak 1, or None for a constant rate."""
     warmup = int(optim.warmup_frac * total_steps)
     if optim.schedule == "cosine":
         warmup = max(warmup, 1)
@@ -78,16 +73,12 @@ def _clipped_adamw(learning_rate, optim: OptimConfig, total_steps: int,
 
 def make_optimizer(optim: OptimConfig, total_steps: int,
                    freeze_router: bool = False) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW at the schedule of `optim` over `total_steps`;
-    with `freeze_router` (rl.freeze_router) the router weights get neither an update nor
-    a change of their optimizer state.
-
-    The peak learning rate is optimizer state (`optax.inject_hyperparams`: a float32
-    scalar beside the moments), not a constant of the update program, so runs that differ
-    only in it share one compiled update (`program_optim`). A constant rate computes
-    exactly what a constant baked into the program did; a schedule multiplies its shape
-    (peak 1) by the rate, which can round the rate's last bit differently than a schedule
-    built around the rate (docs/architecture.md, "Engine")."""
+    """Global-norm clipping, then AdamW on the schedule of `optim` over `total_steps`;
+    `freeze_router` (rl.freeze_router) leaves router weights and their optimizer state unchanged.
+    The peak rate is optimizer state (`optax.inject_hyperparams`, a float32 scalar), so runs
+    differing only in it share one compiled update (`program_optim`). A constant rate is exact; a
+    schedule scales its peak-1 shape by the rate, which can round the last bit differently
+    (docs/architecture.md, "Engine")."""
     return optax.inject_hyperparams(
         _clipped_adamw, static_args=("optim", "total_steps", "freeze_router"))(
         learning_rate=optim.learning_rate, optim=optim, total_steps=total_steps,
@@ -102,8 +93,7 @@ def program_optim(optim: OptimConfig, total_steps: int) -> tuple[OptimConfig, in
 
 
 def param_shardings(cfg: ExperimentConfig, devices=None, params_like=None) -> dict:
-    """The params' shardings on the mesh of `cfg.mesh`, as `Engine.create` builds them
-    (so a checkpoint loaded onto them is placed once, where the engine wants it)."""
+    """`Engine.create`'s param shardings on `cfg.mesh`, to load checkpoints straight onto."""
     mesh = sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)
     shapes = params_like if params_like is not None else jax.eval_shape(
         lambda: tf.init_params(jax.random.key(0), cfg.model))
@@ -127,18 +117,11 @@ class Engine:
     def create(cls, cfg: ExperimentConfig, *, eos_id: int, pad_id: int, stop_ids=(),
                optim: OptimConfig | None = None, total_steps: int | None = None,
                devices=None, params_like=None) -> "Engine":
-        """Build the mesh, the shardings and every jitted step.
-
-        eos_id / pad_id: the tokenizer's; the sampler stops a row on eos_id or any id of
-        `stop_ids` (the tokenizer's `stop_ids`: generation_config.json's eos ids).
-        optim / total_steps: the optimizer of the
-        updates (default: cfg.rl.optim over rl.steps × rl.num_minibatches updates; the
-        SFT cold start passes cfg.sft.optim and sft.steps).
-
-        Engines whose configs differ only in fields no step reads (`LOOP_ONLY`: the seed,
-        step counts, eval and checkpoint cadence) share one set of jitted steps in a
-        process, so the next seed of a variant traces and compiles nothing again.
-        """
+        """Mesh, shardings and jitted steps. eos_id / pad_id: the tokenizer's; the sampler also
+        stops on `stop_ids` (generation_config.json's eos ids). optim / total_steps: default
+        cfg.rl.optim over rl.steps × rl.num_minibatches updates (SFT: cfg.sft.optim, sft.steps).
+        Configs differing only in fields no step reads (`LOOP_ONLY`: seed, step counts, cadences)
+        share one set of jitted steps per process, so a variant's next seed compiles nothing."""
         for field in ("model.router_dtype", "sampling.router_dtype"):
             section, name = field.split(".")
             if getattr(getattr(cfg, section), name) == "float64" and not jax.config.jax_enable_x64:
@@ -164,9 +147,8 @@ class Engine:
         return fn, jax.tree.map(place, in_shardings, args, is_leaf=is_sharding)
 
     def _call(self, name: str, *args):
-        """Run step `name` with each argument placed on its input sharding. In a
-        multi-process run a host batch argument is this process's block of rows and any
-        other host argument a full copy (distributed.to_global)."""
+        """Step `name` on its arguments placed on its input shardings (distributed.to_global:
+        multi-process, a host batch argument is this process's rows, others full copies)."""
         fn, placed = self._place(name, args, lambda x, sh: distributed.to_global(
             x, sh, batch=sh is self.batch_sharding))
         return fn(*placed)
@@ -174,16 +156,14 @@ class Engine:
     @classmethod
     def for_topology(cls, cfg: ExperimentConfig, topo: aot.Topology, *, eos_id: int = 1,
                      pad_id: int = 0) -> "Engine":
-        """The Engine of `cfg` on a TPU topology's abstract devices (aot.mesh_devices):
-        the project's own mesh, shardings and jitted steps, for an AOT compile. The special
-        ids only matter to the sampler's program."""
+        """The Engine of `cfg` on a TPU topology's abstract devices (aot.mesh_devices), for an
+        AOT compile; the special ids only matter to the sampler."""
         return cls.create(cfg, eos_id=eos_id, pad_id=pad_id,
                           devices=aot.mesh_devices(cfg, topo))
 
     def abstract_inputs(self, name: str) -> tuple:
-        """ShapeDtypeStructs of the arguments of step `name` ("sample", "score", "update",
-        "sft_update") at the config's batch sizes: a whole step's rollout (B rows) for
-        sample and score, one mini-batch (M rows) for the updates; `lower` takes them."""
+        """ShapeDtypeStructs of step `name`'s arguments ("sample", "score", "update",
+        "sft_update") for `lower`: B rows for sample and score, M for updates."""
         cfg = self.cfg
         rl, mc = cfg.rl, cfg.model
         b = rl.prompts_per_step * rl.group_size
@@ -218,16 +198,14 @@ class Engine:
         raise ValueError(f"step {name!r}: one of sample, score, update, sft_update")
 
     def lower(self, name: str, *args):
-        """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs of
-        the step's arguments, e.g. `abstract_inputs(name)`), placed on the step's input
-        shardings: what `.compile()` turns into the program this Engine would run."""
+        """`jax.stages.Lowered` of step `name` for `args` (arrays or ShapeDtypeStructs, e.g.
+        `abstract_inputs(name)`) on its input shardings; `.compile()` gives its program."""
         fn, abstract = self._place(name, args, lambda a, sh: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=sh))
         return fn.lower(*abstract)
 
     def init_state(self, params) -> step_fns.TrainState:
-        """A fresh TrainState (optimizer state at this engine's learning rate, zero
-        counters) for `params`."""
+        """Fresh TrainState of `params`: optimizer state at this rate, zero counters."""
         return self._call("init_state", params, np.float32(self.learning_rate))
 
     def with_learning_rate(self, state: step_fns.TrainState) -> step_fns.TrainState:
@@ -240,13 +218,11 @@ class Engine:
         return self._call("sample", params, prompts_BxP, mask_BxP, key)[0]
 
     def sample_counted(self, params, prompts_BxP, mask_BxP, key):
-        """(Rollout, decode steps run: a device scalar): `sample` with the number of
-        decode steps its passes took (rl/costs.py's decode steps / s)."""
+        """`sample` plus its decode steps as a device scalar (rl/costs.py's decode steps / s)."""
         return self._call("sample", params, prompts_BxP, mask_BxP, key)
 
     def trim(self, rollout: rollout_lib.Rollout, bucket: int) -> rollout_lib.Rollout:
-        """The rollout (placed on the batch sharding) cut to the slots some row uses,
-        the width a multiple of `bucket` (rollout.used_window; rl.trim_bucket)."""
+        """The rollout cut to its used slots, width a multiple of `bucket` (rl.trim_bucket)."""
         fn, (placed,) = self._place("used_slots", (rollout,), lambda x, sh: (
             distributed.to_global(x, sh, batch=True)))
         lo, hi = rollout_lib.used_window(distributed.host(fn(placed)), bucket)
@@ -255,23 +231,22 @@ class Engine:
         return self._jitted["trim"][0](placed, lo, hi)
 
     def score(self, params, rollout: rollout_lib.Rollout, rewards_B, age_BxS=None):
-        """(TrainBatch, monitor pairs): the π_old pass (step_fns.score; with
-        rl.score_in_update no forward, and the update returns the monitors). With
-        `age_BxS` (rl.old_policy=behavior), π_old per token at the version that drew it:
-        `params` is then the tuple of versions, params[a] those a versions ago."""
+        """(TrainBatch, monitor pairs): the π_old pass (step_fns.score; rl.score_in_update: no
+        forward, the update returns the monitors). With `age_BxS` (rl.old_policy=behavior),
+        `params` is the tuple of versions and each token scores at params[its age]."""
         if age_BxS is None:
             return self._call("score", params, rollout, rewards_B)
         return self._call("score_behavior", tuple(params), rollout, rewards_B, age_BxS)
 
     def sample_partial(self, params, queue, version: int):
-        """(queue, decode steps): the continuous sampler on the carried queue of partial
-        rollouts until rl.prompts_per_step groups are complete (rl/inflight.py)."""
+        """(queue, decode steps): the continuous sampler on the carried queue until
+        rl.prompts_per_step groups are complete (rl/inflight.py)."""
         return self._call("sample_partial", params, queue, version)
 
     def probe(self, params, rollout: rollout_lib.Rollout, batch: step_fns.TrainBatch,
               age_BxS=None) -> dict:
-        """rl/probe.py probe_rows of the rows of a rollout and its batch (with `age_BxS`,
-        `params` is the tuple of versions of rl.old_policy=behavior), on the host."""
+        """rl/probe.py probe_rows of a rollout's rows and its batch, on the host (with `age_BxS`,
+        `params` is the tuple of versions of rl.old_policy=behavior)."""
         found = (self._call("probe", params, rollout, batch) if age_BxS is None else
                  self._call("probe_behavior", tuple(params), rollout, batch, age_BxS))
         return jax.tree.map(distributed.host, found)
@@ -282,12 +257,11 @@ class Engine:
 
     def merge_rows(self, base: rollout_lib.Rollout, new: rollout_lib.Rollout, src_B, real_B
                    ) -> rollout_lib.Rollout:
-        """Dynamic sampling's batch, one round merged in (rl/dynamic.py merge_rows):
-        rows of `new` where src_B >= 0, rows not real_B empty responses."""
+        """rl/dynamic.py merge_rows: `new`'s rows where src_B >= 0, rows not real_B emptied."""
         return self._call("merge_rows", base, new, src_B, real_B)
 
     def row_tokens(self, batch: step_fns.TrainBatch) -> np.ndarray:
-        """Each row's real tokens (prompt + completion), on the host (every process)."""
+        """Each row's real tokens (prompt + completion), on the host of every process."""
         return distributed.host(self._call("row_tokens", batch))
 
     def select(self, batch, rows_M):
@@ -318,9 +292,8 @@ LOOP_ONLY = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
 
 
 def program_config(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` with the run's name, the `LOOP_ONLY` fields and the learning rates (optimizer
-    state) at their defaults: what the jitted steps are built from (Engine.create passes
-    the seed's one use, the sampler's noise seed, and the optimizer on their own)."""
+    """`cfg` with the name, `LOOP_ONLY` fields and learning rates at defaults: what the jitted
+    steps are built from (Engine.create passes the noise seed and the optimizer apart)."""
     default = RLConfig()
     rate = OptimConfig().learning_rate
     overlong = "keep" if cfg.rl.overlong == "penalty" else cfg.rl.overlong
@@ -352,9 +325,8 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
     sample_model = rollout_lib.sampler_model(cfg.model, cfg.sampling)
 
     def sample(params, prompts_BxP, mask_BxP, key):
-        """(Rollout, decode steps): the static sampler's passes each run to their longest
-        response (rollout.py's loop stops when every row has stopped), the continuous
-        one counts its steps."""
+        """(Rollout, decode steps): the static sampler runs each pass to its longest response
+        (rollout.py stops when every row has), the continuous one counts its steps."""
         kw = dict(eos_id=-1, stop_ids=stops, pad_id=pad_id, mesh=model_mesh,
                   logprob_impl=cfg.rl.logprob_impl)
         if cfg.sampling.continuous:

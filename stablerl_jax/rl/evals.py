@@ -2,8 +2,8 @@
 
 Letters: n problems of a set, k samples per problem, n' ≥ n padded problems.
 
-Each set of `TaskData.evals` ({name: records}) is sampled k times per problem with the
-inference engine, and scored with the task's reward (data/accuracy.py):
+Each set of `TaskData.evals` ({name: records}) is sampled k times per problem by the inference
+engine and scored with the task's reward (data/accuracy.py):
 
     eval/<set>/avg@k          mean_ij r_ij
     eval/<set>/stderr         std_i(mean_j r_ij) / sqrt(n), avg@k's standard error over problems
@@ -11,13 +11,11 @@ inference engine, and scored with the task's reward (data/accuracy.py):
     eval/<set>/length_mean    mean completion length (tokens)
     eval/<set>/truncated_frac share of completions with no stop id in max_new_tokens
 
-and `eval/accuracy`, `eval/pass_at_k`, `eval/length_mean`, `eval/truncated_frac` are
-their means over the sets (each set weighs the same, as a paper's table averages AIME24,
-AIME25 and HMMT25); `eval/accuracy_stderr` is the standard error of that mean
-(sqrt(Σ stderr²) / sets: the sets are sampled independently). Any problem count works: the batch of n·k rows is padded with copies
-of the first problem up to n'·k rows, a multiple of every size the batch is split by (the
-mesh's data-parallel devices, `sampling.max_batch`, the processes), and the padding rows'
-scores are dropped.
+`eval/accuracy`, `eval/pass_at_k`, `eval/length_mean`, `eval/truncated_frac`: means over the
+sets, weighed equally (as papers average AIME24, AIME25, HMMT25); `eval/accuracy_stderr` =
+sqrt(Σ stderr²) / sets (independent sets). Any n works: the n·k rows are padded with copies of
+the first problem to n'·k, a multiple of every size the batch is split by (data-parallel devices,
+`sampling.max_batch`, processes); the padding's scores are dropped.
 """
 from __future__ import annotations
 
@@ -48,9 +46,8 @@ def batch_multiple(cfg) -> int:
 
 def evaluate_set(sample, data, records, key, k: int, multiple: int):
     """(summary, this process's rows): `records` each sampled k times by `sample(tokens,
-    mask, key) -> Rollout` and scored with `data.reward`. summary holds the module
-    docstring's four numbers; the rows are (prompt tokens, mask, rollout, rewards,
-    answers, answer extractors) of this process's rows, for `sample_rows`."""
+    mask, key) -> Rollout` and scored with `data.reward`; summary holds the module
+    docstring's numbers, the rows feed `sample_rows`."""
     n = len(records)
     if not n:
         raise ValueError("evaluate_set: the eval set is empty")
@@ -71,9 +68,8 @@ def evaluate_set(sample, data, records, key, k: int, multiple: int):
 
 def evaluate_sets(sample, data, sets: dict, key, num_problems: int, k: int,
                   multiple: int, log_samples: int = 0):
-    """(metrics, samples) of every set (module docstring): each set's first
-    `num_problems` problems, sampled with fold_in(key, set index); `samples`: this
-    process's first `log_samples` rows of each set (`sample_rows`, split = the set)."""
+    """(metrics, samples) of every set's first `num_problems` problems, sampled with fold_in(key,
+    set index); `samples`: this process's first `log_samples` rows per set."""
     metrics, samples = {}, []
     for i, (name, records) in enumerate(sets.items()):
         summary, rows = evaluate_set(sample, data, records[:num_problems],
@@ -89,13 +85,11 @@ def evaluate_sets(sample, data, sets: dict, key, num_problems: int, k: int,
 
 def sample_rows(data, tokens_BxP, mask_BxP, rollout, rewards_B, answers, extractors,
                 count: int, split: str) -> list[dict]:
-    """The first `count` of this process's rows as {split, prompt, response, ended,
-    answer, reward, extractor, length, truncated}. Prompt and response are decoded with
-    every special token shown (`Tokenizer.decode_raw`), so the prompt shows the chat
-    template as the model saw it and the response ends with its stop token; `ended`: the
-    text of that stop token (`<|im_end|>`), or "truncated" for a row with no stop id in
-    max_new_tokens. The reward read the response without special tokens; `extractor`:
-    which final-answer rule it read (data/answers.py)."""
+    """The first `count` local rows as {split, prompt, response, ended, answer, reward,
+    extractor, length, truncated}, decoded with every special token (`Tokenizer.decode_raw`): the
+    prompt shows the chat template, the response ends with its stop token, `ended` is its text
+    (`<|im_end|>`) or "truncated" (no stop id in max_new_tokens). The reward read the response
+    without special tokens; `extractor`: its final-answer rule (data/answers.py)."""
     count = min(count, len(answers))
     if not count:
         return []

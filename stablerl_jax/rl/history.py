@@ -1,24 +1,21 @@
-"""A workdir's history: what a finished or long run left there, kept unless a resume
-continues it or the user says to replace it.
+"""A workdir's history: what a run left there, kept unless a resume continues it or the user asks
+to replace it.
 
-A run's history is every file it writes: the step-keyed logs (metrics.jsonl,
-minibatches.jsonl, samples.jsonl, attribution.jsonl), summary.json, plots/, TensorBoard's
-tb/, trackers.json, profile/, and the directory it exports to (`--export-hf`). A run
-starting with no checkpoint to resume from rewrites all of them, so it may start only
-over a workdir whose history is short: no log past step 2 · `rl.checkpoint_every` (a row
-is written before its step's save, and a save waits for the one before it, so by then
-the save of step `checkpoint_every` had completed; past step 0 where the run never
-checkpoints), no summary.json or plots (a finished run) and no export. Otherwise it is
-refused in one line naming `--replace-history`; with it the history is moved aside into
-`<workdir>/replaced.<n>/` (the export directory to `<export>.replaced.<n>`), named in one
-warning, and nothing is deleted.
+History is every file a run writes: the step-keyed logs (metrics.jsonl, minibatches.jsonl,
+samples.jsonl, attribution.jsonl), summary.json, plots/, TensorBoard's tb/, trackers.json,
+profile/ and the export (`--export-hf`). A start with no checkpoint to resume from rewrites them,
+so it may start only over a short history: no log past step 2 · `rl.checkpoint_every` (rows
+precede their step's save and saves wait for the one before, so the save of step
+`checkpoint_every` had completed; past step 0 if the run never checkpoints), no summary.json or
+plots (a finished run), no export. Else it is refused in one line naming `--replace-history`; the
+flag moves the history into `<workdir>/replaced.<n>/` (the export to `<export>.replaced.<n>`), in
+one warning; nothing is deleted.
 
-"A checkpoint to resume from" is decided twice. Before any work (`check`, before the
-cold start): a committed step of this run whose step record is its name
-(`checkpoint_steps.resumable_steps`); stray files, another program's folders and steps
-set aside (`<step>.corrupt`, `<step>.unusable`) are not. Then by restoring
-(`after_restore`, in the loop): a run whose every step failed to restore (each set aside)
-is refused the same way, or replaces its history under the flag.
+"A checkpoint to resume from" is decided twice: before any work (`check`, before the cold start),
+a committed step of this run named by its step record (`checkpoint_steps.resumable_steps`; not
+stray files, other programs' folders, `<step>.corrupt` or `<step>.unusable`); then by restoring
+(`after_restore`, in the loop): a run whose every step failed to restore is refused alike, or
+replaces its history under the flag.
 """
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ FLAG = "--replace-history"
 
 
 def found(cfg, workdir: str, export_hf: str = "") -> list[str]:
-    """What of a run's history `workdir` (and the export directory) holds that a fresh
-    start would replace, one entry per file ('metrics.jsonl: 31 rows to step 30'), or []
-    for a short history (module docstring)."""
+    """What of a run's history `workdir` and the export hold that a fresh start would replace,
+    one entry per file ('metrics.jsonl: 31 rows to step 30'); [] for a short history."""
     logs, long = [], False
     for name in LOGS:
         steps = [r["step"] for r in read_metrics(os.path.join(workdir, name))]
@@ -61,17 +57,15 @@ def _holds(path: str) -> bool:
 
 
 def check(cfg, workdir: str, replace: bool = False, export_hf: str = "") -> None:
-    """Before any work: refuse to start over another run's history unless `replace`,
-    which moves it aside (module docstring). A workdir with a resumable step is left to
-    the resume (`after_restore` decides once it restored)."""
+    """Before any work: refuse to start over another run's history unless `replace` moves it
+    aside; a workdir with a resumable step is left to `after_restore`."""
     if resumable_steps(os.path.join(workdir, "checkpoints")):
         return
     _keep_or_move(cfg, workdir, replace, export_hf, "no checkpoint to resume it from")
 
 
 def after_restore(cfg, workdir: str, replace: bool, export_hf: str = "") -> None:
-    """Once every committed step failed to restore (each set aside): the same rule. The
-    run's trackers are open by then and keep trackers.json (their runs continue)."""
+    """`check`'s rule once every step failed to restore; trackers.json stays (trackers open)."""
     _keep_or_move(cfg, workdir, replace, export_hf,
                   "no checkpoint that restores (each was moved aside to <step>.corrupt or "
                   "<step>.unusable, see the log)", keep=("trackers.json",))
@@ -92,9 +86,8 @@ def _keep_or_move(cfg, workdir, replace, export_hf, why: str, keep=()) -> None:
 
 
 def move_aside(workdir: str, export_hf: str = "", keep=()) -> list[str]:
-    """Move every history file of `workdir` but `keep` into `<workdir>/replaced.<n>/`
-    (the first free n) and the export directory to `<export>.replaced.<n>`; returns what
-    moved where, also named in one warning."""
+    """Move the history of `workdir` but `keep` into `<workdir>/replaced.<n>/` (first free n),
+    the export to `<export>.replaced.<n>`; returns what moved where (also one warning)."""
     names = [n for n in (*LOGS, *FINISHED, *OTHERS)
              if n not in keep and storage.lexists(os.path.join(workdir, n))]
     moved = []

@@ -1,33 +1,26 @@
-"""Partial rollouts under a staleness bound (rl.max_staleness = S ≥ 1): the sampler's
-queue carried from one global step to the next.
+"""Partial rollouts under a staleness bound (rl.max_staleness = S ≥ 1): the sampler's queue
+carried from one global step to the next.
 
-Letters: I responses in the queue = B + n, B responses per step (Q prompts × G), n
-sampler slots (`slots`: sampling.max_batch, which may exceed B), S prompt + completion slots,
-L layers, K top-k.
+Letters: I = B + n queued responses, B = Q·G per step (Q prompts), n sampler slots (`slots`),
+S prompt + completion slots, L layers, K top-k.
 
-The queue holds B + n responses in groups of G (a prompt's G responses are adjacent),
-drawn from a stream of prompts: stream group g is prompt g mod Q of global step g // Q
-(`data.train_indices`), so a run draws the prompts a static run would, in the same
-order, only earlier. Response j of group g uses the static sampler's key of its row
-(fold_in(key(seed), g // Q), split into B, row (g mod Q)·G + j), folded with the
-attempt number after a drop: its tokens depend only on (seed, step, prompt, response
-index, attempt, position) and the weights that drew them.
+The queue holds I responses in groups of G, drawn from a prompt stream: group g is prompt g mod Q
+of global step g // Q (`data.train_indices`), so a run draws a static run's prompts in order,
+only earlier. Response j of group g uses the static sampler's key of its row (row (g mod Q)·G + j
+of fold_in(key(seed), g // Q) split into B), folded with the attempt number after a drop: its
+tokens depend only on (seed, step, prompt, response index, attempt, position) and the weights
+drawing them.
 
 Global step k (parameters of version k):
-1. Every response in the queue, unfinished or complete, that holds a token of a
-   version older than k − S is reset (dropped: its tokens discarded; counted), so
-   every token of step k's batch is at most S versions old.
-2. Consumed groups leave; the queue is compacted (order kept) and topped up from the
-   stream to I.
-3. `continuous.run` with version k's weights: unfinished responses resume (re-prefilled
-   over prompt + completion so far), and decoding stops once Q groups are complete.
-4. The batch is the Q complete groups earliest in the queue; everything else carries
-   to step k + 1.
-S = 0 is not this path: the loop samples the step's own prompts with `rl/engine` sample,
-as without partial rollouts.
+1. Responses holding a token older than version k − S, finished or not, are reset (dropped,
+   counted): every token of step k's batch is at most S versions old.
+2. Consumed groups leave; the queue is compacted (order kept) and topped up to I.
+3. `continuous.run` at version k resumes unfinished responses (re-prefilled over prompt +
+   completion so far) and stops once Q groups are complete.
+4. The batch is the Q earliest complete groups; the rest carries to step k + 1.
 
-The state is numpy on the host and is saved with every checkpoint (`state_dict` /
-`from_state_dict`), so a resumed run continues the same responses.
+S = 0 is not this path (the loop samples with `rl/engine` sample). The host-numpy state is saved
+with every checkpoint (`state_dict` / `from_state_dict`): a resume continues the same responses.
 """
 from __future__ import annotations
 
@@ -46,17 +39,15 @@ EMPTY = -1  # group id of a queue place that holds no prompt yet
 
 
 def slots(cfg) -> int:
-    """n: the sampler's slots under partial rollouts, sampling.max_batch (0: B). Unlike
-    the static and S = 0 samplers, n may exceed B: a step then ends after fewer decode
-    steps and more responses are in flight across steps (their tokens older)."""
+    """n = sampling.max_batch (0: B). Unlike the static and S = 0 samplers n may exceed B: fewer
+    decode steps per step, more (older) responses in flight across steps."""
     return cfg.sampling.max_batch or cfg.rl.prompts_per_step * cfg.rl.group_size
 
 
 @dataclasses.dataclass
 class Inflight:
-    """The carried queue (numpy leaves of a `continuous.Queue`) and its bookkeeping:
-    each group's stream index (EMPTY: none), each response's attempt, the stream's next
-    group, responses dropped so far."""
+    """The carried queue (numpy leaves of a `continuous.Queue`) with each group's stream index
+    (EMPTY: none), each response's attempt, the stream's next group and the drops so far."""
 
     queue: continuous.Queue
     group_ids: np.ndarray   # [I / G] int32
@@ -66,8 +57,7 @@ class Inflight:
 
     @classmethod
     def create(cls, cfg, pad_id: int) -> "Inflight":
-        """An empty queue of B + n places for `cfg` (every place EMPTY and finished, so
-        the sampler leaves it alone)."""
+        """Empty queue of B + n places for `cfg`, each EMPTY and finished (not sampled)."""
         rl, g = cfg.rl, cfg.rl.group_size
         b = rl.prompts_per_step * g
         num_i = b + slots(cfg)
@@ -96,8 +86,7 @@ class Inflight:
     # -- one global step -------------------------------------------------------------
 
     def prepare(self, step: int, cfg, data: TaskData, pad_id: int) -> int:
-        """Steps 1 and 2 of the module docstring for global step `step`; returns the
-        responses dropped for staleness."""
+        """Steps 1 and 2 (module docstring) at global step `step`; returns the stale drops."""
         g, q = cfg.rl.group_size, self.queue
         p = cfg.task.max_prompt_len
         # 1. Staleness: a token of version v is step − v versions old at this step.
@@ -130,8 +119,7 @@ class Inflight:
         self._reset(rows, cfg, tokens.shape[1], pad_id, retry=False)
 
     def _reset(self, rows, cfg, p: int, pad_id: int, retry: bool) -> None:
-        """Responses `rows` back to not started (their prompt kept); a retry draws with
-        its key folded with the attempt number."""
+        """Reset `rows` to not started (prompt kept); retries fold the attempt into the key."""
         if not len(rows):
             return
         q, g, rl = self.queue, cfg.rl.group_size, cfg.rl
@@ -159,7 +147,7 @@ class Inflight:
 
     def take(self, cfg) -> tuple[np.ndarray, np.ndarray]:
         """Step 4: (queue rows of the batch [B], their groups' stream indices [Q]): the Q
-        complete groups earliest in the queue, which leave it."""
+        earliest complete groups, which leave the queue."""
         rl, g = cfg.rl, cfg.rl.group_size
         complete = self.queue.finished_I.reshape(-1, g).all(1) & (self.group_ids != EMPTY)
         places = np.flatnonzero(complete)[:rl.prompts_per_step]
@@ -178,8 +166,7 @@ class Inflight:
 
 
 def age_stats(version_BxS, completion_BxS, step: int, max_staleness: int) -> dict:
-    """`async/…` metrics of a batch: the mean and max age (step − version) of its
-    completion tokens and the share of tokens of each age 0 … S."""
+    """`async/…`: mean and max completion-token age (step − version), share of ages 0 … S."""
     age = (step - np.asarray(version_BxS))[np.asarray(completion_BxS, bool)]
     out = {"async/staleness_mean": float(age.mean()) if age.size else 0.0,
            "async/staleness_max": float(age.max()) if age.size else 0.0}

@@ -1,29 +1,23 @@
 """The global-step loop (docs/method.md §1), with eval, checkpoints and logs.
 
-Letters: B responses per step (rl.prompts_per_step × G), G responses per prompt,
-N mini-batches, M = B/N responses per mini-batch.
+Letters: G responses per prompt, B = rl.prompts_per_step × G, N mini-batches of M = B/N.
 
-One global step, every hop a call from here into one module and back:
+One global step, each hop a call into one module and back:
 
-    1–3. rl.sources   the step's responses, whatever made them (`Responses`): the
-                      prompts (data.task), the sampling engine's rollout (rl.engine
-                      sample(θ_old): tokens, logp_mu, routes_mu) and their rewards; or
-                      dynamic-sampling rounds, partial rollouts, an offline file
-    4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors
-                      (with rl.trim_bucket, on the rollout cut to the slots some row uses)
+    1–3. rl.sources   the step's `Responses`: prompts (data.task), the rollout (rl.engine
+                      sample(θ_old): tokens, logp_mu, routes_mu) and rewards, or dynamic
+                      rounds, partial rollouts, an offline file
+    4. rl.engine      score(θ_old): advantages, log π_old, the replay tensor, monitors (on
+                      the rollout cut to the slots in use under rl.trim_bucket)
     5. rl.engine      N × select + update(θ): one optimizer step per seeded mini-batch
     6. diagnostics    reduce_metrics: the step's monitors as floats
-    7. metrics_io     the metrics row (and every eval_every steps, avg@k on each eval set:
-                      rl/evals.py), decoded samples (samples.jsonl); the same to the
-                      run's trackers (runs/trackers.py: wandb, MLflow)
+    7. metrics_io     the metrics row (avg@k per eval set every eval_every steps,
+                      rl/evals.py), samples.jsonl; both to runs/trackers.py (wandb, MLflow)
 
-Everything random is derived from (seed, step), so a run resumed from its last complete
-checkpoint reproduces the uninterrupted run bit for bit on CPU.
-
-The workdir may be a local directory or a `gs://` path (storage.py). Its JSONL logs are
-flushed before every checkpoint save, so the logs cover every checkpoint on either: on
-an object store rows are uploaded whole then, and a kill loses only rows the resume
-writes again.
+Everything random derives from (seed, step): a run resumed from its last complete checkpoint
+reproduces the uninterrupted run bit for bit on CPU. The workdir may be local or `gs://`
+(storage.py); JSONL logs are flushed before each checkpoint save, so they cover every checkpoint
+(on an object store rows upload whole then; a kill loses only rows the resume writes again).
 """
 from __future__ import annotations
 
@@ -76,8 +70,7 @@ def minibatch_order(seed: int, step: int, responses: int) -> np.ndarray:
 
 
 def minibatches_of(engine: Engine, batch: step_fns.TrainBatch, step: int) -> np.ndarray:
-    """[N, M] response indices of the step's mini-batches: a seeded permutation; under
-    rl.pack_tokens each batch shard's rows balanced to equal tokens."""
+    """[N, M] seeded mini-batch rows; under rl.pack_tokens token-balanced per batch shard."""
     rl = engine.cfg.rl
     order = minibatch_order(rl.seed, step, rl.prompts_per_step * rl.group_size)
     minibatches = order.reshape(rl.num_minibatches, -1)
@@ -91,8 +84,7 @@ def minibatches_of(engine: Engine, batch: step_fns.TrainBatch, step: int) -> np.
 
 def step_metrics(cfg, every: sources.HostRows, source_metrics: dict, score_metrics,
                  update_metrics) -> dict:
-    """The step's metrics row: rewards and lengths of every response (`every`: the host
-    rows of every process), the source's, the score's and the updates' monitors."""
+    """The step's metrics row: rewards and lengths of `every` response, then all monitors."""
     metrics = {"reward": float(np.mean(every.rewards)),
                "response_length": float(np.mean(every.lengths)),
                **overlong.response_stats(every.lengths, every.truncated,
@@ -109,23 +101,14 @@ def step_metrics(cfg, every: sources.HostRows, source_metrics: dict, score_metri
 def global_step(engine: Engine, state: step_fns.TrainState, data: TaskData, step: int,
                 source: sources.Source = sources.Static(), log_samples: int = 0,
                 timer: costs.PhaseTimer | None = None):
-    """One global step; returns (state, metrics dict of floats, mini-batch composition,
-    decoded samples: this process's first `log_samples` rows, evals.sample_rows; the
-    attribution probe's rows for attribution.jsonl, rl/probe.py, [] on other steps; what
-    the step did for rl/costs.py's perf_row: tokens generated and trained, the batch's
-    rows and width, decode steps). `timer` times its phases (rl/costs.py).
-
-    `source` gives the step's responses and the parameters π_old is computed at, and is
-    told before the updates change θ (rl/sources.py). The composition is its
-    provenance ({"prompts": train-split indices of the step's prompts} or {"responses":
-    indices in an offline file}), "minibatches": response indices per mini-batch, and
-    "skipped": 1 for each mini-batch whose update was skipped as non-finite; response r
-    answers prompt r // G.
-
-    Under rl.overlong=penalty the rewards the advantages use include DAPO's length
-    penalty (overlong.py); the `reward` metric is the task reward alone, so it stays
-    comparable across modes (`reward/overlong_penalty` is the mean penalty).
-    """
+    """One global step: (state, metrics as floats, mini-batch composition, decoded samples (this
+    process's first `log_samples` rows), attribution probe rows (rl/probe.py; [] on other steps),
+    work for rl/costs.py's perf_row); `timer` times the phases. `source` gives the responses and
+    π_old's parameters and is told before the updates change θ (rl/sources.py). The composition:
+    its provenance ({"prompts": train-split indices} or {"responses": file indices}),
+    "minibatches" (response r answers prompt r // G), "skipped" (1 per non-finite update). Under
+    rl.overlong=penalty the advantages' rewards include DAPO's length penalty (overlong.py), the
+    `reward` metric stays the task reward (`reward/overlong_penalty`: the mean penalty)."""
     rl = engine.cfg.rl
     timer = timer or costs.PhaseTimer(sync=rl.phase_sync)
     got = source.responses(engine, state, data, step, timer, log_samples)
@@ -166,8 +149,8 @@ def global_step(engine: Engine, state: step_fns.TrainState, data: TaskData, step
 
 
 def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int = 0):
-    """(metrics, samples): avg@k, pass@k, mean length and truncated fraction of every
-    eval set and their means (rl/evals.py), with the sampling path (inference numerics)."""
+    """(metrics, samples): each eval set's avg@k, pass@k, mean length and truncated fraction and
+    their means (rl/evals.py), sampled with inference numerics."""
     rl = engine.cfg.rl
     key = jax.random.fold_in(jax.random.key(rl.seed + 1), step)
     return evals.evaluate_sets(lambda t, m, k: engine.sample(params, t, m, k), data,
@@ -176,8 +159,7 @@ def evaluate(engine: Engine, params, data: TaskData, step: int, log_samples: int
 
 
 def log_samples(writer: MetricsWriter, log: JsonlLog, step: int, samples: list[dict]) -> None:
-    """Append decoded samples to samples.jsonl (one row each, with the step) and to
-    TensorBoard text (process 0 only: the writer of other processes is disabled)."""
+    """Append decoded samples to samples.jsonl and TensorBoard text (process 0's writer only)."""
     if not (writer.enabled and samples):
         return
     for row in samples:
@@ -186,8 +168,7 @@ def log_samples(writer: MetricsWriter, log: JsonlLog, step: int, samples: list[d
 
 
 def open_offline(cfg) -> OfflineRollouts | None:
-    """The run's offline rollout file (rl.offline_rollouts), checked whole against the
-    config (None without one): a bad file is refused before any training."""
+    """The run's rl.offline_rollouts file (None without), checked whole before any training."""
     if not cfg.rl.offline_rollouts:
         return None
     offline = OfflineRollouts.load(cfg.rl.offline_rollouts)
@@ -204,10 +185,8 @@ def open_offline(cfg) -> OfflineRollouts | None:
 
 
 def task_data(cfg, workdir: str) -> TaskData:
-    """The task's data under `<workdir>/data`, built by the first process while the others
-    wait (on a shared filesystem they then only read it). A gs:// workdir's is built in a
-    local cache directory instead (`storage.local_dir`): its array_record files are
-    written by a writer of local files only."""
+    """The task's data under `<workdir>/data`, built by process 0 while the others wait; a gs://
+    workdir's in a local cache (`storage.local_dir`): array_record writes local files only."""
     path = storage.local_dir(os.path.join(workdir, "data"))
     create = functools.partial(TaskData.create, cfg.task, cfg.model.vocab_size, path,
                                cfg.rl.eval_sets, require_train=not cfg.rl.offline_rollouts)
@@ -225,22 +204,16 @@ def run(cfg, workdir: str, *, init_params=None, data: TaskData | None = None,
         profile: tuple[int, int] | None = None) -> dict:
     """Train (or resume) an RL run in `workdir`; returns the summary dict it also writes.
 
-    A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless
-    `allow_config_change` names the changed fields ("section.field"). `export_hf`: also
-    write the final policy there as a Hugging Face Qwen3-MoE checkpoint (with the
-    tokenizer's special ids, and its files when task.tokenizer_dir is set), its tensors
-    in `export_dtype` ('' = model.param_dtype; e.g. the dtype of the checkpoint the run
-    started from, while the run trains float32 master weights). A workdir holding another
-    run's history and no checkpoint to resume it is refused unless `replace_history`
-    (preflight.check_history). `trackers`: where the
-    metrics go besides metrics.jsonl (trackers.NAMES; a resume continues the same
-    tracker runs, `<workdir>/trackers.json`). In a multi-process run every process calls
-    this; the first writes metrics, logs, plots, the trackers and the summary, and every
-    one writes its part of the checkpoints. The first also holds
-    the workdir's lock (runs/lock.py) for the whole run: a second run there is refused.
-    `profile`: (first, last) global steps (as metrics rows number them) to trace with
-    jax.profiler into `<workdir>/profile/` (rl/profiling.py); every process writes its own.
-    """
+    A resume refuses a changed config (beyond preflight.RUN_CONTROL) unless `allow_config_change`
+    names the fields ("section.field"). `export_hf`: also write the final policy there as a
+    Hugging Face Qwen3-MoE checkpoint (special ids; tokenizer files with task.tokenizer_dir),
+    tensors in `export_dtype` ('' = model.param_dtype; e.g. the start checkpoint's, over float32
+    master weights). Another run's history with no checkpoint to resume is refused unless
+    `replace_history` (preflight.check_history). `trackers`: sinks besides metrics.jsonl
+    (trackers.NAMES; resumed via `<workdir>/trackers.json`). `profile`: (first, last) global
+    steps (as metrics rows), traced per process into `<workdir>/profile/` (rl/profiling.py).
+    Every process calls this and writes its checkpoint part; the first writes metrics, logs,
+    plots, trackers, summary and holds the workdir's lock (runs/lock.py) against a second run."""
     preflight.check_workdir(workdir)
     preflight.check_urls(cfg, export_hf=export_hf)
     preflight.check_processes(cfg, export_hf)
@@ -377,8 +350,7 @@ def _run(cfg, workdir: str, *, init_params, data, progress, allow_config_change,
 
 
 def _first_evaluation(engine: Engine, params, data: TaskData, timer: costs.PhaseTimer):
-    """(metrics, samples) of the row before training: the held-out evaluation at θ_0,
-    with its time."""
+    """(metrics, samples) of the row before training: the held-out evaluation at θ_0, timed."""
     timer.row()  # the row's times start here
     with timer.phase("eval"):
         metrics, samples = evaluate(engine, params, data, 0, engine.cfg.rl.log_samples)
@@ -388,9 +360,8 @@ def _first_evaluation(engine: Engine, params, data: TaskData, timer: costs.Phase
 
 def _log_row(step: int, metrics: dict, samples: list, composition: dict, dumped,
              writer: MetricsWriter, logs, tracker: Trackers) -> None:
-    """Write a step's row (step 0: the evaluation before training): metrics, samples,
-    its mini-batch composition and attribution rows (`logs`: minibatches, samples and
-    attribution JSONL, in that order), and the trackers."""
+    """Write a step's row (step 0: before training): metrics, samples, mini-batch composition and
+    attribution rows (`logs`: minibatches, samples, attribution JSONL), and to the trackers."""
     minibatch_log, samples_log, attribution_log = logs
     if composition:
         minibatch_log.write({"step": step, **composition})
@@ -402,8 +373,8 @@ def _log_row(step: int, metrics: dict, samples: list, composition: dict, dumped,
 
 
 def export(cfg, params, tok, path: str, dtype: str = "") -> None:
-    """The policy as a Hugging Face Qwen3-MoE checkpoint at `path` (run's `export_hf`),
-    its tensors in `dtype` ('' = model.param_dtype), with the tokenizer's ids and files."""
+    """The policy as a Hugging Face Qwen3-MoE checkpoint at `path`, tensors in `dtype` ('' =
+    model.param_dtype), with the tokenizer's ids and files."""
     dtype = dtype or cfg.model.param_dtype
     save_qwen3_moe(jax.tree.map(lambda x: x.astype(dtype_of(dtype)), params),
                    cfg.model.replace(param_dtype=dtype), path,
@@ -433,10 +404,9 @@ def last_accuracy(records: list[dict]) -> float | None:
 
 
 def accuracy_gain(first: dict, last: dict) -> dict | None:
-    """End − start held-out accuracy of two evaluation rows, with its 95 % interval
-    ±1.96·sqrt(se_start² + se_end²): each evaluation's standard error over problems
-    (evals.py), the two taken as independent (conservative: they share their problems).
-    None without both errors (rows from before they were logged, or one evaluation)."""
+    """End − start held-out accuracy of two evaluation rows and its 95 % interval
+    ±1.96·sqrt(se_start² + se_end²), their standard errors over problems (evals.py) taken as
+    independent (conservative: they share problems); None without both."""
     se = [r.get("eval/accuracy_stderr") for r in (first, last)]
     if first is last or None in se:
         return None
@@ -446,10 +416,9 @@ def accuracy_gain(first: dict, last: dict) -> dict | None:
 
 
 def run_summary(records: list[dict], skipped: int) -> dict:
-    """The run's summary.json: start / end held-out accuracy (`eval/accuracy`, the mean
-    over eval sets), the gain with its interval (`accuracy_gain`) and each set's end
-    avg@k, start / end reward (means of the first / last fifth of the steps), steps and
-    skipped updates."""
+    """The run's summary.json: start / end held-out accuracy (`eval/accuracy`, the mean over eval
+    sets), the gain with its interval (`accuracy_gain`), each set's end avg@k, start / end reward
+    (means of the first / last fifth of the steps), steps and skipped updates."""
     evaluated = [r for r in records if r.get("eval/accuracy") is not None]
     last = evaluated[-1] if evaluated else {}
     sets = {k[len("eval/"):-len("/avg@k")]: v for k, v in last.items()

@@ -1,5 +1,5 @@
-"""Checks that run before any work: the workdir, the devices and processes a config needs,
-and whether a resumed run still has the config it was trained with."""
+"""Checks before any work: the workdir, the devices and processes a config needs, and whether a
+resumed run keeps the config it was trained with."""
 from __future__ import annotations
 
 import os
@@ -31,11 +31,9 @@ def add_arguments(ap, where: str) -> None:
 
 
 def check_workdir(workdir: str) -> None:
-    """A clear error for a workdir that cannot hold a run (before any work starts). A
-    `gs://` workdir must be a valid URL (storage_gcs.check_url) and its bucket must exist,
-    which is asked first, within storage_gcs.REACH_BOUND_S (a ConnectionError when the store
-    does not answer); whether this account may write it shows when the run lock is
-    written, the run's first write."""
+    """A clear error, before any work, for a workdir that cannot hold a run. A `gs://` one must
+    be a valid URL whose bucket exists (`check_url`); whether this account may write it shows at
+    the run lock, the run's first write."""
     check_url(workdir, "workdir")
     remote = storage.is_remote(workdir)
     if storage.isfile(workdir):
@@ -51,9 +49,8 @@ def check_workdir(workdir: str) -> None:
 
 
 def url_settings(cfg, hf: str = "", export_hf: str = "") -> list[tuple[str, str]]:
-    """(setting, value) of every path a run reads or writes besides its workdir: the
-    data, the tokenizer, the eval sets, the cold-start data, the offline rollouts, the
-    --hf checkpoint and the export."""
+    """(setting, value) of every path a run reads or writes besides its workdir: data, tokenizer,
+    eval sets, cold-start data, offline rollouts, the --hf checkpoint, the export."""
     sets = [(f"rl.eval_sets ({name})", path)
             for name, path in parse_eval_sets(cfg.rl.eval_sets).items()]
     return [(k, v) for k, v in [("task.jsonl_dir", cfg.task.jsonl_dir),
@@ -64,17 +61,14 @@ def url_settings(cfg, hf: str = "", export_hf: str = "") -> list[tuple[str, str]
 
 
 def check_urls(cfg, hf: str = "", export_hf: str = "") -> None:
-    """Every URL of `url_settings` through the workdir's checks, before any work: a valid
-    gs:// URL (`storage.check_scheme`) whose bucket exists and answers within
-    storage_gcs.REACH_BOUND_S; one line naming the setting otherwise."""
+    """`check_url` for every path of `url_settings`, before any work."""
     for what, url in url_settings(cfg, hf, export_hf):
         check_url(url, what)
 
 
 def check_url(url: str, what: str) -> None:
-    """A path of the setting `what`: a local one, or a valid gs:// URL whose bucket
-    exists, asked within storage_gcs.REACH_BOUND_S (a ConnectionError when the store does
-    not answer)."""
+    """A path of setting `what`: local, or a valid gs:// URL (`storage.check_scheme`) whose
+    bucket exists, asked within storage_gcs.REACH_BOUND_S (ConnectionError: no answer)."""
     storage.check_scheme(url, what)
     if storage.is_remote(url) and not storage_gcs.bucket_exists(url, what):
         bucket = "/".join(url.split("/")[:3])
@@ -83,15 +77,13 @@ def check_url(url: str, what: str) -> None:
 
 
 def check_history(cfg, workdir: str, replace: bool = False, export_hf: str = "") -> None:
-    """Refuse to start a run from scratch over another run's history, before any work;
-    `replace` (--replace-history) moves it aside instead (rl/history.py)."""
+    """Refuse starting over another run's history; `replace` moves it aside (rl/history.py)."""
     history.check(cfg, workdir, replace, export_hf)
 
 
 def check_run(cfg, workdir: str, devices=None, *, hf: str = "", export_hf: str = "") -> None:
-    """The checks an entry point runs before any work (before the cold start): the
-    workdir and every other URL (`check_urls`) can be used, the mesh fits the visible
-    devices, the batches split over the processes."""
+    """An entry point's checks before any work, cold start included: the workdir and every other
+    URL (`check_urls`), the mesh against the visible devices, the batches over the processes."""
     check_workdir(workdir)
     check_urls(cfg, hf, export_hf)
     check_processes(cfg)
@@ -107,9 +99,8 @@ def check_run(cfg, workdir: str, devices=None, *, hf: str = "", export_hf: str =
 
 
 def check_kernels(cfg, devices=None) -> None:
-    """Every kernel the config names compiles for the devices' platform (a Pallas row for
-    TPU does not run on a CPU or a GPU: the `paper` preset's 'megablox' and 'pallas_tpu');
-    the decode attention only where the sampler uses it (model.decode_block)."""
+    """Every kernel the config names compiles for the platform (the `paper` preset's TPU Pallas
+    'megablox' and 'pallas_tpu' not on CPU or GPU); the decode attention only if used."""
     platform = (devices or jax.devices())[0].platform
     for section, field, table in presets.KERNEL_FIELDS:
         name = getattr(getattr(cfg, section), field)
@@ -124,8 +115,7 @@ def check_kernels(cfg, devices=None) -> None:
 
 
 def layout_problem(cfg, devices=None) -> str:
-    """Why the config's layout (mesh, kernels) does not run on `devices` (default: every
-    device of the default backend), or '' where it does."""
+    """Why the layout (mesh, kernels) fails on `devices` (default: the backend's), or ''."""
     try:
         sharding.config_mesh(cfg.mesh, devices, cfg.mesh_dcn)
         check_kernels(cfg, devices)
@@ -135,10 +125,9 @@ def layout_problem(cfg, devices=None) -> str:
 
 
 def choose_layout(name: str, preset: str, overrides, devices=None):
-    """(config, the line to print or '') of `--preset preset --layout name`: 'auto' keeps
-    the preset's layout where it runs on these devices and lays it out single-host where
-    it does not, on one process (a multi-process run is a pod job: its layout is never
-    replaced); 'preset' and 'single-host' as LAYOUTS say. Overrides apply last."""
+    """(config, line to print or '') of `--preset preset --layout name`: 'auto' keeps the
+    preset's layout where it runs on these devices, else lays it out single-host (a multi-process
+    pod job keeps its layout); 'preset', 'single-host' as LAYOUTS say; overrides last."""
     devices = list(devices or jax.local_devices())
     host = {"platform": devices[0].platform, "devices": len(devices)}
     if name == "single-host":
@@ -167,8 +156,7 @@ def choose_layout(name: str, preset: str, overrides, devices=None):
 
 
 def _single_host(preset: str, overrides, host: dict):
-    """The preset single-host on as many of the host's devices as its batches split
-    over: the most devices d (a divisor of the host's) whose config validates."""
+    """The preset single-host on the most devices d (a divisor of the host's) it validates on."""
     n = host["devices"]
     for d in [d for d in range(n, 0, -1) if n % d == 0]:
         try:
@@ -210,16 +198,13 @@ def allowed_changes(arg: str, cfg) -> list[str]:
 
 
 def check_data(cfg, data) -> None:
-    """What the run asks of its data, once it is read: check_eval_problems and
-    check_sampling_rounds."""
+    """What the run asks of its data once read: check_eval_problems, check_sampling_rounds."""
     check_eval_problems(cfg, data)
     check_sampling_rounds(cfg, data)
 
 
 def check_sampling_rounds(cfg, data) -> None:
-    """Under rl.dynamic_sampling a step draws at most rl.max_sampling_rounds rounds of
-    prompts_per_step prompts; more than the train split holds would draw the same prompts
-    again within one step, so the rounds are bounded by it."""
+    """A step's rl.max_sampling_rounds rounds must fit the train split (else prompts repeat)."""
     rl = cfg.rl
     if not rl.dynamic_sampling or rl.offline_rollouts:
         return
@@ -234,11 +219,9 @@ def check_sampling_rounds(cfg, data) -> None:
 
 
 def check_eval_problems(cfg, data) -> None:
-    """rl.eval_problems caps every eval set (its first n problems). Without rl.eval_sets
-    the one set is the task's test split, and asking for more problems than it holds is
-    refused (the reported accuracy would mean something else than asked). Named sets
-    (rl.eval_sets) are benchmarks of their own size (AIME: 30 problems): one smaller than
-    the cap is evaluated whole, and each set's count is printed once here."""
+    """rl.eval_problems caps every eval set (its first n). Without rl.eval_sets the test split
+    must hold that many (else the accuracy means something else); named sets are benchmarks of
+    their own size (AIME: 30 problems), whole under the cap, counts printed once."""
     sizes = {name: len(records) for name, records in data.evals.items()}
     cap = cfg.rl.eval_problems
     if not cfg.rl.eval_sets:
@@ -253,8 +236,8 @@ def check_eval_problems(cfg, data) -> None:
 
 
 def check_processes(cfg, export_hf: str = "") -> None:
-    """What a multi-process run needs of the batch sizes (distributed.py): every process
-    holds whole groups of the RL batch, and its block of the eval and SFT batches."""
+    """What a multi-process run needs of the batch sizes (distributed.py): every process holds
+    whole groups of the RL batch and its block of the eval and SFT batches."""
     if jax.process_count() == 1:
         return
     rl = cfg.rl

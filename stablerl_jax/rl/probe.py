@@ -1,15 +1,12 @@
-"""The attribution probe (rl.attribution with rl.attribution_every): every few steps, on a
-seeded sample of rows, the per-layer split of the routing part and a dump of the rows'
-tokens with their parts (`attribution.jsonl`). stablerl_jax/method/attribution.py defines the
-parts.
+"""The attribution probe (rl.attribution with rl.attribution_every): every few steps, on a seeded
+sample of rows, the per-layer split of the routing part and a dump of the rows' tokens with their
+parts (`attribution.jsonl`); stablerl_jax/method/attribution.py defines the parts.
 
-Letters: B rows (the probed ones in a probe's arrays), S slots, T = S − 1 scored
-positions, L layers.
+Letters: B probed rows, S slots, T = S − 1 scored positions, L layers.
 
-A probe step runs, on those rows: the forwards of `attribution.probe` at θ_old (live
-routes, the sampler's routes, and one per layer with the sampler's routes at that layer
-only), then before each mini-batch's update the update's own forward of the rows
-(`logp_rows`), whose log π_θ gives the staleness part of the rows in that mini-batch:
+On those rows a probe step runs the forwards of `attribution.probe` at θ_old (live routes, the
+sampler's, and per layer the sampler's at that layer only), then before each mini-batch's update
+the update's own forward of its rows (`logp_rows`), whose log π_θ gives their staleness part:
 each token's parts are those the step's `attr/…` monitors count.
 """
 from __future__ import annotations
@@ -27,9 +24,8 @@ DUMP_DIGITS = 5  # significant digits of the floats in attribution.jsonl
 
 def probe_rows(params, rollout, batch: step_fns.TrainBatch, age_BxS=None, *, cfg,
                mesh=None) -> dict:
-    """`attribution.probe` of the rows of `rollout` (params: one version, or with
-    `age_BxS` the tuple of versions of rl.old_policy=behavior), with the fields of their
-    `batch` rows the dump reads (and their age)."""
+    """`attribution.probe` of the rows of `rollout` (with `age_BxS`, `params` is the tuple of
+    versions of rl.old_policy=behavior), plus the `batch` fields the dump reads (and the age)."""
     attn_BxS = rollout.prompt_mask_BxS | rollout.completion_mask_BxS
     weights = (rollout.route_weights_mu_BxSxLxK[:, :-1] if cfg.rl.replay_weights else None)
 
@@ -68,13 +64,13 @@ def due(rl, step: int) -> bool:
 
 
 def count(cfg) -> int:
-    """The probed rows: rl.attribution_rows, or (0) the smallest multiple of the batch shards >= 8."""
+    """Probed rows: rl.attribution_rows, or if 0 the least multiple of the batch shards ≥ 8."""
     shards = step_fns.batch_shards(cfg)
     return cfg.rl.attribution_rows or -(-8 // shards) * shards
 
 
 def rows(cfg, step: int) -> np.ndarray:
-    """The probed rows of global step `step`: rl.attribution_rows (`count`) of the step's responses, seeded, sorted."""
+    """The probed rows of global step `step`: `count` of its responses, seeded, sorted."""
     rl = cfg.rl
     b = rl.prompts_per_step * rl.group_size
     rng = np.random.default_rng([rl.seed, step, 2])
@@ -82,8 +78,7 @@ def rows(cfg, step: int) -> np.ndarray:
 
 
 class Probe:
-    """A probe step across the loop's hops: `Probe(...)` after the score step (θ_old),
-    `before_update` before each mini-batch's update, `finish` at the end."""
+    """A probe step: `Probe(...)` after scoring (θ_old), `before_update` per update, `finish`."""
 
     def __init__(self, engine, params, rollout, batch, step: int, age_BxS=None):
         self.engine, self.rows = engine, rows(engine.cfg, step)
@@ -93,7 +88,7 @@ class Probe:
         self.theta_BxT = np.zeros(self.found["mask_BxT"].shape, np.float64)
 
     def before_update(self, params, rows_M) -> None:
-        """log π_θ of the probed rows in mini-batch `rows_M`, at the update's θ."""
+        """log π_θ of the probed rows in mini-batch `rows_M` at the update's θ."""
         mine = np.isin(self.rows, rows_M)
         if mine.any():
             self.theta_BxT[mine] = self.engine.logp_rows(params, self.batch)[mine]
@@ -110,12 +105,10 @@ def _round(x) -> list:
 
 def dump(step: int, rows_B, found: dict, logp_theta_BxT, tokenizer, age_BxS=None
          ) -> tuple[list[dict], dict]:
-    """(attribution.jsonl rows, attr_layer/… metrics) of a probe (host arrays).
-
-    found: `probe_rows` of the probed rows; logp_theta_BxT: log π_θ of each row at its
-    mini-batch's update. Each row lists its scored tokens (the completion) with their
-    text, μ, π_old, π_θ, the three parts, the counterfactual routing part, π_old's entropy
-    and the layers whose experts differ between the sampler and live routing."""
+    """(attribution.jsonl rows, attr_layer/… metrics) of a probe (host arrays); found: its
+    `probe_rows`, logp_theta_BxT: each row's log π_θ at its mini-batch's update. A row lists its
+    scored tokens with text, μ, π_old, π_θ, the three parts, the counterfactual routing part,
+    π_old's entropy and the layers whose experts differ between sampler and live routing."""
     mask = np.asarray(found["mask_BxT"]) > 0
     logp_mu = np.asarray(found["rollout_logp_BxT"], np.float64)
     parts = attribution.token_parts(logp_mu, found["logp_mu_routes"], found["logp_old"],

@@ -1,14 +1,11 @@
-"""`--profile FIRST:LAST`: a jax.profiler trace of global steps FIRST through LAST.
+"""`--profile FIRST:LAST`: a jax.profiler trace of global steps FIRST through LAST, numbered as
+metrics.jsonl rows (global step k is row k, 1-based).
 
-Steps are numbered as metrics.jsonl numbers its rows (global step k is row k, 1-based).
-Each process writes its own trace, `<workdir>/profile/process_<i>/plugins/profile/<run>/
-<host>.xplane.pb` (the layout TensorBoard's profile plugin reads): open it with
-
-    tensorboard --logdir <workdir>/profile      # the Profile tab (tensorboard-plugin-profile)
-
-or load the `.xplane.pb` into xprof / Perfetto (ui.perfetto.dev), or read it in Python with
-`jax.profiler.ProfileData.from_file`. A `gs://` workdir's trace is written to a local
-directory (storage.local_dir) and copied to the bucket when the trace stops.
+Each process writes `<workdir>/profile/process_<i>/plugins/profile/<run>/<host>.xplane.pb`, the
+layout of TensorBoard's profile plugin (`tensorboard --logdir <workdir>/profile`, Profile tab);
+or load the `.xplane.pb` into xprof / Perfetto (ui.perfetto.dev), or read it with
+`jax.profiler.ProfileData.from_file`. A `gs://` workdir's trace is written locally
+(storage.local_dir) and copied to the bucket when the trace stops.
 """
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ from stablerl_jax.runs import storage
 
 
 def parse(spec: str) -> tuple[int, int]:
-    """'FIRST:LAST' (or 'K' for one step) -> (FIRST, LAST); one line naming the fix
-    otherwise."""
+    """'FIRST:LAST' (or 'K': one step) -> (FIRST, LAST); else an error naming the fix."""
     parts = spec.split(":")
     try:
         first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
@@ -52,8 +48,8 @@ def trace_dir(workdir: str) -> str:
 
 
 def window_note(steps: tuple[int, int] | None, start: int, total: int) -> str:
-    """What a run that trains global steps start+1 … total says of the window `steps`
-    when it starts: '' where the window lies within them, else which part is traced."""
+    """What a run training global steps start+1 … total says of the window `steps` at its start:
+    '' where the window lies within them, else which part is traced."""
     if not steps:
         return ""
     first, last = steps
@@ -68,9 +64,8 @@ def window_note(steps: tuple[int, int] | None, start: int, total: int) -> str:
 
 
 class Profiler:
-    """Traces the global steps of the window that the run trains: starts before the
-    first of them, stops after the last (a resumed run past `first` starts at its own
-    first step)."""
+    """Traces the window's global steps that the run trains, from before the first to after the
+    last (a run resumed past `first` starts at its own first step)."""
 
     def __init__(self, workdir: str, steps: tuple[int, int] | None):
         self.steps, self.dest = steps, trace_dir(workdir)

@@ -1,15 +1,13 @@
 """Which checkpoint a run may resume from, given its metrics log, and the log's repair.
 
-A resumed run keeps the metrics rows up to the restored step s and writes every row
-after it again, so the log ends up with each step 0…N exactly once only if the rows kept
-are exactly 0…s. A checkpoint is therefore usable only when the log holds every step up
-to its own, once: rows lost (a log cut short, restored from an old copy) or duplicated
-(two runs that wrote one workdir) before s cannot be written again. The newest usable
-checkpoint is taken; newer ones are set aside (`Checkpointer.restore_latest(usable=…)`),
-and when no checkpoint is usable the run refuses before changing anything.
-
-A torn last line (a process killed mid-write, a full disk) holds no complete row: it is
-dropped when the log is rewritten, and reported.
+A resume keeps the metrics rows up to the restored step s and writes the later ones again, so the
+log holds each step 0…N once only if the rows kept are exactly 0…s: a checkpoint is usable only
+when the log holds every step up to its own once, as rows lost (a log cut short or restored from
+an old copy) or duplicated (two runs in one workdir) before s cannot be written again. The newest
+usable checkpoint is taken, newer ones set aside (`Checkpointer.restore_latest(usable=…)`); with
+none usable the run refuses before changing anything. A torn last line (a process killed
+mid-write, a full disk) holds no complete row: it is dropped when the log is rewritten, and
+reported.
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def _span(steps: list[int]) -> str:
 
 
 def gap(logged: list[int], step: int) -> str | None:
-    """None if `logged` (the log's steps, in file order) holds each of 0…step exactly
-    once; else what the log lacks (or repeats) for a checkpoint of `step`."""
+    """None if `logged`'s steps ≤ `step` are exactly 0…step in file order; else what is wrong."""
     kept = [s for s in logged if s <= step]
     if kept == list(range(step + 1)):
         return None
@@ -50,8 +47,7 @@ def unusable(logged: list[int]):
 
 
 def choose(workdir: str, steps: list[int], logged: list[int]) -> None:
-    """Refuse (ValueError, before anything is written) when checkpoints exist but none of
-    them is covered by the metrics log."""
+    """Refuse (ValueError, before any write) when checkpoints exist but the log covers none."""
     if steps and all(gap(logged, s) for s in steps):
         path = os.path.join(workdir, "metrics.jsonl")
         raise ValueError(
@@ -61,7 +57,7 @@ def choose(workdir: str, steps: list[int], logged: list[int]) -> None:
 
 
 def report_torn(path: str) -> None:
-    """Log a torn last line of a JSONL log (it is dropped when the log is rewritten)."""
+    """Log a torn last line of a JSONL log (dropped when the log is rewritten)."""
     n = torn_tail(path)
     if n:
         logging.warning("%s: its last line (%d bytes) was cut short mid-write; dropped it",

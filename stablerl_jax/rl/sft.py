@@ -1,17 +1,15 @@
-"""Supervised cold start: cross-entropy on the trained tokens of the cold-start data
-(`step_fns.sft_loss`; the data and its loss mask: data/sft_data.py).
+"""Supervised cold start: cross-entropy on the cold-start data's trained tokens
+(`step_fns.sft_loss`; data and loss mask: data/sft_data.py), through RL's Engine (mesh-sharded,
+state donated, non-finite updates skipped) with `cfg.sft.optim` and the same model, forward and
+fused log-prob op, so the cold-start policy is exactly the policy RL starts from.
 
-It runs through the same Engine as RL (sharded over the mesh, state donated, non-finite
-updates skipped), with the optimizer of `cfg.sft.optim`, and the same model, forward and
-fused log-prob op, so the cold-start policy is exactly the policy RL starts from. It
-starts from a fresh init, or from given parameters (a Hugging Face checkpoint,
-`experiments.train --hf`, read as float32 master weights). In a workdir it logs
-`<workdir>/sft_run/metrics.jsonl` (and to its trackers: TensorBoard unless left out,
-wandb / MLflow when asked for, continued on resume through
-`<workdir>/sft_run/trackers.json`), saves its state every `sft.checkpoint_every` steps to
-`<workdir>/sft_run/checkpoints` (a killed cold start resumes from there, drawing the
-batches it would have), and saves the final parameters to `<workdir>/sft`, reused when
-present.
+It starts from a fresh init or given parameters (a Hugging Face checkpoint,
+`experiments.train --hf`, as float32 master weights). In a workdir it logs
+`<workdir>/sft_run/metrics.jsonl` (and to its trackers: TensorBoard unless left out, wandb /
+MLflow when asked, continued on resume via `<workdir>/sft_run/trackers.json`), saves its state
+every `sft.checkpoint_every` steps to `<workdir>/sft_run/checkpoints` (a killed cold start
+resumes there, drawing the batches it would have) and the final parameters to `<workdir>/sft`,
+reused when present.
 """
 from __future__ import annotations
 
@@ -48,11 +46,9 @@ def sft_engine(cfg, data, devices=None) -> Engine:
 
 def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
               progress: bool = True, devices=None, tracker: Trackers | None = None):
-    """SFT for cfg.sft.steps from `init_params` (None: a fresh init from sft.seed); returns
-    (params, the loss of every step). With `workdir`, logs, checkpoints and resumes
-    there (module docstring), and logs to `tracker` when given (the caller opens and
-    closes it; None: TensorBoard alone); `init` names the starting point in the checkpoints'
-    metadata, so a resume from another one is refused."""
+    """SFT for cfg.sft.steps from `init_params` (None: init from sft.seed): (params, losses).
+    With `workdir`: logs, checkpoints and resumes there; `tracker`: the caller's (None:
+    TensorBoard); `init` names the start in checkpoint metadata (no resume from another)."""
     examples = sft_data.load(cfg, data).examples
     engine = sft_engine(cfg, data, devices)
     if init_params is None:
@@ -111,9 +107,8 @@ def train_sft(cfg, data, *, init_params=None, workdir: str = "", init: str = "",
 
 
 def _same(saved: dict, wanted: dict, where: str, fix: str) -> None:
-    """Refuse to reuse or resume a cold start made with other settings (`where`: what
-    holds it; `fix`: how to start it again). A setting the saved record lacks (one added
-    since) counts as its default."""
+    """Refuse to reuse or resume a cold start made with other settings (`where` holds it, `fix`
+    says how to redo it); a setting the saved record lacks counts as its default."""
     defaults = {**sft_settings(ExperimentConfig()), "init": ""}
     changed = sorted(k for k in set(saved) | set(wanted) if k not in _SFT_RUN_FIELDS
                      and saved.get(k, defaults.get(k)) != wanted.get(k, defaults.get(k)))
@@ -141,17 +136,13 @@ def sft_settings(cfg) -> dict:
 
 def cold_start(cfg, data, workdir: str, *, init_params=None, init: str = "",
                progress: bool = True, devices=None, trackers=("tensorboard",)):
-    """(parameters RL starts from, the SFT losses or None): `init_params` as they are when
-    sft.steps = 0; else `<workdir>/sft` if it is complete, else SFT from `init_params`
-    (None: a fresh init; a function returning them is called only when they are used;
-    `init` names them, e.g. the --hf checkpoint's path), saved there.
-
-    The settings it was trained with are kept beside it (`<workdir>/sft.json`); reusing
-    it with other model / task / SFT settings or another starting point is refused. A
-    directory without its commit marker (a save that was killed) is moved aside and
-    trained again (resuming from the last SFT checkpoint). `trackers`: where the SFT
-    metrics go besides sft_run/metrics.jsonl (trackers.NAMES). In a multi-process run
-    every process calls this (the workdir is on a filesystem they share)."""
+    """(parameters RL starts from, SFT losses or None): `init_params` when sft.steps = 0; else
+    `<workdir>/sft` if complete; else SFT from `init_params` (None: fresh init; a function is
+    called only if needed; `init` names them, e.g. the --hf path), saved there with its settings
+    (`<workdir>/sft.json`): reuse with other model / task / SFT settings or start is refused. A
+    directory without its commit marker (a killed save) is moved aside and trained again (from
+    the last SFT checkpoint). `trackers`: SFT metric sinks besides sft_run/metrics.jsonl
+    (trackers.NAMES). Multi-process, every process calls this (the workdir is shared)."""
     if not cfg.sft.steps:
         init_params = init_params() if callable(init_params) else init_params
         if init_params is None:

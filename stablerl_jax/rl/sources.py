@@ -1,20 +1,15 @@
-"""Where a global step's responses come from (hops 1–3 of rl/loop.py): one record for
-every source, so the step reads sample → reward → score → updates → metrics whatever
-made the responses.
+"""Where a step's responses come from (hops 1–3 of rl/loop.py): one record for every source, so
+the step reads sample → reward → score → updates → metrics whatever made them.
 
     Static        the step's prompts, sampled once (the default)
-    DynamicRounds rounds of prompts until groups with a reward spread fill the batch
-                  (rl.dynamic_sampling, rl/dynamic.py)
-    Partial       the first complete groups of the carried queue of partial rollouts
-                  (rl.max_staleness ≥ 1, rl/inflight.py)
-    FromFile      an offline rollout file recorded by an external engine
-                  (rl.offline_rollouts, interop/rollouts.py)
+    DynamicRounds rounds until groups with a reward spread fill the batch (rl/dynamic.py)
+    Partial       complete groups of the carried partial-rollout queue (rl/inflight.py)
+    FromFile      an external engine's rollout file (rl.offline_rollouts, interop/rollouts.py)
 
-Each is a `Source`, an object that owns what it carries between steps. `responses` gives
-a step's `Responses`. `old_params` says which parameters π_old is computed at, and
-`before_update` is told when the updates are about to change θ. `state_dict` and
-`load_state_dict` are its part of the run's checkpoint. `for_run` picks the run's. A new
-source is one class here and one line in `for_run`; the loop only calls it.
+Each is a `Source` owning what it carries between steps: `responses` gives a step's `Responses`,
+`old_params` the parameters π_old is computed at; `before_update` is told when the updates are
+about to change θ; `state_dict` / `load_state_dict` are its checkpoint part. `for_run` picks the
+run's: a new source is one class here and one line there.
 """
 from __future__ import annotations
 
@@ -37,8 +32,8 @@ from stablerl_jax.sampling import rollout as rollout_lib
 
 
 class HostRows(NamedTuple):
-    """What the loop reads on the host of a step's responses, this process's rows (all
-    rounds under dynamic sampling); `distributed.gather` gives every process all rows."""
+    """What the loop reads on the host of a step's responses: this process's rows (every round
+    under dynamic sampling); `distributed.gather` gives every process all rows."""
 
     rewards: np.ndarray    # the task's reward
     lengths: np.ndarray    # completion tokens
@@ -61,9 +56,7 @@ class Responses(NamedTuple):
 
 
 class Source(abc.ABC):
-    """A run's rollout source (module docstring). A subclass writes `responses`; the rest
-    defaults to a source that keeps nothing: π_old is the step's θ and its checkpoint
-    part is empty."""
+    """A run's rollout source: subclasses write `responses`; defaults: π_old at θ, no state."""
 
     @abc.abstractmethod
     def responses(self, engine: Engine, state: step_fns.TrainState, data: TaskData, step: int,
@@ -96,11 +89,8 @@ def host_rows(cfg, rewards, lengths, truncated) -> HostRows:
 
 
 def _rewarded(cfg, data: TaskData, rollout, tokens, mask, answers, timer, log_samples):
-    """(HostRows, decoded samples) of a sampled rollout's rows of this process. The
-    sampler's lengths are a batch-sharded global array whose other rows live on the
-    other hosts' devices, and the rewards exist only here: all four ride the one
-    HostRows gather of the step, where reading the global arrays whole would be a
-    collective each."""
+    """(HostRows, decoded samples) of this process's rows of a sampled rollout; the sharded
+    lengths and host-only rewards ride the step's one HostRows gather, not a collective each."""
     with timer.phase("reward"):
         rewards, extractors = data.reward_with_source(rollout, answers)
     host = host_rows(cfg, rewards, distributed.local_rows(rollout.lengths_B),
@@ -131,10 +121,9 @@ class Static(Source):
 
 class DynamicRounds(Source):
     """Rounds of Q prompts until Q groups with a reward spread fill the batch, at most
-    rl.max_sampling_rounds (rl/dynamic.py; a short batch is padded with empty
-    responses, reward 0). `host` holds every response sampled, all rounds; the
-    provenance lists the batch's real groups' prompts (rows from len(prompts)·G on are
-    padding) and "sampled" each round's Q prompts; the samples are round 0's."""
+    rl.max_sampling_rounds (rl/dynamic.py; a short batch is padded with empty responses). `host`
+    holds every round's responses; the provenance lists the real groups' prompts (rows from
+    len(prompts)·G on are padding) and "sampled" (each round's); the samples are round 0's."""
 
     def responses(self, engine, state, data, step, timer, log_samples=0) -> Responses:
         cfg = engine.cfg
@@ -174,15 +163,11 @@ class DynamicRounds(Source):
 
 
 class Partial(Source):
-    """The first complete groups of the carried queue (rl/inflight.py), this process's
-    rows on the host. It carries the queue and, under rl.old_policy=behavior, the S
-    parameter versions before the step's (newest first): π_old of each token is its
-    version's, and `age_BxS` (cut to the window Engine.trim cuts, rl.trim_bucket) says
-    which. Its checkpoint keys are "inflight" and "history".
-
-    Every process keeps the whole queue on the host (the same on each: everything in it
-    is derived from the seed and the sampled tokens), hands its block of rows to the
-    sampler, and gathers the sampled queue back."""
+    """The first complete groups of the carried queue (rl/inflight.py); under
+    rl.old_policy=behavior also the S parameter versions before the step's (newest first), each
+    token's π_old at its own (`age_BxS`, cut to Engine.trim's window). Checkpoint keys:
+    "inflight", "history". Every process keeps the whole queue on the host (identical: derived
+    from the seed and sampled tokens), samples its block of rows and gathers the queue back."""
 
     def __init__(self, cfg, pad_id: int, params):
         self.inflight = Inflight.create(cfg, pad_id)
@@ -244,9 +229,7 @@ class Partial(Source):
 
 
 class FromFile(Source):
-    """The step's responses read from an offline rollout file (tokens, logp_mu, routes
-    and rewards recorded by vLLM or SGLang), this process's rows on the host; the
-    provenance lists their indices in the file."""
+    """Offline-file responses (recorded by vLLM or SGLang); provenance: their indices."""
 
     def __init__(self, offline: OfflineRollouts):
         self.offline = offline
@@ -277,8 +260,8 @@ class FromFile(Source):
 
 
 def for_run(cfg, offline: OfflineRollouts | None, pad_id: int, params) -> Source:
-    """The run's source, its state fresh (`params`: the run's first θ). The config refuses
-    dynamic sampling with offline or partial rollouts, and offline with partial ones."""
+    """The run's source, state fresh (`params`: the first θ). The config refuses dynamic sampling
+    with offline or partial rollouts, and offline with partial ones."""
     if cfg.rl.dynamic_sampling:
         return DynamicRounds()
     if offline is not None:

@@ -1,33 +1,25 @@
 """The training engine's steps as pure functions: score (π_old), update (π_θ), SFT update.
 
-Letters: B responses in the (mini-)batch, S rollout slots, T = S − 1 scored positions,
-L layers, K top-k, G group size.
+Letters: B responses, S slots, T = S − 1 scored positions, L layers, K top-k, G group size.
 
-Every tensor of a batch is batch-major (axis 0 is B), so one sharding of axis 0 covers
-every leaf (rl/engine.py). Per-token tensors are in the training T-frame of
-`logprobs.policy_logprobs`: position t scores tokens[:, t + 1].
+Batch tensors are batch-major (axis 0: B; one sharding covers every leaf, rl/engine.py);
+per-token ones use the T-frame of `logprobs.policy_logprobs`: position t scores tokens[:, t + 1].
 
-Micro-batching (rl/accumulate.py): `apply_gradients(..., microbatches=n)` sums the loss,
-metrics and gradient of n slices of the mini-batch in a `lax.scan`, each slice's loss
-normalized by the mini-batch's totals (`losses.Totals`), then takes one optimizer step;
-`score(..., n_slices=n)` runs its forward in n slices (`lax.map`). n = 1 is the unsliced
-program itself.
+Micro-batching (rl/accumulate.py): `apply_gradients(..., microbatches=n)` sums n slices' loss,
+metrics and gradient (`lax.scan`, normalized by `losses.Totals`) before one optimizer step;
+`score(..., n_slices=n)` runs its forward in n slices (`lax.map`); n = 1 runs unsliced.
 
-On-policy shortcut (`rl.score_in_update`, one mini-batch only): the only update runs at
-θ_old, so π_old is that update's own forward. `score(..., forward=False)` then skips its
-forward and leaves `old_logp_BxT` None; `rl_loss` takes log π_old as the stop-gradient of
-its log π_θ (the ratio is 1 with the gradient of log π_θ, as with a separate pass, up to
-the float rounding two passes would differ by) and computes the rollout's monitors from
-the same forward. With R2 the update routes live, which at θ_old picks the routes R2
-would record.
+On-policy shortcut (`rl.score_in_update`, one mini-batch only): the only update runs at θ_old, so
+π_old is its own forward. `score(..., forward=False)` skips the forward (`old_logp_BxT` None);
+`rl_loss` takes log π_old as the stop-gradient of its log π_θ (ratio 1 with the gradient of
+log π_θ, as a separate pass up to float rounding) and computes the rollout's monitors from that
+forward. Under R2 the update routes live, which at θ_old gives the routes R2 would record.
 
 Replay per mode (docs/method.md §3), chosen once in `score`:
 - none: route live in every pass.
-- r2:   score routes live and records the training engine's routes (θ_old); every update
-        replays them.
-- r3:   score and every update replay the sampler's routes (routes_mu).
-- r3 with rl.replay_weights (beyond the paper): score and every update also replay the
-        sampler's recorded combine weights (route_weights_mu), held fixed.
+- r2: score routes live and records the training engine's routes (θ_old); updates replay them.
+- r3: score and updates replay the sampler's routes (routes_mu); with rl.replay_weights (beyond
+  the paper) also its recorded combine weights (route_weights_mu), held fixed.
 """
 from __future__ import annotations
 
@@ -83,11 +75,10 @@ class TrainState(NamedTuple):
 def rollout_monitors(rollout_logp_BxT, logp_BxT, entropy_BxT, mask_BxT, routes_mu_BxTxLxK,
                      routes_BxTxLxK, routed_BxT, tis_cap: float,
                      num_experts: int) -> tuple[dict, jax.Array]:
-    """(the rollout's monitors as pairs, π_old's routes with -1 where nothing was routed):
-    the training–inference mismatch (`diagnostics.train_infer_mismatch`), the
-    full-vocabulary entropy of π_old on the sampled prefixes, and the expert load of the
-    sampler's routes and of π_old's on the tokens the sampler processed
-    (`diagnostics.expert_load_pairs`)."""
+    """(the rollout's monitor pairs, π_old's routes with -1 where nothing was routed): the
+    training–inference mismatch (`diagnostics.train_infer_mismatch`), π_old's full-vocabulary
+    entropy on the sampled prefixes, and the sampler's and π_old's expert load on the tokens the
+    sampler processed (`diagnostics.expert_load_pairs`)."""
     # Slots the sampler never processed (padding) keep -1, so a replay routes them live.
     routes_old_BxTxLxK = jnp.where(routed_BxT[:, :, None, None], routes_BxTxLxK, -1)
     metrics = dg.train_infer_mismatch(rollout_logp_BxT, logp_BxT, mask_BxT, routes_mu_BxTxLxK,
@@ -105,28 +96,20 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
           cfg: ExperimentConfig, n_slices: int = 1, mesh=None,
           forward: bool = True, age_BxS: jax.Array | None = None
           ) -> tuple[TrainBatch, dict]:
-    """The π_old pass at θ_old: a rollout and its rewards in, the update's batch out.
+    """The π_old pass at θ_old: rollout and rewards in, the update's batch out (group advantages,
+    log π_old replaying routes_mu under R3, the updates' one replay tensor), with the rollout's
+    monitors (`rollout_monitors`). rl.overlong=mask zeroes truncated rows' mask after the
+    advantages use every row (overlong.py). The forward runs in `n_slices` strided row slices
+    (rows are independent: same result) on `mesh` (the expert FFN's devices). `forward=False`
+    (rl.score_in_update): no forward, log π_old is the on-policy update's, no monitors.
 
-    Computes the group advantages, log π_old (replaying routes_mu under R3) and the
-    rollout's monitors (`rollout_monitors`). Under rl.overlong=mask the truncated rows'
-    mask is zeroed after the advantages are computed over every row (overlong.py). The returned batch carries the one replay
-    tensor the updates use. The forward runs in `n_slices` strided slices of the rows
-    (rows are independent, so the result is the same); `mesh`: the devices the expert FFN
-    is sharded over. `forward=False` (rl.score_in_update): no forward; the batch leaves
-    log π_old to the one on-policy update (module docstring) and the monitors are {}.
-
-    Partial rollouts with rl.old_policy=behavior (rl/inflight.py): `params` is a tuple
-    (θ_k, θ_k−1, …, θ_k−S) and `age_BxS` each token's age (k − its version; elsewhere
-    its row's oldest). Position t takes log π_old, the entropy and π_old's routes from
-    the pass with params[age of the token it scores, tokens[t + 1]]: one forward per
-    version present in the batch (a `lax.cond` skips the others), and each token's
-    π_old is the training engine at the version that drew it.
-
-    loss.center and rl.drift_monitor (stablerl_jax/method/centering.py): one more forward,
-    at the sampler's numerics and replaying routes_μ, gives the sampler's log q over the
-    vocabulary at every position; the batch carries it (or its top-k head) to the
-    updates, and the drift monitor compares it with π_old's.
-    """
+    With rl.old_policy=behavior (rl/inflight.py) `params` is (θ_k, θ_k−1, …, θ_k−S) and `age_BxS`
+    each token's age (k − its version; elsewhere the row's oldest): position t takes log π_old,
+    entropy and routes from params[age of tokens[t + 1]], one forward per version present (a
+    `lax.cond` skips the others). loss.center and rl.drift_monitor
+    (stablerl_jax/method/centering.py): one more forward, at the sampler's numerics replaying
+    routes_μ, gives the sampler's log q over the vocabulary, carried (or its top-k head) to the
+    updates and compared with π_old's by the drift monitor."""
     rl = cfg.rl
     routes_mu_BxTxLxK = rollout.routes_mu_BxSxLxK[:, :-1]
     replay_w = None
@@ -177,7 +160,7 @@ def score(params: dict, rollout: Rollout, rewards_B: jax.Array, *,
             p, routes_mu_BxTxLxK, replay_w, numerics=sampler_numerics(cfg), vocab=True)[3])
         q = sampler_q_fields(q_logp_BxTxV, cfg.loss)
     attr_logp_BxT = mid_logp_BxTxV = None
-    if rl.attribution:  # the term the score pass does not give (stablerl_jax/method/attribution.py)
+    if rl.attribution:  # the term the score pass lacks (stablerl_jax/method/attribution.py)
         other = None if rl.replay == "r3" else routes_mu_BxTxLxK
         attr = versioned(lambda p: old_policy(p, other, None))
         attr_logp_BxT = attr[0]
@@ -210,8 +193,8 @@ def sampler_numerics(cfg: ExperimentConfig) -> nx.Numerics:
 
 
 def sampler_q_fields(q_logp_BxTxV, loss) -> dict:
-    """The TrainBatch fields loss.center reads: log q over the vocabulary ('exact'), or
-    its top loss.center_k log-probs and their ids ('topk'); {} without centering."""
+    """The TrainBatch fields loss.center reads: log q over the vocabulary ('exact') or its top
+    loss.center_k log-probs and their ids ('topk'); {} without centering."""
     if loss.center == "none":
         return {}
     if loss.center == "exact":
@@ -222,9 +205,8 @@ def sampler_q_fields(q_logp_BxTxV, loss) -> dict:
 
 def drift_monitors(q_logp_BxTxV, old_logp_BxTxV, mid_logp_BxTxV, mask_BxT, rewards_B,
                    rl) -> dict:
-    """rl.drift_monitor's pairs (centering.drift_pairs) and, with rl.attribution, the
-    drift's precision and routing parts; π(θ_old, routes_μ) is π_old under r3
-    (`mid_logp_BxTxV` None)."""
+    """rl.drift_monitor's pairs (centering.drift_pairs) and, with rl.attribution, the drift's
+    precision and routing parts; `mid_logp_BxTxV` None: π(θ_old, routes_μ) is π_old (r3)."""
     group_B = jnp.repeat(jnp.mean(rewards_B.reshape(-1, rl.group_size), axis=1),
                          rl.group_size)
     out = centering.drift_pairs(q_logp_BxTxV, old_logp_BxTxV, mask_BxT,
@@ -236,9 +218,8 @@ def drift_monitors(q_logp_BxTxV, old_logp_BxTxV, mid_logp_BxTxV, mask_BxT, rewar
 
 
 def by_version(fn, params, age_BxT=None):
-    """fn(params) (a pytree of [B, T, ...] arrays), or with `age_BxT` and `params` a
-    tuple of versions (θ_k, θ_k−1, …): each token's entries from fn(params[its age]).
-    One fn call per version present in the batch (a `lax.cond` skips the others)."""
+    """fn(params) (a pytree of [B, T, ...]), or with `age_BxT` and versions (θ_k, θ_k−1, …) each
+    token's entries from fn(params[its age]), one call per version present (`lax.cond`)."""
     if age_BxT is None:
         return fn(params)
     out = fn(params[0])
@@ -269,10 +250,9 @@ def packed_forward(params, pk: packing.Packed, cfg: ExperimentConfig, mesh=None)
 
 
 def _micro_batch(params, batch, micro, cfg, mesh):
-    """Micro-batch `i` of a packed update (`micro` = (i, packing.Layout)): its forward's
-    (logp, entropy, aux) in the padded [B, T] frame, the batch with every other row's mask
-    and attention zeroed (so each loss aggregation and monitor counts this micro-batch's
-    rows with the mini-batch's totals), and its row count."""
+    """Micro-batch `i` of a packed update (`micro` = (i, packing.Layout)): its forward's (logp,
+    entropy, aux) in the padded [B, T] frame, the batch with other rows' mask and attention
+    zeroed (losses and monitors count its rows against mini-batch totals), its row count."""
     i, lay = micro
     pk = packing.pack(i, lay.table, lay.plan, lay.per_shard, batch.tokens_BxS,
                       batch.replay_BxTxLxK, batch.replay_weights_BxTxLxK)
@@ -287,9 +267,8 @@ def _micro_batch(params, batch, micro, cfg, mesh):
 
 
 class BatchTotals(NamedTuple):
-    """A mini-batch's sizes for the loss of one micro-batch of it: the loss's
-    (`losses.Totals`) and the real input tokens of its forward (`routed`), which the
-    router loss, a token mean of each forward, is weighted by."""
+    """A mini-batch's sizes for one micro-batch's loss: the loss's (`losses.Totals`) and the real
+    input tokens of its forward (`routed`), weighting the router loss (a token mean)."""
 
     loss: losses_lib.Totals
     routed: jax.Array
@@ -302,11 +281,10 @@ def batch_totals(batch) -> BatchTotals:
 
 
 def _router_loss(aux, batch, totals: BatchTotals | None, rows=None):
-    """The router loss and its metric pair; with totals, this forward's share of the
-    mini-batch's: its token mean (router z-loss) weighted by its share of the routed
-    tokens. The load-balancing loss is a product of two batch means, not a sum over
-    tokens, so under micro-batching it is the share-weighted mean of the slices' values
-    (as in every micro-batched MoE trainer), not the mini-batch's own value."""
+    """The router loss and its metric pair; with totals, this forward's share: its token mean
+    (router z-loss) weighted by its share of routed tokens. The load-balancing loss, a product of
+    two batch means, is then the share-weighted mean of the slices' values (as in every
+    micro-batched MoE trainer), not the mini-batch's own."""
     if totals is None:
         return aux["router_loss"], (aux["router_loss"], jnp.ones(()))
     dt = jnp.result_type(aux["router_loss"])
@@ -318,10 +296,8 @@ def _router_loss(aux, batch, totals: BatchTotals | None, rows=None):
 
 def rl_loss(params: dict, batch: TrainBatch, totals: BatchTotals | None = None, *,
             cfg: ExperimentConfig, mesh=None, micro=None):
-    """The surrogate loss of `cfg.loss` on one mini-batch (or, with `totals`, one
-    micro-batch's share of it), plus the router loss: (loss, metrics as pairs).
-    `micro` = (i, packing.Layout): micro-batch i of the packed mini-batch (its rows'
-    forward on packed rows, its share of the loss over the padded frame)."""
+    """(loss, metric pairs): `cfg.loss`'s surrogate on a mini-batch (`totals`: a micro-batch's
+    share) plus the router loss; `micro` = (i, packing.Layout): packed micro-batch i."""
     rows = None
     vocab = batch.sampler_logq_BxTxK is not None or batch.old_vocab_logp_BxTxV is not None
     if micro is None:
@@ -376,8 +352,7 @@ def sft_loss(params: dict, batch: SFTBatch, totals: BatchTotals | None = None, *
 
         loss = − Σ_{b,t} m_bt · log π(y_{b,t+1} | y_{b,≤t}) / Σ m_bt
 
-    (with `totals`, Σ m is the mini-batch's: this micro-batch's share of the loss).
-    """
+    with `totals`, Σ m is the mini-batch's (this micro-batch's share)."""
     logp_BxT, _, aux = policy_logprobs(params, batch.tokens_BxS, batch.attn_BxS, cfg.model,
                                        impl=cfg.rl.logprob_impl, mesh=mesh)
     m = batch.mask_BxT.astype(jnp.float32)
@@ -390,19 +365,13 @@ def sft_loss(params: dict, batch: SFTBatch, totals: BatchTotals | None = None, *
 
 def apply_gradients(state: TrainState, loss_fn, batch, optimizer: optax.GradientTransformation,
                     microbatches: int = 1, pack: tuple[int, int, int] | None = None):
-    """One optimizer step on `loss_fn(params, batch, totals) -> (loss, metrics)`; returns
-    (new_state, metrics as (num, den) pairs).
-
-    With `microbatches` = n > 1 the loss, metrics and gradient are sums over n slices of
-    the batch (rl/accumulate.py), each slice's loss normalized by the batch's `BatchTotals`;
-    n = 1 differentiates `loss_fn(params, batch, None)` directly. `pack` = (rl.pack_tokens,
-    batch shards, rl.pack_rows): the sum runs over the packed micro-batches instead
-    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/packing.py).
-
-    The update is applied only when the loss, the gradient and the new parameters and
-    optimizer state are all finite; otherwise params and optimizer state stay as they
-    were and the update counts as skipped: a NaN never reaches the parameters.
-    """
+    """One optimizer step on `loss_fn(params, batch, totals) -> (loss, metrics)`: (new_state,
+    metrics as (num, den) pairs). `microbatches` = n > 1 sums over n slices (rl/accumulate.py;
+    totals: the batch's `BatchTotals`), n = 1 differentiates `loss_fn(params, batch, None)`;
+    `pack` = (rl.pack_tokens, batch shards, rl.pack_rows) sums over packed micro-batches
+    (`loss_fn(params, batch, totals, micro=(i, layout))`; stablerl_jax/packing.py). The update
+    applies only if the loss, gradient, new parameters and optimizer state are all finite; else
+    they stay and the update counts as skipped: a NaN never reaches the parameters."""
     if pack is not None:
         totals = batch_totals(batch)
         lay = packing.layout(batch.attn_BxS, *pack)
@@ -442,8 +411,7 @@ def skipped(metrics) -> bool:
 
 
 def count_skips(consecutive: int, skipped_flags, limit: int, section: str) -> int:
-    """Updates skipped in a row, after updates with these skipped flags; raises
-    FloatingPointError once `limit` is reached."""
+    """Updates skipped in a row after these flags; raises FloatingPointError at `limit`."""
     for flag in skipped_flags:
         consecutive = consecutive + 1 if flag else 0
         if consecutive >= limit:
