@@ -1,38 +1,28 @@
 """Attention: RMSNorm, RoPE, grouped-query attention with per-head q/k RMSNorm, KV cache.
 
-Letters: B batch, T new tokens, S key slots (T without a cache, the cache length with
-one), D model, H query heads, KV kv heads, Hg = H / KV query heads per kv head, Dh
-head width, W rows of a query chunk, J chunks.
+Letters: B batch, T new tokens, S key slots (T, or the cache length), D model, H query heads, KV
+kv heads, Hg = H / KV, Dh head width, L layers, W rows of a query chunk, J chunks.
 
-Slots and positions are different things. A slot is an index into the sequence buffer
-(left padding occupies the first slots); a position is the RoPE position, counted over
-real tokens only (position = number of real tokens before this one). So a prompt gives
-the same activations whatever its left padding, and padding never shifts RoPE.
+A slot indexes the sequence buffer (left padding first); a position (RoPE) counts the real tokens
+before it, so left padding changes no activation. Query slot i sees key slot j iff j ≤ i and key
+j is real; masked scores get the most negative float32, not −inf, so a query with no real key
+(padding) yields a finite, unused output, not NaN.
 
-Masking: query slot i attends to key slot j iff j ≤ i and key j is a real token. Masked
-scores get the most negative float32 rather than −inf, so a query with no real key
-(a padding slot) yields a finite, unused output instead of NaN.
+Score paths (ModelConfig.attention_impl), equal on real rows up to float reassociation of the
+softmax sums in 'causal': 'naive', one [T, S] matrix per head; 'chunked', a scan over
+rematerialized query chunks with only [chunk, S] scores live (what a 33k-token sequence needs);
+'causal' (no cache), unrolled query blocks against the keys up to their last row, never computing
+the all-masked blocks above the diagonal (about half the scores for a few hundred slots). A
+padding row averages the keys its block sees (unused). Decode with ModelConfig.decode_block reads
+the cache in blocks of that many slots up to the written slot (flash-decoding;
+kernels/decode_attention.py, implementation ModelConfig.decode_attention_impl), equal up to float
+reassociation.
 
-Three paths for the scores, chosen by ModelConfig.attention_impl: 'naive' (one [T, S]
-score matrix per head), 'chunked' (a scan over query chunks, each rematerialized, so
-only [chunk, S] scores are ever live: what a 33k-token sequence needs) and 'causal'
-(without a cache, query blocks unrolled, each against the keys up to its last row, so
-the blocks above the diagonal, all masked, are never computed: about half the scores
-for a few hundred slots). Every real query row is computed identically by all three,
-up to float reassociation of the softmax's sums in 'causal'; a padding row with no real
-key, whose output is unused, averages over the keys its block sees. A decode step (one token per row against the KV cache)
-with ModelConfig.decode_block reads the cache in blocks of that many slots, only up to
-the slot it writes (the online softmax of flash-decoding; kernels/decode_attention.py,
-its implementation named by ModelConfig.decode_attention_impl), the same function up to
-float reassociation.
-
-Packed rows (stablerl_jax/packing.py): with segment ids (one per slot, 0 on padding,
-non-decreasing along a row's real tokens) query i also needs key j in its own segment.
-The 'causal' and 'chunked' paths then skip every key block above the diagonal or holding
-no key of a segment some query of the block belongs to (a `lax.cond` per query block and
-key block, merged by the online softmax: unrolled blocks in 'causal', a scan of query
-chunks with a loop over key blocks in 'chunked'), so a packed row's attention costs about
-the sum of its segments' squares; the 'naive' path masks (it computes the row's square).
+Packed rows (stablerl_jax/packing.py): segment ids (one per slot, 0 on padding, non-decreasing
+along real tokens) restrict a query to its segment. 'causal' and 'chunked' skip key blocks above
+the diagonal or without a key of the query block's segments (a `lax.cond` per block pair, merged
+by the online softmax), costing about the sum of the segments' squares; 'naive' masks (the row's
+square).
 """
 from __future__ import annotations
 
@@ -50,8 +40,7 @@ from stablerl_jax.model import numerics as nx
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x / sqrt(mean(x²) + eps) · scale, computed in float32 (or wider), returned in x's
-    dtype."""
+    """x / sqrt(mean(x²) + eps) · scale, in float32 (or wider); returns x's dtype."""
     acc = nx.accum_dtype(x.dtype)
     xa = x.astype(acc)
     y = xa * jax.lax.rsqrt(jnp.mean(xa * xa, axis=-1, keepdims=True) + eps)
@@ -59,8 +48,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, half-split convention (HF Qwen3 `rotate_half`), in float32 (or
-    wider)."""
+    """Rotary embedding, half-split (HF Qwen3 `rotate_half`), in float32 (or wider)."""
     acc = nx.accum_dtype(x_BxTxHxDh.dtype)
     half = x_BxTxHxDh.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=acc) / half)
@@ -74,9 +62,8 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.A
 
 def positions_from_mask(mask_BxT: jax.Array, offset_B: jax.Array | None = None,
                         segments_BxT: jax.Array | None = None) -> jax.Array:
-    """RoPE positions: real tokens counted from 0 (plus `offset_B`, the real tokens
-    already in a KV cache; with `segments_BxT`, from 0 again at each segment's first
-    slot). Padding slots get a harmless neighbouring position."""
+    """RoPE positions: real tokens counted from 0, plus `offset_B` (real tokens already cached);
+    with `segments_BxT`, from 0 at each segment. Padding gets a neighbouring position."""
     count = jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1)
     if segments_BxT is not None:  # subtract the real tokens before the segment's start
         before = count - mask_BxT.astype(jnp.int32)
@@ -99,10 +86,8 @@ def _proj(eq, x, w, numerics, dtype):
 
 def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dtype,
             keys: str = "bskd", segments=None):
-    """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T` (module docstring).
-    k, v: [B, S, KV, Dh] (keys="bskd", this call's own keys) or [B, KV, S, Dh]
-    (keys="bksd", the KV cache's layout). `segments`: (query_BxT, key_BxS) segment ids;
-    a query sees only keys of its own segment."""
+    """softmax(q kᵀ / √Dh + mask) v for the queries at `query_slots_T`; k, v in layout `keys`
+    ("bskd", or the cache's "bksd"); `segments`: (query_BxT, key_BxS) ids."""
     s = k.shape[keys.index("s")]
     query_slots_BxT = query_slots_T if query_slots_T.ndim == 2 else query_slots_T[None]
     if keys == "bksd":  # batch dims leading on both sides: no transpose of the cache
@@ -124,11 +109,9 @@ def _attend(q_BxTxKVxHgxDh, k, v, query_slots_T, key_mask_BxS, head_dim: int, dt
 
 
 def decode_attention_fn(cfg, mesh=None, rules: dict | None = None):
-    """`(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, layer) -> [B, KV, Hg, Dh]`: a decode
-    step's blocked attention by the row of DECODE_IMPLS that cfg.decode_attention_impl
-    names (kernels/decode_attention.py says the contract). A Pallas row is opaque to the
-    partitioner: over a mesh of more than one device it runs under shard_map, each
-    device on its own rows and their cache (rules["batch"], as the sampler splits them)."""
+    """`(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, layer) -> [B, KV, Hg, Dh]` from
+    DECODE_IMPLS row cfg.decode_attention_impl (kernels/decode_attention.py); Pallas rows, opaque
+    to the partitioner, run per device under shard_map on a mesh (rules["batch"])."""
     row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
     fn = row.load()
 
@@ -155,10 +138,7 @@ def decode_attention_fn(cfg, mesh=None, rules: dict | None = None):
 
 
 def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
-    """`attend(q, slots)` over query chunks of `chunk` rows in a scan, each chunk
-    rematerialized in the backward pass: the [chunk, S] scores of one chunk are all that
-    is ever live. Each query row's scores, softmax and output are the naive path's; T is
-    padded up to a multiple of the chunk with queries that are computed and dropped."""
+    """`attend(q, slots)` in a scan over rematerialized `chunk`-row query chunks (T padded)."""
     b, t = q_BxTxKVxHgxDh.shape[:2]
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -172,9 +152,7 @@ def _chunked(attend, q_BxTxKVxHgxDh, query_slots_T, chunk: int):
 
 def _causal(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, block: int,
             head_dim: int, dtype):
-    """Self-attention without a cache (query slot i is key slot i) in query blocks of
-    `block` rows, block [lo, hi) against keys [0, hi): the scores it leaves out are the
-    ones the causal mask removes. The blocks are unrolled (T / block of them)."""
+    """Cache-free attention by unrolled `block`-row query blocks: [lo, hi) sees keys [0, hi)."""
     t = q_BxTxKVxHgxDh.shape[1]
     outs = [_attend(q_BxTxKVxHgxDh[:, lo:lo + block], k_BxTxKVxDh[:, :lo + block],
                     v_BxTxKVxDh[:, :lo + block], jnp.arange(lo, min(t, lo + block)),
@@ -185,9 +163,7 @@ def _causal(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, block: int,
 
 def _online_step(carry, q_BxWxKVxHgxDh, k_BxUxKVxDh, v_BxUxKVxDh, allowed_BxWxU,
                  head_dim: int, dtype):
-    """One key block of the online softmax (flash attention): carry (running max m,
-    denominator l, numerator o) of the queries, updated with the block's allowed keys.
-    The running maximum is a stop-gradient shift, which the result does not depend on."""
+    """One key block of the online softmax on carry (m, l, o); max m is a stop-gradient shift."""
     m, l, o = carry
     scores = _dot("btkgd,bskd->bkgts", q_BxWxKVxHgxDh, k_BxUxKVxDh, dtype) * head_dim**-0.5
     allowed = allowed_BxWxU[:, None, None]
@@ -206,16 +182,14 @@ def _online_init(b, kv, g, rows, dh, dtype):
 
 
 def _online_out(carry, dtype):
-    """The queries' outputs [B, W, KV, Hg, Dh] of a finished online softmax (0 for a
-    query with no allowed key: a padding slot, whose output is unused)."""
+    """[B, W, KV, Hg, Dh] outputs of a finished online softmax; 0 with no allowed key."""
     _, l, o = carry
     o = o / jnp.where(l > 0, l, 1)[..., None]
     return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dtype)
 
 
 def _segment_range(real_BxT, segments_BxT, block: int):
-    """(smallest, largest) segment id of the real slots of each block of `block` slots:
-    two [N, B] arrays (N blocks; a block with no real slot: int32 max, −1)."""
+    """(min, max) real-slot segment id per `block`-slot block, [N, B] (none: int32 max, −1)."""
     b, t = segments_BxT.shape
     n = t // block
     real = real_BxT.reshape(b, n, block)
@@ -227,11 +201,8 @@ def _segment_range(real_BxT, segments_BxT, block: int):
 
 def _causal_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, segments_BxT,
                      block: int, head_dim: int, dtype):
-    """`_causal` for packed rows: query block qb against key blocks kb <= qb, each pair
-    computed only if some row has a real key in kb of the segment of one of its real
-    queries in qb (segment ids are non-decreasing along a row, so: the key block's
-    largest segment >= the query block's smallest), else skipped by a `lax.cond`. The
-    pairs of a query block are merged by the online softmax (`_online_step`)."""
+    """`_causal` for packed rows: a pair (qb, kb ≤ qb) is computed (else skipped) only if some
+    row's largest real segment in kb ≥ its smallest in qb; pairs merge by `_online_step`."""
     b, t, kv, g, dh = q_BxTxKVxHgxDh.shape
     nb = -(-t // block)
     pad = nb * block - t
@@ -262,14 +233,8 @@ def _causal_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT, seg
 
 def _chunked_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT,
                       segments_BxT, chunk: int, head_dim: int, dtype):
-    """The 'chunked' path for packed rows: a scan over query chunks of `chunk` rows, each
-    rematerialized in the backward pass (as `_chunked`), and in each chunk a loop over
-    the key blocks of the same width, a block computed only if it lies on or below the
-    diagonal and holds a real key of a segment some query of the chunk belongs to (a
-    `lax.cond`; the test of `_causal_segments`), merged by the online softmax. So a
-    packed row costs about the sum of its segments' squares, and the scores live at a
-    time are one [chunk, chunk] block's. The loops have static trip counts: one program
-    whatever the packing."""
+    """Packed rows' 'chunked' path: `_chunked`'s scan, each chunk looping over key blocks by
+    `_causal_segments`' test; one program whatever the packing."""
     b, t, kv, g, dh = q_BxTxKVxHgxDh.shape
     n = -(-t // chunk)
     pad = ((0, 0), (0, n * chunk - t))
@@ -305,11 +270,9 @@ def _chunked_segments(q_BxTxKVxHgxDh, k_BxTxKVxDh, v_BxTxKVxDh, key_mask_BxT,
 
 
 def _write(cache: jax.Array, x: jax.Array, put) -> jax.Array:
-    """cache with x written by `put(cache, x)` (a dynamic_update_slice, or a scatter of one
-    slot per row), in place. On CPU a 16-bit float cache is written through its bits:
-    XLA's CPU backend otherwise widens a bfloat16 update to float32, i.e. converts and
-    copies the whole cache on every decode step. Elsewhere the plain update (on TPU the
-    bit casts would materialize the cache and copy it per layer and step)."""
+    """cache with x written in place by `put(cache, x)`; on CPU a 16-bit cache through its bits,
+    as XLA's CPU backend would widen a bfloat16 update to float32 and copy the whole cache every
+    decode step (on TPU the bit casts would copy it per layer and step)."""
     x = x.astype(cache.dtype)
     if cache.dtype.itemsize != 2:
         return put(cache, x)
@@ -319,10 +282,8 @@ def _write(cache: jax.Array, x: jax.Array, put) -> jax.Array:
 
 
 def _cache_put(keys: str, index, layer, b: int):
-    """put(cache, new) of `_write` for this call's keys or values (`new` in the cache's
-    layout `keys`, T slots) into a stacked ([L, ...], `layer` given) or one layer's
-    cache. A scalar `index`: every row's T slots from that slot. [B] indices (T = 1, the
-    continuous sampler, whose rows sit at different slots): row r's slot index[r]."""
+    """`_write`'s put for `new` (layout `keys`, T slots) into a stacked (`layer` given) or one
+    layer's cache: scalar `index`, T slots a row from it; [B] (T = 1): row r at index[r]."""
     index = jnp.asarray(index, jnp.int32)
     lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
     if index.ndim == 0:
@@ -339,21 +300,12 @@ def attention(p: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array, key_mask_Bx
               query_slots_T: jax.Array, cfg, numerics: nx.Numerics, dtype,
               cache_kv: tuple[jax.Array, jax.Array] | None = None, cache_index=None,
               layer=None, segments_BxT=None, decode=None):
-    """One attention block (no residual). Returns (out_BxTxD, cache_kv updated or None).
-
-    Without a cache, keys are this call's tokens (S = T). With `cache_kv` = the whole
-    cache (k, v: [L, B, S, KV, Dh], or [L, B, KV, S, Dh] with cfg.kv_cache_layout
-    'bksd'), this call's keys/values are written into layer `layer` at slots
-    [cache_index, cache_index + T) (T = 1 with [B] `cache_index`: each row at its own
-    slot) and attention runs over that layer's S slots; with
-    `cache_kv` = one layer's buffers ([B, S, KV, Dh] or [B, KV, S, Dh], init_cache with
-    cfg.unroll_layers), they are written there and `layer` is not read. The cache is
-    returned whole, updated where it was written, so a caller that carries it through a
-    loop updates it in place. Letters here: L layers, KV kv heads, Hg = H / KV query
-    heads per kv head. `segments_BxT` (no cache): packed rows' segment ids (module
-    docstring). `decode`: a decode step's blocked attention (`decode_attention_fn`; built
-    from cfg alone when None).
-    """
+    """One attention block (no residual): (out_BxTxD, cache_kv updated or None). No cache: keys
+    are this call's tokens (S = T). `cache_kv`: the stacked cache ([L, B, S, KV, Dh], or
+    [L, B, KV, S, Dh] for cfg.kv_cache_layout 'bksd'; layer `layer`) or one layer's buffers
+    (cfg.unroll_layers), written at slots [cache_index, cache_index + T) ([B] `cache_index`: a
+    slot per row, T = 1), returned whole for in-place loop updates. `segments_BxT` (no cache):
+    packed rows' ids. `decode`: decode attention (`decode_attention_fn`; from cfg when None)."""
     b, t, _ = x_BxTxD.shape
     kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     q_BxTxHxDh = _proj("btd,dhk->bthk", x_BxTxD, p["wq"], numerics, dtype)

@@ -1,37 +1,28 @@
-"""The expert FFN on a device mesh: `shard_map` with each device's own tokens, and the
-experts either sharded (expert parallelism) or gathered layer by layer.
+"""The expert FFN on a device mesh: `shard_map` over each device's own tokens, the experts
+sharded (expert parallelism) or gathered layer by layer.
 
-Letters: T tokens (B·T of the forward, flattened), D model, F expert FFN width, E
-experts, K top-k, n = size of the `expert` mesh axis, E/n experts per expert shard.
+Letters: T tokens (the forward's B·T, flattened), D model, F expert FFN width, E experts, K
+top-k, n = size of the `expert` mesh axis, E/n experts per expert shard.
 
-Why shard_map. The grouped dispatch sorts a device's token–expert assignments and runs a
-grouped matmul over them; under GSPMD a sort over a sharded token axis, or a Pallas
-kernel (a custom call the partitioner cannot split), would gather every device's tokens
-onto every device. Inside `shard_map` each device sorts only the tokens it holds.
+Why shard_map: under GSPMD the grouped dispatch's sort over a sharded token axis, or a Pallas
+kernel (a custom call the partitioner cannot split), would gather every device's tokens onto
+every device.
 
-Two layouts, chosen by ModelConfig.expert_parallel:
-- expert parallel (True): a device keeps only the E/n experts of its `expert` shard (the
-  experts' other dims are all-gathered over their FSDP axes, as every weight is). It
-  gathers the tokens, routes and weights of its n expert-axis peers (an all-gather over
-  `expert`, [n·T, D]), runs its own experts on the assignments that chose them
-  (`moe.experts_grouped(expert_offset=)`), and reduce-scatters the partial outputs back
-  over `expert` (each token's output is the sum over its K experts, which live on
-  different shards). Expert weights never cross the `expert` axis: in the compiled HLO
-  every all-gather of an expert weight keeps E/n experts (tests/model/expert_parallel_test.py).
-  The sorted buffer is sized for the dropless worst case, every one of the n·T·K
-  assignments choosing this shard's experts; the matmuls skip its unused tiles.
-  A decode step on many shards (the sampler's serving layout) exchanges instead of
-  gathering: each token–expert assignment goes to its expert's shard and its output
-  comes back by a ragged all-to-all (`_exchanged`), T·K rows each way instead of n·T
-  in and n·T partial outputs out.
-- gathered (False): every device all-gathers all E experts' weights for the layer (FSDP
-  over experts) and runs them on its own T tokens: no token exchange, more weight
-  traffic.
+ModelConfig.expert_parallel:
+- True: a device keeps the E/n experts of its `expert` shard (other dims all-gathered over FSDP
+  axes, like every weight), all-gathers its n expert-axis peers' tokens, routes and weights
+  ([n·T, D]), runs its experts on the assignments that chose them
+  (`moe.experts_grouped(expert_offset=)`) and reduce-scatters partial outputs over `expert`.
+  Expert weights never cross the `expert` axis: every compiled all-gather of one keeps E/n
+  experts (tests/model/expert_parallel_test.py). The sorted buffer fits the dropless worst case
+  (all n·T·K assignments here); matmuls skip unused tiles. Decode on many shards (the serving
+  layout) exchanges tokens instead (`_exchanged`).
+- False: each device all-gathers all E experts' weights per layer (FSDP over experts) for its own
+  T tokens: no token exchange, more weight traffic.
 
-Mesh axis names come from `sharding.RULES` (logical "experts", "embed", "mlp", "batch"),
-never from this module. Gradients: the transpose of an all-gather is a reduce-scatter
-and shard_map sums the gradient of a weight over the axes it is replicated on, so the
-backward pass needs no code here.
+Mesh axis names come from `sharding.RULES` (logical "experts", "embed", "mlp", "batch"). The
+backward needs no code: an all-gather transposes to a reduce-scatter, and shard_map sums a
+replicated weight's gradient.
 """
 from __future__ import annotations
 
@@ -58,9 +49,8 @@ def _gather(w, spec: P, keep_axes: tuple):
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                       recv_sizes, *, axis_name):
-    """`lax.ragged_all_to_all`, which XLA:CPU does not implement; on a CPU the same
-    function from an all-gather of every peer's operand and offsets (one slice per peer:
-    len(offsets) = axis size; slices must not overlap in a receiver's output)."""
+    """`lax.ragged_all_to_all`; on CPU, which lacks it, built from all-gathers of each peer's
+    operand and offsets (slices must not overlap in a receiver's output)."""
     def native(*args):
         return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
@@ -86,11 +76,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
 
 def _exchanged(experts_fn, axes, n, x_TxD, idx_TxK, w_TxK, ws, offset):
-    """One decode step's expert FFN with the tokens exchanged, not gathered: each of
-    this shard's T·K token–expert assignments goes to the shard holding its expert (a
-    ragged all-to-all over `axes`, n shards, E' experts each), which runs `experts_fn`
-    on the rows it received and sends each output back (`exchanged_rows`); the token
-    then sums its K outputs times their weights in k order, as experts_grouped does."""
+    """One decode step's expert FFN by `exchanged_rows`; K outputs combined in k order."""
     rows_fn = lambda x, e, *ws, expert_offset: experts_fn(
         x, e, jnp.ones(e.shape, w_TxK.dtype), *ws, expert_offset=expert_offset)
     y_TxKxD = exchanged_rows(rows_fn, axes, n, x_TxD, idx_TxK, ws, offset)
@@ -100,17 +86,11 @@ def _exchanged(experts_fn, axes, n, x_TxD, idx_TxK, w_TxK, ws, offset):
 
 
 def exchanged_rows(rows_fn, axes, n, x_TxD, idx_TxK, ws, offset):
-    """Each token–expert assignment's expert output [T, K, D], computed on the shard
-    that holds the expert: `rows_fn(x_RxD, expert_Rx1, *ws, expert_offset=offset)` ->
-    [R, D] runs on the rows a shard received (expert -1: a padding row, output 0), and
-    the ragged all-to-alls over `axes` (n shards) move rows and outputs unchanged.
-
-    A chip sends T·K rows each way (and receives as many on average; its receive buffer
-    is sized for the dropless worst case, every peer's tokens choosing its experts)
-    instead of gathering every peer's T rows and reduce-scattering their partial
-    outputs. Rows go in expert order, so the all-gathered counts per (sender, expert)
-    say which expert each received row is for: no expert ids are sent.
-    """
+    """Each assignment's expert output [T, K, D], computed on its expert's shard by
+    `rows_fn(x_RxD, expert_Rx1, *ws, expert_offset=offset)` -> [R, D] (padding rows: expert -1,
+    output 0); ragged all-to-alls over `axes` (n shards) move rows and outputs, T·K each way
+    instead of n·T (receive buffer: the dropless worst case). Rows go in expert order:
+    all-gathered counts per (sender, expert) name each row's expert, so no ids are sent."""
     t, k = idx_TxK.shape
     per_shard = ws[0].shape[0]
     dt = x_TxD.dtype
@@ -144,26 +124,18 @@ def exchanged_rows(rows_fn, axes, n, x_TxD, idx_TxK, ws, offset):
 
 
 def exchange_moves_less(dtype, k: int, n: int) -> bool:
-    """Whether a shard's T tokens cost fewer bytes exchanged (T·K rows each way, in the
-    compute dtype, b bytes a value) than gathered (n·T rows in, and n·T partial outputs
-    reduce-scattered back in the accumulation dtype, b_acc bytes a value):
-    2·K·b < n·(b + b_acc)."""
+    """Whether exchanging (T·K rows each way, b bytes a value) moves fewer bytes than gathering
+    (n·T rows in, n·T partial outputs back at b_acc bytes a value): 2·K·b < n·(b + b_acc)."""
     b = jnp.dtype(dtype).itemsize
     return 2 * k * b < n * (b + jnp.dtype(accum_dtype(dtype)).itemsize)
 
 
 def sharded_experts(experts_fn, mesh, cfg: ModelConfig, rules: dict = sharding.RULES, *,
                     few_experts_fn=None, exchange: bool = False):
-    """`experts_fn(x_TxD, idx_TxK, w_TxK, w_gate, w_up, w_down)` (moe.experts_grouped with
-    its tile and gmm bound, accepting `expert_offset=`) run under shard_map over `mesh`.
-    `rules["experts"]` may name several mesh axes (the sampler's serving layout spreads
-    the experts over every axis): the expert shards are then their product, and tokens
-    are exchanged over all of them. `few_experts_fn` (same signature, e.g.
-    moe.experts_local_dense) replaces experts_fn on an expert-parallel shard that holds
-    at most K experts (the transformer passes it for decode steps). `exchange` (the
-    transformer's decode steps): send each token–expert assignment to its expert's shard
-    by a ragged all-to-all (`_exchanged`) where that moves fewer bytes than gathering
-    the expert-axis peers' tokens, i.e. on many shards (n > 2K/3 in bfloat16)."""
+    """`experts_fn(x_TxD, idx_TxK, w_TxK, w_gate, w_up, w_down)` (accepting `expert_offset=`)
+    under shard_map over `mesh`, the shards the product of the `rules["experts"]` mesh axes.
+    `few_experts_fn` (e.g. moe.experts_local_dense) replaces `experts_fn` on shards of ≤ K
+    experts; `exchange` (decode): `_exchanged` where cheaper (n > 2K/3 in bfloat16)."""
     batch_axes = tuple(a for a in sharding.spec_axes(rules["batch"]) if mesh.shape[a] > 1)
     expert_axes = tuple(a for a in sharding.spec_axes(rules["experts"]) if mesh.shape[a] > 1)
     ep = cfg.expert_parallel and bool(expert_axes)

@@ -1,13 +1,11 @@
-"""Model FLOPs: the matmul FLOPs a forward pass needs, as MFU numerators count them.
+"""Model FLOPs: the matmul FLOPs of a forward pass, as MFU numerators count them.
 
-Letters: D model, H heads, KV kv heads, Dh head width, E experts, K top-k, F expert FFN
-width, V vocab, L layers, S sequence length.
-
-Per token and layer, a forward multiplies: the q, o (D·H·Dh each) and k, v (D·KV·Dh each)
-projections, QKᵀ and PV against the causal half of the keys (2·H·Dh·S/2), the router
-(D·E) and the K active SwiGLU experts (3·D·F each); per token once, the unembedding
-(D·V). 2 FLOPs per multiply-add. Element-wise work, masked-out attention entries that a
-kernel computes anyway and tile padding are not model FLOPs.
+Per token and each of L layers (D model, H heads, KV kv heads, Dh head width, E experts, K top-k,
+F expert FFN width, S sequence length): q, o (D·H·Dh each) and k, v (D·KV·Dh each) projections,
+QKᵀ and PV over the causal half of the keys (2·H·Dh·S/2), router (D·E), K active SwiGLU experts
+(3·D·F each); once per token, the unembedding (D·V, V vocab). 2 FLOPs per multiply-add;
+element-wise work, masked attention entries a kernel computes anyway and tile padding do not
+count.
 """
 from __future__ import annotations
 

@@ -1,47 +1,34 @@
 """Batch-invariant numerics: a token's results do not depend on the call it is in.
 
-The sampler (prefill, then one token per row against a KV cache) and the trainer (whole
-sequences) run the same decoder, but XLA compiles a differently shaped program for each,
-and a row's result depends on that shape: on a CPU, the rows of `jnp.dot` differ between
-a [1, D] and a [256, D] call, and a softmax's sum over the last axis of [B, V] differs
-with B. With ModelConfig.batch_invariant (which the `bitwise` sampler requires) the
-decoder computes every token in a way that is fixed by the token alone:
+The sampler (prefill, decode) and the trainer (whole sequences) run the decoder in differently
+shaped programs, and a row's result depends on the shape: on a CPU the rows of `jnp.dot` differ
+between a [1, D] and a [256, D] call, and a softmax's sum over [B, V]'s last axis differs with B.
+Under ModelConfig.batch_invariant (required by the `bitwise` sampler) a token's computation
+depends on the token alone:
 
-- Per-token work (norms, projections, RoPE, router, top-k, the expert combine, residual
-  adds, the final norm, the vocabulary log-softmax) runs in fixed tiles of
-  ModelConfig.row_tile rows (ROW_TILE by default):
-  `rowwise` pads the rows (repeating the last) to a multiple of the tile and maps one
-  compiled tile body over them (`lax.map`). The body is the same program in every call,
-  fenced by optimization barriers so no surrounding op fuses into it; a row's result then
-  depends only on its own inputs (rows padded or grouped differently, or placed at a
-  different offset in the tile, give the same bits: tests/model/invariant_test.py checks each
-  such reliance). Where RLConfig.logprob_impl names a batch-invariant row of
-  LOGPROB_IMPLS (the Pallas kernels), both engines run that kernel for the vocabulary
-  log-softmax instead (`vocab_kernel`).
-- Attention (`attend`) walks each query's keys in blocks of KEY_BLOCK *positions*
-  (counted from the sequence's first real token, not from its slot), with an online
-  softmax in float32. A block past the query's position is skipped (`lax.cond`), and a
-  skipped block equals a computed one that masks every key (p = 0, rescale by exp(0) =
-  1), so the number of blocks the call holds (cache length, sequence length, left
-  padding, a trimmed window) changes nothing.
-- The expert FFN is the grouped dispatch with a batch-invariant grouped matmul
-  (`grouped_matmul`: the model's gmm_impl where its row of GMM_IMPLS is marked
-  `invariant`, the Pallas kernels among them, else the reference `loop`): each tile of
-  `ModelConfig.moe_tile` rows sorted by expert is computed in fixed-shape products,
-  whatever the other rows of the tile are; the SwiGLU and the combine over the K experts
-  (in k order) run in row tiles.
+- Per-token work (norms, projections, RoPE, routing, combine, residual adds, log-softmax) runs in
+  fixed tiles of ModelConfig.row_tile rows (ROW_TILE by default): `rowwise` maps one compiled
+  tile body, fenced by optimization barriers, over whole tiles (`lax.map`;
+  tests/model/invariant_test.py checks each such reliance). The log-softmax may instead be the
+  batch-invariant LOGPROB_IMPLS row RLConfig.logprob_impl names (the Pallas kernels;
+  `vocab_kernel`), in both engines.
+- Attention (`attend`) walks each query's keys in blocks of KEY_BLOCK *positions* (from the
+  sequence's first real token) with a float32 online softmax; skipping a block past the query
+  (`lax.cond`) equals computing it fully masked (p = 0, rescale by exp(0) = 1), so the call's
+  block count (cache or sequence length, left padding, a trimmed window) changes nothing.
+- The expert FFN computes tiles of `ModelConfig.moe_tile` expert-sorted rows in fixed-shape
+  products by a batch-invariant grouped matmul (`grouped_matmul`: gmm_impl's GMM_IMPLS row if
+  marked `invariant`, else the reference `loop`); SwiGLU and the k-ordered combine in row tiles.
 
-Only values must be per token: the trainer's backward pass runs the untiled path's VJP
-(`with_reference_gradient`; transformer.forward wraps each layer with it, the routes of
-the tiles replayed, and the final norm; method/logprobs.py the log-softmax), so a tile
-is never differentiated in an RL run: an update costs the untiled update plus one tiled
-forward. A decode step's cost grows by the padding of its B rows to a whole tile and by
-the tile loop; docs/method.md, "Zero mismatch", says what it costs and what it relies
-on.
+Only values must be per token: the trainer's backward is the untiled VJP
+(`with_reference_gradient` around each layer, the tiles' routes replayed, and the final norm;
+method/logprobs.py for the log-softmax), so an update costs the untiled one plus one tiled
+forward; a decode step pays for padding B rows to a tile and the tile loop (docs/method.md, "Zero
+mismatch").
 
-Letters: N rows (tokens), W rows of a tile (row_tile), B batch, S key slots, D model,
-H heads, KV kv heads, G = H / KV, Dh head width, E experts, K top-k, V vocab, J key
-positions of a block (KEY_BLOCK).
+Letters: N rows (tokens), W rows of a tile (row_tile), B batch, S key slots, D model, H heads, KV
+kv heads, G = H / KV, Dh head width, E experts, K top-k, V vocab, J key positions of a block
+(KEY_BLOCK).
 """
 from __future__ import annotations
 
@@ -67,10 +54,8 @@ def _fence(tree):
 
 
 def rowwise(fn, *rows, tile: int = ROW_TILE):
-    """fn applied to fixed tiles of `tile` rows of `rows` (arrays with one leading axis
-    of N rows; None passes through), its outputs concatenated back to N rows. `fn` must
-    treat rows independently. The tile body is rematerialized under differentiation, so
-    the backward keeps only the tiles' inputs."""
+    """fn over fixed `tile`-row tiles of `rows` (leading axis N; None passes through), back to N
+    rows; `fn` must treat rows independently. Rematerialized: the backward keeps tile inputs."""
     n = next(r for r in rows if r is not None).shape[0]
     pad = -n % tile
 
@@ -93,24 +78,18 @@ def rowwise(fn, *rows, tile: int = ROW_TILE):
 
 
 def _wide(x):
-    """x in a 32-bit type that holds its values exactly (float32 for a narrower float,
-    int32 for a narrower integer or a bool), else x. XLA's CPU backend writes a loop's
-    stacked output of a 16- or 8-bit type by copying the whole buffer on every
-    iteration (quadratic in the rows: 20 ms for 6,400 rows of 64 bfloat16 in 32-row
-    tiles, 84 ms for 12,800), a 32-bit one in place."""
+    """x widened to a 32-bit type that holds it exactly (float32 or int32; bools too), else x:
+    XLA's CPU backend copies a loop's stacked 16- or 8-bit output every iteration (20 ms for
+    6,400 rows of 64 bfloat16 in 32-row tiles, 84 ms for 12,800), not a 32-bit one."""
     if x.dtype.itemsize >= 4:
         return x
     return x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
 
 
 def with_reference_gradient(fn, reference, keep=lambda out: ()):
-    """`fn`'s values with `reference`'s gradient. `reference(kept, *args)` computes what
-    `fn(*args)` does by the untiled path (equal up to float rounding), `kept =
-    keep(fn's outputs)` (e.g. its routes, which the reference replays so that it
-    differentiates the same routed function). The forward keeps the tiles' bits; the
-    backward runs the fast path's VJP linearized at the tiled forward's inputs, so the
-    gradient differs from the tiles' own by rounding only, and only `args`
-    and `kept` are saved for it (as under full rematerialization)."""
+    """`fn`'s values, `reference`'s VJP: `reference(kept, *args)` is `fn(*args)` untiled (equal
+    up to rounding), `kept = keep(fn's outputs)` (e.g. routes, replayed so both route alike).
+    Saves only `args` and `kept`."""
     @jax.custom_vjp
     def f(*args):
         return fn(*args)
@@ -139,24 +118,21 @@ def first_slots(key_mask_BxS):
 
 
 def token_attention(cfg):
-    """The attention both engines run for ModelConfig `cfg` when its
-    decode_attention_impl row has a per-token kernel (`tokens`): `kernel_attend` by that
-    kernel in blocks of cfg.decode_block positions; None: `attend`'s own blocks."""
+    """`kernel_attend` by the per-token kernel (`tokens`) of `cfg`'s decode_attention_impl row,
+    in blocks of cfg.decode_block positions; None without one: `attend`'s own blocks."""
     row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
     return None if row.tokens is None else functools.partial(
         kernel_attend, row.tokens.load(), cfg.decode_block)
 
 
 def runs_token_kernel(cfg) -> bool:
-    """Whether ModelConfig `cfg` attends by a per-token kernel: batch-invariant numerics
-    and a decode_attention_impl row with `tokens`."""
+    """Whether `cfg` attends by a per-token kernel (batch-invariant, a row with `tokens`)."""
     row = lookup(DECODE_IMPLS, cfg.decode_attention_impl, "decode_attention_impl")
     return bool(cfg.batch_invariant and row.tokens is not None)
 
 
 def cache_slots(cfg, length: int) -> int:
-    """The KV cache slots a sampler allocates for `length` tokens: more where `cfg` runs
-    a per-token attention kernel that copies whole tiles of slots (its `cache_slots`)."""
+    """KV slots for `length` tokens, plus what `cfg`'s per-token kernel's `cache_slots` adds."""
     if not runs_token_kernel(cfg):
         return length
     return decode_attention_pallas.cache_slots(length, cfg.decode_block)
@@ -164,11 +140,9 @@ def cache_slots(cfg, length: int) -> int:
 
 def kernel_attend(kernel, block: int, q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS,
                   *, kv_heads: int, dtype, keys: str, layer=None):
-    """`attend` by a per-token kernel with decode_attention_pallas.tokens' contract, in
-    blocks of `block` positions: the keys head-major and padded to the slots the kernel
-    copies (a sampler's cache has them: init_cache), a stacked cache read in place, the
-    queries in chunks of at most QUERY_CHUNK (one program per query: a chunk's size
-    changes no result)."""
+    """`attend` by a per-token kernel (decode_attention_pallas.tokens' contract) in blocks of
+    `block` positions: keys head-major and padded; queries in chunks ≤ QUERY_CHUNK, which changes
+    no result."""
     n, h, dh = q_NxHxDh.shape
     if keys == "bskd":
         k, v = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
@@ -193,13 +167,9 @@ def kernel_attend(kernel, block: int, q_NxHxDh, pos_N, row_N, start_N, k, v, key
 
 def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int,
            dtype, keys: str = "bskd", tile: int = ROW_TILE, layer=None, kernel=None):
-    """softmax(q kᵀ / √Dh) v for each query row over the keys at positions 0..pos of its
-    sequence (module docstring). k, v: [B, S, KV, Dh] (keys "bskd") or [B, KV, S, Dh]
-    ("bksd"); query n belongs to row row_N[n], whose position 0 is at slot start_N[n];
-    the key at position p sits at slot start + p and counts if key_mask says it is real.
-    A query with no real key gets 0. Returns [N, H, Dh] in `dtype`. `layer`: k, v are a
-    stacked cache [L, ...] and this is the layer to read. `kernel`: a per-token kernel
-    computes it instead, in its own blocks (`token_attention`)."""
+    """softmax(q kᵀ / √Dh) v of each query over its real keys at positions 0..pos (query n: row
+    row_N[n], position 0 at slot start_N[n]; none: 0), [N, H, Dh] in `dtype`; `layer`: of a
+    stacked cache [L, ...]; `kernel`: a per-token kernel (`token_attention`) instead."""
     if kernel is not None:
         return kernel(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS,
                       kv_heads=kv_heads, dtype=dtype, keys=keys, layer=layer)
@@ -256,13 +226,9 @@ def attend(q_NxHxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, kv_heads: int
 
 def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
             ep_axes: tuple = (), row_tile: int = ROW_TILE, gmm=None):
-    """The grouped expert FFN with per-row results (module docstring): returns [N, D] in
-    x's dtype; `tile` rows per expert tile, multiplied by `gmm` (`expert_rows`),
-    `row_tile` per tile of the combine. `ep_axes` (inside invariant_layer.on_mesh's
-    shard_map, expert parallel): the weights are this shard's experts, the shards are
-    split over these mesh axes, and each token–expert assignment goes to its expert's
-    shard and its output row back (expert_parallel.exchanged_rows), in decode, prefill
-    and the training forward alike."""
+    """The grouped expert FFN per row, [N, D]: `expert_rows` (`tile`-row tiles, `gmm`), combined
+    in `row_tile` tiles. `ep_axes` (in invariant_layer.on_mesh): this shard's experts;
+    assignments go to their expert's shard and back (expert_parallel.exchanged_rows)."""
     if not ep_axes:
         return combine(expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                    tile=tile, gmm=gmm), w_NxK, row_tile)
@@ -282,11 +248,9 @@ def experts(x_NxD, idx_NxK, w_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, ti
 
 def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile: int,
                 expert_offset=None, gmm=None):
-    """Each token–expert assignment's expert output, [N, K, D] in x's dtype, computed in
-    fixed tiles of `tile` rows sorted by expert by `gmm` (a batch-invariant grouped
-    matmul, `grouped_matmul`; default the reference). `expert_offset`: the weights are
-    the E experts [offset, offset + E) of a larger set (ids are global) and the rows of
-    the other experts' assignments are 0."""
+    """Each assignment's expert output [N, K, D], in `tile`-row expert-sorted tiles by `gmm`
+    (`grouped_matmul`'s; default the reference). `expert_offset`: the E experts start there;
+    other experts' rows are 0."""
     n, k = idx_NxK.shape
     num_experts = w_gate_ExDxF.shape[0]
     dt = x_NxD.dtype
@@ -316,15 +280,13 @@ def expert_rows(x_NxD, idx_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, tile:
 
 
 def grouped_matmul(impl: str):
-    """The grouped matmul the per-token expert FFN runs for `ModelConfig.gmm_impl`: its
-    row of GMM_IMPLS when the row is batch-invariant, else the reference `loop`."""
+    """`ModelConfig.gmm_impl`'s GMM_IMPLS row if batch-invariant, else the reference `loop`."""
     row = lookup(GMM_IMPLS, impl, "gmm_impl")
     return row.load() if row.invariant else moe.grouped_matmul.loop
 
 
 def combine(y_NxKxD, w_NxK, row_tile: int = ROW_TILE):
-    """Σ_k w[:, k] · y[:, k] in k order, float32 (or wider) accumulation, per row; in
-    y's dtype."""
+    """Σ_k w[:, k] · y[:, k] in k order per row, float32 (or wider) accumulation, y's dtype."""
     dt = y_NxKxD.dtype
     acc = nx.accum_dtype(dt)
 
@@ -338,20 +300,17 @@ def combine(y_NxKxD, w_NxK, row_tile: int = ROW_TILE):
 
 
 def vocab_kernel(logprob_impl: str):
-    """The row of LOGPROB_IMPLS both engines run for the vocabulary log-softmax when it
-    is batch-invariant (the Pallas kernels: `fn(h, unembed, None)` is a row's whole
-    distribution, `fn(h, unembed, targets)` the trainer's fused op with its own gradient,
-    the same bits at the targets); None: the row tiles of `logprobs_V` /
-    `token_logprobs`."""
+    """The LOGPROB_IMPLS row for the log-softmax if batch-invariant: `fn(h, unembed, None)` a
+    row's distribution, `fn(h, unembed, targets)` the trainer's fused op, same bits at the
+    targets. None: `logprobs_V` / `token_logprobs` row tiles."""
     row = lookup(LOGPROB_IMPLS, logprob_impl, "logprob_impl")
     return row if row.invariant else None
 
 
 def logprobs_V(h_NxD, unembed_DxV, temperature: float = 1.0, tile: int = ROW_TILE,
                logprob_impl: str = "chunked"):
-    """log softmax((h / τ) · unembed) over the vocabulary, float32 [N, V], per row: what
-    the sampler draws from and the trainer scores (`token_logprobs`, or the fused op of
-    `vocab_kernel(logprob_impl)` where that is a row)."""
+    """log softmax((h / τ) · unembed), float32 [N, V], per row: what the sampler draws from and
+    the trainer scores (`token_logprobs`, or the fused op of `vocab_kernel(logprob_impl)`)."""
     row = vocab_kernel(logprob_impl)
     if row is not None:
         return row.load()(scaled(h_NxD, temperature), unembed_DxV, None)
@@ -370,8 +329,7 @@ def token_logprobs(h_NxD, unembed_DxV, targets_N, temperature: float = 1.0,
 
 
 def scaled(h, temperature: float):
-    """h / τ, divided in float32 (or wider) and rounded back to h's dtype: the logits'
-    temperature applied to the hidden state (method/logprobs.py does the same)."""
+    """h / τ in float32 (or wider), in h's dtype: the temperature as in method/logprobs.py."""
     if temperature == 1.0:
         return h
     return (h.astype(nx.accum_dtype(h.dtype)) / temperature).astype(h.dtype)

@@ -1,10 +1,7 @@
-"""The per-token decoder layer (model/invariant.py's numerics) and how it runs on a mesh:
-`decoder_layer` is transformer.forward's layer under ModelConfig.batch_invariant, run
-per device under `shard_map` on more than one device (`on_mesh`, `_sharded_layer`), so
-that no tile's products or reductions are split across devices.
-
-Letters: as model/invariant.py's.
-"""
+"""The per-token decoder layer (model/invariant.py's numerics and letters): `decoder_layer`,
+transformer.forward's layer under ModelConfig.batch_invariant, runs per device under `shard_map`
+on a mesh (`on_mesh`, `_sharded_layer`), so no tile's products or reductions are split across
+devices."""
 from __future__ import annotations
 
 import functools
@@ -32,14 +29,11 @@ from stablerl_jax.model.layer_inputs import LayerNumerics, TokenFrame
 
 def decoder_layer(cfg, step: LayerNumerics, frame: TokenFrame, *, put_cache=None,
                   mesh=None, rules=None):
-    """`transformer.decoder_layer` (the same cfg, step, frame, carry and outputs) per token
-    (model/invariant.py). `put_cache(index, b, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)`
-    writes this call's keys and values into the cache carried in `kv` at `step.index` (a
-    scalar, or [B]) for `b` rows and returns (kv, k, v, keys, layer): the updated cache
-    and this layer's key and value arrays in layout `keys` (the stacked cache's, read at
-    index `layer`, where that is not None); None without a cache. `mesh` of more than
-    one device: the layer runs under `shard_map`, each device on its own rows
-    (`on_mesh`)."""
+    """`transformer.decoder_layer` per token (same cfg, step, frame, carry, outputs); on a
+    multi-device `mesh`, per device (`on_mesh`).
+    `put_cache(index, b, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer)` writes `b` rows' keys and values
+    into `kv`'s cache at `step.index` and returns (kv, k, v, keys, layer): the cache, this
+    layer's keys and values in layout `keys` (stacked: read at `layer`)."""
     numerics, dtype, router_dtype = step.numerics, step.dtype, step.router_dtype
     trace, router_input, mask_BxT = step.trace, step.router_input, frame.mask_BxT
     ctx = {"positions_BxT": frame.positions_BxT, "mask_BxT": mask_BxT,
@@ -68,11 +62,9 @@ def batch_axes(mesh, rules) -> tuple:
 
 
 def on_mesh(fn, mesh, rules=None):
-    """`fn(rows, shared)` on each device's own rows: `rows` (a pytree of batch-major
-    arrays) split over the batch's mesh axes, `shared` (a pytree) replicated, the output
-    (batch-major) split as the rows are. The rows' results are then the bits one device
-    gives (model/invariant.py's tiles run per device); gathering `shared` and
-    splitting the rows only move data. No mesh or one device: `fn` itself."""
+    """`fn(rows, shared)` per device: the batch-major `rows` pytree split over the batch's mesh
+    axes, `shared` replicated, the output split like `rows`. Rows get the bits one device gives:
+    gathering `shared` and splitting rows only move data. No mesh or one device: `fn` itself."""
     if mesh is None or mesh.size == 1:
         return fn
     rules = sharding.RULES if rules is None else rules
@@ -88,8 +80,7 @@ def on_mesh(fn, mesh, rules=None):
 
 
 def row_splits(mesh, rules=None) -> int:
-    """How many parts `on_mesh` splits the rows into (1 without a mesh): a call's rows
-    must be a multiple of it."""
+    """Parts `on_mesh` splits rows into (1 without a mesh); a call's rows must be a multiple."""
     if mesh is None or mesh.size == 1:
         return 1
     return math.prod(mesh.shape[a] for a in batch_axes(
@@ -105,11 +96,9 @@ def _divides(b: int, mesh, axes):
 
 
 def _sharded_layer(build, ctx, cfg, mesh, rules, outputs: int):
-    """The per-token layer under `shard_map` over the batch's mesh axes: each device runs
-    `build(ctx)`'s layer on its own rows and cache rows, with the layer's weights
-    gathered whole (FSDP's per-layer all-gather) except, with expert parallelism, the
-    experts: a device keeps its expert shard's and `experts` exchanges rows over the
-    expert axes. Router statistics are left to the caller, on the whole batch."""
+    """`build(ctx)`'s per-token layer under `shard_map` over the batch's mesh axes, per device on
+    its rows and cache rows; weights gathered whole (FSDP), but with expert parallelism only this
+    shard's experts (`experts` exchanges rows). Router statistics: the caller's, on the batch."""
     rules = sharding.RULES if rules is None else rules
     axes = batch_axes(mesh, rules)
     row = P(axes or None)
@@ -150,8 +139,8 @@ def _sharded_layer(build, ctx, cfg, mesh, rules, outputs: int):
 
 def _local_layer(cfg, numerics, dtype, router_dtype, ctx, *, put_cache, trace, router_input,
                  ep_axes=()):
-    """The per-token layer over the rows of `ctx` (decoder_layer's arrays): returns
-    layer(carry, xs) -> (carry, (idx, w, probs, logits[, x_attn, x_block])), batch-major."""
+    """The per-token layer over the rows of `ctx` (decoder_layer's arrays): layer(carry, xs) ->
+    (carry, (idx, w, probs, logits[, x_attn, x_block])), batch-major."""
     positions_BxT, key_mask_BxS = ctx["positions_BxT"], ctx["key_mask_BxS"]
     tokens_BxT, segment_ids_BxT = ctx["tokens_BxT"], ctx["segment_ids_BxT"]
     b, t = positions_BxT.shape

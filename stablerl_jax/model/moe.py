@@ -1,27 +1,21 @@
 """Mixture-of-Experts: routing with optional replay, and the SwiGLU expert FFN.
 
-Letters: T tokens, D model, E experts, K top-k, F expert FFN width,
-A token–expert assignments (T·K), R rows of the sorted-and-padded buffer (a
-multiple of the tile size).
+Letters: T tokens, D model, E experts, K top-k, F expert FFN width, A token–expert assignments
+(T·K), R rows of the sorted-and-padded buffer (a multiple of the tile size).
 
-Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32 (float64 for
-float64 logits), top-k,
-weights renormalized over the k chosen (`norm_topk_prob`; off: the raw softmax
-probabilities). Routing Replay passes the expert *indices* to use instead of the top-k;
-the weights are still gathered from the live full softmax, so the router receives
-gradient for replayed experts even when they are not in its current top-k. Optionally
-(weight replay, beyond the paper) the recorded combine weights are replayed too.
+Routing (`route`) follows Qwen3-MoE: softmax over all E experts in float32 (float64 for float64
+logits), top-k, weights renormalized over the k chosen (`norm_topk_prob`). Routing Replay
+substitutes recorded expert *indices* for the top-k; weights still come from the live softmax, so
+replayed experts get router gradient even outside the current top-k. Weight replay (beyond the
+paper) also replays the combine weights.
 
-Two dispatch paths compute the same function, chosen by argument:
-- `experts_dense`: every expert on every token, combined with one-hot weights. The
-  reference: obviously right, E/K times the FLOPs.
-- `experts_grouped`: dropless. Token–expert pairs are sorted by expert, each expert's
-  group is padded to a multiple of the tile, and a grouped matmul (`gmm`) runs the tiles
-  of each expert against that expert's weights. No token is ever dropped: a capacity
-  limit would make the trainer's function differ from the sampler's, which is exactly the
-  mismatch this project studies. The grouped matmul is chosen by name (`gmm_of`,
-  ModelConfig.gmm_impl): a row of GMM_IMPLS (kernels/gmm_impls.py says what each row
-  is); `experts_grouped` defaults to the pure-JAX reference, `loop`.
+Dispatch, one function two ways:
+- `experts_dense`: every expert on every token, one-hot combined. The reference: obviously right,
+  E/K times the FLOPs.
+- `experts_grouped`: dropless; assignments sorted by expert, groups padded to whole tiles, a
+  grouped matmul (`gmm`) per expert: the GMM_IMPLS row by name (`gmm_of`, ModelConfig.gmm_impl;
+  kernels/gmm_impls.py), by default the pure-JAX reference `loop`. A capacity limit would make
+  the trainer's function differ from the sampler's, the very mismatch studied here.
 """
 from __future__ import annotations
 
@@ -43,13 +37,9 @@ each group a multiple of `tile` rows (kernels/gmm_impls.py names the implementat
 
 def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
                     num_experts: int) -> None:
-    """Raise ValueError for a replay tensor that cannot be a recorded route.
-
-    Shape and dtype are always checked. Values are checked when the array is concrete
-    (outside jit); under jit, `route` turns invalid rows (out-of-range ids, a mix of -1
-    and experts, a repeated expert) into NaN weights instead, so a bad replay is never
-    silently used (the trainer skips non-finite updates).
-    """
+    """Raise ValueError for a replay tensor that cannot be a recorded route (shape and dtype;
+    values when concrete). Under jit `route` gives invalid rows (ids out of range, -1 mixed with
+    experts, a repeat) NaN weights, which the trainer skips as non-finite."""
     want = tuple(num_tokens_shape) + (k,)
     if tuple(replay_TxK.shape) != want:
         raise ValueError(f"replay: shape {tuple(replay_TxK.shape)} must be {want} "
@@ -77,7 +67,7 @@ def validate_replay(replay_TxK: jax.Array, num_tokens_shape: tuple, k: int,
 
 def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = None,
           replay_weights_TxK: jax.Array | None = None, *, normalize: bool = True):
-    """Choose K experts per token and their mixing weights.
+    """K experts per token and their mixing weights.
 
     probs = softmax(logits) over all E (float32);
     idx   = top_k(probs) if replay is None, else replay (rows of -1: top_k for that token);
@@ -85,13 +75,9 @@ def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = N
           = probs[idx]                    (normalize=False)
     w     = sg(replay_weights) on recorded rows when `replay_weights_TxK` is given.
 
-    Weight replay (an extension beyond the paper, whose replay is index-only): the
-    combine weights of a recorded token are the sampler's recorded weights, held fixed
-    (stop-gradient). The router then receives no gradient through the combine for those
-    tokens, only through auxiliary losses; tokens whose replay row is -1 keep live weights.
-
-    Leading dims before E are arbitrary (T or B×T). Returns (idx int32 [...,K],
-    weights [...,K], probs [...,E]), both float32 (float64 for float64 logits).
+    Weight replay (the paper's replay is index-only) leaves the router gradient on recorded
+    tokens only through auxiliary losses. Leading dims are arbitrary (T or B×T). Returns (idx
+    int32 [...,K], weights [...,K], probs [...,E]), float32 (float64 for float64 logits).
     """
     num_experts = router_logits_TxE.shape[-1]
     if not 0 < k <= num_experts:
@@ -127,8 +113,7 @@ def route(router_logits_TxE: jax.Array, k: int, replay_TxK: jax.Array | None = N
 
 def validate_replay_weights(weights_TxK: jax.Array, replay_TxK: jax.Array | None,
                             k: int) -> None:
-    """Raise ValueError unless `weights_TxK` can be the recorded combine weights of the
-    replayed routes: it needs the replay indices, their shape and a float dtype."""
+    """Raise ValueError unless `weights_TxK` fits the replay: replay given, its shape, float."""
     if replay_TxK is None:
         raise ValueError("replay_weights: recorded weights need the recorded routes; pass "
                          "replay (the indices) too, or drop replay_weights")
@@ -166,10 +151,9 @@ _COUNTING_PLAN_MAX = 1 << 22
 
 
 def _plan(expert_A, num_experts: int, tile: int):
-    """Where each of the A assignments goes in the expert-sorted, tile-padded buffer:
-    (row_A: buffer row of each assignment, padded_E: each group's padded size). Within a
-    group, rows keep the assignments' order. Ids ≥ num_experts (another device's experts)
-    are not counted in any group and their rows are meaningless (the caller drops them)."""
+    """(row_A, padded_E): each assignment's row in the expert-sorted, tile-padded buffer
+    (assignment order within a group) and each group's padded size. Ids ≥ num_experts: no group,
+    rows unused."""
     a = expert_A.shape[0]
     sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
     padded_E = (sizes_E + tile - 1) // tile * tile
@@ -189,15 +173,10 @@ def _plan(expert_A, num_experts: int, tile: int):
 def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
                     tile: int = 64, gmm: GroupedMatmul = grouped_matmul.loop,
                     expert_offset=None):
-    """Dropless grouped dispatch; equal to `experts_dense` up to float reassociation.
-
-    expert_offset (expert parallelism, model/expert_parallel.py): the weights are the E
-    experts [offset, offset + E) of a larger set and `idx_TxK` holds global ids; only
-    assignments to these experts are computed, the others contribute 0. The buffer is
-    sized for the dropless worst case: T·min(K, E) assignments, as a token's K experts
-    are distinct (a repeated one is an invalid route, `route` makes its weights NaN), so
-    at most min(K, E) of them are among these E.
-    """
+    """Dropless grouped dispatch, equal to `experts_dense` up to float reassociation.
+    expert_offset (model/expert_parallel.py): the weights are experts [offset, offset + E) and
+    `idx_TxK` global ids; other experts give 0. The buffer fits T·min(K, E) assignments, a
+    token's K experts being distinct (`route` gives repeats NaN weights)."""
     num_tokens, k = idx_TxK.shape
     num_experts = w_gate_ExDxF.shape[0]
     dt = x_TxD.dtype
@@ -255,15 +234,10 @@ def experts_grouped(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFx
 
 def experts_local_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
                         expert_offset):
-    """Expert parallelism's shard with few experts (E ≤ K, the serving layout's decode
-    step): every token through each of the E local experts, scaled by its combine weight
-    for that expert (0 for a token that chose none of them), summed over the E.
-
-    The dropless grouped buffer of such a shard holds T·E rows anyway, so this computes
-    as many rows with no plan, sort, scatter or gather. A token's output is its local
-    terms summed in expert order (experts_grouped sums them in k order): equal when at
-    most one of its experts is local, else up to float reassociation.
-    """
+    """A shard of E ≤ K experts (serving-layout decode): each token through every local expert
+    times its combine weight there (0 if unchosen): the grouped buffer's T·E rows without plan,
+    sort, scatter or gather; summed in expert order (experts_grouped: k order), so equal when at
+    most one is local, else up to reassociation."""
     num_experts = w_gate_ExDxF.shape[0]
     dt = x_TxD.dtype
     acc = accum_dtype(dt)
@@ -282,17 +256,14 @@ def experts_local_dense(x_TxD, idx_TxK, w_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_
 
 
 def gmm_of(impl: str) -> GroupedMatmul:
-    """The grouped matmul named by `ModelConfig.gmm_impl`: its row of GMM_IMPLS, looked
-    up once, with the row's default blocks."""
+    """`ModelConfig.gmm_impl`'s grouped matmul: its GMM_IMPLS row with default blocks."""
     return lookup(GMM_IMPLS, impl, "gmm_impl").load()
 
 
 def router_stats(probs_TxE, idx_TxK, router_logits_TxE, mask_T):
-    """Load fraction per expert, router z-loss and Switch load-balancing loss (masked).
-
+    """Masked load fraction per expert, router z-loss and Switch load-balancing loss:
     load_E = fraction of the K·T routed slots that went to e; importance_E = mean prob;
-    balance = E · Σ_e load_E · importance_E (= 1 when uniform); z = mean logsumexp(logits)².
-    """
+    balance = E · Σ_e load_E · importance_E (= 1 when uniform); z = mean logsumexp(logits)²."""
     num_experts = probs_TxE.shape[-1]
     m_T = mask_T.astype(probs_TxE.dtype)
     n = jnp.maximum(m_T.sum(), 1.0)  # real tokens

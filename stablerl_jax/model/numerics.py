@@ -1,8 +1,7 @@
 """Numerics policies: how a forward pass computes, so one engine can differ from another.
 
-The training path runs the "train" policy. The sampling path (the inference engine) runs
-one of the inference presets, which reproduce the kinds of numerical differences a real
-inference engine has from the trainer for the *same* weights:
+Training runs "train"; the inference engine runs a preset reproducing a real inference engine's
+kinds of numerical difference from the trainer for the *same* weights:
 
 | preset | weights                              | activations | router logits        |
 |--------|--------------------------------------|-------------|----------------------|
@@ -12,23 +11,18 @@ inference engine has from the trainer for the *same* weights:
 | bf16   | bfloat16                             | bfloat16    | bfloat16             |
 | fp8    | e4m3, per-output-channel scales      | bfloat16    | bfloat16             |
 
-Matmul precision is the same on every backend: every model matmul passes
-`precision=PRECISION` (HIGHEST) and accumulates in float32 or wider (`accum_dtype`). A
-float32 matmul is therefore a float32 matmul on a CPU, on an NVIDIA GPU (no TF32) and on
-a TPU (no single bf16 pass), and `exact` computes exactly what `train` computes on each of
-them. bfloat16 operands are exact in every backend's fast path, so the setting costs
-nothing where compute_dtype is bfloat16, which is how a run asks for speed. What still
-differs between backends is the order of float32 sums (vector widths, tilings), i.e.
-rounding, not precision.
+Every model matmul passes `precision=PRECISION` (HIGHEST) and accumulates in float32 or wider
+(`accum_dtype`): float32 is float32 on a CPU, an NVIDIA GPU (no TF32) and a TPU (no single bf16
+pass), so `exact` computes what `train` does on each, free for bfloat16 operands (exact in every
+fast path). Backends still differ in the order of float32 sums: rounding, not precision.
 
-Knobs on top of any preset: `act_fp8` (per-token e4m3 quantization of every matmul input)
-and `router_noise_std` (seeded Gaussian noise on router logits) sweep the mismatch.
+Knobs on any preset sweep the mismatch: `act_fp8` (per-token e4m3 quantization of matmul inputs),
+`router_noise_std` (seeded Gaussian noise on router logits).
 
-FP8 is simulated by quantize→dequantize: the stored value is exactly an e4m3 number times
-its channel scale, so the rounding error is the real one; the matmul then runs in
-bfloat16 with float32 accumulation, as FP8 GEMMs on accelerators accumulate in wider
-precision. Embedding, unembedding, router and norms stay in bfloat16/float32, as FP8
-inference engines keep them.
+FP8 is simulated by quantize→dequantize: stored values are exactly e4m3 times a channel scale
+(the real rounding error), multiplied in bfloat16 with float32 accumulation as accelerator FP8
+GEMMs accumulate wider; embedding, unembedding, router and norms stay bfloat16/float32, as in FP8
+inference engines.
 
 Letters: B batch, T tokens, D model, E experts.
 """
@@ -67,21 +61,13 @@ _QUANT_AXES = {
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
-    """How a forward pass computes.
-
-    Attributes:
-      name: preset name (for logs).
-      weights: 'native' (params as stored), 'bf16', or 'fp8' (e4m3, per-channel scale).
-      compute_dtype: activation dtype; None means the model config's compute_dtype.
-      router_dtype: dtype of the router matmul; None means the compute dtype widened to
-        at least float32 (the training engine's choice). The softmax over experts is in
-        float32 or wider.
-      act_fp8: quantize each matmul input per token to e4m3 (plus scale).
-      router_noise_std: std of Gaussian noise added to router logits (0 = off).
-      noise_seed: seed of that noise. The noise of a token depends only on
-        (seed, layer, position, token id), so it is identical in prefill and decode and
-        independent of the other rows of the batch.
-    """
+    """How a forward pass computes (`name`: for logs). `weights`: 'native' (as stored), 'bf16' or
+    'fp8' (e4m3, per-channel scale); `compute_dtype`: activations' (None: the model config's);
+    `router_dtype`: the router matmul's (None: compute dtype, at least float32, as the trainer;
+    expert softmax: float32 or wider); `act_fp8`: per-token e4m3 matmul inputs;
+    `router_noise_std`: std of Gaussian router-logit noise (0 = off) seeded by `noise_seed`, a
+    function of (seed, layer, position, token id) only, so prefill and decode agree whatever the
+    other rows."""
 
     name: str = "train"
     weights: str = "native"
@@ -125,8 +111,7 @@ def numerics_preset(name: str, **overrides) -> Numerics:
 
 
 def of_sampling(sampling: SamplingConfig, seed: int) -> Numerics:
-    """The sampling engine's numerics: its preset plus the mismatch knobs, the router
-    noise seeded by the run's seed."""
+    """The sampling engine's numerics: preset plus mismatch knobs, noise seeded by the run."""
     preset = numerics_preset(sampling.numerics, router_noise_std=sampling.router_noise_std,
                              act_fp8=sampling.act_fp8, noise_seed=seed)
     return preset.replace(router_dtype=sampling.router_dtype) if sampling.router_dtype else preset
@@ -137,14 +122,9 @@ def compute_dtype(numerics: Numerics, cfg_compute_dtype: str):
 
 
 def quantize_e4m3(x: jax.Array, axes: tuple[int, ...]) -> dict:
-    """x as {"values": e4m3 values, "scale": one float32 scale per slice over `axes`}
-    (kept dims of size 1), x ≈ e4m3 · scale.
-
-    Scale = amax / 448 so the largest element maps to e4m3's largest finite value. The
-    e4m3 values pass an optimization barrier: XLA's GPU compiler otherwise folds a
-    float32 → e4m3 → float32 round trip away (excess precision), and the simulated
-    mismatch would vanish on that backend.
-    """
+    """x as {"values": e4m3, "scale": float32 per slice over `axes`}, x ≈ values · scale with
+    amax mapped to 448 (e4m3's max). The values sit behind an optimization barrier, else XLA's
+    GPU compiler folds the float32 → e4m3 → float32 round trip, and the mismatch, away."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
@@ -153,9 +133,8 @@ def quantize_e4m3(x: jax.Array, axes: tuple[int, ...]) -> dict:
 
 
 def dequantize(w) -> jax.Array:
-    """A weight as the FP8 engine computes with it: bfloat16(e4m3 · scale) for a
-    `quantize_e4m3` dict (the same rounding as `fake_quant_e4m3`, so both storage forms
-    give bit-identical matmul inputs), any other array unchanged."""
+    """A weight as the FP8 engine uses it: bfloat16(e4m3 · scale) for a `quantize_e4m3` dict
+    (`fake_quant_e4m3`'s rounding: both forms give the same matmul inputs); else as is."""
     if not is_quantized(w):
         return w
     return (w["values"].astype(jnp.float32) * w["scale"]).astype(jnp.bfloat16)
@@ -166,8 +145,8 @@ def is_quantized(w) -> bool:
 
 
 def axes_like(w, axes):
-    """A weight's logical axes in its stored form: a quantized weight's values and scales
-    share them (the scales' contraction dims are 1, which sharding leaves replicated)."""
+    """Logical axes of a weight as stored: a quantized weight's values and scales share them (the
+    scales' contraction dims are 1, left replicated)."""
     return {"values": axes, "scale": axes} if is_quantized(w) else axes
 
 
@@ -179,17 +158,10 @@ def fake_quant_e4m3(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 def prepare_params(params: dict, numerics: Numerics, *, keep_quantized: bool = False,
                    store_fp8: bool | None = None) -> dict:
-    """The weights as this engine holds them. Identity for 'native'.
-
-    Called once per rollout (outside the decode loop), as an inference engine converts
-    its weights once at load time. The converted weights pass an optimization barrier, so
-    a compiler cannot fuse the rounding into their consumers and skip it.
-
-    keep_quantized (the serving layout, rollout.py): each quantized layer weight is kept
-    as a `quantize_e4m3` dict (1 byte per value plus per-channel scales) and
-    `dequantize`d inside the layer that uses it, not as its bfloat16 rounding (2 bytes);
-    the matmul inputs are the same bits either way. `store_fp8` is its old name.
-    """
+    """The weights as this engine holds them ('native': as is), converted once per rollout (as an
+    engine at load) behind an optimization barrier so no rounding is fused away. keep_quantized
+    (serving layout, rollout.py): `quantize_e4m3` dicts (1 byte a value) `dequantize`d per layer,
+    not bfloat16 (2 bytes), same matmul inputs; `store_fp8`: its old name."""
     if store_fp8 is not None:
         warnings.warn("prepare_params(store_fp8=) is now keep_quantized=", DeprecationWarning,
                       stacklevel=2)

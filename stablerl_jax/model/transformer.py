@@ -1,22 +1,19 @@
 """The Qwen3-MoE style decoder as pure functions over a params pytree.
 
-Letters: B batch, T tokens, S cache slots, D model, H heads, Dh head width, E experts,
-K top-k, F expert FFN width, V vocab, L layers.
+Letters: B batch, T tokens, S cache slots, D model, H heads, Dh head width, E experts, K top-k, F
+expert FFN width, V vocab, L layers.
 
     tokens ─ embed ─▶ L × [ RMSNorm → GQA attention (RoPE, q/k RMSNorm) → +residual
                             RMSNorm → router softmax → top-k (or replay) → SwiGLU experts
                             → +residual ] ─▶ RMSNorm ─▶ hidden_BxTxD
 
-Per-layer weights are stacked on a leading L axis and the decoder is one `lax.scan` over
-layers. Route tensors are batch-major at the interface (`replay_BxTxLxK` in,
-aux["routes"] [B, T, L, K] out, like every other batch tensor, so one batch sharding
-covers them); inside, the replay is transposed to layer-major and scanned alongside the
-weights, so Routing Replay works with scanned and rematerialized layers alike. The KV
-cache rides in the scan's carry and each layer writes its slots in place.
+Per-layer weights are stacked on a leading L axis and scanned (`lax.scan`). Route tensors are
+batch-major at the interface (`replay_BxTxLxK` in, aux["routes"] [B, T, L, K] out: one batch
+sharding), layer-major inside, scanned with the weights, so Routing Replay works with scanned and
+rematerialized layers. The KV cache rides in the carry, each layer writing its slots in place.
 
-`forward` returns hidden states, not logits: log-probs are computed from them by a fused
-op that never builds [B, T, V] logits (stablerl_jax/method/logprobs.py). `logits` exists for
-sampling and tests.
+`forward` returns hidden states: log-probs come from a fused op that never builds [B, T, V]
+logits (stablerl_jax/method/logprobs.py); `logits` serves sampling and tests.
 """
 from __future__ import annotations
 
@@ -104,13 +101,10 @@ def logits(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
-    """An empty KV cache of `length` slots: k/v [L, B, S, KV, Dh] (or [L, B, KV, S, Dh],
-    cfg.kv_cache_layout 'bksd'), slot mask, write index. With cfg.unroll_layers, k and v
-    are tuples of L per-layer buffers [B, S, KV, Dh] (or [B, KV, S, Dh]) instead: each
-    layer then attends over its own buffer, which a decode step updates in place, where
-    a slice of the stacked buffer is a copy of that layer's whole cache on every step.
-    A per-token attention kernel's tiles may want a few slots more
-    (invariant.cache_slots): the cache then has them, never written."""
+    """Empty KV cache of `length` slots: k/v [L, B, S, KV, Dh] ([L, B, KV, S, Dh] for
+    cfg.kv_cache_layout 'bksd'), slot mask, write index; with cfg.unroll_layers, L buffers each
+    updated in place (a stacked layer slice is a copy per step); plus the unwritten slots a
+    per-token kernel's tiles may want (invariant.cache_slots)."""
     if length > cfg.max_seq_len:
         raise ValueError(f"cache length {length} exceeds max_seq_len={cfg.max_seq_len}; "
                          "raise ModelConfig.max_seq_len or shorten prompt + max_new_tokens")
@@ -146,37 +140,27 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
             gmm: moe.GroupedMatmul | None = None,
             mesh=None, rules: dict | None = None, checks: bool | None = None,
             trace: bool = False):
-    """Run the decoder. Returns (hidden_BxTxD, aux).
+    """Run the decoder: (hidden_BxTxD, aux).
 
     Args:
-      attention_mask_BxT: True for real tokens (default: all real). Padding never
-        influences real positions.
+      attention_mask_BxT: True for real tokens (default: all); padding never influences them.
       positions_BxT: RoPE positions (default: counted over real tokens).
-      segment_ids_BxT: packed rows (stablerl_jax/packing.py): one id per slot, 0 on
-        padding, non-decreasing along a row's real tokens; a token attends only to its
-        own segment and the default positions restart at each segment. No cache.
-      replay_BxTxLxK: expert indices to use instead of the router's top-k, per token and
-        layer; a (token, layer) whose K entries are -1 is routed normally.
-      replay_weights_BxTxLxK: recorded combine weights of those routes (weight replay,
-        `moe.route`; needs replay_BxTxLxK), held fixed on the recorded tokens.
-      numerics: how to compute (the training path uses the default "train").
-      cache: KV cache from `init_cache`; this call's tokens are written at its index (a
-        scalar; or [B], one slot per row, for one token per row).
-      gmm: grouped-matmul implementation for `cfg.dispatch == "grouped"` (default: the
-        one `cfg.gmm_impl` names).
-      mesh: the device mesh the caller's jit shards over. With more than one device, the
-        grouped expert FFN runs under shard_map on each device's own tokens
-        (model/expert_parallel.py), and so does a Pallas decode attention
-        (attention.decode_attention_fn); None: no mesh, nothing sharded by hand.
-      checks: also check the values of the inputs (token ids in [0, V), the mask in
-        {0, 1}); shapes and dtypes are always checked (stablerl_jax/input_checks.py).
-      trace: also return every layer's residual stream (aux["trace"]: "attention", after
-        the attention block's residual add, and "block", after the expert FFN's; each
-        [B, T, L, D]), for comparing two engines layer by layer (bitwise_check.py).
+      segment_ids_BxT: packed rows (stablerl_jax/packing.py), 0 on padding, non-decreasing;
+        attention and default positions per segment. No cache.
+      replay_BxTxLxK: expert indices replacing the router's top-k; K entries of -1 route live.
+      replay_weights_BxTxLxK: recorded combine weights of those routes, held fixed (`moe.route`).
+      numerics: how to compute (training: the default "train").
+      cache: from `init_cache`; tokens are written at its index (scalar, or [B]: one a row).
+      gmm: grouped matmul for `cfg.dispatch == "grouped"` (default: `cfg.gmm_impl`'s).
+      mesh: the caller's jit mesh; on several devices the grouped expert FFN and a Pallas decode
+        attention run per device under shard_map (model/expert_parallel.py).
+      checks: also check input values (ids in [0, V), mask in {0, 1}); shapes and dtypes are
+        always checked (stablerl_jax/input_checks.py).
+      trace: also return each layer's residual streams, aux["trace"] "attention" and "block"
+        ([B, T, L, D] each), to compare engines layer by layer (bitwise_check.py).
 
-    aux: routes [B,T,L,K] int32 (the experts used), route_weights [B,T,L,K] (their combine
-    weights), expert_load [L,E], router_z_loss [L],
-    load_balance_loss [L], router_loss (weighted scalar), and cache (updated) if given.
+    aux: routes [B,T,L,K] int32, route_weights [B,T,L,K], expert_load [L,E], router_z_loss [L],
+    load_balance_loss [L], router_loss (weighted scalar), and the updated cache if given.
     """
     _check_inputs(tokens_BxT, cfg, replay_BxTxLxK, attention_mask_BxT, checks)
     if numerics.name == "bitwise" and not cfg.batch_invariant:
@@ -226,10 +210,9 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, *,
 
 
 def _router_numerics(cfg: ModelConfig, numerics: nx.Numerics, dtype):
-    """(router dtype, router input). A named router dtype (the bf16 / fp8 presets', or
-    model / sampling.router_dtype) also takes the router's input, the normalized hidden
-    state, before its rounding to the compute dtype; unnamed, the router reads the rounded
-    one (router input None)."""
+    """(router dtype, router input). A named router dtype (bf16 / fp8 presets, or model /
+    sampling.router_dtype) also feeds the router the normalized hidden state before its rounding
+    to the compute dtype; unnamed: the rounded one (router input None)."""
     named = numerics.router_dtype or cfg.router_dtype
     router_dtype = dtype_of(named) if named else nx.accum_dtype(dtype)
     wider = named and jnp.dtype(router_dtype).itemsize > jnp.dtype(dtype).itemsize
@@ -239,9 +222,8 @@ def _router_numerics(cfg: ModelConfig, numerics: nx.Numerics, dtype):
 
 
 def _cache_frame(cache: dict | None, mask_BxT: jax.Array):
-    """(key mask [B, S], the slots of this call's tokens, each row's real tokens before
-    them [B] or None) without a cache (S = T) and with one (written at its index: a
-    scalar, or [B] with one token per row, the continuous sampler)."""
+    """(key mask [B, S], slots of this call's tokens, real tokens before them [B] or None),
+    without a cache (S = T) or with one (index scalar, or [B] for the continuous sampler)."""
     b, t = mask_BxT.shape
     if cache is None:
         return mask_BxT, jnp.arange(t), None
@@ -256,12 +238,10 @@ def _cache_frame(cache: dict | None, mask_BxT: jax.Array):
 
 
 def decoder_layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, experts, decode):
-    """The Qwen3-MoE decoder layer, `(carry, xs) -> (carry, ys)` for `lax.scan` over the
-    layers: carry (x_BxTxD, kv cache or None), xs (the layer's params, its index, its
-    replayed routes and weights or None); ys (routes, weights, expert load, z loss,
-    balance loss, and the two residual streams under `step.trace`). `experts` runs the
-    expert FFN (`_experts_fn`), `decode` a decode attention (None: the default).
-    Its batch-invariant twin is invariant_layer.decoder_layer."""
+    """The decoder layer for `lax.scan`, `(carry, xs) -> (carry, ys)`: carry (x_BxTxD, kv or
+    None), xs (params, index, replayed routes and weights), ys (routes, weights, load, z and
+    balance losses[, residual streams if `step.trace`]). `experts`: from `_experts_fn`; `decode`:
+    decode attention or None."""
     b, t = frame.tokens_BxT.shape
 
     def layer(carry, xs):
@@ -304,9 +284,8 @@ def decoder_layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, expe
 
 def _layer(cfg: ModelConfig, step: LayerNumerics, frame: TokenFrame, cached: bool, gmm, mesh,
            rules):
-    """The layer `forward` scans: `decoder_layer`, or under `cfg.batch_invariant` its
-    per-token twin (the trainer's backward pass the plain layer's), rematerialized as
-    `cfg.remat` says."""
+    """The layer `forward` scans: `decoder_layer`, or under `cfg.batch_invariant` its per-token
+    twin (with the plain layer's backward), rematerialized as `cfg.remat` says."""
     t = frame.tokens_BxT.shape[1]
     experts = _experts_fn(cfg, gmm, mesh, rules, decode=cached and t == 1)
     decode = (decode_attention_fn(cfg, mesh, rules)
@@ -372,11 +351,9 @@ def _final_norm(x, scale, cfg: ModelConfig, mesh, rules):
 
 
 def _put_cache(cfg: ModelConfig, index, b: int, kv, k_BxTxKVxDh, v_BxTxKVxDh, layer):
-    """The batch-invariant layer's cache write (invariant_layer.decoder_layer): this call's keys
-    and values written at `index` into the carried cache (stacked or one layer's buffers),
-    as `attention.attention` writes them. Returns (kv, k, v, layout, layer): k, v this
-    layer's whole buffers, or the stacked buffers and `layer` its index in them (None
-    for per-layer buffers), which the attention reads in place."""
+    """The batch-invariant layer's cache write at `index` (as `attention.attention` writes):
+    returns (kv, k, v, layout, layer), k and v this layer's own buffers, or the stacked ones with
+    `layer` their index (None for own buffers), read in place."""
     keys = cfg.kv_cache_layout
     to_cache = (lambda x: x) if keys == "bskd" else (lambda x: jnp.swapaxes(x, 1, 2))
     own = kv[0].ndim == len(keys)
@@ -386,12 +363,9 @@ def _put_cache(cfg: ModelConfig, index, b: int, kv, k_BxTxKVxDh, v_BxTxKVxDh, la
 
 
 def _experts_fn(cfg: ModelConfig, gmm, mesh, rules, decode: bool):
-    """The expert FFN. A decode step (one token per row) on an expert-parallel shard of
-    at most K experts runs them densely over the step's tokens (moe.experts_local_dense:
-    the grouped buffer's worst case has as many rows, and a sort per layer and step is
-    saved), and on many expert shards sends each token to its experts' shards instead
-    of gathering every peer's tokens (expert_parallel._exchanged); prefill and the
-    training engine keep the grouped dispatch over gathered tokens."""
+    """The expert FFN. Decode: shards of ≤ K experts run them densely (moe.experts_local_dense,
+    no sort); many shards exchange tokens (expert_parallel._exchanged). Else grouped over
+    gathered tokens."""
     if cfg.dispatch == "dense":
         return moe.experts_dense
     kw = {"tile": cfg.moe_tile, "gmm": gmm if gmm is not None else moe.gmm_of(cfg.gmm_impl)}

@@ -1,36 +1,26 @@
 """Continuous batching: the sampler that refills a finished row's slot with the next response.
 
 Letters: I responses (the queue, in row order), n slots (rows decoded at once:
-sampling.max_batch, or I), P prompt slots, C completion slots (max_new_tokens),
-S = P + C, V vocab, L layers, K top-k.
+sampling.max_batch, or I), P prompt slots, C completion slots (max_new_tokens), S = P + C, V
+vocab, L layers, K top-k.
 
-The static sampler (rollout.py) decodes a slice of rows until its longest row stops;
-a row that stopped keeps its slot, and its share of every later step's work, doing
-nothing. Here a slot whose response stopped (or reached C tokens) takes the next
-pending response of the queue before the next decode step: its prompt is prefilled
-alone into that slot's row of the KV cache (one [1, P] forward), and its first token is
-drawn in the next step. The first n responses start together (one [n, P] prefill).
-Slots are refilled in ascending order; the sampler ends when all I responses are
-complete. `stablerl_jax.pod.sampler_schedules` simulates exactly this schedule.
+The static sampler (rollout.py) runs a slice until its longest row stops, stopped rows idling.
+Here, before each decode step, the lowest slot whose response is done (stop or C tokens) takes
+the next pending response, prefilled alone into its cache row ([1, P]); the first n start
+together ([n, P]); it ends when all I are complete (the schedule
+`stablerl_jax.pod.sampler_schedules` simulates). Rows keep the static layout at different slots:
+a write index per row (`tf.forward` with a [n] `cache["index"]`), decode attention reading up to
+the largest row's slot.
 
-Every slot row keeps the static layout (prompt left-padded in [0, P), completion from
-slot P), but the rows are at different slots: the KV cache carries one write index
-per row (`tf.forward` with a [n] `cache["index"]`) and a decode step's attention reads
-key blocks up to the largest row's slot.
-
-Exactness. Response r draws the token at its completion position i from
-fold_in(key_r, i), where key_r is row r's key of the static sampler (`rollout.row_keys`),
-and no quantity of a row depends on the other rows of the batch: its prefill and decode
-steps compute its row alone. So a response's tokens, log μ, routes and weights are the
-static sampler's, in the same row order, after fewer decode steps when the lengths
-differ, as far as the matmul kernels round a row alike whatever the batch around it.
-On CPU the FP8 and bf16 engines agree bit for bit with prefills of up to 32 rows
-(tests/sampling/continuous_test.py; docs/records/benchmarks.md, "Samplers side by side"); a refill's
-[1, P] prefill can round differently from a pass's [64, P] one, and a response started
-by a refill may then draw another token (another sample of the same distribution, its
-log μ the one it was drawn from). With float32 weights and activations the differently
-fused programs round a log-prob's last bits differently even at small sizes, while
-tokens and routes agree. Alignment of every field: rollout.py's module docstring.
+Exactness: response r draws completion token i from fold_in(key_r, i) with its static-sampler key
+(`rollout.row_keys`) and is computed alone, so its tokens, log μ, routes and weights are the
+static sampler's (same row order, fewer steps) as far as matmul kernels round a row alike
+whatever the batch. On CPU the FP8 and bf16 engines agree bit for bit with prefills of up to 32
+rows (tests/sampling/continuous_test.py; docs/records/benchmarks.md, "Samplers side by side"); a
+refill's [1, P] prefill can round unlike a [64, P] one, and the response may then draw another
+token (another sample of the same distribution, with its own log μ). In float32, differently
+fused programs differ in a log-prob's last bits even at small sizes; tokens and routes agree.
+Field alignment: rollout.py's module docstring.
 """
 from __future__ import annotations
 
@@ -48,12 +38,10 @@ from stablerl_jax.sampling import rollout as rollout_lib
 
 
 class Queue(NamedTuple):
-    """The responses a continuous sampler works through; every leaf is [I, ...], in queue
-    order (a group's G responses are adjacent). Slot alignment as in a Rollout.
-    `version_IxS` is the parameter version that generated each completion token (-1
-    elsewhere); `progress_I` the tokens generated so far; `finished_I` complete
-    (stopped or C tokens); `stopped_I` ended on a stop id. Partial rollouts carry the
-    unfinished ones into the next step's queue (rl/inflight.py)."""
+    """A continuous sampler's responses, leaves [I, ...] in queue order (a group's G adjacent;
+    slots as in a Rollout). `version_IxS`: each completion token's parameter version (-1
+    elsewhere); `progress_I`: tokens so far; `finished_I`: stop or C tokens; `stopped_I`: on a
+    stop id. Partial rollouts carry unfinished ones on (rl/inflight.py)."""
 
     tokens_IxS: jax.Array            # int32: prompt in [0, P), completion from P
     prompt_mask_IxS: jax.Array       # bool
@@ -75,8 +63,7 @@ def slots_of(sampling: SamplingConfig, rows: int) -> int:
 
 def new_queue(prompts_IxP, pmask_IxP, key, cfg: ModelConfig, sampling: SamplingConfig,
               pad_id: int) -> Queue:
-    """A queue of responses not yet started, one per prompt row; `key`: one key (split
-    into I, as the static sampler splits it) or [I] keys."""
+    """Unstarted responses, one per prompt row; `key`: one key (split into I) or [I] keys."""
     n, p = prompts_IxP.shape
     s = p + sampling.max_new_tokens
     routes_shape = (n, s, cfg.num_layers, cfg.top_k)
@@ -104,9 +91,8 @@ def to_rollout(q: Queue) -> rollout_lib.Rollout:
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int, pad_id: int,
            stop_ids=(), mesh=None, with_steps: bool = False, logprob_impl: str = "chunked"):
-    """`rollout.sample`'s Rollout (same arguments, same rows, same values), by continuous
-    batching over `slots_of(sampling, B)` slots. `with_steps`: return (Rollout, the
-    number of decode steps run) instead."""
+    """`rollout.sample`'s Rollout (same arguments, rows, values) by continuous batching over
+    `slots_of(sampling, B)` slots; `with_steps`: (Rollout, decode steps run)."""
     rollout_lib.validate_inputs(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id,
                                 pad_id, tuple(stop_ids))
     queue = new_queue(prompt_tokens_BxP.astype(jnp.int32), prompt_mask_BxP.astype(bool), key,
@@ -158,10 +144,8 @@ class _Slots(NamedTuple):
 
 
 def _prefill(k: _Call, st: _Slots, rows_R, slots_R) -> _Slots:
-    """Responses `rows_R` prefilled into slots `slots_R` (their cache rows and last
-    hidden states; a new response's prompt routes). A response with tokens already is
-    prefilled over its prompt and completion so far (S slots), a new one over its prompt
-    (P slots): one program each, the second the static sampler's."""
+    """Prefill responses `rows_R` into slots `slots_R` (cache rows, last hidden states, new
+    prompt routes): started ones over S slots, new ones over P (the static sampler's program)."""
     cfg, p, s, r, q = k.cfg, k.p, k.s, rows_R.shape[0], st.q
     progress_R = q.progress_I[rows_R]
 
@@ -198,9 +182,8 @@ def _prefill(k: _Call, st: _Slots, rows_R, slots_R) -> _Slots:
 
 
 def _next_logits(k: _Call, hidden_nxD, first_n):
-    """The log-probs a response's next token is drawn from (rollout.next_logprobs): its
-    first token's from the prefill's weights, the rest from the decode loop's (the
-    serving layout's, when it has its own)."""
+    """Each slot's next-token log-probs (rollout.next_logprobs): a first token's from the
+    prefill's weights, later ones from the decode loop's (the serving layout's, if separate)."""
     logits = lambda w, rules=None: rollout_lib.next_logprobs(
         w, hidden_nxD, k.cfg, k.sampling, k.numerics, k.mesh, rules, k.logprob_impl)
     if k.d_params is k.prepared:
@@ -256,9 +239,8 @@ def _pending(st: _Slots):
 
 
 def _refill(k: _Call, st: _Slots) -> _Slots:
-    """The lowest free slot takes the next pending response (one 1-row prefill; with
-    batch-invariant numerics on a mesh, whose devices each prefill their own rows, the
-    row repeated once per data-parallel device: the copies write the same bits)."""
+    """The lowest free slot takes the next pending response: a 1-row prefill (batch-invariant on
+    a mesh: one identical copy per data-parallel device)."""
     copies = invariant_layer.row_splits(k.mesh) if k.cfg.batch_invariant else 1
     return _prefill(k, st, jnp.full((copies,), jnp.argmax(_pending(st))),
                     jnp.full((copies,), jnp.argmax(st.done)))
@@ -270,15 +252,10 @@ def _refill(k: _Call, st: _Slots) -> _Slots:
 def run(params, queue: Queue, version, *, cfg, sampling, numerics, stops, pad_id, mesh,
         need_groups: int = 0, group_size: int = 1, slots: int = 0,
         logprob_impl: str = "chunked"):
-    """(the queue advanced, decode steps run) with the weights `params` of `version`.
-
-    Slots are filled with the queue's unfinished responses in queue order (those with
-    tokens already, from an earlier call, re-prefilled over prompt + completion so far
-    with these weights); then decode steps and refills (module docstring) until every
-    response is complete or, with `need_groups`, until that many groups of `group_size`
-    adjacent responses are complete (partial rollouts: the rest stay unfinished).
-    `slots`: n (0: `slots_of(sampling, I)`; partial rollouts pass the step's, whose
-    queue holds more responses than slots). `logprob_impl`: as `rollout.sample`'s."""
+    """(queue advanced, decode steps run) with weights `params` of `version`: slots take
+    unfinished responses in queue order (started ones re-prefilled), then decode and refill until
+    all are complete or, with `need_groups`, that many groups of `group_size` adjacent responses
+    are. `slots`: n (0: `slots_of(sampling, I)`). `logprob_impl`: as `rollout.sample`'s."""
     num_i, s = queue.tokens_IxS.shape
     n, c = min(slots or slots_of(sampling, num_i), num_i), sampling.max_new_tokens
     p = s - c

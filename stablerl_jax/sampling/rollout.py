@@ -1,65 +1,42 @@
 """The sampling path (the inference engine μ): prefill + KV-cache decode, own numerics.
 
-Letters: B rows (responses), P prompt slots, C completion slots (max_new_tokens), S = P + C slots,
-V vocab,
-L layers, K top-k.
+Letters: B rows (responses), P prompt slots, C completion slots (max_new_tokens), S = P + C
+slots, V vocab, L layers, K top-k.
 
-It differs from the training path on purpose, in two ways: its `Numerics` (e.g. FP8
-weights, bf16 activations; weights converted once per call by `prepare_params`) and its
-algorithm (one prefill over the prompt, then one token at a time against a KV cache of S
-slots, in a `lax.while_loop` that stops once every row has emitted a stop id), versus the
-trainer's single full-sequence pass.
+Unlike the trainer's single full-sequence pass, on purpose: own `Numerics` (e.g. FP8 weights,
+bf16 activations; converted once per call by `prepare_params`), and a prefill, then one token a
+step against an S-slot KV cache in a `lax.while_loop`, until each row has emitted a stop id of
+`{eos_id} ∪ stop_ids` ("EOS" below; generation_config.json may list several, e.g. Qwen3's
+`<|im_end|>` and `<|endoftext|>`). A row with none in C tokens is *truncated* (`truncated_B`).
 
-Stop ids: a row stops on the first token of its stop set, `{eos_id} ∪ stop_ids` (a
-checkpoint's generation_config.json may list several, e.g. Qwen3's `<|im_end|>` and
-`<|endoftext|>`). Below, "EOS" means whichever stop id ended the row. A row that emits
-none in C tokens is *truncated* (`truncated_B`).
+Alignment (the trainer relies on it; the hidden state at slot s predicts slot s + 1):
+- tokens_BxS: left-padded prompt in [0, P), completion in [P, S), pad_id after EOS.
+- logp_mu_BxS[b, s]: log μ of completion token tokens[b, s] under exactly the distribution it was
+  drawn from (float32 logits / temperature, then top-k / top-p if on); 0 elsewhere.
+- routes_mu_BxSxLxK[b, s]: the experts each layer used when the engine *processed* tokens[b, s];
+  -1 where it processed nothing (padding, after EOS, EOS itself and the last sampled token, never
+  fed back). All -1 or all recorded per token: a valid `replay_BxTxLxK` for the training forward
+  over tokens_BxS (mask prompt_mask | completion_mask).
+- route_weights_mu_BxSxLxK[b, s]: their combine weights (float32), 0 where routes_mu is -1, for
+  weight replay (`rl.replay_weights`).
+- completion_mask_BxS / lengths_B: sampled tokens up to and *including* EOS (an action: its
+  log-prob's gradient teaches stopping).
 
-Alignment (the trainer relies on it). The model's hidden state at slot s predicts the
-token at slot s + 1, so:
-- tokens_BxS: left-padded prompt in slots [0, P), completion in [P, S), pad_id after EOS.
-- logp_mu_BxS[b, s]: log μ of tokens[b, s] for completion slots (drawn from the hidden
-  state at slot s − 1), under exactly the distribution it was drawn from: float32
-  logits / temperature, then top-k / top-p truncation if on. 0 elsewhere.
-- routes_mu_BxSxLxK[b, s]: the experts the engine used in each layer when it *processed*
-  tokens[b, s] (prompt slots in the prefill, each fed-back token in its decode step). -1
-  where it processed nothing: padding, slots after EOS, the EOS token itself and the last
-  sampled token (neither is ever fed back). A token's K entries are all -1 or all
-  recorded, so the tensor is a valid `replay_BxTxLxK` for the training forward over
-  tokens_BxS with attention mask prompt_mask | completion_mask (rows of -1 route live).
-- route_weights_mu_BxSxLxK[b, s]: the combine weights the engine gave those experts
-  (float32), 0 where routes_mu is -1: what weight replay (`rl.replay_weights`) replays.
-- completion_mask_BxS / lengths_B: sampled tokens up to and *including* EOS. The EOS
-  token is part of the completion (it is an action the policy took, and its log-prob
-  gets the gradient that teaches the policy to stop); nothing after it is.
-- truncated_B: the row reached max_new_tokens without a stop id (its text is cut).
+Truncation biases IS weights: logp_mu is then under the *truncated* μ_trunc, the trainer scores
+the full softmax π, and excluded tokens are never sampled, so E_{μ_trunc}[π/μ_trunc] = π(support)
+< 1 (inside, π/μ_trunc = π(support) · π/μ_full). Leave it off for RL unless that bias is studied.
 
-Truncation and IS weights: with top-k / top-p on, logp_mu is the log-prob under the
-*truncated*, renormalized distribution μ_trunc, while the trainer scores the full softmax
-π. Tokens outside the truncated support are never sampled, so E_{μ_trunc}[π/μ_trunc] =
-π(support) < 1: every token ratio is biased low by the mass π puts outside the support
-(on a token inside it, π/μ_trunc = π(support) · π/μ_full), and the estimator never sees
-the excluded tokens at all. Leave truncation off for RL unless that bias is studied.
+Layouts (SamplingConfig.layout): 'train' decodes with the trainer's FSDP-sharded weights,
+gathering each layer's (and the unembedding) every step. 'serve' reshards them once per call to
+`sharding.SERVE_RULES` (`serving_layout`: experts split over every device, the rest replicated,
+FP8 as e4m3 + per-channel scales): a decode step then moves only activations
+(model/expert_parallel.py). The prefill keeps the training layout: gathers amortize over P tokens
+a row, and an exchange of all prompt tokens would need a buffer of every device's tokens. Both
+sample the same tokens, log μ and routes (tests/sampling/serve_layout_test.py).
 
-Layouts (SamplingConfig.layout). 'train' decodes with the weights where the trainer
-keeps them: FSDP-sharded, so every layer of every decode step all-gathers its weights
-again (the unembedding too), a weight's bytes per chip per generated token. 'serve'
-reshards them once per call into the serving layout of `sharding.SERVE_RULES`
-(`serving_layout`: attention, router, norms and embeddings replicated, the experts split
-over every device, the FP8 engine's weights stored as e4m3 values + per-channel scales
-and widened one layer at a time), so a decode step moves only activations: the expert
-FFN sends each token to its K experts' devices and the outputs back by a ragged
-all-to-all (or, on few devices, all-gathers the step's B tokens and reduce-scatters
-their outputs; model/expert_parallel.py). The prefill keeps the training layout in
-both: it runs once per slice over P tokens a row, where gathering each layer's weights
-is amortized, and an expert exchange of all prompt tokens over every device would need
-a buffer of every device's tokens. The two layouts sample the same tokens, log μ and routes
-(tests/sampling/serve_layout_test.py).
-
-Randomness: row b draws its token at decode step i from fold_in(key_b, i), where key_b is
-row b's own key (pass [B] keys, or one key that is split into B). With per-row keys a
-row's sample depends only on its key, its prompt and the weights, not on the other rows
-or on its left padding (batch invariance, up to float reassociation in batched matmuls).
+Randomness: row b draws at decode step i from fold_in(key_b, i), key_b its own key ([B] keys, or
+one split into B), so its sample depends only on its key, prompt and the weights, not on other
+rows or its left padding (up to float reassociation in batched matmuls).
 """
 from __future__ import annotations
 
@@ -78,8 +55,7 @@ from stablerl_jax.model import transformer as tf
 
 
 def sampler_model(model: ModelConfig, sampling: SamplingConfig) -> ModelConfig:
-    """The ModelConfig the sampler runs: `model` with the sampler's own expert dispatch
-    (sampling.dispatch) where it names one."""
+    """`model` with the sampler's own expert dispatch (sampling.dispatch), if it names one."""
     if sampling.dispatch in ("", model.dispatch):
         return model
     return model.replace(dispatch=sampling.dispatch,
@@ -101,19 +77,14 @@ class Rollout(NamedTuple):
 
 
 def decode_steps(lengths_B, max_batch: int = 0):
-    """Decode steps `sample` ran for responses of `lengths_B`: each pass of
-    sampling.max_batch rows (strided slices, slices.py) runs until its longest response
-    has stopped."""
+    """Decode steps `sample` runs for `lengths_B`: each max_batch pass's longest row, summed."""
     b = lengths_B.shape[0]
     n = b // max_batch if max_batch else 1
     return jnp.sum(jnp.max(lengths_B.reshape(b // n, n), axis=0))
 
 
 def used_window(used_S, bucket: int) -> tuple[int, int]:
-    """The slots [lo, hi) of a rollout that `trim` keeps: from the first to the last slot
-    that any row uses (`used_S`: [S] bool, prompt or completion in some row), widened to
-    a multiple of `bucket` slots (to the left first, as prompts are left-padded), at most
-    all S."""
+    """`trim`'s [lo, hi): `used_S`'s span grown (leftward first) to a `bucket` multiple ≤ S."""
     used = np.flatnonzero(np.asarray(used_S))
     s = len(used_S)
     if not len(used):
@@ -125,8 +96,7 @@ def used_window(used_S, bucket: int) -> tuple[int, int]:
 
 
 def trim(rollout: Rollout, lo: int, hi: int) -> Rollout:
-    """The rollout restricted to slots [lo, hi) (every [B, S, ...] leaf). Positions count
-    real tokens, so slots where no row has one change nothing for the rows' scores."""
+    """The rollout on slots [lo, hi); positions count real tokens, so scores stay the same."""
     return Rollout(*[x if x is None or x.ndim == 1 else x[:, lo:hi] for x in rollout])
 
 
@@ -150,11 +120,9 @@ def sampling_logprobs(logits_BxV, sampling: SamplingConfig):
 
 def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig,
                   numerics: nx.Numerics, mesh=None, rules=None, logprob_impl: str = "chunked"):
-    """The log-probs the next token is drawn from, [B, V] float32: `sampling_logprobs`
-    of the logits, or with batch-invariant numerics the trainer's own per-row function
-    (invariant.logprobs_V: the temperature applied to the hidden state, no truncation;
-    the fused log-prob kernel the trainer scores with, `logprob_impl`, where its row is
-    batch-invariant), on each device's own rows of `mesh` (split by `rules`)."""
+    """Next-token log-probs [B, V] float32: `sampling_logprobs` of the logits, or under
+    batch-invariant numerics invariant.logprobs_V per row (temperature on the hidden state, no
+    truncation; kernel `logprob_impl` if batch-invariant), per device of `mesh` (`rules`)."""
     if cfg.batch_invariant:
         w = tf.unembed_matrix(params, cfg).astype(hidden_BxD.dtype)
         per_row = lambda h, w: invariant.logprobs_V(h, w, sampling.temperature, cfg.row_tile,
@@ -164,14 +132,12 @@ def next_logprobs(params, hidden_BxD, cfg: ModelConfig, sampling: SamplingConfig
 
 
 def stop_set(eos_id: int, stop_ids=()) -> tuple[int, ...]:
-    """The sorted stop ids of a sampler: `eos_id` (-1: none) and every id of `stop_ids`,
-    each once (a static tuple, so one compiled sampler per set)."""
+    """Sorted unique stop ids: `eos_id` (-1: none), `stop_ids`; static, one sampler per set."""
     return tuple(sorted({int(i) for i in (eos_id, *stop_ids) if int(i) >= 0}))
 
 
 def truncated_rows(tokens_BxS, completion_mask_BxS, stop_ids, max_new_tokens: int):
-    """[B] bool (numpy): rows whose completion has max_new_tokens tokens and does not end
-    on a stop id, for rollouts that do not carry `truncated_B` (offline rollout files)."""
+    """[B] bool: rows at max_new_tokens not ending on a stop id (files lacking `truncated_B`)."""
     tokens_BxS, comp_BxS = np.asarray(tokens_BxS), np.asarray(completion_mask_BxS, bool)
     lengths_B = comp_BxS.sum(axis=1)
     last_B = np.where(comp_BxS.any(axis=1),
@@ -213,8 +179,7 @@ def validate_inputs(prompts, mask, cfg: ModelConfig, sampling: SamplingConfig, e
 
 
 def row_keys(key, b: int):
-    """[B] typed keys: one key is split into B, [B] keys are used as given. Raw uint32
-    keys (jax.random.PRNGKey) are accepted and wrapped."""
+    """[B] typed keys: one key split, or [B] keys; raw uint32 (jax.random.PRNGKey) is wrapped."""
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     if key.ndim == 0:
@@ -228,20 +193,12 @@ def row_keys(key, b: int):
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg: ModelConfig,
            sampling: SamplingConfig, numerics: nx.Numerics, *, eos_id: int,
            pad_id: int, stop_ids=(), mesh=None, logprob_impl: str = "chunked") -> Rollout:
-    """Sample completions of left-padded prompts with the inference engine.
-
-    Validates the inputs, then runs a jitted prefill + decode (cfg, sampling, numerics and
-    the tokenizer's stop / pad ids are static). A row stops after emitting `eos_id` or
-    any id of `stop_ids` (`stop_set`; none at all: every row decodes max_new_tokens);
-    `pad_id` fills the slots after it. See the
-    module docstring for the alignment of the result. With `sampling.max_batch` smaller
-    than the batch, rows are decoded in strided slices of that many rows (`lax.map`; each
-    row's sample is the same). `mesh`: the devices the expert FFN is sharded over.
-    `sampling.layout='serve'`: the decode loop runs on the weights of `serving_layout`
-    (resharded once per call); the prefill keeps the training layout. `logprob_impl`:
-    the trainer's fused log-prob row (RLConfig.logprob_impl), which a batch-invariant
-    model samples with where the row is batch-invariant (`next_logprobs`).
-    """
+    """Sample completions of left-padded prompts (inputs validated; prefill + decode jitted, cfg,
+    sampling, numerics, stop / pad ids static). Rows stop on `eos_id` or `stop_ids` (`stop_set`;
+    none: max_new_tokens), `pad_id` after. `sampling.max_batch` < B: strided slices (`lax.map`,
+    slices.py), same samples. `mesh`: the expert FFN's devices. `sampling.layout='serve'`: decode
+    on `serving_layout`'s weights. `logprob_impl`: RLConfig.logprob_impl, sampled with if
+    batch-invariant (`next_logprobs`)."""
     validate_inputs(prompt_tokens_BxP, prompt_mask_BxP, cfg, sampling, eos_id, pad_id,
                     tuple(stop_ids))
     b = prompt_tokens_BxP.shape[0]
@@ -269,10 +226,8 @@ def _sample(params, prompts, pmask, key, cfg, sampling, numerics, stops, pad_id,
 
 
 def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
-    """(weights, rules) of the decode loop in the serving layout (SamplingConfig.layout):
-    the engine's weights (`prepare_params`; the FP8 engine's as e4m3 values + scales)
-    constrained to the shardings of `sharding.serve_rules`, so the compiler reshards
-    them once, before the loop. No mesh: the weights alone, rules None."""
+    """(weights, rules) of the serve-layout decode loop: `prepare_params`' weights (FP8 as e4m3 +
+    scales) constrained once to `sharding.serve_rules`' shardings. No mesh: rules None."""
     weights = nx.prepare_params(params, numerics, keep_quantized=True)
     if mesh is None:
         return weights, None
@@ -289,8 +244,7 @@ def serving_layout(params, cfg: ModelConfig, numerics: nx.Numerics, mesh):
 
 
 def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
-    """NamedShardings of the engine's weights (arrays or ShapeDtypeStructs, as
-    `prepare_params` returns them) under the sharding `rules`."""
+    """NamedShardings of the engine's weights (`prepare_params`' form) under `rules`."""
     axes = tf.param_logical_axes(cfg)
     axes["layers"] = {k: nx.axes_like(weights["layers"][k], a)
                       for k, a in axes["layers"].items()}
@@ -299,9 +253,8 @@ def serving_shardings(weights, cfg: ModelConfig, mesh, rules: dict):
 
 def _decode(params, prompts, pmask, keys_B, cfg, sampling, numerics, stops, pad_id, mesh,
             layout=None, logprob_impl="chunked"):
-    """Prefill + decode of one batch of rows (weights already prepared); `stops`: the
-    sorted stop ids (`stop_set`). `layout`: the decode loop's own (weights, sharding
-    rules) (`serving_layout`); None: `params`."""
+    """Prefill + decode of one batch of prepared rows; `stops`: sorted ids (`stop_set`);
+    `layout`: the decode loop's (weights, sharding rules) (`serving_layout`), None: `params`."""
     d_params, d_rules = layout if layout is not None else (params, None)
     stops_Z = jnp.asarray(stops, jnp.int32)  # Z stop ids (may be 0)
     is_stop = lambda tok_B: jnp.any(tok_B[:, None] == stops_Z[None, :], axis=1)
