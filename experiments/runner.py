@@ -22,7 +22,7 @@ from stablerl_jax import distributed
 from stablerl_jax.config import ExperimentConfig, apply_overrides
 from stablerl_jax.interop import hf_checkpoint
 from stablerl_jax.rl import loop, preflight, sft
-from stablerl_jax.rl.engine import param_shardings
+from stablerl_jax.rl.engine import param_shardings, release_programs
 from stablerl_jax.runs import checkpoint, storage
 from stablerl_jax.runs.metrics_io import read_metrics
 
@@ -126,6 +126,7 @@ def run_variants(exp: Experiment, workdir: str, *, data, params, variants=None, 
                       f"{s['end_accuracy']:.3f}, reward {s['start_reward']:.3f} -> "
                       f"{s['end_reward']:.3f} ({time.time() - t0:.0f} s)", flush=True)
                 runs[prefix + v.name].append(read_metrics(rundir))
+        release_programs()  # the next variant compiles its own; see its docstring
     return runs
 
 

@@ -411,3 +411,16 @@ def _steps(cfg: ExperimentConfig, stops: tuple, pad_id: int, optim: OptimConfig,
 
 
 _shared_steps = functools.lru_cache(maxsize=16)(_steps)
+
+
+def release_programs() -> None:
+    """Drop the Engines' shared steps and every compiled program of this process.
+
+    Each executable holds a few memory mappings of its machine code. A process that runs
+    many configurations (an experiment's variants) would keep them all: about 4,700
+    mappings per stabilizers variant, so that near the kernel's default limit
+    (vm.max_map_count = 65,530) a compile fails with "LLVM compilation error: Cannot
+    allocate memory" and the process aborts. Arrays are kept; the next call compiles again
+    (or loads from the persistent compilation cache)."""
+    _shared_steps.cache_clear()
+    jax.clear_caches()

@@ -38,3 +38,48 @@ def test_the_kept_directory_follows_the_cold_starts_settings_only():
     assert all(runner.kept_dir(c, "/r") == here for c in same)
     assert len({here, *(runner.kept_dir(c, "/r") for c in other)}) == 1 + len(other)
     assert runner.kept_dir(cfg).startswith(runner.COLDSTARTS)
+
+
+def test_released_programs_give_back_their_code_mappings():
+    """Each compiled program holds memory mappings of its code until it is dropped: a
+    process that compiles variant after variant keeps them all unless they are released
+    (rl/engine.release_programs), and dies at the kernel's vm.max_map_count."""
+    import jax.numpy as jnp
+
+    from stablerl_jax.rl import engine
+
+    maps = lambda: len(open("/proc/self/maps").read().splitlines())
+
+    alive = []  # the jitted functions live on, as a module's or an Engine's do
+
+    def compile_64(k):  # 64 programs, none compiled before
+        for i in range(64):
+            alive.append(jax.jit(lambda x, i=i: jnp.tanh(x * i).sum() + k))
+            alive[-1](jnp.ones(3)).block_until_ready()
+
+    compile_64(0)
+    engine.release_programs()  # what the first compiles leave for good is now left
+    base = maps()
+    compile_64(1)
+    compile_64(2)
+    assert maps() - base >= 2 * 64  # kept: at least one mapping a program
+    engine.release_programs()
+    released = maps()
+    for k in (3, 4, 5):
+        compile_64(k)
+        engine.release_programs()
+    assert maps() - released < 32  # released after each round: nothing accumulates
+
+
+def test_run_variants_releases_the_programs_after_each_variant(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner.loop, "run", lambda cfg, rundir, **kw: calls.append(rundir)
+                        or dict.fromkeys(("start_accuracy", "end_accuracy", "start_reward",
+                                          "end_reward"), 0.0))
+    monkeypatch.setattr(runner, "read_metrics", lambda rundir: [])
+    monkeypatch.setattr(runner, "release_programs", lambda: calls.append("release"))
+    exp = runner.Experiment(tiny_cfg(), (runner.Variant("a"), runner.Variant("b")),
+                            seeds=(0, 1))
+    runner.run_variants(exp, "/w", data=None, params=None, progress=False)
+    assert calls == ["/w/a/seed0", "/w/a/seed1", "release", "/w/b/seed0", "/w/b/seed1",
+                     "release"]
