@@ -1,28 +1,24 @@
-"""Ahead-of-time compilation for a TPU pod from any host: topology names, abstract step
-inputs, per-chip memory, FLOPs and collectives of the compiled programs.
+"""Ahead-of-time compilation for a TPU pod from any host: topology names, abstract step inputs,
+per-chip memory, FLOPs and collectives of the compiled programs.
 
 Letters: B responses of a step, M responses of a mini-batch, P prompt slots, C completion slots,
 S = P + C slots, T = S − 1, L layers, K top-k.
 
-With libtpu installed (`pip install -e '.[tpu]'`),
-`jax.experimental.topologies.get_topology_desc` returns the devices of a TPU slice
-without any TPU attached; an `Engine` built on them (`Engine.create(devices=...)`) has the
-project's own mesh, shardings and jitted steps, and `Engine.lower(...).compile()` is the
-XLA TPU compiler's program for that pod. `memory_analysis()` of it gives per-chip bytes:
+`jax.experimental.topologies.get_topology_desc` (with libtpu: `pip install -e '.[tpu]'`) gives a
+TPU slice's devices with no TPU attached; an `Engine` on them (`Engine.create(devices=...)`) has
+the project's mesh, shardings and jitted steps, and `Engine.lower(...).compile()` is the XLA TPU
+compiler's program for that pod. Its `memory_analysis()` gives per-chip bytes:
 
     argument   inputs resident in HBM (params, optimizer state, batch)
     output     outputs not aliased to a donated input
     temp       the peak of everything else the program allocates
     total      argument + output + temp − alias  (what must fit in the chip's HBM)
 
-Topology names are the Cloud TPU ones (as in MaxText): `v5p-N` / `v4-N` count
-TensorCores (two per chip: v5p-256 is 128 chips, a 4x4x8 torus), `v5e-N` / `v6e-N` count
-chips. `KxNAME` (e.g. `2xv5p-128`) is K such slices joined by the data-center network
-(DCN): `get_topology_desc(..., num_slices=K)` gives devices with a `slice_index`, the
-config's `mesh_dcn` says which mesh axes cross slices (sharding.make_mesh), and the
-compiled program is one slice's, its DCN traffic the compiler's cross-slice transfers
-(hlo_loops.py).
-"""
+Names are Cloud TPU's (as in MaxText): `v5p-N` / `v4-N` count TensorCores (two per chip: v5p-256
+is 128 chips, a 4x4x8 torus), `v5e-N` / `v6e-N` chips. `KxNAME` (`2xv5p-128`) is K slices joined
+by the data-center network (DCN): `get_topology_desc(..., num_slices=K)` devices carry a
+`slice_index`, `mesh_dcn` (config) names the mesh axes crossing slices (sharding.make_mesh), and
+the compiled program is one slice's, its DCN traffic the cross-slice transfers (hlo_loops.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +61,7 @@ class Topology:
 
 
 def topology(name: str, slices: int | None = None) -> Topology:
-    """The slice named like `v5p-256`, `v5e-8`, `v6e-64`, or `slices` of them, also
-    written `2xv5p-128` (module docstring)."""
+    """A slice named like `v5p-256`, `v5e-8`, `v6e-64`, or `slices` of them (or `2xv5p-128`)."""
     m = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)", name)
     if not m:
         raise ValueError(f"topology {name!r}: expected [<slices>x]<version>-<size> with "
@@ -167,19 +162,16 @@ def compile_lowered(step: str, lower) -> Compiled:
 
 
 def score_forwards(cfg) -> int:
-    """Forwards the score step runs: one for π_old, none where the on-policy update takes
-    it from its own forward (rl.score_in_update with one mini-batch); one more for
-    rl.attribution's term at θ_old."""
+    """Score-step forwards: one for π_old, none where the on-policy update scores in its own
+    forward (rl.score_in_update, one mini-batch); one more for rl.attribution's θ_old term."""
     fused = cfg.rl.score_in_update and cfg.rl.num_minibatches == 1
     return (0 if fused else 1) + (1 if cfg.rl.attribution else 0)
 
 
 def step_model_flops(cfg: ExperimentConfig, name: str) -> float:
-    """Model FLOPs of one call of step `name`, per chip (model/flops.py): the sampler as
-    one forward over every slot (an upper bound: rows that stop early do less), the score
-    step its score_forwards (one; none where the on-policy update scores; one more
-    with rl.attribution), the updates forward + backward of their batch
-    (rematerialized forwards are not model FLOPs)."""
+    """Model FLOPs per chip of one call of step `name` (model/flops.py): sampler, one forward
+    over every slot (an upper bound: rows stopping early do less); score, its score_forwards;
+    updates, forward + backward of their batch (remat forwards are not model FLOPs)."""
     rl, mc = cfg.rl, cfg.model
     b = rl.prompts_per_step * rl.group_size
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
@@ -193,8 +185,7 @@ def step_model_flops(cfg: ExperimentConfig, name: str) -> float:
 
 
 def compile_step(engine, name: str) -> Compiled:
-    """AOT-compile the Engine's step `name` at its config's batch sizes
-    (Engine.abstract_inputs)."""
+    """AOT-compile Engine step `name` at its config's batch sizes (Engine.abstract_inputs)."""
     args = engine.abstract_inputs(name)
     out = compile_lowered(name, lambda: engine.lower(name, *args))
     out.model_flops = step_model_flops(engine.cfg, name)
@@ -203,16 +194,13 @@ def compile_step(engine, name: str) -> Compiled:
 
 
 def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, object, tuple]]:
-    """(label, program, abstract arguments) for every Pallas kernel for TPU in the ops'
-    tables (LOGPROB_IMPLS, GMM_IMPLS, DECODE_IMPLS: the rows with `pallas` and "tpu"
-    among their backends), each at its op's example shapes (`*_example_args`): the
-    update's per-chip sizes (one micro-batch's tokens per chip), forward + backward inside
-    shard_map over the config's mesh on `devices_` (the cotangents are arguments too), the
-    gradients of the replicated arguments summed over the mesh (psum), as the update
-    does; the decode attention forward only, at the sampler's rows per chip against its
-    whole cache, and so a decode row's per-token kernel (`tokens`, batch-invariant
-    numerics) for one query per row. Lowering a program compiles nothing;
-    `compile_kernels` compiles them."""
+    """(label, program, abstract args) per TPU Pallas kernel of LOGPROB_IMPLS, GMM_IMPLS and
+    DECODE_IMPLS (rows with `pallas` and "tpu" among their backends), at its op's example shapes
+    (`*_example_args`): update kernels at one micro-batch's tokens per chip, forward + backward
+    in shard_map over the config's mesh on `devices_` (cotangents as arguments, replicated
+    arguments' gradients psummed, as in the update); decode attention forward only, the
+    sampler's rows per chip against the whole cache, and its per-token kernel (`tokens`,
+    batch-invariant numerics) at one query per row. Lowered only (`compile_kernels` compiles)."""
     mesh = sharding.config_mesh(cfg.mesh, devices_, cfg.mesh_dcn)
     axes = sharding.RULES["batch"]
     mc, rl = cfg.model, cfg.rl
@@ -235,10 +223,9 @@ def kernel_programs(cfg: ExperimentConfig, devices_: list) -> list[tuple[str, ob
 
 
 def _fwd_bwd_program(fn, args, static: dict, mesh, axes) -> tuple:
-    """(jitted shard_map program, its global abstract arguments): the `args` (kernels.Arg,
-    per device) then one cotangent per output; returns (outputs, gradients of the `diff`
-    arguments), those of replicated arguments psummed. No `diff` argument: the forward
-    alone, (outputs,)."""
+    """(jitted shard_map program, its global abstract arguments): the `args` (kernels.Arg, per
+    device), then one cotangent per output; it returns (outputs, gradients of the `diff`
+    arguments, replicated ones psummed), or (outputs,) with no `diff` argument."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     split, rep = P(axes), P()

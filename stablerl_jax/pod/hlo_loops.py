@@ -1,32 +1,26 @@
 """Loops and collectives of an optimized HLO module (the text of `Compiled.as_text()`).
 
-XLA's own cost analysis counts a while-loop body once, however often it runs. This
-module reads the loop structure instead: every computation, the while loops in it with
-their trip counts (the `known_trip_count` XLA records; a data-dependent loop such as the
-sampler's decode loop has none, and the caller says how often it runs), and the bytes
-each collective instruction moves, so that a step's collective traffic can be stated
-per loop iteration (one decode step, one layer, one micro-batch) and in total, nested
-loops multiplied by their trip counts.
+XLA's cost analysis counts a while-loop body once, however often it runs. This module reads the
+loop structure instead: computations, their while loops and trip counts (XLA's
+`known_trip_count`; a data-dependent loop such as the sampler's decode loop has none: the caller
+gives it), and each collective's bytes, so a step's collective traffic can be stated per loop
+iteration (a decode step, layer or micro-batch) and in total, nested loops multiplied out.
 
-Bytes of a collective, per chip (the buffer that crosses the interconnect, up to the
-(n − 1)/n a ring leaves on the chip): all-gather its result, reduce-scatter its
-operand, all-to-all and collective-permute their result, all-reduce twice its result
-(a reduce-scatter then an all-gather), a ragged all-to-all the smaller of its operand
-and its result (the rows it sends, when each chip sends and receives as many). An async
-start/done pair counts once.
+Bytes of a collective, per chip (the buffer crossing the interconnect, up to the (n − 1)/n a
+ring keeps on the chip): all-gather its result, reduce-scatter its operand, all-to-all and
+collective-permute their result, all-reduce twice its result (reduce-scatter + all-gather), a
+ragged all-to-all the smaller of operand and result (the rows it sends, when each chip sends and
+receives as many). An async start/done pair counts once.
 
-Over which network. A program for several TPU slices (jax.sharding device meshes whose
-devices have a `slice_index`, sharding.make_mesh) is compiled as one slice's program
-(num_partitions = the devices of a slice): XLA's TPU compiler splits a collective whose
-groups cross slices into collectives inside the slice (ICI) and a transfer between
-slices over the data-center network (DCN), a `send` to the `xla_megascale_runtime` with
-its `_xla_megascale_transfer_type` (an all-reduce across slices: a reduce-scatter in the
-slice, the DCN all-reduce of each chip's shard, an all-gather in the slice). Such a
-transfer's bytes per chip are the buffer it sends, for an all-reduce across k slices
-2 (k − 1) / k of it (a ring; at k = 2 the buffer once each way). A module that keeps
-whole-mesh collectives (num_partitions = every device) is classified by its replica
-groups instead: DCN when a group holds devices of more than one slice.
-"""
+Over which network. A multi-slice program (devices with a `slice_index`, sharding.make_mesh) is
+compiled as one slice's (num_partitions = a slice's devices): XLA's TPU compiler splits a
+collective whose groups cross slices into in-slice collectives (ICI) and a transfer between
+slices over the data-center network (DCN), a `send` to the `xla_megascale_runtime` with its
+`_xla_megascale_transfer_type` (an all-reduce across slices: in-slice reduce-scatter, DCN
+all-reduce of each chip's shard, in-slice all-gather). A transfer moves per chip the buffer it
+sends, an all-reduce across k slices 2 (k − 1) / k of it (a ring; at k = 2 the buffer once each
+way). A module keeping whole-mesh collectives (num_partitions = every device) is classified by
+replica groups: DCN when a group spans slices."""
 from __future__ import annotations
 
 import dataclasses
@@ -80,8 +74,8 @@ class Instr:
         return op if op in COLLECTIVES and not self.opcode.endswith("-done") else None
 
     def collective_bytes(self, shapes: dict | None = None) -> float:
-        """Bytes this collective moves per chip; `shapes` (instruction name -> result
-        shape text) resolves an operand the text names without its shape."""
+        """Bytes this collective moves per chip; `shapes` (instruction name -> result shape
+        text) resolves an operand named without its shape."""
         kind = self.collective
         if kind is None:
             return 0.0
@@ -100,10 +94,9 @@ class Instr:
         return 2 * out if kind == "all-reduce" else out
 
     def device_groups(self, num_devices: int) -> list[tuple[int, ...]]:
-        """The device groups of a collective: its replica groups (listed, or in the iota
-        form `[G,S]<=[dims]T(perm)`: arange(prod(dims)) reshaped to dims, transposed by
-        perm, read as G groups of S), a collective-permute's source-target pairs; no
-        groups (`{}`) is one group of all `num_devices`."""
+        """A collective's device groups: replica groups (listed, or iota `[G,S]<=[dims]T(perm)`:
+        arange(prod(dims)) reshaped to dims, transposed by perm, as G groups of S) or a
+        collective-permute's source-target pairs; none (`{}`): one group of all `num_devices`."""
         m = _GROUPS.search(self.attrs)
         if m is None or m.group(1) == "{}":
             return [tuple(range(num_devices))]
@@ -121,8 +114,7 @@ class Instr:
 
     @property
     def dcn_transfer(self) -> str | None:
-        """The kind of a transfer between slices (module docstring: the `send` of a
-        megascale transfer, e.g. 'ALL_REDUCE'), else None."""
+        """Kind of a transfer between slices (a megascale `send`: e.g. 'ALL_REDUCE') or None."""
         m = _DCN.search(self.attrs) if self.opcode == "send" else None
         return m.group(1) if m else None
 
@@ -186,8 +178,7 @@ class Module:
             counts.get("replica_count", 1))
 
     def function_of(self, ins: Instr) -> str:
-        """The Python function an instruction comes from (its innermost stack frame),
-        or '' where the module has no source tables."""
+        """An instruction's Python function (innermost stack frame); '' without source tables."""
         frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
         t = self._tables
         try:
@@ -198,8 +189,7 @@ class Module:
             return ""
 
     def callees(self, ins: Instr) -> list[str]:
-        """Computations an instruction calls (fusions, calls, branches, async bodies),
-        its while condition excepted."""
+        """Computations it calls (fusion, call, branch, async bodies), not a while condition."""
         names = re.findall(r"%([\w.\-]+)", re.sub(r"condition=%[\w.\-]+", "", ins.attrs))
         return [n for n in names if n in self.computations]
 
@@ -226,10 +216,9 @@ class Module:
         return out
 
     def _counted_trip(self, loop: Instr, root: Instr | None) -> int | None:
-        """N − c for a while loop whose condition's root is `counter < N` (a compare LT of
-        a tuple element and a constant N) and whose counter starts at a constant c; None
-        for any other loop (a data-dependent one: the decode loop's condition also reads
-        the rows' EOS flags)."""
+        """N − c for a while loop whose condition's root is `counter < N` (compare LT of a tuple
+        element and a constant) and whose counter starts at a constant c; else None (e.g. the
+        decode loop, whose condition also reads the rows' EOS flags)."""
         if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
             return None
         names = lambda ins: re.findall(r"%([\w.\-]+)", ins.operands)
@@ -249,19 +238,16 @@ class Module:
         return int(limit.operands) - int(start.operands)
 
     def collective_bytes(self, comp: str, trips: dict | None = None) -> dict:
-        """Bytes by collective kind of one run of computation `comp`, with everything
-        it calls: a nested loop's body and condition counted trip-count times (`trips`:
-        loop name -> count, for loops without a known one, else 1)."""
+        """Bytes by collective kind of one run of `comp` and its callees, nested loop bodies and
+        conditions trip-count times (`trips`: loop name -> count where unknown, else 1)."""
         return self._bytes_by(comp, trips, COLLECTIVES, lambda ins: (
             [(ins.collective, ins.collective_bytes(self.shapes))] if ins.collective else []))
 
     def network_bytes(self, comp: str, trips: dict | None = None,
                       slices: tuple = ()) -> dict:
-        """{"ici": bytes, "dcn": bytes} of one run of `comp` (loops as in
-        `collective_bytes`): the collectives, and the transfers between slices (module
-        docstring). `slices`: the slice of each device of the program's mesh in its
-        flat order (sharding.slice_indices; () for one slice, or unknown: a transfer
-        between slices then counts its buffer once)."""
+        """{"ici", "dcn"} bytes of one run of `comp` (module docstring; loops as in
+        `collective_bytes`). `slices`: sharding.slice_indices of the mesh (() for one slice or
+        unknown: a between-slice transfer counts its buffer once)."""
         k = len(set(slices))
         whole_mesh = k > 1 and self.num_devices == len(slices)
         ring = 2 * (k - 1) / k if k > 1 else 1.0  # slices unknown: the buffer once
@@ -281,8 +267,8 @@ class Module:
         return self._bytes_by(comp, trips, ("ici", "dcn"), link)
 
     def _bytes_by(self, comp: str, trips: dict | None, keys: tuple, of) -> dict:
-        """{key: bytes} of one run of `comp`: `of(instruction)` -> [(key, bytes)], summed
-        over `comp` and what it calls, loop bodies at their trip counts."""
+        """{key: bytes} of one run of `comp`: `of(instruction)` -> [(key, bytes)] summed over
+        `comp` and its callees, loop bodies at their trip counts."""
         trips = trips or {}
         loops = {lp.name: lp for lp in self.loops()}
 
@@ -307,8 +293,7 @@ class Module:
         return dict(walk(comp))
 
     def instructions_under(self, comp: str) -> list[Instr]:
-        """Every instruction of `comp` and of the computations it calls, transitively
-        (nested loop bodies included), each once."""
+        """Each instruction of `comp` and what it calls, transitively (loop bodies too), once."""
         seen, order, stack = set(), [], [comp]
         while stack:
             name = stack.pop()
@@ -326,9 +311,8 @@ class Module:
 
 
 def decode_loop(module: Module) -> Loop:
-    """The sampler's decode loop: the while loop made by `rollout._decode` (read from
-    the module's stack frames; without them, the outermost loop without a known trip
-    count, as its condition reads the rows' EOS flags)."""
+    """The sampler's decode loop: the while loop `rollout._decode` made (by stack frames; else
+    the outermost loop without a known trip count, its condition reading the rows' EOS flags)."""
     loops = module.loops()
     named = [lp for lp in loops if lp.function == "_decode"]
     if len(named) == 1:
@@ -340,8 +324,7 @@ def decode_loop(module: Module) -> Loop:
 
 
 def trips_by_function(module: Module, counts: dict) -> dict:
-    """{loop name: trip count} for the loops without a known one that `counts` names by
-    the function that made them (e.g. {"forward": L}: XLA's TPU programs record no trip
-    count for the layer scan)."""
+    """{loop name: trip count} for loops without a known one, from `counts` by the function that
+    made them (e.g. {"forward": L}: XLA's TPU programs record none for the layer scan)."""
     return {lp.name: counts[lp.function] for lp in module.loops()
             if lp.trip is None and lp.function in counts}

@@ -1,46 +1,36 @@
-"""Time estimates of a step from its compiled TPU programs: compiler / roofline
-estimates, not measurements (nothing here runs on a TPU).
+"""Step times estimated from compiled TPU programs: compiler / roofline, not measured on a TPU.
 
-Letters: B rows of a sample pass, P prompt slots, C = max_new_tokens, S = P + C, L
-layers, KV key/value heads, Dh head width.
+Letters: B rows of a sample pass, P prompt slots, C = max_new_tokens, S = P + C, L layers, KV
+key/value heads, Dh head width.
 
 A program's time on one chip is estimated as
 
     max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth
                                                          + DCN bytes / DCN bandwidth
 
-with the chip constants of `CHIP_SPECS` (compute and memory overlap; collectives are
-counted as if nothing hid them, so the estimate is pessimistic about communication).
-DCN bytes are those a program for several slices sends between them over the
-data-center network (hlo_loops.py: the compiled program is one slice's, its collectives
-stay inside the slice, on ICI); 0 on one slice.
+with `CHIP_SPECS`' constants: compute and memory overlap; collectives count as if nothing hid
+them (pessimistic about communication). DCN bytes: what a multi-slice program sends between
+slices (hlo_loops.py; its collectives stay on ICI); 0 on one slice.
 
-Where the numbers come from. XLA's cost analysis counts a while-loop body once, and its
-TPU cost model (`optimal_seconds`) is only meaningful for a loop-free program. So the
-per-iteration costs come from programs compiled on their own (sampler_programs.py): one
-decode step as the decode loop runs it (a one-token forward against the KV cache, the
-logits and the sampled distribution), whose scanned layer loop XLA counts once, i.e. one
-layer, and the same step without its layers (the head); one decode step of L layers is
-the head plus L × (step − head). (Differences of 1- and 2-layer unrolled programs, the
-earlier way, are not the program that runs and are not linear in L: XLA's count for 1,
-2 and 3 unrolled `paper` layers is 0.90, 1.26 and 1.27 GB.) With model.decode_block the
-attention of a layer is itself a loop over the key blocks the rollout has filled
-(⌈(slot + 1) / block⌉ trips, a count no compiler sees), which those programs count once;
-one block is compiled as a program of its own, and the decode step at slot σ is the
-step program plus L·(⌈(σ + 1) / block⌉ − 1) blocks. A Pallas kernel is opaque to XLA's
-count (it takes a custom call's whole operands as read), so the step program attends by
-the reference blocks, except the per-token kernel of batch-invariant numerics, which
-declares what it reads and computes (decode_attention_pallas.token_cost): one block per
-query in the step program, its per-block difference as the block. Collective bytes of a whole
-step come from its optimized HLO with every loop counted trip-count times
-(stablerl_jax/pod/hlo_loops.py). The score and update steps are estimated from their model
-FLOPs (model/flops.py; the update's rematerialized forward added) and their collective
-bytes; their HBM traffic is not modeled (33k-token micro-batches are compute bound).
+Sources. XLA's cost analysis counts a while-loop body once, and its TPU cost model
+(`optimal_seconds`) holds only for a loop-free program, so per-iteration costs come from
+programs compiled on their own (sampler_programs.py): a decode step as the decode loop runs it,
+whose scanned layer loop XLA counts once, and that step without its layers (the head). A decode
+step is head + L × (step − head). (Unrolled-layer differences, the earlier way, are not the
+program that runs, nor linear in L: XLA counts 0.90, 1.26 and 1.27 GB for 1, 2 and 3 `paper`
+layers.) With model.decode_block a layer's attention loops over the filled key blocks
+(⌈(slot+1)/block⌉ trips, unseen by a compiler, counted once): one block is compiled alone, and
+the step at slot σ is the step program plus L·(⌈(σ+1)/block⌉ − 1) blocks. A Pallas kernel is
+opaque to XLA's count (a custom call's operands count as read whole), so the step program
+attends by the reference blocks, except the per-token kernel of batch-invariant numerics, which
+declares what it reads and computes (decode_attention_pallas.token_cost): one block per query in
+the step program, its per-block difference as the block. A step's collective bytes come from its
+optimized HLO, loops at their trip counts (stablerl_jax/pod/hlo_loops.py). Score and update:
+model FLOPs (model/flops.py, plus the update's rematerialized forward) and collective bytes; HBM
+traffic not modeled (33k-token micro-batches are compute bound).
 
-The fixed-length estimate runs every row for all C decode steps; stablerl_jax/
-schedule_prices.py prices the sampler's schedules at given response lengths with the
-per-step costs here.
-"""
+The fixed-length estimate runs every row for all C decode steps; schedule_prices.py prices the
+sampler's schedules at given response lengths with these per-step costs."""
 from __future__ import annotations
 
 import dataclasses
@@ -128,15 +118,13 @@ class Cost:
 
 
 def dcn_seconds(dcn_bytes: float, chip: ChipSpec) -> float:
-    """DCN bytes at the chip's DCN bandwidth; none is 0 s even where the bandwidth is
-    not stated (NaN)."""
+    """DCN bytes at the chip's DCN bandwidth; no bytes is 0 s even where it is unstated (NaN)."""
     return dcn_bytes / chip.dcn_bw if dcn_bytes else 0.0
 
 
 def of_compiled(compiled, slices: tuple = ()) -> Cost:
-    """Cost of a compiled program: XLA's FLOPs, bytes accessed and optimal_seconds, and
-    the ICI and DCN bytes of its HLO (loops at their trip counts; `slices`: the slice of
-    each device of its mesh, sharding.slice_indices)."""
+    """Cost of a compiled program: XLA's FLOPs, bytes accessed and optimal_seconds, its HLO's
+    ICI and DCN bytes (loops at trip counts; `slices`: sharding.slice_indices of its mesh)."""
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     module = hlo_loops.Module(compiled.as_text())
@@ -146,11 +134,9 @@ def of_compiled(compiled, slices: tuple = ()) -> Cost:
 
 
 def decode_step_cost(engine) -> tuple[Cost, Cost, Cost]:
-    """(one layer, one decode step of all L layers, its head): the decode step program
-    as the sampler runs it, less its head (head_program), is its layers; XLA counts a scanned
-    layer loop's body once, so that difference is one layer (an unrolled one holds L).
-    A step is the head plus L layers. XLA's optimal_seconds is kept for the loop-free
-    head only."""
+    """(one layer, one decode step of all L layers, its head): the sampler's step program less
+    its head (head_program) is its layers, one if scanned (XLA counts a loop body once), L if
+    unrolled. optimal_seconds is kept for the loop-free head only."""
     layers = engine.cfg.model.num_layers
     slices = sharding.slice_indices(engine.mesh)
     step, head = (of_compiled(fn.lower(*args).compile(), slices)
@@ -162,8 +148,8 @@ def decode_step_cost(engine) -> tuple[Cost, Cost, Cost]:
 
 
 def decode_step_costs(engine, slots: int) -> tuple[Cost, Cost, Cost | None, Cost]:
-    """(one layer, one decode step at its first slot, one key block or None, the step's
-    head): the programs of the module docstring. `slots`: the first decode slot (P)."""
+    """(one layer, one decode step at its first slot, one key block or None, the head): the
+    programs of the module docstring; `slots`: the first decode slot (P)."""
     layer, step, head = decode_step_cost(engine)
     blk = engine.cfg.model.decode_block
     if not blk:
@@ -187,9 +173,9 @@ class StepEstimate:
 
 
 def extra_blocks(first_slot: int, steps: int, block: int) -> dict:
-    """{key blocks beyond the first decode step's: decode steps}: decode step i writes
-    slot first_slot + i and reads ⌈(slot + 1) / block⌉ blocks of every layer's cache
-    (the "blocks" decode attention). block 0 (the whole cache every step): {0: steps}."""
+    """{key blocks beyond the first decode step's: decode steps}: step i writes slot
+    first_slot+i and reads ⌈(slot + 1) / block⌉ blocks of each layer's cache (the "blocks"
+    decode attention); block 0 (the whole cache every step): {0: steps}."""
     counts = {}
     for i in range(steps):
         extra = (first_slot + i) // block - first_slot // block if block else 0
@@ -199,10 +185,9 @@ def extra_blocks(first_slot: int, steps: int, block: int) -> dict:
 
 @dataclasses.dataclass
 class SamplerCosts:
-    """One chip's costs of the sampler's programs: the first decode step (at slot P, with
-    the decode loop's own collectives per step), one layer, one key block (None without
-    model.decode_block), the step's head, and the collective bytes of a sample step
-    outside its decode loop (over ICI, and between slices over DCN)."""
+    """One chip's sampler-program costs: the first decode step (at slot P, with the loop's
+    per-step collectives), one layer, one key block (None without model.decode_block), the head,
+    and a sample step's collective bytes outside the decode loop (ICI; DCN between slices)."""
 
     first: Cost
     layer: Cost
@@ -232,11 +217,10 @@ def sampler_costs(engine, sample_hlo: str) -> SamplerCosts:
 
 
 def sample_estimate(engine, sample_hlo: str, chip: ChipSpec, costs: SamplerCosts = None):
-    """(StepEstimate of one sample step, Cost of the first decode step, one-layer Cost,
-    seconds of one pass, Cost of the mean decode step, Cost of the step's head).
-    Time = passes × Σ over the C decode steps (each at its own slot: module docstring)
-    + what runs once (the prefill at the chip's peak, every collective outside the
-    decode loop). `costs`: sampler_costs, compiled here when None."""
+    """(StepEstimate of a sample step, first-decode-step Cost, one-layer Cost, seconds per pass,
+    mean-decode-step Cost, head Cost). Time = passes × Σ over the C decode steps (each at its
+    own slot: module docstring) + what runs once (prefill at the chip's peak, collectives
+    outside the decode loop). `costs`: sampler_costs, compiled here if None."""
     cfg = engine.cfg
     b = cfg.rl.prompts_per_step * cfg.rl.group_size
     passes = b // rows_per_pass(cfg)
@@ -259,11 +243,10 @@ def sample_estimate(engine, sample_hlo: str, chip: ChipSpec, costs: SamplerCosts
 
 
 def step_trips(cfg: ExperimentConfig, name: str, module: hlo_loops.Module) -> dict:
-    """{loop: trip count} for the loops of Engine step `name`'s program that XLA gives no
-    trip count, by the function that made them (hlo_loops.trips_by_function): the layer
-    scans (L), the sampler's passes, the micro-batch and slice loops of score and update
-    (packing.py's scans at their capacity). The sampler's decode loop is left to the
-    caller; any other program (a kernel) gets none."""
+    """{loop: trip count} for loops of Engine step `name`'s program without an XLA trip count,
+    by the function that made them (hlo_loops.trips_by_function): layer scans (L), the sampler's
+    passes, score's and update's micro-batch and slice loops (packing.py's scans at capacity).
+    The decode loop is the caller's; other programs (kernels) get none."""
     rl = cfg.rl
     loops = {"forward": cfg.model.num_layers}
     if name == "sample":
@@ -285,9 +268,8 @@ def step_trips(cfg: ExperimentConfig, name: str, module: hlo_loops.Module) -> di
 
 def step_network_bytes(cfg: ExperimentConfig, name: str, hlo: str,
                        slices: tuple = ()) -> dict:
-    """{"ici": bytes, "dcn": bytes} per chip of one call of step `name` (or a kernel's
-    program) from its optimized HLO, every loop at its trip count (step_trips; the
-    sampler's decode loop at all C = max_new_tokens steps, the fixed-length bound)."""
+    """{"ici", "dcn"} bytes per chip of one call of step `name` (or a kernel) from its HLO,
+    loops at trip counts (step_trips), the decode loop at all C steps: the fixed-length bound."""
     module = hlo_loops.Module(hlo)
     trips = step_trips(cfg, name, module)
     if name == "sample":
@@ -297,10 +279,9 @@ def step_network_bytes(cfg: ExperimentConfig, name: str, hlo: str,
 
 def train_step_estimate(cfg: ExperimentConfig, name: str, hlo: str, model_flops: float,
                         chip: ChipSpec, slices: tuple = ()) -> StepEstimate:
-    """Score / update: model FLOPs at the chip's peak (the update's rematerialized
-    forward added: + 1/3 of forward + backward) plus every collective of the program
-    (loops at their trip counts): over ICI, and between slices over DCN (`slices`: the
-    slice of each device of its mesh, sharding.slice_indices)."""
+    """Score / update: model FLOPs at the chip's peak (the update's rematerialized forward
+    added: + 1/3 of forward + backward) plus every collective (loops at their trip counts) over
+    ICI and, between slices, DCN (`slices`: sharding.slice_indices of its mesh)."""
     flops = model_flops * (4 / 3 if name == "update" and cfg.model.remat == "full" else 1)
     net = step_network_bytes(cfg, name, hlo, slices)
     ici_s, dcn_s = net["ici"] / chip.ici_bw, dcn_seconds(net["dcn"], chip)
@@ -331,9 +312,8 @@ class Estimates:
 
 
 def estimate(engine, compiled: dict, chip: ChipSpec) -> Estimates:
-    """The estimates of the steps in `compiled` ({name: aot.Compiled} of sample, score,
-    update; any subset) on `chip`: what experiments.aot_compile prints and a run logs
-    as `est/…` (rl/costs.py). The sample step compiles its decode programs here."""
+    """Estimates on `chip` of `compiled`'s steps ({name: aot.Compiled} of sample/score/update)
+    for experiments.aot_compile, runs' `est/…` (rl/costs.py); compiles decode programs."""
     out = Estimates({})
     if "sample" in compiled:
         out.sampler = sampler_costs(engine, compiled["sample"].hlo)
@@ -358,10 +338,9 @@ PUBLISHED_MFU = {
 
 
 def at_mfu(est: dict, compiled: dict, chip: ChipSpec, mfu: float) -> dict:
-    """`est` with the FLOP-bound steps (score, update) at a model-FLOP utilization `mfu`
-    instead of the roofline's 100 % of peak: model FLOPs / (peak × mfu), never below the
-    roofline estimate (MFU counts communication in, so none is added). The sampler is
-    bound by memory, not FLOPs, and stays as it is."""
+    """`est` with the FLOP-bound steps (score, update) at model-FLOP utilization `mfu` instead
+    of 100 % of peak: model FLOPs / (peak × mfu), never below the roofline estimate (MFU
+    includes communication: none added). The memory-bound sampler stays as is."""
     out = dict(est)
     for name in ("score", "update"):
         if name in est and name in compiled:
@@ -374,9 +353,8 @@ def at_mfu(est: dict, compiled: dict, chip: ChipSpec, mfu: float) -> dict:
 
 def global_step_estimate(cfg: ExperimentConfig, est: dict,
                          pass_seconds: float) -> tuple[float, dict]:
-    """(seconds, by part) of one global step: sample + score + num_minibatches updates,
-    plus the evaluation (eval_problems × eval_k rows, decoded in passes of the same
-    rows as a sample pass) every eval_every steps, amortized."""
+    """(seconds, by part) of a global step: sample + score + num_minibatches updates +
+    evaluation amortized over eval_every steps (eval_problems × eval_k rows in sample passes)."""
     rl = cfg.rl
     eval_passes = -(-rl.eval_problems * rl.eval_k // rows_per_pass(cfg))
     parts = {"sample": est["sample"].seconds, "score": est["score"].seconds,

@@ -1,11 +1,7 @@
-"""The sampler as roofline.py prices it: the rows of a pass and what each holds in HBM,
-and the programs of one decode step, its head and one layer's key-block attention, each
-compiled on its own (roofline.py's docstring: why these programs, and how their costs
-make a decode step). Nothing here runs them.
-
-Letters: B rows of a sample pass, P prompt slots, C = max_new_tokens, S = P + C, L
-layers, KV key/value heads, Dh head width.
-"""
+"""The sampler as roofline.py prices it: a pass's rows and what each holds in HBM, and the
+programs of one decode step, its head and one layer's key-block attention, each compiled on its
+own (roofline.py's docstring: why, how their costs make a decode step, and the letters B, P, C,
+S, L, KV, Dh). Nothing here runs them."""
 from __future__ import annotations
 
 import jax
@@ -29,8 +25,7 @@ def rows_per_pass(cfg: ExperimentConfig) -> int:
 
 
 def kv_bytes_per_row(cfg: ExperimentConfig) -> int:
-    """KV cache bytes of one sampled row: L × 2 (keys, values) × S × KV × Dh in the
-    engine's compute dtype."""
+    """KV cache bytes of a sampled row: L × 2 (K, V) × S × KV × Dh in the compute dtype."""
     mc = cfg.model
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     dtype = nx.compute_dtype(nx.numerics_preset(cfg.sampling.numerics), mc.compute_dtype)
@@ -38,9 +33,8 @@ def kv_bytes_per_row(cfg: ExperimentConfig) -> int:
 
 
 def row_state_bytes(cfg: ExperimentConfig) -> int:
-    """Per-row bytes of the sampler besides its KV cache: the S-slot tokens, log μ,
-    masks, routes and route weights (int32 / float32 per layer and expert), and the
-    float32 logits over the vocabulary."""
+    """Per-row sampler bytes beside the KV cache: S-slot tokens, log μ, masks, routes and route
+    weights (int32 / float32 per layer and expert), float32 vocabulary logits."""
     mc = cfg.model
     s = cfg.task.max_prompt_len + cfg.sampling.max_new_tokens
     return s * (4 + 4 + 2 + 8 * mc.num_layers * mc.top_k) + 4 * mc.vocab_size
@@ -48,17 +42,15 @@ def row_state_bytes(cfg: ExperimentConfig) -> int:
 
 def rows_that_fit(cfg: ExperimentConfig, sample_total_gib: float, hbm_gib: float,
                   chips: int) -> int:
-    """Rows per chip whose KV cache and row state fit in `hbm_gib`, given the compiled
-    sample step's per-chip total at its own rows per chip (the rest is taken as fixed:
-    weights, buffers of the program)."""
+    """Rows per chip whose KV cache and row state fit in `hbm_gib`, given the compiled sample
+    step's per-chip total at its rows per chip (the rest fixed: weights, buffers)."""
     per_row = (kv_bytes_per_row(cfg) + row_state_bytes(cfg)) / 2**30
     fixed = sample_total_gib - rows_per_pass(cfg) / chips * per_row
     return int((hbm_gib - fixed) // per_row)
 
 
 def _sampler_weights(engine):
-    """(model, numerics, abstract weights in the decode loop's layout, their shardings,
-    rules, serve?) of the Engine's sampler."""
+    """(model, numerics, abstract decode-layout weights, shardings, rules, serve) of sampling."""
     cfg, mesh = engine.cfg, engine.mesh
     model = rollout.sampler_model(cfg.model, cfg.sampling)
     numerics = nx.of_sampling(cfg.sampling, 0)
@@ -72,19 +64,17 @@ def _sampler_weights(engine):
 
 
 def sampler_weight_bytes(engine) -> int:
-    """Bytes of the sampler's weights in its decode layout, all chips together: what a
-    trainer pushes to a separate sampler after each update."""
+    """Bytes of the sampler's weights in its decode layout, all chips together: what a trainer
+    pushes to a separate sampler after each update."""
     weights_like = _sampler_weights(engine)[2]
     return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(weights_like))
 
 
 def decode_step_program(engine):
-    """The jitted, compilable program of one decode step of the Engine's sampler, as its
-    decode loop runs it (a one-token forward of all L layers against the KV cache, the
-    logits and the sampled distribution): (function, abstract args). It takes the
-    engine's weights already in the decode loop's layout (the serving layout's e4m3 +
-    scales and shardings, or the training shardings), one token per row of a pass and
-    the KV cache, and returns the sampled distribution and the cache."""
+    """(function, abstract args) of one jitted decode step as the sampler's loop runs it (a
+    one-token forward of all L layers against the KV cache, logits, sampled distribution). In:
+    weights in the decode layout (serving e4m3 + scales and shardings, or training shardings), a
+    token per row of a pass, the cache; out: the sampled distribution, the cache."""
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
     # Priced with the reference decode attention: XLA's cost analysis cannot see into a
@@ -126,8 +116,8 @@ def decode_step_program(engine):
 
 
 def head_program(engine):
-    """The decode step without its layers (embedding lookup, final norm, logits, the
-    sampled distribution), in the same layout: (function, abstract args). Loop-free."""
+    """(function, abstract args) of the decode step without its layers (embedding lookup, final
+    norm, logits, sampled distribution), in the same layout. Loop-free."""
     cfg, mesh = engine.cfg, engine.mesh
     model, numerics, weights_like, w_sh, rules, serve = _sampler_weights(engine)
     dtype = nx.compute_dtype(numerics, model.compute_dtype)
@@ -146,16 +136,15 @@ def head_program(engine):
 
 
 def token_kernel(engine) -> bool:
-    """Whether the Engine's sampler attends by a per-token Pallas kernel on TPU devices
-    (invariant.runs_token_kernel)."""
+    """Whether sampling runs a per-token Pallas kernel on TPU (invariant.runs_token_kernel)."""
     return (runs_token_kernel(rollout.sampler_model(engine.cfg.model, engine.cfg.sampling))
             and engine.mesh.devices.flat[0].platform == "tpu")
 
 
 def token_block_cost(engine) -> dict:
-    """{"flops", "bytes accessed"} of one more key block of the per-token kernel for this
-    chip's rows of a pass (one query each): the difference of what the kernel declares
-    (decode_attention_pallas.token_cost) at two blocks a query and at one."""
+    """{"flops", "bytes accessed"} of one more key block of the per-token kernel for this chip's
+    pass rows (one query each): its declared cost (decode_attention_pallas.token_cost) at two
+    blocks minus at one."""
     cfg, model = engine.cfg, rollout.sampler_model(engine.cfg.model, engine.cfg.sampling)
     rows = NamedSharding(engine.mesh, P(sharding.RULES["batch"])).shard_shape(
         (rows_per_pass(cfg),))[0]
@@ -171,11 +160,10 @@ def token_block_cost(engine) -> dict:
 
 
 def decode_block_program(engine):
-    """The jitted program of one layer's decode attention (the reference "blocks" of
-    kernels/decode_attention.py) for every row of a pass against the whole S-slot cache,
-    rows split as in the sampler: (function, abstract args). XLA counts its loop body,
-    one key block, once: the cost of one block (a cache as small as one block would be
-    staged whole into on-chip memory instead, which is not what a decode step does)."""
+    """(function, abstract args) of one layer's jitted decode attention (the reference "blocks"
+    of kernels/decode_attention.py) for a pass's rows against the whole S-slot cache, rows split
+    as in the sampler. XLA counts its loop body, one key block, once: one block's cost (a
+    one-block cache would be staged whole on chip, unlike in a decode step)."""
     cfg, mesh = engine.cfg, engine.mesh
     model = rollout.sampler_model(cfg.model, cfg.sampling)
     dtype = nx.compute_dtype(nx.of_sampling(cfg.sampling, 0), model.compute_dtype)

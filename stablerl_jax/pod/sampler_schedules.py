@@ -1,45 +1,37 @@
 """Response lengths and the sampler's three schedules, simulated (numpy only: no model).
 
-Letters: B responses of a global step, G group size, Q = B/G groups, P prompt slots,
-C = max_new_tokens, S staleness bound (rl.max_staleness), K global steps, R responses of
-a stream, O decode-slot offsets (a write slot is P + o, o in [0, C)).
+Letters: B responses of a global step, G group size, Q = B/G groups, P prompt slots, C =
+max_new_tokens, S staleness bound (rl.max_staleness), K global steps, R responses of a stream, O
+decode-slot offsets (a write slot is P + o, o in [0, C)).
 
-A response's length is its number of generated tokens, the stop token included, in
-[1, C]; a truncated response has length C. A response of length ℓ takes ℓ decode steps:
-after its prefill, the decode step that generates its (t+1)-th token writes slot P + t.
+A response's length (generated tokens, the stop token included) is in [1, C], C if truncated;
+after its prefill it takes that many decode steps, the (t+1)-th token's writing slot P + t.
 
-The schedules (every decode step runs all `slots` rows of the sampler's program):
+Schedules (every decode step runs all `slots` rows of the sampler's program):
+- `static` (today's sampler): B responses in passes of `slots` rows, pass i the strided rows i,
+  i + n, i + 2n, … (n = B/slots, `slices.py`'s order); a pass runs max(its lengths) decode
+  steps, every row writing slot P + j at step j, finished rows idling in their slots.
+- `continuous` (sampling.continuous): a queue of the B responses in row order; the first `slots`
+  fill the slots (one batched prefill); an iteration is one decode step of every slot, after
+  which finished responses leave and each freed slot, in ascending order, takes the next pending
+  response (a 1-row prefill of P tokens), its first token in the next iteration, until all B are
+  done.
+- `partial` (partial rollouts, rl.max_staleness = S ≥ 1), over K global steps of a stream of
+  groups: step k tops the queue up to B + slots responses (S = 0: the step's own B, i.e.
+  `continuous`); every carried response (in flight, or complete and not consumed) whose oldest
+  token has version < k − S is dropped (tokens discarded, re-queued at its place); free slots
+  take pending responses in queue order and every occupied slot is prefilled in one batch with
+  the new parameters (the prompt and the tokens so far). Iterations as in `continuous` follow
+  until at least Q groups (all G members finished) are complete, checked before the first
+  iteration too (an already complete batch decodes nothing). The batch is the Q complete groups
+  earliest in queue order; the rest carries to step k + 1. Tokens generated in step k have
+  version k, so every consumed token's age k − version is ≤ S. A dropped response keeps its
+  length (lengths belong to responses, not attempts).
 
-- `static` (today's sampler): B responses in passes of `slots` rows; pass i holds the
-  strided rows i, i + n, i + 2n, … (n = B/slots, `slices.py`'s order); a pass runs
-  max(its lengths) decode steps, every row of it writing slot P + j at step j, finished
-  rows idling in their slots.
-- `continuous` (sampling.continuous): a queue of the B responses in row order; the
-  first `slots` fill slots 0.. (one batched prefill); an iteration is one decode step of
-  every slot (each live response generates one token); then the responses that reached
-  their length finish, and each freed slot, in ascending order, takes the next pending
-  response (a 1-row prefill of P tokens), whose first token comes in the next iteration.
-  It ends when all B are done.
-- `partial` (partial rollouts, rl.max_staleness = S ≥ 1), over K global steps of a
-  stream of groups: at the start of step k the queue is topped up from the stream to
-  B + slots responses (S = 0: the step's own B, which makes it `continuous`); every
-  carried response (in flight, or complete and not consumed) whose oldest token has
-  version < k − S is dropped (tokens discarded, re-queued at its place); free slots take
-  pending responses in queue order and every occupied slot is prefilled in one batch with
-  the new parameters (the prompt and the tokens generated so far). Then iterations as in
-  `continuous`, until at least Q groups (all G members finished) are complete — checked
-  before the first iteration too, so a step whose batch is already complete decodes
-  nothing. The batch is the Q complete groups earliest in queue order; everything else
-  carries to step k + 1. Tokens generated during step k's sampling have version k, so
-  every consumed token's age k − version is ≤ S. A dropped response keeps its length
-  when it runs again (the simulator's lengths belong to responses, not attempts).
-
-Decode steps come back as `Runs`: with model.decode_block a step's attention reads the
-key blocks up to its largest write slot over live rows, so that slot is all its cost
-depends on. Within an iteration-free stretch every live response advances one slot per
-step, so the simulators jump from one finishing step to the next (events, not steps);
-tests/pod/schedule_test.py checks them against a step-by-step reference.
-"""
+Decode steps come back as `Runs`: with model.decode_block a step's attention reads the key
+blocks up to its largest write slot over live rows, all its cost depends on. Between finishing
+events every live response advances a slot per step, so the simulators jump event to event;
+tests/pod/schedule_test.py checks them against a step-by-step reference."""
 from __future__ import annotations
 
 import dataclasses
@@ -152,17 +144,13 @@ class Runs:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """One sampler run (one global step's sampling, or an evaluation).
-
-    prefills: per prefilled row, the generated tokens it prefills besides its P prompt
-    slots (0 for a fresh response, t for a re-prefill after t tokens). tokens: tokens
-    generated (live slot-steps, discarded ones included). consumed_by_age: consumed
-    tokens by age k − version, 0 to the oldest present; batch: the consumed responses,
-    by id; written_O[o]: tokens generated by a row writing slot P + o (Σ = tokens);
-    dropped, queue (responses queued after the top-up): partial rollouts only;
-    shared_slot: every row writes the step's one slot (static passes: a finished row
-    keeps its place and its reads), else each row its own (a free slot reads only its
-    prompt's)."""
+    """One sampler run (a global step's sampling, or an evaluation). prefills: per prefilled
+    row, generated tokens beyond the P prompt slots (0 fresh, t re-prefilled after t); tokens:
+    generated (live slot-steps, discarded ones included); consumed_by_age: consumed tokens by
+    age k − version, 0 to the oldest; batch: consumed response ids; written_O[o]: tokens
+    generated writing slot P + o (Σ = tokens); dropped, queue (queued after the top-up): partial
+    rollouts only; shared_slot: all rows write the step's one slot (static passes: a finished
+    row keeps its place and reads), else each its own (a free slot reads only its prompt's)."""
 
     runs: Runs
     prefills: np.ndarray
@@ -205,8 +193,7 @@ def static(lengths_B: np.ndarray, slots: int) -> Sampling:
 
 
 class _Sampler:
-    """The continuous sampler's state over a stream of responses (module docstring);
-    `step` runs one global step's sampling."""
+    """Continuous-sampler state over a response stream; `step` samples one global step."""
 
     def __init__(self, lengths_R, group: int, slots: int, steps: int):
         r = len(lengths_R)
@@ -285,8 +272,7 @@ class _Sampler:
 
 
 def continuous(lengths_B: np.ndarray, slots: int) -> Sampling:
-    """The B responses through `slots` slots, refilled as they finish (module
-    docstring); slots 0: B slots (then it equals one static pass)."""
+    """`continuous` of the module docstring; slots 0: B slots (then it equals a static pass)."""
     b = len(lengths_B)
     slots = slots or b
     return _Sampler(lengths_B, 1, slots, 1).step(0, b, 0, b)
@@ -294,9 +280,8 @@ def continuous(lengths_B: np.ndarray, slots: int) -> Sampling:
 
 def partial(lengths_R: np.ndarray, batch: int, group: int, slots: int, staleness: int,
             steps: int) -> list[Sampling]:
-    """K = `steps` global steps of partial rollouts over the stream lengths_R (response
-    r belongs to group r // G; at least K·B + slots of them), B = `batch`: one Sampling
-    per step, its batch the Q = B/G complete groups earliest in queue order."""
+    """K = `steps` global steps of `partial` rollouts (module docstring) over the stream
+    lengths_R (response r in group r // G; ≥ K·B + slots), B = `batch`: a Sampling per step."""
     if batch % group:
         raise ValueError(f"rl.group_size: B = {batch} must be a multiple of G = {group}")
     slots = slots or batch

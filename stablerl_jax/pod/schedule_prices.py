@@ -1,20 +1,16 @@
-"""The sampler's schedules priced: length-aware estimates of a sample step, the
-evaluation and a global step, and a stated model of a separate sampler mesh. Compiler /
-roofline estimates, not measurements.
+"""The sampler's schedules priced (compiler / roofline estimates, not measurements):
+length-aware estimates of a sample step, the evaluation and a global step, and a stated model of
+a separate sampler mesh (`placements`, scaled from these colocated numbers).
 
-Letters: P prompt slots, C = max_new_tokens, O decode-slot offsets (a write slot is
-P + o), R responses of a stream (as in stablerl_jax/pod/sampler_schedules.py).
+Letters as in stablerl_jax/pod/sampler_schedules.py: P prompt slots, C = max_new_tokens, O
+decode-slot offsets (a write slot is P + o), R responses of a stream.
 
-Given response lengths, the sampler's schedules (stablerl_jax/pod/sampler_schedules.py: static
-passes, continuous refilling, partial rollouts) say how many decode steps run and the
-largest write slot of each; a step costs the decode step at that slot (roofline.py's
-programs: the static sampler's step plus its extra key blocks; with a ragged decode
-attention, a `ragged` row of DECODE_IMPLS as model.decode_attention_impl, each row's
-own blocks), a prefilled row of P + t tokens its forward FLOPs at the chips' peak, as
-the fixed-length prefill. The global step adds a score pass per version of the batch's
-tokens (behavior π_old), the updates and the amortized evaluation. `placements` is a
-stated model of a separate sampler mesh, scaled from these colocated numbers.
-"""
+The schedules (static passes, continuous refilling, partial rollouts) give each decode step's
+largest write slot at given response lengths. A step costs the decode step at that slot
+(roofline.py: the static step plus its extra key blocks; with a ragged decode attention, a
+`ragged` row of DECODE_IMPLS as model.decode_attention_impl, each row's own blocks); a prefilled
+row of P + t tokens its forward FLOPs at the chips' peak. A global step adds a score pass per
+token version in the batch (behavior π_old), the updates and the amortized evaluation."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,11 +30,9 @@ from stablerl_jax.pod.sampler_programs import rows_per_pass
 
 @dataclasses.dataclass(frozen=True)
 class SamplerPrices:
-    """Seconds on one chip of the sampler's parts: decode_O[o], a decode step whose
-    largest write slot is P + o (o < C: the first step plus L·(extra key blocks) blocks);
-    once_s, a sampler call's collectives outside its decode loop; a prefilled row of P +
-    t tokens at the chips' peak, as the sample estimate's prefill; `ragged`: the
-    sampler's decode attention reads each row's own key blocks."""
+    """Seconds on one chip: decode_O[o], a decode step with largest write slot P + o (o < C;
+    first step + L·(extra blocks) blocks); once_s, a call's collectives outside the decode loop;
+    `prefill_s`, rows of P + t tokens at the chips' peak; `ragged`: rows read own key blocks."""
 
     decode_O: np.ndarray
     once_s: float
@@ -54,10 +48,9 @@ class SamplerPrices:
     ragged: bool = False  # the decode attention reads each row's own key blocks
 
     def seconds(self, s) -> float:
-        """One sampler run (a sampler_schedules.Sampling) with the sampler's decode attention:
-        `row_reads_seconds` for a ragged one (DECODE_IMPLS' `ragged` rows) where rows
-        sit at their own slots, else `max_slot_seconds` (static passes share one slot:
-        every row, finished or not, reads up to it)."""
+        """One sampler run (a sampler_schedules.Sampling): `row_reads_seconds` for a ragged
+        attention (DECODE_IMPLS' `ragged` rows) unless the rows share a slot (static passes:
+        every row, finished or not, reads up to it), else `max_slot_seconds`."""
         ragged = self.ragged and not s.shared_slot
         return (self.row_reads_seconds if ragged else self.max_slot_seconds)(s)
 
@@ -66,17 +59,15 @@ class SamplerPrices:
         return dataclasses.replace(self, ragged=not self.ragged).seconds(s)
 
     def max_slot_seconds(self, s) -> float:
-        """Its decode steps (each reading every row's key blocks up to the step's largest
-        write slot, as the reference "blocks" does), prefills and reshard."""
+        """Decode steps reading every row's key blocks up to the step's largest write slot (the
+        reference "blocks"), prefills and reshard."""
         return s.runs.sum_of(self.decode_O) + self.prefill_s(s.prefills) + self.once_s
 
     def row_reads_seconds(self, s) -> float:
-        """The same with a decode attention that reads each row's own key blocks (the
-        ragged kernel, as paged attention does): each step at its first-slot cost, plus,
-        per token written at slot P + o, 1/slots of the extra blocks a step at o reads
-        (decode_O[o] − decode_O[0]): a block costs per row what the reference's block
-        costs over its rows. A free slot (the continuous sampler's tail) reads only its
-        prompt's blocks, which the first-slot cost holds."""
+        """The same when each row reads its own key blocks (the ragged kernel, like paged
+        attention): steps at the first-slot cost, plus, per token written at P + o, 1/slots of a
+        step's extra cost there (decode_O[o] − decode_O[0]): a block costs per row what the
+        reference's costs over its rows. A free slot (continuous tail) reads only its prompt."""
         extra_O = self.decode_O[:len(s.written_O)] - self.decode_O[0]
         return (s.runs.steps * self.decode_O[0] + float(s.written_O @ extra_O) / s.slots
                 + self.prefill_s(s.prefills) + self.once_s)
@@ -98,9 +89,8 @@ def sampler_prices(cfg: ExperimentConfig, costs: SamplerCosts, chips: int,
 
 @dataclasses.dataclass
 class ScheduleRow:
-    """One schedule's global step: per-step means (partial rollouts: over the later half
-    of the simulated steps, the steady state). eval_s is amortized (÷ eval_every);
-    score_passes: behavior π_old needs one score pass per version in the batch."""
+    """A schedule's global step, per-step means (partial rollouts: the later, steady-state
+    half); eval_s amortized (÷ eval_every); score_passes: one per batch version (π_old)."""
 
     name: str
     steps: float
@@ -138,10 +128,9 @@ class ScheduleRow:
 def schedule_rows(cfg: ExperimentConfig, prices: SamplerPrices, score_s: float,
                   update_s: float, lengths_R: np.ndarray, eval_lengths: np.ndarray,
                   steps: int = 20, staleness=(1, 2)) -> list[ScheduleRow]:
-    """Static, continuous and partial rollouts (each S of `staleness`) over the stream
-    lengths_R (≥ steps·B + slots responses; static and continuous take its step-sized
-    slices), priced by `prices`. Evaluation: static for the static row, else continuous
-    (no staleness) over eval_lengths (eval_problems × eval_k rows)."""
+    """Static, continuous and partial rollouts (each S of `staleness`) over stream lengths_R (≥
+    steps·B + slots; static and continuous take step-sized slices), priced by `prices`;
+    evaluation (eval_lengths: eval_problems × eval_k rows) static for static, else continuous."""
     rl = cfg.rl
     b, g = rl.prompts_per_step * rl.group_size, rl.group_size
     slots, train = rows_per_pass(cfg), rl.num_minibatches * update_s
@@ -186,16 +175,13 @@ class Split:
 def placements(row: ScheduleRow, chips: int, slots: int, rows_fit: int,
                update_fixed_gib: float, update_temp_gib: float, hbm_gib: float,
                weight_bytes: float, chip: ChipSpec, step: int = 8) -> list[Split]:
-    """A separate sampler mesh of s chips beside a trainer of t = chips − s, the sampler
-    one step ahead (it samples batch k + 1 with θ_k while the trainer updates on batch k,
-    so the batch is one version older than `row`'s; the version count stays), weights
-    pushed after each update. The model: a decode step is bound by its rows' KV cache and
-    its weights, both per chip ∝ 1/s, so the sampler's seconds scale by chips/s; score
-    and updates are bound by FLOPs over t chips, chips/t. The push: weight_bytes over the
-    min(s, t) chips' ICI links. Feasible splits only: slots/s ≤ rows_fit rows per chip,
-    and the update's weights and optimizer state (update_fixed_gib per chip on all the
-    chips, ∝ 1/t) plus its activations (update_temp_gib, one row per chip a micro-batch)
-    within hbm_gib. Each split's step is max(sampler side, trainer side)."""
+    """A sampler mesh of s chips beside a trainer of t = chips − s, a step ahead (sampling batch
+    k + 1 with θ_k while the trainer updates on batch k: one version older than `row`'s, the
+    version count unchanged), weights pushed after each update. Decode is bound by KV cache and
+    weights (∝ 1/s per chip): sampler seconds × chips/s; score and updates are FLOP bound: ×
+    chips/t; the push: weight_bytes over min(s, t) chips' ICI links. Feasible only if slots/s ≤
+    rows_fit and update_fixed_gib × chips/t (weights, optimizer state) + update_temp_gib
+    (activations, one row per chip a micro-batch) ≤ hbm_gib. Step: max of the two sides."""
     out = []
     for s in range(step, chips, step):
         t = chips - s
@@ -208,9 +194,9 @@ def placements(row: ScheduleRow, chips: int, slots: int, rows_fit: int,
 
 
 class TrainShare(NamedTuple):
-    """The share of the compiled (full-width, full-capacity) score / update program that
-    a step at drawn lengths runs: padded rows cut to the step's longest row (rl.trim_bucket
-    as 1), or packed rows (rl.pack_tokens) in the micro-batches the fullest shard uses."""
+    """Share of the compiled full-width, full-capacity score / update program that a step at
+    drawn lengths runs: padded rows cut to the longest (rl.trim_bucket as 1), or packed rows
+    (rl.pack_tokens) in the micro-batches the fullest shard uses."""
 
     padded_width: float   # mean slots of a trimmed padded row
     padded_share: float   # mean model FLOPs of the trimmed step / the full-width step
@@ -222,12 +208,11 @@ class TrainShare(NamedTuple):
 
 
 def train_shares(cfg, completions_KxB: np.ndarray, prompt_tokens: int) -> TrainShare:
-    """`TrainShare` of K steps of B responses with these completion lengths, each behind
-    a prompt of `prompt_tokens`: the padded step's FLOPs at the trimmed width
-    (model/flops.py), and the packed steps' micro-batches (each shard's sequences
-    first-fit into rows of rl.pack_tokens, rl.pack_rows rows per micro-batch; the score
-    packs the rows as sampled, each update the mini-batch's rows balanced over the
-    shards as the loop orders them)."""
+    """`TrainShare` of K steps of B responses with these completion lengths after
+    `prompt_tokens`-token prompts: the padded step's FLOPs at the trimmed width
+    (model/flops.py); the packed steps' micro-batches (each shard's sequences first-fit into
+    rl.pack_tokens rows, rl.pack_rows per micro-batch; score packs rows as sampled, each update
+    its mini-batch balanced over the shards as the loop orders it)."""
     import jax
     import jax.numpy as jnp
 

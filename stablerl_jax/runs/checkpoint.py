@@ -1,61 +1,40 @@
 """Checkpoints with orbax: atomic, optionally async, keep-N, resume from complete steps only.
 
-Layout of a run's checkpoint directory (one subdirectory per saved global step):
+Layout (one subdirectory per saved global step):
 
     <dir>/<step>/state/   the train state: a pytree of arrays (params, optimizer state, counters)
     <dir>/<step>/meta/    a small JSON dict (config, data position, ...)
 
-What "complete" means, and whose directories a Checkpointer lists, resumes from, sets
-aside or deletes: checkpoint_steps.py. In short, only committed step directories this
-module wrote; a save cut short is removed when the next `Checkpointer` opens, an
-uncommitted step of its own is renamed aside to `<step>.incomplete`, anything else is
-left alone and named in one warning.
+Which entries are complete steps, and the fate of the rest (cut-short saves' remains removed,
+own uncommitted steps moved to `<step>.incomplete`): checkpoint_steps.py.
 
-Restores use the target's shapes, dtypes and shardings, so a sharded run resumes sharded.
-Shapes and dtypes must match the checkpoint exactly: orbax would silently cast a dtype,
-which breaks bit-exact resume, so a mismatch is an error that names the leaf.
+Restores take the target's shardings (a sharded run resumes sharded) and exact shapes and dtypes
+(orbax would silently cast a dtype, breaking bit-exact resume): mismatches raise, naming leaves.
 
-Checksums. `save` stores two 32-bit checksums of every array's bits in the meta (a plain
-and a position-weighted sum of its 32-bit words, computed on the devices, so sharded
-arrays need no host copy); `restore` recomputes them and refuses a checkpoint whose bits
-changed (a flipped byte restores without any error from orbax). `restore_latest` tries
-the complete steps newest first and falls back past any that does not restore (truncated,
-zero-filled, missing files, garbage metadata, a checksum mismatch), saying which and why,
-and moves each such step aside to `<step>.corrupt` (kept, never deleted) so that later
-saves of that step are not skipped.
+Checksums. `save` stores the step (`checkpoint_step`) and two 32-bit checksums per array in the
+meta (plain and position-weighted sums of its 32-bit words, on device); `restore` refuses
+changed bits, which orbax restores silently. `restore_latest` tries complete steps newest first,
+past any that does not restore (truncated, zero-filled, missing files, garbage metadata, a
+checksum mismatch, a stored step other than its name: a copied `<step>`), saying why, and moves
+it to `<step>.corrupt` (kept, never deleted) so later saves of it are not skipped.
 
-Step numbers. `save` also stores the step in the meta (`checkpoint_step`), and
-`restore_latest` treats a step directory whose stored step differs from its name (a
-copied `<step>` directory) as corrupt: falls back past it, says so, moves it aside.
+Failed saves. A failed background save (disk full, a file-size limit, permissions) leaves only
+its `*.orbax-checkpoint-tmp` directory; `check_saves` (non-blocking, every training step) and
+`wait` raise one `CheckpointSaveError` naming the step, the cause and the fix, stopping the run
+at its next step. Orbax's error records (a traceback per array and thread) go to
+`checkpoints.log` in the workdir, not the terminal; the error names it.
 
-Failed saves. An async save that fails in the background (disk full, a file-size limit,
-permissions) leaves only its `*.orbax-checkpoint-tmp` directory, never a step; `check_saves`
-(non-blocking, once per training step) and `wait` turn that failure into one
-`CheckpointSaveError` naming the step, the cause and the fix, so the run stops at its next
-step instead of training on without checkpoints. Orbax logs the failure with a traceback
-per array and thread (dozens); while a `Checkpointer` is open, orbax's error records go to
-`checkpoints.log` beside the checkpoint directory (the run's workdir) instead of the
-terminal, and the error's message names that file.
-
-Interrupts. Ctrl-C (SIGINT) must end a run promptly, and orbax's async save does not
-take a KeyboardInterrupt everywhere: one inside the blocking part of its save, after the
-save's writer threads started but before their directory exists, lets the run's `close`
-shut down the executor that would create the directory ("cannot schedule new futures
-after shutdown"), and the writers then wait 300 s for it while Python waits for them at
-exit. So while a `Checkpointer` is open in the main thread (over Python's own SIGINT
-handler), its handler holds an interrupt that comes inside orbax's `save` until the save
-has started, and `stop` (what a caller runs on KeyboardInterrupt instead of `wait` and
-`close`; both run it themselves when interrupted) gives the save in flight at most
-`INTERRUPT_WAIT_S` seconds to finish (a second Ctrl-C ends the wait), then cancels it. The
-run is done with its checkpoints within `INTERRUPT_WAIT_S + CANCEL_WAIT_S` seconds of the
-interrupt reaching Python (at once, unless the main thread is inside a device computation,
-which Python cannot interrupt), and the resume starts from the newest complete step: the
-interrupted one if it committed, else the one before. Python also drops a
-KeyboardInterrupt raised inside a `__del__` or weakref callback (it prints it and goes on):
-the handler remembers each interrupt, so `check_saves` (every training step) and `wait`
-raise one that was dropped, without the printout. SIGTERM keeps Python's default (the
-process ends at once, like a kill: the resume handles that).
-"""
+Interrupts. Ctrl-C (SIGINT) must end a run promptly, but a KeyboardInterrupt in the blocking
+part of orbax's async save (writers started, their directory not yet made) lets `close` shut
+down the executor that would make it ("cannot schedule new futures after shutdown"), and the
+writers wait 300 s for it at exit. So an open `Checkpointer`'s SIGINT handler (main thread, over
+Python's own) holds an interrupt inside orbax's `save` until it has started; `stop` (run by the
+caller on KeyboardInterrupt, and by an interrupted `wait` or `close`) gives the save in flight
+`INTERRUPT_WAIT_S` seconds (a second Ctrl-C ends the wait), then cancels it: done within
+`INTERRUPT_WAIT_S + CANCEL_WAIT_S` seconds of the interrupt reaching Python (which cannot stop a
+device computation); resume starts from the newest complete step. A KeyboardInterrupt Python
+drops (printing it) in a `__del__` or weakref callback is re-raised by `check_saves` and `wait`.
+SIGTERM keeps Python's default (exit at once, like a kill, which resume handles)."""
 from __future__ import annotations
 
 import json
@@ -119,8 +98,7 @@ def _key_name(k) -> str:
 
 
 def _leaves(tree) -> dict[str, Any]:
-    """{'a/b/0/mu': leaf}. NamedTuple fields and dict keys map to the same names, because
-    orbax's metadata records an optax NamedTuple state as a dict of its fields."""
+    """{'a/b/0/mu': leaf}; NamedTuple fields as dict keys, as orbax records an optax state."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
 
@@ -154,8 +132,8 @@ def _check_matches(saved_meta, target, where: str) -> None:
 
 
 def _check_step(meta: dict, step: int) -> None:
-    """A step directory must hold the step it is named for (a copy does not). Checkpoints
-    written before `save` stored it are judged by the training loop's "step" entry."""
+    """A step directory must hold the step it is named for (a copy does not); checkpoints older
+    than `save`'s record are judged by the training loop's "step"."""
     stored = steps_lib.stored_step(meta)
     if stored is not None and stored != step:
         raise ValueError(f"it holds the state of step {stored}, not {step} (a copied or "
@@ -163,9 +141,9 @@ def _check_step(meta: dict, step: int) -> None:
 
 
 class Checkpointer:
-    """Per-step {'state': pytree of arrays, 'meta': JSON dict}, keeping the newest `keep`.
-    While open it routes orbax's error records to `<parent of directory>/checkpoints.log`
-    and (main thread) handles SIGINT (module docstring); `close` or `stop` ends both."""
+    """Per-step {'state': pytree of arrays, 'meta': JSON dict}, the newest `keep` kept. While
+    open, routes orbax's error records to `<parent of directory>/checkpoints.log` and (main
+    thread) handles SIGINT (module docstring); `close` or `stop` ends both."""
 
     def __init__(self, directory: str, keep: int = 2, async_: bool = True):
         directory = storage.abspath(directory)
@@ -226,9 +204,8 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
-        """Start saving `step`; returns False if orbax skipped it (a step not above the
-        latest saved one, unless force). With async, arrays are copied off the devices
-        before this returns, so the caller may donate `state` right away."""
+        """Start saving `step`; False if orbax skipped it (not above the latest step, unless
+        force). Async: arrays are off the devices on return, so `state` may be donated."""
         try:
             json.dumps(meta)
         except TypeError as e:
@@ -273,9 +250,8 @@ class Checkpointer:
         return self._failed
 
     def check_saves(self) -> None:
-        """Raise CheckpointSaveError if a background save has failed (without waiting
-        for one still in flight); KeyboardInterrupt for an interrupt that did not end the
-        run (module docstring)."""
+        """Raise a background save's CheckpointSaveError (not waiting for one in flight), or
+        KeyboardInterrupt for an interrupt that did not end the run."""
         self._interrupts.check()
         if self._failed is not None:
             raise self._failed
@@ -283,9 +259,8 @@ class Checkpointer:
             self.wait()
 
     def wait(self) -> None:
-        """Block until pending async saves (and keep-N deletions) are on disk; raise
-        CheckpointSaveError (once) if one failed; KeyboardInterrupt for an interrupt that
-        did not end the run. Interrupted while it waits, it `stop`s."""
+        """Block until async saves (and keep-N deletions) are on disk; raise as `check_saves` (a
+        CheckpointSaveError once). Interrupted while waiting, it `stop`s."""
         if self._failed is not None or self._closed:
             return  # reported already; nothing more will be written by that save
         try:
@@ -298,9 +273,8 @@ class Checkpointer:
         self._interrupts.check()
 
     def restore(self, step: int | None, target_state) -> tuple[Any, dict]:
-        """(state, meta) of `step` (None: the latest complete one). `target_state` (arrays or
-        ShapeDtypeStructs) gives the tree structure, shapes, dtypes and shardings. Raises
-        if the step does not restore or its checksums do not match."""
+        """(state, meta) of `step` (None: latest complete) with `target_state`'s shapes, dtypes
+        and shardings (arrays or ShapeDtypeStructs); raises on a failed restore or checksum."""
         self.wait()
         steps = self.all_steps()
         if not steps:
@@ -327,8 +301,7 @@ class Checkpointer:
         return out.state, meta
 
     def read_meta(self, step: int) -> dict:
-        """The meta dict of a complete step, without restoring its state (checked to
-        hold that step)."""
+        """A complete step's meta, state not restored (checked to hold that step)."""
         self.wait()
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = dict(out.meta)
@@ -338,13 +311,11 @@ class Checkpointer:
 
     def restore_latest(self, target_state, check_meta=None,
                        usable=None) -> tuple[int, Any, dict] | None:
-        """(step, state, meta) of the newest complete step that restores, or None if there
-        is none. Steps that fail (module docstring), or whose stored step is not their
-        directory's name, are logged and moved aside. `check_meta(meta)` runs before a
-        step's state is restored; what it raises (e.g. a changed config) propagates: that
-        is the caller's error, not corruption. `usable(step)` -> None, or why a sound step
-        may not be resumed from (e.g. the metrics log stops before it): such steps are
-        moved aside to `<step>.unusable`, so that the resumed run saves them again."""
+        """(step, state, meta) of the newest complete step that restores, else None; failing
+        ones (module docstring) are logged and moved aside. `check_meta(meta)` runs before the
+        state restores; its errors (e.g. a changed config) propagate: the caller's, not
+        corruption. `usable(step)`: None, or why a sound step may not be resumed from (e.g.
+        metrics end before it): moved to `<step>.unusable`, saved again by the resumed run."""
         self.wait()
         for step in reversed(self.all_steps()):
             why = usable(step) if usable is not None else None
@@ -368,8 +339,7 @@ class Checkpointer:
         return None
 
     def _corrupt(self, step: int, e: Exception) -> None:
-        """Log why `step` does not restore and move it aside (a later save may then write
-        that step again)."""
+        """Log why `step` does not restore; move it aside so a later save can write it again."""
         self._set_aside(step, ".corrupt", f"does not restore ({type(e).__name__}: "
                         f"{str(e)[:300]}); falling back to an earlier step")
 
@@ -383,8 +353,7 @@ class Checkpointer:
         self.manager = self._manager()
 
     def close(self) -> None:
-        """Finish the saves in flight and close (a second call does nothing). Interrupted
-        while it waits, it `stop`s."""
+        """Finish saves in flight and close (idempotent); `stop`s if interrupted meanwhile."""
         if self._closed:
             return
         try:
@@ -405,13 +374,11 @@ class Checkpointer:
             self._log.close()
 
     def stop(self, timeout_s: float = INTERRUPT_WAIT_S) -> None:
-        """Close after an interrupt, within timeout_s + CANCEL_WAIT_S seconds: the save in
-        flight gets timeout_s to finish (another Ctrl-C ends the wait at once), then is
-        cancelled; its `*.orbax-checkpoint-tmp` directory stays until the next Checkpointer
-        on the directory removes it. (Should orbax not drop a cancelled save in that time,
-        Python still waits for its threads at exit.) Raises nothing: the interrupt is what
-        the caller reports (a failed save is in the log file). `wait` and `close` do
-        nothing after."""
+        """Close after an interrupt (module docstring, "Interrupts"): the save in flight gets
+        timeout_s (another Ctrl-C ends the wait), then is cancelled (CANCEL_WAIT_S more at
+        most), its `*.orbax-checkpoint-tmp` directory left to the next Checkpointer (if orbax
+        keeps it, Python waits for its threads at exit). Raises nothing: the caller reports the
+        interrupt (a failed save is in the log); `wait` and `close` then no-op."""
         if self._closed:
             return
         self._interrupts.pending = False  # this one ends the run
@@ -466,9 +433,9 @@ def is_complete(path: str) -> bool:
 
 
 def load_params(path: str, target=None):
-    """Load params saved by `save_params`. With `target` (arrays or ShapeDtypeStructs, e.g.
-    from jax.eval_shape(init_params)), structure/shapes/dtypes are checked and the result
-    lands on the target's shardings; without it, arrays come back as saved on one device."""
+    """Load `save_params` output. With `target` (arrays or ShapeDtypeStructs, e.g.
+    jax.eval_shape(init_params)) structure, shapes and dtypes are checked and the result lands
+    on its shardings; without it, arrays come back as saved, on one device."""
     path = storage.abspath(path)
     if not storage.exists(os.path.join(path, steps_lib.COMMIT_FILE)):
         raise ValueError(f"no complete params checkpoint at {path!r}; run the SFT cold start "

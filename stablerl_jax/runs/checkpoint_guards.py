@@ -1,10 +1,8 @@
-"""What an open Checkpointer (checkpoint.py) installs around orbax: orbax's error records
-of a failed save sent to a log file in the workdir instead of the terminal (`ErrorLog`,
-`ORBAX_ERRORS`; so are the "Event loop is closed" errors of TensorStore's callbacks that
-complete after a failed save's event loop closed, which Python prints as unraisable
-exceptions, a traceback each), and the SIGINT handler that holds a Ctrl-C landing inside orbax's save
-until the save has started (`INTERRUPTS`; checkpoint.py's module docstring,
-"Interrupts")."""
+"""What an open Checkpointer (checkpoint.py) installs around orbax: a workdir log file for a
+failed save's orbax error records (`ErrorLog`, `ORBAX_ERRORS`), also taking the unraisable
+"Event loop is closed" errors (a printed traceback each) of TensorStore callbacks completing
+after the save's event loop closed; and a SIGINT handler holding a Ctrl-C inside orbax's save
+until the save has started (`INTERRUPTS`; checkpoint.py's module docstring, "Interrupts")."""
 from __future__ import annotations
 
 import contextlib
@@ -19,13 +17,10 @@ from stablerl_jax.runs import storage
 
 
 class UnraisableHook:
-    """The guards' one `sys.unraisablehook`: each handler (a guard's) says whether it took
-    the error, and one none took goes to the hook that was in place before. Installed while
-    a handler is registered and handed back when the last one leaves, unless another hook
-    was installed over it since. One hook for all the guards, so that no two of them can
-    each hold the other as the hook they replaced (a guard opening again after another
-    replaced it would otherwise chain the two in a loop); an error raised while the hook
-    runs in the same thread goes to Python's own."""
+    """The guards' one `sys.unraisablehook`: an error no handler takes goes to the prior hook.
+    Installed while a handler is registered; handed back when the last leaves, unless replaced
+    since. One hook for all guards, so two cannot each hold the other as the hook they replaced
+    (a loop); an error raised inside it (same thread) goes to Python's own."""
 
     def __init__(self):
         self.handlers: list = []
@@ -59,10 +54,9 @@ UNRAISABLE = UnraisableHook()
 
 
 class ErrorLog:
-    """The log file of one open Checkpointer's orbax errors. A record the file cannot take
-    (the disk that failed the save is full) is dropped without a word: logging's own
-    report of that would be a traceback on the terminal again. On an object store the
-    file is an object, uploaded again whole at each record."""
+    """One open Checkpointer's log file of orbax errors (on an object store, an object uploaded
+    whole per record). A record it cannot take (the failed save's disk is full) is dropped
+    silently: logging would print a traceback instead."""
 
     def __init__(self, path: str, directory: str):
         self.path, self.directory, self.written, self.closed = path, directory, False, False
@@ -84,8 +78,8 @@ class ErrorLog:
             ORBAX_ERRORS.took(self)
 
     def close(self) -> None:
-        """Stop taking orbax's records; the log that took the latest one stays open for
-        the late errors of its failed save (`OrbaxErrors.recent`)."""
+        """Stop taking records; the log that took the latest stays open for its failed save's
+        late errors (`OrbaxErrors.recent`)."""
         self.closed = True
         ORBAX_ERRORS.remove(self)
         if ORBAX_ERRORS.recent is not self:
@@ -96,9 +90,9 @@ class ErrorLog:
 
 
 def _after_loop_closed(info) -> bool:
-    """Whether an unraisable exception is asyncio's "Event loop is closed" raised in
-    `call_soon_threadsafe`: a TensorStore write of a save completing after the event
-    loop of orbax's save thread closed, which a failed (or cancelled) save leaves."""
+    """Whether an unraisable error is asyncio's "Event loop is closed" in
+    `call_soon_threadsafe`: a TensorStore write outliving a failed or cancelled save's event
+    loop."""
     return (isinstance(info.exc_value, RuntimeError)
             and str(info.exc_value) == "Event loop is closed"
             and any(f.name == "call_soon_threadsafe"
@@ -106,17 +100,12 @@ def _after_loop_closed(info) -> bool:
 
 
 class OrbaxErrors(logging.Filter):
-    """On the 'absl' logger (orbax logs there): while a Checkpointer is open, orbax's error
-    records go, tracebacks and all, to the log of the open Checkpointer whose directory
-    they name (else the newest one's) instead of the terminal. What a failed save leaves
-    behind goes to the log that took the latest record (that of the failed save), open
-    or not: on the 'asyncio' logger, "Task exception was never retrieved" of orbax's
-    tasks naming its directory, and, through `sys.unraisablehook`, the unraisable errors
-    of a save's callbacks after its event loop closed (`_after_loop_closed`). Those may
-    come after its Checkpointer closed (TensorStore's writes of a failed save end when
-    they end, its tasks are collected when they are), so that log stays open for them
-    (`recent`), and the hook with it. Inert otherwise: the hook is installed while a log
-    is open or has taken a record."""
+    """On the 'absl' logger (orbax's): while a Checkpointer is open, orbax's error records go to
+    the log of the open Checkpointer whose directory they name (else the newest), not the
+    terminal. A failed save's leftovers, possibly after its Checkpointer closed, go to the log
+    that took the latest record (`recent`, kept open with the hook): asyncio's "Task exception
+    was never retrieved" of orbax tasks naming its directory, and (`sys.unraisablehook`) its
+    late callbacks' errors (`_after_loop_closed`). Inert unless a log is open or took one."""
 
     def __init__(self):
         super().__init__()
@@ -182,10 +171,9 @@ logging.getLogger("asyncio").addFilter(ORBAX_ERRORS)
 
 
 class Interrupts:
-    """SIGINT while Checkpointers are open (module docstring, "Interrupts"), one handler
-    for all of them: installed by the first to open, in the main thread and over Python's
-    own handler only (not where SIGINT is ignored, as in a background job, nor where the
-    caller handles it), and handed back when the last one closes."""
+    """SIGINT while Checkpointers are open (checkpoint.py, "Interrupts"): one handler, installed
+    by the first to open, only in the main thread over Python's own (not where SIGINT is
+    ignored, as in a background job, or caller-handled); handed back by the last to close."""
 
     def __init__(self):
         self.count = 0  # interrupts received

@@ -1,51 +1,36 @@
-"""Which entries of a checkpoint directory are a Checkpointer's steps (checkpoint.py),
-which are the remains of a save cut short, and their clean-up: orbax lists, resumes from
-and deletes (keep-N) only committed steps of this module.
+"""Which checkpoint-directory entries are steps (checkpoint.py) or cut-short saves' remains, and
+their clean-up; orbax lists, resumes from and deletes (keep-N) own committed steps only.
 
-What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-tmp`, writes
-`commit_success.txt` into it when every item is on disk, then renames it to `<step>`. So:
-- a save killed midway leaves a `<step>.orbax-checkpoint-tmp` directory, never listed as a
-  step, and removed when the next `Checkpointer` opens the directory if it holds nothing
-  but what such a save writes (`save_remains`: orbax's step metadata naming no other
-  items, `state`, `meta` and their temporary directories, orbax's commit file (written
-  there before the rename), a step record of that step);
-- a step directory of this module's ("Whose directories" below) without `commit_success.txt`
-  (a half-copied step, or a filesystem without atomic rename) is incomplete too. Orbax
-  itself would list it on a local disk, and then both resume from it and skip every later
-  save whose step is not above it, so it is renamed aside to `<step>.incomplete` (kept,
-  never deleted) when a `Checkpointer` opens, and only committed steps are ever listed.
-- any other name in the directory is left alone.
+What "complete" means. Orbax (0.12) writes a step into `<step>.orbax-checkpoint-tmp`, adds
+`commit_success.txt` once every item is on disk, then renames it to `<step>`. So:
+- a save killed midway leaves a `<step>.orbax-checkpoint-tmp` directory, never listed; the next
+  `Checkpointer` to open removes it if it holds only what such a save writes (`save_remains`:
+  `state`, `meta`, orbax's metadata);
+- an own step directory ("Whose directories") without `commit_success.txt` (half-copied, or no
+  atomic rename) is incomplete too; orbax would list it on a disk, resume from it and skip later
+  saves not above it, so an opening `Checkpointer` renames it to `<step>.incomplete` (kept,
+  never deleted);
+- any other name is left alone.
 
-On an object store (a `gs://` directory, where nothing renames atomically: storage.py)
-orbax writes a step in place, into `<step>/`, and `commit_success.txt` last. A save killed
-midway there leaves a `<step>/` without the commit file: one holding orbax's step metadata
-or an item directory (`state/`, `meta/`) and nothing else (`save_remains`) is that save's
-remains and is removed when the next `Checkpointer` opens, so the step can be saved
-again; anything else is left alone, as on a disk. Orbax's own clean-up is off everywhere:
-it deletes every entry whose name holds `.orbax-checkpoint-tmp` (other programs' too), and
-on an object store every uncommitted directory. Steps set aside are copied object by
-object, then deleted.
+On an object store (a `gs://` directory, no atomic rename: storage.py) orbax writes a step in
+place, `commit_success.txt` last; an uncommitted `<step>/` holding only orbax's step metadata or
+`state/`, `meta/` is a killed save's remains (`save_remains`), removed so the step can be saved
+again. Orbax's own clean-up, off here, deletes every entry whose name holds
+`.orbax-checkpoint-tmp` (other programs' too), and on an object store every uncommitted
+directory. Steps set aside there are copied object by object, then deleted.
 
-Whose directories. A step directory is this module's when orbax's step metadata in it
-(`_CHECKPOINT_METADATA`) names the items 'state' and 'meta' and its meta (`meta/metadata`)
-holds a step record (`checkpoint_step`; in checkpoints written before `save` stored it,
-the training loop's "step"). Both: another program's orbax checkpoints with items of
-those names have the first, and nothing but these checkpoints writes the second. Every
-committed step of this module holds both (orbax commits a step after its items and its
-step metadata). One exception, for damage: where one of the two files is there but is
-not JSON, the other alone decides, so that a step whose meta was damaged is still set
-aside as corrupt and the run falls back past it (else the run would stop at that step's
-next save). Whether the record equals the directory's name is not part of the test: a
-copied step directory is this module's, and `restore_latest` sets it aside as corrupt.
-A save cut short needs neither record (it may have written neither yet): its remains are
-judged by `save_remains` above. Only this module's step directories are listed, resumed
-from, set aside or deleted (keep-N). Anything else in the directory (say a `checkpoints/`
-symlinked to a shared disk that already held `1 2 3 7`, or another program's
-`5.orbax-checkpoint-tmp-…`) is left untouched and named in one warning when a
-`Checkpointer` opens; a save whose step directory, or orbax's temporary directory for it,
-such an entry occupies fails with `CheckpointSaveError` instead of overwriting it
-(orbax's own save would delete it first).
-"""
+Whose directories. A step directory is this module's when its orbax step metadata
+(`_CHECKPOINT_METADATA`) names the items 'state' and 'meta' (other programs' may too) and its
+meta (`meta/metadata`) holds a step record (`checkpoint_step`, or the training loop's "step" in
+older checkpoints; nothing else writes one), as every committed own step does. If one file is
+there but not JSON, the other decides, so a step with damaged meta is still set aside as corrupt
+(the run falls back past it instead of stopping at its next save). A copied step, its record
+unlike its name, is own: `restore_latest` sets it aside as corrupt. Cut-short saves:
+`save_remains`. Anything else (say a `checkpoints/` symlinked to a shared disk holding
+`1 2 3 7`, or another program's `5.orbax-checkpoint-tmp-…`) is never listed, resumed from, set
+aside or deleted, but named in one warning when a `Checkpointer` opens; a save whose step or
+orbax temporary directory is such an entry fails with `CheckpointSaveError` rather than
+overwrite it (orbax would delete it first)."""
 from __future__ import annotations
 
 import json
@@ -72,8 +57,8 @@ _ITEM_NAME = re.compile(r"(state|meta)(" + re.escape(TMP_SUFFIX) + r"(-[0-9]+)?)
 
 
 def set_aside(path: str, suffix: str) -> str:
-    """Rename `path` to `path + suffix` (or `…suffix<n>` if taken); returns the new path.
-    Nothing is deleted: a bad checkpoint stays for inspection."""
+    """Rename `path` to `path + suffix` (`…suffix<n>` if taken) and return the new path. Nothing
+    is deleted: a bad checkpoint stays for inspection."""
     dest, n = path + suffix, 1
     while storage.lexists(dest):
         dest, n = f"{path}{suffix}{n}", n + 1
@@ -85,8 +70,7 @@ _DAMAGED = object()  # what `_read_json` returns for a file that is there but no
 
 
 def _read_json(path: str):
-    """The JSON value of a file; None where there is none, `_DAMAGED` where the file is
-    there but does not parse (or cannot be read)."""
+    """A file's JSON; None if absent, `_DAMAGED` if unparsable or unreadable."""
     try:
         text = storage.read_text(path)
     except FileNotFoundError:
@@ -100,8 +84,7 @@ def _read_json(path: str):
 
 
 def stored_step(meta):
-    """The step record of a step's meta: `checkpoint_step`, or the training loop's "step"
-    in checkpoints written before `save` stored it; None if there is no integer one."""
+    """A meta's integer step record (`checkpoint_step`; older: the loop's "step"), else None."""
     if not isinstance(meta, dict):
         return None
     stored = meta.get(STEP, meta.get("step"))
@@ -109,10 +92,8 @@ def stored_step(meta):
 
 
 def is_own_step(path: str) -> bool:
-    """Whether the step directory `path` was written by a Checkpointer (module docstring,
-    "Whose directories"): orbax's step metadata names the items 'state' and 'meta', and
-    the meta holds a step record; one of the two files may be damaged (there, but not
-    JSON) if the other says so. A symlink never is: a Checkpointer writes none."""
+    """Whether the step directory `path` was written by a Checkpointer (module docstring, "Whose
+    directories"). A symlink never is: a Checkpointer writes none."""
     if storage.islink(path) or not storage.isdir(path):
         return False
     orbax_meta = _read_json(os.path.join(path, _ORBAX_STEP_META))
@@ -130,9 +111,8 @@ def is_step(path: str) -> bool:
 
 
 def resumable_steps(directory: str) -> list[int]:
-    """The committed steps of this module in `directory` whose step record is their
-    name, ascending ([] where there is no directory): what a resume may try to restore.
-    Stray files, other programs' entries and steps set aside are not."""
+    """Own committed steps in `directory` whose step record is their name, ascending ([] without
+    one): what a resume may try (not stray files, others' entries, steps set aside)."""
     if not storage.isdir(directory):
         return []
     steps = []
@@ -145,16 +125,13 @@ def resumable_steps(directory: str) -> list[int]:
 
 
 def save_remains(path: str, step: int, *, in_place: bool) -> bool:
-    """Whether the directory `path` holds nothing but what a `save` of `step` cut short
-    leaves (module docstring, "Whose directories"): orbax's step metadata, naming no
-    items but 'state' and 'meta' (it names none until the commit), and those items
-    (`state/`, `meta/`, or orbax's temporary `state.orbax-checkpoint-tmp…`), with a
-    step record of `step` where the meta is readable. In orbax's temporary directory
-    also `commit_success.txt`: orbax writes it there before the rename, so a save killed
-    between the two leaves it (never renamed, the step was never committed). In place
-    (an object store), at least one of them (there, an empty directory does not exist);
-    in orbax's temporary directory on a disk, also none (a save killed right after
-    creating it). A file killed mid-write (unreadable JSON) does not count against it."""
+    """Whether `path` holds only what a cut-short `save` of `step` leaves: orbax's step metadata
+    naming at most 'state' and 'meta', those items (`state/`, `meta/`, temporary
+    `state.orbax-checkpoint-tmp…`), a step record of `step` if readable, and in orbax's
+    temporary directory `commit_success.txt` (written before the rename, which a killed save
+    never reached). In place (an object store: no empty directories) at least one entry; a
+    disk's temporary directory may be empty (killed right after creation). Unreadable JSON (cut
+    mid-write) does not count against it."""
     if storage.islink(path) or not storage.isdir(path):
         return False
     names = storage.listdir(path)
@@ -183,10 +160,9 @@ def save_remains(path: str, step: int, *, in_place: bool) -> bool:
 
 
 def sort_out(directory: str) -> list[str]:
-    """Remove the remains of this module's saves cut short (orbax's temporary directories
-    on a disk, uncommitted step directories on an object store), move this module's other
-    uncommitted step directories aside to `<step>.incomplete` (module docstring), and
-    return the names of the entries it did not write, in natural order."""
+    """Remove the remains of own saves cut short (orbax's temporary directories on a disk,
+    uncommitted step directories on an object store), move other own uncommitted steps to
+    `<step>.incomplete`, and return the names of entries not written here, in natural order."""
     foreign = []
     in_place = not storage.renames_atomically(directory)
     for name in storage.listdir(directory):
@@ -218,9 +194,8 @@ def _natural(name: str):
 
 
 class OwnSteps:
-    """Orbax's standard step names, listing only committed steps of this module: orbax then
-    neither resumes from, counts (it skips every save not above its latest step) nor
-    deletes (keep-N) a directory it did not write."""
+    """Orbax's standard step names listing own committed steps only: orbax never resumes from,
+    counts (it skips saves not above its latest step) or deletes (keep-N) others."""
 
     def __init__(self):
         self._names = ocp.path.step.standard_name_format()
@@ -239,10 +214,9 @@ class OwnSteps:
 
 
 class OwnStepDeleter:
-    """Keep-N's deletions (orbax's CheckpointDeleter protocol, run in orbax's finalize
-    thread after a save commits): exactly `<dir>/<step>`, and only a committed step of this
-    module, by the main process. Orbax's own deleter deletes a `<step>.orbax-checkpoint-
-    tmp…` entry in its place where there is one (another program's too), leaving the step."""
+    """Keep-N's deletions (orbax's CheckpointDeleter protocol, its finalize thread after a
+    commit): exactly `<dir>/<step>`, an own committed step only, by the main process; orbax's
+    deleter would delete a `<step>.orbax-checkpoint-tmp…` entry (anyone's) instead."""
 
     def __init__(self, directory: str):
         self.directory = directory

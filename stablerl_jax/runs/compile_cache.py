@@ -1,13 +1,10 @@
 """JAX's persistent compilation cache for the entry points.
 
-An experiment compiles the same programs again and again: every (variant, seed) run
-builds its own Engine, a resumed run starts from nothing, and each trimmed rollout width
-(rl.trim_bucket) is its own score and update program. With the cache on, XLA compiles a
-program once per machine and every later run loads it (jax keys an entry by the
-program, the compile options and the jax / XLA version, so a stale entry is never used).
-On 2 CPU cores this takes about 10 s off the start of every tiny run
-(docs/records/benchmarks.md).
-"""
+Experiments recompile the same programs: each (variant, seed) run builds its own Engine, a
+resumed run starts from nothing, and each trimmed rollout width (rl.trim_bucket) is its own
+score and update program. With the cache, XLA compiles a program once per machine and later runs
+load it (entries are keyed by program, compile options and jax / XLA version: never stale). On 2
+CPU cores this takes about 10 s off the start of every tiny run (docs/records/benchmarks.md)."""
 from __future__ import annotations
 
 import os

@@ -1,36 +1,25 @@
 """One run per workdir: an exclusive lock file, `<workdir>/run.lock`.
 
-Two runs writing one workdir interleave their metrics rows and race on the same
-checkpoint step directories, so the second one to start refuses at once, naming the
-holder. The lock is an OS-level `fcntl.flock` on the lock file: the kernel grants it to
-one open file at a time and drops it when its holder exits, however it exits (SIGKILL
-included), so two processes racing cannot both win and a crashed run never blocks the
-next one. The file's content only names the holder for the messages (host, pid, start
-time, as JSON); it is emptied on a clean release. Content found by a run that gets the
-lock is therefore a holder that died without releasing: it is taken over and said so.
+Two runs in one workdir would interleave metrics rows and race on checkpoint steps, so the
+second refuses at once, naming the holder. The lock is an `fcntl.flock`: one open file holds it
+at a time and the kernel drops it when the holder exits (SIGKILL included), so racing processes
+cannot both win and a crash never blocks the next run. The content (host, pid, start time, as
+JSON) only names the holder and is emptied on a clean release: content found on locking is a
+dead holder's, taken over with a warning. The file is never opened through a symbolic link
+(`storage.open_no_follow`: a `run.lock` link is refused, its target untouched; a linked workdir
+is followed) and never deleted (a third process could lock a new file of that name while a
+second holds the old one). Process 0 holds it for a multi-process run; within a process it is
+re-entrant (an entry point locking before the cold start and its training loop share one hold).
 
-The lock file is opened never through a symbolic link (`storage.open_no_follow`): a
-`run.lock` that is a link is refused in one line, and the file it names is not touched;
-a workdir path that is itself a link is followed. The file is never deleted: unlinking it would let a third process lock a new file of the
-same name while a second still holds the old one. In a multi-process run process 0 holds
-the lock for all (the others share its workdir). Within one process the lock is
-re-entrant: an entry point that locks the workdir before the cold start and the training
-loop that locks it again share one hold.
-
-On an object store (a `gs://` workdir) there is no flock and no process that ends with
-its holder: the lock is the object `<workdir>/run.lock`, written under generation
-preconditions (storage_gcs.py). It is created only if absent, so of two runs racing one
-wins; its content names the holder (host, pid, start time, boot id), and a daemon
-thread rewrites it every HEARTBEAT_S seconds, each time only if it is still the version
-this run wrote. A run finding the object refuses, naming the holder, unless the holder
-is dead: its last write (the store's time of it) is older than STALE_AFTER_S, or it is
-a process of this host (same name, same boot) that is gone. A dead holder's lock is
-taken over, under the precondition of the version read, with a warning naming it. A
-run whose lock was taken over (it stalled past STALE_AFTER_S, or lost the store) finds
-out at its next renewal and stops at its next step (`check_held`), and never deletes
-the new holder's object; a clean release deletes the object. Hosts' clocks are compared
-with the store's, so they must agree to well within STALE_AFTER_S (NTP does).
-"""
+On an object store (a `gs://` workdir) the lock is the object `<workdir>/run.lock` under
+generation preconditions (storage_gcs.py): created only if absent, naming the holder (host, pid,
+start time, boot id), rewritten every HEARTBEAT_S seconds by a daemon thread only if still this
+run's version. A run finding it refuses unless the holder is dead (not renewed, by the store's
+clock, for STALE_AFTER_S, or a gone process of this host and boot), then takes it over under the
+precondition of the version read, with a warning. A run whose lock was taken over (stalled, or
+cut off from the store) learns it at its next renewal and stops at its next step (`check_held`),
+never deleting the new holder's object; a clean release deletes it. Host clocks must agree with
+the store's to well within STALE_AFTER_S (NTP does)."""
 from __future__ import annotations
 
 import fcntl
@@ -145,8 +134,7 @@ def release(path: str) -> None:
 
 
 def check_held() -> None:
-    """Raise WorkdirBusy if another run took over a lock this process holds (an object
-    store's lock: module docstring); the training loops call this every step."""
+    """Raise WorkdirBusy if another run took over a held object-store lock; called every step."""
     for entry in list(_held.values()):
         if isinstance(entry[0], _ObjectLock) and entry[0].lost:
             raise WorkdirBusy(entry[0].lost)

@@ -1,26 +1,21 @@
 """Run metrics: JSONL (the source of truth), TensorBoard events, PNG plots.
 
 `<workdir>/metrics.jsonl` holds one JSON object per logged global step,
-`{"step": s, name: value, ...}`, every value a float. A non-finite value (NaN, ±inf) is
-written as `null` (JSON has no NaN), and TensorBoard skips it; `read_metrics` returns it
-as None. On resume, `truncate_after(step)` drops the rows a killed run wrote after its last
-checkpoint, so the file equals the one an uninterrupted run writes (its `outcome`: the
-measured costs, `MEASURED` keys, are wall times and differ from run to run), and
-TensorBoard is told to discard those steps too (tensorboardX `purge_step`). TensorBoard is one of a run's
+`{"step": s, name: value, ...}`, every value a float, or `null` for a non-finite one (JSON has
+no NaN; TensorBoard skips it, `read_metrics` returns None). On resume `truncate_after(step)`
+drops the rows a killed run wrote after its last checkpoint, so the file equals an uninterrupted
+run's (its `outcome`: the `MEASURED` keys are wall times, different every run), and has
+TensorBoard discard those steps (tensorboardX `purge_step`). TensorBoard is one of a run's
 trackers (`tensorboard=False`: no tb/ directory; the others: trackers.py).
 
-A workdir may be a `gs://` bucket path (storage.py): the JSONL logs are then objects
-rewritten whole (`storage.AppendFile`: appended rows are uploaded at `flush`, which the
-training loop calls before every checkpoint save, or once storage.FLUSH_EVERY_S passed),
-and tensorboardX's event files are written to a local temporary directory and uploaded
-alike (`storage.Mirror`).
+On a `gs://` workdir (storage.py) the JSONL logs are objects rewritten whole at `flush`
+(`storage.AppendFile`: before every checkpoint save, else after storage.FLUSH_EVERY_S);
+tensorboardX writes a local temporary directory, uploaded alike (`storage.Mirror`).
 
 A JSONL log the run rewrites on start or resume (metrics.jsonl, samples.jsonl,
-minibatches.jsonl, sft_run/metrics.jsonl: `truncate_jsonl`) must be a regular file, not
-a symbolic link: the rewrite replaces the file by rename, which would turn the link into
-a regular file and leave its target silently stale, so a link there is refused
-(`refuse_link`) before anything is written to it.
-"""
+minibatches.jsonl, sft_run/metrics.jsonl: `truncate_jsonl`) must be a regular file: the rewrite
+by rename would turn a symbolic link into a file, its target silently stale, so a link is
+refused (`refuse_link`) before anything is written."""
 from __future__ import annotations
 
 import json
@@ -81,9 +76,8 @@ def eval_set_panels(records: list[dict]) -> list:
 
 
 def attribution_panels(records: list[dict]) -> list:
-    """ATTRIBUTION_PANELS, one panel per token-bin family (the mean square of the total
-    log-ratio in each bin) and one of the routing part's per-layer shares, for the keys
-    the records hold."""
+    """ATTRIBUTION_PANELS plus, for the keys present, a panel per token-bin family (the mean
+    square of the total log-ratio per bin) and one of the routing part's per-layer shares."""
     keys = {k for r in records for k in r}
     families: dict[str, list[str]] = {}
     for k in sorted(keys):
@@ -112,9 +106,8 @@ def _to_float(key: str, v) -> float | None:
 
 
 class MetricsWriter:
-    """Appends metric rows to `<workdir>/metrics.jsonl` and, with `tensorboard`,
-    `<workdir>/tb/`. A disabled writer (every process but the first of a multi-process
-    run) writes nothing."""
+    """Appends rows to `<workdir>/metrics.jsonl` and, with `tensorboard`, `<workdir>/tb/`.
+    Disabled (every process but the first of a multi-process run), it writes nothing."""
 
     def __init__(self, workdir: str, enabled: bool = True, tensorboard: bool = True):
         if storage.isfile(workdir):
@@ -171,8 +164,7 @@ class MetricsWriter:
         self.tb.flush()
 
     def flush(self) -> None:
-        """Everything written so far is in the workdir when this returns (a local one
-        has it already: each row is written at once)."""
+        """All written so far is in the workdir on return (locally each row already is)."""
         if self.enabled:
             self.log.flush()
             if self.tb is not None:
@@ -197,10 +189,9 @@ class MetricsWriter:
 
 
 class JsonlLog:
-    """A step-keyed JSONL log of the workdir (`{"step": s, ...}` per line), appended to
-    row by row and cut back by `truncate_after` on resume. A disabled log (every process
-    but the first of a multi-process run) writes nothing; an enabled one refuses a
-    symbolic link at `path` (`refuse_link`)."""
+    """A step-keyed JSONL log (`{"step": s, ...}` lines), appended row by row, cut back by
+    `truncate_after` on resume; disabled (all but the first process) it writes nothing, enabled
+    it refuses a link at `path` (`refuse_link`)."""
 
     def __init__(self, path: str, enabled: bool = True):
         self.path, self.enabled = path, enabled
@@ -225,8 +216,7 @@ class JsonlLog:
 
 
 def refuse_link(path: str) -> None:
-    """ValueError naming `path` and the fix when it is a symbolic link (dangling or not):
-    a log rewritten by rename would replace the link (module docstring)."""
+    """ValueError naming `path` and the fix if a symlink, dangling or not (module docstring)."""
     if storage.islink(path):
         raise ValueError(
             f"{path} is a symbolic link (to {os.readlink(path)!r}); the run rewrites this "
@@ -236,9 +226,8 @@ def refuse_link(path: str) -> None:
 
 
 def truncate_jsonl(path: str, step: int) -> None:
-    """Keep only rows with row["step"] <= step of a step-keyed JSONL file. Atomic: the new
-    file replaces the old one by rename, so a crash here loses nothing. A symbolic link
-    at `path` is refused (`refuse_link`)."""
+    """Keep only rows with row["step"] <= step of a step-keyed JSONL file, atomically (a rename:
+    a crash loses nothing). A symbolic link at `path` is refused (`refuse_link`)."""
     refuse_link(path)
     storage.atomic_write(path, _kept(path, step))
 
@@ -258,9 +247,8 @@ def outcome(rows: list[dict]) -> list[dict]:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """Rows of a metrics.jsonl, or of `<path>/metrics.jsonl` for a workdir ([] if absent).
-    A torn last line (the process died mid-write) is dropped; a bad line elsewhere is an
-    error."""
+    """Rows of a metrics.jsonl, or of `<path>/metrics.jsonl` for a workdir ([] if absent). A
+    torn last line (died mid-write) is dropped; a bad line elsewhere is an error."""
     if storage.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     if not storage.exists(path):
@@ -280,9 +268,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def torn_tail(path: str) -> int:
-    """Bytes of a torn last line of a JSONL file (no newline and not a JSON object: a
-    write cut short), 0 if there is none or no file. (An object is written whole: only a
-    copied-in file can end torn there.)"""
+    """Bytes of a JSONL file's torn last line (no newline, not JSON: a write cut short); 0 if
+    none or no file. (An object is written whole: only a copied-in one can end torn.)"""
     if not storage.exists(path):
         return 0
     with storage.open_file(path, "rb") as f:
@@ -337,9 +324,8 @@ def _slug(title: str) -> str:
 
 def plot_metrics(records: list[dict], out_dir: str, keys: list[str] | None = None, *,
                  panels: list | None = None) -> list[str]:
-    """One PNG per panel with data; returns their paths. Default panels: PANELS,
-    `eval_set_panels` and `attribution_panels`. `keys` instead draws one panel per key (log scale where PANELS
-    puts that key on one)."""
+    """One PNG per panel with data; returns the paths. Panels: PANELS, `eval_set_panels` and
+    `attribution_panels`, or one per key of `keys` (log scale where PANELS has it so)."""
     if keys is not None:
         log_keys = {k for _, ks, log in PANELS if log for k in ks}
         panels = [(k, [k], k in log_keys) for k in keys]

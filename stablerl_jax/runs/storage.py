@@ -1,47 +1,32 @@
 """Where a run's files live: a local directory or a Cloud Storage bucket (`gs://…`).
 
-Every file of a workdir goes through `etils.epath` paths, which are what orbax uses: a
-local path through the os module, `gs://` through fsspec's gcsfs (tf.io.gfile where
-TensorFlow is installed). What differs between a disk and an object store is decided
-here, once; the rest of the code calls these functions with either kind of path:
+Every workdir file goes through `etils.epath` paths, like orbax's (local: os; `gs://`: fsspec's
+gcsfs, or tf.io.gfile with TensorFlow). Disk versus object store is decided here, once:
 
-- Appends (`AppendFile`). An object is written whole and never appended to. A local
-  file gets each appended line at once, as before; on an object store the text is kept
-  in memory and the whole object is uploaded again by `flush`: before every checkpoint
-  save (the training loop's order), at close, and by an append once FLUSH_EVERY_S
-  passed since the last upload. Rows a kill loses were written after the last
-  checkpoint, and the resume writes those steps again anyway (rl/resume.py).
-- Writers that only write local files (`Mirror`): tensorboardX's event files go to a
-  local temporary directory, uploaded like appended lines. (tensorboardX's own gs:// writer
-  uploads the whole file again when collected and at exit, where it waits out two
-  minutes of retries per file if the store cannot be reached.)
-- Caches that only a writer of local files can fill (`local_dir`): the task data's
-  array_record files (a C++ writer) of a gs:// workdir are built under CACHE instead.
-- Replacing a file whole (`atomic_write`): a temporary file and a rename on a disk; one
-  upload on an object store, where a reader sees the old object or the new one, never a
-  part of either.
-- Renames (`rename`): atomic on a disk; on an object store a copy of every object, then
-  the deletion of the old ones. Only checkpoint_steps.set_aside renames (a step directory set
-  aside), and each state a crash there leaves is sorted out again at the next start.
-- Symbolic links, permission bits and `fcntl` locks exist on a disk only. A file this
-  module writes on a disk is never written through a link (`open_file` opens it with
-  O_NOFOLLOW: `LinkRefused`, one line naming the link), so a link a user or another
-  program left in a workdir cannot make a run change a file outside it. A directory
-  that is a link (the workdir, `checkpoints/` on another disk) is followed. The run lock
-  on an object store is an object written under generation preconditions
-  (storage_gcs.py: `read_object`, `create_object`, `replace_object`, `delete_object`,
-  through google-cloud-storage: gcsfs exposes no precondition on a rewrite) with a
-  heartbeat (lock.py).
+- Appends (`AppendFile`). An object is written whole: locally each appended line lands at once;
+  on an object store `flush` uploads the whole text before each checkpoint save (the training
+  loop's order), at close, and at an append FLUSH_EVERY_S after the last upload. A kill loses
+  only rows after the last checkpoint, which the resume rewrites (rl/resume.py).
+- Writers of local files only (`Mirror`): tensorboardX's event files go to a local temporary
+  directory, uploaded likewise (its own gs:// writer re-uploads whole files when collected and
+  at exit, waiting out two minutes of retries per file when the store is down).
+- Caches only a writer of local files can fill (`local_dir`): a gs:// workdir's task-data
+  array_record files (a C++ writer) are built under CACHE.
+- Replacing a file whole (`atomic_write`): a temporary file and a rename on a disk; one upload
+  on an object store (a reader sees the old object or the new, never a mix).
+- Renames (`rename`): atomic on a disk; on an object store a copy of every object, then deletion
+  of the old ones. Only checkpoint_steps.set_aside renames; each state a crash there leaves is
+  sorted out at the next start.
+- Symbolic links, permission bits and `fcntl` locks exist on a disk only. A file is never
+  written through a link (`open_file` uses O_NOFOLLOW: `LinkRefused` names the link), so a stray
+  link cannot make a run change a file outside its workdir; a linked directory (the workdir,
+  `checkpoints/` on another disk) is followed. Object-store run lock: lock.py, storage_gcs.py
+  (`read_object`, `create_object`, `replace_object`, `delete_object`).
 
-Both gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/runs/gcs_test.py runs
-against a local emulator). fsspec caches directory listings by default, which would hide
-the objects other processes write (orbax's TensorStore writers, the other hosts of a
-pod, the next run): the cache is turned off for gs:// here.
-
-A `gs://` URL is checked against Cloud Storage's naming rules (storage_gcs.check_url)
-wherever one enters this module, so a misspelt one is refused naming itself and the fix,
-before any request.
-"""
+gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST (tests/runs/gcs_test.py runs against
+a local emulator). fsspec's listing cache, which would hide objects other processes write
+(orbax's TensorStore writers, other hosts, the next run), is off for gs://. Every `gs://` URL
+entering this module is checked (storage_gcs.check_url) before any request."""
 from __future__ import annotations
 
 import contextlib
@@ -134,9 +119,8 @@ def writable(p) -> bool:
 
 
 def local_dir(p: str) -> str:
-    """`p` itself for a local path; for an object store's, a local directory standing in
-    for it, CACHE/<scheme>/<bucket>/<path>: where a cache that only a writer of local
-    files can fill is kept (module docstring)."""
+    """`p` for a local path; for an object store's, CACHE/<scheme>/<bucket>/<path>: the home of
+    caches only a writer of local files can fill (module docstring)."""
     check_url(p)
     if not is_remote(p):
         return p
@@ -145,9 +129,8 @@ def local_dir(p: str) -> str:
 
 
 def fetch_dir(p: str) -> str:
-    """`p` itself for a local directory; for an object store's, a local copy of it under
-    `local_dir(p)`, made once (a `.fetched` marker is written last, so a copy cut short
-    is made again): for what is read memory-mapped, a Hugging Face checkpoint."""
+    """`p` for a local directory; for an object store's, a local copy under `local_dir(p)` made
+    once (`.fetched` last: a cut-short copy is redone) for memory-mapped reads (Hugging Face)."""
     if not is_remote(p):
         return p
     dst = local_dir(p)
@@ -169,8 +152,7 @@ def makedirs(p) -> None:
 
 
 def listdir(p) -> list[str]:
-    """Names in a directory, sorted; [] for a prefix no object lies under (an object
-    store's empty directory)."""
+    """Sorted names in a directory; [] for an object store's empty directory (empty prefix)."""
     try:
         return sorted(c.name for c in _epath(p).iterdir())
     except FileNotFoundError:
@@ -192,8 +174,7 @@ class LinkRefused(ValueError):
 
 
 def open_no_follow(path, flags) -> int:
-    """os.open of a local file, never through a symbolic link (`LinkRefused`); also
-    `open`'s opener for the files this module writes."""
+    """os.open, never via a symbolic link (`LinkRefused`); the opener of files written here."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW, 0o666)
     except OSError as e:
@@ -206,11 +187,9 @@ def open_no_follow(path, flags) -> int:
 
 
 def open_file(p, mode: str = "r"):
-    """`open` for either kind of path. A local file opened to write is never written
-    through a symbolic link (`LinkRefused`). An object opened to write ('w', 'wb') is a
-    seekable in-memory file, uploaded in one piece when its `with` block ends without an
-    exception (nothing is written otherwise); an object cannot be appended to
-    (`AppendFile` instead)."""
+    """`open` for either kind of path; a local file opened to write is never written through a
+    symbolic link (`LinkRefused`). An object opened to write ('w', 'wb') is a seekable in-memory
+    file, uploaded whole if its `with` block exits cleanly; no appends (`AppendFile`)."""
     check_url(p)
     if not is_remote(p):
         return open(p, mode, opener=None if mode in ("r", "rb") else open_no_follow)
@@ -261,11 +240,8 @@ def copytree(src, dst) -> None:
 
 
 def atomic_write(p, text: str) -> None:
-    """Replace the file `p` by `text` so that a crash leaves the old content or the new.
-    On a disk: a temporary file beside it, then a rename; a link at `p` is refused
-    (`LinkRefused`), and the temporary file is never written through one (a leftover
-    one is removed first). On an object store: one
-    upload, atomic in itself."""
+    """Replace the file `p` by `text` atomically (module docstring); a link at `p` is refused
+    (`LinkRefused`) and a leftover temporary file removed, never written through."""
     if is_remote(p):
         write_text(p, text)
         return
@@ -286,9 +262,8 @@ def renames_atomically(p) -> bool:
 
 
 def rename(src, dst) -> None:
-    """Rename a file or a directory (module docstring: not atomic on an object store,
-    where the objects are copied, then the old ones deleted; gcsfs's own rename first
-    tries a move request that not every store takes, logging an error per object)."""
+    """Rename a file or directory (on an object store: copy, then delete, not atomic; gcsfs's
+    own rename first tries a move request not every store takes, logging an error per object)."""
     if not is_remote(src):
         os.rename(src, dst)
         return
@@ -306,9 +281,7 @@ def rmtree(p) -> None:
 
 
 class AppendFile:
-    """A text file written by appending lines, or replaced whole (module docstring):
-    locally each `append` is in the file when it returns; on an object store it is in
-    the object after the next `flush` (or FLUSH_EVERY_S after the last upload)."""
+    """A text file appended line by line (`append`) or replaced whole (module docstring)."""
 
     def __init__(self, p: str):
         self.path, self.remote = str(p), is_remote(p)
@@ -342,10 +315,8 @@ class AppendFile:
 
 
 class Mirror:
-    """A directory that a writer of local files fills (module docstring): `local` is
-    `p` itself on a disk; for an object store a temporary local directory whose files
-    `sync` uploads whole to `p` (those that grew since the last sync: a writer here only
-    appends). `close` syncs and removes the temporary directory."""
+    """A directory a local-file writer fills: `local` is `p` on a disk, else a temporary
+    directory whose grown files (append-only) `sync` uploads whole; `close` syncs, removes it."""
 
     def __init__(self, p: str):
         self.path = str(p)
@@ -371,8 +342,7 @@ class Mirror:
 
 
 class _ObjectLogHandler(logging.Handler):
-    """Log records into an object: the whole text is uploaded again at each record (the
-    records it takes, orbax's errors of a failed save, are few)."""
+    """Logs to an object, re-uploaded whole per record (few: a failed save's orbax errors)."""
 
     def __init__(self, p: str):
         super().__init__()
@@ -397,8 +367,8 @@ class _FileHandler(logging.FileHandler):
 
 
 def log_handler(p: str) -> logging.Handler:
-    """A logging handler appending to the file `p` (created at its first record; a
-    symbolic link there is refused when the handler is made)."""
+    """A logging handler appending to the file `p` (created at the first record; a symbolic link
+    there is refused when the handler is made)."""
     if is_remote(p):
         return _ObjectLogHandler(p)
     if os.path.islink(p):

@@ -1,17 +1,10 @@
-"""What is particular to Cloud Storage under storage.py: its naming rules, checked on every
-`gs://` URL, and google-cloud-storage's client for the requests gcsfs cannot make.
-
-A `gs://` URL is checked against Cloud Storage's naming rules (`check_url`) wherever one
-enters storage.py, so a misspelt one is refused naming itself and the fix, before any
-request. The first request of a run (`bucket_exists`, the workdir check) gives up within
-REACH_BOUND_S when the endpoint does not answer.
-
-The run lock on an object store (lock.py) is an object written under generation
-preconditions (`read_object`, `create_object`, `replace_object`, `delete_object`, through
-google-cloud-storage: gcsfs exposes no precondition on a rewrite). The client follows
-STORAGE_EMULATOR_HOST, as gcsfs does (tests/runs/gcs_test.py runs against a local
-emulator).
-"""
+"""What is particular to Cloud Storage under storage.py. Its naming rules (`check_url`) are
+checked on every `gs://` URL entering storage.py: a misspelt one is refused, naming itself and
+the fix, before any request. google-cloud-storage's client (following STORAGE_EMULATOR_HOST, as
+gcsfs does: tests/runs/gcs_test.py runs against a local emulator) makes the run's first request
+(`bucket_exists`, the workdir check, given up within REACH_BOUND_S when the endpoint does not
+answer) and those gcsfs cannot: the object-store run lock's (lock.py) writes under generation
+preconditions (`read_object`, `create_object`, `replace_object`, `delete_object`)."""
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +25,8 @@ EXAMPLE_URL = "gs://my-runs/run1"
 
 
 class BadURL(OSError):
-    """A `gs://` URL that names no possible bucket or object (`check_url`). An OSError, as
-    the FileNotFoundError of a missing path is: the entry points report either in one line
-    (experiments/cli_errors.py)."""
+    """A `gs://` URL naming no possible bucket or object (`check_url`); an OSError, as a missing
+    path's FileNotFoundError, for one-line reports (experiments/cli_errors.py)."""
 
 
 # Cloud Storage's naming rules, https://cloud.google.com/storage/docs/buckets#naming:
@@ -74,8 +66,7 @@ def _bucket_problem(bucket: str) -> str | None:
 
 
 def _object_problem(name: str) -> str | None:
-    """What Cloud Storage's rules refuse in the object path after the bucket (`name`, a
-    trailing '/' allowed), or None."""
+    """What Cloud Storage refuses in the object path (`name`, trailing '/' allowed), or None."""
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
@@ -93,9 +84,9 @@ def _object_problem(name: str) -> str | None:
 
 
 def check_url(path, what: str = "") -> None:
-    """A BadURL naming `what` (the setting), the URL, what is wrong and a good URL when
-    `path` is a `gs://` URL outside Cloud Storage's naming rules, a `gs:` misspelling of
-    one (`gs:/x`, `gs:bucket`), or one with whitespace around it. Anything else passes."""
+    """A BadURL naming `what` (the setting), the URL, the problem and a good URL, for a `path`
+    that is a `gs://` URL outside Cloud Storage's naming rules, a `gs:` misspelling (`gs:/x`,
+    `gs:bucket`), or one with whitespace around it. Anything else passes."""
     s = str(path)
     stripped = s.strip()
     if not stripped.startswith("gs:"):
@@ -128,8 +119,7 @@ class Object(NamedTuple):
 
 @functools.cache
 def _client(emulator: str | None):
-    """A google-cloud-storage client (one per process; `emulator` is the
-    STORAGE_EMULATOR_HOST it was made for, which the client reads when made)."""
+    """The google-cloud-storage client for `emulator` (STORAGE_EMULATOR_HOST, read when made)."""
     from google.cloud import storage as gcs
     try:
         return gcs.Client()
@@ -153,8 +143,7 @@ _LIBRARY_LOGGERS = ("google", "urllib3")
 
 @contextlib.contextmanager
 def _quiet_libraries():
-    """Keep the storage libraries' log records and Python warnings off the terminal while
-    the block runs (restored after it)."""
+    """Keep the storage libraries' log records and warnings off the terminal in the block."""
     loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
     levels = [logger.level for logger in loggers]
     with warnings.catch_warnings():
@@ -169,8 +158,7 @@ def _quiet_libraries():
 
 
 def _reason(e: BaseException) -> str:
-    """The innermost OS-level reason in the chain of `e` ('Connection refused'), else the
-    name of the innermost error."""
+    """Innermost OS-level reason in `e`'s chain ('Connection refused'), else innermost error."""
     chain = []
     while e is not None and all(e is not c for c in chain):
         chain.append(e)
@@ -182,11 +170,10 @@ def _reason(e: BaseException) -> str:
 
 
 def bucket_exists(p: str, what: str) -> bool:
-    """Whether the bucket of the gs:// URL `p` (the setting `what`) exists and this
-    account may see it. Retried while the store does not answer, for REACH_BOUND_S at
-    most: then a ConnectionError naming the endpoint (and STORAGE_EMULATOR_HOST where it
-    is set) and the fix. The libraries' records of the retried requests stay off the
-    terminal (`_quiet_libraries`)."""
+    """Whether the bucket of the gs:// URL `p` (setting `what`) exists and this account may see
+    it; retried while the store does not answer, for REACH_BOUND_S at most, then a
+    ConnectionError naming the endpoint (and STORAGE_EMULATOR_HOST where set) and the fix.
+    Retried requests' log records stay quiet (`_quiet_libraries`)."""
     import google.auth.exceptions
     import requests
     from google.api_core import exceptions as gexc
@@ -251,8 +238,7 @@ def create_object(p: str, data: bytes) -> int | None:
 
 
 def replace_object(p: str, data: bytes, generation: int) -> int | None:
-    """Rewrite `p` if it is still at `generation`; the new generation, or None if it was
-    rewritten or deleted in between (nothing written)."""
+    """Rewrite `p` if still at `generation`: the new generation, or None (nothing written)."""
     from google.api_core import exceptions as gexc
     blob = _blob(p)
     try:

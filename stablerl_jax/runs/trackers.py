@@ -1,39 +1,30 @@
 """Experiment trackers beside metrics.jsonl: Weights & Biases and MLflow.
 
-`<workdir>/metrics.jsonl` stays the source of truth (metrics_io.py); `Trackers` mirrors
-a run into the trackers it is given: every metrics row at its step (`log`), the flat
-config (`log_config`), decoded samples as a table (`log_samples`: a wandb.Table; an
-MLflow JSON artifact `samples/step_<step>.json`, one object per row) and the PNG plots
-(`log_plots`: wandb images; MLflow artifacts under `plots/`). TensorBoard is not a
-tracker here: metrics_io.MetricsWriter writes it, and the name `tensorboard` in a tracker
-list keeps that writer on (its absence turns it off). Only the first process logs
-(`enabled`); the others import nothing.
+`Trackers` mirrors a run beside `<workdir>/metrics.jsonl`, the source of truth (metrics_io.py):
+metrics rows (`log`), flat config (`log_config`), samples (`log_samples`: a wandb.Table; MLflow
+JSON `samples/step_<step>.json`, an object per row), PNG plots (`log_plots`: wandb images;
+MLflow `plots/` artifacts). TensorBoard is metrics_io.MetricsWriter's, on if `tensorboard` is
+listed. Only the first process logs (`enabled`); others import nothing.
 
-Where runs go is each library's own setting: wandb reads WANDB_PROJECT (default
-"stablerl_jax"), WANDB_ENTITY, WANDB_MODE (online, the default; offline; disabled),
-WANDB_BASE_URL and WANDB_DIR (default: the workdir, or wandb's own, ./wandb, for a gs://
-workdir); MLflow reads MLFLOW_TRACKING_URI (a tracking server, `sqlite:///mlflow.db`, the
-default of the full `mlflow` package, or a `file://` store, which MLflow 3 opens only
-with MLFLOW_ALLOW_FILE_STORE=true) and MLFLOW_EXPERIMENT_NAME (default "stablerl_jax").
-A bad setting is one line (ValueError) before any training: a tracker package that does
-not import (missing, or broken) as the command line is parsed; as the Trackers open,
-wandb's online mode without an API key (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or the
-netrc entry `wandb login` writes, looked up by wandb without network; offline and
-disabled modes need none), and an http(s) tracking server that does not reply within
-_MLFLOW_PROBE_S = 5 s (MLflow's own calls retry for minutes).
-MLflow metric names allow no "@": `avg@k` is logged as `avg_at_k` (`mlflow_key`).
+Settings are each library's own: wandb's WANDB_PROJECT (default "stablerl_jax"), WANDB_ENTITY,
+WANDB_MODE (online, the default; offline; disabled), WANDB_BASE_URL and WANDB_DIR (default: the
+workdir; wandb's own ./wandb for a gs:// one); MLflow's MLFLOW_TRACKING_URI (a tracking server;
+`sqlite:///mlflow.db`, the full `mlflow` package's default; or a `file://` store, which MLflow 3
+opens only with MLFLOW_ALLOW_FILE_STORE=true) and MLFLOW_EXPERIMENT_NAME (default
+"stablerl_jax"). A bad setting is one line (ValueError) before any training: as the command line
+is parsed, a tracker package that does not import (missing or broken); as the Trackers open,
+wandb's online mode without an API key (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or the netrc
+entry `wandb login` writes, looked up without network; other modes need none) or an http(s)
+tracking server silent for _MLFLOW_PROBE_S = 5 s (MLflow's own calls retry for minutes). MLflow
+metric names allow no "@": `avg@k` is logged as `avg_at_k` (`mlflow_key`).
 
-Resume continues the same tracker runs. `<workdir>/trackers.json` holds each tracker's
-run id (and MLflow's tracking URI and wandb's project, so a resume finds them whatever
-the environment says then) and, per kind of record (metrics, samples, plots), the last
-step it was given. A resumed loop logs again the steps after its checkpoint that the
-killed run had already logged (MetricsWriter.truncate_after drops them from the JSONL),
-but a tracker cannot delete logged points, so every step up to the recorded one is
-skipped: each step reaches a tracker once, and for those steps the tracker holds the
-killed run's values (the same bits on CPU, where a resume is exact). The step is
-recorded before it is logged, so a kill in between loses that point rather than
-doubling it.
-"""
+Resume continues the same tracker runs: `<workdir>/trackers.json` holds each tracker's run id
+(with MLflow's tracking URI and wandb's project, whatever the environment says later) and the
+last step given per kind of record (metrics, samples, plots). A tracker cannot delete points, so
+the steps a resumed loop logs again (after its checkpoint, up to the recorded one;
+MetricsWriter.truncate_after drops them from the JSONL) are skipped: each step reaches a tracker
+once, with the killed run's values (the same bits on CPU, where a resume is exact). Recorded
+before logged: a kill in between loses the point, never doubles it."""
 from __future__ import annotations
 
 import argparse
@@ -59,8 +50,7 @@ _MLFLOW_PROBE_S = 5  # seconds a tracking server has to accept, then to reply (p
 
 
 def parse(spec: str) -> tuple[str, ...]:
-    """Tracker names from a comma-separated list of NAMES, or "none" (no tracker, not
-    even TensorBoard)."""
+    """Tracker names from a comma-separated list of NAMES, or "none" (not even TensorBoard)."""
     names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
     if names == ("none",):
         return ()
@@ -79,9 +69,8 @@ def check_names(names) -> None:
 
 
 def check(names) -> None:
-    """ValueError (one line, naming the fix) when a name is unknown or a tracker's package
-    is not installed or fails as it imports (a broken install: any exception, or a module
-    it imports missing): what a command line checks before any work."""
+    """ValueError (one line, naming the fix) for an unknown name or a tracker package missing or
+    broken (any exception on import, or a module it imports missing); checked before any work."""
     check_names(names)
     for name in names:
         if name in _OWN:
@@ -108,8 +97,8 @@ def _brief(e: BaseException) -> str:
 
 
 def add_argument(ap) -> None:
-    """The `--tracker NAMES` flag of an entry point: names checked (`parse`, `check`) as
-    the command line is parsed, so a bad one is one line before any work."""
+    """An entry point's `--tracker NAMES` flag, its names checked (`parse`, `check`) as the
+    command line is parsed: a bad one is one line before any work."""
     def names(spec: str) -> tuple[str, ...]:
         try:
             out = parse(spec)
@@ -123,19 +112,15 @@ def add_argument(ap) -> None:
 
 
 def mlflow_key(name: str) -> str:
-    """A metric name as MLflow accepts it: "@" → "_at_", any other character outside
-    letters, digits, `_ - . / space` → "_"."""
+    """MLflow-safe name: "@" → "_at_", chars outside letters, digits, `_ - . / space` → "_"."""
     return re.sub(r"[^\w./ -]", "_", name.replace("@", "_at_"))
 
 
 class Trackers:
-    """The wandb / MLflow runs of one training run in `workdir` (module docstring).
-
-    `names`: any of NAMES; `.tensorboard` says whether the run's MetricsWriter writes
-    TensorBoard (its job, not this object's). The tracker runs open at the first record,
-    so a run refused before it logs anything leaves no trace there. A context manager:
-    leaving it closes the runs, marked failed when an exception leaves it (killed on
-    Ctrl-C)."""
+    """The wandb / MLflow runs of one training run in `workdir` (module docstring). `names`: any
+    of NAMES; `.tensorboard`: whether the run's MetricsWriter writes TensorBoard (its job).
+    Tracker runs open at the first record, so a run refused earlier leaves no trace there. A
+    context manager: leaving closes the runs, failed on an exception (killed on Ctrl-C)."""
 
     def __init__(self, names, workdir: str, *, run_name: str = "", enabled: bool = True):
         check_names(names)
@@ -161,8 +146,7 @@ class Trackers:
                    "killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
 
     def log(self, step: int, row: dict) -> None:
-        """A metrics row (MetricsWriter.write's return: floats, None for no value, and
-        "step", which `step` replaces) at `step`."""
+        """A MetricsWriter.write row (floats; None values, "step" skipped), logged at `step`."""
         scalars = {k: float(v) for k, v in row.items() if k != "step" and v is not None}
         self._each("metrics", step, lambda b: b.metrics(step, scalars))
 
@@ -234,8 +218,8 @@ _WANDB_FIX = ("set WANDB_API_KEY or run `wandb login`, or set WANDB_MODE=offline
 
 
 class _Wandb:
-    """A wandb run. `entry`: its part of trackers.json (run_id, project, logged); `path`:
-    that file (the backends' common signature; wandb's errors name no file)."""
+    """A wandb run. `entry`: its part of trackers.json (run_id, project, logged); `path`: that
+    file (the backends' common signature; wandb's errors name no file)."""
 
     def __init__(self, entry: dict, path: str):
         import wandb
@@ -282,13 +266,11 @@ class _Wandb:
 
 
 def _check_wandb_login() -> None:
-    """ValueError (one line, naming the fix) when wandb would log online without
-    credentials, where wandb.init would stop at its login: wandb's own lookup (the
-    settings wandb.init reads, then WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the netrc
-    entry for WANDB_BASE_URL's host, an api_key setting), without network or prompt.
-    Offline and disabled modes need no credentials. A wandb without that lookup (no
-    wandb.sdk.lib.wbauth) is left to wandb.init, whose errors `_Wandb.start` turns into
-    one line."""
+    """ValueError (one line, naming the fix) if wandb would log online without credentials
+    (wandb.init would stop at its login), by wandb's own lookup without network or prompt:
+    wandb.init's settings, WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the netrc entry for
+    WANDB_BASE_URL's host, an api_key setting; offline and disabled modes need none. Without it
+    (no wandb.sdk.lib.wbauth) wandb.init decides; `_Wandb.start` makes its errors one line."""
     try:
         from wandb.errors import AuthenticationError
         from wandb.sdk import wandb_setup
@@ -396,15 +378,12 @@ class _Mlflow:
 
 
 def _probe_mlflow_server(uri: str, recorded_in: str) -> None:
-    """ValueError (one line, naming the fix) unless the tracking server at `uri` replies
-    to one GET of its /health, sent as MLflow sends its calls (its credentials, TLS
-    settings and proxies) but not retried, and given up after _MLFLOW_PROBE_S seconds
-    without a connection and as many without a reply (name resolution takes what the
-    system resolver takes). MLflow's own calls retry an unreachable server for minutes
-    (MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
-    MLFLOW_HTTP_REQUEST_TIMEOUT). Any reply, an error status included, is a server that
-    is there. `recorded_in`: the trackers.json that named `uri` for a resumed run ('':
-    MLFLOW_TRACKING_URI did)."""
+    """ValueError (one line, naming the fix) unless the tracking server at `uri` answers one GET
+    of /health, sent as MLflow sends (credentials, TLS, proxies) but not retried:
+    _MLFLOW_PROBE_S seconds to connect, as many to reply (name resolution: the resolver's time).
+    MLflow's own calls retry for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR, MLFLOW_HTTP_REQUEST_TIMEOUT). Any reply (even an error)
+    counts. `recorded_in`: the trackers.json naming `uri` on resume ('': MLFLOW_TRACKING_URI)."""
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
