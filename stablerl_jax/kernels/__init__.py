@@ -1,37 +1,25 @@
 """The kernels: every implementation of an op, and one table per op that names them.
 
-For an op X:
+Ops, each as X.py (the dispatcher `X(..., impl=name)` and the pure-JAX implementations,
+the reference first), X_pallas.py (its Pallas kernels) and X_impls.py (its table, name
+-> `Impl`, block sizes and the example shapes the AOT command, aot.compile_kernels,
+compiles it at; no JAX import, so the config validates names against the table on import):
 
-    X.py          the op's dispatcher `X(..., impl=name)` and its pure-JAX
-                  implementations, the reference first
-    X_pallas.py   its Pallas kernels; the implementation that runs them is here when
-                  it has a VJP of its own (gmm_pallas.pallas), in X.py when it shares
-                  one with a pure-JAX implementation (fused_logprob.pallas)
-    X_impls.py    its table (name -> `Impl`, each row saying what it is), its block
-                  sizes, and the example shapes the AOT command (aot.compile_kernels)
-                  compiles it at; no JAX import, so the config validates names against
-                  the table when it is imported
-
-An implementation is named after its row ("loop" is `gmm.loop`); the rows of one
-function for several targets are `<name>_<target>` ("pallas_gpu" is `gmm_pallas.pallas`
-with target="gpu"). A caller that picks a row by name looks it up once: `lookup(table,
-name, field).load(block=, interpret=)` is the callable, and the dispatcher is that
-call on the op's arguments.
-
-Ops, each as X.py, X_pallas.py and X_impls.py:
-
-    fused_logprob     the fused token log-prob / entropy (`LOGPROB_IMPLS`,
-                      RLConfig.logprob_impl)
-    gmm               the grouped matmul of the MoE expert FFN (`GMM_IMPLS`,
-                      ModelConfig.gmm_impl)
+    fused_logprob     fused token log-prob / entropy (`LOGPROB_IMPLS`, RLConfig.logprob_impl)
+    gmm               the MoE expert FFN's grouped matmul (`GMM_IMPLS`, ModelConfig.gmm_impl)
     decode_attention  a decode step's blocked attention (`DECODE_IMPLS`,
                       ModelConfig.decode_attention_impl)
     dtypes.py         the dtype helpers the kernels share
 
-The model, the config, the AOT kernel list, the kernel
-tests and the benchmarks all read the tables, so a new implementation is one function
-and one table row (docs/architecture.md, "Add a kernel"). Shape letters are those of
-docs/architecture.md's "Names"; each module lists the ones it uses.
+An implementation is named after its row ("loop" is `gmm.loop`), one function's rows for
+several targets `<name>_<target>` ("pallas_gpu" is `gmm_pallas.pallas` with
+target="gpu"). One that runs Pallas kernels is in X_pallas.py when it has a VJP of its own
+(gmm_pallas.pallas), in X.py when it shares a pure-JAX one's (fused_logprob.pallas). A
+caller looks a row up once: `lookup(table, name, field).load(block=, interpret=)` is the
+callable, and the dispatcher is that call on the op's arguments. The model, config, AOT
+kernel list, kernel tests and benchmarks all read the tables, so a new implementation is
+one function and one row (docs/architecture.md, "Add a kernel"). Shape letters are those
+of docs/architecture.md's "Names"; each module lists its own.
 """
 from __future__ import annotations
 
@@ -46,19 +34,13 @@ BACKENDS = ("cpu", "gpu", "tpu")
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-    """One implementation of an op: a row of the op's table.
-
-    fn: "module:attribute" of the callable, imported on first use (the table itself
-      imports no JAX).
-    options: keyword arguments bound to it (e.g. a Pallas kernel's `target`).
-    backends: the JAX platforms it compiles for.
-    blocks: its default block sizes (the op's block-size dataclass), passed as `block=`;
-      None for an implementation without tiles.
-    pallas: a Pallas kernel. It also accepts `interpret=True` (Pallas's checking
-      interpreter, on any backend: how the CPU tests run it), it is opaque to XLA's
-      partitioner (callers run it per device under shard_map), and `aot.compile_kernels`
-      compiles it for a TPU topology when "tpu" is among its backends.
-    """
+    """A row of an op's table. fn: "module:attribute" of the callable, imported on first
+    use (the table imports no JAX); options: keywords bound to it (e.g. a Pallas kernel's
+    `target`); backends: the JAX platforms it compiles for; blocks: its default block sizes
+    (the op's block dataclass), passed as `block=`, None without tiles. pallas: a Pallas
+    kernel: it accepts `interpret=True` (the checking interpreter, any backend: how the CPU
+    tests run it), is opaque to XLA's partitioner (callers run it per device under shard_map),
+    and `aot.compile_kernels` compiles it for a TPU topology if "tpu" is a backend."""
 
     fn: str
     backends: tuple[str, ...]
@@ -73,10 +55,8 @@ class Impl:
             raise ValueError(f"Impl.backends={self.backends!r} must be among {BACKENDS}")
 
     def load(self, *, block: Any = None, interpret: bool = False) -> Callable:
-        """The callable with its options bound; with its block sizes, `block` or else its
-        defaults, when it has tiles (`block` is ignored otherwise); and, for a Pallas
-        kernel, `interpret` (ignored otherwise). Bound by keyword: a caller's own
-        `block=` or `interpret=` still overrides them."""
+        """The callable with its options, `block` (else its defaults; with tiles only) and
+        `interpret` (Pallas only) bound by keyword: a caller's `block=` / `interpret=` wins."""
         module, attr = self.fn.split(":")
         fn = getattr(importlib.import_module(module), attr)
         bound = dict(self.options)
@@ -88,8 +68,7 @@ class Impl:
 
 
 def check_blocks(blocks, zero_ok: tuple[str, ...] = ()) -> None:
-    """Raise ValueError unless every field of the block-size dataclass `blocks` is a
-    positive int (or 0, for the fields in `zero_ok`)."""
+    """ValueError unless every field of `blocks` is a positive int (or 0, in `zero_ok`)."""
     for f in dataclasses.fields(blocks):
         v = getattr(blocks, f.name)
         if not (isinstance(v, int) and v >= (0 if f.name in zero_ok else 1)):
@@ -104,10 +83,9 @@ def lookup(table: Mapping[str, Impl], name: str, field: str) -> Impl:
 
 
 class Arg(NamedTuple):
-    """One array argument of an op at example sizes (an op's `*_example_args`): `shape`
-    per device; `split`: its leading dim is split over the data-parallel devices (else
-    every device holds all of it); `diff`: differentiated when the op is compiled forward
-    + backward."""
+    """An op's array argument at example sizes (`*_example_args`): `shape` per device;
+    `split`: leading dim split over the data-parallel devices (else whole on each); `diff`:
+    differentiated when the op is compiled forward + backward."""
 
     name: str
     shape: tuple[int, ...]

@@ -1,6 +1,6 @@
-"""Decode attention: one query per row against the KV cache, read in blocks (a decode
-step of the sampler). `decode_attention(..., impl=name)` runs a row of
-decode_attention_impls.DECODE_IMPLS; `blocks`, pure JAX, is the reference. The Pallas
+"""Decode attention (a sampler decode step): one query per row against the KV cache,
+read in blocks. `decode_attention(..., impl=name)` runs a row of
+decode_attention_impls.DECODE_IMPLS; `blocks` (pure JAX) is the reference; the Pallas
 kernel is in decode_attention_pallas.py.
 
 Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots,
@@ -9,13 +9,13 @@ X slots of one block.
 Contract: out_BxKVxHgxDh = fn(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block,
 keys, layer). Row b's query sits at slot last_slot (a scalar: every row writes the same
 slot, as left-padded prompts do; or [B], one per row, in the continuous sampler) and
-attends to the slots [0, last_slot[b]] that key_mask_BxS marks real, by the online
-softmax over blocks of `block` slots (flash-decoding's running max m, normalizer l and
-output o), in float32 (float64 for float64 operands). k, v: the cache in layout `keys`
-("bksd": [B, KV, S, Dh]; "bskd": [B, S, KV, Dh]), or with `layer` the stacked [L, ...]
-cache, each block sliced from layer `layer` directly (slicing the layer first would
-copy its whole S-slot cache on every layer of every step: the slice feeds a loop, so
-XLA materializes it). A row with no real key gets zeros, not NaN.
+attends to the slots [0, last_slot[b]] that key_mask_BxS marks real, by an online
+softmax over blocks of `block` slots (flash-decoding's running max m, normalizer l,
+output o) in float32 (float64 for float64 operands); a row with no real key gets zeros,
+not NaN. k, v: the cache in layout `keys` ("bksd": [B, KV, S, Dh]; "bskd": [B, S, KV,
+Dh]), or with `layer` the stacked [L, ...] cache, each block sliced from layer `layer`
+directly (slicing the layer first would copy its whole cache every layer and step: the
+slice feeds a loop, so XLA materializes it).
 """
 from __future__ import annotations
 
@@ -42,10 +42,9 @@ def _block_of(cache, start, block: int, s_axis: int, layer=None):
 
 def blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str = "bksd",
            layer=None):
-    """The reference: a loop of ⌈(max_b last_slot[b] + 1) / block⌉ trips over every row
-    at once, so each step reads every row's blocks up to the largest row's. A block that
-    would run past S starts at S − block instead; its slots before j · block were read
-    by the previous block and are masked."""
+    """The reference: ⌈(max_b last_slot[b] + 1) / block⌉ loop trips over all rows at once,
+    each reading every row's blocks up to the largest row's. A block that would run past S
+    starts at S − block; its slots before j · block, read by the previous block, are masked."""
     s_axis = keys.index("s") + (layer is not None)
     s = k.shape[s_axis]
     block = min(block, s)
@@ -84,8 +83,7 @@ def blocks(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str
 def decode_attention(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int,
                      keys: str = "bksd", layer=None, impl: str = "blocks",
                      interpret: bool = False):
-    """The row `impl` of DECODE_IMPLS on these arguments (module docstring); `interpret`
-    runs a Pallas row in the checking interpreter (others ignore it)."""
+    """Row `impl` of DECODE_IMPLS (module docstring); `interpret`: `Impl.load`."""
     fn = lookup(DECODE_IMPLS, impl, "decode_attention: impl").load(interpret=interpret)
     return fn(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, block=block, keys=keys,
               layer=layer)

@@ -1,12 +1,11 @@
-"""The decode attention's table: its implementations and example shapes. No JAX here
-(the config validates ModelConfig.decode_attention_impl against `DECODE_IMPLS`).
+"""The decode attention's table: implementations and example shapes. No JAX (the config
+validates ModelConfig.decode_attention_impl against `DECODE_IMPLS`).
 
 Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots.
 
 Every implementation computes out_BxKVxHgxDh = fn(q_BxKVxHgxDh, k, v, key_mask_BxS,
-last_slot, *, block, keys, layer[, interpret=]) (decode_attention.py says the contract;
-`decode_attention.decode_attention(..., impl=name)` runs a row). The reference is
-"blocks".
+last_slot, *, block, keys, layer[, interpret=]) (contract: decode_attention.py;
+`decode_attention.decode_attention(..., impl=name)` runs a row); the reference is "blocks".
 """
 from __future__ import annotations
 
@@ -17,13 +16,12 @@ from stablerl_jax.kernels import Arg, Impl
 
 @dataclasses.dataclass(frozen=True)
 class DecodeImpl(Impl):
-    """A row of DECODE_IMPLS. ragged: it reads each row's own key blocks only, of a
-    head-major ('bksd') cache in blocks of model.decode_block (the config requires both
-    for it), and the sampler's schedules are priced per row for it
-    (schedule_prices.SamplerPrices). tokens: its per-token attention, whose results
-    depend on each query alone (decode_attention_pallas.tokens' contract), which both
-    engines run under batch-invariant numerics (model/invariant.py); None: they run
-    `invariant.attend`'s own blocks."""
+    """A row of DECODE_IMPLS. ragged: it reads only each row's own key blocks, of a
+    head-major ('bksd') cache in blocks of model.decode_block (the config requires both),
+    and the sampler's schedules are priced per row (schedule_prices.SamplerPrices). tokens:
+    its per-token attention (decode_attention_pallas.tokens: each result fixed by its query
+    alone), which both engines run under batch-invariant numerics (model/invariant.py);
+    None: they run `invariant.attend`'s own blocks."""
 
     ragged: bool = False
     tokens: Impl | None = None
@@ -44,8 +42,7 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
 
 def decode_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], dict]:
     """(arguments, static keywords) of one layer's decode attention of `model` (a
-    ModelConfig) for `rows` rows per device against a `slots`-slot head-major cache;
-    everything split over the devices by row."""
+    ModelConfig): `rows` rows per device, a `slots`-slot head-major cache, all split by row."""
     kv, dh = model.num_kv_heads, model.head_dim
     g, dt = model.num_heads // kv, model.compute_dtype
     return (Arg("q_BxKVxHgxDh", (rows, kv, g, dh), dt, True, False),
@@ -57,9 +54,7 @@ def decode_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], 
 
 
 def tokens_example_args(rows: int, model, slots: int) -> tuple[tuple[Arg, ...], dict]:
-    """(arguments, static keywords) of one layer's per-token attention (a row's
-    `tokens`) of `model` in a decode step: `rows` queries per device, one per row,
-    against a `slots`-slot head-major cache (already the kernel's `cache_slots`)."""
+    """The same for a row's `tokens`: one query per row, `slots` already `cache_slots`."""
     kv, dh = model.num_kv_heads, model.head_dim
     g, dt = model.num_heads // kv, model.compute_dtype
     return (Arg("q_NxKVxHgxDh", (rows, kv, g, dh), dt, True, False),

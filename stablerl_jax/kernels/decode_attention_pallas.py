@@ -1,38 +1,26 @@
-"""Ragged decode attention as a Pallas kernel for TPU: each row reads only its own key
-blocks. The implementation of the row "pallas_tpu" of decode_attention_impls.DECODE_IMPLS;
-`tokens` below is that row's per-token kernel, which both engines run under
-batch-invariant numerics (its blocks are counted in positions from each sequence's
-start, one program per query).
+"""Ragged decode attention as a Pallas TPU kernel: each row reads only its own key blocks.
+`pallas` implements the row "pallas_tpu" of decode_attention_impls.DECODE_IMPLS, `tokens`
+that row's per-token kernel (batch-invariant numerics).
 
 Letters: B rows, KV kv heads, Hg query heads per kv head, Dh head width, S key slots,
 X slots of one block, L layers (a stacked cache).
 
-Contract (the reference is `decode_attention.blocks`, beside this file): one query per
-row, at slot last[b]; the row attends to its cache slots [0, last[b]] that the key mask
-marks real, by the online softmax of flash-decoding over blocks of X slots. The
-reference loops every row up to the largest row's last block; a row whose own blocks
-are done only meets fully masked blocks after that, which change none of its running
-max, normalizer and output. This kernel stops each row at its own last block instead,
-so a decode step reads Σ_b ⌈(last[b] + 1) / X⌉ blocks, not B · ⌈(max_b last[b] + 1) / X⌉:
-what paged attention does for a batch of rows at different lengths.
+The contract is the reference's (`decode_attention.blocks`, beside this file), which
+runs every row up to the largest row's last block; past its own, a row meets only fully
+masked blocks, which change none of its running max, normalizer and output. This kernel
+stops each row at its own last block, so a step reads Σ_b ⌈(last[b] + 1) / X⌉ blocks,
+not B · ⌈(max_b last[b] + 1) / X⌉: paged attention for rows at different lengths.
 
 Layout: one program per row (grid (B,), "parallel"). The cache stays in HBM
-(`memory_space=pl.ANY`; [L, B, KV, S, Dh] stacked with the layer scalar-prefetched, or
-one layer's [B, KV, S, Dh]) and the program copies its row's blocks itself, [KV, X, Dh]
-of keys and of values per block, double-buffered: block j + 1's copy runs while block
-j is computed, a loop whose trip count is the row's own block count (scalar-prefetched
-`last`). The query, the key mask and the output are the row's blocks of an ordinary
-grid pipeline; the mask row is copied whole (S int32 per row and layer, 132 KiB at
-33,792 slots against 1 MiB per key-and-value block of 512 slots × 4 kv heads in bf16).
-Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32, the
-mask, the running max / normalizer / output update, as the reference does per block.
-The last block of a row that would run past S starts at S − X instead; its slots
-before j · X were read by the previous block and are masked (as in the reference).
-
-Only the head-major cache layout ('bksd', ModelConfig.kv_cache_layout): a block of one
-kv head is then a contiguous [X, Dh] tile, the legal (8, 128) Mosaic shape. `interpret`
-runs it in Pallas's TPU interpreter (the DMAs and semaphores included): how the CPU
-tests run it.
+(`memory_space=pl.ANY`: [L, B, KV, S, Dh] stacked, the layer scalar-prefetched, or one
+layer's [B, KV, S, Dh]); the program copies its row's [KV, X, Dh] key and value blocks
+itself, double-buffered, for its own block count (scalar-prefetched `last`). Query, mask
+row (whole: S int32 per row and layer, 132 KiB at 33,792 slots, against 1 MiB per
+key-and-value block of 512 slots × 4 kv heads in bf16) and output are the row's blocks of
+an ordinary grid pipeline. Per block and kv head the update is the reference's, clamped
+last block included. Head-major cache only ('bksd', ModelConfig.kv_cache_layout): one kv
+head's block is then a contiguous [X, Dh] tile, the legal (8, 128) Mosaic shape.
+`interpret` runs Pallas's TPU interpreter, DMAs and semaphores included.
 """
 from __future__ import annotations
 
@@ -49,13 +37,10 @@ from stablerl_jax.kernels.dtypes import MASK_VALUE, accum_dtype, kernel_precisio
 
 
 def _online_softmax(q_ref, out_ref, n, copies, tile):
-    """Flash-decoding of q_ref [KV, Hg, Dh] over key blocks 0 … n − 1, written to out_ref:
-    `copies(j, slot)` are block j's DMAs into buffer `slot`, double-buffered (block
-    j + 1's copy runs while block j is computed), and `tile(j, slot)` is (k_of, v_of,
-    allowed): kv head h's keys and values [X, Dh] of the copied block, and which of its
-    X keys count [1, X]. Per block and kv head: scores [Hg, X] = q kᵀ / √Dh in float32,
-    the mask, the running max / normalizer / output update. A row with no allowed key
-    gets zeros, not NaN."""
+    """Flash-decoding of q_ref [KV, Hg, Dh] over key blocks 0 … n − 1 into out_ref; scores
+    [Hg, X] = q kᵀ / √Dh in float32; a row with no allowed key gets zeros, not NaN.
+    `copies(j, slot)`: block j's DMAs into buffer `slot` (double-buffered); `tile(j, slot)`:
+    (k_of, v_of, allowed), kv head h's [X, Dh] keys and values and the block's counted keys."""
     kv, g, dh = q_ref.shape
     acc = accum_dtype(q_ref.dtype)
     scale = dh ** -0.5
@@ -123,8 +108,7 @@ def _kernel(last_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm, out_ref, k_buf, 
 
 def pallas(q_BxKVxHgxDh, k, v, key_mask_BxS, last_slot, *, block: int, keys: str = "bksd",
            layer=None, target: str = "tpu", interpret: bool = False):
-    """decode_attention's contract (decode_attention.py) by the ragged kernel. `target`
-    must be "tpu" (Mosaic); `interpret` runs it in the TPU interpreter on any backend."""
+    """decode_attention.py's contract by the ragged kernel; `target` must be "tpu" (Mosaic)."""
     if target != "tpu":
         raise ValueError(f"decode_attention pallas: target={target!r}; only 'tpu' is built")
     if keys != "bksd":
@@ -168,8 +152,7 @@ def _window(block: int) -> int:
 
 
 def cache_slots(length: int, block: int) -> int:
-    """The key slots `tokens` needs for `length`: a multiple of ALIGN, at least one
-    block's copy (`_window`)."""
+    """Key slots `tokens` needs for `length`: a multiple of ALIGN, at least one `_window`."""
     return max(-(-length // ALIGN) * ALIGN, _window(block))
 
 
@@ -184,9 +167,8 @@ _PRICED_BLOCKS = contextvars.ContextVar("decode_attention_tokens_priced_blocks",
 
 @contextlib.contextmanager
 def priced_blocks(blocks: int):
-    """While tracing inside it, `tokens` declares to XLA's cost analysis that each query
-    reads `blocks` key blocks (a program priced per block: the decode step at its first
-    block, pod/roofline.py); outside, every block of the cache, the most one can read."""
+    """Inside it, `tokens` declares `blocks` key blocks per query to XLA's cost analysis
+    (a program priced per block: pod/roofline.py's decode step at its first block)."""
     token = _PRICED_BLOCKS.set(blocks)
     try:
         yield
@@ -196,13 +178,11 @@ def priced_blocks(blocks: int):
 
 def token_cost(n: int, kv: int, g: int, dh: int, itemsize: int, block: int, s: int,
                blocks: int) -> pl.CostEstimate:
-    """What `tokens` reads and computes for n queries of `blocks` key blocks each against
-    an S-slot cache, as it declares it to XLA (a Mosaic call is opaque to XLA's cost
-    analysis, which would otherwise count its whole operands: a stacked cache's every
-    layer). Per query: its three scalars, query and output [KV, Hg, Dh] and mask row
-    (`_mask_width` int32); per block: a window of keys and one of values [KV, _window(X),
-    Dh] (the DMAs), and per kv head two [Hg, Dh]·[X, Dh] products and Hg·(X + 1)
-    exponentials (the scores' and the running max's correction)."""
+    """`tokens`' cost as declared to XLA for n queries of `blocks` key blocks against an
+    S-slot cache (a Mosaic call is opaque to XLA's cost analysis, which would otherwise count
+    whole operands: a stacked cache's every layer): per query its scalars, query, output and
+    `_mask_width` int32 mask row; per block a key and a value window (the DMAs), two
+    [Hg, Dh]·[X, Dh] products per kv head and Hg·(X + 1) exponentials."""
     per_query = 3 * 4 + 2 * kv * g * dh * itemsize + _mask_width(s, block) * 4
     per_block = 2 * kv * _window(block) * dh * itemsize
     return pl.CostEstimate(flops=n * blocks * kv * 4 * g * dh * block,
@@ -212,8 +192,7 @@ def token_cost(n: int, kv: int, g: int, dh: int, itemsize: int, block: int, s: i
 
 def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm, v_hbm,
                   out_ref, k_buf, v_buf, mask_buf, sem, *, block: int, s: int, stacked: bool):
-    """Program i: query i over the keys of positions 0 … pos[i] of its sequence, in
-    blocks of X positions counted from the sequence's first slot start[i] (`tokens`)."""
+    """Program i: query i over positions 0 … pos[i] of its sequence (`tokens`)."""
     i = pl.program_id(0)
     pos, row, start = pos_ref[i], row_ref[i], start_ref[i]
     # The mask from the sequence's first slot on: mask_buf[0, p] is the slot of position p
@@ -223,8 +202,7 @@ def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm
     window = k_buf.shape[2]  # _window(X) slots
 
     def first(j):
-        """Where block j's copy starts (a multiple of ALIGN, inside the cache) and how
-        far past it the block's first key sits."""
+        """Block j's copy start (ALIGN-aligned, in the cache) and its first key's offset."""
         want = start + j * block
         at = jnp.minimum(jax.lax.div(want, ALIGN) * ALIGN, s - window)
         return pl.multiple_of(at, ALIGN), want - at
@@ -257,25 +235,21 @@ def _token_kernel(pos_ref, row_ref, start_ref, layer_ref, q_ref, mask_ref, k_hbm
 
 def tokens(q_NxKVxHgxDh, pos_N, row_N, start_N, k, v, key_mask_BxS, *, block: int,
            layer=None, target: str = "tpu", interpret: bool = False):
-    """Per-token attention whose every result is fixed by its query alone (the
-    batch-invariant numerics of model/invariant.py, where the contract is `attend`'s):
-    query n, of row row_N[n] whose position 0 sits at slot start_N[n], attends to the
-    slots start … start + pos_N[n] that the key mask marks real, by the online softmax
-    over blocks of X = `block` *positions* from the sequence's start, one program per
-    query. Every query then meets the same tiles in a decode step, a prefill and the
-    training forward, whatever the cache's length, the padding, the packing or the other
-    queries of the call, and blocks past pos are never read.
-
-    A block's keys are copied as _window(X) slots (X rounded up to ALIGN, plus ALIGN)
-    from a multiple of ALIGN at or before its first key (a DMA's offset along the tiled
-    slot axis must be whole tiles), or from the cache's last window where that would run
-    past it, and rotated into place (pltpu.roll). k, v: one layer's head-major cache
-    [B, KV, S, Dh], or with `layer` the stacked [L, B, KV, S, Dh] cache read in place at
-    that layer; S a multiple of ALIGN of at least one window (`cache_slots`: init_cache
-    allocates that many, and model/invariant.py pads the training forward's keys to
-    it). Returns [N, KV, Hg, Dh] in q's dtype; a query with no real key gets zeros. Its
-    cost, as XLA's cost analysis sees it, is `token_cost` with every query reading every
-    block of the cache, or `priced_blocks`' count inside that context."""
+    """Per-token attention, each result fixed by its query alone (model/invariant.py's
+    batch-invariant numerics; the contract is `attend`'s): query n, of row row_N[n] with
+    position 0 at slot start_N[n], attends to the slots start … start + pos_N[n] the key
+    mask marks real, by the online softmax over blocks of X = `block` *positions* from the
+    sequence's start, one program per query. So every query meets the same tiles in a
+    decode step, a prefill and the training forward, whatever the cache length, padding,
+    packing or other queries, and never reads blocks past pos. A block's keys are copied as
+    _window(X) slots from a multiple of ALIGN at or before its first key (a DMA's offset
+    along the tiled slot axis must be whole tiles), or from the cache's last window if that
+    would run past it, and rotated into place (pltpu.roll). k, v: one layer's head-major cache
+    [B, KV, S, Dh], or with `layer` the stacked [L, B, KV, S, Dh] cache read in place; S a
+    multiple of ALIGN of at least one window (`cache_slots`: init_cache allocates that many,
+    model/invariant.py pads the training forward's keys to it). Returns [N, KV, Hg, Dh] in
+    q's dtype, zeros for a query with no real key. Declared cost: `token_cost`, every query
+    reading every block, or `priced_blocks`' count inside that context."""
     if target != "tpu":
         raise ValueError(f"decode_attention tokens: target={target!r}; only 'tpu' is built")
     n, kv, g, dh = q_NxKVxHgxDh.shape

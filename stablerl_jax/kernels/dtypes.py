@@ -1,5 +1,4 @@
-"""The accumulation dtype, the mask value and the kernels' product precision that every
-op and the model share."""
+"""Accumulation dtype, mask value and kernel product precision shared by ops and model."""
 import jax
 import jax.numpy as jnp
 
@@ -14,14 +13,13 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
 
 def accum_dtype(dtype):
-    """Accumulation / softmax dtype for operands of `dtype`: float32, or float64 for
-    float64 operands (numerical reference runs under `jax.enable_x64`)."""
+    """Accumulation / softmax dtype: float32, or float64 for float64 `dtype` (numerical
+    reference runs under `jax.enable_x64`)."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def kernel_precision(dtype):
-    """A Pallas kernel's matmul precision for operands of `dtype`: HIGHEST for float32 and
-    wider (full products, not TF32 or one bf16 pass); the backend's native pass for
-    16-bit operands, whose products it computes exactly (and Mosaic rejects an fp32
-    contract precision on them)."""
+    """Pallas matmul precision for `dtype` operands: HIGHEST for float32 and wider (full
+    products, not TF32 or one bf16 pass); the native pass for 16-bit ones, whose products
+    are exact (and Mosaic rejects an fp32 contract precision on them)."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None

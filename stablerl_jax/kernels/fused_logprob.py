@@ -1,8 +1,6 @@
-"""Fused token log-prob + full-vocabulary entropy that never materializes [T, V] logits:
-the op's dispatcher `fused_logprob(..., impl=name)` and its implementations `naive`,
-`chunked` and `pallas`, each named after its row of fused_logprob_impls.LOGPROB_IMPLS,
-which says what every row is ("pallas_gpu" / "pallas_tpu" are `pallas` with target
-"gpu" / "tpu"; its kernels are in fused_logprob_pallas.py).
+"""Fused token log-prob + full-vocabulary entropy without [T, V] logits: the dispatcher
+`fused_logprob(..., impl=name)` and `naive`, `chunked`, `pallas`, named after their rows
+of fused_logprob_impls.LOGPROB_IMPLS (`pallas`'s kernels are in fused_logprob_pallas.py).
 
 Letters: T tokens, D model, V vocab, W vocab columns of one chunk, J = ⌈V / W⌉ chunks.
 U is the unembedding matrix (unembed_DxV).
@@ -10,26 +8,18 @@ U is the unembedding matrix (unembed_DxV).
     z = h U  (per token, over the vocabulary; float32 accumulation)
     lse = log Σ_v exp z_v,   E_p[z] = Σ_v p_v z_v,   p = softmax(z)
     logp = z_y − lse,        entropy = lse − E_p[z]
-
-(`pallas` takes z_y from its own logit tile and can return every logp of a row, so a
-sampler that draws from them records the trainer's logp bit for bit.)
-
-`naive` is the reference: full float32 logits, log_softmax, gather; O(T·V) memory. The
-others stream vocab chunks with an online log-sum-exp (running max m, Σ e^{z−m},
-Σ e^{z−m}·z) and save only lse and E_p[z] per token. In `chunked` the target logit
-z_y = h · U[:, y] is a [T, D] gather and a row-wise dot, not a compare over every logit;
-`pallas` picks it from the logit tile its kernel computes anyway. The backward
-(custom VJP) recomputes each chunk's logits:
-
     dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
     dh += dz Uᵀ,   dU[:, chunk] = hᵀ dz
 
-`chunked` runs this in pure JAX, a `lax.scan` over chunks of W = `block.chunk` columns
-(memory O(T·W) forward); `pallas` runs the forward statistics and the logit cotangent as
-Pallas kernels compiled for `target` ("gpu": Triton, "tpu": Mosaic), or in Pallas's
-checking interpreter with `interpret=True` (how the CPU tests run them). The caller
-chooses; nothing here looks at the platform. No gradient is filtered or approximated:
-IS ratios amplify tiny log-prob errors.
+`naive`, the reference, materializes the float32 logits: O(T·V) memory. `chunked` (pure
+JAX, a `lax.scan` over chunks of W = `block.chunk` columns: O(T·W) forward memory) and
+`pallas` (Pallas kernels for `target`, "gpu" Triton or "tpu" Mosaic, or with
+`interpret=True` the checking interpreter) stream vocab chunks through an online
+log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z), save only lse and E_p[z] per
+token, and recompute each chunk's logits for the backward (custom VJP, dz above).
+`chunked` takes z_y = h · U[:, y] as a [T, D] gather and a row-wise dot, not a compare
+over every logit; `pallas` takes it from the logit tile its kernel computes anyway. No
+gradient is filtered or approximated: IS ratios amplify tiny log-prob errors.
 """
 from __future__ import annotations
 
@@ -79,9 +69,8 @@ def _target_logit(hidden_TxD, unembed_DxV, targets_T):
 
 
 def _chunk(unembed_DxV, j, c):
-    """Chunk j: columns [start, start + W) with start = min(j·W, V − W), W = c, so a ragged
-    last chunk overlaps its predecessor instead of padding U (a padded copy of U would
-    cost O(D·V) memory). `new` marks the columns this chunk is the first to cover."""
+    """Chunk j: W = c columns from start = min(j·W, V − W), so a ragged last chunk overlaps
+    its predecessor instead of padding U (an O(D·V) copy); `new`: columns new to it."""
     v = unembed_DxV.shape[1]
     start = jnp.minimum(j * c, v - c)
     col = start + jnp.arange(c)
@@ -111,9 +100,8 @@ def _stats_chunked(hidden_TxD, unembed_DxV, c):
 
 
 def _backward_chunked(hidden_TxD, unembed_DxV, targets_T, lse, ez, g_logp, g_ent, c):
-    """(dh [T, D], dU [D, V]) in the accumulation dtype. dU comes out of the scan as
-    stacked [W, D] chunks (dzᵀ h), so it is assembled by a reshape rather than by
-    updating a [D, V] carry every step."""
+    """(dh [T, D], dU [D, V]) in the accumulation dtype; dU leaves the scan as stacked
+    [W, D] chunks (dzᵀ h), assembled by a reshape, not a [D, V] carry updated every step."""
     v = unembed_DxV.shape[1]
     n, r = -(-v // c), v - (-(-v // c) - 1) * c  # chunks; new columns in the last one
     acc = accum_dtype(hidden_TxD.dtype)
@@ -178,12 +166,9 @@ def chunked(hidden_TxD, unembed_DxV, targets_T, *, block: LogprobBlocks = Logpro
 
 def pallas(hidden_TxD, unembed_DxV, targets_T, *, target: str,
            block: LogprobBlocks = LogprobBlocks(), interpret: bool = False):
-    """(logp_T, entropy_T) by the Pallas kernels, compiled for `target` ("gpu" |
-    "tpu"), or interpreted (on any backend) when `interpret` is True. z_y is the target's
-    entry of the kernel's own logit tile, so every token's result is fixed by its row
-    (fixed [Bt, Bv] tiles, the vocabulary and D in a fixed order): batch-invariant.
-    targets_T None: the whole distribution instead, log p [T, V] (no gradient), whose
-    entry at a target is that target's logp bit for bit (what a sampler draws from)."""
+    """(logp_T, entropy_T) by the Pallas kernels for `target` ("gpu" | "tpu"), interpreted
+    when `interpret`; batch-invariant (z_y from the kernel's own logit tile). targets_T
+    None: log p [T, V] (no gradient), each target's entry its logp bit for bit."""
     if targets_T is None:
         _check(hidden_TxD, unembed_DxV, jnp.zeros(hidden_TxD.shape[:1], jnp.int32))
         return _pallas.logprobs_pallas(hidden_TxD, unembed_DxV, block, target,
@@ -195,10 +180,8 @@ def pallas(hidden_TxD, unembed_DxV, targets_T, *, target: str,
 
 def fused_logprob(hidden_TxD, unembed_DxV, targets_T, *, impl: str = "chunked",
                   block: LogprobBlocks | None = None, interpret: bool = False):
-    """(logp_T, entropy_T), float32 (float64 for float64 inputs), by the implementation
-    `impl` names in LOGPROB_IMPLS. `block` replaces its default block sizes (one without
-    tiles ignores it); `interpret` runs a Pallas implementation in the checking
-    interpreter (others ignore it)."""
+    """(logp_T, entropy_T), float32 (float64 for float64 inputs), by LOGPROB_IMPLS' row
+    `impl`; `block`, `interpret`: `Impl.load`."""
     fn = lookup(LOGPROB_IMPLS, impl, "fused_logprob: impl").load(block=block,
                                                                  interpret=interpret)
     return fn(hidden_TxD, unembed_DxV, targets_T)

@@ -1,5 +1,5 @@
-"""The fused log-prob / entropy op's table: its implementations, block sizes and example
-shapes. No JAX here (the config validates RLConfig.logprob_impl against `LOGPROB_IMPLS`).
+"""The fused log-prob / entropy op's table: implementations, block sizes, example shapes.
+No JAX (the config validates RLConfig.logprob_impl against `LOGPROB_IMPLS`).
 
 Letters: T tokens, D model, V vocab, W vocab columns of one chunk.
 
@@ -17,14 +17,13 @@ from stablerl_jax.kernels import Arg, Impl, check_blocks
 
 @dataclasses.dataclass(frozen=True)
 class LogprobBlocks:
-    """Tile sizes. `chunk`: the vocab chunk W of "chunked". The rest are the Pallas
-    kernels' blocks: forward token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles
-    streamed per program; backward: `bwd_chunk` vocab columns per step of its scan, dz
-    kernel tile `bwd_tokens` × `bwd_vocab`; `dim`, the D slice both kernels accumulate
-    logits over (the matmul K loop; ≥ D means one dot over all of D); Triton launch knobs
-    `num_warps`, `num_stages` (GPU only). Powers of two keep the GPU (Triton) lowering
-    happy; TPU wants multiples of 8 (tokens) and 128. The defaults are the fastest of a
-    sweep on an H100 in bf16 at (T, D, V) = (8192, 512, 65536) (docs/records/benchmarks.md)."""
+    """Tile sizes. `chunk`: the vocab chunk W of "chunked". The Pallas kernels': forward
+    token block `tokens`, vocab tile `vocab`, `vocab_tiles` tiles streamed per program;
+    backward `bwd_chunk` vocab columns per scan step, dz tile `bwd_tokens` × `bwd_vocab`;
+    `dim`, the D slice both accumulate logits over (the matmul K loop; ≥ D: one dot); Triton
+    launch knobs `num_warps`, `num_stages` (GPU only). Powers of two keep Triton happy; TPU
+    wants multiples of 8 (tokens) and 128. Defaults: the fastest of a sweep on an H100 in
+    bf16 at (T, D, V) = (8192, 512, 65536) (docs/records/benchmarks.md)."""
 
     chunk: int = 2048
     tokens: int = 128
@@ -51,10 +50,9 @@ LOGPROB_TPU_BLOCKS = LogprobBlocks(chunk=2048, tokens=256, vocab=512, vocab_tile
 @dataclasses.dataclass(frozen=True)
 class LogprobImpl(Impl):
     """A row of LOGPROB_IMPLS. `invariant`: a token's (logp, entropy) depend on its row
-    alone (fixed tiles in a fixed order), and `fn(hidden, unembed, None)` returns the
-    row's whole log p [T, V], whose entry at a target is that target's logp bit for bit.
-    The batch-invariant model (model/invariant.py) then runs it in both engines: the
-    sampler draws from the [T, V] form, the trainer scores with the fused form."""
+    alone (fixed tiles in a fixed order), and `fn(hidden, unembed, None)` returns the row's
+    log p [T, V], each target's entry its logp bit for bit; model/invariant.py then runs it
+    in both engines, the sampler drawing from the [T, V] form, the trainer from the fused."""
 
     invariant: bool = False
 
@@ -77,8 +75,7 @@ LOGPROB_IMPLS: dict[str, LogprobImpl] = {
 
 def logprob_example_args(tokens: int, d_model: int, vocab: int, dtype: str
                          ) -> tuple[tuple[Arg, ...], dict]:
-    """(arguments, static keywords) of the op for `tokens` tokens per device; hidden and
-    targets split over the devices, the unembedding whole on each."""
+    """(arguments, static keywords) for `tokens` tokens per device; the unembedding whole."""
     return (Arg("hidden_TxD", (tokens, d_model), dtype, True, True),
             Arg("unembed_DxV", (d_model, vocab), dtype, False, True),
             Arg("targets_T", (tokens,), "int32", True, False)), {}

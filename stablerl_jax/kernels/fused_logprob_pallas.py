@@ -1,51 +1,34 @@
-"""Pallas kernels of the fused log-prob op: forward statistics and the logit cotangent.
-They run inside `fused_logprob.pallas` (its custom VJP; the rows "pallas_gpu" /
-"pallas_tpu" of fused_logprob_impls.LOGPROB_IMPLS).
+"""Pallas kernels of the fused log-prob op (fused_logprob.py has the math), run by the
+custom VJP of `fused_logprob.pallas` (rows "pallas_gpu" / "pallas_tpu" of LOGPROB_IMPLS).
 
 Letters: T tokens, D model, V vocab, W vocab columns of one backward chunk, J = ⌈V / W⌉
 chunks, Bt token block, Bv vocab tile, Bd D slice; Tp, Dp, Vp: T, D, V padded up to
-their blocks. Counts local to this module: `tiles` vocab tiles per forward program,
-`splits` = ⌈V / (tiles·Bv)⌉ vocab splits of the forward grid. U is the unembedding
-matrix (unembed_DxV).
-
-Every kernel computes a logit tile z = h U[:, tile] as a matmul K loop over D in Bd
-slices (float32 accumulation) and consumes it in registers.
+their blocks; `tiles` vocab tiles per forward program, `splits` = ⌈V / (tiles·Bv)⌉
+vocab splits of the forward grid; U the unembedding matrix (unembed_DxV).
 
 Forward, grid (T/Bt, splits): program (i, j) streams `tiles` vocab tiles of its token
-block through an online log-sum-exp (running max m, Σ e^{z−m}, Σ e^{z−m}·z) and picks
-the target's logit z_y out of the tile that holds it. Logits never leave the program.
-With splits > 1 (more programs than token blocks alone give) a small combine in JAX
-merges the partial statistics ([splits, T], not [T, V]):
+block through the online log-sum-exp and takes z_y from the tile holding it; each logit
+tile z = h U[:, tile] (a matmul K loop over D in Bd slices, float32 accumulation) is
+consumed in registers. With splits > 1 (more programs than token blocks alone give) a
+small JAX combine merges the partial statistics ([splits, T], not [T, V]). The
+distribution (`logprobs_pallas`) recomputes each tile on the same grid and writes z − lse
+[T, V]: a token's numbers come from its own row of fixed tiles in a fixed order, whatever
+the other rows, and its entry at a target is the forward's z_y − lse bit for bit.
 
-    m* = max_j m_j,  s* = Σ_j s_j e^{m_j − m*},  lse = m* + log s*,
-    E_p[z] = Σ_j sz_j e^{m_j − m*} / s*,  z_y = Σ_j zy_j (one nonzero term)
+Backward, from the saved lse and E_p[z]: a `lax.scan` over J chunks of W =
+`block.bwd_chunk` columns; per chunk the dz kernel, grid (T/Bt, W/Bv), recomputes each
+logit tile and writes dz as [T, W] in the input dtype (O(T·W) memory, not O(T·V)), and
+two XLA matmuls take dh += dz U_cᵀ and dU_c = hᵀ dz (U_c: the chunk's columns): plain
+GEMMs at the vendor library's full rate, one writer per output (deterministic), the same
+code in the CPU interpreter and on TPU. With bf16 inputs dz is rounded to bf16 for them
+(tensor-core rate, like flash attention's score gradient); statistics stay float32.
 
-Distribution (`logprobs_pallas`, what a sampler draws from): the same grid and blocks
-again, each logit tile recomputed and written as z − lse, [T, V]. A token's numbers come
-from its own row of fixed tiles in a fixed order, so they do not depend on the other
-rows of the call, and its entry at a target is the forward's z_y − lse bit for bit.
-
-Backward, from the saved lse and E_p[z], a `lax.scan` over J vocab chunks of W =
-`block.bwd_chunk` columns. Per chunk the dz kernel, grid (T/Bt, W/Bv), recomputes each
-logit tile and writes
-
-    p = e^{z − lse},  dz = g_logp · (onehot_y − p) + g_ent · p · (E_p[z] − z)
-
-as a [T, W] array in the input dtype; two XLA matmuls then take dh += dz U_cᵀ and
-dU_c = hᵀ dz (U_c: the chunk's columns of U). The gradient matmuls are plain GEMMs that
-the vendor library runs at full rate, and each output has one writer, so the result is
-deterministic and the same code runs in the CPU interpreter and on TPU. Memory: O(T·W)
-for dz, not O(T·V). With bf16 inputs dz is rounded to bf16 for the two gradient matmuls
-(tensor-core rate, as flash attention does with its score gradient); statistics stay
-float32.
-
-T and V are padded up to the blocks: padded vocab columns are masked in the forward
-(z → MASK_VALUE, kernels/dtypes.py); in the backward their U columns are zero, so they
-add nothing to dh, and their dU columns are sliced off. Padded tokens carry zero
-cotangents and are sliced off. Compiled for the GPU (`target="gpu"`, Triton) every
-loaded block must be a power of two and a dot at least 16 wide, so D is zero-padded
-there (zero columns change no dot product). `target="tpu"` (Mosaic) and the interpreter
-need no padding. The caller names the target and whether to interpret: nothing here
+T and V are padded up to the blocks and the padding sliced off: padded vocab columns are
+masked in the forward (z → MASK_VALUE, kernels/dtypes.py) and have zero U columns in the
+backward (adding nothing to dh); padded tokens carry zero cotangents. Triton
+(`target="gpu"`) needs every loaded block a power of two and a dot at least 16 wide, so D
+is zero-padded there (zero columns change no dot product); `target="tpu"` (Mosaic) and the
+interpreter need none. The caller names the target and whether to interpret: nothing here
 looks at the platform.
 """
 from __future__ import annotations
@@ -63,16 +46,14 @@ from stablerl_jax.kernels.dtypes import MASK_VALUE, kernel_precision
 
 
 def _dot(a, b, contract=((1,), (0,))):
-    """float32-accumulated a·b over the `contract` dims (default a @ b), in the kernels
-    and in the XLA gradient matmuls alike, at `kernel_precision`."""
+    """float32-accumulated a·b over `contract` dims (default a @ b) at `kernel_precision`."""
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
                                precision=kernel_precision(a.dtype))
 
 
 def _logits(h_ref, w_ref, cols, bd):
-    """z = h U[:, cols] for the program's token block, float32 [Bt, Bv]: one dot over
-    the whole of D, or (bd < D) a loop over D in bd-wide slices, the usual matmul K
-    loop, which keeps the operand tiles small enough to pipeline."""
+    """z = h U[:, cols], float32 [Bt, Bv]: one dot over all of D, or (bd < D) a K loop of
+    bd-wide slices, keeping the operand tiles small enough to pipeline."""
     bt, dp = h_ref.shape
     if bd >= dp:
         return _dot(h_ref[...], w_ref[:, cols])
@@ -110,8 +91,8 @@ def _fwd_kernel(h_ref, w_ref, y_ref, m_ref, s_ref, sz_ref, zy_ref, *, v, bv, bd,
 
 
 def _logp_kernel(h_ref, w_ref, lse_ref, out_ref, *, bv, bd, tiles):
-    """log p = z − lse over the program's `tiles` vocab tiles: each logit tile computed
-    by the forward kernel's own `_logits` call on the same blocks, so z carries its bits."""
+    """log p = z − lse over the program's `tiles` vocab tiles, each z by the forward
+    kernel's own `_logits` call on the same blocks, so it carries the forward's bits."""
     def body(k, carry):
         cols = pl.ds(pl.multiple_of(k * bv, bv), bv)
         out_ref[:, cols] = _logits(h_ref, w_ref, cols, bd) - lse_ref[...]
@@ -127,10 +108,7 @@ def _dz(z, col, y, lse, ez, gl, ge):
 
 
 def _dz_kernel(h_ref, w_ref, y_ref, lse_ref, ez_ref, gl_ref, ge_ref, dz_ref, *, bd):
-    """One [Bt, Bv] tile of dz for the current vocab chunk, in the input dtype. Targets
-    arrive relative to the chunk, so the kernel needs no chunk offset; padded vocab
-    columns need no mask (their U columns are zero: they add nothing to d hidden, and
-    their d unembed columns are sliced off)."""
+    """One [Bt, Bv] dz tile of the current chunk in the input dtype; targets chunk-relative."""
     bt, bv = dz_ref.shape
     z = _logits(h_ref, w_ref, pl.ds(0, bv), bd)  # w_ref is this program's [Dp, Bv] tile
     col = pl.program_id(1) * bv + jax.lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
@@ -149,10 +127,9 @@ def _triton(target: str, interpret: bool) -> bool:
 
 
 def _check_mosaic(block, d: int, target: str, interpret: bool) -> None:
-    """Mosaic (TPU) blocks: lanes (last dims) in multiples of 128, sublanes in multiples of
-    8; a D slice narrower than all of D must be lane-aligned (Mosaic cannot prove the
-    alignment of a 64-wide slice and refuses the kernel). LOGPROB_TPU_BLOCKS
-    (fused_logprob_impls.py) satisfies all of them."""
+    """Mosaic (TPU) blocks: lanes (last dims) in multiples of 128, sublanes of 8; a D slice
+    short of all of D lane-aligned (Mosaic cannot prove a 64-wide slice's alignment and
+    refuses the kernel). LOGPROB_TPU_BLOCKS (fused_logprob_impls.py) satisfies all of them."""
     if target != "tpu" or interpret:
         return
     bad = [f"{f}={getattr(block, f)} (a multiple of {m})"
@@ -179,9 +156,8 @@ def _padded(hidden_TxD, unembed_DxV, tp, vp, bd, triton):
 
 
 def _interp(interpret: bool):
-    """The checking interpreter: a read outside a block raises, and memory no kernel
-    wrote reads as NaN, so the CPU tests catch indexing that compiled code would get
-    wrong silently."""
+    """The checking interpreter: out-of-block reads raise, unwritten memory reads NaN, so
+    the CPU tests catch indexing that compiled code would get wrong silently."""
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan") \
         if interpret else False
 
@@ -262,18 +238,14 @@ def _stats(g: _Grid, targets_T, block):
 
 
 def stats_pallas(hidden_TxD, unembed_DxV, targets_T, block, target: str, interpret: bool):
-    """(lse_T, E_p[z]_T, z_y_T), float32, via the forward kernel; z_y is the target's
-    logit from the kernel's own logit tile."""
+    """(lse_T, E_p[z]_T, z_y_T), float32, by the forward kernel; z_y from its own tile."""
     return _stats(_forward_grid(hidden_TxD, unembed_DxV, block, target, interpret),
                   targets_T, block)
 
 
 def logprobs_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool):
-    """log softmax(h U) over the whole vocabulary, float32 [T, V]: `stats_pallas`'s lse,
-    then the logits again on the same grid and padded operands. Every entry carries the
-    bits of the forward kernel's (z, lse), so the log-prob `stats_pallas` gives a target
-    (z_y − lse) is this array's entry at the target: what a sampler drawing from it
-    records."""
+    """log softmax(h U), float32 [T, V] (module docstring): `stats_pallas`'s
+    lse, then the logits again on the same grid and padded operands."""
     g = _forward_grid(hidden_TxD, unembed_DxV, block, target, interpret)
     lse_T = _stats(g, jnp.zeros((g.t,), jnp.int32), block)[0]
     logp = g.call(functools.partial(_logp_kernel, bv=g.bv, bd=g.bd, tiles=g.tiles),
@@ -285,10 +257,7 @@ def logprobs_pallas(hidden_TxD, unembed_DxV, block, target: str, interpret: bool
 
 def backward_pallas(hidden_TxD, unembed_DxV, targets_T, lse_T, ez_T, g_logp_T, g_ent_T,
                     block, target: str, interpret: bool):
-    """(d hidden [T, D], d unembed [D, V]) in float32: a scan over J vocab chunks of W =
-    `block.bwd_chunk` columns (rounded up to Bv); per chunk the dz kernel writes dz
-    [T, W] in the input dtype and two XLA matmuls take dh += dz U_cᵀ and dU_c = hᵀ dz.
-    Memory O(T·W)."""
+    """(dh [T, D], dU [D, V]), float32 (module docstring); W: `block.bwd_chunk`, Bv-rounded."""
     t, d = hidden_TxD.shape
     v = unembed_DxV.shape[1]
     bt, bv = block.bwd_tokens, block.bwd_vocab

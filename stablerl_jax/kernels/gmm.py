@@ -1,29 +1,22 @@
-"""The grouped matmul: its dispatcher `gmm(..., impl=name)` and its pure-JAX
-implementations (the reference `loop`, `tiles`, `ragged_dot`, `megablox`), each named
-after its row of gmm_impls.GMM_IMPLS, which says what every row is. The Pallas kernels
-are in gmm_pallas.py.
+"""The grouped matmul: the dispatcher `gmm(..., impl=name)` and the pure-JAX
+implementations (the reference `loop`, `tiles`, `ragged_dot`, `megablox`), named after
+their rows of gmm_impls.GMM_IMPLS; the Pallas kernels are in gmm_pallas.py.
 
 Letters: R rows (sorted by group), D input width, F output width, E groups (experts),
 W = `tile` rows of a row tile, J = R / W row tiles.
 
     out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
 
-Rows are sorted by group and every group size is a multiple of `tile`, so each tile of
-`tile` rows belongs to exactly one group. The reference, `loop`, loops over groups and,
-inside, over that group's tiles, with trip counts read from `group_sizes` at run time:
-an empty group costs nothing, and the FLOPs are those of the routed tokens plus at most
-tile−1 padding rows per group. Rows past Σ group_sizes are left zero.
-
-On CPU `loop` beats `jax.lax.ragged_dot`, which lowers to a dense masked computation over
-all groups. On TPU / GPU a Pallas grouped matmul (gmm_pallas.py, megablox) with the same
-(lhs, rhs, group_sizes) contract replaces it (ModelConfig.gmm_impl).
-
-Backward of `loop` (custom VJP):
-    d lhs    = grouped matmul of d out with rhsᵀ (same loop, contracting F)
-    d rhs[e] = Σ over e's tiles of lhs_tileᵀ · d out_tile
-
-Products run at `precision` (HIGHEST unless told otherwise) and accumulate in float32, or
-float64 for float64 operands.
+Rows are sorted by group and every group size is a multiple of `tile`, so each tile is
+one group's; rows past Σ group_sizes are left zero. `loop` runs over the groups and their
+tiles with trip counts read from `group_sizes` at run time: an empty group costs nothing,
+and the FLOPs are the routed tokens' plus at most tile−1 padding rows per group. On CPU it
+beats `jax.lax.ragged_dot` (a dense masked computation over all groups); on TPU / GPU a
+Pallas grouped matmul (gmm_pallas.py, megablox) with the same (lhs, rhs, group_sizes)
+contract replaces it (ModelConfig.gmm_impl). Its custom VJP: d lhs = the grouped matmul
+of d out with rhsᵀ (the same loop, contracting F); d rhs[e] = Σ over e's tiles of
+lhs_tileᵀ · d out_tile. Products run at `precision` (HIGHEST unless told otherwise),
+accumulating in float32 (float64 for float64 operands).
 """
 from __future__ import annotations
 
@@ -92,8 +85,7 @@ def _tgmm(lhs_RxD, dout_RxF, group_sizes_E, tile: int, rhs_like, precision):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def loop(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
          tile: int, precision=HIGHEST) -> jax.Array:
-    """The reference: a loop over groups and their tiles (module docstring), with its
-    own VJP."""
+    """The reference: a loop over groups and their tiles; custom VJP (module docstring)."""
     if lhs_RxD.shape[0] % tile:
         raise ValueError(f"gmm: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
     if lhs_RxD.shape[1] != rhs_ExDxF.shape[1]:
@@ -122,14 +114,10 @@ loop.defvjp(_loop_fwd, _loop_bwd)
 
 def tiles(lhs_RxD: jax.Array, rhs_ExDxF: jax.Array, group_sizes_E: jax.Array,
           tile: int, precision=HIGHEST) -> jax.Array:
-    """The same grouped matmul as `loop`, with every tile in one batched matmul.
-
-    Tile i (rows [i·tile, (i+1)·tile)) is multiplied by the weight of its group, gathered
-    into a [J, D, F] operand; tiles past Σ group_sizes give 0. A few large ops
-    instead of a loop of small ones: faster where per-op overhead dominates (small
-    models on CPU), at the memory of one weight copy per tile. Its gradient is JAX's
-    (the weight gradient is the per-tile products summed into their groups).
-    """
+    """`loop`'s result by one batched matmul of each tile i (rows [i·tile, (i+1)·tile)) with
+    its group's gathered weight ([J, D, F]; tiles past Σ group_sizes give 0): fewer, larger
+    ops, faster where per-op overhead dominates (small models on CPU), at one weight copy
+    per tile; JAX's VJP."""
     if lhs_RxD.shape[0] % tile:
         raise ValueError(f"gmm tiles: rows R={lhs_RxD.shape[0]} must be a multiple of {tile=}")
     n = lhs_RxD.shape[0] // tile
@@ -152,9 +140,9 @@ def ragged_dot(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST):
 
 def megablox(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
              interpret: bool = False):
-    """jax's TPU megablox gmm under the grouped-matmul contract (bf16 / float32 only;
-    Mosaic's default precision; rows past Σ group_sizes are left unwritten, which
-    `moe.experts_grouped` never reads). `interpret`: Pallas's interpreter, any backend."""
+    """jax's TPU megablox gmm under the grouped-matmul contract: bf16 / float32 only, Mosaic's
+    default precision, rows past Σ group_sizes left unwritten (`moe.experts_grouped` never
+    reads them). `interpret`: Pallas's interpreter, any backend."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
     del precision
     k, n = rhs_ExDxF.shape[1:]
@@ -166,8 +154,6 @@ def megablox(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision=HIGHEST, *,
 
 def gmm(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
         impl: str = "loop", block: GmmBlocks | None = None, interpret: bool = False):
-    """out_RxF, in lhs's dtype, by the implementation `impl` names in GMM_IMPLS. `block`
-    replaces its default block sizes (one without tiles ignores it); `interpret` runs a
-    Pallas implementation in the checking interpreter (others ignore it)."""
+    """out_RxF, in lhs's dtype, by GMM_IMPLS' row `impl`; `block`, `interpret`: `Impl.load`."""
     fn = lookup(GMM_IMPLS, impl, "gmm: impl").load(block=block, interpret=interpret)
     return fn(lhs_RxD, rhs_ExDxF, group_sizes_E, tile, precision)

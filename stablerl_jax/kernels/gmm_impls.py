@@ -1,9 +1,8 @@
-"""The grouped matmul's table: its implementations, block sizes and example shapes. No JAX
-here (the config validates ModelConfig.gmm_impl against `GMM_IMPLS`).
+"""The grouped matmul's table: implementations, block sizes, example shapes. No JAX (the
+config validates ModelConfig.gmm_impl against `GMM_IMPLS`).
 
 Letters: R rows (sorted by group), D input width, F output width, E groups (experts),
-T tokens, K top-k; Bm, Bn, Bk the Pallas kernels' row, column and contraction blocks
-(gmm_pallas.py).
+T tokens, K top-k; Bm, Bn, Bk the Pallas row, column and contraction blocks (gmm_pallas.py).
 
 Every implementation computes out_RxF = fn(lhs_RxD, rhs_ExDxF, group_sizes_E, tile,
 precision[, block=][, interpret=]): rows sorted by group, each group a multiple of
@@ -19,13 +18,12 @@ from stablerl_jax.kernels import Arg, Impl, check_blocks
 
 @dataclasses.dataclass(frozen=True)
 class GmmBlocks:
-    """Tiles of the Pallas kernels: `rows` (Bm; the gcd with the MoE tile is used, so it
-    always divides it), `cols` (Bn) and `depth` (Bk, the K-loop slice) of the gmm kernels
-    (forward and d lhs); `t_rows`, `t_cols`, `t_depth` the same for tgmm (d rhs; its
-    contraction runs over rows). Triton's `num_warps` / `num_stages` for gmm and
-    `t_num_warps` / `t_num_stages` for tgmm (GPU only); `vmem_limit_mib` raises Mosaic's
-    scoped VMEM limit (TPU only; 0 keeps the compiler's default). TPU wants multiples of
-    (8, 128), Triton powers of two ≥ 16, and its stages × (A + B tiles) must fit shared
+    """Pallas tiles: gmm's (forward and d lhs) `rows` (Bm; its gcd with the MoE tile is used,
+    so it always divides it), `cols` (Bn), `depth` (Bk, the K-loop slice); tgmm's (d rhs;
+    contraction over rows) `t_rows`, `t_cols`, `t_depth`; GPU only, Triton's `num_warps` /
+    `num_stages` for gmm, `t_num_warps` / `t_num_stages` for tgmm; TPU only,
+    `vmem_limit_mib` raises Mosaic's scoped VMEM limit (0: the compiler's default). TPU wants
+    multiples of (8, 128); Triton powers of two ≥ 16, stages × (A + B tiles) within shared
     memory (227 KiB on an H100). Defaults: `GMM_GPU_BLOCKS` / `GMM_TPU_BLOCKS`."""
 
     rows: int = 128
@@ -53,11 +51,10 @@ GMM_GPU_BLOCKS = GmmBlocks(rows=128, cols=256, depth=32, t_rows=64, t_cols=256, 
 
 @dataclasses.dataclass(frozen=True)
 class GmmImpl(Impl):
-    """A row of GMM_IMPLS. invariant: batch-invariant: an output row is fixed by its own
-    lhs row and its group's matrix, whatever the other rows and however many there are
-    (fixed tile shapes, a fixed reduction order). The batch-invariant expert FFN
-    (model/invariant.py) runs the model's row when it is so marked and the reference,
-    `loop`, otherwise; tests/model/invariant_test.py checks every marked row."""
+    """A row of GMM_IMPLS. invariant: an output row is fixed by its lhs row and its group's
+    matrix, whatever the other rows and their number (fixed tiles, fixed reduction order);
+    the batch-invariant expert FFN (model/invariant.py) runs the model's row if so marked,
+    else `loop`; tests/model/invariant_test.py checks every marked row."""
 
     invariant: bool = False
 
@@ -90,9 +87,8 @@ def padded_rows(num_assignments: int, num_experts: int, tile: int) -> int:
 
 
 def gmm_example_args(tokens: int, model) -> tuple[tuple[Arg, ...], dict]:
-    """(arguments, static keywords) of the gate projection of one MoE layer of `model`
-    (a ModelConfig) for `tokens` tokens per device: the sorted rows and group sizes split
-    over the devices, the expert weights whole on each."""
+    """(arguments, static keywords) of one MoE layer's gate projection of `model` (a
+    ModelConfig) for `tokens` tokens per device; only the expert weights whole on each."""
     e, d, f, tile = model.num_experts, model.d_model, model.expert_ffn_dim, model.moe_tile
     dt = model.compute_dtype
     return (Arg("lhs_RxD", (padded_rows(tokens * model.top_k, e, tile), d), dt, True, True),

@@ -1,42 +1,31 @@
-"""Grouped matmul as Pallas kernels, with a custom VJP: the MoE expert FFN on accelerators.
-`pallas` is the implementation of the rows "pallas_gpu" / "pallas_tpu" of
-gmm_impls.GMM_IMPLS (target "gpu" / "tpu").
+"""Grouped matmul as Pallas kernels with a custom VJP (the MoE expert FFN on
+accelerators): `pallas`, the rows "pallas_gpu" / "pallas_tpu" of gmm_impls.GMM_IMPLS.
 
-Letters: R rows (sorted by group), D input width, F output width (rhs [E, D, F]), E
-groups (experts), Bm row tile, Bn output-column tile, Bk contraction slice, J = R / Bm
-row tiles.
+Letters: R rows (sorted by group), D input width, F output width (rhs [E, D, F]), E groups
+(experts), Bm row tile, Bn output-column tile, Bk contraction slice, J = R / Bm row tiles.
 
-Contract (the reference is the pure-JAX `gmm.loop`, beside this file):
+The contract is the reference's (the pure-JAX `gmm.loop`, beside this file). Bm divides
+`tile`, so each row tile is one group's and a tile → group map (`_metadata`, computed in
+JAX from group_sizes) is all a kernel needs; tiles past the last group (the static buffer
+is sized for the worst case) write zeros and skip their matmul, so the FLOPs are the
+routed rows'. Kernels, accumulating in float32 (float64 for float64 operands): gmm, grid
+(J, F/Bn), program (i, j) multiplying row tile i by column tile j of its group's matrix
+over Bk slices (`transpose_rhs` contracts rhs's last axis: d lhs = d out · rhs[g]ᵀ,
+grid (J, D/Bn)); tgmm, d rhs[e] = Σ_{rows r of e} lhs[r]ᵀ d out[r], one [Bk, Bn] output
+tile per program summed over its group's row tiles.
 
-    out[r] = lhs[r] @ rhs[g(r)]        g(r) = the group that row r belongs to
-
-rows sorted by group, every group size a multiple of `tile`, rows past Σ group_sizes
-zero. Because Bm divides `tile`, every row tile belongs to exactly one group: a
-tile → group map (`_metadata`, computed in JAX from group_sizes) is all a kernel needs.
-Tiles past the last group (the static buffer is sized for the worst case) are inactive:
-they write zeros and skip their matmul, so the FLOPs are those of the routed rows.
-
-Kernels (each accumulates in float32, float64 for float64 operands):
-- gmm, grid (J, F/Bn): program (i, j) multiplies row tile i by column tile j of its
-  group's matrix, a contraction loop over Bk slices. `transpose_rhs` contracts rhs's
-  last axis instead (d lhs = d out · rhs[g]ᵀ, grid (J, D/Bn)).
-- tgmm (d rhs[e] = Σ_{rows r of e} lhs[r]ᵀ d out[r]): one [Bk, Bn] output tile per
-  program, summed over the row tiles of its group.
-
-Two lowerings of the same kernels, chosen by `target`, never by the platform:
-- "tpu" (Mosaic): the tile → group map is scalar-prefetched (SMEM), and the BlockSpec
-  index maps use it to DMA the group's weight tile (as megablox does). tgmm walks the row
-  tiles as the innermost ("arbitrary") grid axis and revisits its output block while
-  the group stays the same, flushing a float32 VMEM accumulator at the group's last
-  tile; groups with no rows are never visited and are zeroed outside the kernel. Block
-  shapes are multiples of (8, 128) or whole dimensions.
-- "gpu" (Triton): Triton has no scalar prefetch, so the map is an ordinary input read
-  inside the kernel and the operands are whole-array refs the kernel slices itself
-  (pointer arithmetic); tgmm runs one program per (group, output tile) with a loop over
-  the group's row tiles, bounds read from the metadata. Loaded slices must be powers of
-  two ≥ 16: a dimension the block does not divide is zero-padded (zeros add nothing).
-`interpret=True` runs either lowering in Pallas's checking interpreter (a read outside a
-block raises, unwritten memory reads as NaN): how the CPU tests run them.
+Two lowerings, chosen by `target`, never by the platform (`interpret=True` runs either in
+Pallas's checking interpreter):
+- "tpu" (Mosaic): the map is scalar-prefetched (SMEM) and the BlockSpec index maps use it
+  to DMA the group's weight tile (as megablox does). tgmm walks the row tiles as the
+  innermost ("arbitrary") grid axis, revisiting its output block while the group stays
+  the same and flushing a float32 VMEM accumulator at the group's last tile; groups with
+  no rows are never visited, and are zeroed outside the kernel. Blocks are multiples of
+  (8, 128) or whole dimensions.
+- "gpu" (Triton): no scalar prefetch, so the map is an ordinary input and the operands
+  whole-array refs the kernel slices itself; tgmm runs one program per (group, output
+  tile), looping over the group's row tiles. Loaded slices must be powers of two ≥ 16: a
+  dimension the block does not divide is zero-padded (zeros add nothing).
 """
 from __future__ import annotations
 
@@ -55,9 +44,9 @@ from stablerl_jax.kernels.gmm_impls import GmmBlocks
 
 
 def _metadata(group_sizes_E, rows: int, bm: int):
-    """(group_J, row_J, active_1, start_E, end_E): the group of each row tile, the tile
-    each tile's operands are read from (inactive tiles re-read the last active one, so a
-    TPU pipeline skips the copy), the number of active tiles, and each group's tile range."""
+    """(group_J, row_J, active_1, start_E, end_E): each row tile's group and the tile its
+    operands are read from (inactive tiles re-read the last active one, so a TPU pipeline
+    skips the copy), the active tile count, and each group's tile range."""
     sizes = group_sizes_E.astype(jnp.int32)
     end_E = jnp.cumsum(sizes) // bm
     start_E = end_E - sizes // bm
@@ -69,8 +58,7 @@ def _metadata(group_sizes_E, rows: int, bm: int):
 
 
 def _kloop(lhs_slice, rhs_slice, k: int, bk: int, contract, shape, acc):
-    """Σ over the contraction's Bk slices of lhs_slice(ks) · rhs_slice(ks), accumulated in
-    `acc`."""
+    """Σ over the contraction's Bk slices of lhs_slice(ks) · rhs_slice(ks), in `acc`."""
     def dot(ks):
         a, b = lhs_slice(ks), rhs_slice(ks)
         return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=acc,
@@ -151,8 +139,8 @@ def _tgmm_kernel_gpu(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, bm):
 
 
 def _fit(dim: int, want: int, pad: bool) -> tuple[int, int]:
-    """(block, padded dim): `want` when it divides dim; else, for Triton, dim padded up
-    to a multiple of it; else one block over the whole dim (always legal in Mosaic)."""
+    """(block, padded dim): `want` if it divides dim; else, for Triton, dim padded to a
+    multiple of it; else one block of the whole dim (always legal in Mosaic)."""
     if dim % want == 0:
         return want, dim
     return (want, -(-dim // want) * want) if pad else (dim, dim)
@@ -182,7 +170,7 @@ def _params(block: GmmBlocks, tpu: bool, semantics, interpret: bool, t: bool = F
 
 def _gmm_call(lhs, rhs, group_sizes_E, tile, block, target, interpret, transpose):
     """With rhs [E, D, F]: lhs [R, D] @ rhs[g] → [R, F], or (transpose) lhs [R, F] @
-    rhs[g]ᵀ → [R, D]. Here k is the contraction width and n the output width."""
+    rhs[g]ᵀ → [R, D]; k is the contraction width, n the output width."""
     rows, k = lhs.shape
     n = rhs.shape[1] if transpose else rhs.shape[2]
     tpu, triton = target == "tpu", target == "gpu" and not interpret
@@ -280,11 +268,9 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def pallas(lhs_RxD, rhs_ExDxF, group_sizes_E, tile: int, precision=HIGHEST, *,
            target: str, block: GmmBlocks, interpret: bool = False):
-    """Grouped matmul (module docstring), differentiable in lhs and rhs. The kernels
-    multiply at full precision for float32 operands (bf16 products are exact) with
-    float32 (float64) accumulation; `precision` is accepted for the GroupedMatmul
-    contract. Output in lhs's dtype. `block`: the tiles (the rows of
-    gmm_impls.GMM_IMPLS bind GMM_GPU_BLOCKS / GMM_TPU_BLOCKS)."""
+    """Grouped matmul (module docstring), differentiable in lhs and rhs, in lhs's dtype. Full
+    products for float32 (bf16 products are exact); `precision` only fills the GroupedMatmul
+    contract. `block`: the tiles (GMM_IMPLS' rows bind GMM_GPU_BLOCKS / GMM_TPU_BLOCKS)."""
     del precision
     if target not in TARGETS:
         raise ValueError(f"gmm pallas: target={target!r} must be one of {TARGETS}")
