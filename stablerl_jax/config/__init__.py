@@ -10,24 +10,17 @@
       mesh                      (data, fsdp, expert) device mesh of every jitted step
       mesh_dcn                  the slices each mesh axis spans (multi-slice TPU jobs)
 
-The allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE` of
-loss_table.py, the kernel implementations `LOGPROB_IMPLS`, `GMM_IMPLS` and
-`DECODE_IMPLS`, …) are in choices.py;
-`ConfigError` and the checks in checks.py; the checks of settings that
-cannot work together, and of sizes by what a run can use, in combinations.py. Every name is importable from
-`stablerl_jax.config`.
+choices.py: the allowed values of every choice field (dtypes, the losses' table `LOSS_TABLE` of
+loss_table.py, the kernels' `LOGPROB_IMPLS`, `GMM_IMPLS`, `DECODE_IMPLS`, …); checks.py:
+`ConfigError` and the checks; combinations.py: settings that cannot work together, and sizes
+bounded by what a run can use. Every name is importable from `stablerl_jax.config`.
 
-Every check raises `ConfigError` naming the field, the bad value and what to change.
-Nothing is silently fixed: a config either describes exactly what runs or is refused.
-`apply_overrides` applies `section.field=value` strings (nested: `rl.optim.learning_rate`)
-all at once, then validates once, so overrides that only make sense together (e.g.
-`task.kind=jsonl task.jsonl_dir=…`) are accepted in any order.
-
-This package is a leaf: it imports nothing from the model, data or training code (only the
-kernels' tables of implementation names, which import no JAX).
-Special token ids are the tokenizer's (`data.tokenizer`), dtype objects the model's
-(`model.numerics.dtype_of`).
-"""
+Every check raises `ConfigError` naming the field, the bad value and the fix; nothing is fixed
+silently. `apply_overrides` applies `section.field=value` strings (nested:
+`rl.optim.learning_rate`) at once, then validates, so overrides that only make sense together
+(`task.kind=jsonl task.jsonl_dir=…`) work in any order. A leaf package: it imports no model, data
+or training code, only the kernels' JAX-free tables of implementation names; special token ids
+are the tokenizer's (`data.tokenizer`), dtypes the model's (`model.numerics.dtype_of`)."""
 from stablerl_jax.config.checks import (ConfigError, Section, check, check_bool, check_choice,
                                         check_positive_int, is_finite, is_int)
 from stablerl_jax.config.choices import (ADVANTAGE_NAMES, AGGREGATIONS, ATTENTION_IMPLS,

@@ -1,10 +1,8 @@
 """`ConfigError` and the checks every section runs in `__post_init__`.
 
-Every int setting lies in int32. JAX's default integer is int32 (x64 stays off), and
-the counts a run puts on device (steps, batch sizes, token budgets, seeds folded into
-keys) would wrap past 2**31 - 1 rather than fail; so one bound holds for every int field
-of every section (`Section` checks it before the section's own checks), instead of a
-per-field judgement of which ones reach a device array."""
+Every int setting lies in int32, JAX's default integer (x64 off): device counts (steps, batch
+sizes, token budgets, seeds folded into keys) would wrap past 2**31 - 1 rather than fail. So
+`Section` checks that bound on every int field, not only on those judged to reach a device."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +28,7 @@ def is_int(v) -> bool:
 
 
 def check_int_range(obj) -> None:
-    """Every int field of the dataclass `obj` (and every int of a tuple field) within
-    int32."""
+    """Every int field of the dataclass `obj` (and every int of a tuple field) within int32."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         for x in v if isinstance(v, tuple) else (v,):
@@ -74,12 +71,9 @@ def fits_float32(v) -> bool:
 
 
 def check_float_range(obj) -> None:
-    """Every float field of the dataclass `obj` `fits_float32`. Each is used in float32
-    on device (the model's settings, the sampler's temperature and noise, the losses'
-    ranges and caps, the optimizer's), where one that overflows (1e308) or flushes to
-    zero (1e-50) would compute something else than written. The fractions read on the
-    host (task.test_fraction, optim.warmup_frac) are fractions of counts, which no such
-    value makes either."""
+    """Every float field of the dataclass `obj` `fits_float32`: each runs in float32 on device,
+    where an overflow (1e308) or flush to zero (1e-50) computes something else; nor is such a
+    value a sane host fraction (task.test_fraction, optim.warmup_frac)."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, float):
@@ -89,10 +83,9 @@ def check_float_range(obj) -> None:
 
 
 class Section:
-    """Base of every config section: every int field is checked to lie in int32
-    (`check_int_range`) before the section's own `__post_init__` runs, and every float
-    field to be a finite float32 after it (`check_float_range`), so each section
-    states only its own ranges; `cfg.replace(field=value)` re-validates."""
+    """Base of every config section: ints checked to lie in int32 (`check_int_range`) before the
+    section's own `__post_init__`, floats to be finite float32 after it (`check_float_range`), so
+    a section states only its own ranges; `cfg.replace(field=value)` re-validates."""
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

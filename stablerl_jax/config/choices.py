@@ -1,8 +1,7 @@
-"""The allowed values of every choice field, in one place: the config sections validate
-against these tuples and the rest of the package reads them from here. The kernels'
-implementation names are their ops' tables (kernels/*_impls.py, no JAX), and the loss
-names the losses' table (stablerl_jax/config/loss_table.py, no JAX), read live so that a row
-registered there is a valid choice."""
+"""The allowed values of every choice field: sections validate against these tuples, the rest of
+the package reads them here. Kernel implementation names are their ops' tables
+(kernels/*_impls.py), loss names the losses' table (stablerl_jax/config/loss_table.py); both are
+JAX-free and read live, so a row registered there is a valid choice."""
 import re
 
 from stablerl_jax.kernels.decode_attention_impls import DECODE_IMPLS
@@ -11,7 +10,7 @@ from stablerl_jax.kernels.gmm_impls import GMM_IMPLS
 from stablerl_jax.config.loss_table import AGGREGATIONS, LOSS_TABLE
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs under x64
-INFERENCE_NUMERICS = ("exact", "bitwise", "bf16", "fp8")  # presets of model.numerics for the sampler
+INFERENCE_NUMERICS = ("exact", "bitwise", "bf16", "fp8")  # sampler presets of model.numerics
 LOSS_NAMES = tuple(LOSS_TABLE)  # at import; LossConfig.name is checked against the table
 IS_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_product", "seq_geomean")
 # The rows a row-mean aggregation divides by (LossConfig.row_denominator).

@@ -1,12 +1,8 @@
-"""Checks of settings that are each valid alone but cannot give together what they
-promise, and bounds on sizes by what the run can use; ExperimentConfig runs them.
+"""ExperimentConfig's checks: settings valid alone, not together; sizes past what a run can use.
 
-Bitwise numerics (`sampling.numerics=bitwise`) promise μ = π_old bit for bit. Two kinds
-of setting break that promise without a word: a sampler that computes differently from
-the trainer beyond the dials meant for it, and a μ that this sampler does not compute.
-The dials (`sampling.router_noise_std`, `sampling.act_fp8`) add a deliberate, stated
-mismatch on top of zero and stay allowed (docs/method.md §12).
-"""
+Bitwise numerics (`sampling.numerics=bitwise`) promise μ = π_old bit for bit: a sampler computing
+unlike the trainer, or an offline file's μ, is refused; only the dials
+`sampling.router_noise_std` and `sampling.act_fp8` add a stated mismatch (docs/method.md §12)."""
 from __future__ import annotations
 
 from stablerl_jax.config.checks import check
@@ -15,8 +11,7 @@ DIALS = ("sampling.router_noise_std", "sampling.act_fp8")
 
 
 def router_dtype(set_to: str, compute_dtype: str) -> str:
-    """The dtype a router computes in: `set_to`, or '' = the compute dtype widened to
-    float32 (model.router_dtype's rule)."""
+    """Router dtype: `set_to`, or '': compute dtype widened to float32 (model.router_dtype)."""
     return set_to or ("float64" if compute_dtype == "float64" else "float32")
 
 
@@ -45,9 +40,8 @@ def check_bitwise(cfg) -> None:
 
 
 def forward_tokens(cfg) -> int:
-    """The most tokens one forward of the run can hold: its largest batch (a step's
-    responses, the eval batch of eval_problems × eval_k rows, the cold start's, the
-    sampler's slots, one row per device) times model.max_seq_len."""
+    """Most tokens a forward holds: the largest batch (step responses, eval_problems × eval_k,
+    SFT batch, sampler slots, one row per device) × model.max_seq_len."""
     rl = cfg.rl
     dp = cfg.mesh[0] * cfg.mesh[1] * cfg.mesh[2]
     rows = max(rl.prompts_per_step * rl.group_size, rl.eval_problems * rl.eval_k,
@@ -56,11 +50,9 @@ def forward_tokens(cfg) -> int:
 
 
 def check_sizes(cfg) -> None:
-    """The batch-invariant path's row tile, the sampler's cache block and the expert
-    tile no larger than what a forward can fill (`forward_tokens`; × top_k expert
-    assignments for the expert tile; the field's default where that is less): past it
-    a tile only pads, and a tile near int32 asks for terabytes (each expert's rows are
-    padded to a whole expert tile)."""
+    """model.row_tile, decode_block and moe_tile (× top_k) at most what a forward fills
+    (`forward_tokens`, or the field's default if larger): past it a tile only pads, and one near
+    int32 asks for terabytes (each expert's rows pad to a whole expert tile)."""
     m = cfg.model
     for field, per_token in (("row_tile", 1), ("decode_block", 1), ("moe_tile", m.top_k)):
         default = type(m).__dataclass_fields__[field].default

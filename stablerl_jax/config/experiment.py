@@ -17,11 +17,9 @@ class ExperimentConfig(Section):
     """One run: every section, plus the name and the device mesh.
 
     mesh: (data, fsdp, expert), the whole mesh over every device of every slice.
-    mesh_dcn: how many slices each of those axes spans (data-center network between
-      slices, sharding.make_mesh): each factor divides its mesh axis, a slice holds a
-      mesh / mesh_dcn block, and the product is the number of slices (checked against
-      the devices when the mesh is built). (1, 1, 1): one slice.
-    """
+    mesh_dcn: slices each axis spans (data-center network, sharding.make_mesh): each factor
+      divides its mesh axis, a slice holds a mesh / mesh_dcn block, the product is the slice
+      count (checked against the devices when the mesh is built). (1, 1, 1): one slice."""
 
     name: str = "run"
     model: ModelConfig = ModelConfig()
@@ -169,9 +167,8 @@ class ExperimentConfig(Section):
                   "rl.attribution_every=0 or a larger batch")
 
     def _check_sampler_q(self):
-        """loss.center and rl.drift_monitor recompute the sampler's whole-vocabulary q
-        in the score step (method/centering.py): from our sampler's full softmax, on the
-        padded rows."""
+        """loss.center and rl.drift_monitor recompute the sampler's whole-vocabulary q in the
+        score step (method/centering.py) from this sampler's full softmax, on padded rows."""
         users = [f for f, on in (("loss.center", self.loss.center != "none"),
                                  ("rl.drift_monitor", self.rl.drift_monitor)) if on]
         if not users:
@@ -237,8 +234,7 @@ def _field_names(obj) -> list[str]:
 
 def apply_overrides(cfg: ExperimentConfig, overrides: typing.Sequence[str]) -> ExperimentConfig:
     """Apply `path=value` overrides (`name=x`, `mesh=2,2,2`, `rl.num_minibatches=4`,
-    `rl.optim.learning_rate=3e-4`): every override is parsed first, then each config is
-    rebuilt once with all its changes, so validation sees the final values together."""
+    `rl.optim.learning_rate=3e-4`): each config rebuilt once, validated on its final values."""
     changes: dict = {}  # nested {field: value or {sub-field: ...}}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -275,8 +271,7 @@ def apply_overrides(cfg: ExperimentConfig, overrides: typing.Sequence[str]) -> E
 
 
 def _rebuild(obj, changes: dict):
-    """dataclasses.replace with nested changes, innermost first; a ConfigError from a
-    nested config is prefixed with its section path."""
+    """dataclasses.replace with nested changes, innermost first; errors get the section path."""
     kw = {}
     for name, change in changes.items():
         if isinstance(change, dict):
@@ -294,8 +289,7 @@ def _rebuild(obj, changes: dict):
 
 
 def flat_dict(cfg) -> dict:
-    """{"section.field": value} of a config, JSON-ready (tuples as lists): what a
-    checkpoint stores, and what `changed_fields` compares."""
+    """{"section.field": value}, JSON-ready (tuples as lists): a checkpoint's stored config."""
     out = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
@@ -307,9 +301,8 @@ def flat_dict(cfg) -> dict:
 
 
 def changed_fields(saved: dict, cfg) -> list[str]:
-    """Paths whose value in `cfg` differs from a stored `flat_dict`. A field the stored
-    dict lacks (added to the code after that run was saved) counts as changed only when
-    `cfg` sets it away from its default: a new field's default keeps the old behaviour."""
+    """Paths whose value in `cfg` differs from a stored `flat_dict`; a field missing there (newer
+    than the run) counts only if `cfg` sets it off its default (the old behaviour)."""
     now, default = flat_dict(cfg), flat_dict(type(cfg)())
     return sorted(k for k in set(saved) | set(now)
                   if saved.get(k, default.get(k)) != now.get(k))

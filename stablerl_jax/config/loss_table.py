@@ -1,16 +1,12 @@
-"""The surrogate losses' table: one row per loss, naming where its function lives, its
-default aggregation and the loss-specific `LossConfig` knobs it reads. No JAX here (the
-config validates `LossConfig.name`, the knobs and `row_denominator` against `LOSS_TABLE`
-when it is imported); `losses.LOSSES` is this table's rows, loaded.
+"""The surrogate losses' table: one row per loss naming its function, default aggregation and the
+`LossConfig` knobs it reads. JAX-free: the config validates `LossConfig.name`, the knobs and
+`row_denominator` against `LOSS_TABLE` on import; `losses.LOSSES` is the table, loaded.
 
-Every function computes (loss, metrics) = fn(logp_BxT, batch: LossBatch, cfg: LossConfig)
-(losses.py). Every loss reads the shared knobs `SHARED_KNOBS`; a row's `knobs` are the
-others it reads. The config refuses a knob some row lists (`loss_knobs`) set away from
-its default for a loss whose row does not list it: the setting would change nothing.
-`advantage` and `advantage_std_ddof` belong to the advantages (advantages.py), not to a
-loss; `center` and `center_k` to score centering, which the trainer applies around any
-loss (method/centering.py).
-"""
+Every function is (loss, metrics) = fn(logp_BxT, batch: LossBatch, cfg: LossConfig) (losses.py)
+and reads `SHARED_KNOBS`; a row's `knobs` are the others it reads. A knob some row lists
+(`loss_knobs`) set off its default is refused for a loss whose row does not list it: it would
+change nothing. `advantage` and `advantage_std_ddof` belong to the advantages (advantages.py);
+`center` and `center_k` to score centering, applied around any loss (method/centering.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +24,9 @@ SHARED_KNOBS = ("clip", "use_is", "is_correction", "tis_cap", "is_low", "is_high
 
 @dataclasses.dataclass(frozen=True)
 class LossRow:
-    """One loss: a row of `LOSS_TABLE`.
-
-    fn: "module:attribute" of the loss function, imported on first use (the table itself
-      imports no JAX).
-    aggregation: what the loss aggregates by when LossConfig.aggregation is None (one of
-      AGGREGATIONS).
-    knobs: the LossConfig fields beyond SHARED_KNOBS that the loss reads.
-    """
+    """One loss: a row of `LOSS_TABLE`. fn: "module:attribute" of the loss function, imported on
+    first use; aggregation: one of AGGREGATIONS, used when LossConfig.aggregation is None; knobs:
+    the LossConfig fields beyond SHARED_KNOBS that the loss reads."""
 
     fn: str
     aggregation: str

@@ -1,5 +1,4 @@
-"""The model and the sampling engine: `ModelConfig` (the decoder) and `SamplingConfig`
-(how the inference engine decodes and computes)."""
+"""`ModelConfig` (the decoder) and `SamplingConfig` (inference engine: decoding, numerics)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,87 +31,55 @@ from stablerl_jax.config.choices import (
 class ModelConfig(Section):
     """A Qwen3-MoE style decoder. Letters: V vocab, D model, H heads, E experts, K top-k.
 
-    Attributes:
-      vocab_size: V, the embedding rows; the tokenizer is trained with at most V pieces.
-      d_model: D, the residual stream width.
-      num_layers: L, decoder blocks (run as one scan over stacked weights).
-      num_heads: query heads H.
-      num_kv_heads: key/value heads (GQA); must divide num_heads.
-      head_dim: per-head width (Qwen3 decouples it from d_model / num_heads).
-      num_experts: E routed experts per layer.
-      top_k: K experts per token.
-      norm_topk_prob: renormalize the K routing weights to sum to 1 (Qwen3-30B-A3B does);
-        False combines with the raw softmax probabilities (HF Qwen3MoeConfig's default).
-      expert_ffn_dim: F, hidden width of each SwiGLU expert.
-      rope_theta: RoPE base.
-      norm_eps: RMSNorm epsilon.
-      tie_embeddings: unembedding is the transposed input embedding.
-      max_seq_len: longest sequence (prompt + response) the model is used with.
-      param_dtype: storage dtype of parameters (one of DTYPES).
-      compute_dtype: activation / matmul dtype of the training path.
-      init_std: std of the normal initializer for matrices.
-      remat: what each layer of the scan keeps for the backward pass (REMAT_POLICIES):
-        'none' (every activation), 'full' (only the layer's input; the layer is recomputed
-        in the backward pass), 'dots' (matmul outputs without batch dimensions are kept,
-        the rest is recomputed: jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
-        Under batch_invariant every policy is 'full': the backward pass recomputes each
-        layer untiled from its input (model/invariant.py).
-      dispatch: expert dispatch path: 'grouped' (sorted, dropless, fast) or 'dense'
-        (every expert on every token, the reference).
-      moe_tile: rows per tile of the grouped path (groups are padded to a multiple).
-      gmm_impl: the grouped matmul of the grouped path: the name of a row of GMM_IMPLS
-        (kernels/gmm_impls.py says what each row is; 'loop', the pure-JAX reference, is
-        the default). The preset chooses; layers never look at the platform.
-      expert_parallel: with a multi-device mesh, run the expert FFN under shard_map with
-        each device holding only its `expert` shard of the experts: tokens are gathered
-        over the `expert` mesh axis, each device runs its own experts and the partial
-        outputs are reduce-scattered back (model/expert_parallel.py). False: every device
-        gathers all experts' weights layer by layer and keeps its own tokens.
-      unroll_layers: unroll the scan over layers (no per-layer slicing of stacked weights
-        and residuals, one KV-cache buffer per layer: faster for a few small layers,
-        compile time grows with depth).
-      attention_impl: 'naive' (one [T, S] score matrix per head), 'chunked' (a scan over
-        query chunks of `attention_chunk` rows, each rematerialized: memory O(chunk · S)
-        instead of O(T · S), the same function) or 'causal' (without a KV cache, query
-        blocks of `attention_chunk` rows unrolled, each against the keys up to its last
-        row: the masked blocks above the diagonal are skipped, ≈ half the score work for
-        a few hundred slots; with a cache it is 'naive'. The same function up to float
-        reassociation).
-      attention_chunk: query rows per chunk ('chunked') or per block ('causal').
-      kv_cache_layout: the sampler's KV cache, per layer (KV_CACHE_LAYOUTS): 'bskd'
-        ([B, S, KV, Dh]) or 'bksd' ([B, KV, S, Dh]: each (row, kv head) a contiguous
-        [S, Dh] block, so a decode step's products read the cache without transposing it:
-        faster on CPU; on TPU the blocked decode attention (decode_block) reads a block
-        of it without a transpose).
-      decode_block: a decode step's attention (one token per row against the KV cache)
-        reads the cache in blocks of this many slots, only up to the slot it writes (an
-        online softmax, flash-decoding's): its HBM traffic grows with the rollout instead
-        of being all S slots on every step. 0: one softmax over every slot. The same
-        function up to float reassociation; the prefill and the training engine never
-        use it.
-      decode_attention_impl: that blocked decode attention's implementation, the name of
-        a row of DECODE_IMPLS (kernels/decode_attention_impls.py says what each row is;
-        'blocks', the pure-JAX reference, is the default). A row marked ragged (each row
-        reads its own blocks) needs decode_block > 0 and kv_cache_layout='bksd'.
-      router_z_loss_weight: weight of the router z-loss in aux['router_loss'].
-      router_aux_loss_weight: weight of the load-balancing loss in aux['router_loss'].
-      router_dtype: the router's arithmetic in the training engine, and in the sampler
-        where its preset does not set one ('exact', 'bitwise'): its matmul's operands in
-        this dtype, accumulated, soft-maxed and ranked (top-k) in it or float32 if wider.
-        '': the compute dtype widened to float32. 'float64' needs JAX_ENABLE_X64=1.
-      batch_invariant: both engines compute every token's results independently of the
-        call it is in (model/invariant.py): the sampler's log-probs, experts and gate
-        weights then equal the trainer's bit for bit at equal weights and numerics.
-        Replaces dispatch, attention_impl and decode_block by its own per-token paths,
-        and gmm_impl by the reference 'loop' unless its row is batch-invariant (the
-        Pallas kernels; kernels/gmm_impls.py), in the values; the trainer's backward pass
-        runs the chosen ones. Required by sampling.numerics='bitwise' (whose override sets
-        it); with another preset it removes every mismatch but that preset's own.
-      row_tile: rows per tile of the batch-invariant path (its per-token ops and
-        attention queries; a different tile gives other bits, the same in both engines).
-        Larger tiles run fewer iterations of the sequential tile loop (an accelerator
-        computes a tile's rows in parallel) and pad a decode step's rows to a whole tile.
-    """
+    vocab_size: V, the embedding rows; the tokenizer is trained with at most V pieces.
+    d_model / num_layers: D, the residual width / L decoder blocks (one scan, stacked weights).
+    num_heads / num_kv_heads: H query heads / key-value heads (GQA; divides num_heads).
+    head_dim: per-head width (Qwen3 decouples it from d_model / num_heads).
+    num_experts / top_k: E routed experts per layer / K experts per token.
+    norm_topk_prob: renormalize the K routing weights to sum to 1 (Qwen3-30B-A3B does); False:
+      the raw softmax probabilities (HF Qwen3MoeConfig's default).
+    expert_ffn_dim: F, hidden width of each SwiGLU expert.
+    rope_theta / norm_eps / init_std: RoPE base / RMSNorm epsilon / normal init std of matrices.
+    tie_embeddings: the unembedding is the transposed input embedding.
+    max_seq_len: longest sequence (prompt + response) the model is used with.
+    param_dtype / compute_dtype: parameter / training-path activation and matmul dtype (DTYPES).
+    remat: what a scanned layer keeps for backward (REMAT_POLICIES): 'none' every activation,
+      'full' its input, 'dots' per jax.checkpoint_policies.dots_with_no_batch_dims_saveable.
+      Always 'full' under batch_invariant, each layer recomputed untiled (model/invariant.py).
+    dispatch: 'grouped' (sorted, dropless, fast) or 'dense' (every expert on every token: the
+      reference). moe_tile: rows per tile of the grouped path (groups pad to a multiple).
+    gmm_impl: the grouped path's matmul, a row of GMM_IMPLS (kernels/gmm_impls.py; 'loop': the
+      pure-JAX reference). The preset chooses; layers never look at the platform.
+    expert_parallel: expert FFN under shard_map, each device holding its `expert` shard of the
+      experts (model/expert_parallel.py); False: every device gathers all experts' weights.
+    unroll_layers: unroll the layer scan (fast for few small layers; compiles slower when deep).
+    attention_impl: 'naive' (one [T, S] score matrix per head), 'chunked' (the same function,
+      scanning rematerialized chunks of `attention_chunk` query rows: memory O(chunk · S), not
+      O(T · S)) or 'causal' (no KV cache: unrolled query blocks skipping the masked ones, ≈ half
+      the score work at a few hundred slots, up to float reassociation; with a cache: 'naive').
+    attention_chunk: query rows per chunk ('chunked') or block ('causal').
+    kv_cache_layout: the sampler's per-layer cache (KV_CACHE_LAYOUTS): 'bskd' [B, S, KV, Dh] or
+      'bksd' [B, KV, S, Dh], a contiguous [S, Dh] per (row, kv head) that decode reads without a
+      transpose (faster on CPU; on TPU the blocked decode attention reads its blocks).
+    decode_block: decode attention reads the cache in blocks of this many slots up to the slot it
+      writes (online softmax, as flash-decoding): HBM traffic grows with the rollout, not all S
+      slots per step; 0: one softmax. Decode only; equal up to float reassociation.
+    decode_attention_impl: that blocked attention, a row of DECODE_IMPLS
+      (kernels/decode_attention_impls.py; 'blocks': the pure-JAX reference). A ragged row (each
+      row reads its own blocks) needs decode_block > 0 and kv_cache_layout='bksd'.
+    router_z_loss_weight / router_aux_loss_weight: weight of the router z-loss / the
+      load-balancing loss in aux['router_loss'].
+    router_dtype: dtype of the router's matmul operands, accumulation, softmax and top-k (or
+      float32 if wider) in the trainer and in a sampler whose preset sets none ('exact',
+      'bitwise'). '': the compute dtype widened to float32. 'float64' needs JAX_ENABLE_X64=1.
+    batch_invariant: both engines compute each token independently of its call
+      (model/invariant.py): sampler log-probs, experts, gate weights equal the trainer's bit for
+      bit at equal weights and numerics. Forward values take per-token paths in place of
+      dispatch, attention_impl and decode_block, and 'loop' in place of a gmm_impl row that is
+      not batch-invariant (Pallas ones are; kernels/gmm_impls.py); backward runs the chosen ones.
+      Needed (and set) by sampling.numerics='bitwise'; else only the preset's mismatch remains.
+    row_tile: rows per tile of the batch-invariant path; another tile gives other bits, equal in
+      both engines. Larger: fewer sequential tile iterations, more decode-row padding."""
 
     vocab_size: int = 512
     d_model: int = 64
@@ -198,48 +165,30 @@ class ModelConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig(Section):
-    """The sampling engine (inference engine μ): how it decodes and how it computes.
+    """The inference engine μ: decoding and numerics; EOS and padding ids are the tokenizer's.
 
-    Attributes:
-      max_new_tokens: C, completion slots per row.
-      temperature: logits are divided by it (> 0).
-      top_k: keep the k most likely tokens (0 = off).
-      top_p: keep the smallest set of most likely tokens whose mass reaches top_p
-        (1.0 = off).
-      numerics: the engine's numerics preset (INFERENCE_NUMERICS, model/numerics.py).
-        'bitwise' is 'exact' computed per token in both engines (model.batch_invariant,
-        which it turns on): log μ equals the trainer's log π_old bit for bit.
-      router_noise_std / act_fp8: extra mismatch knobs on top of it (seeded router-logit
-        noise; per-token e4m3 activations).
-      router_dtype: the sampler's router arithmetic (as model.router_dtype for the
-        trainer), whatever the preset: e.g. 'float32' under 'fp8' (whose router is
-        bfloat16) gives the full-precision router prime-rl runs; '' = the preset's.
-      max_batch: rows decoded at once over the whole mesh; a larger batch is decoded as a
-        sequence of slices of this many rows (its KV cache is the memory that bounds a
-        pod's sampling batch). 0: every row at once. A row's sample does not depend on
-        the slicing (each row draws from its own key), up to how the matmul kernels
-        round a prefill of another batch size (docs/records/benchmarks.md). It divides the
-        step's B responses, except under partial rollouts (rl.max_staleness >= 1), where
-        it is the sampler's slots and may exceed B (rl/inflight.slots).
-      dispatch: the engine's own expert dispatch ('grouped' or 'dense', the same function
-        up to float reassociation, as an inference server's MoE kernels differ from the
-        trainer's); '' = the model's (model.dispatch). 'dense' decodes a small model on
-        CPU faster (a decode step routes few tokens).
-      layout: where the decode loop's weights live (SAMPLER_LAYOUTS). 'train': the
-        trainer's shardings (FSDP-sharded weights, all-gathered again in every layer of
-        every decode step). 'serve': resharded once per sample call into the serving
-        layout of sharding.SERVE_RULES (attention, router and embeddings replicated,
-        experts spread over every chip; the FP8 engine keeps its weights as e4m3 values
-        with per-channel scales), so a decode step moves only activations. The prefill
-        runs in the training layout either way (one pass per slice, compute bound). Same
-        tokens, log μ and routes as 'train' up to float reassociation.
-      continuous: continuous batching (stablerl_jax/sampling/continuous.py): max_batch slots
-        (0: one per row), and a slot whose response is complete takes the next pending
-        response at once, instead of idling until its slice's longest row stops. The
-        static sampler's responses (up to the rounding of a prefill batch's size,
-        continuous.py) in fewer decode steps; training rollouts and evaluation alike.
-    EOS and padding ids are the tokenizer's.
-    """
+    max_new_tokens: C, completion slots per row.
+    temperature: logits are divided by it (> 0).
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = off).
+    numerics: the engine's preset (INFERENCE_NUMERICS, model/numerics.py). 'bitwise': 'exact' per
+      token in both engines (sets model.batch_invariant): log μ = log π_old bit for bit.
+    router_noise_std / act_fp8: mismatch dials (router-logit noise; per-token e4m3 activations).
+    router_dtype: the sampler's router arithmetic (as model.router_dtype), over the preset's ('':
+      keep it); 'float32' under 'fp8' (bfloat16 router) is prime-rl's full-precision router.
+    max_batch: rows decoded at once over the mesh (0: all), more in slices of it (its KV cache
+      bounds a pod's sampling batch), a row's sample unchanged (own key) up to prefill matmul
+      rounding (docs/records/benchmarks.md). Divides the step's B responses, except as the slots
+      of partial rollouts (rl.max_staleness >= 1), maybe > B (rl/inflight.slots).
+    dispatch: the sampler's 'grouped' or 'dense' (as a server's MoE kernels differ; equal up to
+      float reassociation); '': model.dispatch. Small models decode faster 'dense' on CPU.
+    layout: decode weights' placement: 'train' the trainer's FSDP shardings, all-gathered per
+      layer per decode step; 'serve' resharded once per sample call to sharding.SERVE_RULES
+      (experts over every chip, the rest replicated, FP8 weights e4m3 + per-channel scales), so
+      decode moves only activations; prefill stays 'train'. Equal up to float reassociation.
+    continuous: continuous batching (stablerl_jax/sampling/continuous.py): max_batch slots (0:
+      one per row), a finished slot taking the next pending response at once: the static
+      sampler's responses (up to prefill rounding, continuous.py) in fewer decode steps."""
 
     max_new_tokens: int = 48
     temperature: float = 1.0

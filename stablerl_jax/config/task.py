@@ -10,39 +10,29 @@ from stablerl_jax.config.choices import TASK_KINDS, DATA_FORMATS, STYLES, OPERAT
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig(Section):
-    """The RL task: data and prompt/solution token budgets.
+    """The RL task: data, prompt format and prompt/solution token budgets.
 
-    kind: 'arithmetic' (data/synthetic.py) or 'jsonl' (local JSONL math data,
-      data/jsonl.py; 'gsm8k' is the same, its former name).
+    kind: 'arithmetic' (data/synthetic.py) or 'jsonl' (JSONL math, data/jsonl.py; alias 'gsm8k').
     num_operands / max_digits / operators / modulus: arithmetic difficulty.
-    min_steps / max_steps: long problems when max_steps > 0 (data/synthetic.py): a start
-      value and num_operands − 1 operations applied in turn for a number of steps drawn
-      from [min_steps, max_steps]; 0 (the default) = one pass over the prompt's chain.
-    style: worked-solution style used for SFT: 'steps', 'rewrite' or 'terse'.
+    min_steps / max_steps: max_steps > 0: long problems (data/synthetic.py), the num_operands − 1
+      operations looped for a step count drawn from [min_steps, max_steps]; 0: one pass.
+    style: worked-solution style for SFT: 'steps', 'rewrite' or 'terse'.
     num_train / num_test: records per split (arithmetic only; JSONL files set their own).
-    test_fraction: share of the problem space hashed into the test split.
-    seed: the generator's seed.
-    max_prompt_len / max_solution_len: token budgets. A prompt whose rendered (templated)
-      token count exceeds max_prompt_len is dropped when the data loads, and counted.
-    jsonl_dir: kind='jsonl': a directory holding train.jsonl and/or test.jsonl (or
-      train.parquet / test.parquet, e.g. verl's layout: data/parquet.py), or one .jsonl
-      or .parquet file (an eval-only test split).
-    format: how a JSONL record (parquet row) maps to (question, answer): 'auto' (the one
-      named format whose fields the file has), 'gsm8k', 'math', 'dapo', 'aime',
+    test_fraction: share of the problem space hashed into the test split. seed: the generator's.
+    max_prompt_len / max_solution_len: token budgets (longer rendered prompts: dropped, counted).
+    jsonl_dir: kind='jsonl': a dir with train.jsonl and/or test.jsonl (or train.parquet /
+      test.parquet, verl's layout: data/parquet.py), or one .jsonl or .parquet file (eval-only).
+    format: how a JSONL record (parquet row) maps to (question, answer) (data/formats.py): 'auto'
+      (the one named format whose fields the file has), 'gsm8k', 'math', 'dapo', 'aime',
       'prompt_answer', or 'custom' with prompt_field / answer_field (/ solution_field).
-      data/formats.py.
-    tokenizer_dir: a directory holding a checkpoint's tokenizer.json (and
-      tokenizer_config.json): use that tokenizer and its special ids; '' trains the
-      SentencePiece tokenizer on the task (the default).
-    skip_malformed: kind='jsonl' only: skip (and count) malformed JSONL lines instead of
-      failing on the first one.
-    chat_template: render prompts with the tokenizer_dir's jinja chat template
-      (data/chat_template.py); needs tokenizer_dir when the data loads (a preset may
-      leave it to `experiments.train --hf`, which sets it to the checkpoint).
+    tokenizer_dir: a directory with a checkpoint's tokenizer.json (and tokenizer_config.json),
+      whose tokenizer and special ids are used; '': train a SentencePiece tokenizer on the task.
+    skip_malformed: kind='jsonl': skip (and count) malformed JSONL lines instead of failing.
+    chat_template: render prompts with tokenizer_dir's jinja template (data/chat_template.py);
+      needs tokenizer_dir at load (`experiments.train --hf` sets it).
     system_prompt: a system message ('' = none; needs chat_template).
     prompt_template: the user message, "{question}" replaced by the question.
-    enable_thinking / add_generation_prompt: passed to the chat template.
-    """
+    enable_thinking / add_generation_prompt: passed to the chat template."""
 
     kind: str = "arithmetic"
     num_operands: int = 4

@@ -1,6 +1,5 @@
-"""The training sections: `LossConfig` (the surrogate loss), `OptimConfig`, `RLConfig`
-(the global-step loop; `parse_eval_sets` reads its `eval_sets`) and `SFTConfig` (the cold
-start)."""
+"""`LossConfig` (the surrogate loss), `OptimConfig`, `RLConfig` (the global-step loop;
+`parse_eval_sets` reads its `eval_sets`) and `SFTConfig` (the cold start)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,53 +33,40 @@ from stablerl_jax.config.loss_table import loss_knobs, readers
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig(Section):
-    """Surrogate loss settings. Defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
+    """Surrogate loss settings; the defaults are MiniRL exactly (docs/method.md §4, Eq. 7).
 
-    Attributes:
-      name: a row of `LOSS_TABLE` (stablerl_jax/config/loss_table.py: where the loss's function
-        lives, its default aggregation, the knobs below it reads). A knob some row lists
-        (`loss_table.loss_knobs`) set away from its default is refused for a loss whose
-        row does not list it.
-      eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
-      clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
-      use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
-      is_correction: how the IS weight is formed: 'none' (weight 1), 'tis' truncates at
-        tis_cap, 'mis' drops tokens with ratio > is_high, 'icepop' drops outside [is_low, is_high],
-        'seq_product' / 'seq_geomean' use one sequence-level weight (truncated at tis_cap).
-      tis_cap: C, the truncation of the token IS weight.
-      cap_target: 'full' caps π_θ/μ_old (MiniRL decision); 'engine' caps only π_old/μ_old
-        and multiplies by the uncapped staleness ratio.
-      aggregation: None = the loss's own, its `LOSS_TABLE` row's; or one of AGGREGATIONS.
-        MiniRL "+ length normalization" is aggregation='seq_mean_token_mean'.
-      row_denominator: the rows a row-mean aggregation (every one but token_mean) divides
-        by (ROW_DENOMINATORS): 'scored' (the default) the rows with a scored token, so an
-        empty row (masked by rl.overlong=mask, a dynamic-sampling pad) is in no
-        denominator; 'all' every row of the mini-batch, empty ones included, as verl
-        (global_batch_size) and tunix do. With e of B rows empty the two differ by
-        B/(B − e). Refused with a token_mean aggregation, which divides by tokens.
-      advantage: baseline (see `advantages.ADVANTAGES`); MiniRL uses group_mean.
-      advantage_std_ddof: the std of advantage='group_norm' divides by G − ddof. 0 (the
-        default, the population std: the paper's "std of the group") keeps this
-        project's stored results; verl and tunix use the sample std, ddof=1, whose
-        advantages are √((G−1)/G) as large (×0.935 at G = 8).
-      clip_ratio_c: verl's dual-clip for the PPO-clip losses (those whose `LOSS_TABLE` rows
-        list it): on tokens with Â < 0 the clipped term is bounded below by c·Â, so a token
-        whose ratio r exceeds c contributes the constant c·Â and no gradient. 0 = off;
-        verl's default when on is 3.0; must be > 1 + eps_high.
-      max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
-      gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
-      gspo_max_log_ratio: GSPO's sequence log-ratio is clamped at this (tunix, verl: 10).
-      norm_length: the constant T_norm of aggregation 'seq_mean_token_sum_norm' (Dr. GRPO
-        divides by the generation budget); 0 = the padded width T of the batch.
-      center: score centering (method/centering.py, docs/method.md §14), on top of any
-        loss: 'none'; 'exact' subtracts E_q[∇ log π] at every position with the sampler's
-        whole-vocabulary q; 'topk' with q's top center_k head and a tail shaped like π.
-      center_k: K of center='topk' (1 <= K < model.vocab_size).
-      trust_region: trust-region masking: a response whose largest per-token divergence
-        between π_old and μ exceeds trust_region_delta contributes nothing (its Â is 0 in
-        every loss). 'k1': log μ − log π_old; 'abs': |log π_old − log μ|; 'none': off.
-      trust_region_delta: δ of trust_region (> 0).
-    """
+    name: a row of `LOSS_TABLE` (stablerl_jax/config/loss_table.py). A knob some row lists
+      (`loss_table.loss_knobs`) set off its default is refused for a loss whose row lacks it.
+    eps_low / eps_high: clip range on the staleness ratio r = π_θ/π_old.
+    clip: apply the clipping mask (MiniRL) / clipped objective; False = "no clipping".
+    use_is: apply the training–inference IS weight; False = "w/o train-infer IS".
+    is_correction: the IS weight: 'none' 1; 'tis' truncated at tis_cap (C); 'mis' drops ratio >
+      is_high; 'icepop' drops outside [is_low, is_high]; 'seq_product' / 'seq_geomean' one
+      sequence-level weight, truncated at tis_cap.
+    cap_target: 'full' caps π_θ/μ_old (MiniRL); 'engine' caps π_old/μ_old, × uncapped π_θ/π_old.
+    aggregation: None: the `LOSS_TABLE` row's; else one of AGGREGATIONS. MiniRL "+ length
+      normalization" is 'seq_mean_token_mean'.
+    row_denominator: the rows a row-mean aggregation divides by (ROW_DENOMINATORS): 'scored'
+      those with a scored token (an empty row, from rl.overlong=mask or a dynamic-sampling pad,
+      counts nowhere); 'all' every mini-batch row, as verl (global_batch_size) and tunix. With e
+      of B rows empty they differ by B/(B − e). Refused with token_mean (divides by tokens).
+    advantage: baseline (`advantages.ADVANTAGES`); MiniRL uses group_mean.
+    advantage_std_ddof: group_norm's std divides by G − ddof: 0 the population std (the paper's
+      "std of the group", this project's stored results); 1 the sample std of verl and tunix,
+      advantages √((G−1)/G) as large (×0.935 at G = 8).
+    clip_ratio_c: verl's dual-clip for the PPO-clip losses (their `LOSS_TABLE` rows list it): for
+      Â < 0 the clipped term is bounded below by c·Â, so a token with r > c gives c·Â and no
+      gradient. 0 = off; verl uses 3.0; must be > 1 + eps_high.
+    max_log_ratio: log-ratios are clipped to ±this before exp (no overflow).
+    gspo_eps_low / gspo_eps_high: GSPO's (tiny) clip range on the sequence ratio.
+    gspo_max_log_ratio: clamp of GSPO's sequence log-ratio (tunix, verl: 10).
+    norm_length: T_norm of 'seq_mean_token_sum_norm' (Dr. GRPO: generation budget); 0: padded T.
+    center: score centering around any loss (method/centering.py, docs/method.md §14): 'none';
+      'exact' subtracts E_q[∇ log π] with the sampler's whole-vocabulary q; 'topk' with q's top
+      center_k head and a tail shaped like π. center_k: K (1 <= K < model.vocab_size).
+    trust_region: trust-region masking: a response whose largest per-token divergence between
+      π_old and μ exceeds trust_region_delta (δ, > 0) gets Â = 0 in every loss. 'k1':
+      log μ − log π_old; 'abs': |log π_old − log μ|; 'none': off."""
 
     name: str = "minirl"
     eps_low: float = 0.2
@@ -173,11 +159,8 @@ class LossConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(Section):
-    """Global-norm gradient clipping, then AdamW, with a learning-rate schedule.
-
-    schedule: 'constant' (after `warmup_frac` of the steps of linear warmup from 0) or
-    'cosine' (warmup, then cosine decay to end_lr_frac · learning_rate).
-    """
+    """Global-norm gradient clipping, then AdamW. schedule: 'constant' after `warmup_frac` of the
+    steps of linear warmup from 0, or 'cosine' decay to end_lr_frac · learning_rate after it."""
 
     learning_rate: float = 1e-4
     schedule: str = "constant"
@@ -213,104 +196,61 @@ class OptimConfig(Section):
 @dataclasses.dataclass(frozen=True)
 class RLConfig(Section):
     """The global-step loop (docs/method.md §1): B/G prompts × G responses = B responses per
-    step, N mini-batches (= optimizer steps) per step, evaluation and checkpoint cadence.
+    step, N mini-batches (= optimizer steps) per step; evaluation and checkpoint cadence.
 
-    replay: 'none' | 'r2' | 'r3' (docs/method.md §3).
-    microbatches: each mini-batch's update accumulates gradients over this many slices
-      of it inside one jitted step (one optimizer update; losses and metrics equal one
-      big batch's, rl/accumulate.py); the score step runs its batch in slices of the
-      same size. Memory of a step scales with the slice, not the mini-batch.
-    freeze_router: train every weight but the router's (NeMo-RL's GRPO default): its
-      weights get no update and their optimizer state never changes; the router's z and
-      load-balancing losses (model.router_*_loss_weight) must then be 0.
-    replay_weights: R3 only, an extension beyond the paper: also replay the sampler's
-      recorded routing (combine) weights, held fixed, instead of recomputing them from the
-      live router; the router then gets no gradient through the combine.
-    eval_sets: named held-out sets, "name:path,name:path" (each path a JSONL or parquet
-      file, or a directory holding test.jsonl or test.parquet, read like the task's data); '' = the task's own test
-      split, as one set named 'test'.
-    offline_rollouts: path of an offline rollout file (interop/rollouts.py, e.g. from
-      vLLM / SGLang) to train on instead of sampling; '' samples with our engine.
-    logprob_impl: the fused log-prob op: the name of a row of LOGPROB_IMPLS
-      (kernels/fused_logprob_impls.py says what each row is; 'chunked', the default, runs
-      everywhere). On a GPU with bf16 compute 'pallas_gpu' is the fast one (forward +
-      backward 0.16× naive, 'chunked' 1.4×; docs/records/benchmarks.md).
-    trim_bucket: before scoring, cut each step's rollout to the slots some row used (the
-      longest prompt's first slot to the longest completion's end), the width rounded up
-      to a multiple of this many slots, so score and updates skip the all-padding slots
-      (a step's result is unchanged: positions count real tokens, masked slots add
-      nothing). Each distinct width compiles its own score and update programs, once.
-      0: off (every step at the full max_prompt_len + max_new_tokens).
-    score_in_update: when a step has one mini-batch (on-policy), take log π_old from the
-      update's own forward (stop-gradient) instead of a separate score pass at the same
-      θ_old: the same step for one forward less (rl/step_fns.py). The rollout's monitors then
-      come from that forward, and are 0 for a step whose update was skipped as
-      non-finite. With num_minibatches > 1 the score pass runs as usual.
+    replay: 'none' | 'r2' | 'r3' (docs/method.md §3). replay_weights: R3 only, beyond the paper:
+      also replay the sampler's routing (combine) weights, fixed: no router gradient via them.
+    microbatches: gradient accumulation over this many slices of each mini-batch in one jitted
+      step (= one big batch: rl/accumulate.py); score: same slices; memory follows the slice.
+    freeze_router: router frozen (NeMo-RL's GRPO default); needs model.router_*_loss_weight 0.
+    eval_sets: named held-out sets "name:path,name:path", each path a JSONL or parquet file or a
+      directory with test.jsonl or test.parquet; '': the task's test split, named 'test'.
+    offline_rollouts: a rollout file to train on (interop/rollouts.py; vLLM, SGLang); '': sample.
+    logprob_impl: the fused log-prob op, a row of LOGPROB_IMPLS (kernels/fused_logprob_impls.py;
+      'chunked' runs everywhere); GPU with bf16 compute: 'pallas_gpu' (forward + backward 0.16×
+      naive, 'chunked' 1.4×; docs/records/benchmarks.md).
+    trim_bucket: score and update only slots some row used, the width rounded up to a multiple of
+      this (same result; one compile per width); 0: off (max_prompt_len + max_new_tokens).
+    score_in_update: with one mini-batch (on-policy), log π_old from the update's forward
+      (stop-gradient), not a score pass at the same θ_old: one forward less (rl/step_fns.py);
+      monitors are then 0 for an update skipped as non-finite.
     seed: every random choice of the run derives from (seed, step).
-    max_consecutive_skips: the run stops with an error after this many updates in a row
-      were skipped as non-finite (a diverged run should not exit 0).
-    overlong: what a truncated response (max_new_tokens reached without a stop id) trains
-      on (OVERLONG_MODES): 'keep' (as a finished one, scored from its cut text), 'mask'
-      (no gradient: its tokens leave the loss and every denominator of it; advantages are
-      computed over the whole group first, as verl / DAPO do), 'penalty' (DAPO's soft
-      overlong punishment added to every reward: 0 up to max_new_tokens −
-      overlong_buffer tokens, then falling linearly to −overlong_penalty_factor at
-      max_new_tokens, `overlong.length_penalty`).
+    max_consecutive_skips: stop with an error after this many non-finite updates in a row.
+    overlong: what a truncated response (no stop id) trains on: 'keep' as finished; 'mask' no
+      gradient (out of loss and denominators; advantages from the whole group, as verl / DAPO);
+      'penalty' DAPO's soft overlong punishment: 0 up to max_new_tokens − overlong_buffer, linear
+      to −overlong_penalty_factor at max_new_tokens (`overlong.length_penalty`).
     overlong_buffer: L_buf of 'penalty', in tokens (0 < L_buf <= sampling.max_new_tokens).
     overlong_penalty_factor: the penalty at max_new_tokens (> 0; DAPO: 1.0).
-    dynamic_sampling: DAPO's dynamic sampling (rl/dynamic.py, docs/method.md §9): a group
-      whose rewards (those the advantages use) are all equal has Â = 0 for every response
-      and is dropped; the step samples further rounds of prompts_per_step prompts until
-      prompts_per_step groups with a reward spread fill its batch. Static sampler only
-      (rl.max_staleness=0, no rl.offline_rollouts).
-    max_sampling_rounds: the rounds a step may sample under dynamic_sampling (an int >= 1);
-      a batch still short after them trains on the groups it has, the missing ones padded
-      with empty responses (no scored token: they add to no loss), and
-      `dynamic/filled_frac` < 1 says so.
-    log_samples: decoded prompt / response / reward rows written to samples.jsonl and
-      TensorBoard text at every eval (and every log_samples_every steps), special tokens
-      shown, with `ended`: the stop token that ended the response, or 'truncated'; 0: none.
-    log_samples_every: also log training samples every this many global steps (0: only
-      at evals).
-    max_staleness: S, partial rollouts (rl/inflight.py, docs/method.md §8). 0: each step
-      samples its own prompts to completion. S >= 1: the continuous sampler keeps B + n
-      responses in flight (n = its slots), a step takes the first Q groups to complete,
-      the rest continue in the next step under the new parameters, and a response holding
-      a token more than S versions old is dropped and sampled again.
-    old_policy: which policy is π_old when S >= 1 (OLD_POLICIES). 'behavior': the training
-      engine at the version that generated each token (the trainer keeps the last S
-      parameter versions and scores a batch once per version present), so π_old / μ_old
-      stays the training–inference mismatch and the version lag is in π_θ / π_old, which
-      the clip controls (Eq. 5). 'proximal' (AReaL's decoupled objective): π_old is the
-      current parameters; the IS weight π_old / μ_old then carries the lag too.
-    pack_tokens: T, token-budget sequence packing of the score and update steps
-      (stablerl_jax/packing.py). 0: every row at the batch's width (padded). T > 0: each
-      step's sequences (prompt + completion, whole) are packed first-fit decreasing into
-      rows of T tokens, each sequence a segment (RoPE restarts, attention never crosses a
-      segment); T must hold the longest possible sequence (task.max_prompt_len +
-      sampling.max_new_tokens).
-    pack_rows: packed rows per micro-batch (the token budget of one forward is
-      pack_rows × pack_tokens); 0: one per batch shard of the mesh. A multiple of the
-      batch shards. Micro-batches run only while some shard has packed rows left, so a
-      step's time follows its tokens.
-    attribution: split each scored token's log π_θ − log μ into precision, routing and
-      staleness parts (stablerl_jax/method/attribution.py, docs/method.md §11) and log their
-      moments, covariances and token bins every step (`attr/…`, `attr_bin/…`); costs one
-      more forward of the score step. Off by default.
-    attribution_every: every this many steps (with attribution on) a probe of
-      attribution_rows rows splits the routing part by layer (`attr_layer/…`, one forward
-      per layer of those rows) and writes their tokens and parts to attribution.jsonl;
-      0: never.
-    attribution_rows: the rows the probe takes (a multiple of data*fsdp*expert); 0: the
-      smallest multiple of data*fsdp*expert that is >= 8.
-    drift_monitor: log the drift term every step (`drift/l1`, `drift/reward_weighted`,
-      method/centering.py): the sampler's whole-vocabulary q is recomputed in the score
-      step (one more forward, at the sampler's numerics) and compared with π_old; with
-      rl.attribution also its precision, routing and staleness parts (`attr/drift_…`).
-    phase_sync: wait for the device at the end of the score phase, so that time/score
-      is the score pass's own time (rl/costs.py); false: no wait added, the pass's time
-      may land in time/update.
-    """
+    dynamic_sampling: DAPO's (rl/dynamic.py, docs/method.md §9): drop equal-reward groups
+      (Â = 0), refill with more rounds of prompts_per_step prompts; static sampler only.
+    max_sampling_rounds: most rounds per step; a batch still short pads with empty responses (no
+      scored token), and `dynamic/filled_frac` < 1 says so.
+    log_samples: decoded prompt / response / reward rows per eval, special tokens shown, with
+      `ended` (the stop token or 'truncated'), to samples.jsonl and TensorBoard text; 0: none.
+    log_samples_every: also log training samples every this many steps (0: evals only).
+    max_staleness: S, partial rollouts (rl/inflight.py, docs/method.md §8); 0: off. S >= 1: B + n
+      responses in flight (n slots); a step takes the first Q groups done, the rest continue
+      under new parameters, and a response with a token over S versions old is resampled.
+    old_policy: π_old when S >= 1 (OLD_POLICIES). 'behavior': the trainer at each token's version
+      (the last S kept, a batch scored once per version), so π_old / μ_old stays the mismatch and
+      the lag sits in π_θ / π_old under the clip (Eq. 5). 'proximal' (AReaL's decoupled
+      objective): the current parameters, so π_old / μ_old carries the lag too.
+    pack_tokens: T, token-budget packing of score and update (stablerl_jax/packing.py); 0: off.
+      T > 0: whole sequences first-fit decreasing into T-token rows as segments (RoPE restarts,
+      no attention across); T >= task.max_prompt_len + sampling.max_new_tokens.
+    pack_rows: packed rows per micro-batch (a multiple of the batch shards; 0: one per shard), so
+      one forward holds pack_rows × pack_tokens tokens; step time follows tokens.
+    attribution: split each scored token's log π_θ − log μ into precision, routing and staleness
+      (stablerl_jax/method/attribution.py, docs/method.md §11), logging moments, covariances and
+      token bins per step (`attr/…`, `attr_bin/…`); one more score forward.
+    attribution_every: every this many steps a probe splits routing by layer (`attr_layer/…`, a
+      forward per layer) and writes tokens and parts to attribution.jsonl; 0: never.
+    attribution_rows: the probe's rows, a multiple of data*fsdp*expert; 0: the smallest one >= 8.
+    drift_monitor: log the drift term per step (`drift/l1`, `drift/reward_weighted`,
+      method/centering.py), the sampler's whole-vocabulary q recomputed in the score step (one
+      more forward); with rl.attribution also its parts (`attr/drift_…`).
+    phase_sync: sync after scoring, else its time may land in time/update (rl/costs.py)."""
 
     steps: int = 60
     prompts_per_step: int = 16
@@ -440,9 +380,8 @@ class RLConfig(Section):
 
 
 def parse_eval_sets(spec) -> dict[str, str]:
-    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for '').
-    Names are unique and [A-Za-z0-9_-]+; paths are non-empty (the first ':' splits, so a
-    path may hold ':')."""
+    """`rl.eval_sets` "name:path,name:path" as {name: path} in order ({} for ''): names unique,
+    [A-Za-z0-9_-]+; paths non-empty (split at the first ':', so a path may hold ':')."""
     check(isinstance(spec, str), "eval_sets", f"must be a string, got {spec!r}")
     sets = {}
     for item in filter(None, (i.strip() for i in spec.split(","))):
@@ -462,20 +401,14 @@ def parse_eval_sets(spec) -> dict[str, str]:
 class SFTConfig(Section):
     """Cold-start supervised fine-tuning (rl/sft.py; the data: data/sft_data.py).
 
-    steps: optimizer steps; 0 = no cold start (RL starts from the initial parameters: a
-      fresh init, or the `--hf` checkpoint as it is).
-    data: the cold-start data: a JSONL or parquet file, or a directory holding
-      train.jsonl or train.parquet, of
-      `messages` records (a chat, every assistant turn trained), `prompt` / `response`
-      pairs, or a math format with worked solutions (gsm8k, math); '' = the task's
-      training split and its worked solutions.
+    steps: optimizer steps; 0: none (RL starts from a fresh init or the `--hf` checkpoint).
+    data: a JSONL or parquet file, or a directory with train.jsonl or train.parquet, of
+      `messages` records (chats, every assistant turn trained), `prompt` / `response` pairs or
+      worked-solution math (gsm8k, math); '': the task's train split and solutions.
     format: 'auto' (detected from the first record's fields) or one of SFT_FORMATS.
-    checkpoint_every: save the SFT state every this many steps (`<workdir>/sft_run/`), so
-      a killed cold start resumes; 0 = never (a killed one starts again).
-    microbatches: gradient accumulation over that many slices of each batch (as
-      rl.microbatches). The run stops with an error after `max_consecutive_skips`
-      non-finite updates in a row.
-    """
+    checkpoint_every: steps between resumable SFT saves (`<workdir>/sft_run/`); 0: never.
+    microbatches: gradient accumulation over this many slices per batch (as rl.microbatches); the
+      run stops with an error after `max_consecutive_skips` non-finite updates in a row."""
 
     steps: int = 300
     batch_size: int = 32
