@@ -1,12 +1,9 @@
-"""avg@k accuracy on held-out problems, given any sampler.
-
-Letters: n problems, k samples per problem.
+"""avg@k accuracy on held-out problems, given any sampler; n problems, k samples each.
 
     r_ij   = reward_fn(completion j of problem i, answer_i) ∈ {0, 1}
-    avg@k  = mean_ij r_ij                       (the paper's metric, §4.2: avg@32)
-    pass@k = mean_i max_j r_ij                  (the empirical pass@k of these k samples,
-                                                 not the unbiased estimator from n > k)
-    stderr = std_i(mean_j r_ij) / sqrt(n)       (sampling noise of avg@k across problems)
+    avg@k  = mean_ij r_ij                   (the paper's metric, §4.2: avg@32)
+    pass@k = mean_i max_j r_ij              (of these k samples, not the unbiased n > k one)
+    stderr = std_i(mean_j r_ij) / sqrt(n)   (sampling noise of avg@k across problems)
 """
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ import numpy as np
 
 def scores(sample_fn: Callable[[list[str]], list[str]], prompts: Sequence[str],
            answers: Sequence[str], k: int, reward_fn: Callable[[str, str], float]) -> np.ndarray:
-    """r [n, k]: sample k completions per prompt (one call with every prompt repeated k
-    times, consecutively) and score them."""
+    """r [n, k]: scores of k completions per prompt, one call (each prompt k times in a row)."""
     if k <= 0:
         raise ValueError(f"k={k} must be > 0")
     if len(prompts) != len(answers) or not len(prompts):

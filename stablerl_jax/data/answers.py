@@ -1,28 +1,23 @@
 """Final answers: where a response states one, and how a reference answer is read.
 
-A response's answer is looked for only in its *final* text, the part after the last
-`</think>`: what a thinking model writes inside its think block is scratch work (a
-truncated `<think>… #### 27 … wait` states no answer). A response with a `<think>` that
-is never closed has no answer. A response with no think tags is final text as a whole.
+Only the final text, after the last `</think>`, is searched: a think block is scratch
+work (a truncated `<think>… #### 27 … wait` states no answer). An unclosed `<think>` has
+no answer; without think tags the whole response is final text.
 
-In the final text the extractors are tried in this order; the first that finds an answer
-wins, and its name is reported (`SOURCES`) so a run can log how its answers were found:
+Extractors, in order; the first that finds an answer wins, its name (`SOURCES`) logged:
 
-    boxed      the last complete `\\boxed{…}` / `\\fbox{…}` (nested braces balanced), or
-               `\\boxed 5`; the MATH / Qwen3 convention
-    hash       the text after the last `####` on its line (GSM8K's convention), when
-               it is a number or math expression: a line holding a word, such as
-               `#### eleventy 5`, states no answer (math-verify would find the 5 in it)
-    answer_is  the text after the last "the answer is" or line-leading "Answer:" (any
-               case; DAPO-Math asks for the latter) up to the end of its sentence (". "
-               or the line's end), `$…$` removed
+    boxed      last complete `\\boxed{…}` / `\\fbox{…}` (nested braces balanced), or
+               `\\boxed 5` (MATH / Qwen3)
+    hash       text after the last `####` on its line (GSM8K), if a number or math
+               expression: `#### eleventy 5` states none (math-verify would find the 5)
+    answer_is  text after the last "the answer is" or line-leading "Answer:" (any case;
+               DAPO-Math asks for it) to the sentence's end (". " or line end), `$…$` removed
     none       no answer: reward 0
 
-Reference answers and extracted answers are read by the same `parse_math`: math-verify's
-own extraction first, and, when that finds nothing in a LaTeX-looking string such as
-`\\dfrac{3}{4}` (math-verify reads bare LaTeX only inside delimiters), the string inside
-`$…$`. A value that is undefined (`\\frac{1}{0}` reads as complex infinity) counts as
-unreadable: a reference like that would make every reward 0.
+`parse_math` reads reference and extracted answers alike: math-verify's extraction, then,
+if it finds nothing in LaTeX-looking text (`\\dfrac{3}{4}`: math-verify reads bare LaTeX
+only inside delimiters), the text wrapped in `$…$`. An undefined value (`\\frac{1}{0}` is
+complex infinity) is unreadable: such a reference would make every reward 0.
 """
 from __future__ import annotations
 
@@ -42,8 +37,7 @@ MAX_ANSWER_CHARS = 200
 
 
 def final_text(text: str) -> str | None:
-    """The text after the last `</think>` (all of it without one); None when a `<think>`
-    comes after the last `</think>` (the response ends inside a think block)."""
+    """Text after the last `</think>` (all of it without one); None inside an open `<think>`."""
     close = text.rfind("</think>")
     if text.rfind("<think>") > close:
         return None
@@ -51,9 +45,7 @@ def final_text(text: str) -> str | None:
 
 
 def opens_think(prompt: str) -> bool:
-    """Whether a rendered prompt ends inside an open think block (templates that start
-    the response's `<think>` themselves): its responses are then scored as if they began
-    with `<think>`."""
+    """Whether a prompt ends inside `<think>`: its responses are scored as if begun with it."""
     return prompt.rfind("<think>") > prompt.rfind("</think>")
 
 
@@ -63,8 +55,7 @@ def _clean(ans: str) -> str | None:
 
 
 def hash_line(text) -> str | None:
-    """The text after the last '####' on its line, number or not: stripped, thousands
-    commas and a trailing '.' removed; None if there is no such line or it is empty."""
+    """Text after the last '####' on its line (any text; commas, a final '.' dropped) or None."""
     if not isinstance(text, str):
         return None
     found = _HASH.findall(text)
@@ -72,9 +63,8 @@ def hash_line(text) -> str | None:
 
 
 def is_number(ans: str) -> bool:
-    """Whether an answer is a number or math expression rather than prose: it holds no
-    word (two or more letters in a row, but for a LaTeX command such as `\\frac`) and no
-    further '#'. Single letters pass (`x = 5`, `\\pi`): a variable is not prose."""
+    """Whether an answer is math, not prose: no further '#' and no word (2+ letters in a
+    row, LaTeX commands such as `\\frac` aside); single letters (`x = 5`, `\\pi`) pass."""
     if "#" in ans:
         return False
     return all(len(m.group()) < 2 or ans[m.start() - 1:m.start()] == "\\"
@@ -82,8 +72,7 @@ def is_number(ans: str) -> bool:
 
 
 def parse_final_answer(text) -> str | None:
-    """`hash_line(text)` when it `is_number`, else None: `#### eleventy 5` states no
-    answer (module docstring). Never raises."""
+    """`hash_line(text)` if it `is_number` (not `#### eleventy 5`), else None. Never raises."""
     ans = hash_line(text)
     return ans if ans is not None and is_number(ans) else None
 
@@ -102,8 +91,7 @@ def _brace_end(text: str, start: int) -> int | None:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last complete `\\boxed{…}` / `\\fbox{…}` (or `\\boxed x`); an
-    unclosed last box (a cut response) falls back to the box before it."""
+    """Content of the last complete `\\boxed{…}` / `\\fbox{…}` (or `\\boxed x`), or None."""
     for m in reversed(list(_BOX.finditer(text))):
         rest = m.end()
         if text[rest:rest + 1] == "{":
@@ -126,8 +114,7 @@ def _answer_is(text: str) -> str | None:
 
 
 def extract_answer(text) -> tuple[str | None, str]:
-    """(answer, source) of a response (module docstring); (None, 'none') if it states
-    none. Never raises."""
+    """(answer, source) of a response (module docstring), else (None, 'none'). Never raises."""
     if not isinstance(text, str):
         return None, "none"
     final = final_text(text)

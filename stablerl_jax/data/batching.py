@@ -2,10 +2,9 @@
 
 Letters: B rows, P prompt slots, S sequence slots, T = S − 1 scored positions, G group size.
 
-Layout shared by both: row = [pad … pad, BOS, prompt tokens | …] (no BOS when the
-tokenizer has none, e.g. Qwen3's). Prompts are left-padded
-to P slots so that every prompt ends at slot P − 1 and generation starts at slot P for
-the whole batch; SFT rows (data/sft_data.py) put the response right after, right-padded.
+Row: [pad … pad, BOS, prompt tokens | …] (no BOS if the tokenizer has none: Qwen3). Left
+padding to P slots ends every prompt at slot P − 1, so generation starts at slot P for the
+whole batch; SFT rows (data/sft_data.py) put the response right after, right-padded.
 """
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ from stablerl_jax.data.tokenizer import Tokenizer
 
 
 class SFTBatch(NamedTuple):
-    """A supervised batch (numpy or device arrays): tokens, real-token mask, and the
-    positions that count, in the T-frame of `logprobs.policy_logprobs`
-    (data/sft_data.py builds them)."""
+    """A supervised batch (data/sft_data.py), mask in `logprobs.policy_logprobs`'s T-frame."""
 
     tokens_BxS: np.ndarray   # int32, left-padded prompt then response, right-padded
     attn_BxS: np.ndarray     # bool, real tokens
@@ -53,16 +50,15 @@ def prompt_len(tok: Tokenizer, text: str) -> int:
 
 def split_by_length(records: Sequence[dict], tok: Tokenizer, max_prompt_len: int
                     ) -> tuple[list[dict], int]:
-    """(records whose prompt fits in max_prompt_len slots, number of those that do not):
-    the filter applied when data loads, so no batch ever meets an over-long prompt."""
+    """(records whose prompt fits max_prompt_len slots, count of the rest): applied when
+    data loads, so no batch meets an over-long prompt."""
     kept = [r for r in records if prompt_len(tok, r["prompt"]) <= max_prompt_len]
     return kept, len(records) - len(kept)
 
 
 def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
                  max_prompt_len: int) -> PromptBatch:
-    """Left-padded prompt tokens [B·G, P] (BOS first), mask, and answers, each prompt
-    repeated G consecutive times: rows g·G … g·G + G − 1 are one group."""
+    """Left-padded prompt tokens [B·G, P], mask and answers; rows g·G … g·G + G − 1: prompt g."""
     if group_size <= 0:
         raise ValueError(f"group_size={group_size} must be > 0")
     bos = _bos(tok)
@@ -79,18 +75,15 @@ def prompt_batch(records: Sequence[dict], tok: Tokenizer, group_size: int,
 
 
 def epoch_order(num_records: int, seed: int, epoch: int, stream: int = 0) -> np.ndarray:
-    """The permutation of records used in `epoch`: a pure function of (seed, epoch) and
-    of `stream` (0: the training prompts' own stream; another value, an independent one,
-    e.g. the extra rounds of dynamic sampling, rl/dynamic.py)."""
+    """The record permutation of `epoch`, a pure function of (seed, epoch, `stream`): 0 is
+    the training prompts', others independent (dynamic sampling's, rl/dynamic.py)."""
     key = [seed, epoch] if stream == 0 else [seed, epoch, stream]
     return np.random.default_rng(key).permutation(num_records)
 
 
 def batch_indices(num_records: int, batch_size: int, step: int, seed: int,
                   stream: int = 0) -> np.ndarray:
-    """Record indices of batch `step` in a stream of seeded epoch permutations: a pure
-    function of (step, seed, stream), so a resumed run draws exactly the batches it would
-    have."""
+    """Record indices of batch `step`, pure in (step, seed, stream): resuming draws the same."""
     if num_records <= 0 or batch_size <= 0:
         raise ValueError(f"batch_indices: need {num_records=} > 0 and {batch_size=} > 0")
     start = step * batch_size
@@ -104,8 +97,7 @@ def batch_indices(num_records: int, batch_size: int, step: int, seed: int,
 
 def epochs(records: Sequence[dict], batch_size: int, seed: int,
            start_step: int = 0) -> Iterator[list[dict]]:
-    """Endless iterator of batches (from batch `start_step`, for resuming); reshuffled
-    every epoch, deterministic from seed. A batch may straddle two epochs."""
+    """Endless seeded batches from `start_step`, reshuffled each epoch (a batch may span two)."""
     if not 0 < batch_size or not len(records):
         raise ValueError(f"epochs: need batch_size > 0 and records, got {batch_size=} "
                          f"and {len(records)} records")

@@ -1,7 +1,5 @@
 """Prompts as the checkpoint expects them: its own jinja chat template, rendered as
-Hugging Face transformers renders it (`apply_chat_template`), plus the task's wording.
-
-A question becomes the final prompt text in two steps:
+Hugging Face transformers renders it (`apply_chat_template`), plus the task's wording:
 
     user    = task.prompt_template with "{question}" replaced by the question
               (plain replacement: `\\boxed{}` in the wording needs no escaping)
@@ -9,31 +7,21 @@ A question becomes the final prompt text in two steps:
               add_generation_prompt=task.add_generation_prompt,
               enable_thinking=task.enable_thinking, <the tokenizer's special tokens>)
 
-when `task.chat_template` is on; otherwise the prompt is `user` itself (the synthetic
-task and the SentencePiece tokenizer have no template). A record whose prompt is its own
-chat (verl's layout: [{role, content}, …], e.g. a system message before the question)
-renders as those messages, as written, with task.prompt_template applied to the last
-user message and task.system_prompt put first only when the chat has no system message
-of its own (the record's wins), then the generation prompt; without a template such a
-prompt is `user` made from its last user message (a system message needs a template,
-as task.system_prompt does). The template is the directory's `chat_template.jinja` if
-present, else tokenizer_config.json's "chat_template" (a string, or a list of {name,
-template} from which "default" is taken), as transformers reads it.
+when `task.chat_template` is on, else `user` (the synthetic task and the SentencePiece
+tokenizer have no template). A record's own chat (verl's [{role, content}, …], e.g. with a
+system message) renders as written, task.prompt_template applied to its last user
+message, task.system_prompt first only if it has no system message (the record's wins);
+without a template it is `user` of its last user message (a system message needs one).
+The template is the directory's `chat_template.jinja`, else tokenizer_config.json's
+"chat_template" (a string, or a list of {name, template}: "default"), as transformers reads.
 
-Rendering matches transformers': a sandboxed `ImmutableSandboxedEnvironment` with
-trim_blocks and lstrip_blocks, the loopcontrols extension and the `{% generation %}` tag
-(rendered as its body), a `tojson` filter that does not escape HTML, and the globals
-`raise_exception` and `strftime_now`. The rendered text holds
-special tokens (`<|im_start|>`, …) that the tokenizer encodes as single ids. A template
-that fails to compile or render is an error naming the file, raised when the data loads.
-
-Limits (data/template_sandbox.py, `RenderLimits`): a template is code from the
-checkpoint, so each render is bounded. It may run 10 s (checked at every loop iteration,
-call, filter and output chunk, in any thread), render at most 2^22 = 4,194,304
-characters, build no string longer than that, no list or range() of over 100,000 items,
-and no integer of over 65,536 bits by * or **; sizes are checked before the operation
-that would exceed them. A render past a limit is a one-line `ChatTemplateError` naming
-the file and the limit.
+Rendering matches transformers' (data/template_sandbox.py: `ImmutableSandboxedEnvironment`
+with trim_blocks, lstrip_blocks, loopcontrols, the `{% generation %}` tag, a `tojson` that
+does not escape HTML, `raise_exception`, `strftime_now`); special tokens (`<|im_start|>`,
+…) encode as single ids. The template is the checkpoint's code, so a render is bounded
+(`RenderLimits`: 10 s; strings up to 2^22 = 4,194,304 characters, 100,000 items,
+65,536-bit integers). A template that fails to compile, render or keep within a limit is a
+one-line `ChatTemplateError` naming the file (and limit), raised when the data loads.
 """
 from __future__ import annotations
 
@@ -54,8 +42,7 @@ class ChatTemplateError(ValueError):
 
 
 def _brief(e: Exception, limit: int = 300) -> str:
-    """An exception's message on one line, cut to `limit` characters (a template's
-    raise_exception may be handed any text)."""
+    """`e`'s message on one line, cut to `limit` characters (raise_exception takes any text)."""
     text = " ".join(str(e).split())
     return text if len(text) <= limit else text[:limit] + "…"
 
@@ -97,8 +84,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                **kwargs) -> str:
-        """The template's text for `messages`; kwargs (e.g. enable_thinking) override the
-        special tokens, as in transformers."""
+        """`messages` rendered; kwargs (e.g. enable_thinking) override the special tokens."""
         try:
             return self.environment.render(self.template, messages=messages, tools=None,
                                            documents=None,
@@ -115,8 +101,7 @@ class ChatTemplate:
 
 def chat_messages(value, field: str) -> list[dict]:
     """A record's chat `value` as [{role, content}] (other keys dropped: a parquet struct
-    carries every key any message has, as None elsewhere); TypeError naming `field` when
-    it is not a list of {'role': str, 'content': str}."""
+    has every message's keys, None where unset); else TypeError naming `field`."""
     if not isinstance(value, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in value):
@@ -132,18 +117,14 @@ def _last_user(chat: list[dict]) -> int:
 
 
 def user_text(task: TaskConfig, question: str | list[dict]) -> str:
-    """The user message of a question (of a chat: its last user message):
-    task.prompt_template with "{question}" replaced."""
+    """task.prompt_template with "{question}" replaced by a question (a chat's last user one)."""
     if not isinstance(question, str):
         question = question[_last_user(question)]["content"]
     return task.prompt_template.replace("{question}", question)
 
 
 def prompt_messages(task: TaskConfig, question: str | list[dict]) -> list[dict]:
-    """The chat of a question: task.system_prompt (if any), then the user message. Of a
-    record's own chat: its messages, the last user one through task.prompt_template,
-    task.system_prompt first only when the chat has no system message (module
-    docstring)."""
+    """A question's chat: task.system_prompt (if any), the user message (module docstring)."""
     chat = [{"role": "user", "content": question}] if isinstance(question, str) else question
     last = _last_user(chat)
     chat = chat[:last] + [{"role": "user", "content": user_text(task, chat[last]["content"])}
@@ -164,9 +145,7 @@ def task_template(task: TaskConfig) -> ChatTemplate:
 
 
 def prompt_renderer(task: TaskConfig) -> Callable[[str | list[dict]], str]:
-    """question (or a record's own chat) -> final prompt text (module docstring). The
-    template is loaded and rendered once here, so a broken one fails when the data
-    loads."""
+    """question (or a chat) -> prompt text; one render here makes a bad template fail at load."""
     if not task.chat_template:
         return lambda question: user_text(task, question)
     template = task_template(task)

@@ -1,5 +1,5 @@
-"""JSONL record layouts of math data sets, and how each maps to (question, solution,
-answer). Pure functions of one parsed JSON object; data/jsonl.py reads the files.
+"""JSONL layouts of math data sets, each read as (question, solution, answer) by a pure
+function of one parsed JSON object; data/jsonl.py reads the files.
 
     format         fields read                                  answer
     gsm8k          question, answer ending in a '#### N' line   N (the '####' line)
@@ -12,15 +12,11 @@ answer). Pure functions of one parsed JSON object; data/jsonl.py reads the files
     custom         task.prompt_field, task.answer_field [,      answer_field
                    task.solution_field]
 
-Every answer is normalized the same way: a '#### N' line gives N (a '####' line that is
-not a number, such as '#### eleventy 5', makes the record malformed), else the last
-`\\boxed{…}` gives its content, else the stripped text; ints (AIME files often store
-them as numbers) become their decimal string. The solution (the SFT target) is the
-solution text where the format has one (GSM8K's '<<48/2=24>>' calculator annotations
-removed), else ''.
-
-`task.format=auto` picks the one named format whose fields the file's first record has
-(`detect`); none or several is an error naming the file, the fields present and the fix.
+Answers are normalized alike: a '#### N' line gives N (a non-number, '#### eleventy 5',
+makes the record malformed), else the last `\\boxed{…}` its content, else the stripped
+text; ints (as AIME files hold) become decimal strings. The solution (SFT target) is the
+format's, GSM8K's '<<48/2=24>>' calculator annotations removed, else ''. `task.format=auto`
+picks the one named format the first record's fields fit (`detect`), else an error.
 """
 from __future__ import annotations
 
@@ -56,8 +52,7 @@ def _answer(obj: dict, field: str) -> str | None:
 
 
 def hash_answer(text: str, field: str) -> str | None:
-    """N of the last '#### N' line (None if there is none or it is empty); ValueError
-    when N is not a number (answers.is_number): a reference that no response matches."""
+    """N of the last '#### N' line, or None; ValueError if N is no number (answers.is_number)."""
     answer = hash_line(text)
     if answer is not None and not is_number(answer):
         raise ValueError(f"'{field}': after its last '####', {answer[:40]!r} is not a "
@@ -66,8 +61,7 @@ def hash_answer(text: str, field: str) -> str | None:
 
 
 def normalize_answer(text: str, field: str = "answer") -> str | None:
-    """The final answer of a reference answer text (module docstring), None if empty;
-    ValueError for a '####' line that is not a number."""
+    """A reference text's final answer (module docstring) or None; raises as `hash_answer`."""
     if "####" in text:
         return hash_answer(text, field)
     boxed = last_boxed(text) if "\\boxed" in text or "\\fbox" in text else None
@@ -144,8 +138,7 @@ class NoFormatError(ValueError):
 
 
 def detect(obj: dict, path: str) -> str:
-    """The one named format a record fits (module docstring); ValueError naming the
-    file, the fields present and the fix otherwise."""
+    """The one named format `obj` fits; else an error naming the file, fields and fix."""
     fitting = [name for name, ok in fits(obj).items() if ok]
     if len(fitting) == 1:
         return fitting[0]
@@ -162,9 +155,7 @@ def detect(obj: dict, path: str) -> str:
 
 
 def read_record(obj, mapping: Mapping) -> tuple[str, str, str]:
-    """(question, solution, answer) of one parsed JSON line under `mapping` (a named or
-    'custom' format, never 'auto'); KeyError / TypeError / ValueError when it does not
-    fit."""
+    """(question, solution, answer) of a JSON object under `mapping` (not 'auto'), or raises."""
     if not isinstance(obj, dict):
         raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
     question, solution, answer = READERS[mapping.format](obj, mapping)

@@ -1,38 +1,29 @@
 """A Hugging Face `tokenizer.json` tokenizer (the `tokenizers` package) behind the
-`Tokenizer` protocol: the tokenizer a real checkpoint was trained with (Qwen3's
-byte-level BPE), for starting RL from that checkpoint.
+`Tokenizer` protocol: the one a checkpoint was trained with (Qwen3's byte-level BPE), for
+RL from that checkpoint. Special ids come from its directory, never from this project's
+SentencePiece convention (pad 0, bos 2, eos 3):
 
-Special ids come from the tokenizer directory, never from this project's SentencePiece
-convention (pad 0, bos 2, eos 3):
+    eos_id   tokenizer_config.json "eos_token", else generation_config.json
+             "eos_token_id" (its first entry when a list), else config.json's
+    pad_id   tokenizer_config.json "pad_token", else the eos token (pad slots are masked
+             everywhere, so any real id serves)
+    bos_id   tokenizer_config.json "bos_token", or None (Qwen3: prompts start with text)
+    stop_ids eos_id, then each id of generation_config.json's "eos_token_id" (int or list;
+             Qwen3 lists `<|im_end|>` and `<|endoftext|>`), in order, without duplicates:
+             a response ends at the first of any
 
-    eos_id  tokenizer_config.json "eos_token", else generation_config.json
-            "eos_token_id" (its first entry when a list), else config.json's
-    pad_id  tokenizer_config.json "pad_token", else the eos token (a common convention;
-            pad slots are masked everywhere, so any real id serves)
-    bos_id  tokenizer_config.json "bos_token", or None: Qwen3 has no BOS, and prompts
-            then start with their first text token
+`eos_token=` / `pad_token=` / `bos_token=` (token strings) override each. `encode` adds
+no special tokens (batching adds BOS) and splits added tokens out of the text, so a
+rendered template's `<|im_start|>` is one id. `decode` drops pad/bos/eos, special tokens
+(Qwen3's `<think>` / `</think>` are added, not special, so the reward still finds them)
+and ids past the tokenizer's (Qwen3-30B-A3B's embedding has 151,936 rows for 151,669
+tokens), so decoding model output never raises; `decode_raw` drops only those ids.
 
-    stop_ids eos_id, then every id of generation_config.json's "eos_token_id" (an int or
-            a list; Qwen3 lists <|im_end|> and <|endoftext|>) when that file exists,
-            in order, without duplicates: a response ends at the first of any of them
-
-An explicit `eos_token=` / `pad_token=` / `bos_token=` (token strings) overrides each.
-`encode` adds no special tokens (the batching adds BOS where the tokenizer has one), and
-splits the tokenizer's added tokens out of the text, so a rendered chat template's
-`<|im_start|>` is one id. `decode` drops pad/bos/eos, every special token (Qwen3's
-`<think>` / `</think>` are added but not special, so they stay and the reward can find
-the think block), and ids the tokenizer does not have
-(a model's embedding may have more rows than the tokenizer has tokens: Qwen3-30B-A3B has
-151,936 rows for 151,669 tokens), so decoding model output never raises. `decode_raw`
-drops only those ids: every special token stays as its text (`<|im_end|>`).
-
-tokenizer.json is checked before the `tokenizers` library parses it (`read_tokenizer`),
-since the library aborts the process, past recovery, on a file too large for memory: its
-size in bytes (MAX_TOKENIZER_BYTES) and, parsed with Python's json, its shape (an object
-with a "model" of a type the library has, "merges" a list) and counts (vocab entries,
-merges, added tokens: MAX_VOCAB, MAX_MERGES, MAX_ADDED_TOKENS). A file over a limit, not
-of that shape, or that the library refuses (a merge of a token not in the vocab) is a
-ValueError of one line naming the file.
+`read_tokenizer` checks tokenizer.json first, as the `tokenizers` library aborts the
+process, past recovery, on a file too large for memory: size (MAX_TOKENIZER_BYTES), then,
+via Python's json, shape (an object whose "model" has a type the library has, "merges" a
+list) and counts (MAX_VOCAB, MAX_MERGES, MAX_ADDED_TOKENS). A file failing these, or refused
+by the library (a merge of a token not in the vocab), is a one-line ValueError naming it.
 """
 from __future__ import annotations
 
@@ -76,8 +67,7 @@ def _brief(e: BaseException) -> str:
 
 
 def read_tokenizer(file: str) -> _HFTokenizer:
-    """The tokenizer of `file` (a tokenizer.json), checked before the library parses it
-    (module docstring); ValueError naming the file and the fix for a bad one."""
+    """`file` (a tokenizer.json) checked (module docstring), then parsed; ValueError if bad."""
     fix = "restore the checkpoint's tokenizer.json"
     size = os.path.getsize(file)
     if size > MAX_TOKENIZER_BYTES:
@@ -147,8 +137,7 @@ PROBE_TEXT = "Compute 12 + 3 * (4 - 5) / 6 = ? The answer is 15."
 
 
 def _merge_parts(merge) -> tuple | None:
-    """A merge's (left, right) tokens: "a b" or ["a", "b"]; None for another form (the
-    library refuses those in its own words)."""
+    """A merge's (left, right): "a b" or ["a", "b"]; None otherwise (the library refuses it)."""
     if isinstance(merge, str):
         parts = merge.split(" ")
         return tuple(parts) if len(parts) == 2 else None
@@ -158,9 +147,8 @@ def _merge_parts(merge) -> tuple | None:
 
 
 def _check_affixes(file: str, model: dict, merges, fix: str) -> None:
-    """A BPE's continuing_subword_prefix / end_of_word_suffix: null or a string, and every
-    merge's right token starting with the prefix (the library cuts the prefix off each
-    merge's right token and panics where that token is shorter)."""
+    """A BPE's continuing_subword_prefix / end_of_word_suffix: null or str; each merge's right
+    token starts with the prefix (the library cuts it off and panics on a shorter token)."""
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         affix = model.get(key)
         if affix is not None and not isinstance(affix, str):
@@ -215,8 +203,7 @@ class HFTokenizer:
     @classmethod
     def from_dir(cls, path: str, *, eos_token: str | None = None,
                  pad_token: str | None = None, bos_token: str | None = None) -> "HFTokenizer":
-        """Load `path`/tokenizer.json and take the special ids from the directory's
-        tokenizer_config.json / generation_config.json / config.json."""
+        """`path`/tokenizer.json with the directory's special ids (module docstring)."""
         file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(file):
             raise FileNotFoundError(f"{file}: not found; point task.tokenizer_dir at a "
@@ -261,7 +248,6 @@ class HFTokenizer:
         return self.tok.decode(keep, skip_special_tokens=False)
 
     def decode_raw(self, ids: Iterable[int]) -> str:
-        """Text of the ids with every special token as its text; ids past the
-        tokenizer's are dropped."""
+        """Text of the ids, special tokens as text; ids past the tokenizer's dropped."""
         keep = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self.tok.decode(keep, skip_special_tokens=False)

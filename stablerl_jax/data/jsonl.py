@@ -1,37 +1,29 @@
 """Math problems from local JSONL or parquet files (never downloaded), as a TFDS
 array_record dataset.
 
-`task.jsonl_dir` names either a directory holding `train.jsonl` and/or `test.jsonl` (or
-`train.parquet` / `test.parquet`: the TFDS manual directory), or one data file, read as
-the test split (an eval-only set). A file ending in `.parquet` is parquet (data/parquet.py:
-verl's layout, one row a record, read into the dict a JSON line of it would be); any other
-is JSONL, one JSON object per line. A directory holding both `<split>.jsonl` and
-`<split>.parquet` is refused (`split_file`): they are not merged. Each record is in any
-layout of data/formats.py (GSM8K, MATH, DAPO-Math / verl, AIME, prompt/answer, or custom
-fields), detected from the first record unless `task.format` names it. Records get the
-synthetic task's fields:
+`task.jsonl_dir` names a directory holding `train.jsonl` and/or `test.jsonl` (or
+`train.parquet` / `test.parquet`: the TFDS manual directory), or one data file: an
+eval-only test split. `.parquet` files are parquet (data/parquet.py: verl's layout),
+others JSONL; `<split>.jsonl` beside `<split>.parquet` is refused (`split_file`), not
+merged. Records are in any layout of data/formats.py, detected from the first unless
+`task.format` names it, and get the synthetic task's fields:
 
     id        "<split>-<line or row number, zero-padded>"  (sorting ids restores file order)
     prompt    the question (the chat template is applied later, by data/task.py)
     solution  the worked solution where the format has one, else ''
     answer    the normalized final answer (formats.normalize_answer)
 
-and, when the record's prompt is a chat (verl's `prompt`: [{role, content}, …]) holding
-more than the question alone (a system message, earlier turns), `chat`: that chat as
-JSON, which data/task.py renders in place of the question (system message kept).
+plus `chat` when verl's `prompt` chat holds more than the question (a system message,
+earlier turns): that chat as JSON, which data/task.py renders in place of the question.
 
-A UTF-8 byte-order mark at the start of a file is ignored. A malformed line or row
-(invalid UTF-8, bad JSON, JSON nested deeper than Python's recursion limit, a record the
-format cannot read, a reference answer math-verify cannot read or that is undefined like
-`\\frac{1}{0}`, a line over MAX_LINE_BYTES, a parquet row whose values hold more: never
-decoded, data/parquet.py) is an error naming the file and line (row) number, unless
-`skip_malformed` is set: then such records are skipped and counted in the dataset's
-metadata (`skipped_counts`), next to the format each split was read as (`formats`). A
-parquet file that cannot be read, or lacks a column its format reads, is an error naming
-the file either way. A split with no record left is an error naming its file and the
-count. The builder config name carries a fingerprint of the files, the field mapping and
-the record fields, so editing any triggers a rebuild. Files are opened through
-`etils.epath`.
+A malformed line or row (invalid UTF-8, bad JSON, nesting past Python's recursion limit, a
+record the format cannot read, a reference answer math-verify cannot read or that is
+undefined like `\\frac{1}{0}`, over MAX_LINE_BYTES: never decoded) is an error naming the
+file and line (row), unless `skip_malformed`: then it is skipped and counted in the
+metadata (`skipped_counts`, beside each split's `formats`). An unreadable parquet file, a
+missing column, or a split left empty is an error naming the file either way. A leading
+UTF-8 BOM is ignored. The builder config name fingerprints the files, field mapping and
+record fields, so editing any rebuilds. Files open through `etils.epath`.
 """
 from __future__ import annotations
 
@@ -69,9 +61,7 @@ class Parsed(NamedTuple):
 
 
 def split_file(directory: str, split: str, setting: str) -> str | None:
-    """The file of `split` in `directory`: <split>.jsonl or <split>.parquet, None when
-    neither exists; an error naming both when both do (`setting`: where the directory
-    was named)."""
+    """`split`'s .jsonl or .parquet in `directory`, or None; both: an error citing `setting`."""
     found = [p for p in (os.path.join(directory, split + ext) for ext in SUFFIXES)
              if epath.Path(p).is_file()]
     if len(found) > 1:
@@ -81,9 +71,7 @@ def split_file(directory: str, split: str, setting: str) -> str | None:
 
 
 def split_files(jsonl_path: str) -> dict[str, str]:
-    """{split: file} of a task.jsonl_dir: the directory's train / test files that exist
-    (.jsonl or .parquet), or {'test': path} for a single file; an error when there is
-    neither."""
+    """{split: file} of a task.jsonl_dir: its train / test files, or {'test': path} (a file)."""
     if epath.Path(jsonl_path).is_file():
         return {"test": jsonl_path}
     files = {s: split_file(jsonl_path, s, "task.jsonl_dir") for s in SPLITS}
@@ -97,8 +85,7 @@ def split_files(jsonl_path: str) -> dict[str, str]:
 
 
 def load_object(raw: bytes) -> dict:
-    """One line's JSON object; ValueError / TypeError on a line that is not one (nesting
-    deeper than Python's recursion limit included: no record is that deep)."""
+    """One line's JSON object, else ValueError / TypeError (nesting past recursion too)."""
     if len(raw) > MAX_LINE_BYTES:
         raise ValueError(f"line of {len(raw):,} bytes > MAX_LINE_BYTES ({MAX_LINE_BYTES:,})")
     try:
@@ -112,8 +99,7 @@ def load_object(raw: bytes) -> dict:
 
 
 def _object(item) -> dict:
-    """The object of a JSONL line (bytes: `load_object`) or parquet row; ValueError for a
-    row over MAX_LINE_BYTES, as for such a line."""
+    """A JSONL line's object (bytes: `load_object`) or a parquet row; ValueError if Overlong."""
     if isinstance(item, bytes):
         return load_object(item)
     if isinstance(item, parquet.Overlong):
@@ -123,8 +109,7 @@ def _object(item) -> dict:
 
 
 def _record(obj: dict, where: str, mapping: Mapping) -> tuple[dict, str]:
-    """(record fields, format name) of one parsed line or row (`where` names it); raises
-    on a malformed one."""
+    """(record fields, format name) of one parsed line or row (`where`); raises if malformed."""
     name = mapping.format
     if name == "auto":
         name = formats.detect(obj, where)
@@ -154,11 +139,10 @@ def parse_jsonl(path: str, skip_malformed: bool = False, split: str | None = Non
                 mapping: Mapping = Mapping("auto"), record=_record,
                 needs: str = "problem whose answer math-verify can read",
                 format_field: str = "task.format") -> Parsed:
-    """The records of one data file, JSONL or parquet by its name (module docstring).
-    With format 'auto' the first readable record fixes the format for the whole file.
-    `record(object, where, mapping) -> (fields, format)` reads one parsed line or row
-    (another layout than the math formats: data/sft_data.py); `needs` says what an empty
-    file lacks, `format_field` which setting names the format."""
+    """The records of one data file, JSONL or parquet by name (module docstring); under
+    'auto' the first readable record fixes the format. `needs`: what an empty file lacks;
+    `record(object, where, mapping) -> (fields, format)` reads one line or row (other
+    layouts: data/sft_data.py); `format_field`: the setting that names the format."""
     if not epath.Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such file; put train.jsonl and/or test.jsonl "
                                 "(or .parquet) in task.jsonl_dir, or name one data file")

@@ -1,26 +1,20 @@
 """Parquet data files, as verl publishes its data sets (DAPO-Math-17k, AIME 2024/2025),
 read row by row into the dicts a JSONL line of the same record parses to.
 
-A file is parquet when its name ends in `.parquet` (data/jsonl.py dispatches on that);
-it is read with pyarrow through `etils.epath`, so any path epath opens works. A row
-becomes a dict as `pyarrow.Table.to_pylist` makes it: a struct column (verl's
-`reward_model`, `extra_info`) a dict, a list column (verl's chat `prompt`: a list of
-{role, content} structs) a list of dicts, an int64 an int, a null None. Every row has
-every column as a key, so a column a format reads but the file lacks is the file's fault,
-not a row's: `Row` raises `MissingColumn` for it, and the reader turns that into one
-error naming the file, its columns and what the format reads (`missing_column`), which
-`skip_malformed` does not skip. A file pyarrow cannot read is one line naming it
-(`ParquetError`). A cell pyarrow reads but Python cannot hold (a date or timestamp past
-year 9999, which a file may well store) becomes an `Unreadable` value in its row: a
-format that reads that field finds no string there, so the row is malformed (named, or
-skipped under `skip_malformed`); a column no format reads does not matter.
+A `.parquet` name means parquet (data/jsonl.py dispatches on it), read with pyarrow through
+`etils.epath`. A row becomes a dict as `pyarrow.Table.to_pylist` makes it (a struct such
+as verl's `reward_model` or `extra_info` a dict, its chat `prompt` a list of dicts, an
+int64 an int, a null None). Every row has every column, so a missing column the format
+reads is the file's fault: `Row` raises `MissingColumn`, which the reader turns into one
+error naming the file, its columns and what the format reads (`missing_column`), never
+skipped under `skip_malformed`. An unreadable file is one line naming it (`ParquetError`).
+A cell Python cannot hold (a date or timestamp past year 9999) becomes an `Unreadable`: a
+format reading it finds no string, so the row is malformed (named, or skipped likewise).
 
-A row whose values hold more than the reader's byte limit (`rows(path, max_row_bytes)`;
-data/jsonl.py passes MAX_LINE_BYTES, its limit on a JSONL line) is never decoded into
-Python: its size comes from Arrow's lengths and offsets (`value_bytes`: string and binary
-data, each fixed-width value's width, nested values summed), and it is read as an
-`Overlong` in its place, which the reader treats as it does an over-long JSONL line.
-Rows are read and decoded BATCH_ROWS at a time.
+A row whose values exceed the byte limit (`rows(path, max_row_bytes)`; data/jsonl.py
+passes MAX_LINE_BYTES) is never decoded: its size comes from Arrow's lengths and offsets
+(`value_bytes`), and it reads as an `Overlong`, treated as an over-long JSONL line. Rows
+are read and decoded BATCH_ROWS at a time.
 """
 from __future__ import annotations
 
@@ -67,8 +61,7 @@ def _cell(column, i: int):
 
 
 def _pylist(batch: pa.RecordBatch) -> list[dict]:
-    """The batch's rows as dicts (`to_pylist`), a cell Python cannot hold as
-    `Unreadable` instead of failing the batch."""
+    """The batch's rows as dicts (`to_pylist`), a cell Python cannot hold as `Unreadable`."""
     try:
         return batch.to_pylist()
     except _CONVERSION:
@@ -89,9 +82,8 @@ class Overlong(NamedTuple):
 
 
 def value_bytes(array: pa.Array) -> np.ndarray:
-    """The bytes each value of `array` holds (int64, one per value), from Arrow's
-    lengths and offsets, nothing decoded: a string's or binary's length, a fixed-width
-    value's width (a bool 1), the values of a list, map or struct summed, a null 0."""
+    """Bytes per value of `array` (int64) from Arrow's lengths and offsets, undecoded: a
+    string's or binary's length, a fixed width (bool 1), nested values summed, a null 0."""
     t, n = array.type, len(array)
     if pa.types.is_dictionary(t):
         sizes = value_bytes(array.dictionary)
@@ -129,8 +121,7 @@ def value_bytes(array: pa.Array) -> np.ndarray:
 
 def _batch_rows(batch: pa.RecordBatch, max_row_bytes: int | None
                 ) -> Iterator["Row | Overlong"]:
-    """The batch's rows in order: each a Row, or an Overlong for a row whose values hold
-    more than `max_row_bytes` (not decoded; None: no limit)."""
+    """The batch's rows, each a Row or, past `max_row_bytes` (None: no limit), an Overlong."""
     if max_row_bytes is None or not batch.num_columns:
         yield from map(Row, _pylist(batch))
         return
@@ -150,8 +141,7 @@ def _batch_rows(batch: pa.RecordBatch, max_row_bytes: int | None
 
 
 class Row(dict):
-    """One row; a key that is not a column raises MissingColumn (nested structs are
-    plain dicts: a field missing there is the row's own KeyError)."""
+    """A row; a key that is no column raises MissingColumn (in nested structs: KeyError)."""
 
     def __missing__(self, key):
         raise MissingColumn(key)
@@ -167,9 +157,7 @@ def _brief(e: Exception) -> str:
 
 def rows(path: str, max_row_bytes: int | None = None
          ) -> Iterator[tuple[int, Row | Overlong]]:
-    """(row number from 1, row) of every row of the file, in order, a row whose values
-    hold more than `max_row_bytes` an Overlong (module docstring); ParquetError when
-    pyarrow cannot read it (not parquet, truncated, a corrupt page)."""
+    """(row number from 1, Row or Overlong) of every row, in order; else ParquetError."""
     try:
         with epath.Path(path).open("rb") as f:
             n = 0
@@ -193,8 +181,7 @@ def columns(path: str) -> list[str]:
 
 
 def missing_column(path: str, e: MissingColumn, fmt: str, fix: str) -> ParquetError:
-    """The error for a column that format `fmt` reads and the file lacks; `fix` says
-    which setting to change."""
+    """The error for a column format `fmt` reads and the file lacks; `fix` names the setting."""
     return ParquetError(
         f"{path}: format {fmt!r} reads the column {e.args[0]!r}, which the file does not "
         f"have (its columns: {columns(path)}); {fix}, or write the file with that column")

@@ -1,15 +1,14 @@
 """Verifiable rewards: host-side pure functions that never raise on model output.
 
 The answer a response states is found by `answers.extract_answer` (after the last
-`</think>`; `\\boxed{…}`, then `#### N`, then "the answer is N"), and then:
+`</think>`; `\\boxed{…}`, then `#### N`, then "the answer is N"), then:
 
     exact-match reward R = 1[int(answer) == int(reference)], ASCII integers only
     math-verify reward R = 1[math_verify.verify(reference, answer)]  (GSM8K / MATH answers)
     format reward      R = 1[the response states an answer]         (off by default)
 
-The paper's reward is the binary verified one; the format reward exists only as an
-optional shaping term (`rewards(..., format_weight=w)` adds w · format reward).
-`rewards_with_source` also says which extractor found each answer, for logging.
+The paper's reward is the binary verified one; the format reward is optional shaping
+(`rewards(..., format_weight=w)` adds w · it); `rewards_with_source` names each extractor.
 """
 from __future__ import annotations
 
@@ -36,12 +35,8 @@ def exact_match_reward(text, answer) -> float:
 
 def math_verify_reward(text, answer) -> float:
     """1.0 iff math_verify judges the stated answer equal to the reference (numbers,
-    fractions, LaTeX); 0.0 on a missing answer or any parser failure.
-
-    math_verify bounds its time with signal.alarm, which only works in the main thread;
-    elsewhere (a data-loader thread) its timeouts are turned off rather than letting every
-    call fail, and MAX_ANSWER_CHARS is the only bound.
-    """
+    fractions, LaTeX), else 0.0. Its signal.alarm timeouts work only in the main thread;
+    elsewhere (a data loader) they are off and MAX_ANSWER_CHARS is the only bound."""
     pred = extract_answer(text)[0]
     if pred is None or len(pred) > MAX_ANSWER_CHARS:
         return 0.0
@@ -65,9 +60,8 @@ REWARDS = {"exact": exact_match_reward, "math_verify": math_verify_reward,
 
 def rewards_with_source(texts, answers, kind: str = "exact", format_weight: float = 0.0
                         ) -> tuple[np.ndarray, list[str]]:
-    """(R_B, source_B): per-response rewards R_B = reward_kind(text, answer)
-    + format_weight · format(text), float32 [B], and the extractor that found each
-    response's answer (one of answers.SOURCES; 'none' when there is none)."""
+    """(R_B, source_B): R_B = reward_kind(text, answer) + format_weight · format(text),
+    float32 [B], and each answer's extractor (answers.SOURCES; 'none' if there is none)."""
     if kind not in REWARDS:
         raise ValueError(f"reward kind {kind!r}: choose one of {sorted(REWARDS)}")
     texts, answers = list(texts), list(answers)

@@ -3,42 +3,33 @@
 Letters: B rows, P prompt slots (task.max_prompt_len), R response slots
 (task.max_solution_len + 1: the response and its stop token).
 
-Records (`sft.data`: a JSONL or parquet file, or a directory holding train.jsonl or
-train.parquet, never both; a `.parquet` name is read as parquet, data/parquet.py, one row
-a record; `sft.format=auto` picks the layout from the first record's fields):
+`sft.data`: a JSONL or parquet file (by a `.parquet` name, data/parquet.py) or a directory
+holding train.jsonl or train.parquet, never both; `sft.format=auto` picks by the first record:
 
-    messages         {"messages": [{"role": …, "content": str}, …]}: a chat in the
-                     OpenAI / Hugging Face layout (in parquet a list of {role, content}
-                     structs), taken as written; every assistant turn is trained, every
-                     other token is context
+    messages         {"messages": [{"role": …, "content": str}, …]}: an OpenAI / Hugging
+                     Face chat (in parquet, {role, content} structs), as written; every
+                     assistant turn is trained, every other token is context
     prompt_response  {"prompt": str, "response": str}
-    gsm8k, math      the math formats with worked solutions (data/formats.py): the
-                     question is the prompt, the solution the response
+    gsm8k, math      data/formats.py's, question as prompt, worked solution as response
 
-`sft.data=''` trains on the task's training split and its worked solutions. A prompt
-becomes the user turn as an RL prompt does (task.prompt_template, task.system_prompt:
+`sft.data=''` trains on the task's training split and its worked solutions. Prompts become
+user turns as in RL (task.prompt_template, task.system_prompt:
 `chat_template.prompt_messages`), so the cold start sees the prompts RL will.
 
-Tokens. Without a chat template (task.chat_template off: the synthetic task, the
-SentencePiece tokenizer) an example is BOS + prompt (context), then response + EOS
-(trained); `messages` records need a template. With the checkpoint's template, a chat is
-rendered as transformers renders it, and assistant turn i is the text between
+Without a chat template (task.chat_template off) an example is BOS + prompt (context),
+then response + EOS (trained); `messages` records need one. With it, assistant turn i is
+the text between
 
     pre_i   = render(messages[:i], add_generation_prompt=True)    (its generation prompt)
     upto_i  = render(messages[:i + 1], add_generation_prompt=False)
 
-up to and including the first stop id (the template's end-of-turn token: Qwen3's
-`<|im_end|>`); what the template writes after it (a newline) is context. Text is
-tokenized piece by piece, context and turns apart, as in RL, where the prompt is
-tokenized alone and the response is the model's own tokens. When every upto_i is a prefix
-of the whole chat's rendering, the chat is one example with a trained span per turn;
-a template that rewrites earlier turns (Qwen3 drops the thinking of turns before the
-last user message) makes each turn its own example, upto_i with only turn i trained.
-
-An example is (prompt: the tokens before the first trained one, response: the rest,
-trained: the response tokens that carry the loss). Examples whose prompt is longer than P
-or whose response is longer than R are dropped when the data loads and counted (`load`
-prints the counts); none left is an error naming the source and the fix.
+up to and including the first stop id (Qwen3's `<|im_end|>`); what follows is context.
+Context and turns are tokenized apart, as in RL (the prompt alone, the response the
+model's own tokens). If every upto_i prefixes the whole chat's rendering, the chat is one
+example, a trained span per turn; a template that rewrites earlier turns (Qwen3 drops
+thinking before the last user message) makes each turn an example, only turn i trained.
+Examples (`Example`) over P or R are dropped at load and counted (`load` prints it); none
+left is an error naming the source and the fix.
 """
 from __future__ import annotations
 
@@ -94,9 +85,8 @@ def _messages(obj: dict) -> list[dict]:
 
 
 def read_record(obj: dict, where: str, mapping: Mapping) -> tuple[dict, str]:
-    """(record, format) of one parsed JSONL line or parquet row (`where` names it):
-    {"messages": chat} or {"prompt", "response"}; raises on a malformed one
-    (data/jsonl.py's `parse_jsonl` names it)."""
+    """(record, format) of one parsed line or row (`where`): {"messages": chat} or
+    {"prompt", "response"}; raises if malformed (data/jsonl.py's `parse_jsonl` names it)."""
     fmt = mapping.format if mapping.format != "auto" else _detect(obj, where)
     if fmt == "messages":
         return {"messages": _messages(obj)}, fmt
@@ -110,8 +100,7 @@ def read_record(obj: dict, where: str, mapping: Mapping) -> tuple[dict, str]:
 
 
 def data_file(path: str) -> str:
-    """sft.data's file: `path`, or its train.jsonl / train.parquet when it is a
-    directory."""
+    """sft.data's file: `path`, or a directory's train.jsonl / train.parquet."""
     file = path
     if epath.Path(path).is_dir():
         file = (jsonl.split_file(path, "train", "sft.data")
@@ -213,8 +202,7 @@ def _task_records(data) -> list[dict]:
 
 
 def load(cfg, data) -> SFTData:
-    """The cold start's examples (module docstring) for ExperimentConfig `cfg` and its
-    loaded TaskData `data`: read, encoded, filtered to the budgets, counted."""
+    """The cold start's examples (module docstring) for `cfg` and its loaded TaskData `data`."""
     task, sft = cfg.task, cfg.sft
     if sft.data:
         source = data_file(sft.data)
@@ -277,8 +265,7 @@ def sft_batch(examples: Sequence[Example], pad_id: int, max_prompt_len: int,
 def batches(examples: Sequence[Example], batch_size: int, seed: int, pad_id: int,
             max_prompt_len: int, max_solution_len: int,
             start_step: int = 0) -> Iterator[SFTBatch]:
-    """Endless seeded epochs of SFT batches from batch `start_step` (a resumed cold start
-    draws the batches it would have): this process's block of each batch's rows."""
+    """Endless seeded SFT batches from batch `start_step`, each this process's block of rows."""
     rows = distributed.rows_of_process(batch_size)
     for exs in batching.epochs(examples, batch_size, seed, start_step):
         yield sft_batch(exs[rows], pad_id, max_prompt_len, max_solution_len)

@@ -1,39 +1,30 @@
 """A synthetic multi-step arithmetic task a CPU-sized MoE can learn by SFT, then by RL.
 
 A problem is a chain of integers joined by + and -, evaluated left to right (optionally
-mod m after every step). The solution is worked in one of three styles, then the final
-answer line "#### N":
+mod m after every step); its solution, in one of three styles, ends "#### N":
 
     prompt:    "7+5-9+2="
     'steps':   "7+5=12 12-9=3 3+2=5 #### 5"      each step restates its two operands
     'rewrite': "12-9+2=3+2=5 #### 5"            each step rewrites the rest of the chain
     'terse':   "#### 5"                         the answer alone (no worked solution)
-
     with modulus=100:  prompt "37+85-12 (mod 100)="  ->  'steps': "37+85=22 22-12=10 #### 10"
 
-Difficulty knobs (config.TaskConfig): `num_operands` (steps = operands − 1),
-`max_digits`, `operators` ('+-' or '+'), `modulus` (0 = plain integers).
-
-Long problems (`max_steps` > 0): a start value and num_operands − 1 operations applied in
-turn, cycling, for a number of steps drawn from [min_steps, max_steps] and stated in the
-prompt. The worked solution ('steps' style) writes every step, numbered by a countdown, so
-each step reads only the step before it and the one a cycle back; it runs to ~9 tokens a
-step, 200–400 tokens at 24–40 steps:
+Knobs (config.TaskConfig): `num_operands` (steps = operands − 1), `max_digits`,
+`operators` ('+-' or '+'), `modulus` (0 = plain integers); `presets.TASKS` names four
+settings ('long' is a long one). Long problems (`max_steps` > 0) apply num_operands − 1
+operations to a start value cyclically, for a drawn number of steps in [min_steps,
+max_steps] stated in the prompt; the 'steps' solution numbers steps by a countdown, each
+reading only the one before and the one a cycle back (~9 tokens a step, 200–400 at 24–40):
 
     prompt:    "7+8-3 x4 (mod 10)="
     'steps':   "4:7+8=5 3:5-3=2 2:2+8=0 1:0-3=7 #### 7"
     'terse':   "#### 7"
 
-`presets.TASKS` names four settings ('long' is a long one).
-
-Problems are a deterministic function of the config (seed included); a problem belongs to
-the test split iff a stable hash of its prompt falls below `test_fraction`, so train and
-test never share a prompt, whatever the sizes or seed. Record ids are "<split>-<index>",
-the index zero-padded so that sorting ids restores generation order.
-
-The TFDS builder defaults to file_format='array_record' (tfds' own default, tfrecord,
-needs TensorFlow to write) and is read with `as_data_source()` / `tfds.data_source`, whose
-array_record reader needs no TensorFlow either (`data.task.load_split`).
+Problems are a deterministic function of the config (seed included); a problem is in the
+test split iff a stable hash of its prompt falls below `test_fraction`, so train and test
+never share a prompt, whatever the sizes or seed. Ids "<split>-<index>" are zero-padded so
+sorting restores generation order. Splits are array_record, read with `as_data_source()` /
+`tfds.data_source` (`data.task.load_split`): neither needs TensorFlow.
 """
 from __future__ import annotations
 
@@ -61,7 +52,7 @@ def partial_results(nums: list[int], ops: list[str], modulus: int) -> list[int]:
 
 
 def make_problem(rng: np.random.Generator, cfg: TaskConfig):
-    """(prompt, chain of partial results, answer) of one random problem."""
+    """(prompt, operands, operators, partial results) of one random problem."""
     nums = [int(n) for n in rng.integers(0, 10**cfg.max_digits, size=cfg.num_operands)]
     ops = [str(o) for o in rng.choice(list(cfg.operators), size=cfg.num_operands - 1)]
     expr = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(ops, nums[1:]))
@@ -75,9 +66,8 @@ def styles(cfg: TaskConfig) -> tuple[str, ...]:
 
 
 def make_cycle_problem(rng: np.random.Generator, cfg: TaskConfig):
-    """(prompt, operands, operators, partial results) of one long problem: the cycle of
-    operations unrolled over the drawn number of steps, so `solution_text` works it as it
-    works a chain of the same operands."""
+    """(prompt, operands, operators, partial results) of one long problem: its cycle
+    unrolled over the drawn steps, so `solution_text` works it as a chain."""
     start = int(rng.integers(0, 10**cfg.max_digits))
     cycle_nums = [int(n) for n in rng.integers(0, 10**cfg.max_digits, size=cfg.num_operands - 1)]
     cycle_ops = [str(o) for o in rng.choice(list(cfg.operators), size=cfg.num_operands - 1)]
@@ -166,11 +156,8 @@ class ArithmeticConfig(tfds.core.BuilderConfig):
 
 
 class Arithmetic(tfds.core.GeneratorBasedBuilder):
-    """TFDS builder of the synthetic task; records: id, prompt, solution, answer.
-
-    The named configs are `presets.TASKS`; any other `TaskConfig` is passed as
-    `config=ArithmeticConfig(task)` (which is what `builder` does).
-    """
+    """TFDS builder of the synthetic task (records: id, prompt, solution, answer); named
+    configs `presets.TASKS`, any `TaskConfig` as `config=ArithmeticConfig(task)` (`builder`)."""
 
     VERSION = tfds.core.Version("1.0.0")
 

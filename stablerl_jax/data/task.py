@@ -1,31 +1,25 @@
 """The task as the trainer sees it: splits, eval sets, tokenizer, prompt batches, rewards.
-
 Letters: B responses (rows), G responses per prompt, P prompt slots, S rollout slots.
 
-The front door of `data/`: `load_split` dispatches on `TaskConfig.kind` to the arithmetic
-builder (synthetic.py) or the JSONL / parquet builder (jsonl.py) and reads a split
-through its array_record data source. `TaskData.create` then, in order:
+The front door of `data/`: `load_split` reads a split of the arithmetic (synthetic.py) or
+JSONL / parquet (jsonl.py) builder, by `TaskConfig.kind`. `TaskData.create` then:
 
-  1. loads the train split and the eval sets: `rl.eval_sets` ("name:path,…", each a JSONL
-     or parquet file or a directory holding test.jsonl or test.parquet, parsed directly,
-     format auto-detected; under task.format=custom read with the same custom fields), or
-     the task's own test split as one set named 'test';
-  2. builds the tokenizer: a checkpoint's own tokenizer.json (`task.tokenizer_dir`), or
-     SentencePiece trained once on the train split with at most `vocab_size` pieces;
-  3. renders every prompt to its final text (data/chat_template.py: task.prompt_template,
-     and the checkpoint's chat template when task.chat_template is on; a record carrying
-     its own `chat`, verl's prompt with a system message, renders that chat), so batches
-     tokenize `record["prompt"]` as is;
-  4. drops prompts longer than task.max_prompt_len tokens (BOS included), counting them
-     per split in `TaskData.filtered` and printing the count; a split left empty is an
-     error naming it, its file and the fix, raised here, before any training.
+  1. loads the train split and the eval sets: `rl.eval_sets` ("name:path,…", JSONL or
+     parquet files or directories holding test.jsonl or test.parquet, format detected or
+     task.format=custom's fields), else the test split as one set named 'test';
+  2. builds the tokenizer: the checkpoint's tokenizer.json (`task.tokenizer_dir`), else
+     SentencePiece trained once on the train split, at most `vocab_size` pieces;
+  3. renders prompts (data/chat_template.py: task.prompt_template, then the chat template
+     if task.chat_template; a record's own `chat` as that chat), so batches tokenize
+     `record["prompt"]` as is;
+  4. drops prompts over task.max_prompt_len tokens (BOS included), counted per split in
+     `TaskData.filtered`; a split left empty fails here, before training, naming it, its
+     file and the fix.
 
-Records are {id, prompt, question, solution, answer}, all str (`question`: the raw
-question the prompt was rendered from; the `chat` a loaded record may carry is rendered
-into `prompt` and dropped). `TaskData.evals` maps set names to records, in the order
-named. A task directory without a train file (train.jsonl or train.parquet: an
-eval-only set) loads with `require_train=False` (offline rollouts carry their own
-prompts); otherwise a missing train split is an error.
+Records: {id, prompt, question, solution, answer}, all str (`question` raw; a loaded
+`chat` is rendered into `prompt` and dropped). `TaskData.evals` maps set names to records,
+in the order named. A task without a train file (eval-only) needs `require_train=False`
+(offline rollouts carry their own prompts).
 """
 from __future__ import annotations
 
@@ -47,8 +41,7 @@ from stablerl_jax.data.tokenizer import SentencePieceTokenizer, Tokenizer
 
 
 def read_source(source) -> list[dict]:
-    """All records of a TFDS data source as {field: str}, sorted by id; an empty `chat`
-    (a record whose prompt is the question alone) is left out."""
+    """A TFDS data source's records as {field: str}, sorted by id, an empty `chat` dropped."""
     raw = source.__getitems__(list(range(len(source)))) if len(source) else []
     recs = [{k: v.decode() if isinstance(v, bytes) else str(v) for k, v in r.items()}
             for r in raw]
@@ -77,17 +70,15 @@ def _read(b, task: TaskConfig, split: str) -> list[dict]:
 
 
 def load_split(task: TaskConfig, split: str, data_dir: str) -> list[dict]:
-    """Build the task's dataset (once) and read a split: records {id, prompt, solution,
-    answer} of str, sorted by id; the prompt is the raw question (no template)."""
+    """Build (once) and read a split: str records {id, prompt (raw), solution, answer}, by id."""
     check(split in ("train", "test"), "split", f"must be 'train' or 'test', got {split!r}")
     return _read(_builder(task, data_dir), task, split)
 
 
 def _eval_file(path: str, jsonl_dir: str = "") -> str:
-    """An eval set's file (JSONL, or parquet by its name): `path`, or its test.jsonl /
-    test.parquet when it is a directory. A relative path is looked up in task.jsonl_dir
-    first (so a preset can name `aime24:aime24.jsonl` beside the training data), then in
-    the working directory."""
+    """An eval set's file (JSONL, or parquet by name): `path`, or a directory's test.jsonl /
+    test.parquet. A relative path is looked up in task.jsonl_dir first (so a preset can
+    name `aime24:aime24.jsonl` beside the training data), then the working directory."""
     tried = []
     base = jsonl_dir if epath.Path(jsonl_dir).is_dir() else os.path.dirname(jsonl_dir)
     in_dir = ([os.path.join(base, path)] if base and not os.path.isabs(path)
@@ -107,8 +98,7 @@ def _eval_file(path: str, jsonl_dir: str = "") -> str:
 
 def load_sets(task: TaskConfig, data_dir: str, eval_sets: str, require_train: bool
               ) -> tuple[list[dict], dict[str, list[dict]], dict[str, str]]:
-    """(train records, {eval set: records}, {split or set: its source}) with raw
-    questions as prompts (step 1 of the module docstring)."""
+    """(train, {set: records}, {split or set: source}), prompts raw (module step 1)."""
     b = _builder(task, data_dir)
     where = task.jsonl_dir or f"the {task.kind} task"
     sources = {s: where for s in b.info.splits}
@@ -156,8 +146,7 @@ def _tokenizer(cfg: TaskConfig, vocab_size: int, data_dir: str, corpus) -> Token
 
 
 def _prompt(record: dict) -> str | list[dict]:
-    """What a record's prompt renders from: its own chat if it carries one, else the
-    question."""
+    """What a record's prompt renders from: its own chat if it has one, else the question."""
     return json.loads(record["chat"]) if record.get("chat") else record["prompt"]
 
 
@@ -210,32 +199,29 @@ class TaskData:
         return "exact" if self.cfg.kind == "arithmetic" else "math_verify"
 
     def train_indices(self, step: int, batch: int, seed: int, stream: int = 0) -> np.ndarray:
-        """Train-split indices of the prompts of global step `step` (seeded epochs); a
-        `stream` other than 0 is another, independent sequence of seeded epochs (the extra
-        rounds of dynamic sampling, rl/dynamic.py)."""
+        """Train-split indices of global step `step`'s prompts (seeded epochs); a nonzero
+        `stream` is an independent sequence (dynamic sampling's rounds, rl/dynamic.py)."""
         return batching.batch_indices(len(self.train), batch, step, seed, stream)
 
     def prompt_batch(self, records, group_size: int):
         return batching.prompt_batch(records, self.tokenizer, group_size, self.cfg.max_prompt_len)
 
     def completions(self, rollout) -> list[str]:
-        """Decoded completions of this process's rows of a rollout (all rows when the run
-        is a single process)."""
+        """Decoded completions of this process's rows of a rollout (all, in one process)."""
         toks = distributed.local_rows(rollout.tokens_BxS)
         comp = distributed.local_rows(rollout.completion_mask_BxS)
         return [self.tokenizer.decode(t[c]) for t, c in zip(toks, comp)]
 
     def scored_texts(self, completions) -> list[str]:
-        """Completions as the reward reads them: behind `response_prefix`, so a response
-        to a prompt that opened `<think>` is not scored from inside its think block."""
+        """Completions behind `response_prefix`: a response to a prompt that opened
+        `<think>` is not scored from inside its think block."""
         return [self.response_prefix + c for c in completions]
 
     def reward_with_source(self, rollout, answers) -> tuple[np.ndarray, list[str]]:
-        """(rewards, answer extractor) of this process's rows; `answers` are those rows'
-        reference answers."""
+        """(rewards, answer extractor) of this process's rows, given their `answers`."""
         return rewards.rewards_with_source(self.scored_texts(self.completions(rollout)),
                                            answers, self.reward_kind)
 
     def reward(self, rollout, answers) -> np.ndarray:
-        """Rewards of this process's rows; `answers` are those rows' reference answers."""
+        """Rewards of this process's rows, given their reference `answers`."""
         return self.reward_with_source(rollout, answers)[0]

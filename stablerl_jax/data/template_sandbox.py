@@ -1,36 +1,28 @@
 """The jinja environment a checkpoint's chat template renders in: transformers' settings
-(`apply_chat_template`) in jinja's `ImmutableSandboxedEnvironment`, with every render
-bounded in time and size.
+(`apply_chat_template`) in jinja's `ImmutableSandboxedEnvironment`, every render bounded
+in time and size.
 
 A chat template is code that ships with a checkpoint. Jinja's sandbox refuses unsafe
 attributes and calls, but not work: `{% for i in range(10**5) %}{% for j in range(10**5)
-%}…` runs for hours and `{{ ('x'*6*10**9)|length }}` allocates 6 GB. Every render is
-therefore bounded by `RenderLimits`:
+%}…` runs for hours and `{{ ('x'*6*10**9)|length }}` allocates 6 GB. Hence `RenderLimits`:
 
-    seconds   wall time of one render (10 s; a chat renders in well under 10 ms). Checked
-              at every loop iteration, call, filter and output chunk, so the render of
-              the main thread and of any other thread ends the same way (no signals).
-    chars     the rendered text, and every string the template builds (4,194,304 = 2^22:
-              four times the longest JSONL record a data file may hold).
-    items     a list or tuple the template builds, and range() (100,000: jinja's own
-              MAX_RANGE).
-    int_bits  an integer a template computes with * or ** (65,536 bits).
+    seconds   one render's wall time (10 s; a chat renders in well under 10 ms), checked at
+              every loop iteration, call, filter and output chunk: any thread, no signals
+    chars     the rendered text, every string built (2^22 = 4,194,304: 4x jsonl.MAX_LINE_BYTES)
+    items     a list or tuple built, and range() (100,000: jinja's own MAX_RANGE)
+    int_bits  an integer computed with * or ** (65,536 bits)
 
 Sizes are checked *before* the operation that would exceed them: `*`, `+`, `**` and `%`
 (intercepted binary operators), `~`, `{{ … }}`, macro and block bodies, the str methods
-and filters that can grow text beyond their inputs (center, ljust, rjust, zfill,
-expandtabs, replace, join, translate, format, format_map, indent, wordwrap, batch, round,
-sum, tojson, lipsum), and the text of any value a filter is given; the result of every
-call and filter is checked after. A value's text size is its str() length, estimated
-without building it (the estimates: template_sizes.py). Exceeding a limit raises
-`RenderLimitError` naming the limit; a normal template renders exactly as with
-transformers (tests/data/chat_template_test.py).
+and filters that can outgrow their inputs, and the text of any value a filter is given;
+every call's and filter's result is checked after. A value's text size is its str()
+length, estimated without building it (template_sizes.py). Past a limit:
+`RenderLimitError` naming it. A normal template renders exactly as with transformers
+(tests/data/chat_template_test.py).
 
-Jinja compiles `{% for x in xs %}` as a plain Python loop, `a ~ b` and `{{ a }}` inline;
-to reach them the parsed template is rewritten before compilation: each loop's iterable,
-each `~` operand and each `{{ … }}` expression passes through an internal filter
-(`_bounded_iter`, `_bounded_text`) that checks the clock or the size and returns its
-input unchanged.
+Jinja compiles `{% for x in xs %}` as a plain Python loop, `a ~ b` and `{{ a }}` inline, so
+the parsed template is rewritten first: each loop's iterable, `~` operand and `{{ … }}`
+expression goes through a filter (`_bounded_iter`, `_bounded_text`) checking clock or size.
 """
 from __future__ import annotations
 
@@ -78,8 +70,7 @@ _PERCENT_SPEC = re.compile(r"%(\([^)]*\))?[#0 +\-]*(\*|\d+)?(?:\.(\*|\d+)?)?")
 
 
 def _number(digits: str) -> int:
-    """A width or precision written in a format string (a run of digits too long to be a
-    size counts as one)."""
+    """A width or precision in a format string (19 or more digits count as 2^62)."""
     return int(digits) if len(digits) < 19 else 1 << 62
 
 
@@ -122,8 +113,8 @@ class _Rewrite(NodeTransformer):
 
 
 class _Generation(jinja2.ext.Extension):
-    """transformers' `{% generation %}…{% endgeneration %}` (it marks the assistant's
-    text for `return_assistant_tokens_mask`), rendered as its body, as there."""
+    """transformers' `{% generation %}…{% endgeneration %}` (marking the assistant's text
+    for `return_assistant_tokens_mask`), rendered as its body, as there."""
 
     tags = {"generation"}
 
@@ -192,8 +183,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                                    f"{self.limits.int_bits:,} (RenderLimits.int_bits)")
 
     def _check_percent(self, fmt: str, args) -> None:
-        """`fmt % args`: the format, every argument's text, and each width / precision
-        (`*` takes the largest int argument)."""
+        """`fmt % args`: format, each argument's text, width and precision (`*`: largest int)."""
         whole = text_size(args, self.limits.chars)
         n = len(fmt) + whole
         for m in _PERCENT_SPEC.finditer(fmt):
@@ -227,8 +217,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             yield item
 
     def render(self, template, **variables) -> str:
-        """`template.render(**variables)` within the limits: the deadline set for this
-        render, the text counted chunk by chunk as `generate` yields it."""
+        """`template.render(**variables)` under a deadline, text counted as `generate` runs."""
         token = _DEADLINE.set(time.monotonic() + self.limits.seconds)
         chunks, n = [], 0
         stream = template.generate(**variables)

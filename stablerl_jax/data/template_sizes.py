@@ -1,6 +1,5 @@
-"""How long a chat template's text can get, estimated before it is built: a value's text
-(`text_size`), a str method's result (`str_method_size`), and each filter whose result
-can outgrow its value's text (`FILTER_SIZES`). template_sandbox.py checks these against
+"""A chat template's text sizes, estimated before the text is built (`text_size`,
+`str_method_size`, `FILTER_SIZES`), for template_sandbox.py to check against
 `RenderLimits.chars` (and `items`, `int_bits`) before the operation runs.
 """
 from __future__ import annotations
@@ -11,10 +10,9 @@ from jinja2.utils import Namespace
 
 
 def text_size(value, limit: int, indent: int = 0) -> int:
-    """An upper estimate of len(str(value)), exact for a str; stops counting once past
-    `limit`. Containers are walked without building their text (a list of 10^5
-    references to one 4M-character string is 4·10^11 characters of text); `indent`
-    adds that many characters per element and nesting level (json's indent)."""
+    """An upper estimate of len(str(value)), exact for a str, that stops past `limit`.
+    Containers are walked, their text never built (10^5 references to one 4M-character
+    string are 4·10^11 characters); `indent` adds that many per element and level (json's)."""
     if isinstance(value, str):  # the common case, exact
         return len(value)
     n, stack = 0, [(value, 0)]

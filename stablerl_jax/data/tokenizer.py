@@ -1,11 +1,10 @@
 """Tokenizers: a small protocol, and SentencePiece trained in-process on the task corpus
 (the default; a checkpoint's own tokenizer.json is data/hf_tokenizer.py).
 
-Special ids are fixed: pad = 0, unk = 1, bos = 2, eos = 3. Digits are split into single
-pieces so that arithmetic is learnable token by token. Whitespace is kept verbatim (no
-dummy prefix, no collapsing), so decode(encode(s)) == s for any text whose characters the
-training corpus contained. `vocab_size` of a trained model is at most the requested size
-(a small corpus may support fewer pieces); the model's embedding may be larger.
+Special ids are fixed: pad = 0, unk = 1, bos = 2, eos = 3. Digits are single pieces, so
+arithmetic is learnable token by token. Whitespace is verbatim (no dummy prefix, no
+collapsing), so decode(encode(s)) == s for text whose characters the corpus contained.
+`vocab_size` is at most the requested size (a small corpus supports fewer pieces).
 """
 from __future__ import annotations
 
@@ -20,13 +19,10 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 class Tokenizer(Protocol):
-    """What the trainer needs of a tokenizer: this SentencePiece model, or a checkpoint's
-    own `tokenizer.json` (data/hf_tokenizer.py). bos_id None: prompts get no BOS.
-    stop_ids: every id that ends a response (eos_id first, no duplicates); the sampler
-    stops a row on any of them, and SFT solutions end with eos_id. `decode` is the text
-    the reward reads (special tokens dropped); `decode_raw` is the text as the model wrote
-    it, every special token shown as its text (`</s>`, `<|im_end|>`), for logged
-    samples."""
+    """What the trainer needs: this SentencePiece model or a `tokenizer.json`
+    (data/hf_tokenizer.py). bos_id None: no BOS. stop_ids: the ids ending a response
+    (eos_id first, unique; SFT solutions end with eos_id). `decode`: the reward's text
+    (special tokens dropped); `decode_raw`: with them (`</s>`, `<|im_end|>`), for logs."""
 
     pad_id: int
     bos_id: int | None
@@ -54,8 +50,7 @@ class SentencePieceTokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "SentencePieceTokenizer":
-        """Train on an iterator of sentences, in memory. `vocab_size` is an upper bound
-        (hard_vocab_limit off): a tiny corpus may not support that many pieces."""
+        """Train in memory; `vocab_size` is an upper bound (hard_vocab_limit off)."""
         buf = io.BytesIO()
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size,
@@ -93,16 +88,14 @@ class SentencePieceTokenizer:
         return list(self.sp.encode(text))
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids, skipping pad/bos/eos. Ids past the tokenizer's pieces (a model
-        may have a larger vocab_size) decode as unk, so model output never raises."""
+        """Text of ids without pad/bos/eos; ids past the pieces decode as unk (never raises)."""
         ids = [int(i) if 0 <= int(i) < self.vocab_size else UNK_ID for i in ids
                if int(i) not in (PAD_ID, BOS_ID, EOS_ID)]
         return self.sp.decode(ids)
 
     def decode_raw(self, ids: Iterable[int]) -> str:
-        """Text of the ids with the control ids (pad, bos, eos) shown as their pieces
-        (`<pad>`, `<s>`, `</s>`), which `sp.decode` would drop; ids past the tokenizer's
-        pieces decode as unk, as in `decode`."""
+        """Text of the ids, control ids shown as their pieces (`<pad>`, `<s>`, `</s>`), which
+        `sp.decode` would drop; ids past the pieces decode as unk, as in `decode`."""
         parts, run = [], []
         for i in ids:
             i = int(i) if 0 <= int(i) < self.vocab_size else UNK_ID

@@ -1,15 +1,13 @@
-"""Hugging Face Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`): the weights read
-by the name map of hf_layout.py, after config.json is checked against them. Out:
-hf_export.py (`save_qwen3_moe`).
+"""Hugging Face Qwen3-MoE safetensors checkpoints in (`load_qwen3_moe`, by the name map of
+hf_layout.py; out: hf_export.py, `save_qwen3_moe`).
 
-Loading never builds a host copy of the model: each parameter is a
-`jax.make_array_from_callback` on its sharding, and the callback reads, for one device's
-block of the global array, only that block's rows of the HF tensors it comes from
-(`safe_open(...).get_slice`, memory-mapped), stacking layers and experts on the fly.
-Every tensor of the checkpoint must be used: an unexpected one (a bias, an FP8 scale, a
-dense MLP) is an error naming it, never silently dropped; so is a tensor whose dtype is not
-config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py). Before anything is
-built, config.json is checked field by field (hf_config.py) and against the weights' names
+Loading builds no host copy of the model: each parameter is a
+`jax.make_array_from_callback` on its sharding, whose callback reads one device's block
+from only that block's rows of its HF tensors (`safe_open(...).get_slice`, memory-mapped),
+stacking layers and experts on the fly. Every tensor must be used: an unexpected one (a
+bias, an FP8 scale, a dense MLP) is an error naming it, never silently dropped, as is one
+whose dtype is not config.json's `torch_dtype` or that holds NaN or inf (hf_validate.py).
+First config.json is checked field by field (hf_config.py) and against the weights' names
 and headers (`check_config_against_weights`), each error naming the field and the file.
 """
 from __future__ import annotations
@@ -214,9 +212,8 @@ def _flat(sources: dict, shapes: dict):
 
 
 def read_config(path: str, **overrides) -> ModelConfig:
-    """The ModelConfig of the checkpoint directory `path` (its config.json, checked
-    against the weights: `check_config_against_weights`); `overrides` replace ModelConfig
-    fields (see `hf_config.model_config_from_hf`)."""
+    """The ModelConfig of checkpoint directory `path` (`check_config_against_weights`);
+    `overrides` replace fields (as in `hf_config.model_config_from_hf`)."""
     return ModelConfig(**{**check_config_against_weights(path), **overrides})
 
 
@@ -237,14 +234,11 @@ def _hf_json(path: str) -> dict:
 
 
 def check_config_against_weights(path: str) -> dict:
-    """config.json's architecture (`hf_config.checkpoint_fields`, each field checked),
-    checked against the weights of the checkpoint directory `path` before anything is
-    built: the layer count against the tensor names (model.safetensors.index.json's
-    weight_map, else the safetensors headers), and from the headers' shapes of the
-    embedding and of layer 0 the vocab rows, hidden size, head width, head counts, expert
-    count and expert width. `load_hf_params` then checks every tensor's shape. A square
-    weight stored transposed has the right shape: see docs/guides/interop.md for the check that
-    catches it."""
+    """config.json's architecture (`hf_config.checkpoint_fields`) checked against the
+    weights in `path`: layer count against the tensor names (index weight_map, else the
+    headers); vocab, hidden size, head width and counts, expert count and width against the
+    header shapes of the embedding and layer 0 (`load_hf_params` checks every shape; a
+    square weight stored transposed passes: docs/guides/interop.md has the check for it)."""
     source = os.path.join(path, "config.json")
     fields = hf_config.checkpoint_fields(_hf_json(path), source=source)
     ckpt = _Checkpoint(path)
@@ -295,14 +289,10 @@ def checkpoint_dtype(path: str) -> str:
 
 
 def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentConfig:
-    """`cfg` with its model section read from the checkpoint directory `path`: every field
-    config.json defines (`hf_config.checkpoint_fields`: the architecture) from it, every
-    other field (how to compute: compute_dtype, remat, dispatch, unroll_layers,
-    kv_cache_layout, …) and `RUN_CHOSEN` kept from cfg.model (the preset and the command
-    line); and the checkpoint's tokenizer when it ships a tokenizer.json
-    (task.tokenizer_dir = path, unless already set; without one, the task's SentencePiece
-    tokenizer, e.g. for a checkpoint this project exported). config.json is checked
-    against the weights first (`check_config_against_weights`)."""
+    """`cfg` with the architecture of checkpoint `path` (`check_config_against_weights`);
+    how to compute (compute_dtype, remat, dispatch, unroll_layers, kv_cache_layout, …) and
+    `RUN_CHOSEN` stay as cfg.model. task.tokenizer_dir = path if unset and it ships a
+    tokenizer.json (else the task's SentencePiece, e.g. for a checkpoint exported here)."""
     arch = check_config_against_weights(path)
     model = cfg.model.replace(**{k: v for k, v in arch.items() if k not in RUN_CHOSEN})
     task = cfg.task
@@ -312,9 +302,8 @@ def experiment_with_checkpoint(cfg: ExperimentConfig, path: str) -> ExperimentCo
 
 
 def load_hf_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
-    """The params of the checkpoint at `path`, in `cfg.param_dtype`, each placed on its
-    sharding (a params-shaped tree of `jax.sharding.Sharding`, e.g. `Engine.param_shardings`;
-    default: the first device). Each device reads only its own block from disk."""
+    """The params at `path` in `cfg.param_dtype`, each on its `jax.sharding.Sharding` (e.g.
+    `Engine.param_shardings`; default: the first device); a device reads only its block."""
     ckpt = _Checkpoint(path)
     shapes = jax.eval_shape(lambda: tf.init_params(jax.random.key(0), cfg))
     if shardings is None:
@@ -368,13 +357,9 @@ def load_hf_params(path: str, cfg: ModelConfig, shardings=None) -> dict:
 
 
 def load_qwen3_moe(path: str, *, mesh=None, **overrides) -> tuple[dict, ModelConfig]:
-    """(params, ModelConfig) of the Qwen3-MoE checkpoint directory `path` (config.json
-    and model.safetensors, or shards with model.safetensors.index.json).
-
-    mesh: a `sharding.make_mesh` mesh: each parameter is placed by the logical rules
-    table (`sharding.RULES`), as `Engine.create` places them; None: the first device.
-    overrides: ModelConfig fields replacing config.json's (max_seq_len, param_dtype, …).
-    """
+    """(params, ModelConfig) of Qwen3-MoE checkpoint directory `path`; `mesh` (from
+    `sharding.make_mesh`; None: the first device) places parameters by `sharding.RULES` as
+    `Engine.create` does; overrides replace config.json's fields (max_seq_len, …)."""
     cfg = read_config(path, **overrides)
     shardings = None
     if mesh is not None:

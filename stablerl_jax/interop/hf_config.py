@@ -16,29 +16,24 @@
     tie_word_embeddings                 tie_embeddings
     max_position_embeddings             max_seq_len
     torch_dtype | dtype                 param_dtype
-    router_aux_loss_coef                router_aux_loss_weight = coef · K if
-                                        output_router_logits else 0 (see below)
+    router_aux_loss_coef                router_aux_loss_weight (below)
 
-Refused, with the field named: a model_type other than qwen3_moe; attention biases;
-sliding-window attention; an activation other than SiLU; RoPE scaling (yarn, linear,
-…); dense MLP layers mixed in (`mlp_only_layers` non-empty or `decoder_sparse_step` ≠ 1:
-every layer of our decoder is an MoE layer).
+Refused, naming the field: a model_type other than qwen3_moe, attention biases,
+sliding-window attention, a non-SiLU activation, RoPE scaling (yarn, linear, …), dense MLP
+layers (`mlp_only_layers` non-empty or `decoder_sparse_step` ≠ 1: ours are all MoE).
 
-Load-balancing loss. HF adds `router_aux_loss_coef · aux` to the loss only when
-`output_router_logits` is true (false in Qwen3-30B-A3B's config.json), with aux = E ·
-Σ_{e,k} f_{k,e} P_e pooled over all layers (f: fraction of tokens whose k-th choice is
-e), which is K times our per-layer E · Σ_e load_e P_e (load normalized over the K slots)
-when every layer has the same statistics; hence the factor K. Ours averages the
-per-layer values rather than pooling the layers.
+Load balancing: router_aux_loss_weight = coef · K if `output_router_logits` (false in
+Qwen3-30B-A3B's config.json), else 0, as HF adds `router_aux_loss_coef · aux` only then,
+aux = E · Σ_{e,k} f_{k,e} P_e pooled over layers (f: fraction of tokens whose k-th choice
+is e): K times our per-layer E · Σ_e load_e P_e (load normalized over the K slots) when
+all layers share statistics. Ours averages the per-layer values instead of pooling.
 
-Checked before any of it is used, every error naming the field, the file and the fix:
-each field's JSON type (an int field must be a JSON int, as transformers writes them: 2.7
-is refused, not truncated, and so is 2.0, which transformers' own config class refuses
-too; a bool field true or false; a number finite) and range (sizes >= 1 and within int32,
-`config.checks.is_int`; rms_norm_eps in (0, 1), rope_theta > 0, …), and the relations
-the decoder needs (num_key_value_heads divides num_attention_heads, an even head_dim,
-num_experts_per_tok <= num_experts). Agreement with the weights' shapes is checked by
-`hf_checkpoint.check_config_against_weights`.
+Checked before use, each error naming the field, file and fix: JSON types (an int field a
+JSON int, as transformers writes them: 2.7 and 2.0 are refused, not truncated, as by its
+own config class; a bool true or false; a number finite), ranges (sizes >= 1 within
+int32, `config.checks.is_int`; rms_norm_eps in (0, 1), rope_theta > 0, …), the decoder's
+relations (num_key_value_heads divides num_attention_heads, even head_dim,
+num_experts_per_tok <= num_experts); weights: `hf_checkpoint.check_config_against_weights`.
 """
 from __future__ import annotations
 
@@ -51,10 +46,8 @@ _REQUIRED = object()
 
 
 class _Reader:
-    """Typed reads of one config.json (`hf`, read from `source`): each returns the value
-    of the first of `names` present and not null, else `default`, and raises a
-    ConfigError naming the field, the file and the fix when it is absent but required or
-    of the wrong type or range."""
+    """Typed reads of config.json `hf`: the first of `names` present and not null, else
+    `default`; a ConfigError (naming `source`) if required but absent, or of bad type/range."""
 
     def __init__(self, hf, source: str):
         if not isinstance(hf, dict):
@@ -123,18 +116,15 @@ def _rope_theta(r: _Reader) -> float:
 
 
 def model_config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> ModelConfig:
-    """The ModelConfig of a Qwen3-MoE config.json (a dict, read from `source`, which
-    errors name); `overrides` replace any ModelConfig field afterwards (e.g.
-    max_seq_len=4096, compute_dtype='bfloat16', param_dtype='float32' to upcast on load,
-    dispatch='dense')."""
+    """The ModelConfig of a Qwen3-MoE config.json dict (errors name `source`); `overrides`
+    then replace any field (e.g. max_seq_len=4096, compute_dtype='bfloat16',
+    param_dtype='float32' to upcast on load, dispatch='dense')."""
     return ModelConfig(**{**checkpoint_fields(hf, source=source), **overrides})
 
 
 def checkpoint_fields(hf: dict, *, source: str = "config.json") -> dict:
-    """{ModelConfig field: value} of every field a Qwen3-MoE config.json defines (the
-    table in the module docstring), checked (the module docstring; errors name `source`);
-    every other field is how to compute, not what the model is, and config.json says
-    nothing about it."""
+    """{ModelConfig field: value} of every field a Qwen3-MoE config.json defines (module
+    docstring), checked (errors name `source`); the rest is how to compute, not the model."""
     r = _Reader(hf, source)
     model_type = r.text("model_type", default="qwen3_moe")
     r.refuse(model_type != "qwen3_moe", "model_type", f"must be 'qwen3_moe', got {model_type!r}")
@@ -194,10 +184,8 @@ def checkpoint_fields(hf: dict, *, source: str = "config.json") -> dict:
 
 
 def hf_config_from_model(cfg: ModelConfig, **extra) -> dict:
-    """The config.json of `cfg` for Qwen3MoeForCausalLM, in the spelling of the released
-    Qwen3-MoE checkpoints (which transformers 4 and 5, vLLM and SGLang all read); `extra`
-    adds or replaces keys (e.g. eos_token_id, bos_token_id, pad_token_id from the
-    tokenizer)."""
+    """`cfg`'s config.json as released checkpoints spell it (transformers 4 and 5, vLLM and
+    SGLang read it); `extra` adds or replaces keys (e.g. the tokenizer's eos_token_id)."""
     out = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",

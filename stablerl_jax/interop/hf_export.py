@@ -1,11 +1,9 @@
-"""Hugging Face Qwen3-MoE safetensors checkpoints out (`save_qwen3_moe`): the weights in
-either expert layout (hf_layout.py), config.json, the tokenizer's files and
-generation_config.json, so the directory is servable as is; `load_qwen3_moe`
-(hf_checkpoint.py) reads it back bit for bit.
-
-Saving gathers one layer at a time to the host and writes one safetensors file per layer
-plus `model.safetensors.index.json` (single process; a multi-host job would gather each
-layer with `jax.experimental.multihost_utils.process_allgather` first).
+"""Hugging Face Qwen3-MoE safetensors checkpoints out (`save_qwen3_moe`): weights in either
+expert layout (hf_layout.py), config.json, tokenizer files and generation_config.json, a
+directory servable as is that `load_qwen3_moe` (hf_checkpoint.py) reads back bit for bit.
+The embeddings and final norm, then each layer, are gathered to the host in turn and
+written as one safetensors file each, plus `model.safetensors.index.json` (single process;
+multi-host would gather each layer with `jax.experimental.multihost_utils.process_allgather`).
 """
 from __future__ import annotations
 
@@ -50,17 +48,11 @@ def _to_hf(x: np.ndarray, how: str, cfg: ModelConfig) -> np.ndarray:
 def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = "per_expert",
                    config_extra: dict | None = None, tokenizer_dir: str = "",
                    stop_ids: tuple[int, ...] = ()) -> None:
-    """Write `params` as a Qwen3MoeForCausalLM checkpoint directory: config.json
-    (`hf_config.hf_config_from_model(cfg, **config_extra)`), one safetensors file for
-    the embeddings and final norm, one per layer, and model.safetensors.index.json.
-    Tensors keep their dtype, so `load_qwen3_moe` returns the params bit for bit.
-
-    experts: 'per_expert' (mlp.experts.{e}.*_proj.weight, the released checkpoints'
-    layout) or 'fused' (mlp.experts.gate_up_proj / down_proj). tokenizer_dir: copy the
-    tokenizer files found there (`_TOKENIZER_FILES`: tokenizer.json, tokenizer_config.json,
-    chat_template.jinja, …) alongside, so the directory is servable as is. stop_ids: every
-    id that ends a response (`Tokenizer.stop_ids`); generation_config.json gets them as
-    "eos_token_id" (`generation_config`)."""
+    """Write `params` as a Qwen3MoeForCausalLM checkpoint (module docstring), config.json
+    from `hf_config.hf_config_from_model(cfg, **config_extra)`, tensors in their dtype so
+    `load_qwen3_moe` returns them bit for bit. experts: 'per_expert' (released) or 'fused'
+    (hf_layout.py); tokenizer_dir: its `_TOKENIZER_FILES` are copied; stop_ids
+    (`Tokenizer.stop_ids`): generation_config.json's "eos_token_id" (`generation_config`)."""
     if experts not in ("per_expert", "fused"):
         raise ValueError(f"experts={experts!r} must be 'per_expert' or 'fused'")
     storage.makedirs(path)  # `path` may be a gs:// directory (storage.py)
@@ -113,12 +105,11 @@ def save_qwen3_moe(params: dict, cfg: ModelConfig, path: str, *, experts: str = 
 
 
 def generation_config(source: dict, stop_ids: tuple[int, ...], config_extra: dict) -> dict:
-    """The exported generation_config.json: the source checkpoint's (`source`; sampling
-    settings such as temperature and top_p kept) with "eos_token_id" = every stop id (an
-    int when there is one; config_extra's eos_token_id without stop ids) and config_extra's
-    "pad_token_id" / "bos_token_id", each replacing the source's where it is not None.
-    Serving stacks (transformers' generate, vLLM, SGLang) stop on the ids listed here, so
-    a response ends where the run's sampler ended it; config.json keeps eos_id alone."""
+    """The exported generation_config.json: `source`'s (sampling settings such as top_p
+    kept) with "eos_token_id" = every stop id (an int if one; none: config_extra's) and
+    config_extra's "pad_token_id" / "bos_token_id", where not None. Serving stacks
+    (transformers' generate, vLLM, SGLang) stop on these ids, so a response ends where the
+    run's sampler ended it; config.json keeps eos_id alone."""
     eos = list(stop_ids) or config_extra.get("eos_token_id")
     ids = {"eos_token_id": eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
            "pad_token_id": config_extra.get("pad_token_id"),

@@ -1,9 +1,9 @@
-"""The name map of a Hugging Face Qwen3-MoE checkpoint: which HF tensor(s) each of our
+"""The name map of a Hugging Face Qwen3-MoE checkpoint: the HF tensor(s) each of our
 parameters is read from (hf_checkpoint.py) and written to (hf_export.py), and how.
 
-Letters: L layers, V vocab, D model, H heads, KV kv heads, Dh head width, E experts,
-F expert FFN width. HF `nn.Linear` weights are [out, in] (y = x Wᵀ); ours are [in, out].
-Prefix `model.layers.{l}.` on every per-layer name:
+Letters: L layers, V vocab, D model, H heads, KV kv heads, Dh head width, E experts, F
+expert FFN width. HF `nn.Linear` weights are [out, in] (y = x Wᵀ), ours [in, out]; every
+per-layer name has the prefix `model.layers.{l}.`:
 
     ours                 HF tensor(s)                                  how
     embed      V×D       model.embed_tokens.weight         V×D        as is
@@ -23,10 +23,9 @@ Prefix `model.layers.{l}.` on every per-layer name:
     w_down     L×E×F×D   mlp.experts.{e}.down_proj.weight  D×F        per expert, transposed
                          or mlp.experts.down_proj          E×D×F      transposed
 
-The per-expert layout is what the released Qwen3-MoE checkpoints hold (and what
-transformers 5 writes back); the fused `gate_up_proj` / `down_proj` is the in-memory
-layout of transformers 5, found in some converted checkpoints. Both load; the saver
-writes either (`experts=`).
+Released Qwen3-MoE checkpoints hold the per-expert layout (transformers 5 writes it back);
+the fused `gate_up_proj` / `down_proj`, transformers 5's in-memory layout, is in some
+converted checkpoints. Both load; the saver writes either (`experts=`).
 """
 
 PREFIX = "model.layers.{l}."  # of every per-layer name

@@ -1,13 +1,11 @@
 """What a Hugging Face checkpoint's tensors must hold before training starts from them:
 the dtype config.json declares (`torch_dtype`), and finite values.
 
-An int32 or float16 tensor in a float32 checkpoint would otherwise be cast silently on
-load, and a NaN or inf would train with every update skipped (rl/step_fns.apply_gradients
-refuses non-finite updates) while the run exits 0. Dtypes are read from the safetensors
-headers, before any data; finiteness is one jitted pass over the loaded, sharded
-parameters (each device reduces its own block), reduced to one flag per HF tensor (per
-layer, and per expert where the layout stacks them), so the error names the tensor and
-its file.
+Else an int32 or float16 tensor in a float32 checkpoint is cast silently on load, and a
+NaN or inf trains with every update skipped (rl/step_fns.apply_gradients refuses them)
+while the run exits 0. Dtypes come from the safetensors headers, before any data;
+finiteness is one jitted pass over the sharded parameters to one flag per HF tensor (per
+layer, and per expert where stacked), so the error names the tensor and its file.
 """
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def _finite_flags(leaves: dict, stacked: tuple) -> dict:
 
 
 def nonfinite(leaves: dict, stacked: dict) -> dict:
-    """{leaf: indices over its stacked axes (layer[, expert]) whose block holds NaN or
-    inf}, for the leaves that have any. `stacked[leaf]`: how many leading axes stack
-    HF tensors (0, 1 or 2)."""
+    """{leaf: indices over its stacked axes (layer[, expert]) of blocks holding NaN or inf}
+    for leaves with any; `stacked[leaf]`: leading axes stacking HF tensors (0, 1 or 2)."""
     flags = jax.device_get(_finite_flags(leaves, tuple(sorted(stacked.items()))))
     return {k: [tuple(int(i) for i in ix) for ix in np.argwhere(~np.asarray(f))]
             for k, f in flags.items() if not np.all(f)}

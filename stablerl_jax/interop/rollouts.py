@@ -1,24 +1,19 @@
 """Rollouts recorded by an external inference engine (vLLM, SGLang): their routes as our
 replay tensor, and an offline rollout file the trainer can train on (`rl.offline_rollouts`).
 
-Letters: Bf responses in a file, B responses in a batch, P prompt slots
-(task.max_prompt_len), C completion slots (sampling.max_new_tokens), S = P + C slots,
-L layers, K top-k, E experts; P_b / C_b the prompt / completion length of response b;
-Te the longest P_b + C_b − 1 of an engine's batch (the tokens it processed).
+Letters: Bf responses in a file, B in a batch, P prompt slots (task.max_prompt_len), C
+completion slots (sampling.max_new_tokens), S = P + C, L layers, K top-k, E experts; P_b /
+C_b response b's prompt / completion length; Te the longest P_b + C_b − 1 in a batch.
 
-Engine routes. vLLM (`enable_return_routed_experts`, `CompletionOutput.routed_experts`)
-and SGLang (`return_routed_experts`, `meta_info["routed_experts"]`) return, per request,
-the experts of every token the engine *processed*: the P_b prompt tokens, then each
-sampled token it fed back, i.e. all but the last sampled token: [P_b + C_b − 1, L, K]
-(int16 in vLLM). Our `rollout.Rollout` keeps routes per token slot with the prompt
-left-padded to P slots:
+vLLM (`enable_return_routed_experts`, `CompletionOutput.routed_experts`) and SGLang
+(`return_routed_experts`, `meta_info["routed_experts"]`) return per request the experts of
+each token the engine *processed* (the prompt, then every sampled token but the last):
+[P_b + C_b − 1, L, K], int16 in vLLM. `engine_routes_to_replay` maps a right-padded batch
+[B, Te, L, K] to the slots of `rollout.Rollout` (prompt left-padded to P):
 
     routes_mu_BxSxLxK[b, P − P_b + i]   = routed[b, i]          i < P_b      (prompt)
     routes_mu_BxSxLxK[b, P + j]         = routed[b, P_b + j]    j < C_b − 1  (completion)
     -1 elsewhere: left padding, the last sampled token (never processed), padding after
-
-`engine_routes_to_replay` does that for a right-padded batch [B, Te, L, K] (row b valid
-in its first P_b + C_b − 1 entries; what follows is padding and never read).
 
 Offline rollout file (`.npz`, no pickles; ragged fields concatenated over responses in
 order, with per-response lengths):
@@ -33,13 +28,11 @@ order, with per-response lengths):
     rewards         float [Bf]                  or `answers` (str [Bf]: scored by the task)
     group_size      int   []                   responses g·G … g·G + G − 1 share a prompt
 
-Every value is checked when the trainer opens the file (`OfflineRollouts.load`: the
-archive and each field's dtype and rank; `check_values`: the values), before any
-training: an error names the file, the field and, for a bad value, the record (response
-index). A file that is not an .npz archive (an .npy array, an empty or truncated file)
-or holds a pickled object array is refused naming the file (and field), never unpickled.
-
-Global step s trains on responses [s·B, (s + 1)·B), B = rl.prompts_per_step · G. The
+`OfflineRollouts.load` (the archive, each field's dtype and rank) and `check_values` (the
+values) check everything when the trainer opens the file, before any training, each error
+naming the file, field and, for a bad value, the record (response index). A non-.npz file
+(an .npy array, empty, truncated) or a pickled object array is refused, never unpickled.
+Global step s trains on responses [s·B, (s + 1)·B), B = rl.prompts_per_step · G; the
 sampler's temperature must be `sampling.temperature` (the trainer scores π_old at it).
 """
 from __future__ import annotations
@@ -66,11 +59,9 @@ def _check_routes(routed, field: str, num_layers: int, top_k: int):
 def engine_routes_to_replay(routed_BxTexLxK, prompt_lens_B, completion_lens_B, *,
                             max_prompt_len: int, max_new_tokens: int, num_layers: int,
                             top_k: int, num_experts: int, weights_BxTexLxK=None):
-    """An engine's per-token routes (right-padded [B, Te, L, K], see the module docstring)
-    as our `routes_mu_BxSxLxK` (int32, -1 where nothing was processed), and, given the
-    engine's combine weights in the same layout, `route_weights_mu_BxSxLxK` (float32, 0
-    there). num_layers / top_k / num_experts are the model's. Raises ValueError naming
-    the field for anything that is not a recording of these sequences by this model."""
+    """An engine's right-padded routes [B, Te, L, K] as `routes_mu_BxSxLxK` (int32, -1 where
+    nothing was processed) and, given its combine weights alike, `route_weights_mu_BxSxLxK`
+    (float32, 0 there); ValueError naming the field if not this model's recording of them."""
     routed = np.asarray(routed_BxTexLxK)
     p_b = np.asarray(prompt_lens_B, np.int64)
     c_b = np.asarray(completion_lens_B, np.int64)
@@ -137,9 +128,8 @@ LOGP_FLOOR = -1e4
 
 
 def write_rollouts(path: str, responses: list[dict], group_size: int) -> None:
-    """Write an offline rollout file from per-response dicts with keys prompt_ids,
-    completion_ids, logp_mu (one per completion token), and optionally routes
-    ([P_b + C_b − 1, L, K], as the engine returns them), route_weights, reward or answer."""
+    """Write an offline rollout file from per-response dicts: prompt_ids, completion_ids,
+    logp_mu, and optionally routes ([P_b + C_b − 1, L, K]), route_weights, reward or answer."""
     cat = lambda key, dt: np.concatenate([np.asarray(r[key], dt) for r in responses])
     out = {"prompt_ids": cat("prompt_ids", np.int32),
            "prompt_lens": np.array([len(r["prompt_ids"]) for r in responses], np.int32),
@@ -164,8 +154,7 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
 
 
 def _refuse(path: str, field: str, bad, what: str, lens=None):
-    """Raise naming the first bad record: `bad` is a boolean mask over the field's first
-    axis; `lens` (per-response entry counts) maps a token entry to its response."""
+    """Raise naming the first bad record of mask `bad`; `lens` maps token entries to records."""
     pos = int(np.argmax(bad))
     rec = pos if lens is None else int(np.searchsorted(_offsets(lens), pos, side="right") - 1)
     raise ValueError(f"{path}: record {rec} (response index), field {field!r}: {what} "
@@ -180,9 +169,7 @@ def _why(e: Exception, pickled: str) -> str:
 
 
 def _read_npz(path: str) -> dict:
-    """{field: array} of an .npz archive (a local file or a gs:// object), pickles
-    refused; ValueError naming the file (and the field) for a file that is not a
-    readable one."""
+    """{field: array} of an .npz (local or gs://), pickles refused; else ValueError naming it."""
     try:
         f = storage.open_file(path, "rb")
     except FileNotFoundError:
@@ -217,8 +204,8 @@ def _read_fields(path: str, loaded) -> dict:
 
 
 def _check_header(path: str, archive: zipfile.ZipFile, field: str) -> None:
-    """Refuse a member whose .npy header claims more bytes than the member holds (a
-    header of 2^40 entries would be allocated before the read fails)."""
+    """Refuse a member whose .npy header claims more bytes than it holds (a header of 2^40
+    entries would be allocated before the read fails)."""
     member = field + ".npy"
     if member not in archive.namelist():
         return  # numpy reads it (or refuses it) by its own rules
@@ -268,8 +255,7 @@ class OfflineRollouts:
 
     @classmethod
     def load(cls, path: str) -> "OfflineRollouts":
-        """The file's arrays, checked for the fields, dtypes, ranks and lengths of the
-        format (module docstring); ValueError naming the file and field otherwise."""
+        """The file's arrays, fields, dtypes, ranks and lengths checked (module docstring)."""
         arrays = _read_npz(path)
         missing = [k for k in _REQUIRED if k not in arrays]
         if missing:
@@ -338,13 +324,12 @@ class OfflineRollouts:
 
     def check_values(self, *, vocab_size: int, num_experts: int, max_prompt_len: int,
                      max_new_tokens: int) -> None:
-        """Refuse a file holding a value this model cannot train on, naming the first
-        bad record (response index) and field: all of it, when it is opened, rather than
-        at the step that reads it (after a checkpoint) or never (an update skipped as
-        non-finite). Token ids in [0, vocab_size); lengths in [1, max_prompt_len] and
-        [0, max_new_tokens] (≥ 1 with routes: the engine processed ≥ 1 token); logp_mu
-        finite, ≤ 0 and ≥ LOGP_FLOOR; rewards finite; routes in [0, num_experts), K distinct per token
-        and layer; route_weights finite."""
+        """Refuse a value this model cannot train on, naming the first bad record (response
+        index) and field, on open, not at the step reading it (after a checkpoint) or never
+        (an update skipped as non-finite): token ids in [0, vocab_size); lengths in [1,
+        max_prompt_len] and [0, max_new_tokens] (≥ 1 with routes: the engine processed ≥ 1
+        token); logp_mu finite, in [LOGP_FLOOR, 0]; rewards and route_weights finite;
+        routes in [0, num_experts), K distinct per token and layer."""
         a, p = self.arrays, self.path
         lens = {"prompt_lens": None, "completion_lens": None, "rewards": None,
                 "prompt_ids": a["prompt_lens"], "completion_ids": a["completion_lens"],
@@ -393,8 +378,7 @@ class OfflineRollouts:
 
     def batch(self, rows, *, max_prompt_len: int, max_new_tokens: int, pad_id: int,
               num_layers: int, top_k: int, num_experts: int):
-        """(Rollout, rewards [B] or None, answers or None) of responses `rows`, in the
-        slot layout of `rollout.Rollout` (module docstring)."""
+        """(Rollout, rewards [B] or None, answers or None) of responses `rows`."""
         a = self.arrays
         rows = np.asarray(rows)
         p_b, c_b = a["prompt_lens"][rows], a["completion_lens"][rows]
