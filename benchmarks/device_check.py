@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.budget_s <= 0:
         ap.error(f"--budget-s={args.budget_s:g}: give a positive number of seconds, e.g. 480")
+    if "://" in args.out:  # plain files: the device image has no Cloud Storage client
+        ap.error(f"--out={args.out}: give a local directory (copy the report to a bucket after)")
     os.makedirs(args.out, exist_ok=True)
     gpu, backend = has_gpu()
     rows = []

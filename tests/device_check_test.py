@@ -44,3 +44,10 @@ def test_a_budget_that_is_not_positive_is_one_line_exit_2(capsys):
         device_check.main(["--budget-s", "0"])
     assert e.value.code == 2
     assert "--budget-s=0: give a positive number of seconds" in capsys.readouterr().err
+
+
+def test_a_bucket_as_out_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        device_check.main(["--out", "gs://bucket/report"])
+    assert e.value.code == 2
+    assert "--out=gs://bucket/report: give a local directory" in capsys.readouterr().err
