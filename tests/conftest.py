@@ -5,12 +5,15 @@
   their devices from `cpu_devices()`, never from the default backend, so they run the
   same where a GPU is the default backend.
 - On a machine without an NVIDIA GPU, XLA's CPU backend compiles at LLVM -O0
-  (`--xla_backend_optimization_level=0`, unless XLA_FLAGS sets it): the suite is bound
-  by compile time, and -O0 cuts it by about a quarter. It changes the machine code of
-  each fused kernel, not the HLO program, so some float results differ from -O3 in
-  their last bits; every comparison here is between programs compiled alike or within
-  a derived tolerance, and the suite passes at both levels
-  (`XLA_FLAGS=--xla_backend_optimization_level=3` runs it as a user's programs compile).
+  (`--xla_backend_optimization_level=0`) with its classic fusion emitters
+  (`--xla_cpu_use_fusion_emitters=false`), each unless XLA_FLAGS sets it: the suite is
+  bound by compile time; -O0 cuts it by about a quarter, the classic emitters the
+  integration tier's by a sixth. Both change the machine code of each fused kernel, not
+  the HLO program, so some float results differ from a user's build in their last bits;
+  every comparison here is between programs compiled alike or within a derived
+  tolerance, and the suite passes either way (XLA_FLAGS set to
+  `--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters=true` runs it as a
+  user's programs compile).
 - `x64`: a fixture that runs a test with float64 enabled (tests that compare algorithms,
   see tests/tolerance.py).
 - On a host without TPU chips, libtpu (the `tpu` extra, for the AOT-compile tests) is
@@ -54,6 +57,7 @@ def _add_xla_flag(flag: str) -> None:
 _add_xla_flag("--xla_force_host_platform_device_count=8")
 if not os.path.exists("/dev/nvidiactl"):  # CPU only: LLVM at -O0 (module docstring)
     _add_xla_flag("--xla_backend_optimization_level=0")
+    _add_xla_flag("--xla_cpu_use_fusion_emitters=false")
 
 from stablerl_jax.pod.libtpu_env import quiet_libtpu  # noqa: E402  (before jax starts a backend)
 
