@@ -246,17 +246,16 @@ def sampled_out(nodeids: list[str], k: int = 1, seed: int = 0) -> set[str]:
 # the split: the packed, causal-packed and Pallas-on-a-mesh paths).
 SAMPLED_IN_INTEGRATION = {
     "tests/model/invariant_test.py::test_a_bitwise_run_records_zero_mismatch": (
-        "padded", "score_in_update", "packed", "pallas_logprob_partial_mesh"),
+        "padded", "packed", "pallas_logprob_partial_mesh"),
     "tests/model/invariant_test.py::test_on_a_mesh_the_sampler_scores_as_the_trainer": (
         "mesh3-train-False-True",),
     "tests/model/invariant_test.py::test_cache_layouts_layer_loops_and_row_tiles_keep_it_bitwise": (
-        "kw3", "kw4"),
-    "tests/model/invariant_test.py::test_the_static_sampler_scores_as_the_trainer": (
-        "float32-1.0",),
+        "kw4",),
+    "tests/model/invariant_test.py::test_the_static_sampler_scores_as_the_trainer": (),
     "tests/rl/packing_test.py::test_a_tokens_logprob_does_not_depend_on_what_is_packed_beside_it": (
         "chunked",),
     "tests/rl/packing_test.py::test_packed_score_and_update_equal_the_padded_ones": (
-        "minirl-r2-causal", "gspo-r3-naive"),
+        "minirl-r2-causal",),
     "tests/kernels/token_attention_test.py::test_the_kernel_keeps_the_sampler_bitwise": (
         "static",),
     "tests/kernels/token_attention_test.py::test_a_querys_output_is_the_same_in_any_call": (
@@ -264,6 +263,74 @@ SAMPLED_IN_INTEGRATION = {
     "tests/kernels/token_attention_test.py::test_a_bitwise_run_with_the_kernel_records_zero_mismatch": (),
     "tests/model/moe_test.py::test_dense_local_experts_equal_the_grouped_shard": ("2",),
 }
+
+
+# Integration tests whose every line other CI tests run, with their per-test line
+# coverage (`pytest-cov --cov-context=test` over the three CI tiers; docs/guides/testing.md,
+# "Coverage across the split"): CI leaves them to `slow`. Chosen by time on 2 cores, and
+# none is CI's only check of a promise made exact (resume, zero mismatch, packed = padded,
+# sharded = unsharded): those stay.
+LINES_RUN_ELSEWHERE = (
+    "tests/sampling/rollout_test.py::test_any_stop_id_ends_a_row",
+    "tests/reliability_test.py::test_ctrl_c_during_a_save_ends_the_run_in_bounded_time",
+    "tests/rl/accumulate_test.py::test_accumulated_losses_equal_one_batch[gspo]",
+    "tests/sampling/serve_layout_test.py::test_serve_decode_loop_gathers_no_weight_and_moves_only_activations",
+    "tests/method/overlong_test.py::test_masked_truncated_rows_leave_the_loss",
+    "tests/model/moe_test.py::test_grouped_is_dropless_when_all_tokens_pick_one_expert",
+    "tests/experiments/experiments_test.py::test_long_preset_smoke",
+    "tests/model/moe_test.py::test_dense_and_grouped_agree_in_value_and_gradient[8]",
+    "tests/rl/step_fns_test.py::test_trimmed_rollout_scores_and_updates_like_the_padded_one",
+    "tests/rl/step_fns_test.py::test_weight_replay_carries_the_samplers_weights_into_score_and_update",
+    "tests/method/losses_first_order_test.py::test_one_token_responses_need_the_is_weight_to_be_exact",
+    "tests/rl/drift_test.py::test_with_fp8_weights_each_source_lands_in_its_own_part_and_only_there",
+    "tests/method/losses_test.py::HandDerivedTest::test_gspo_by_hand__without_jit",
+    "tests/method/losses_test.py::HandDerivedTest::test_cispo_by_hand__without_jit",
+    "tests/model/transformer_test.py::ForwardTest::test_replaying_own_routes_is_bit_identical_and_other_routes_differ__without_jit",
+    "tests/sampling/serve_layout_test.py::test_serve_layout_samples_what_the_train_layout_samples[fp8-float32-True-0]",
+    "tests/method/attribution_test.py::test_a_layer_whose_routes_alone_differ_carries_the_whole_routing_part",
+    "tests/model/invariant_test.py::test_an_exchanged_expert_row_is_one_devices[loop-float32]",
+    "tests/rl/loop_test.py::test_a_continuous_sampler_run_is_the_static_sampler_run",
+    "tests/model/numerics_test.py::test_prepare_params_converts_once_per_preset",
+    "tests/rl/dynamic_sampling_test.py::test_padded_groups_are_empty_responses_that_carry_no_loss",
+    "tests/model/transformer_test.py::test_chunked_attention_equals_naive[chunked-5]",
+    "tests/experiments/recipe_test.py::test_the_paper_recipe_runs_on_this_cpu_with_no_layout_override",
+    "tests/method/logprobs_test.py::test_temperature_scales_logits_in_value_and_gradient",
+    "tests/kernels/gmm_pallas_test.py::test_random_groups_and_dtypes",
+    "tests/rl/step_fns_test.py::test_score_in_update_equals_a_separate_score_pass[r2-2]",
+    "tests/model/transformer_test.py::test_padding_never_influences_real_positions",
+    "tests/model/moe_test.py::test_router_gradient_reaches_replayed_expert_outside_top_k",
+    "tests/model/expert_parallel_test.py::test_decode_exchange_equals_the_gathered_tokens[32-False]",
+    "tests/rl/step_fns_test.py::test_update_ascends_the_advantage_weighted_log_likelihood",
+    "tests/kernels/decode_attention_test.py::test_the_samplers_draw_the_same_responses_with_the_kernel[static]",
+    "tests/method/diagnostics_test.py::test_first_order_residual_by_hand_and_stable",
+    "tests/model/invariant_test.py::test_a_pallas_fused_logprob_keeps_it_bitwise[continuous]",
+    "tests/model/moe_test.py::test_plan_counts_and_sorts_to_the_same_rows",
+    "tests/method/attribution_test.py::test_under_r3_the_routing_part_is_zero_and_the_counterfactual_is_not",
+    "tests/rl/accumulate_test.py::test_engine_microbatches_take_the_same_step",
+    "tests/interop/parity_test.py::test_a_transposed_square_weight_fails_against_the_original",
+    "tests/runs/checkpoint_test.py::test_restore_lands_on_target_shardings",
+    "tests/method/losses_test.py::test_row_denominator_under_micro_batches_and_packing",
+    "tests/method/diagnostics_test.py::test_pairs_accumulate_exactly_and_jit_with_numpy",
+    "tests/model/expert_parallel_test.py::test_sharded_experts_equal_unsharded[True]",
+    "tests/sampling/continuous_test.py::test_continuous_matches_static_across_layouts_and_numerics[variant1]",
+    "tests/rl/costs_test.py::test_the_run_prices_its_programs_with_the_function_aot_compile_prints",
+    "tests/method/attribution_test.py::test_at_theta_old_the_total_is_the_score_steps_mismatch_and_staleness_is_zero",
+    "tests/experiments/recipe_test.py::test_packed_score_and_update_run_on_the_checkpoint_recipe",
+    "tests/model/transformer_test.py::test_logits_and_tied_embeddings",
+    "tests/model/invariant_test.py::test_an_exchanged_expert_row_is_one_devices[loop-bfloat16]",
+    "tests/sampling/continuous_test.py::test_slots_given_to_run_override_max_batch",
+    "tests/sampling/continuous_test.py::test_float32_engine_samples_the_same_tokens_and_routes",
+    "tests/experiments/routing_fixes_test.py::test_the_samplers_router_dtype_changes_only_the_routers_arithmetic",
+    "tests/model/transformer_test.py::test_remat_equal_values_and_gradients[True-full]",
+    "tests/rl/dynamic_sampling_test.py::test_with_every_group_kept_it_is_the_run_without_it",
+    "tests/model/moe_test.py::test_route_replay_by_hand_with_minus_one_rows",
+    "tests/model/invariant_test.py::test_skipped_and_masked_key_blocks_change_nothing",
+    "tests/rl/accumulate_test.py::test_accumulated_sft_update_equals_one_batch",
+    "tests/rl/step_fns_test.py::test_an_update_whose_result_is_not_finite_is_skipped_sft_too",
+    "tests/method/attribution_test.py::test_with_the_training_numerics_in_the_sampler_the_precision_part_vanishes",
+    "tests/rl/packing_test.py::test_plan_is_first_fit_decreasing_whole_and_within_its_shard[1]",
+    "tests/kernels/decode_attention_test.py::test_on_a_mesh_each_device_runs_the_kernel_on_its_own_rows",
+)
 
 
 # The longest `slow` tests (`beyond_ci`): their times on 2 cores beside other work
@@ -286,7 +353,7 @@ def mark_tiers(items) -> None:
     """Mark `slow` and `sampled` the cases of each SAMPLED product outside its
     default-tier sample (`integration` for those of SAMPLED_IN_CI), `integration` each
     HEAVY test, `slow` and `sampled` the cases of SAMPLED_IN_INTEGRATION that CI does not
-    keep, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before `-m`
+    keep, `slow` the tests of LINES_RUN_ELSEWHERE, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before `-m`
     selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
@@ -310,10 +377,14 @@ def mark_tiers(items) -> None:
             if item.nodeid not in keep:
                 item.add_marker(pytest.mark.slow)
                 item.add_marker(pytest.mark.sampled)
+    for item in items:
+        if item.nodeid in LINES_RUN_ELSEWHERE:
+            item.add_marker(pytest.mark.slow)
 
 
 def stale_entries(items) -> list[str]:
-    """The entries of SAMPLED, HEAVY, BEYOND_CI and SAMPLED_IN_INTEGRATION that name no test: their file is
+    """The entries of SAMPLED, HEAVY, BEYOND_CI, LINES_RUN_ELSEWHERE and
+    SAMPLED_IN_INTEGRATION that name no test: their file is
     gone, or it was collected (in `items`) and holds no test of that name. A moved or
     renamed test would otherwise drop out of its tier unnoticed."""
     if not items:
@@ -321,7 +392,8 @@ def stale_entries(items) -> list[str]:
     root = items[0].session.config.rootpath
     names = {n for i in items for n in (i.nodeid, family(i.nodeid))}
     collected = {i.nodeid.split("::")[0] for i in items}
-    return sorted(e for e in set(SAMPLED + HEAVY + BEYOND_CI + tuple(SAMPLED_IN_INTEGRATION))
+    entries = SAMPLED + HEAVY + BEYOND_CI + LINES_RUN_ELSEWHERE + tuple(SAMPLED_IN_INTEGRATION)
+    return sorted(e for e in set(entries)
                   if not (root / e.split("::")[0]).exists()
                   or (e.split("::")[0] in collected and e not in names))
 
