@@ -353,8 +353,8 @@ def mark_tiers(items) -> None:
     """Mark `slow` and `sampled` the cases of each SAMPLED product outside its
     default-tier sample (`integration` for those of SAMPLED_IN_CI), `integration` each
     HEAVY test, `slow` and `sampled` the cases of SAMPLED_IN_INTEGRATION that CI does not
-    keep, `slow` the tests of LINES_RUN_ELSEWHERE, and `beyond_ci` the `slow` tests of BEYOND_CI (collection time, before `-m`
-    selects)."""
+    keep, `slow` the tests of LINES_RUN_ELSEWHERE, and `beyond_ci` the `slow` tests of
+    BEYOND_CI (collection time, before `-m` selects)."""
     for item in items:
         if item.get_closest_marker("slow") and family(item.nodeid) in BEYOND_CI:
             item.add_marker(pytest.mark.beyond_ci)
@@ -384,9 +384,9 @@ def mark_tiers(items) -> None:
 
 def stale_entries(items) -> list[str]:
     """The entries of SAMPLED, HEAVY, BEYOND_CI, LINES_RUN_ELSEWHERE and
-    SAMPLED_IN_INTEGRATION that name no test: their file is
-    gone, or it was collected (in `items`) and holds no test of that name. A moved or
-    renamed test would otherwise drop out of its tier unnoticed."""
+    SAMPLED_IN_INTEGRATION that name no test: their file is gone, or it was collected (in
+    `items`) and holds no test of that name. A moved or renamed test would otherwise drop
+    out of its tier unnoticed."""
     if not items:
         return []
     root = items[0].session.config.rootpath
